@@ -1,0 +1,42 @@
+"""What the decoders take and give: the transducer interface they call, and per-utterance hypotheses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from torch import Tensor
+
+
+@dataclass
+class Hypothesis:
+    """One utterance's greedy result. Lists, not tensors: cheap to hand across threads and processes."""
+
+    tokens: list[int] = field(default_factory=list)  # label ids, blanks removed
+    frames: list[int] = field(default_factory=list)  # encoder frame where each token was emitted
+    durations: list[int] | None = None  # frames each token covers (TDT durations, CTC run lengths)
+
+
+class PredictionNet(Protocol):
+    """The transducer prediction network as the decoders use it (``models.heads.PredictionNetwork``)."""
+
+    blank_id: int
+
+    def initial_state(self, batch_size: int, device: Any, dtype: Any) -> Any: ...
+
+    def step(self, labels: Tensor, state: Any) -> tuple[Tensor, Any]: ...
+
+    def select_state(self, mask: Tensor, new: Any, old: Any) -> Any: ...
+
+
+class JointNet(Protocol):
+    """The joint split into its precomputable parts (``models.heads.Joint``)."""
+
+    vocab_size: int
+    n_durations: int
+
+    def project_encoder(self, encoded: Tensor) -> Tensor: ...
+
+    def project_prediction(self, pred_out: Tensor) -> Tensor: ...
+
+    def joint_after_projection(self, enc_proj: Tensor, pred_proj: Tensor) -> Tensor: ...

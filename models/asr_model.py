@@ -1,0 +1,246 @@
+"""ASRModel: a NeMo FastConformer checkpoint as one torch module, and the public Python API.
+
+Precision: audio and features stay float32 (as NeMo does); the encoder, prediction network, joint and CTC
+head hold weights in the model dtype (bf16/fp16 cast, no autocast). float32 end to end is the exactness
+reference.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from decoding.ctc import ctc_greedy
+from decoding.frame_looping import frame_looping_greedy
+from decoding.types import Hypothesis
+
+from .audio_io import check_waveform, read_audio
+from .checkpoint import Checkpoint, open_checkpoint
+from .config import ModelConfig
+from .errors import CheckpointError
+from .fastconformer import FastConformerEncoder
+from .features import LogMelFeatures
+from .heads import CTCHead, Joint, PredictionNetwork
+from .tokenizer import Tokenizer
+from .transcript import Transcript, build_transcript
+
+log = logging.getLogger(__name__)
+
+DECODERS = ("auto", "ctc", "rnnt", "tdt")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+AudioInput = np.ndarray | str | Path
+
+
+@dataclass
+class EncodedBatch:
+    """Encoder output for a padded batch."""
+
+    encoded: Tensor  # (B, T, d) in the model dtype
+    lengths: Tensor  # (B,) valid encoder frames
+    duration_s: list[float]
+
+
+class _Preprocessor(nn.Module):
+    """Holds the featurizer under NeMo's key names (``preprocessor.featurizer.*``)."""
+
+    def __init__(self, featurizer: LogMelFeatures):
+        super().__init__()
+        self.featurizer = featurizer
+
+
+class ASRModel(nn.Module):
+    def __init__(self, config: ModelConfig, tokenizer: Tokenizer | None = None):
+        super().__init__()
+        self.config = config
+        self.tokenizer = tokenizer
+        self.preprocessor = _Preprocessor(LogMelFeatures(config.features))
+        self.encoder = FastConformerEncoder(config.encoder)
+        if config.transducer is not None:
+            self.decoder: nn.Module = PredictionNetwork(config.transducer)
+            self.joint = Joint(config.transducer, config.encoder.d_model)
+        if config.ctc is not None:
+            head = CTCHead(config.ctc)
+            if config.ctc_prefix == "decoder":
+                self.decoder = head
+            else:
+                self.ctc_decoder = head
+        self.eval()
+
+    # --- construction -----------------------------------------------------------------------------------
+
+    @classmethod
+    def from_checkpoint(cls, ckpt: Checkpoint) -> ASRModel:
+        tokenizer = Tokenizer(ckpt.tokenizer_model) if ckpt.tokenizer_model is not None else None
+        if tokenizer is not None and tokenizer.vocab_size != ckpt.config.vocab_size:
+            raise CheckpointError(f"{ckpt.source}: tokenizer has {tokenizer.vocab_size} pieces but the model "
+                                  f"predicts {ckpt.config.vocab_size}")
+        model = cls(ckpt.config, tokenizer)
+        model.load_weights(ckpt.state_dict, ckpt.source)
+        return model
+
+    def load_weights(self, state_dict: dict[str, Tensor], source: str) -> None:
+        """Load a NeMo state dict strictly, with an error that names what does not fit."""
+        own = self.state_dict()
+        missing = [k for k in own if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in own]
+        wrong = [f"{k} {tuple(state_dict[k].shape)} != {tuple(v.shape)}" for k, v in own.items()
+                 if k in state_dict and state_dict[k].shape != v.shape]
+        if missing or unexpected or wrong:
+            parts = []
+            for label, items in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)):
+                if items:
+                    more = f" (+{len(items) - 5} more)" if len(items) > 5 else ""
+                    parts.append(f"{label}: {', '.join(items[:5])}{more}")
+            raise CheckpointError(f"{source}: weights do not match the config; " + "; ".join(parts))
+        self.load_state_dict(state_dict, strict=True)
+
+    def to_precision(self, device: torch.device, dtype: torch.dtype) -> ASRModel:
+        """Move to ``device``; cast everything but the featurizer (always float32) to ``dtype``."""
+        self.to(device)
+        for name, module in self.named_children():
+            if name != "preprocessor":
+                module.to(dtype)
+        return self
+
+    # --- properties -------------------------------------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        return self.preprocessor.featurizer.fb.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.encoder.pre_encode.out.weight.dtype
+
+    @property
+    def sample_rate(self) -> int:
+        return self.config.features.sample_rate
+
+    @property
+    def ctc_head(self) -> CTCHead | None:
+        for name in ("ctc_decoder", "decoder"):
+            head = getattr(self, name, None)
+            if isinstance(head, CTCHead):
+                return head
+        return None
+
+    @property
+    def default_decoder(self) -> str:
+        transducer = self.config.transducer
+        if transducer is None:
+            return "ctc"
+        return "tdt" if transducer.is_tdt else "rnnt"
+
+    def resolve_decoder(self, decoder: str) -> str:
+        if decoder not in DECODERS:
+            raise ValueError(f"unknown decoder {decoder!r}; choose from {', '.join(DECODERS)}")
+        if decoder == "auto":
+            return self.default_decoder
+        transducer = self.config.transducer
+        available = {"ctc"} if self.ctc_head is not None else set()
+        if transducer is not None:
+            available.add("tdt" if transducer.is_tdt else "rnnt")
+        if decoder not in available:
+            raise ValueError(f"this model has no {decoder} head (it has: {', '.join(sorted(available))})")
+        return decoder
+
+    # --- inference --------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def encode(self, waveforms: Sequence[np.ndarray]) -> EncodedBatch:
+        """Pad a batch of mono float32 waveforms and run features (float32) and the encoder (model dtype)."""
+        lengths = torch.tensor([len(w) for w in waveforms], dtype=torch.long)
+        audio = torch.zeros(len(waveforms), int(lengths.max()), dtype=torch.float32)
+        for row, wave in enumerate(waveforms):
+            audio[row, : len(wave)] = torch.from_numpy(np.asarray(wave, dtype=np.float32))
+        audio, lengths = audio.to(self.device), lengths.to(self.device)
+        features, n_frames = self.preprocessor.featurizer(audio, lengths)
+        encoded, enc_lengths = self.encoder(features.to(self.dtype), n_frames)
+        duration_s = [len(w) / self.sample_rate for w in waveforms]
+        return EncodedBatch(encoded=encoded, lengths=enc_lengths, duration_s=duration_s)
+
+    @torch.inference_mode()
+    def decode(self, batch: EncodedBatch, decoder: str = "auto") -> list[Hypothesis]:
+        decoder = self.resolve_decoder(decoder)
+        if decoder == "ctc":
+            head = self.ctc_head
+            assert head is not None
+            return ctc_greedy(head(batch.encoded), batch.lengths, head.blank_id)
+        transducer = self.config.transducer
+        assert transducer is not None
+        return frame_looping_greedy(batch.encoded, batch.lengths, self.decoder, self.joint,
+                                    durations=transducer.durations, max_symbols=transducer.max_symbols)
+
+    def transcribe(self, audio: Sequence[AudioInput] | AudioInput, batch_size: int = 16,
+                   decoder: str = "auto") -> list[Transcript]:
+        """Transcribe waveforms (mono float32 at ``sample_rate``) or audio files, in input order.
+
+        Inputs are grouped into batches of similar length (less padding); results do not depend on the
+        grouping.
+        """
+        if isinstance(audio, (np.ndarray, str, Path)):
+            audio = [audio]
+        if batch_size < 1:
+            raise ValueError("batch_size must be >= 1")
+        decoder = self.resolve_decoder(decoder)
+        waveforms = [self._load(item, i) for i, item in enumerate(audio)]
+        order = sorted(range(len(waveforms)), key=lambda i: len(waveforms[i]), reverse=True)
+        results: list[Transcript | None] = [None] * len(waveforms)
+        for start in range(0, len(order), batch_size):
+            chunk = order[start : start + batch_size]
+            batch = self.encode([waveforms[i] for i in chunk])
+            hyps = self.decode(batch, decoder)
+            for i, hyp, duration_s in zip(chunk, hyps, batch.duration_s, strict=True):
+                results[i] = build_transcript(hyp, self.tokenizer, self.config.frame_s, duration_s)
+        return [r for r in results if r is not None]
+
+    def _load(self, item: AudioInput, index: int) -> np.ndarray:
+        if isinstance(item, (str, Path)):
+            return read_audio(item, self.sample_rate)
+        if not isinstance(item, np.ndarray):
+            raise TypeError(f"audio[{index}]: expected a numpy array or a path, got {type(item).__name__}")
+        return check_waveform(np.asarray(item, dtype=np.float32), f"audio[{index}]")
+
+
+# --- loading ----------------------------------------------------------------------------------------------
+
+DEFAULT_MODEL = Path(__file__).parent / "assets" / "default.nemo"
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but CUDA is not available")
+    return device
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose from auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def load_model(path_or_name: str | Path | None = None, device: str | torch.device = "auto",
+               dtype: str | torch.dtype = "auto") -> ASRModel:
+    """Load a ``.nemo`` file or unpacked checkpoint directory; with no argument, the embedded default model."""
+    path = Path(path_or_name) if path_or_name is not None else DEFAULT_MODEL
+    if path_or_name is None and not path.exists():
+        raise CheckpointError("the embedded default model is not installed (models/assets/default.nemo); "
+                              "pass a .nemo file")
+    target_device = resolve_device(device)
+    target_dtype = resolve_dtype(dtype, target_device)
+    model = ASRModel.from_checkpoint(open_checkpoint(path))
+    log.info("loaded %s (%s) on %s as %s", path, model.config.kind, target_device, target_dtype)
+    return model.to_precision(target_device, target_dtype)

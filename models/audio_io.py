@@ -1,0 +1,63 @@
+"""Audio files -> mono float32 waveforms at the model's rate (soundfile + soxr, imported when first needed).
+
+``models`` must run where only torch, numpy and sentencepiece exist (the GPU image): the audio libraries
+are imported here, lazily, so arrays can always be transcribed and files only when they are installed.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+
+
+class AudioError(ValueError):
+    """Audio that cannot be used: unreadable, empty, not finite."""
+
+
+def _soundfile():
+    try:
+        import soundfile
+    except ImportError as exc:  # pragma: no cover - depends on the machine
+        raise ImportError("reading audio files needs the `soundfile` package (pip install soundfile)") from exc
+    return soundfile
+
+
+def to_mono(samples: np.ndarray) -> np.ndarray:
+    """(n,) or (n, channels) -> (n,) float32, channels averaged."""
+    samples = np.asarray(samples, dtype=np.float32)
+    return samples.mean(axis=1, dtype=np.float32) if samples.ndim == 2 else samples
+
+
+def resample(samples: np.ndarray, from_rate: int, to_rate: int) -> np.ndarray:
+    if from_rate == to_rate:
+        return samples
+    import soxr
+
+    return soxr.resample(samples, from_rate, to_rate, quality="HQ").astype(np.float32, copy=False)
+
+
+def check_waveform(samples: np.ndarray, name: str) -> np.ndarray:
+    if samples.ndim != 1:
+        raise AudioError(f"{name}: expected a 1-D waveform, got shape {samples.shape}")
+    if samples.size == 0:
+        raise AudioError(f"{name}: audio has no samples")
+    if not np.isfinite(samples).all():
+        raise AudioError(f"{name}: audio contains NaN or infinite samples")
+    return samples
+
+
+def read_audio(source: str | Path | bytes | BinaryIO, sample_rate: int = 16000) -> np.ndarray:
+    """Decode a file (path, bytes or file object) with libsndfile, mix to mono, resample to ``sample_rate``."""
+    sf = _soundfile()
+    name = str(source) if isinstance(source, (str, Path)) else "audio"
+    handle = io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else source
+    try:
+        samples, rate = sf.read(handle, dtype="float32", always_2d=False)
+    except FileNotFoundError:
+        raise
+    except (sf.LibsndfileError, RuntimeError, TypeError) as exc:
+        raise AudioError(f"{name}: cannot decode audio ({exc})") from exc
+    return check_waveform(resample(to_mono(samples), rate, sample_rate), name)

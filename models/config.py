@@ -1,0 +1,298 @@
+"""Model configuration: frozen dataclasses parsed from a NeMo ``model_config.yaml``.
+
+Only what changes the computation is kept. Every option batchasr does not implement is refused by name
+(``UnsupportedModelError``), so a checkpoint never loads into a model that silently computes something else.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import CheckpointError, UnsupportedModelError
+
+FRAME_HOP_S = 0.01  # NeMo's window_stride for every Parakeet model: 10 ms feature frames
+
+# NeMo model classes (the config's `target`) and the kind of model each one is.
+_TARGET_KINDS = {
+    "EncDecCTCModelBPE": "ctc",
+    "EncDecRNNTBPEModel": "transducer",
+    "EncDecHybridRNNTCTCBPEModel": "hybrid",
+}
+# The same architectures with character vocabularies (no SentencePiece tokenizer): refused by name.
+_CHARACTER_CLASSES = {"EncDecCTCModel", "EncDecRNNTModel", "EncDecHybridRNNTCTCModel"}
+
+
+@dataclass(frozen=True)
+class FeatureConfig:
+    sample_rate: int = 16000
+    n_mels: int = 80
+    n_fft: int = 512
+    win_length: int = 400  # samples: 25 ms at 16 kHz
+    hop_length: int = 160  # samples: 10 ms at 16 kHz
+    preemph: float = 0.97
+    log_guard: float = 2**-24  # added before the natural log ("add" guard type)
+    mag_power: float = 2.0
+    pad_to: int = 0  # pad the frame axis to a multiple of this (0: no padding)
+    pad_value: float = 0.0
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    feat_in: int = 80
+    d_model: int = 512
+    n_layers: int = 17
+    n_heads: int = 8
+    ff_expansion: int = 4
+    conv_kernel_size: int = 9
+    subsampling_factor: int = 8  # 10 ms feature frames -> 80 ms encoder frames
+    subsampling_channels: int = 256
+    xscaling: bool = True  # multiply the pre-encoded input by sqrt(d_model)
+    use_bias: bool = True  # biases on FF, attention and conv-module layers
+    pos_emb_max_len: int = 5000
+
+
+@dataclass(frozen=True)
+class TransducerConfig:
+    vocab_size: int  # V, without blank; blank id = V
+    pred_hidden: int = 640
+    pred_layers: int = 2
+    joint_hidden: int = 640
+    joint_activation: str = "relu"
+    durations: tuple[int, ...] = ()  # TDT duration choices; empty for RNN-T
+    max_symbols: int = 10  # labels one frame may emit before time is forced forward
+
+    @property
+    def is_tdt(self) -> bool:
+        return bool(self.durations)
+
+
+@dataclass(frozen=True)
+class CTCConfig:
+    vocab_size: int  # V, without blank; blank id = V
+    feat_in: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    kind: str  # "ctc" | "transducer" | "hybrid"
+    features: FeatureConfig
+    encoder: EncoderConfig
+    transducer: TransducerConfig | None = None
+    ctc: CTCConfig | None = None
+    # Key prefix of the CTC head in the state dict: "decoder" alone, "ctc_decoder" in hybrids.
+    ctc_prefix: str = "decoder"
+
+    @property
+    def frame_s(self) -> float:
+        """Seconds per encoder frame (80 ms for Parakeet)."""
+        return self.encoder.subsampling_factor * self.features.hop_length / self.features.sample_rate
+
+    @property
+    def vocab_size(self) -> int:
+        head = self.transducer or self.ctc
+        assert head is not None
+        return head.vocab_size
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Parsing
+
+
+def resolve_interpolations(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Resolve OmegaConf-style ``${a.b.c}`` references against the config root."""
+    pattern = re.compile(r"\$\{([^}]+)\}")
+
+    def lookup(path: str) -> Any:
+        node: Any = cfg
+        for part in path.strip().split("."):
+            if not isinstance(node, dict) or part not in node:
+                raise CheckpointError(f"model config: cannot resolve interpolation ${{{path}}}")
+            node = node[part]
+        return resolve(node, depth=1)
+
+    def resolve(value: Any, depth: int = 0) -> Any:
+        if depth > 20:
+            raise CheckpointError("model config: interpolations nest too deeply (a cycle?)")
+        if isinstance(value, dict):
+            return {k: resolve(v, depth) for k, v in value.items()}
+        if isinstance(value, list):
+            return [resolve(v, depth) for v in value]
+        if isinstance(value, str):
+            whole = pattern.fullmatch(value)
+            if whole:
+                return resolve(lookup(whole.group(1)), depth + 1)
+            return pattern.sub(lambda m: str(resolve(lookup(m.group(1)), depth + 1)), value)
+        return value
+
+    return resolve(cfg)
+
+
+def _require(section: dict[str, Any], key: str, where: str) -> Any:
+    if key not in section or section[key] is None:
+        raise CheckpointError(f"model config: missing `{where}.{key}`")
+    return section[key]
+
+
+def _check(condition: bool, option: str, value: Any, supported: str) -> None:
+    if not condition:
+        raise UnsupportedModelError(f"unsupported option `{option}: {value!r}` (supported: {supported})")
+
+
+def parse_features(pre: dict[str, Any], sample_rate: int) -> FeatureConfig:
+    sr = int(pre.get("sample_rate", sample_rate))
+    _check(pre.get("normalize", "per_feature") == "per_feature", "preprocessor.normalize",
+           pre.get("normalize"), "per_feature")
+    _check(pre.get("window", "hann") == "hann", "preprocessor.window", pre.get("window"), "hann")
+    _check(int(pre.get("frame_splicing", 1)) == 1, "preprocessor.frame_splicing",
+           pre.get("frame_splicing"), "1")
+    _check(pre.get("log", True) is True, "preprocessor.log", pre.get("log"), "true")
+    _check(not pre.get("exact_pad", False), "preprocessor.exact_pad", pre.get("exact_pad"), "false")
+    _check(pre.get("log_zero_guard_type", "add") == "add", "preprocessor.log_zero_guard_type",
+           pre.get("log_zero_guard_type"), "add")
+    _check(pre.get("mel_norm", "slaney") == "slaney", "preprocessor.mel_norm", pre.get("mel_norm"), "slaney")
+    guard = pre.get("log_zero_guard_value", 2**-24)
+    _check(isinstance(guard, (int, float)), "preprocessor.log_zero_guard_value", guard, "a number")
+    win_length = int(float(pre.get("window_size", 0.02)) * sr)
+    hop_length = int(float(pre.get("window_stride", 0.01)) * sr)
+    n_fft = int(pre.get("n_fft") or 2 ** (win_length - 1).bit_length())
+    pad_to = int(pre.get("pad_to", 16) or 0)
+    _check(pad_to >= 0, "preprocessor.pad_to", pad_to, ">= 0")
+    return FeatureConfig(
+        sample_rate=sr,
+        n_mels=int(pre.get("features", 64)),
+        n_fft=n_fft,
+        win_length=win_length,
+        hop_length=hop_length,
+        preemph=float(pre.get("preemph", 0.97) or 0.0),
+        log_guard=float(guard),
+        mag_power=float(pre.get("mag_power", 2.0)),
+        pad_to=pad_to,
+        pad_value=float(pre.get("pad_value", 0.0)),
+    )
+
+
+def parse_encoder(enc: dict[str, Any]) -> EncoderConfig:
+    _check(enc.get("subsampling", "striding") == "dw_striding", "encoder.subsampling",
+           enc.get("subsampling"), "dw_striding")
+    factor = int(enc.get("subsampling_factor", 4))
+    _check(factor >= 2 and factor & (factor - 1) == 0, "encoder.subsampling_factor", factor, "a power of 2")
+    _check(enc.get("self_attention_model", "rel_pos") == "rel_pos", "encoder.self_attention_model",
+           enc.get("self_attention_model"), "rel_pos")
+    context = enc.get("att_context_size")
+    _check(context in (None, [-1, -1]), "encoder.att_context_size", context, "[-1, -1] (full context)")
+    _check(enc.get("conv_norm_type", "batch_norm") == "batch_norm", "encoder.conv_norm_type",
+           enc.get("conv_norm_type"), "batch_norm")
+    _check(enc.get("conv_context_size") is None, "encoder.conv_context_size",
+           enc.get("conv_context_size"), "null (symmetric)")
+    _check(not enc.get("causal_downsampling", False), "encoder.causal_downsampling",
+           enc.get("causal_downsampling"), "false")
+    _check(enc.get("untie_biases", True) is True, "encoder.untie_biases", enc.get("untie_biases"), "true")
+    _check(int(enc.get("feat_out", -1)) == -1, "encoder.feat_out", enc.get("feat_out"), "-1")
+    _check(enc.get("reduction") is None, "encoder.reduction", enc.get("reduction"), "null")
+    _check(int(enc.get("subsampling_conv_chunking_factor", 1)) in (1, -1),
+           "encoder.subsampling_conv_chunking_factor", enc.get("subsampling_conv_chunking_factor"), "1")
+    d_model = int(_require(enc, "d_model", "encoder"))
+    n_heads = int(enc.get("n_heads", 4))
+    _check(d_model % n_heads == 0, "encoder.n_heads", n_heads, "a divisor of d_model")
+    kernel = int(enc.get("conv_kernel_size", 31))
+    _check(kernel % 2 == 1, "encoder.conv_kernel_size", kernel, "an odd size")
+    channels = int(enc.get("subsampling_conv_channels", -1))
+    return EncoderConfig(
+        feat_in=int(_require(enc, "feat_in", "encoder")),
+        d_model=d_model,
+        n_layers=int(_require(enc, "n_layers", "encoder")),
+        n_heads=n_heads,
+        ff_expansion=int(enc.get("ff_expansion_factor", 4)),
+        conv_kernel_size=kernel,
+        subsampling_factor=factor,
+        subsampling_channels=d_model if channels == -1 else channels,
+        xscaling=bool(enc.get("xscaling", True)),
+        use_bias=bool(enc.get("use_bias", True)),
+        pos_emb_max_len=int(enc.get("pos_emb_max_len", 5000)),
+    )
+
+
+def parse_transducer(cfg: dict[str, Any]) -> TransducerConfig:
+    dec = _require(cfg, "decoder", "model")
+    joint = _require(cfg, "joint", "model")
+    prednet = _require(dec, "prednet", "decoder")
+    _check(dec.get("blank_as_pad", True) is True, "decoder.blank_as_pad", dec.get("blank_as_pad"), "true")
+    _check(dec.get("normalization_mode") is None, "decoder.normalization_mode",
+           dec.get("normalization_mode"), "null")
+    _check(prednet.get("rnn_hidden_size", -1) in (None, -1), "decoder.prednet.rnn_hidden_size",
+           prednet.get("rnn_hidden_size"), "unset (no projection)")
+    _check(dec.get("_target_", "RNNTDecoder").endswith("RNNTDecoder"), "decoder._target_",
+           dec.get("_target_"), "RNNTDecoder")
+    jointnet = _require(joint, "jointnet", "joint")
+    activation = str(jointnet.get("activation", "relu")).lower()
+    _check(activation in ("relu", "tanh", "sigmoid"), "joint.jointnet.activation", activation,
+           "relu, tanh, sigmoid")
+    vocab_size = int(_require(dec, "vocab_size", "decoder"))
+    extra = int(joint.get("num_extra_outputs", 0) or 0)
+    decoding = cfg.get("decoding") or {}
+    durations: tuple[int, ...] = ()
+    if extra or decoding.get("model_type") == "tdt":
+        loss_kwargs = (cfg.get("loss") or {}).get("tdt_kwargs") or {}
+        durations = tuple(int(d) for d in (decoding.get("durations") or loss_kwargs.get("durations") or []))
+        _check(len(durations) == extra and extra > 0, "joint.num_extra_outputs", extra,
+               f"the number of TDT durations ({len(durations)})")
+        _check(min(durations) >= 0, "decoding.durations", list(durations), "non-negative")
+    greedy = decoding.get("greedy") or {}
+    max_symbols = greedy.get("max_symbols", greedy.get("max_symbols_per_step", 10))
+    return TransducerConfig(
+        vocab_size=vocab_size,
+        pred_hidden=int(_require(prednet, "pred_hidden", "decoder.prednet")),
+        pred_layers=int(prednet.get("pred_rnn_layers", 1)),
+        joint_hidden=int(_require(jointnet, "joint_hidden", "joint.jointnet")),
+        joint_activation=activation,
+        durations=durations,
+        max_symbols=10 if max_symbols is None else int(max_symbols),
+    )
+
+
+def parse_ctc(section: dict[str, Any], where: str) -> CTCConfig:
+    _check(str(section.get("_target_", "ConvASRDecoder")).endswith("ConvASRDecoder"), f"{where}._target_",
+           section.get("_target_"), "ConvASRDecoder")
+    num_classes = int(_require(section, "num_classes", where))
+    vocabulary = section.get("vocabulary") or []
+    if num_classes == -1:
+        num_classes = len(vocabulary)
+    return CTCConfig(vocab_size=num_classes, feat_in=int(_require(section, "feat_in", where)))
+
+
+def parse_model_config(cfg: dict[str, Any]) -> ModelConfig:
+    """Build a ``ModelConfig`` from a NeMo config dict, refusing what batchasr does not compute."""
+    if "model" in cfg and isinstance(cfg["model"], dict) and "encoder" in cfg["model"]:
+        cfg = cfg["model"]
+    cfg = resolve_interpolations(cfg)
+    target = str(cfg.get("target") or "")
+    class_name = target.rsplit(".", 1)[-1]
+    if class_name in _CHARACTER_CLASSES:
+        raise UnsupportedModelError(f"unsupported architecture `target: {target}`: character-vocabulary "
+                                    "models are not supported (supported: the BPE classes)")
+    if class_name not in _TARGET_KINDS:
+        known = ", ".join(sorted(_TARGET_KINDS))
+        raise UnsupportedModelError(f"unsupported architecture `target: {target or None}` (supported: {known})")
+    kind = _TARGET_KINDS[class_name]
+    tokenizer = cfg.get("tokenizer") or {}
+    _check(tokenizer.get("type", "bpe") == "bpe", "tokenizer.type", tokenizer.get("type"), "bpe")
+    features = parse_features(_require(cfg, "preprocessor", "model"), int(cfg.get("sample_rate", 16000)))
+    encoder = parse_encoder(_require(cfg, "encoder", "model"))
+    if encoder.feat_in != features.n_mels:
+        raise CheckpointError(
+            f"model config: encoder.feat_in ({encoder.feat_in}) != preprocessor.features ({features.n_mels})"
+        )
+    if kind == "ctc":
+        ctc = parse_ctc(_require(cfg, "decoder", "model"), "decoder")
+        return ModelConfig(kind=kind, features=features, encoder=encoder, ctc=ctc)
+    transducer = parse_transducer(cfg)
+    if kind == "transducer":
+        return ModelConfig(kind=kind, features=features, encoder=encoder, transducer=transducer)
+    aux = _require(cfg, "aux_ctc", "model")
+    ctc = parse_ctc(_require(aux, "decoder", "aux_ctc"), "aux_ctc.decoder")
+    if ctc.vocab_size != transducer.vocab_size:
+        raise CheckpointError("model config: aux_ctc vocabulary size differs from the transducer's")
+    return ModelConfig(kind=kind, features=features, encoder=encoder, transducer=transducer, ctc=ctc,
+                       ctc_prefix="ctc_decoder")

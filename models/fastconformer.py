@@ -1,0 +1,222 @@
+"""FastConformer encoder (NeMo ``ConformerEncoder`` with ``dw_striding`` subsampling and rel-pos attention).
+
+Module and parameter names follow NeMo's, so a NeMo state dict loads with ``strict=True``. Padded frames are
+masked at every step that mixes time (subsampling convolutions, attention, the conv module), so each
+utterance's output does not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from .config import EncoderConfig
+
+ATTENTION_MASK_VALUE = -10000.0  # NeMo's INF_VAL: masked scores are this, not -inf
+
+
+def _conv_out_length(n: Tensor) -> Tensor:
+    """Frames after one kernel-3, stride-2, padding-1 convolution: floor((n + 2 - 3) / 2) + 1."""
+    return torch.div(n + 2 - 3, 2, rounding_mode="floor") + 1
+
+
+def _time_mask(n_frames: Tensor, max_len: int) -> Tensor:
+    """(B, max_len) bool, True on valid frames."""
+    return torch.arange(max_len, device=n_frames.device)[None, :] < n_frames[:, None]
+
+
+class DepthwiseStridingSubsampling(nn.Module):
+    """``dw_striding``: a regular 3x3 stride-2 conv, then (depthwise 3x3 stride 2, pointwise 1x1) pairs.
+
+    Time is the height axis and mel the width axis. Padded frames are zeroed before every layer and after
+    the last (NeMo >= 2.5 ``MaskedConvSequential``), so padding never leaks into valid frames.
+    """
+
+    def __init__(self, n_mels: int, channels: int, d_model: int, factor: int):
+        super().__init__()
+        n_stages = int(math.log2(factor))
+        layers: list[nn.Module] = [nn.Conv2d(1, channels, 3, stride=2, padding=1), nn.ReLU()]
+        for _ in range(n_stages - 1):
+            layers += [
+                nn.Conv2d(channels, channels, 3, stride=2, padding=1, groups=channels),
+                nn.Conv2d(channels, channels, 1),
+                nn.ReLU(),
+            ]
+        self.conv = nn.Sequential(*layers)
+        freq = n_mels
+        for _ in range(n_stages):
+            freq = (freq + 2 - 3) // 2 + 1
+        self.out = nn.Linear(channels * freq, d_model)
+
+    def forward(self, x: Tensor, n_frames: Tensor) -> tuple[Tensor, Tensor]:
+        """(B, T, n_mels), (B,) -> (B, T', d_model), (B,)"""
+        x = x.unsqueeze(1)  # (B, 1, T, F)
+        lengths = n_frames
+        for layer in self.conv:
+            x = x * _time_mask(lengths, x.shape[2])[:, None, :, None].to(x.dtype)
+            x = layer(x)
+            if isinstance(layer, nn.Conv2d) and layer.stride != (1, 1):
+                lengths = _conv_out_length(lengths)
+        x = x * _time_mask(lengths, x.shape[2])[:, None, :, None].to(x.dtype)
+        b, c, t, f = x.shape
+        x = self.out(x.transpose(1, 2).reshape(b, t, c * f))  # channel-major flatten: (B, T', C*F')
+        return x, lengths
+
+
+class RelPositionalEncoding(nn.Module):
+    """Sinusoidal embeddings for relative positions T-1 ... -(T-1); returned separately, never added to x."""
+
+    def __init__(self, d_model: int, max_len: int):
+        super().__init__()
+        self.d_model = d_model
+        self.register_buffer("pe", self._table(max_len, torch.device("cpu")), persistent=False)
+
+    def _table(self, length: int, device: torch.device) -> Tensor:
+        positions = torch.arange(length - 1, -length, -1, dtype=torch.float32, device=device).unsqueeze(1)
+        div = torch.exp(torch.arange(0, self.d_model, 2, dtype=torch.float32, device=device)
+                        * -(math.log(10000.0) / self.d_model))
+        pe = torch.zeros(positions.shape[0], self.d_model, device=device)
+        pe[:, 0::2] = torch.sin(positions * div)
+        pe[:, 1::2] = torch.cos(positions * div)
+        return pe.unsqueeze(0)  # (1, 2L-1, d_model)
+
+    def forward(self, n_frames: int, dtype: torch.dtype) -> Tensor:
+        """(1, 2T-1, d_model) embeddings for positions T-1 down to -(T-1)."""
+        if self.pe.shape[1] < 2 * n_frames - 1:
+            self.pe = self._table(n_frames, self.pe.device)
+        center = self.pe.shape[1] // 2 + 1
+        return self.pe[:, center - n_frames : center + n_frames - 1].to(dtype)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, d_model: int, d_ff: int, bias: bool):
+        super().__init__()
+        self.linear1 = nn.Linear(d_model, d_ff, bias=bias)
+        self.activation = nn.SiLU()
+        self.linear2 = nn.Linear(d_ff, d_model, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear2(self.activation(self.linear1(x)))
+
+
+class RelPositionMultiHeadAttention(nn.Module):
+    """Transformer-XL style attention with untied per-layer biases ``pos_bias_u``/``pos_bias_v``."""
+
+    def __init__(self, d_model: int, n_heads: int, bias: bool):
+        super().__init__()
+        self.n_heads, self.d_k = n_heads, d_model // n_heads
+        self.linear_q = nn.Linear(d_model, d_model, bias=bias)
+        self.linear_k = nn.Linear(d_model, d_model, bias=bias)
+        self.linear_v = nn.Linear(d_model, d_model, bias=bias)
+        self.linear_out = nn.Linear(d_model, d_model, bias=bias)
+        self.linear_pos = nn.Linear(d_model, d_model, bias=False)  # never a bias, whatever use_bias says
+        self.pos_bias_u = nn.Parameter(torch.zeros(n_heads, self.d_k))
+        self.pos_bias_v = nn.Parameter(torch.zeros(n_heads, self.d_k))
+
+    @staticmethod
+    def rel_shift(x: Tensor) -> Tensor:
+        """(B, h, T, 2T-1) scores by absolute position -> row i, column j holds relative position i - j."""
+        b, h, t, p = x.shape
+        x = nn.functional.pad(x, (1, 0))  # (B, h, T, 2T)
+        x = x.view(b, h, p + 1, t)[:, :, 1:]  # drop the first row
+        return x.reshape(b, h, t, p)
+
+    def forward(self, x: Tensor, pos_emb: Tensor, att_mask: Tensor) -> Tensor:
+        """x (B, T, d), pos_emb (1, 2T-1, d), att_mask (B, T, T) True where attention is not allowed."""
+        b, t, _ = x.shape
+        q = self.linear_q(x).view(b, t, self.n_heads, self.d_k)  # (B, T, h, d_k)
+        k = self.linear_k(x).view(b, t, self.n_heads, self.d_k).transpose(1, 2)  # (B, h, T, d_k)
+        v = self.linear_v(x).view(b, t, self.n_heads, self.d_k).transpose(1, 2)
+        p = self.linear_pos(pos_emb).view(1, -1, self.n_heads, self.d_k).transpose(1, 2)  # (1, h, 2T-1, d_k)
+        q_u = (q + self.pos_bias_u).transpose(1, 2)  # (B, h, T, d_k)
+        q_v = (q + self.pos_bias_v).transpose(1, 2)
+        scores_pos = self.rel_shift(torch.matmul(q_v, p.transpose(-2, -1)))[..., :t]  # (B, h, T, T)
+        scores_content = torch.matmul(q_u, k.transpose(-2, -1))
+        scores = (scores_content + scores_pos) / math.sqrt(self.d_k)
+        mask = att_mask.unsqueeze(1)  # (B, 1, T, T)
+        attn = torch.softmax(scores.masked_fill(mask, ATTENTION_MASK_VALUE), dim=-1).masked_fill(mask, 0.0)
+        out = torch.matmul(attn, v).transpose(1, 2).reshape(b, t, self.n_heads * self.d_k)
+        return self.linear_out(out)
+
+
+class ConvModule(nn.Module):
+    """Pointwise conv + GLU, depthwise conv over time, batch norm, SiLU, pointwise conv."""
+
+    def __init__(self, d_model: int, kernel_size: int, bias: bool):
+        super().__init__()
+        self.pointwise_conv1 = nn.Conv1d(d_model, 2 * d_model, 1, bias=bias)
+        self.depthwise_conv = nn.Conv1d(d_model, d_model, kernel_size, padding=(kernel_size - 1) // 2,
+                                        groups=d_model, bias=bias)
+        self.batch_norm = nn.BatchNorm1d(d_model)
+        self.activation = nn.SiLU()
+        self.pointwise_conv2 = nn.Conv1d(d_model, d_model, 1, bias=bias)
+
+    def forward(self, x: Tensor, pad_mask: Tensor) -> Tensor:
+        """x (B, T, d), pad_mask (B, T) True on padding."""
+        x = self.pointwise_conv1(x.transpose(1, 2))  # (B, 2d, T)
+        x = nn.functional.glu(x, dim=1)
+        x = x.masked_fill(pad_mask.unsqueeze(1), 0.0)  # padding must not reach valid frames through the conv
+        x = self.activation(self.batch_norm(self.depthwise_conv(x)))
+        return self.pointwise_conv2(x).transpose(1, 2)
+
+
+class ConformerLayer(nn.Module):
+    """Macaron block: half FF, self-attention, conv module, half FF, final LayerNorm."""
+
+    def __init__(self, d_model: int, n_heads: int, d_ff: int, kernel_size: int, bias: bool):
+        super().__init__()
+        self.norm_feed_forward1 = nn.LayerNorm(d_model)
+        self.feed_forward1 = FeedForward(d_model, d_ff, bias)
+        self.norm_self_att = nn.LayerNorm(d_model)
+        self.self_attn = RelPositionMultiHeadAttention(d_model, n_heads, bias)
+        self.norm_conv = nn.LayerNorm(d_model)
+        self.conv = ConvModule(d_model, kernel_size, bias)
+        self.norm_feed_forward2 = nn.LayerNorm(d_model)
+        self.feed_forward2 = FeedForward(d_model, d_ff, bias)
+        self.norm_out = nn.LayerNorm(d_model)
+
+    def forward(self, x: Tensor, pos_emb: Tensor, att_mask: Tensor, pad_mask: Tensor) -> Tensor:
+        x = x + self.feed_forward1(self.norm_feed_forward1(x)) * 0.5
+        x = x + self.self_attn(self.norm_self_att(x), pos_emb, att_mask)
+        x = x + self.conv(self.norm_conv(x), pad_mask)
+        x = x + self.feed_forward2(self.norm_feed_forward2(x)) * 0.5
+        return self.norm_out(x)
+
+
+class FastConformerEncoder(nn.Module):
+    """Log-mel features -> encoder frames (8x subsampled for Parakeet)."""
+
+    def __init__(self, cfg: EncoderConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.pre_encode = DepthwiseStridingSubsampling(cfg.feat_in, cfg.subsampling_channels, cfg.d_model,
+                                                       cfg.subsampling_factor)
+        self.pos_enc = RelPositionalEncoding(cfg.d_model, cfg.pos_emb_max_len)
+        self.xscale = math.sqrt(cfg.d_model) if cfg.xscaling else None
+        d_ff = cfg.d_model * cfg.ff_expansion
+        self.layers = nn.ModuleList(
+            ConformerLayer(cfg.d_model, cfg.n_heads, d_ff, cfg.conv_kernel_size, cfg.use_bias)
+            for _ in range(cfg.n_layers)
+        )
+
+    def forward(self, features: Tensor, n_frames: Tensor) -> tuple[Tensor, Tensor]:
+        """
+        Args:
+            features: (B, n_mels, T) log-mel, cast to the encoder's dtype.
+            n_frames: (B,) valid feature frames.
+        Returns:
+            (B, T', d_model) encoder output and (B,) valid encoder frames.
+        """
+        x, lengths = self.pre_encode(features.transpose(1, 2), n_frames)  # (B, T', d)
+        if self.xscale is not None:
+            x = x * self.xscale
+        t = x.shape[1]
+        pos_emb = self.pos_enc(t, x.dtype)  # (1, 2T'-1, d)
+        valid = _time_mask(lengths, t)  # (B, T')
+        att_mask = ~(valid[:, :, None] & valid[:, None, :])  # (B, T', T') True where not allowed
+        pad_mask = ~valid
+        for layer in self.layers:
+            x = layer(x, pos_emb, att_mask, pad_mask)
+        return x, lengths

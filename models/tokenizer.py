@@ -1,0 +1,73 @@
+"""SentencePiece ids -> text, the way NeMo's BPE decoding renders them."""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from dataclasses import dataclass
+
+import sentencepiece as spm
+
+from .errors import CheckpointError
+
+WORD_BOUNDARY = "▁"  # SentencePiece's marker at the start of a word
+_SPECIAL_PIECE = re.compile(r"^\[.*\]$|^<.*>$|^##|^▁|^\s*$")
+
+
+@dataclass(frozen=True)
+class WordSpan:
+    """A word and the index range of its tokens: tokens[first:last + 1]."""
+
+    text: str
+    first: int
+    last: int
+
+
+class Tokenizer:
+    def __init__(self, model_proto: bytes):
+        self._sp = spm.SentencePieceProcessor()
+        try:
+            self._sp.LoadFromSerializedProto(model_proto)
+        except (RuntimeError, OSError) as exc:
+            raise CheckpointError(f"tokenizer: not a SentencePiece model ({exc})") from exc
+        self.vocab_size = self._sp.get_piece_size()
+        self.pieces = [self._sp.id_to_piece(i) for i in range(self.vocab_size)]
+        self._punctuation_re = self._punctuation_pattern(self.pieces)
+
+    @staticmethod
+    def _punctuation_pattern(pieces: list[str]) -> re.Pattern[str] | None:
+        """NeMo removes one space before punctuation marks that occur in non-special vocabulary pieces."""
+        marks = sorted({ch for piece in pieces if not _SPECIAL_PIECE.match(piece) for ch in piece
+                        if unicodedata.category(ch).startswith("P")})
+        if not marks:
+            return None
+        return re.compile(r"(\s)(" + "|".join(re.escape(m) for m in marks) + ")")
+
+    def ids_to_text(self, ids: list[int]) -> str:
+        text = self._sp.decode_pieces([self.pieces[i] for i in ids])
+        if self._punctuation_re is not None:
+            text = self._punctuation_re.sub(r"\2", text)
+        return text
+
+    def words(self, ids: list[int]) -> list[WordSpan]:
+        """Group tokens into words: a word starts at a piece beginning with the boundary marker.
+
+        Pieces that are punctuation alone stick to the word before them, as the rendered text shows them.
+        """
+        spans: list[list[int]] = []  # [first, last] token index of each word
+        for i, token in enumerate(ids):
+            piece = self.pieces[token]
+            if not spans or (piece.startswith(WORD_BOUNDARY) and not self._is_punctuation(piece)):
+                spans.append([i, i])
+            else:
+                spans[-1][1] = i
+        words = []
+        for first, last in spans:
+            text = self.ids_to_text(ids[first : last + 1]).strip()
+            if text:
+                words.append(WordSpan(text=text, first=first, last=last))
+        return words
+
+    def _is_punctuation(self, piece: str) -> bool:
+        stripped = piece.lstrip(WORD_BOUNDARY)
+        return bool(stripped) and all(unicodedata.category(ch).startswith("P") for ch in stripped)

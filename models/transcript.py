@@ -1,0 +1,54 @@
+"""Transcripts: what ``ASRModel.transcribe`` returns, with word timings derived from token frames."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from decoding.types import Hypothesis
+
+from .tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class Word:
+    word: str
+    start_s: float
+    end_s: float
+
+
+@dataclass
+class Transcript:
+    text: str
+    tokens: list[int]  # label ids, blanks removed
+    token_frames: list[int]  # encoder frame of each token
+    duration_s: float  # length of the audio
+    words: list[Word] = field(default_factory=list)
+    token_durations: list[int] | None = None  # frames each token covers (TDT and CTC)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def build_transcript(hyp: Hypothesis, tokenizer: Tokenizer | None, frame_s: float, duration_s: float) -> Transcript:
+    """Text and word timings for one hypothesis.
+
+    A word starts at its first token's frame and ends where its last token's span ends (its duration,
+    at least one frame), but never after the next word starts or the audio ends.
+    """
+    if tokenizer is None:  # a built-in architecture with random weights has no vocabulary to render
+        return Transcript(text="", tokens=hyp.tokens, token_frames=hyp.frames, duration_s=duration_s,
+                          token_durations=hyp.durations)
+    spans = tokenizer.words(hyp.tokens)
+    words = []
+    for i, span in enumerate(spans):
+        start_frame = hyp.frames[span.first]
+        covered = hyp.durations[span.last] if hyp.durations is not None else 1
+        end_frame = hyp.frames[span.last] + max(covered, 1)
+        if i + 1 < len(spans):
+            end_frame = min(end_frame, max(hyp.frames[spans[i + 1].first], start_frame))
+        start_s = min(round(start_frame * frame_s, 3), duration_s)
+        end_s = min(round(end_frame * frame_s, 3), duration_s)
+        words.append(Word(word=span.text, start_s=start_s, end_s=max(end_s, start_s)))
+    return Transcript(text=tokenizer.ids_to_text(hyp.tokens), tokens=hyp.tokens, token_frames=hyp.frames,
+                      duration_s=duration_s, words=words, token_durations=hyp.durations)
