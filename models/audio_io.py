@@ -53,11 +53,11 @@ def read_audio(source: str | Path | bytes | BinaryIO, sample_rate: int = 16000) 
     """Decode a file (path, bytes or file object) with libsndfile, mix to mono, resample to ``sample_rate``."""
     sf = _soundfile()
     name = str(source) if isinstance(source, (str, Path)) else "audio"
+    if isinstance(source, (str, Path)) and not Path(source).is_file():
+        raise FileNotFoundError(f"{source}: no such audio file")
     handle = io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else source
     try:
         samples, rate = sf.read(handle, dtype="float32", always_2d=False)
-    except FileNotFoundError:
-        raise
     except (sf.LibsndfileError, RuntimeError, TypeError) as exc:
         raise AudioError(f"{name}: cannot decode audio ({exc})") from exc
     return check_waveform(resample(to_mono(samples), rate, sample_rate), name)

@@ -65,13 +65,12 @@ class _ArchiveReader:
 
     @staticmethod
     def _explain(path: Path, exc: Exception) -> CheckpointError:
-        if isinstance(exc, tarfile.ReadError) and "truncated" not in str(exc).lower():
-            with open(path, "rb") as f:
-                head = f.read(512)
-            if len(head) < 512 or not any(head):
-                return CheckpointError(f"{path}: truncated archive ({exc})")
+        reason = str(exc).lower()
+        if any(word in reason for word in ("truncated", "unexpected end", "empty file", "compressed file ended")):
+            return CheckpointError(f"{path}: truncated archive ({exc})")
+        if isinstance(exc, tarfile.ReadError):
             return CheckpointError(f"{path}: not a .nemo archive (expected a tar file): {exc}")
-        return CheckpointError(f"{path}: truncated or corrupt archive ({exc})")
+        return CheckpointError(f"{path}: corrupt archive ({exc})")
 
     def names(self) -> list[str]:
         return list(self._members)

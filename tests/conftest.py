@@ -1,0 +1,37 @@
+"""Shared test fixtures: where the NeMo parity fixtures live, and small audio helpers."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+# NeMo's own outputs on small models: the project's shared fixtures sit beside the checkout.
+PARITY_DIR = Path(os.environ.get("BATCHASR_PARITY_DIR", REPO.parent / "shared" / "fixtures" / "nemo-parity"))
+EXTRA_PARITY_DIR = REPO / "tests" / "fixtures" / "nemo-extra"
+
+
+def load_reference(directory: Path) -> dict:
+    return json.loads((directory / "reference.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def parity_dir() -> Path:
+    if not (PARITY_DIR / "reference.json").exists():
+        if os.environ.get("CI"):  # CI always has the shared fixtures: their absence is a failure there
+            pytest.fail(f"NeMo parity fixtures missing from {PARITY_DIR}")
+        pytest.skip(f"NeMo parity fixtures not found (set BATCHASR_PARITY_DIR); looked in {PARITY_DIR}")
+    return PARITY_DIR
+
+
+@pytest.fixture(scope="session")
+def parity_reference(parity_dir: Path) -> dict:
+    return load_reference(parity_dir)
+
+
+@pytest.fixture(scope="session")
+def parity_audio(parity_dir: Path, parity_reference: dict) -> list[str]:
+    return [str(parity_dir / "audio" / name) for name in parity_reference["audio"]]

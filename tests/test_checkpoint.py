@@ -1,0 +1,197 @@
+"""Reading .nemo checkpoints: archive forms, and a clear error for every way a checkpoint can be bad."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from models import CheckpointError, UnsupportedModelError, load_model
+from models.checkpoint import open_checkpoint
+
+
+def _members(nemo: Path) -> dict[str, bytes]:
+    with tarfile.open(nemo) as tar:
+        return {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
+
+
+def _write_tar(path: Path, members: dict[str, bytes], extra: list[tarfile.TarInfo] = ()) -> Path:
+    with tarfile.open(path, "w") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        for info in extra:
+            tar.addfile(info)
+    return path
+
+
+def _with_config(members: dict[str, bytes], edit) -> dict[str, bytes]:
+    key = next(k for k in members if k.endswith("model_config.yaml"))
+    cfg = yaml.safe_load(members[key])
+    edit(cfg)
+    return {**members, key: yaml.safe_dump(cfg).encode()}
+
+
+@pytest.fixture
+def tdt_members(parity_dir) -> dict[str, bytes]:
+    return _members(parity_dir / "tdt.nemo")
+
+
+@pytest.fixture
+def audio(parity_audio) -> str:
+    return parity_audio[0]
+
+
+def test_plain_gzipped_and_unpacked_forms_give_the_same_output(parity_dir, tdt_members, tmp_path, audio):
+    reference = load_model(parity_dir / "tdt.nemo", device="cpu").transcribe([audio])[0]
+    gz = tmp_path / "tdt.nemo"
+    gz.write_bytes(gzip.compress((parity_dir / "tdt.nemo").read_bytes()))
+    unpacked = tmp_path / "unpacked"
+    with tarfile.open(parity_dir / "tdt.nemo") as tar:
+        tar.extractall(unpacked, filter="data")
+    for source in (gz, unpacked):
+        got = load_model(source, device="cpu").transcribe([audio])[0]
+        assert (got.tokens, got.token_frames, got.text) == (reference.tokens, reference.token_frames,
+                                                            reference.text)
+
+
+def test_config_with_model_key_and_interpolations(tdt_members, tmp_path, audio, parity_dir):
+    def edit(cfg):
+        cfg["encoder"]["d_model"] = "${model_defaults.enc_hidden}"
+    members = _with_config(tdt_members, edit)
+    key = next(k for k in members if k.endswith("model_config.yaml"))
+    members[key] = yaml.safe_dump({"model": yaml.safe_load(members[key])}).encode()
+    model = load_model(_write_tar(tmp_path / "m.nemo", members), device="cpu")
+    assert model.config.encoder.d_model == 96
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda tmp, m: tmp / "absent.nemo", "no such file or directory"),
+        (lambda tmp, m: _bytes(tmp, np.random.default_rng(0).bytes(4096)), "not a .nemo archive"),
+        (lambda tmp, m: _bytes(tmp, b""), "truncated"),
+        (lambda tmp, m: _bytes(tmp, _tar_bytes(m)[: len(_tar_bytes(m)) // 2]), "truncated"),
+        (lambda tmp, m: _write_tar(tmp / "x.nemo", _without(m, "model_weights.ckpt")),
+         "missing weights: `model_weights.ckpt`"),
+        (lambda tmp, m: _write_tar(tmp / "x.nemo", _without(m, "model_config.yaml")),
+         "`model_config.yaml` is missing"),
+        (lambda tmp, m: _write_tar(tmp / "x.nemo", _without(m, "_tokenizer.model")),
+         "tokenizer file"),
+        (lambda tmp, m: _write_tar(tmp / "x.nemo", _replace(m, "model_weights.ckpt", b"garbage")),
+         "not a readable torch state dict"),
+        (lambda tmp, m: _write_tar(tmp / "x.nemo", _replace(m, "model_config.yaml", b"a: [b")),
+         "not valid YAML"),
+    ],
+    ids=["missing-file", "not-an-archive", "empty-file", "truncated", "missing-weights", "missing-config",
+         "missing-tokenizer", "corrupt-weights", "corrupt-config"],
+)
+def test_bad_checkpoint_errors(tmp_path, tdt_members, make, message):
+    with pytest.raises(CheckpointError, match=_literal(message)):
+        load_model(make(tmp_path, tdt_members), device="cpu")
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda c: c.update(target="nemo.collections.asr.models.EncDecMultiTaskModel"),
+         "unsupported architecture `target: nemo.collections.asr.models.EncDecMultiTaskModel`"),
+        (lambda c: c.update(target="nemo.collections.asr.models.rnnt_models.EncDecRNNTModel"),
+         "character-vocabulary models are not supported"),
+        (lambda c: c["encoder"].update(self_attention_model="rel_pos_local_attn"),
+         "unsupported option `encoder.self_attention_model: 'rel_pos_local_attn'`"),
+        (lambda c: c["encoder"].update(subsampling="striding"), "unsupported option `encoder.subsampling"),
+        (lambda c: c["encoder"].update(att_context_size=[70, 1]), "unsupported option `encoder.att_context_size"),
+        (lambda c: c["encoder"].update(conv_norm_type="layer_norm"), "unsupported option `encoder.conv_norm_type"),
+        (lambda c: c["preprocessor"].update(normalize="all_features"),
+         "unsupported option `preprocessor.normalize: 'all_features'`"),
+        (lambda c: c["decoder"].update(blank_as_pad=False), "unsupported option `decoder.blank_as_pad: False`"),
+        (lambda c: c["joint"]["jointnet"].update(activation="gelu"), "unsupported option `joint.jointnet.activation"),
+        (lambda c: c["joint"].update(num_extra_outputs=3), "unsupported option `joint.num_extra_outputs: 3`"),
+    ],
+)
+def test_unsupported_architecture_and_options_are_named(tmp_path, tdt_members, edit, message):
+    path = _write_tar(tmp_path / "x.nemo", _with_config(tdt_members, edit))
+    with pytest.raises(UnsupportedModelError, match=_literal(message)):
+        open_checkpoint(path)
+
+
+def test_weights_that_do_not_fit_the_config(tmp_path, tdt_members):
+    path = _write_tar(tmp_path / "x.nemo", _with_config(tdt_members, lambda c: c["encoder"].update(n_layers=2)))
+    with pytest.raises(CheckpointError, match="weights do not match the config; missing: encoder.layers.1"):
+        load_model(path, device="cpu")
+
+
+def _link(name: str, kind: bytes, target: str) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname = kind, target
+    return info
+
+
+@pytest.mark.parametrize(
+    ("bad_name", "extra", "message"),
+    [
+        ("../escape.txt", [], "escapes the archive"),
+        ("/etc/escape.txt", [], "escapes the archive"),
+        ("./a/../../escape.txt", [], "escapes the archive"),
+        (None, [_link("./evil", tarfile.SYMTYPE, "/etc/passwd")], "is a link; refused"),
+        (None, [_link("./evil", tarfile.LNKTYPE, "model_config.yaml")], "is a link; refused"),
+        (None, [_link("./fifo", tarfile.FIFOTYPE, "")], "is not a regular file; refused"),
+    ],
+)
+def test_members_escaping_the_archive_are_refused(tmp_path, tdt_members, bad_name, extra, message):
+    members = dict(tdt_members)
+    if bad_name:
+        members[bad_name] = b"x"
+    with pytest.raises(CheckpointError, match=_literal(message)):
+        open_checkpoint(_write_tar(tmp_path / "x.nemo", members, extra))
+
+
+def test_unpacked_directory_refuses_a_tokenizer_path_outside_it(tmp_path, tdt_members):
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    members = _with_config(tdt_members, lambda c: c["tokenizer"].update(model_path="nemo:../../secret.model"))
+    for name, data in members.items():
+        (root / Path(name).name).write_bytes(data)
+    (tmp_path / "secret.model").write_bytes(b"x")
+    with pytest.raises(CheckpointError, match="tokenizer file `secret.model`"):
+        open_checkpoint(root)
+
+
+# --- helpers ---------------------------------------------------------------------------------------------
+
+
+def _literal(text: str) -> str:
+    import re
+
+    return re.escape(text)
+
+
+def _bytes(tmp: Path, data: bytes) -> Path:
+    path = tmp / "x.nemo"
+    path.write_bytes(data)
+    return path
+
+
+def _tar_bytes(members: dict[str, bytes]) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+def _without(members: dict[str, bytes], suffix: str) -> dict[str, bytes]:
+    return {k: v for k, v in members.items() if not k.endswith(suffix)}
+
+
+def _replace(members: dict[str, bytes], suffix: str, data: bytes) -> dict[str, bytes]:
+    return {k: (data if k.endswith(suffix) else v) for k, v in members.items()}

@@ -1,0 +1,69 @@
+"""float32 on CPU must reproduce NeMo's own greedy output token for token, frame for frame."""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+
+import pytest
+
+from models import ASRModel, load_model
+from service.cli import main as cli_main
+
+BATCH_SIZES = (1, 2, 3, 4, 10)
+
+
+@cache
+def _model(path: str) -> ASRModel:
+    return load_model(path, device="cpu", dtype="float32")
+
+
+def _cases(reference: dict) -> list[tuple[str, str, str]]:
+    """(model name, decoder, reference key) for every head NeMo decoded."""
+    cases = []
+    for name, entry in reference["models"].items():
+        cases.append((name, "auto", "main_bs4"))
+        if "ctc_bs4" in entry:
+            cases.append((name, "ctc", "ctc_bs4"))
+    return cases
+
+
+def assert_matches_nemo(got: dict, expected: dict, label: str) -> None:
+    assert got["text"] == expected["text"], label
+    if expected["tokens"] is not None:  # NeMo keeps only the text for CTC
+        assert got["tokens"] == expected["tokens"], label
+        assert got["token_frames"] == expected["frames"], label
+
+
+def test_nemo_is_batch_invariant_on_fixtures(parity_reference):
+    for entry in parity_reference["models"].values():
+        assert entry["main_bs1"] == entry["main_bs4"]
+
+
+@pytest.mark.parametrize("batch_size", BATCH_SIZES)
+def test_python_api_matches_nemo(parity_dir, parity_reference, parity_audio, batch_size):
+    for name, decoder, key in _cases(parity_reference):
+        model = _model(str(parity_dir / parity_reference["models"][name]["file"]))
+        transcripts = model.transcribe(parity_audio, batch_size=batch_size, decoder=decoder)
+        for audio, got, expected in zip(parity_audio, transcripts, parity_reference["models"][name][key],
+                                        strict=True):
+            record = {"text": got.text, "tokens": got.tokens, "token_frames": got.token_frames}
+            assert_matches_nemo(record, expected, f"{name}/{decoder} bs={batch_size} {audio}")
+
+
+@pytest.mark.parametrize("batch_size", BATCH_SIZES)
+def test_cli_jsonl_matches_nemo(parity_dir, parity_reference, parity_audio, batch_size, capsys):
+    for name, decoder, key in _cases(parity_reference):
+        model_path = str(parity_dir / parity_reference["models"][name]["file"])
+        code = cli_main(["transcribe", "--model", model_path, "--device", "cpu", "--dtype", "float32",
+                         "--batch-size", str(batch_size), "--decoder", decoder, "--format", "jsonl",
+                         *parity_audio])
+        assert code == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert len(lines) == len(parity_audio)
+        for audio, line, expected in zip(parity_audio, lines, parity_reference["models"][name][key],
+                                         strict=True):
+            record = json.loads(line)
+            assert record["audio"] == audio
+            assert set(record) >= {"audio", "text", "tokens", "token_frames", "duration_s"}
+            assert_matches_nemo(record, expected, f"{name}/{decoder} bs={batch_size} {audio}")
