@@ -153,17 +153,25 @@ class ASRModel(nn.Module):
     # --- inference --------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def encode(self, waveforms: Sequence[np.ndarray]) -> EncodedBatch:
-        """Pad a batch of mono float32 waveforms and run features (float32) and the encoder (model dtype)."""
+    def featurize(self, waveforms: Sequence[np.ndarray]) -> tuple[Tensor, Tensor]:
+        """Pad mono float32 waveforms into a batch on the model's device; log-mel (B, n_mels, T) float32."""
         lengths = torch.tensor([len(w) for w in waveforms], dtype=torch.long)
         audio = torch.zeros(len(waveforms), int(lengths.max()), dtype=torch.float32)
         for row, wave in enumerate(waveforms):
             audio[row, : len(wave)] = torch.from_numpy(np.asarray(wave, dtype=np.float32))
         audio, lengths = audio.to(self.device), lengths.to(self.device)
-        features, n_frames = self.preprocessor.featurizer(audio, lengths)
-        encoded, enc_lengths = self.encoder(features.to(self.dtype), n_frames)
+        return self.preprocessor.featurizer(audio, lengths)
+
+    @torch.inference_mode()
+    def run_encoder(self, features: Tensor, n_frames: Tensor) -> tuple[Tensor, Tensor]:
+        """Float32 features -> encoder output (B, T', d) in the model dtype and valid frames (B,)."""
+        return self.encoder(features.to(self.dtype), n_frames)
+
+    def encode(self, waveforms: Sequence[np.ndarray]) -> EncodedBatch:
+        """Features and encoder for a batch of mono float32 waveforms at ``sample_rate``."""
+        encoded, lengths = self.run_encoder(*self.featurize(waveforms))
         duration_s = [len(w) / self.sample_rate for w in waveforms]
-        return EncodedBatch(encoded=encoded, lengths=enc_lengths, duration_s=duration_s)
+        return EncodedBatch(encoded=encoded, lengths=lengths, duration_s=duration_s)
 
     @torch.inference_mode()
     def decode(self, batch: EncodedBatch, decoder: str = "auto") -> list[Hypothesis]:
