@@ -48,7 +48,7 @@ class _ArchiveReader:
 
     def __init__(self, path: Path):
         try:
-            self._tar = tarfile.open(path, "r:*")
+            self._tar = tarfile.open(path, "r:*")  # noqa: SIM115 - kept open while members are read; close()
             members = self._tar.getmembers()
         except (tarfile.ReadError, EOFError, zlib.error, OSError) as exc:
             raise self._explain(path, exc) from exc
@@ -84,7 +84,7 @@ class _ArchiveReader:
             assert f is not None
             data = f.read()
         except (tarfile.ReadError, EOFError, zlib.error, OSError) as exc:
-            raise CheckpointError(f"{self._path}: truncated or corrupt archive while reading `{name}` ({exc})")
+            raise CheckpointError(f"{self._path}: truncated or corrupt archive while reading `{name}` ({exc})") from exc
         if len(data) != member.size:
             raise CheckpointError(f"{self._path}: truncated archive: `{name}` has {len(data)} of "
                                   f"{member.size} bytes")
@@ -125,7 +125,7 @@ def _load_state_dict(data: bytes, source: str) -> dict[str, torch.Tensor]:
     try:
         obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises many types for a corrupt pickle or zip
-        raise CheckpointError(f"{source}: `{WEIGHTS_NAME}` is not a readable torch state dict ({exc})")
+        raise CheckpointError(f"{source}: `{WEIGHTS_NAME}` is not a readable torch state dict ({exc})") from exc
     if isinstance(obj, dict) and "state_dict" in obj and isinstance(obj["state_dict"], dict):
         obj = obj["state_dict"]  # a Lightning checkpoint
     if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
@@ -161,7 +161,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         try:
             raw = yaml.safe_load(reader.read(config_name))
         except yaml.YAMLError as exc:
-            raise CheckpointError(f"{path}: `{CONFIG_NAME}` is not valid YAML ({exc})")
+            raise CheckpointError(f"{path}: `{CONFIG_NAME}` is not valid YAML ({exc})") from exc
         if not isinstance(raw, dict):
             raise CheckpointError(f"{path}: `{CONFIG_NAME}` does not hold a mapping")
         if "model" in raw and isinstance(raw["model"], dict):

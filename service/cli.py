@@ -70,11 +70,38 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="run the HTTP API (and the job consumer when --redis-url is given)")
+    _add_model_options(p)
+    p.add_argument("--host", help="bind address (default: 127.0.0.1; BATCHASR_HOST)")
+    p.add_argument("--port", type=int, help="port (default: 8000; BATCHASR_PORT)")
+    p.add_argument("--redis-url", help="Redis for bulk jobs (BATCHASR_REDIS_URL)")
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .api import create_app
+    from .config import get_settings
+    from .logs import configure_json_logging
+
+    configure_json_logging(logging.DEBUG if args.verbose else logging.INFO)
+    device = None if args.device == "auto" else args.device
+    dtype = None if args.dtype == "auto" else args.dtype
+    settings = get_settings(model=args.model, device=device, dtype=dtype, host=args.host, port=args.port,
+                            redis_url=args.redis_url)
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_config=None,
+                timeout_graceful_shutdown=int(settings.request_timeout_s))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="batchasr", description="High-throughput batch transcription.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
     sub = parser.add_subparsers(dest="command", required=True)
     _transcribe_parser(sub)
+    _serve_parser(sub)
     return parser
 
 

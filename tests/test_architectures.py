@@ -49,5 +49,5 @@ def test_small_hybrid_architecture_decodes_with_both_heads():
 
 
 def test_unknown_architecture_is_named():
-    with pytest.raises(ValueError, match="unknown architecture 'parakeet-9b'; built-in: parakeet-tdt-0.6b-v2"):
+    with pytest.raises(ValueError, match=r"unknown architecture 'parakeet-9b'; built-in: parakeet-tdt-0\.6b-v2"):
         build_random_model("parakeet-9b")

@@ -124,7 +124,7 @@ def test_unsupported_architecture_and_options_are_named(tmp_path, tdt_members, e
 
 def test_weights_that_do_not_fit_the_config(tmp_path, tdt_members):
     path = _write_tar(tmp_path / "x.nemo", _with_config(tdt_members, lambda c: c["encoder"].update(n_layers=2)))
-    with pytest.raises(CheckpointError, match="weights do not match the config; missing: encoder.layers.1"):
+    with pytest.raises(CheckpointError, match=r"weights do not match the config; missing: encoder\.layers\.1"):
         load_model(path, device="cpu")
 
 
@@ -160,7 +160,7 @@ def test_unpacked_directory_refuses_a_tokenizer_path_outside_it(tmp_path, tdt_me
     for name, data in members.items():
         (root / Path(name).name).write_bytes(data)
     (tmp_path / "secret.model").write_bytes(b"x")
-    with pytest.raises(CheckpointError, match="tokenizer file `secret.model`"):
+    with pytest.raises(CheckpointError, match=r"tokenizer file `secret\.model`"):
         open_checkpoint(root)
 
 

@@ -23,7 +23,7 @@ def test_console_script_runs(parity_dir, parity_audio):
 
 
 def test_resampled_stereo_input_transcribes_like_the_original(parity_dir, parity_audio, tmp_path, capsys):
-    wave, rate = sf.read(parity_audio[3], dtype="float32")
+    wave, _ = sf.read(parity_audio[3], dtype="float32")
     sf.write(tmp_path / "stereo48k.flac", np.stack([wave, wave], axis=1).repeat(3, axis=0), 48000)
     model = str(parity_dir / "tdt_ctc_hybrid.nemo")
     assert main(["transcribe", "--model", model, "--format", "text", parity_audio[3]]) == 0
@@ -42,7 +42,11 @@ def test_output_dir_writes_one_file_per_input(parity_dir, parity_audio, tmp_path
 
 @pytest.mark.parametrize(
     ("content", "message"),
-    [(b"", "cannot decode audio"), (b"this is not audio at all" * 10, "cannot decode audio"), (None, "no such audio file")],
+    [
+        (b"", "cannot decode audio"),
+        (b"this is not audio at all" * 10, "cannot decode audio"),
+        (None, "no such audio file"),
+    ],
 )
 def test_bad_audio_is_reported(parity_dir, tmp_path, capsys, content, message):
     path = tmp_path / "bad.wav"

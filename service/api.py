@@ -1,0 +1,372 @@
+"""The HTTP API: OpenAI-compatible and native transcription, health, readiness and metrics.
+
+``create_app(settings)`` builds everything; the model loads and warms up in the lifespan, and shutdown
+stops accepting, lets queued work finish, then stops the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, FastAPI, Form, Request, UploadFile
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from models.asr_model import ASRModel, load_model
+
+from .audio import AudioLimits, AudioRequestError, check_media_type, decode_audio
+from .batcher import Batcher, Priority, QueueFull
+from .config import Settings
+from .engine import Engine
+from .formats import cues, to_srt, to_vtt
+from .metrics import Metrics
+from .schemas import (
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    NativeTranscription,
+    Segment,
+    TranscriptionJSON,
+    Usage,
+    VerboseTranscription,
+    WordTiming,
+)
+from .transcriber import RequestResult, Transcriber
+
+log = logging.getLogger("batchasr.api")
+
+RESPONSE_FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
+GRANULARITIES = ("word", "segment")
+DISCONNECT_POLL_S = 0.1
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+
+@dataclass
+class ServiceState:
+    """Everything the routes share; lives on ``app.state.service``."""
+
+    settings: Settings
+    metrics: Metrics
+    model_id: str
+    model: ASRModel | None = None
+    batcher: Batcher | None = None
+    engine: Engine | None = None
+    transcriber: Transcriber | None = None
+    decode_pool: ThreadPoolExecutor | None = None
+    accepting: bool = True
+    extra_readiness: list[Any] = field(default_factory=list)  # async callables -> (ok, reason)
+
+
+def _error_body(status: int, message: str, type: str, param: str | None, code: str | None) -> dict[str, Any]:
+    return ErrorResponse.model_validate({"error": {"message": message, "type": type, "param": param,
+                                                   "code": code}}).model_dump()
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(_error_body(exc.status, exc.message, exc.type, exc.param, exc.code), exc.status,
+                            headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return JSONResponse(_error_body(exc.status_code, str(exc.detail), kind, None, None), exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        param = str(first.get("loc", ["", ""])[-1]) or None
+        message = f"{param}: {first.get('msg', 'invalid request')}" if param else "invalid request"
+        return JSONResponse(_error_body(400, message, "invalid_request_error", param, "invalid_parameter"), 400)
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return JSONResponse(_error_body(500, f"internal error: {type(exc).__name__}", "server_error", None, None), 500)
+
+
+def _service(request: Request) -> ServiceState:
+    return request.app.state.service
+
+
+ServiceDep = Annotated[ServiceState, Depends(_service)]
+
+
+def require_api_key(request: Request, service: ServiceDep) -> None:
+    keys = service.settings.api_keys
+    if not keys:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or token.strip() not in keys:
+        raise ApiError(401, "a valid API key is required (Authorization: Bearer <key>)", type="authentication_error",
+                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+# --- shared request handling -------------------------------------------------------------------------------
+
+
+async def _read_upload(upload: UploadFile | None, service: ServiceState) -> tuple[bytes, str | None]:
+    if upload is None:
+        raise ApiError(400, "no audio: send a multipart `file` field", param="file", code="missing_file")
+    limit = service.settings.max_upload_bytes
+    if upload.size is not None and upload.size > limit:
+        raise ApiError(413, f"upload of {upload.size} bytes exceeds the limit of {limit} bytes", param="file",
+                       code="audio_too_large")
+    return await upload.read(limit + 1), upload.content_type
+
+
+async def _read_body(request: Request, service: ServiceState) -> bytes:
+    limit = service.settings.max_upload_bytes
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"upload of {declared} bytes exceeds the limit of {limit} bytes", code="audio_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"upload exceeds the limit of {limit} bytes", code="audio_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _transcribe(request: Request, service: ServiceState, data: bytes, content_type: str | None
+                      ) -> RequestResult:
+    """Decode off the event loop, queue, and await the result; drop the work if the client goes away."""
+    if not service.accepting or service.transcriber is None or not service.engine or not service.engine.ready:
+        raise ApiError(503, "the service is not ready", type="server_error", code="not_ready",
+                       headers={"Retry-After": "5"})
+    try:
+        check_media_type(content_type)
+        limits = AudioLimits(service.settings.max_upload_bytes, service.settings.max_duration_s,
+                             service.transcriber.sample_rate)
+        loop = asyncio.get_running_loop()
+        waveform = await loop.run_in_executor(service.decode_pool, decode_audio, data, limits)
+    except AudioRequestError as exc:
+        raise ApiError(exc.status, str(exc), param="file", code=exc.code) from exc
+    task = asyncio.ensure_future(service.transcriber.transcribe(waveform, Priority.INTERACTIVE))
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()  # cancels its queued pieces: they never reach the engine
+                raise ApiError(499, "client closed the request", code="client_closed")
+        return task.result()
+    except QueueFull as exc:
+        raise ApiError(429, str(exc), type="rate_limit_error", code="queue_full",
+                       headers={"Retry-After": str(exc.retry_after_s)}) from exc
+    except TimeoutError as exc:
+        raise ApiError(504, "transcription did not finish within the request timeout", type="server_error",
+                       code="timeout") from exc
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+def _check_model(service: ServiceState, requested: str | None) -> None:
+    if requested and requested not in {service.model_id, *service.settings.model_aliases}:
+        raise ApiError(404, f"the model `{requested}` does not exist; this server serves `{service.model_id}`",
+                       param="model", code="model_not_found")
+
+
+def _words(result: RequestResult) -> list[WordTiming]:
+    return [WordTiming(word=w.word, start=w.start_s, end=w.end_s) for w in result.transcript.words]
+
+
+def _segments(result: RequestResult, frame_s: float) -> list[Segment]:
+    """Subtitle-sized segments; each token goes to the last segment starting at or before its time."""
+    transcript = result.transcript
+    groups = cues(transcript.words)
+    starts = [cue.start_s for cue in groups]
+    tokens: list[list[int]] = [[] for _ in groups]
+    for token, frame in zip(transcript.tokens, transcript.token_frames, strict=True):
+        if groups:
+            tokens[max(0, bisect.bisect_right(starts, round(frame * frame_s, 3)) - 1)].append(token)
+    return [Segment(id=i, seek=0, start=c.start_s, end=c.end_s, text=c.text, tokens=tokens[i])
+            for i, c in enumerate(groups)]
+
+
+# --- routes ------------------------------------------------------------------------------------------------
+
+v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)], tags=["transcription"])
+
+
+@v1.post("/audio/transcriptions", response_model=None)
+async def openai_transcriptions(
+    request: Request,
+    service: ServiceDep,
+    file: UploadFile | None = None,
+    model: Annotated[str | None, Form()] = None,
+    language: Annotated[str | None, Form()] = None,
+    prompt: Annotated[str | None, Form()] = None,  # accepted for compatibility; transducers take no prompt
+    response_format: Annotated[str, Form()] = "json",
+    temperature: Annotated[float, Form()] = 0.0,  # greedy decoding: accepted and ignored
+    stream: Annotated[bool, Form()] = False,
+) -> Response:
+    """OpenAI-compatible transcription (multipart)."""
+    _check_model(service, model)
+    if response_format not in RESPONSE_FORMATS:
+        raise ApiError(400, f"response_format must be one of {', '.join(RESPONSE_FORMATS)}", param="response_format")
+    if stream:
+        raise ApiError(400, "streaming responses are not supported", param="stream")
+    form = await request.form()
+    granularities = [str(g) for key in ("timestamp_granularities[]", "timestamp_granularities")
+                     for g in form.getlist(key)]
+    if bad := [g for g in granularities if g not in GRANULARITIES]:
+        raise ApiError(400, f"timestamp_granularities[] must be word or segment, not {bad[0]!r}",
+                       param="timestamp_granularities[]")
+    data, content_type = await _read_upload(file, service)
+    result = await _transcribe(request, service, data, content_type)
+    transcript = result.transcript
+    usage = Usage(seconds=round(transcript.duration_s, 3))
+    if response_format == "text":
+        return PlainTextResponse(transcript.text + "\n")
+    if response_format == "srt":
+        return PlainTextResponse(to_srt(transcript), media_type="application/x-subrip")
+    if response_format == "vtt":
+        return PlainTextResponse(to_vtt(transcript), media_type="text/vtt")
+    if response_format == "json":
+        return JSONResponse(TranscriptionJSON(text=transcript.text, usage=usage).model_dump())
+    wants = set(granularities) or {"segment"}
+    body = VerboseTranscription(
+        language=language or "en", duration=round(transcript.duration_s, 3), text=transcript.text, usage=usage,
+        segments=_segments(result, service.model.config.frame_s) if "segment" in wants else None,
+        words=_words(result) if "word" in wants else None,
+    )
+    return JSONResponse(body.model_dump(exclude_none=True))
+
+
+@v1.post("/transcribe", response_model=NativeTranscription)
+async def native_transcribe(request: Request, service: ServiceDep) -> NativeTranscription:
+    """Native transcription: a multipart `file` or the raw audio as the body; full timing detail."""
+    content_type = request.headers.get("content-type", "")
+    if content_type.startswith("multipart/form-data"):
+        form = await request.form()
+        upload = form.get("file")
+        data, content_type = await _read_upload(upload if isinstance(upload, UploadFile) else None, service)
+    else:
+        data = await _read_body(request, service)
+    result = await _transcribe(request, service, data, content_type)
+    t = result.transcript
+    return NativeTranscription(
+        model=service.model_id, text=t.text, tokens=t.tokens, token_frames=t.token_frames, words=_words(result),
+        duration_s=round(t.duration_s, 6), queue_s=round(result.queue_s, 6), compute_s=round(result.compute_s, 6),
+        rtfx=round(result.rtfx, 3), segments=result.n_segments,
+    )
+
+
+@v1.get("/models", response_model=ModelList)
+async def list_models(service: ServiceDep) -> ModelList:
+    return ModelList(data=[ModelCard(id=service.model_id)])
+
+
+ops = APIRouter(tags=["operations"])
+
+
+@ops.get("/healthz")
+async def healthz() -> dict[str, str]:
+    """Alive: the process answers."""
+    return {"status": "ok"}
+
+
+@ops.get("/readyz")
+async def readyz(service: ServiceDep) -> JSONResponse:
+    """Ready: model loaded, engine warm, dependencies (Redis when configured) reachable."""
+    engine = service.engine
+    problems = []
+    if engine is None or not engine.ready:
+        problems.append(engine.error if engine and engine.error else "engine warming up")
+    if not service.accepting:
+        problems.append("shutting down")
+    for check in service.extra_readiness:
+        ok, reason = await check()
+        if not ok:
+            problems.append(reason)
+    status = 503 if problems else 200
+    return JSONResponse({"status": "not ready" if problems else "ready", "problems": problems}, status)
+
+
+@ops.get("/metrics")
+async def metrics(service: ServiceDep) -> Response:
+    return Response(service.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+# --- the app -----------------------------------------------------------------------------------------------
+
+
+def _start_engine(service: ServiceState, model: ASRModel) -> None:
+    s = service.settings
+    service.model = model
+    service.batcher = Batcher(s.max_batch_size, s.max_batch_audio_s, s.max_wait_ms, s.max_queue, model.sample_rate)
+    service.engine = Engine(model, service.batcher, service.metrics, decoder=s.decoder)
+    service.transcriber = Transcriber(service.engine, service.batcher, s.max_segment_s, s.segment_overlap_s,
+                                      s.request_timeout_s)
+    service.engine.start()
+
+
+def create_app(settings: Settings, model: ASRModel | None = None) -> FastAPI:
+    """The API. Pass ``model`` to serve one already loaded (tests, embedding); else settings.model loads."""
+    model_id = settings.model_name or (Path(settings.model).stem if settings.model else "batchasr-default")
+    service = ServiceState(settings=settings, metrics=Metrics(), model_id=model_id)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        service.decode_pool = ThreadPoolExecutor(settings.decode_threads, thread_name_prefix="batchasr-decode")
+        loaded = model
+        if loaded is None:
+            loaded = await asyncio.to_thread(load_model, settings.model, settings.device, settings.dtype)
+        _start_engine(service, loaded)
+        try:
+            yield
+        finally:
+            service.accepting = False
+            await asyncio.to_thread(service.engine.stop)  # drains what is queued first
+            service.decode_pool.shutdown(wait=True)
+
+    app = FastAPI(title="batchasr", version="0.1.0", lifespan=lifespan,
+                  description="High-throughput transcription of NeMo FastConformer models.")
+    app.state.service = service
+    _install_error_handlers(app)
+    app.include_router(v1)
+    app.include_router(ops)
+    app.middleware("http")(_request_log_middleware)
+    return app
+
+
+async def _request_log_middleware(request: Request, call_next: Any) -> Response:
+    """A request id on every response, one JSON log line and the request metrics per request."""
+    request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+    started = time.perf_counter()
+    response = await call_next(request)
+    elapsed = time.perf_counter() - started
+    response.headers["X-Request-ID"] = request_id
+    route = request.scope.get("route")
+    route_path = getattr(route, "path", "unmatched")
+    service: ServiceState = request.app.state.service
+    if route_path.startswith("/v1"):
+        service.metrics.observe_request(route_path, response.status_code, elapsed)
+    log.info(json.dumps({"event": "request", "request_id": request_id, "method": request.method,
+                         "path": request.url.path, "status": response.status_code,
+                         "duration_ms": round(elapsed * 1000, 2)}))
+    return response

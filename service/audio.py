@@ -1,0 +1,91 @@
+"""Uploaded bytes -> mono float32 16 kHz waveform, within the service's limits, with errors that say why.
+
+Limits are checked before the whole file is decoded: the header's length against the duration limit,
+then the decoded length block by block, so a header that lies about its length cannot make the server
+allocate more than the limit allows.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+
+import numpy as np
+import soundfile as sf
+
+from models.audio_io import check_waveform, resample, to_mono
+
+BLOCK_FRAMES = 1 << 20  # decode in blocks of about a minute of 16 kHz audio
+ACCEPTED_MEDIA_PREFIXES = ("audio/", "video/")
+ACCEPTED_MEDIA_TYPES = {"", "application/octet-stream", "application/ogg", "multipart/form-data"}
+
+
+class AudioRequestError(ValueError):
+    """Audio the service refuses; ``status`` is the HTTP status that says why."""
+
+    status = 400
+    code = "invalid_audio"
+
+
+class AudioTooLarge(AudioRequestError):
+    status = 413
+    code = "audio_too_large"
+
+
+class UnsupportedMediaType(AudioRequestError):
+    status = 415
+    code = "unsupported_media_type"
+
+
+@dataclass(frozen=True)
+class AudioLimits:
+    max_bytes: int
+    max_duration_s: float
+    sample_rate: int = 16000
+
+
+def check_media_type(content_type: str | None) -> None:
+    """Refuse uploads declared as something other than audio (a text file, JSON, an image)."""
+    media = (content_type or "").split(";")[0].strip().lower()
+    if media in ACCEPTED_MEDIA_TYPES or media.startswith(ACCEPTED_MEDIA_PREFIXES):
+        return
+    raise UnsupportedMediaType(f"unsupported media type {media!r}: send audio (WAV, FLAC, OGG/Opus, MP3)")
+
+
+def decode_audio(data: bytes, limits: AudioLimits) -> np.ndarray:
+    """Decode an upload with libsndfile; mono, resampled to ``limits.sample_rate``, float32."""
+    if len(data) == 0:
+        raise AudioRequestError("the uploaded file is empty")
+    if len(data) > limits.max_bytes:
+        raise AudioTooLarge(f"upload of {len(data)} bytes exceeds the limit of {limits.max_bytes} bytes")
+    try:
+        with sf.SoundFile(io.BytesIO(data)) as f:
+            claimed_s = f.frames / f.samplerate if f.frames > 0 else 0.0
+            if claimed_s > limits.max_duration_s:
+                raise AudioTooLarge(f"audio is {claimed_s:.1f} s long (per its header); the limit is "
+                                    f"{limits.max_duration_s:.0f} s")
+            samples, rate = _read_blocks(f, limits), f.samplerate
+    except sf.LibsndfileError as exc:
+        raise AudioRequestError(f"cannot decode audio: {exc.error_string or exc}") from exc
+    except (RuntimeError, TypeError) as exc:
+        raise AudioRequestError(f"cannot decode audio: {exc}") from exc
+    if samples.size == 0:
+        raise AudioRequestError("the audio has no samples")
+    if not np.isfinite(samples).all():
+        raise AudioRequestError("the audio contains NaN or infinite samples")
+    return check_waveform(resample(samples, rate, limits.sample_rate), "upload")
+
+
+def _read_blocks(f: sf.SoundFile, limits: AudioLimits) -> np.ndarray:
+    """Mono blocks until the end of the data (not the header's claim), refusing past the duration limit."""
+    max_frames = int(limits.max_duration_s * f.samplerate) + 1
+    blocks, total = [], 0
+    while True:
+        block = f.read(BLOCK_FRAMES, dtype="float32", always_2d=True)
+        if len(block) == 0:
+            break
+        total += len(block)
+        if total > max_frames:
+            raise AudioTooLarge(f"audio is longer than the limit of {limits.max_duration_s:.0f} s")
+        blocks.append(to_mono(block))
+    return np.concatenate(blocks) if blocks else np.zeros(0, dtype=np.float32)

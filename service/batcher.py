@@ -1,0 +1,195 @@
+"""Dynamic batching: one queue per engine; CPU bookkeeping only, never touches the model.
+
+Invariant: the oldest waiting item of the most urgent priority is in the next batch, so nothing starves;
+the rest of the batch is chosen among waiting items of similar length, so little compute goes to padding.
+A batch is released when it is full or when its oldest item has waited ``max_wait_ms``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+import numpy as np
+
+POOL_FACTOR = 4  # batches are chosen among this many times max_batch_size waiting items
+
+
+class Priority(IntEnum):
+    INTERACTIVE = 0  # HTTP requests: someone is waiting
+    BULK = 1  # job items: fill whatever room interactive work leaves
+
+
+class QueueFull(Exception):
+    def __init__(self, retry_after_s: int):
+        super().__init__(f"the queue is full; retry in {retry_after_s} s")
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(eq=False)
+class WorkItem:
+    """One waveform (a request, or one segment of a long one) waiting for the engine."""
+
+    waveform: np.ndarray  # mono float32 at the model's rate
+    priority: Priority = Priority.INTERACTIVE
+    timeout_s: float = 600.0
+    future: Future = field(default_factory=Future)  # resolves to the engine's result for this item
+    enqueued_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def n_samples(self) -> int:
+        return len(self.waveform)
+
+    @property
+    def deadline(self) -> float:
+        return self.enqueued_at + self.timeout_s
+
+
+@dataclass
+class Batch:
+    items: list[WorkItem]
+    formed_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def n_samples(self) -> int:
+        return sum(item.n_samples for item in self.items)
+
+    @property
+    def padded_samples(self) -> int:
+        return len(self.items) * max(item.n_samples for item in self.items)
+
+
+class Batcher:
+    def __init__(self, max_batch_size: int, max_batch_audio_s: float, max_wait_ms: float, max_queue: int,
+                 sample_rate: int = 16000):
+        self.max_batch_size = max_batch_size
+        self.max_padded_samples = int(max_batch_audio_s * sample_rate)
+        self.max_wait_s = max_wait_ms / 1000
+        self.max_queue = max_queue
+        self.sample_rate = sample_rate
+        self._queues: dict[Priority, deque[WorkItem]] = {p: deque() for p in Priority}
+        self._cond = threading.Condition()
+        self._closed = False
+        self._throughput_audio_s_per_s = 0.0  # recent engine speed, for Retry-After
+        self.expired = 0  # items dropped because their deadline passed
+        self.cancelled = 0  # items dropped because whoever asked went away
+
+    # --- producers --------------------------------------------------------------------------------------
+
+    def submit(self, items: list[WorkItem]) -> None:
+        """Queue all items or none; raises ``QueueFull`` (with a retry hint) past ``max_queue``."""
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the batcher is shut down")
+            if self.depth + len(items) > self.max_queue:
+                raise QueueFull(self._retry_after_s())
+            for item in items:
+                self._queues[item.priority].append(item)
+            self._cond.notify_all()
+
+    @property
+    def depth(self) -> int:
+        return sum(len(q) for q in self._queues.values())
+
+    def queued_audio_s(self) -> float:
+        with self._cond:
+            return sum(i.n_samples for q in self._queues.values() for i in q) / self.sample_rate
+
+    def _retry_after_s(self) -> int:
+        queued_s = sum(i.n_samples for q in self._queues.values() for i in q) / self.sample_rate
+        if self._throughput_audio_s_per_s <= 0:
+            return 1
+        return int(min(60, max(1, queued_s / self._throughput_audio_s_per_s)))
+
+    def record_throughput(self, audio_s: float, compute_s: float) -> None:
+        """The engine reports each batch, so Retry-After reflects how fast the queue really drains."""
+        if compute_s > 0:
+            rate = audio_s / compute_s
+            previous = self._throughput_audio_s_per_s
+            self._throughput_audio_s_per_s = rate if previous == 0 else 0.8 * previous + 0.2 * rate
+
+    def close(self) -> None:
+        """Stop accepting; ``next_batch`` drains what is queued, then returns None."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    # --- the consumer (the engine thread) ---------------------------------------------------------------
+
+    def next_batch(self) -> Batch | None:
+        """Block until a batch is ready; None once closed and drained."""
+        with self._cond:
+            while True:
+                self._drop_dead_items()
+                oldest = self._oldest()
+                if oldest is None:
+                    if self._closed:
+                        return None
+                    self._cond.wait()
+                    continue
+                release_at = oldest.enqueued_at + self.max_wait_s
+                now = time.monotonic()
+                if self.depth >= self.max_batch_size or self._closed or now >= release_at:
+                    batch = self._form_batch(oldest)
+                    if batch.items:
+                        return batch
+                    continue
+                self._cond.wait(release_at - now)
+
+    def _oldest(self) -> WorkItem | None:
+        for priority in Priority:
+            if self._queues[priority]:
+                return self._queues[priority][0]
+        return None
+
+    def _drop_dead_items(self) -> None:
+        now = time.monotonic()
+        for queue in self._queues.values():
+            for item in [i for i in queue if i.future.cancelled() or now >= i.deadline]:
+                queue.remove(item)
+                if item.future.cancelled():
+                    self.cancelled += 1
+                elif item.future.set_running_or_notify_cancel():
+                    self.expired += 1
+                    item.future.set_exception(TimeoutError(f"not processed within {item.timeout_s:.0f} s"))
+
+    def _form_batch(self, anchor: WorkItem) -> Batch:
+        pool_size = POOL_FACTOR * self.max_batch_size
+        chosen = [anchor]
+        for priority in Priority:  # the anchor's priority first, then less urgent work fills the room
+            if priority >= anchor.priority and len(chosen) < self.max_batch_size:
+                pool = list(self._queues[priority])[:pool_size]
+                chosen = self._pick_similar(anchor, pool, chosen)
+        items = []
+        for item in chosen:
+            self._queues[item.priority].remove(item)
+            if item.future.set_running_or_notify_cancel():  # False: cancelled since; drop it
+                items.append(item)
+            else:
+                self.cancelled += 1
+        return Batch(items)
+
+    def _pick_similar(self, anchor: WorkItem, pool: list[WorkItem], chosen: list[WorkItem]) -> list[WorkItem]:
+        """Add pool items closest in length to the anchor while size and padded-audio limits hold."""
+        chosen = list(chosen)
+        taken = set(map(id, chosen))
+        longest = max(i.n_samples for i in chosen)
+        for item in sorted((i for i in pool if id(i) not in taken),
+                           key=lambda i: abs(i.n_samples - anchor.n_samples)):
+            if len(chosen) >= self.max_batch_size:
+                break
+            new_longest = max(longest, item.n_samples)
+            if (len(chosen) + 1) * new_longest > self.max_padded_samples:
+                continue
+            chosen.append(item)
+            taken.add(id(item))
+            longest = new_longest
+        return chosen
+
+    def stats(self) -> dict[str, Any]:
+        return {"depth": self.depth, "expired": self.expired, "cancelled": self.cancelled}

@@ -1,0 +1,71 @@
+"""Service settings: one pydantic-settings object, read from ``BATCHASR_*`` environment variables."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="BATCHASR_", extra="ignore")
+
+    # Model and device
+    model: str | None = None  # a .nemo path; None: the embedded default model
+    model_name: str | None = None  # the id clients see (default: the model file's stem)
+    model_aliases: Annotated[list[str], NoDecode] = Field(default_factory=lambda: ["whisper-1", "default"])
+    device: str = "auto"
+    dtype: str = "auto"
+    decoder: str = "auto"
+
+    # HTTP
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # when set, every /v1 route needs one of these as a Bearer key
+    api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    max_upload_bytes: int = 200 * 1024 * 1024
+    max_duration_s: float = 4 * 3600.0
+    request_timeout_s: float = 600.0
+    decode_threads: int = 4  # audio decoding runs in this many threads, off the event loop
+
+    # Batching
+    max_batch_size: int = 32
+    max_batch_audio_s: float = 32 * 30.0  # padded seconds of audio in one batch (bounds memory)
+    max_wait_ms: float = 10.0
+    max_queue: int = 512  # queued segments beyond which requests get 429
+    max_segment_s: float = 30.0  # longer audio is split near here at quiet points
+    segment_overlap_s: float = 2.0
+
+    # Redis (bulk jobs)
+    redis_url: str | None = None
+
+    @field_validator("api_keys", "model_aliases", mode="before")
+    @classmethod
+    def _split_commas(cls, value: object) -> object:
+        """Accept ``a,b`` as well as a JSON list from the environment."""
+        if isinstance(value, str):
+            if value.lstrip().startswith("["):
+                return json.loads(value)
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("max_batch_size", "max_queue", "decode_threads")
+    @classmethod
+    def _positive(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError("must be >= 1")
+        return value
+
+    @field_validator("max_segment_s")
+    @classmethod
+    def _segment_longer_than_overlap(cls, value: float) -> float:
+        if value < 5:
+            raise ValueError("must be >= 5 seconds")
+        return value
+
+
+def get_settings(**overrides: object) -> Settings:
+    """Settings from the environment, with explicit overrides (command-line options, tests)."""
+    return Settings(**{k: v for k, v in overrides.items() if v is not None})

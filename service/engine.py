@@ -1,0 +1,158 @@
+"""The engine: owns the model on one device and is the only code that runs it.
+
+One thread takes batches from the batcher, runs features -> encoder -> decoder, times each stage (CUDA
+events on a GPU) and resolves each item's future with its hypothesis and its share of the compute time.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from enum import Enum
+
+import numpy as np
+import torch
+
+from decoding.types import Hypothesis
+from models.asr_model import ASRModel, EncodedBatch
+
+from .batcher import Batch, Batcher
+from .metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+WARMUP_S = 1.0  # seconds of audio per warm-up item
+
+
+class EngineState(str, Enum):
+    STARTING = "starting"
+    READY = "ready"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class ItemResult:
+    hypothesis: Hypothesis
+    queue_s: float  # enqueue -> its batch started
+    compute_s: float  # its share of the batch's compute time, by audio length
+    batch_size: int
+
+
+class StageTimer:
+    """Wall time per stage: CUDA events on a GPU (no sync between stages), perf_counter on the CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self._marks: list[tuple[str, object]] = [("start", self._now())]
+
+    def _now(self) -> object:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def mark(self, stage: str) -> None:
+        self._marks.append((stage, self._now()))
+
+    def seconds(self) -> dict[str, float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+        out = {}
+        for (_, before), (stage, after) in zip(self._marks, self._marks[1:], strict=False):
+            out[stage] = before.elapsed_time(after) / 1000 if self.cuda else after - before
+        return out
+
+
+class Engine:
+    def __init__(self, model: ASRModel, batcher: Batcher, metrics: Metrics, decoder: str = "auto",
+                 warmup_batch_size: int = 1):
+        self.model = model
+        self.batcher = batcher
+        self.metrics = metrics
+        self.decoder = model.resolve_decoder(decoder)
+        self.warmup_batch_size = warmup_batch_size
+        self.state = EngineState.STARTING
+        self.error: str | None = None
+        self._thread = threading.Thread(target=self._run, name="batchasr-engine", daemon=True)
+        self._ready = threading.Event()
+        metrics.bind_queue(lambda: batcher.depth)
+        if model.device.type == "cuda":
+            metrics.bind_gpu_memory(lambda: torch.cuda.memory_allocated(model.device))
+
+    @property
+    def ready(self) -> bool:
+        return self.state is EngineState.READY
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        self._ready.wait(timeout)
+        return self.ready
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Finish what is queued, then stop the thread."""
+        self.batcher.close()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        if self.state is not EngineState.FAILED:
+            self.state = EngineState.STOPPED
+
+    def _run(self) -> None:
+        try:
+            self._warm_up()
+        except Exception as exc:  # a model that cannot run must say so on /readyz, not die silently
+            log.exception("engine warm-up failed")
+            self.state, self.error = EngineState.FAILED, f"warm-up failed: {exc}"
+            self._ready.set()
+            self.batcher.close()
+            return
+        self.state = EngineState.READY
+        self._ready.set()
+        while (batch := self.batcher.next_batch()) is not None:
+            self.process(batch)
+
+    def _warm_up(self) -> None:
+        """Run every stage once (and a full batch), so lazy init and graph capture happen before traffic."""
+        rng = np.random.default_rng(0)
+        wave = (rng.standard_normal(int(WARMUP_S * self.model.sample_rate)) * 0.01).astype(np.float32)
+        started = time.perf_counter()
+        for size in sorted({1, self.warmup_batch_size}):
+            self.model.decode(self.model.encode([wave] * size), self.decoder)
+        log.info("engine warm: %s on %s (%s), %.2f s", self.decoder, self.model.device, self.model.dtype,
+                 time.perf_counter() - started)
+
+    def run(self, waveforms: list[np.ndarray]) -> tuple[list[Hypothesis], dict[str, float]]:
+        """Features, encoder, decoder for one batch; hypotheses and seconds per stage."""
+        timer = StageTimer(self.model.device)
+        features, n_frames = self.model.featurize(waveforms)
+        timer.mark("features")
+        encoded, lengths = self.model.run_encoder(features, n_frames)
+        timer.mark("encoder")
+        duration_s = [len(w) / self.model.sample_rate for w in waveforms]
+        hyps = self.model.decode(EncodedBatch(encoded, lengths, duration_s), self.decoder)
+        timer.mark("decoder")
+        return hyps, timer.seconds()
+
+    def process(self, batch: Batch) -> None:
+        started = time.monotonic()
+        try:
+            hyps, stage_s = self.run([item.waveform for item in batch.items])
+        except Exception as exc:
+            log.exception("batch of %d failed", len(batch.items))
+            for item in batch.items:
+                item.future.set_exception(exc)
+            return
+        compute_s = sum(stage_s.values())
+        rate = self.model.sample_rate
+        audio_s = batch.n_samples / rate
+        for item, hyp in zip(batch.items, hyps, strict=True):
+            share = compute_s * item.n_samples / batch.n_samples
+            item.future.set_result(ItemResult(hyp, started - item.enqueued_at, share, len(batch.items)))
+        self.batcher.record_throughput(audio_s, compute_s)
+        self.metrics.observe_batch(len(batch.items), audio_s, batch.padded_samples / rate, compute_s, stage_s,
+                                   [started - item.enqueued_at for item in batch.items])

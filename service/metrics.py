@@ -1,0 +1,85 @@
+"""Prometheus metrics (names are a contract: dashboards and autoscalers read them).
+
+RTFx = rate(batchasr_audio_seconds_total) / rate(batchasr_compute_seconds_total); ``batchasr_rtfx`` is the
+same ratio over the last ``RTFX_WINDOW_S`` seconds, for dashboards without PromQL.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+RTFX_WINDOW_S = 60.0
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class Metrics:
+    """All of the service's metrics, in a registry of their own (several apps can live in one process)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.audio_seconds = Counter("batchasr_audio_seconds", "Seconds of audio transcribed", registry=r)
+        self.compute_seconds = Counter("batchasr_compute_seconds", "Seconds the engine spent on batches",
+                                       registry=r)
+        self.rtfx = Gauge("batchasr_rtfx", f"Audio seconds per compute second over the last {RTFX_WINDOW_S:.0f} s",
+                          registry=r)
+        self.batch_size = Histogram("batchasr_batch_size", "Items per engine batch", buckets=BATCH_SIZE_BUCKETS,
+                                    registry=r)
+        self.batch_audio_seconds = Histogram("batchasr_batch_audio_seconds", "Seconds of audio per batch",
+                                             buckets=(1, 5, 15, 30, 60, 120, 300, 600, 1200), registry=r)
+        self.padding_ratio = Histogram("batchasr_padding_ratio", "Share of each batch's samples that is padding",
+                                       buckets=(0.01, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0), registry=r)
+        self.queue_depth = Gauge("batchasr_queue_depth", "Items waiting for the engine", registry=r)
+        self.queue_wait_seconds = Histogram("batchasr_queue_wait_seconds", "Time items wait before their batch",
+                                            buckets=SECONDS_BUCKETS, registry=r)
+        self.request_duration_seconds = Histogram("batchasr_request_duration_seconds", "HTTP request latency",
+                                                  ["route"], buckets=SECONDS_BUCKETS, registry=r)
+        self.stage_seconds = Histogram("batchasr_stage_seconds", "Time per batch in each engine stage", ["stage"],
+                                       buckets=SECONDS_BUCKETS, registry=r)
+        self.requests = Counter("batchasr_requests", "HTTP requests by route and status code", ["route", "code"],
+                                registry=r)
+        self.jobs = Counter("batchasr_jobs", "Bulk jobs by final status", ["status"], registry=r)
+        self.job_items = Counter("batchasr_job_items", "Bulk job items by status", ["status"], registry=r)
+        self.gpu_memory_bytes = Gauge("batchasr_gpu_memory_bytes", "GPU memory held by the engine", registry=r)
+        self.dropped_items = Counter("batchasr_dropped_items", "Queued items dropped before the engine",
+                                     ["reason"], registry=r)
+        self._window: deque[tuple[float, float, float]] = deque()  # (time, audio_s, compute_s)
+        self._lock = threading.Lock()
+
+    def bind_queue(self, depth: Callable[[], float]) -> None:
+        self.queue_depth.set_function(depth)
+
+    def bind_gpu_memory(self, allocated: Callable[[], float]) -> None:
+        self.gpu_memory_bytes.set_function(allocated)
+
+    def observe_batch(self, n_items: int, audio_s: float, padded_s: float, compute_s: float,
+                      stage_s: dict[str, float], queue_waits_s: list[float]) -> None:
+        self.audio_seconds.inc(audio_s)
+        self.compute_seconds.inc(compute_s)
+        self.batch_size.observe(n_items)
+        self.batch_audio_seconds.observe(audio_s)
+        self.padding_ratio.observe(1 - audio_s / padded_s if padded_s > 0 else 0.0)
+        for stage, seconds in stage_s.items():
+            self.stage_seconds.labels(stage).observe(seconds)
+        for wait in queue_waits_s:
+            self.queue_wait_seconds.observe(wait)
+        now = time.monotonic()
+        with self._lock:
+            self._window.append((now, audio_s, compute_s))
+            while self._window and self._window[0][0] < now - RTFX_WINDOW_S:
+                self._window.popleft()
+            compute = sum(c for _, _, c in self._window)
+            self.rtfx.set(sum(a for _, a, _ in self._window) / compute if compute > 0 else 0.0)
+
+    def observe_request(self, route: str, code: int, duration_s: float) -> None:
+        self.requests.labels(route, str(code)).inc()
+        self.request_duration_seconds.labels(route).observe(duration_s)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

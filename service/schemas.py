@@ -1,0 +1,81 @@
+"""Response bodies of the HTTP API (one schema per response shape)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """The OpenAI error shape, so SDK clients parse our errors."""
+
+    error: ErrorDetail
+
+
+class WordTiming(BaseModel):
+    word: str
+    start: float  # seconds
+    end: float
+
+
+class Usage(BaseModel):
+    type: str = "duration"
+    seconds: float
+
+
+class TranscriptionJSON(BaseModel):
+    text: str
+    usage: Usage
+
+
+class Segment(BaseModel):
+    id: int
+    seek: int
+    start: float
+    end: float
+    text: str
+    tokens: list[int]
+    temperature: float = 0.0
+    avg_logprob: float = 0.0
+    compression_ratio: float = 1.0
+    no_speech_prob: float = 0.0
+
+
+class VerboseTranscription(BaseModel):
+    task: str = "transcribe"
+    language: str
+    duration: float
+    text: str
+    segments: list[Segment] | None = None
+    words: list[WordTiming] | None = None
+    usage: Usage
+
+
+class NativeTranscription(BaseModel):
+    model: str
+    text: str
+    tokens: list[int]
+    token_frames: list[int]
+    words: list[WordTiming]
+    duration_s: float
+    queue_s: float  # waiting for the engine
+    compute_s: float  # engine time spent on this request
+    rtfx: float  # duration_s / compute_s
+    segments: int  # pieces long audio was split into
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: str = "model"
+    owned_by: str = "batchasr"
+
+
+class ModelList(BaseModel):
+    object: str = "list"
+    data: list[ModelCard]

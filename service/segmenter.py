@@ -1,0 +1,88 @@
+"""Long audio: split at quiet points with overlap, and stitch the pieces' hypotheses back into one.
+
+Each cut point is the quietest 100 ms window in the last part of a segment, snapped to the encoder's frame
+grid so that token frames of every piece map onto whole frames of the original. Pieces overlap by
+``overlap_s`` around each cut; when stitching, a word belongs to the piece on whose side of the cut its
+middle lies, so words at a cut are neither lost nor doubled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from decoding.types import Hypothesis
+from models.tokenizer import Tokenizer
+
+ENERGY_WINDOW_S = 0.1  # length of the window whose energy picks a cut point
+SEARCH_FRACTION = 0.3  # look for the cut in the last 30% of a segment
+NO_CUT = 1 << 62  # the last piece keeps everything after its start cut, even a TDT span past the end
+
+
+@dataclass(frozen=True)
+class Segment:
+    start: int  # first sample, inclusive
+    end: int  # last sample, exclusive
+    cut_before: int  # words whose middle lies before this sample (absolute) come from an earlier piece
+    cut_after: int  # words whose middle lies at or after this sample come from a later piece
+
+
+def plan_segments(n_samples: int, waveform: np.ndarray, sample_rate: int, max_segment_s: float,
+                  overlap_s: float, frame_samples: int) -> list[Segment]:
+    """Cut points every <= ``max_segment_s`` at the quietest window; pieces overlap by ``overlap_s``."""
+    max_len = int(max_segment_s * sample_rate)
+    if n_samples <= max_len:
+        return [Segment(0, n_samples, 0, NO_CUT)]
+    half_overlap = int(overlap_s * sample_rate / 2) // frame_samples * frame_samples
+    cuts = []
+    start = 0
+    while n_samples - start > max_len:
+        # the next piece covers [start, cut + half_overlap), so the cut must leave room for the overlap
+        latest = start + max_len - half_overlap
+        earliest = max(start + half_overlap + frame_samples, latest - int(SEARCH_FRACTION * max_len))
+        cut = _quietest_point(waveform, earliest, latest, sample_rate) // frame_samples * frame_samples
+        cut = max(cut, start + frame_samples)
+        cuts.append(cut)
+        start = cut - half_overlap
+    bounds = [0, *cuts, n_samples]
+    segments = []
+    for i in range(len(bounds) - 1):
+        seg_start = 0 if i == 0 else bounds[i] - half_overlap
+        seg_end = n_samples if i == len(bounds) - 2 else bounds[i + 1] + half_overlap
+        cut_after = NO_CUT if i == len(bounds) - 2 else bounds[i + 1]
+        segments.append(Segment(seg_start, seg_end, bounds[i], cut_after))
+    return segments
+
+
+def _quietest_point(waveform: np.ndarray, earliest: int, latest: int, sample_rate: int) -> int:
+    """Middle of the lowest-energy window of ``ENERGY_WINDOW_S`` between two sample positions."""
+    window = max(1, int(ENERGY_WINDOW_S * sample_rate))
+    region = waveform[earliest:latest].astype(np.float64)
+    if len(region) <= window:
+        return (earliest + latest) // 2
+    energy = np.convolve(region**2, np.ones(window), mode="valid")
+    return earliest + int(np.argmin(energy)) + window // 2
+
+
+def stitch(pieces: list[tuple[Segment, Hypothesis]], tokenizer: Tokenizer | None, frame_samples: int,
+           ) -> Hypothesis:
+    """One hypothesis in the original's frames from pieces decoded separately."""
+    out = Hypothesis(durations=[] if any(h.durations is not None for _, h in pieces) else None)
+    for segment, hyp in pieces:
+        offset = segment.start // frame_samples
+        if tokenizer is not None:
+            units = [(span.first, span.last) for span in tokenizer.words(hyp.tokens)]
+        else:  # no vocabulary to find words with: decide token by token
+            units = [(i, i) for i in range(len(hyp.tokens))]
+        for first, last in units:
+            end_frame = hyp.frames[last] + max(hyp.durations[last] if hyp.durations else 1, 1)
+            middle = (offset + (hyp.frames[first] + end_frame) / 2) * frame_samples
+            if not segment.cut_before <= middle < segment.cut_after:
+                continue
+            out.tokens.extend(hyp.tokens[first : last + 1])
+            out.frames.extend(offset + f for f in hyp.frames[first : last + 1])
+            if out.durations is not None:
+                covered = hyp.durations[first : last + 1] if hyp.durations else [1] * (last - first + 1)
+                out.durations.extend(covered)
+    return out

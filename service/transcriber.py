@@ -1,0 +1,62 @@
+"""One request's path through the engine: split long audio, queue the pieces, await them, stitch.
+
+Shared by the HTTP routes and the bulk-job consumer; neither touches the batcher or the model directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import numpy as np
+
+from models.transcript import Transcript, build_transcript
+
+from .batcher import Batcher, Priority, WorkItem
+from .engine import Engine, ItemResult
+from .segmenter import plan_segments, stitch
+
+
+@dataclass(frozen=True)
+class RequestResult:
+    transcript: Transcript
+    queue_s: float  # longest wait of any of its pieces
+    compute_s: float  # engine time attributed to it
+    n_segments: int
+
+    @property
+    def rtfx(self) -> float:
+        return self.transcript.duration_s / self.compute_s if self.compute_s > 0 else 0.0
+
+
+class Transcriber:
+    def __init__(self, engine: Engine, batcher: Batcher, max_segment_s: float, segment_overlap_s: float,
+                 timeout_s: float):
+        self.engine = engine
+        self.batcher = batcher
+        self.max_segment_s = max_segment_s
+        self.segment_overlap_s = segment_overlap_s
+        self.timeout_s = timeout_s
+        config = engine.model.config
+        self.sample_rate = config.features.sample_rate
+        # samples per encoder frame: cut points are snapped to it so token frames stay whole
+        self.frame_samples = config.features.hop_length * config.encoder.subsampling_factor
+
+    async def transcribe(self, waveform: np.ndarray, priority: Priority = Priority.INTERACTIVE) -> RequestResult:
+        """Queue (raises ``QueueFull``), await every piece, stitch. Cancelling this cancels queued pieces."""
+        segments = plan_segments(len(waveform), waveform, self.sample_rate, self.max_segment_s,
+                                 self.segment_overlap_s, self.frame_samples)
+        items = [WorkItem(waveform[s.start : s.end], priority, self.timeout_s) for s in segments]
+        self.batcher.submit(items)
+        try:
+            results: list[ItemResult] = await asyncio.wait_for(
+                asyncio.gather(*(asyncio.wrap_future(item.future) for item in items)), self.timeout_s)
+        finally:
+            for item in items:
+                item.future.cancel()  # no-op once done; drops pieces still queued if we gave up
+        model = self.engine.model
+        hyp = stitch(list(zip(segments, (r.hypothesis for r in results), strict=True)), model.tokenizer,
+                     self.frame_samples)
+        transcript = build_transcript(hyp, model.tokenizer, model.config.frame_s, len(waveform) / self.sample_rate)
+        return RequestResult(transcript=transcript, queue_s=max(r.queue_s for r in results),
+                             compute_s=sum(r.compute_s for r in results), n_segments=len(segments))
