@@ -23,6 +23,7 @@ from fastapi import APIRouter, Depends, FastAPI, Form, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.datastructures import UploadFile as StarletteUpload
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from models.asr_model import ASRModel, load_model
@@ -127,7 +128,7 @@ def require_api_key(request: Request, service: ServiceDep) -> None:
 # --- shared request handling -------------------------------------------------------------------------------
 
 
-async def _read_upload(upload: UploadFile | None, service: ServiceState) -> tuple[bytes, str | None]:
+async def _read_upload(upload: StarletteUpload | None, service: ServiceState) -> tuple[bytes, str | None]:
     if upload is None:
         raise ApiError(400, "no audio: send a multipart `file` field", param="file", code="missing_file")
     limit = service.settings.max_upload_bytes
@@ -264,7 +265,7 @@ async def native_transcribe(request: Request, service: ServiceDep) -> NativeTran
     if content_type.startswith("multipart/form-data"):
         form = await request.form()
         upload = form.get("file")
-        data, content_type = await _read_upload(upload if isinstance(upload, UploadFile) else None, service)
+        data, content_type = await _read_upload(upload if isinstance(upload, StarletteUpload) else None, service)
     else:
         data = await _read_body(request, service)
     result = await _transcribe(request, service, data, content_type)
@@ -318,7 +319,8 @@ async def metrics(service: ServiceDep) -> Response:
 def _start_engine(service: ServiceState, model: ASRModel) -> None:
     s = service.settings
     service.model = model
-    service.batcher = Batcher(s.max_batch_size, s.max_batch_audio_s, s.max_wait_ms, s.max_queue, model.sample_rate)
+    service.batcher = Batcher(s.max_batch_size, s.max_batch_audio_s, s.max_wait_ms, s.max_queue, model.sample_rate,
+                              on_drop=lambda reason: service.metrics.dropped_items.labels(reason).inc())
     service.engine = Engine(model, service.batcher, service.metrics, decoder=s.decoder)
     service.transcriber = Transcriber(service.engine, service.batcher, s.max_segment_s, s.segment_overlap_s,
                                       s.request_timeout_s)
@@ -350,23 +352,41 @@ def create_app(settings: Settings, model: ASRModel | None = None) -> FastAPI:
     _install_error_handlers(app)
     app.include_router(v1)
     app.include_router(ops)
-    app.middleware("http")(_request_log_middleware)
+    app.add_middleware(RequestLogMiddleware, service=service)
     return app
 
 
-async def _request_log_middleware(request: Request, call_next: Any) -> Response:
-    """A request id on every response, one JSON log line and the request metrics per request."""
-    request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-    started = time.perf_counter()
-    response = await call_next(request)
-    elapsed = time.perf_counter() - started
-    response.headers["X-Request-ID"] = request_id
-    route = request.scope.get("route")
-    route_path = getattr(route, "path", "unmatched")
-    service: ServiceState = request.app.state.service
-    if route_path.startswith("/v1"):
-        service.metrics.observe_request(route_path, response.status_code, elapsed)
-    log.info(json.dumps({"event": "request", "request_id": request_id, "method": request.method,
-                         "path": request.url.path, "status": response.status_code,
-                         "duration_ms": round(elapsed * 1000, 2)}))
-    return response
+class RequestLogMiddleware:
+    """A request id on every response, one JSON log line and the request metrics per request.
+
+    Plain ASGI rather than BaseHTTPMiddleware, which would hide client disconnects from the routes.
+    """
+
+    def __init__(self, app: Any, service: ServiceState):
+        self.app, self.service = app, service
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        request_id = headers.get(b"x-request-id", b"").decode("latin-1") or uuid.uuid4().hex
+        started = time.perf_counter()
+        status = 500
+
+        async def send_with_id(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode("latin-1"))]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            elapsed = time.perf_counter() - started
+            route_path = getattr(scope.get("route"), "path", "unmatched")
+            if route_path.startswith("/v1"):
+                self.service.metrics.observe_request(route_path, status, elapsed)
+            log.info(json.dumps({"event": "request", "request_id": request_id, "method": scope["method"],
+                                 "path": scope["path"], "status": status, "duration_ms": round(elapsed * 1000, 2)}))

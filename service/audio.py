@@ -8,6 +8,7 @@ allocate more than the limit allows.
 from __future__ import annotations
 
 import io
+import struct
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,6 +18,7 @@ from models.audio_io import check_waveform, resample, to_mono
 
 BLOCK_FRAMES = 1 << 20  # decode in blocks of about a minute of 16 kHz audio
 ACCEPTED_MEDIA_PREFIXES = ("audio/", "video/")
+STREAMED_WAV_SIZES = {0, 0xFFFFFFFF}  # data sizes written by tools that stream WAV without seeking back
 ACCEPTED_MEDIA_TYPES = {"", "application/octet-stream", "application/ogg", "multipart/form-data"}
 
 
@@ -58,6 +60,7 @@ def decode_audio(data: bytes, limits: AudioLimits) -> np.ndarray:
         raise AudioRequestError("the uploaded file is empty")
     if len(data) > limits.max_bytes:
         raise AudioTooLarge(f"upload of {len(data)} bytes exceeds the limit of {limits.max_bytes} bytes")
+    _check_wav_header(data, limits)
     try:
         with sf.SoundFile(io.BytesIO(data)) as f:
             claimed_s = f.frames / f.samplerate if f.frames > 0 else 0.0
@@ -74,6 +77,33 @@ def decode_audio(data: bytes, limits: AudioLimits) -> np.ndarray:
     if not np.isfinite(samples).all():
         raise AudioRequestError("the audio contains NaN or infinite samples")
     return check_waveform(resample(samples, rate, limits.sample_rate), "upload")
+
+
+def _check_wav_header(data: bytes, limits: AudioLimits) -> None:
+    """RIFF/WAVE: the data chunk's declared size against the limit and against the bytes really sent.
+
+    libsndfile silently trusts the file size over the header, so a cut-off upload would decode as shorter
+    audio; we would rather say it is cut off (and refuse a header claiming hours before reading further).
+    """
+    if len(data) < 12 or data[:4] != b"RIFF" or data[8:12] != b"WAVE":
+        return
+    offset, byte_rate = 12, 0
+    while offset + 8 <= len(data):
+        chunk_id, size = data[offset : offset + 4], struct.unpack_from("<I", data, offset + 4)[0]
+        if chunk_id == b"fmt " and offset + 20 <= len(data):
+            byte_rate = struct.unpack_from("<I", data, offset + 16)[0]
+        if chunk_id == b"data":
+            if size in STREAMED_WAV_SIZES or byte_rate == 0:
+                return
+            if size / byte_rate > limits.max_duration_s:
+                raise AudioTooLarge(f"audio is {size / byte_rate:.1f} s long (per its header); the limit is "
+                                    f"{limits.max_duration_s:.0f} s")
+            available = len(data) - offset - 8
+            if available < size:
+                raise AudioRequestError(f"the audio is truncated: its header promises {size} bytes of samples, "
+                                        f"the upload holds {available}")
+            return
+        offset += 8 + size + (size & 1)  # chunks are padded to even sizes
 
 
 def _read_blocks(f: sf.SoundFile, limits: AudioLimits) -> np.ndarray:

@@ -10,10 +10,10 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any
 
 import numpy as np
 
@@ -66,7 +66,7 @@ class Batch:
 
 class Batcher:
     def __init__(self, max_batch_size: int, max_batch_audio_s: float, max_wait_ms: float, max_queue: int,
-                 sample_rate: int = 16000):
+                 sample_rate: int = 16000, on_drop: Callable[[str], None] | None = None):
         self.max_batch_size = max_batch_size
         self.max_padded_samples = int(max_batch_audio_s * sample_rate)
         self.max_wait_s = max_wait_ms / 1000
@@ -76,8 +76,7 @@ class Batcher:
         self._cond = threading.Condition()
         self._closed = False
         self._throughput_audio_s_per_s = 0.0  # recent engine speed, for Retry-After
-        self.expired = 0  # items dropped because their deadline passed
-        self.cancelled = 0  # items dropped because whoever asked went away
+        self._on_drop = on_drop or (lambda reason: None)  # told "expired" or "cancelled" per dropped item
 
     # --- producers --------------------------------------------------------------------------------------
 
@@ -153,9 +152,9 @@ class Batcher:
             for item in [i for i in queue if i.future.cancelled() or now >= i.deadline]:
                 queue.remove(item)
                 if item.future.cancelled():
-                    self.cancelled += 1
+                    self._on_drop("cancelled")
                 elif item.future.set_running_or_notify_cancel():
-                    self.expired += 1
+                    self._on_drop("expired")
                     item.future.set_exception(TimeoutError(f"not processed within {item.timeout_s:.0f} s"))
 
     def _form_batch(self, anchor: WorkItem) -> Batch:
@@ -171,7 +170,7 @@ class Batcher:
             if item.future.set_running_or_notify_cancel():  # False: cancelled since; drop it
                 items.append(item)
             else:
-                self.cancelled += 1
+                self._on_drop("cancelled")
         return Batch(items)
 
     def _pick_similar(self, anchor: WorkItem, pool: list[WorkItem], chosen: list[WorkItem]) -> list[WorkItem]:
@@ -190,6 +189,3 @@ class Batcher:
             taken.add(id(item))
             longest = new_longest
         return chosen
-
-    def stats(self) -> dict[str, Any]:
-        return {"depth": self.depth, "expired": self.expired, "cancelled": self.cancelled}

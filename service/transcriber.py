@@ -48,9 +48,10 @@ class Transcriber:
                                  self.segment_overlap_s, self.frame_samples)
         items = [WorkItem(waveform[s.start : s.end], priority, self.timeout_s) for s in segments]
         self.batcher.submit(items)
+        gathered = asyncio.gather(*(asyncio.wrap_future(item.future) for item in items))
+        gathered.add_done_callback(lambda f: f.cancelled() or f.exception())  # a drop is not an error to log
         try:
-            results: list[ItemResult] = await asyncio.wait_for(
-                asyncio.gather(*(asyncio.wrap_future(item.future) for item in items)), self.timeout_s)
+            results: list[ItemResult] = await asyncio.wait_for(gathered, self.timeout_s)
         finally:
             for item in items:
                 item.future.cancel()  # no-op once done; drops pieces still queued if we gave up

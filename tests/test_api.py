@@ -1,0 +1,286 @@
+"""The HTTP API over real sockets: formats, batching, limits, auth, bad input, disconnects, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import re
+import struct
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import pytest
+import soundfile as sf
+
+from models import load_model
+from service.config import Settings
+from tests.servers import run_server
+
+
+@pytest.fixture(scope="module")
+def hybrid(parity_dir):
+    return load_model(parity_dir / "tdt_ctc_hybrid.nemo", device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def server(hybrid):
+    with run_server(Settings(max_wait_ms=20, max_batch_size=16), hybrid) as running:
+        yield running
+
+
+def _post(url: str, audio: bytes, name: str = "a.wav", content_type: str = "audio/wav", headers=None, **form):
+    return httpx.post(f"{url}/v1/audio/transcriptions", files={"file": (name, audio, content_type)}, data=form,
+                      headers=headers, timeout=60)
+
+
+def _wav_bytes(samples: np.ndarray, rate: int = 16000, subtype: str = "PCM_16") -> bytes:
+    buffer = io.BytesIO()
+    sf.write(buffer, samples, rate, format="WAV", subtype=subtype)
+    return buffer.getvalue()
+
+
+def _stamp_s(stamp: str) -> float:
+    h, m, s, ms = re.match(r"(\d+):(\d+):(\d+)[,.](\d+)", stamp).groups()
+    return int(h) * 3600 + int(m) * 60 + int(s) + int(ms) / 1000
+
+
+# --- formats -----------------------------------------------------------------------------------------------
+
+
+def test_each_response_format(server, hybrid, parity_audio):
+    audio_path = parity_audio[5]
+    expected = hybrid.transcribe([audio_path])[0]
+    data = open(audio_path, "rb").read()
+    assert _post(server.url, data, response_format="json").json()["text"] == expected.text
+    assert _post(server.url, data, response_format="text").text == expected.text + "\n"
+    srt = _post(server.url, data, response_format="srt")
+    assert srt.headers["content-type"].startswith("application/x-subrip")
+    blocks = [b.splitlines() for b in srt.text.strip().split("\n\n")]
+    assert [b[0] for b in blocks] == [str(i + 1) for i in range(len(blocks))]
+    assert " ".join(b[2] for b in blocks) == expected.text
+    for block in blocks:
+        start, end = (_stamp_s(x) for x in block[1].split(" --> "))
+        assert 0 <= start <= end <= expected.duration_s + 1e-3
+    vtt = _post(server.url, data, response_format="vtt")
+    assert vtt.headers["content-type"].startswith("text/vtt") and vtt.text.startswith("WEBVTT\n\n")
+    cues = [c.splitlines() for c in vtt.text.split("\n\n")[1:] if c.strip()]
+    assert " ".join(c[1] for c in cues) == expected.text
+
+
+@pytest.mark.parametrize("field", ["timestamp_granularities[]", "timestamp_granularities"])
+def test_verbose_json_with_words_and_segments(server, hybrid, parity_audio, field):
+    data = open(parity_audio[1], "rb").read()
+    files = {"file": ("a.wav", data, "audio/wav")}
+    form = {"response_format": "verbose_json", field: ["word", "segment"]}
+    body = httpx.post(f"{server.url}/v1/audio/transcriptions", files=files, data=form, timeout=60).json()
+    expected = hybrid.transcribe([parity_audio[1]])[0]
+    assert body["text"] == expected.text and body["duration"] == pytest.approx(expected.duration_s, abs=1e-3)
+    words = body["words"]
+    assert " ".join(w["word"] for w in words) == expected.text
+    previous = 0.0
+    for w in words:
+        assert previous <= w["start"] <= w["end"] <= body["duration"]
+        previous = w["end"]
+    assert " ".join(s["text"] for s in body["segments"]) == expected.text
+    assert sum(len(s["tokens"]) for s in body["segments"]) == len(expected.tokens)
+
+
+def test_verbose_json_defaults_to_segments_only(server, parity_audio):
+    body = _post(server.url, open(parity_audio[2], "rb").read(), response_format="verbose_json").json()
+    assert "segments" in body and "words" not in body
+
+
+def test_native_endpoint_multipart_and_raw_body(server, hybrid, parity_audio):
+    data = open(parity_audio[4], "rb").read()
+    expected = hybrid.transcribe([parity_audio[4]])[0]
+    raw = httpx.post(f"{server.url}/v1/transcribe", content=data, headers={"content-type": "audio/wav"}, timeout=60)
+    multipart = httpx.post(f"{server.url}/v1/transcribe", files={"file": ("a.wav", data, "audio/wav")}, timeout=60)
+    for response in (raw, multipart):
+        body = response.json()
+        assert response.status_code == 200, body
+        assert (body["text"], body["tokens"], body["token_frames"]) == (expected.text, expected.tokens,
+                                                                        expected.token_frames)
+        assert body["compute_s"] > 0 and body["rtfx"] == pytest.approx(body["duration_s"] / body["compute_s"],
+                                                                       rel=1e-2)
+        assert body["queue_s"] >= 0 and body["segments"] == 1
+        assert response.headers["x-request-id"]
+
+
+def test_resampled_and_stereo_uploads(server, hybrid, parity_audio):
+    wave, _ = sf.read(parity_audio[6], dtype="float32")
+    import soxr
+
+    stereo48 = soxr.resample(wave, 16000, 48000)
+    buffer = io.BytesIO()
+    sf.write(buffer, np.stack([stereo48, stereo48], axis=1), 48000, format="FLAC")
+    body = _post(server.url, buffer.getvalue(), name="a.flac", content_type="audio/flac").json()
+    assert body["text"] == hybrid.transcribe([parity_audio[6]])[0].text
+
+
+# --- batching ----------------------------------------------------------------------------------------------
+
+
+def test_concurrent_requests_are_batched_and_each_gets_its_own_result(server, hybrid, parity_audio):
+    files = [parity_audio[i % len(parity_audio)] for i in range(40)]
+    expected = {p: t.text for p, t in zip(parity_audio, hybrid.transcribe(parity_audio), strict=True)}
+    batches_before = server.metric("batchasr_batch_size_count")
+    items_before = server.metric("batchasr_batch_size_sum")
+
+    async def send_all():
+        async with httpx.AsyncClient(timeout=120) as client:
+            async def one(path):
+                r = await client.post(f"{server.url}/v1/transcribe", content=open(path, "rb").read(),
+                                      headers={"content-type": "audio/wav"})
+                return path, r
+            return await asyncio.gather(*(one(p) for p in files))
+
+    for path, response in asyncio.run(send_all()):
+        assert response.status_code == 200
+        assert response.json()["text"] == expected[path]
+    batches = server.metric("batchasr_batch_size_count") - batches_before
+    items = server.metric("batchasr_batch_size_sum") - items_before
+    assert items == 40
+    assert items / batches > 1, f"mean batch size {items / batches}"
+    assert server.metric("batchasr_rtfx") > 0
+    assert server.metric("batchasr_audio_seconds_total") > 0
+
+
+def test_full_queue_answers_429_with_retry_after(hybrid, parity_audio):
+    settings = Settings(max_queue=3, max_wait_ms=3000, max_batch_size=64)
+    data = open(parity_audio[7], "rb").read()
+    with run_server(settings, hybrid) as running, ThreadPoolExecutor(6) as pool:
+        responses = list(pool.map(lambda _: _post(running.url, data), range(6)))
+    codes = sorted(r.status_code for r in responses)
+    assert codes.count(200) == 3 and codes.count(429) == 3, codes
+    rejected = next(r for r in responses if r.status_code == 429)
+    assert int(rejected.headers["retry-after"]) >= 1
+    assert rejected.json()["error"]["code"] == "queue_full"
+
+
+def test_client_disconnect_drops_the_queued_work(hybrid, parity_audio):
+    settings = Settings(max_wait_ms=1500, max_batch_size=64)
+    data = open(parity_audio[0], "rb").read()
+    with run_server(settings, hybrid) as running:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{running.url}/v1/transcribe", content=data, headers={"content-type": "audio/wav"},
+                       timeout=0.4)
+        time.sleep(2.0)  # past max_wait: the batch would have formed by now
+        assert running.metric("batchasr_dropped_items_total", '{reason="cancelled"}') == 1
+        assert running.metric("batchasr_batch_size_count") == 0  # it never reached the engine
+        assert httpx.get(f"{running.url}/healthz").status_code == 200
+
+
+# --- auth ----------------------------------------------------------------------------------------------------
+
+
+def test_api_keys_guard_v1_but_not_operations(hybrid, parity_audio):
+    data = open(parity_audio[3], "rb").read()
+    with run_server(Settings(api_keys=["k1", "k2"]), hybrid) as running:
+        missing = _post(running.url, data)
+        assert missing.status_code == 401 and missing.json()["error"]["type"] == "authentication_error"
+        assert _post(running.url, data, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert _post(running.url, data, headers={"Authorization": "Bearer k2"}).status_code == 200
+        assert httpx.get(f"{running.url}/v1/models").status_code == 401
+        for path in ("/healthz", "/readyz", "/metrics"):
+            assert httpx.get(f"{running.url}{path}").status_code == 200
+
+
+# --- bad input -----------------------------------------------------------------------------------------------
+
+
+def _wav_claiming_hours(hours: float) -> bytes:
+    """A PCM WAV whose header claims ``hours`` of audio but which carries one second."""
+    data = np.zeros(16000, dtype="<i2").tobytes()
+    claimed = int(hours * 3600 * 16000 * 2)
+    fmt = struct.pack("<HHIIHH", 1, 1, 16000, 32000, 2, 16)
+    return (b"RIFF" + struct.pack("<I", 36 + claimed) + b"WAVE" + b"fmt " + struct.pack("<I", 16) + fmt
+            + b"data" + struct.pack("<I", claimed) + data)
+
+
+def _bad_inputs(parity_audio) -> list[tuple[str, bytes, str, int, str]]:
+    good = open(parity_audio[0], "rb").read()
+    nan_wave = np.zeros(8000, dtype=np.float32)
+    nan_wave[100] = np.nan
+    return [
+        ("empty", b"", "audio/wav", 400, "empty"),
+        ("random bytes", np.random.default_rng(0).bytes(20000), "audio/wav", 400, "cannot decode audio"),
+        ("truncated wav header", good[:30], "audio/wav", 400, "cannot decode audio"),
+        ("truncated wav data", good[: len(good) // 2], "audio/wav", 400, "truncated"),
+        ("header claims 10 hours", _wav_claiming_hours(10), "audio/wav", 413, "per its header"),
+        ("text file", b"hello, this is plain text\n" * 20, "text/plain", 415, "unsupported media type"),
+        ("json", b'{"a": 1}', "application/json", 415, "unsupported media type"),
+        ("zero samples", _wav_bytes(np.zeros(0, dtype=np.float32)), "audio/wav", 400, "no samples"),
+        ("nan samples", _wav_bytes(nan_wave, subtype="FLOAT"), "audio/wav", 400, "NaN"),
+    ]
+
+
+def test_bad_inputs_get_clear_errors_and_the_server_stays_healthy(server, parity_audio):
+    for label, data, content_type, status, message in _bad_inputs(parity_audio):
+        for route in ("/v1/audio/transcriptions", "/v1/transcribe"):
+            response = httpx.post(f"{server.url}{route}", files={"file": ("x", data, content_type)}, timeout=30)
+            assert response.status_code == status, (label, route, response.text)
+            error = response.json()["error"]
+            assert message in error["message"], (label, error)
+            assert set(error) == {"message", "type", "param", "code"}
+    assert httpx.get(f"{server.url}/healthz").status_code == 200
+    assert _post(server.url, open(parity_audio[0], "rb").read()).status_code == 200
+
+
+def test_limits_on_upload_size_and_duration(hybrid, parity_audio):
+    data = open(parity_audio[1], "rb").read()  # about 3 s, 100 kB
+    with run_server(Settings(max_upload_bytes=50_000, max_duration_s=60), hybrid) as running:
+        too_big = _post(running.url, data)
+        assert too_big.status_code == 413 and too_big.json()["error"]["code"] == "audio_too_large"
+        raw = httpx.post(f"{running.url}/v1/transcribe", content=data, headers={"content-type": "audio/wav"})
+        assert raw.status_code == 413
+    with run_server(Settings(max_duration_s=2.0), hybrid) as running:
+        long = _post(running.url, data)
+        assert long.status_code == 413 and "limit" in long.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("form", "status", "param"),
+    [
+        ({"response_format": "xml"}, 400, "response_format"),
+        ({"temperature": "warm"}, 400, "temperature"),
+        ({"model": "gpt-9"}, 404, "model"),
+        ({"timestamp_granularities[]": "sentence", "response_format": "verbose_json"}, 400,
+         "timestamp_granularities[]"),
+        ({"stream": "true"}, 400, "stream"),
+    ],
+)
+def test_bad_parameters(server, parity_audio, form, status, param):
+    response = _post(server.url, open(parity_audio[0], "rb").read(), **form)
+    assert response.status_code == status
+    assert response.json()["error"]["param"] == param
+
+
+def test_missing_file_and_known_model_names(server, parity_audio):
+    missing = httpx.post(f"{server.url}/v1/audio/transcriptions", data={"model": "whisper-1"})
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "file"
+    model_id = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
+    assert model_id == "batchasr-default" or model_id
+    assert _post(server.url, open(parity_audio[0], "rb").read(), model="whisper-1").status_code == 200
+
+
+# --- lifecycle -------------------------------------------------------------------------------------------------
+
+
+def test_graceful_shutdown_finishes_queued_requests(hybrid, parity_audio):
+    settings = Settings(max_wait_ms=800, max_batch_size=64)
+    data = open(parity_audio[2], "rb").read()
+    with run_server(settings, hybrid) as running, ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(_post, running.url, data) for _ in range(4)]
+        time.sleep(0.3)  # they are queued, waiting for the batch to fill
+        running.server.should_exit = True
+        responses = [f.result() for f in futures]
+        running.thread.join(30)
+    assert [r.status_code for r in responses] == [200] * 4
+    assert not running.thread.is_alive()
+
+
+def test_openapi_docs(server):
+    spec = httpx.get(f"{server.url}/openapi.json").json()
+    assert {"/v1/audio/transcriptions", "/v1/transcribe", "/healthz", "/readyz", "/metrics"} <= set(spec["paths"])
