@@ -8,6 +8,7 @@ import re
 import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -52,7 +53,7 @@ def _stamp_s(stamp: str) -> float:
 def test_each_response_format(server, hybrid, parity_audio):
     audio_path = parity_audio[5]
     expected = hybrid.transcribe([audio_path])[0]
-    data = open(audio_path, "rb").read()
+    data = Path(audio_path).read_bytes()
     assert _post(server.url, data, response_format="json").json()["text"] == expected.text
     assert _post(server.url, data, response_format="text").text == expected.text + "\n"
     srt = _post(server.url, data, response_format="srt")
@@ -71,7 +72,7 @@ def test_each_response_format(server, hybrid, parity_audio):
 
 @pytest.mark.parametrize("field", ["timestamp_granularities[]", "timestamp_granularities"])
 def test_verbose_json_with_words_and_segments(server, hybrid, parity_audio, field):
-    data = open(parity_audio[1], "rb").read()
+    data = Path(parity_audio[1]).read_bytes()
     files = {"file": ("a.wav", data, "audio/wav")}
     form = {"response_format": "verbose_json", field: ["word", "segment"]}
     body = httpx.post(f"{server.url}/v1/audio/transcriptions", files=files, data=form, timeout=60).json()
@@ -88,12 +89,12 @@ def test_verbose_json_with_words_and_segments(server, hybrid, parity_audio, fiel
 
 
 def test_verbose_json_defaults_to_segments_only(server, parity_audio):
-    body = _post(server.url, open(parity_audio[2], "rb").read(), response_format="verbose_json").json()
+    body = _post(server.url, Path(parity_audio[2]).read_bytes(), response_format="verbose_json").json()
     assert "segments" in body and "words" not in body
 
 
 def test_native_endpoint_multipart_and_raw_body(server, hybrid, parity_audio):
-    data = open(parity_audio[4], "rb").read()
+    data = Path(parity_audio[4]).read_bytes()
     expected = hybrid.transcribe([parity_audio[4]])[0]
     raw = httpx.post(f"{server.url}/v1/transcribe", content=data, headers={"content-type": "audio/wav"}, timeout=60)
     multipart = httpx.post(f"{server.url}/v1/transcribe", files={"file": ("a.wav", data, "audio/wav")}, timeout=60)
@@ -131,7 +132,7 @@ def test_concurrent_requests_are_batched_and_each_gets_its_own_result(server, hy
     async def send_all():
         async with httpx.AsyncClient(timeout=120) as client:
             async def one(path):
-                r = await client.post(f"{server.url}/v1/transcribe", content=open(path, "rb").read(),
+                r = await client.post(f"{server.url}/v1/transcribe", content=Path(path).read_bytes(),
                                       headers={"content-type": "audio/wav"})
                 return path, r
             return await asyncio.gather(*(one(p) for p in files))
@@ -149,7 +150,7 @@ def test_concurrent_requests_are_batched_and_each_gets_its_own_result(server, hy
 
 def test_full_queue_answers_429_with_retry_after(hybrid, parity_audio):
     settings = Settings(max_queue=3, max_wait_ms=3000, max_batch_size=64)
-    data = open(parity_audio[7], "rb").read()
+    data = Path(parity_audio[7]).read_bytes()
     with run_server(settings, hybrid) as running, ThreadPoolExecutor(6) as pool:
         responses = list(pool.map(lambda _: _post(running.url, data), range(6)))
     codes = sorted(r.status_code for r in responses)
@@ -161,7 +162,7 @@ def test_full_queue_answers_429_with_retry_after(hybrid, parity_audio):
 
 def test_client_disconnect_drops_the_queued_work(hybrid, parity_audio):
     settings = Settings(max_wait_ms=1500, max_batch_size=64)
-    data = open(parity_audio[0], "rb").read()
+    data = Path(parity_audio[0]).read_bytes()
     with run_server(settings, hybrid) as running:
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{running.url}/v1/transcribe", content=data, headers={"content-type": "audio/wav"},
@@ -176,7 +177,7 @@ def test_client_disconnect_drops_the_queued_work(hybrid, parity_audio):
 
 
 def test_api_keys_guard_v1_but_not_operations(hybrid, parity_audio):
-    data = open(parity_audio[3], "rb").read()
+    data = Path(parity_audio[3]).read_bytes()
     with run_server(Settings(api_keys=["k1", "k2"]), hybrid) as running:
         missing = _post(running.url, data)
         assert missing.status_code == 401 and missing.json()["error"]["type"] == "authentication_error"
@@ -200,7 +201,7 @@ def _wav_claiming_hours(hours: float) -> bytes:
 
 
 def _bad_inputs(parity_audio) -> list[tuple[str, bytes, str, int, str]]:
-    good = open(parity_audio[0], "rb").read()
+    good = Path(parity_audio[0]).read_bytes()
     nan_wave = np.zeros(8000, dtype=np.float32)
     nan_wave[100] = np.nan
     return [
@@ -225,11 +226,11 @@ def test_bad_inputs_get_clear_errors_and_the_server_stays_healthy(server, parity
             assert message in error["message"], (label, error)
             assert set(error) == {"message", "type", "param", "code"}
     assert httpx.get(f"{server.url}/healthz").status_code == 200
-    assert _post(server.url, open(parity_audio[0], "rb").read()).status_code == 200
+    assert _post(server.url, Path(parity_audio[0]).read_bytes()).status_code == 200
 
 
 def test_limits_on_upload_size_and_duration(hybrid, parity_audio):
-    data = open(parity_audio[1], "rb").read()  # about 3 s, 100 kB
+    data = Path(parity_audio[1]).read_bytes()  # about 3 s, 100 kB
     with run_server(Settings(max_upload_bytes=50_000, max_duration_s=60), hybrid) as running:
         too_big = _post(running.url, data)
         assert too_big.status_code == 413 and too_big.json()["error"]["code"] == "audio_too_large"
@@ -252,7 +253,7 @@ def test_limits_on_upload_size_and_duration(hybrid, parity_audio):
     ],
 )
 def test_bad_parameters(server, parity_audio, form, status, param):
-    response = _post(server.url, open(parity_audio[0], "rb").read(), **form)
+    response = _post(server.url, Path(parity_audio[0]).read_bytes(), **form)
     assert response.status_code == status
     assert response.json()["error"]["param"] == param
 
@@ -262,7 +263,7 @@ def test_missing_file_and_known_model_names(server, parity_audio):
     assert missing.status_code == 400 and missing.json()["error"]["param"] == "file"
     model_id = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
     assert model_id == "batchasr-default" or model_id
-    assert _post(server.url, open(parity_audio[0], "rb").read(), model="whisper-1").status_code == 200
+    assert _post(server.url, Path(parity_audio[0]).read_bytes(), model="whisper-1").status_code == 200
 
 
 # --- lifecycle -------------------------------------------------------------------------------------------------
@@ -270,7 +271,7 @@ def test_missing_file_and_known_model_names(server, parity_audio):
 
 def test_graceful_shutdown_finishes_queued_requests(hybrid, parity_audio):
     settings = Settings(max_wait_ms=800, max_batch_size=64)
-    data = open(parity_audio[2], "rb").read()
+    data = Path(parity_audio[2]).read_bytes()
     with run_server(settings, hybrid) as running, ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(_post, running.url, data) for _ in range(4)]
         time.sleep(0.3)  # they are queued, waiting for the batch to fill
