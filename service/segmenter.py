@@ -81,7 +81,10 @@ def stitch(pieces: list[tuple[Segment, Hypothesis]], tokenizer: Tokenizer | None
             if not segment.cut_before <= middle < segment.cut_after:
                 continue
             out.tokens.extend(hyp.tokens[first : last + 1])
-            out.frames.extend(offset + f for f in hyp.frames[first : last + 1])
+            # Pieces see different context, so a word just after a cut may start a frame before the end of
+            # the word kept just before it; frames stay non-decreasing by clamping.
+            floor = out.frames[-1] if out.frames else 0
+            out.frames.extend(max(offset + f, floor) for f in hyp.frames[first : last + 1])
             if out.durations is not None:
                 covered = hyp.durations[first : last + 1] if hyp.durations else [1] * (last - first + 1)
                 out.durations.extend(covered)
