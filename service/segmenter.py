@@ -62,7 +62,11 @@ def _quietest_point(waveform: np.ndarray, earliest: int, latest: int, sample_rat
     if len(region) <= window:
         return (earliest + latest) // 2
     energy = np.convolve(region**2, np.ones(window), mode="valid")
-    return earliest + int(np.argmin(energy)) + window // 2
+    best = int(np.argmin(energy))
+    # centre the cut in the run of equally quiet windows (a pause longer than one window)
+    quiet = energy <= energy[best] + 1e-9 * max(1.0, float(energy[best]))
+    end = best + int(np.argmin(quiet[best:])) if not quiet[best:].all() else len(quiet)
+    return earliest + (best + end - 1) // 2 + window // 2
 
 
 def stitch(pieces: list[tuple[Segment, Hypothesis]], tokenizer: Tokenizer | None, frame_samples: int,

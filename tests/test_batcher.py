@@ -1,0 +1,88 @@
+"""The dynamic batcher: who goes into a batch, when it is released, and what is dropped."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from service.batcher import Batcher, Priority, QueueFull, WorkItem
+
+
+def _item(seconds: float, priority: Priority = Priority.INTERACTIVE, timeout_s: float = 60.0) -> WorkItem:
+    return WorkItem(np.zeros(int(seconds * 16000), dtype=np.float32), priority, timeout_s)
+
+
+def _batcher(**kw) -> Batcher:
+    args = {"max_batch_size": 4, "max_batch_audio_s": 1000.0, "max_wait_ms": 0.0, "max_queue": 100} | kw
+    return Batcher(**args)
+
+
+def test_oldest_item_is_always_in_the_batch_with_similar_lengths():
+    b = _batcher()
+    items = [_item(s) for s in (10, 1, 30, 11, 2, 9, 29, 12)]
+    b.submit(items)
+    first = b.next_batch().items
+    assert items[0] in first and len(first) == 4
+    assert sorted(i.n_samples // 16000 for i in first) == [9, 10, 11, 12]
+
+
+def test_padded_audio_limit_bounds_the_batch():
+    b = _batcher(max_batch_audio_s=45.0)
+    b.submit([_item(10), _item(20), _item(5)])
+    batch = b.next_batch()
+    assert batch.padded_samples <= 45 * 16000
+    assert [i.n_samples // 16000 for i in batch.items] == [10, 5]
+
+
+def test_interactive_first_then_bulk_fills_the_room():
+    b = _batcher()
+    bulk = [_item(5, Priority.BULK) for _ in range(3)]
+    b.submit(bulk)
+    interactive = [_item(5) for _ in range(2)]
+    b.submit(interactive)
+    batch = b.next_batch().items
+    assert batch[:2] == interactive and len(batch) == 4 and batch[2] in bulk
+
+
+def test_batch_waits_for_max_wait_unless_full():
+    b = _batcher(max_wait_ms=200)
+    b.submit([_item(1)])
+    started = time.monotonic()
+    assert len(b.next_batch().items) == 1
+    assert time.monotonic() - started >= 0.19
+    b.submit([_item(1) for _ in range(4)])
+    started = time.monotonic()
+    assert len(b.next_batch().items) == 4
+    assert time.monotonic() - started < 0.1  # full: no waiting
+
+
+def test_queue_full_is_all_or_nothing():
+    b = _batcher(max_queue=3)
+    b.submit([_item(1), _item(1)])
+    with pytest.raises(QueueFull) as info:
+        b.submit([_item(1), _item(1)])
+    assert info.value.retry_after_s >= 1 and b.depth == 2
+
+
+def test_cancelled_and_expired_items_never_reach_the_engine():
+    drops = []
+    b = _batcher(on_drop=drops.append)
+    cancelled, expired, alive = _item(1), _item(1, timeout_s=0.0), _item(1)
+    b.submit([cancelled, expired, alive])
+    cancelled.future.cancel()
+    assert b.next_batch().items == [alive]
+    assert sorted(drops) == ["cancelled", "expired"]
+    assert isinstance(expired.future.exception(), TimeoutError)
+
+
+def test_close_drains_then_stops():
+    b = _batcher(max_wait_ms=10_000)
+    b.submit([_item(1)])
+    threading.Timer(0.1, b.close).start()
+    assert len(b.next_batch().items) == 1  # released by close, not by the 10 s wait
+    assert b.next_batch() is None
+    with pytest.raises(RuntimeError):
+        b.submit([_item(1)])

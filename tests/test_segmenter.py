@@ -1,0 +1,44 @@
+"""Long-audio planning and stitching."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from decoding.types import Hypothesis
+from service.segmenter import NO_CUT, plan_segments, stitch
+
+FRAME = 1280  # samples per encoder frame
+
+
+def test_short_audio_is_one_piece():
+    assert plan_segments(16000 * 10, np.zeros(160000), 16000, 30, 2, FRAME)[0].cut_after == NO_CUT
+
+
+def test_cuts_fall_in_silence_and_pieces_cover_everything():
+    rng = np.random.default_rng(0)
+    wave = rng.standard_normal(16000 * 95).astype(np.float32)
+    quiet = [int(16000 * s) for s in (26.0, 52.5, 79.0)]
+    for q in quiet:
+        wave[q : q + 3200] = 0
+    segments = plan_segments(len(wave), wave, 16000, 30, 2, FRAME)
+    assert [s.cut_before for s in segments[1:]] == [q + 1600 - (q + 1600) % FRAME for q in quiet]
+    assert segments[0].start == 0 and segments[-1].end == len(wave)
+    for a, b in zip(segments, segments[1:], strict=False):
+        assert b.start < a.end  # they overlap
+        assert a.cut_after == b.cut_before and b.start % FRAME == 0
+        assert a.end - a.start <= 30 * 16000
+
+
+def test_stitch_keeps_each_unit_once_in_order():
+    segments = plan_segments(16000 * 40, np.ones(16000 * 40), 16000, 30, 2, FRAME)
+    assert len(segments) == 2
+    cut_frame = segments[0].cut_after // FRAME
+    offset = segments[1].start // FRAME
+    # piece 1 sees tokens every 10 frames up to its end; piece 2 the same from its start
+    first = Hypothesis(tokens=list(range(0, cut_frame + 12, 10)), frames=list(range(0, cut_frame + 12, 10)))
+    local = list(range(0, 200, 10))
+    second = Hypothesis(tokens=[offset + f for f in local], frames=local)
+    merged = stitch([(segments[0], first), (segments[1], second)], None, FRAME)
+    assert merged.frames == sorted(merged.frames)
+    assert len(set(merged.tokens)) == len(merged.tokens)  # nothing doubled at the cut
+    assert all(t < cut_frame for t in merged.tokens if t in first.tokens and t not in second.tokens)
