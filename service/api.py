@@ -13,29 +13,26 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Form, Request, UploadFile
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.datastructures import UploadFile as StarletteUpload
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from models.asr_model import ASRModel, load_model
 
-from .audio import AudioLimits, AudioRequestError, check_media_type, decode_audio
-from .batcher import Batcher, Priority, QueueFull
+from .audio import AudioRequestError, check_media_type, decode_audio
+from .batcher import Priority, QueueFull
 from .config import Settings
-from .engine import Engine
 from .formats import cues, to_srt, to_vtt
+from .http import ApiError, ServiceDep, ServiceState, install_error_handlers, read_upload, require_api_key
+from .job_routes import router as jobs_router
 from .metrics import Metrics
+from .runtime import build_stack
 from .schemas import (
-    ErrorResponse,
     ModelCard,
     ModelList,
     NativeTranscription,
@@ -45,97 +42,13 @@ from .schemas import (
     VerboseTranscription,
     WordTiming,
 )
-from .transcriber import RequestResult, Transcriber
+from .transcriber import RequestResult
 
 log = logging.getLogger("batchasr.api")
 
 RESPONSE_FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
 GRANULARITIES = ("word", "segment")
 DISCONNECT_POLL_S = 0.1
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.headers = headers or {}
-
-
-@dataclass
-class ServiceState:
-    """Everything the routes share; lives on ``app.state.service``."""
-
-    settings: Settings
-    metrics: Metrics
-    model_id: str
-    model: ASRModel | None = None
-    batcher: Batcher | None = None
-    engine: Engine | None = None
-    transcriber: Transcriber | None = None
-    decode_pool: ThreadPoolExecutor | None = None
-    accepting: bool = True
-    extra_readiness: list[Any] = field(default_factory=list)  # async callables -> (ok, reason)
-
-
-def _error_body(status: int, message: str, type: str, param: str | None, code: str | None) -> dict[str, Any]:
-    return ErrorResponse.model_validate({"error": {"message": message, "type": type, "param": param,
-                                                   "code": code}}).model_dump()
-
-
-def _install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(ApiError)
-    async def api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(_error_body(exc.status, exc.message, exc.type, exc.param, exc.code), exc.status,
-                            headers=exc.headers)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return JSONResponse(_error_body(exc.status_code, str(exc.detail), kind, None, None), exc.status_code,
-                            headers=getattr(exc, "headers", None))
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        param = str(first.get("loc", ["", ""])[-1]) or None
-        message = f"{param}: {first.get('msg', 'invalid request')}" if param else "invalid request"
-        return JSONResponse(_error_body(400, message, "invalid_request_error", param, "invalid_parameter"), 400)
-
-    @app.exception_handler(Exception)
-    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return JSONResponse(_error_body(500, f"internal error: {type(exc).__name__}", "server_error", None, None), 500)
-
-
-def _service(request: Request) -> ServiceState:
-    return request.app.state.service
-
-
-ServiceDep = Annotated[ServiceState, Depends(_service)]
-
-
-def require_api_key(request: Request, service: ServiceDep) -> None:
-    keys = service.settings.api_keys
-    if not keys:
-        return
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or token.strip() not in keys:
-        raise ApiError(401, "a valid API key is required (Authorization: Bearer <key>)", type="authentication_error",
-                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-
-
-# --- shared request handling -------------------------------------------------------------------------------
-
-
-async def _read_upload(upload: StarletteUpload | None, service: ServiceState) -> tuple[bytes, str | None]:
-    if upload is None:
-        raise ApiError(400, "no audio: send a multipart `file` field", param="file", code="missing_file")
-    limit = service.settings.max_upload_bytes
-    if upload.size is not None and upload.size > limit:
-        raise ApiError(413, f"upload of {upload.size} bytes exceeds the limit of {limit} bytes", param="file",
-                       code="audio_too_large")
-    return await upload.read(limit + 1), upload.content_type
 
 
 async def _read_body(request: Request, service: ServiceState) -> bytes:
@@ -155,18 +68,17 @@ async def _read_body(request: Request, service: ServiceState) -> bytes:
 async def _transcribe(request: Request, service: ServiceState, data: bytes, content_type: str | None
                       ) -> RequestResult:
     """Decode off the event loop, queue, and await the result; drop the work if the client goes away."""
-    if not service.accepting or service.transcriber is None or not service.engine or not service.engine.ready:
+    stack = service.stack
+    if not service.accepting or stack is None or not stack.engine.ready:
         raise ApiError(503, "the service is not ready", type="server_error", code="not_ready",
                        headers={"Retry-After": "5"})
     try:
         check_media_type(content_type)
-        limits = AudioLimits(service.settings.max_upload_bytes, service.settings.max_duration_s,
-                             service.transcriber.sample_rate)
         loop = asyncio.get_running_loop()
-        waveform = await loop.run_in_executor(service.decode_pool, decode_audio, data, limits)
+        waveform = await loop.run_in_executor(stack.decode_pool, decode_audio, data, stack.limits)
     except AudioRequestError as exc:
         raise ApiError(exc.status, str(exc), param="file", code=exc.code) from exc
-    task = asyncio.ensure_future(service.transcriber.transcribe(waveform, Priority.INTERACTIVE))
+    task = asyncio.ensure_future(stack.transcriber.transcribe(waveform, Priority.INTERACTIVE))
     try:
         while not task.done():
             await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
@@ -237,7 +149,7 @@ async def openai_transcriptions(
     if bad := [g for g in granularities if g not in GRANULARITIES]:
         raise ApiError(400, f"timestamp_granularities[] must be word or segment, not {bad[0]!r}",
                        param="timestamp_granularities[]")
-    data, content_type = await _read_upload(file, service)
+    data, content_type = await read_upload(file, service)
     result = await _transcribe(request, service, data, content_type)
     transcript = result.transcript
     usage = Usage(seconds=round(transcript.duration_s, 3))
@@ -252,7 +164,7 @@ async def openai_transcriptions(
     wants = set(granularities) or {"segment"}
     body = VerboseTranscription(
         language=language or "en", duration=round(transcript.duration_s, 3), text=transcript.text, usage=usage,
-        segments=_segments(result, service.model.config.frame_s) if "segment" in wants else None,
+        segments=_segments(result, service.stack.model.config.frame_s) if "segment" in wants else None,
         words=_words(result) if "word" in wants else None,
     )
     return JSONResponse(body.model_dump(exclude_none=True))
@@ -265,7 +177,7 @@ async def native_transcribe(request: Request, service: ServiceDep) -> NativeTran
     if content_type.startswith("multipart/form-data"):
         form = await request.form()
         upload = form.get("file")
-        data, content_type = await _read_upload(upload if isinstance(upload, StarletteUpload) else None, service)
+        data, content_type = await read_upload(upload if isinstance(upload, StarletteUpload) else None, service)
     else:
         data = await _read_body(request, service)
     result = await _transcribe(request, service, data, content_type)
@@ -293,17 +205,15 @@ async def healthz() -> dict[str, str]:
 
 @ops.get("/readyz")
 async def readyz(service: ServiceDep) -> JSONResponse:
-    """Ready: model loaded, engine warm, dependencies (Redis when configured) reachable."""
-    engine = service.engine
+    """Ready: model loaded, engine warm, Redis reachable when configured."""
+    stack = service.stack
     problems = []
-    if engine is None or not engine.ready:
-        problems.append(engine.error if engine and engine.error else "engine warming up")
+    if stack is None or not stack.engine.ready:
+        problems.append(stack.engine.error if stack and stack.engine.error else "engine warming up")
     if not service.accepting:
         problems.append("shutting down")
-    for check in service.extra_readiness:
-        ok, reason = await check()
-        if not ok:
-            problems.append(reason)
+    if service.jobs is not None and not await service.jobs.ping():
+        problems.append("redis unreachable")
     status = 503 if problems else 200
     return JSONResponse({"status": "not ready" if problems else "ready", "problems": problems}, status)
 
@@ -316,41 +226,34 @@ async def metrics(service: ServiceDep) -> Response:
 # --- the app -----------------------------------------------------------------------------------------------
 
 
-def _start_engine(service: ServiceState, model: ASRModel) -> None:
-    s = service.settings
-    service.model = model
-    service.batcher = Batcher(s.max_batch_size, s.max_batch_audio_s, s.max_wait_ms, s.max_queue, model.sample_rate,
-                              on_drop=lambda reason: service.metrics.dropped_items.labels(reason).inc())
-    service.engine = Engine(model, service.batcher, service.metrics, decoder=s.decoder)
-    service.transcriber = Transcriber(service.engine, service.batcher, s.max_segment_s, s.segment_overlap_s,
-                                      s.request_timeout_s)
-    service.engine.start()
-
-
 def create_app(settings: Settings, model: ASRModel | None = None) -> FastAPI:
-    """The API. Pass ``model`` to serve one already loaded (tests, embedding); else settings.model loads."""
+    """The API. Pass ``model`` to serve one already loaded (tests, embedding); else settings.model loads.
+
+    With ``settings.redis_url`` the same engine also consumes bulk jobs, and the /v1/jobs routes work.
+    """
     model_id = settings.model_name or (Path(settings.model).stem if settings.model else "batchasr-default")
     service = ServiceState(settings=settings, metrics=Metrics(), model_id=model_id)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        service.decode_pool = ThreadPoolExecutor(settings.decode_threads, thread_name_prefix="batchasr-decode")
         loaded = model
         if loaded is None:
             loaded = await asyncio.to_thread(load_model, settings.model, settings.device, settings.dtype)
-        _start_engine(service, loaded)
+        service.stack = build_stack(settings, loaded, service.metrics)
+        if service.stack.jobs is not None:
+            service.stack.start_consumer()
         try:
             yield
         finally:
             service.accepting = False
-            await asyncio.to_thread(service.engine.stop)  # drains what is queued first
-            service.decode_pool.shutdown(wait=True)
+            await service.stack.stop()  # finishes job items in hand and what is queued first
 
     app = FastAPI(title="batchasr", version="0.1.0", lifespan=lifespan,
                   description="High-throughput transcription of NeMo FastConformer models.")
     app.state.service = service
-    _install_error_handlers(app)
+    install_error_handlers(app)
     app.include_router(v1)
+    app.include_router(jobs_router)
     app.include_router(ops)
     app.add_middleware(RequestLogMiddleware, service=service)
     return app

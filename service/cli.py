@@ -6,6 +6,7 @@ Each subcommand imports what it needs when it runs, so ``batchasr transcribe`` n
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
@@ -21,12 +22,20 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                         help="weights of encoder and heads (default: bfloat16 on CUDA, float32 on CPU)")
 
 
+def _add_decoding_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--decoder-algorithm", default="label_looping", choices=("label_looping", "frame_looping"),
+                        help="transducer greedy search (default: label_looping; frame_looping is the reference)")
+    parser.add_argument("--cuda-graphs", default="auto", choices=("auto", "conditional", "no_while", "off"),
+                        help="how label looping runs on CUDA (default: auto, the best mode available)")
+
+
 def _transcribe_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("transcribe", help="transcribe audio files offline")
     _add_model_options(p)
     p.add_argument("--batch-size", type=int, default=16, help="utterances per batch (default: 16)")
     p.add_argument("--decoder", default="auto", choices=("auto", "ctc", "rnnt", "tdt"),
                    help="which head decodes (hybrids have two; default: the transducer)")
+    _add_decoding_options(p)
     p.add_argument("--format", default="text", choices=FORMATS, help="output format (default: text)")
     p.add_argument("--output-dir", type=Path,
                    help="write one <name>.<format> per input here instead of printing to stdout")
@@ -45,7 +54,8 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
         return 2
     model = load_model(args.model, device=args.device, dtype=args.dtype)
     try:
-        transcripts = model.transcribe(args.audio, batch_size=args.batch_size, decoder=args.decoder)
+        transcripts = model.transcribe(args.audio, batch_size=args.batch_size, decoder=args.decoder,
+                                       decoder_algorithm=args.decoder_algorithm, cuda_graphs=args.cuda_graphs)
     except (AudioError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -96,12 +106,96 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="offline throughput: RTFx end to end and per stage",
+                       description="--model also takes a built-in architecture name (random weights, blank "
+                                   "calibrated to about one token per 3 frames), e.g. parakeet-tdt-0.6b-v2, "
+                                   "parakeet-rnnt-1.1b, parakeet-ctc-1.1b.")
+    _add_model_options(p)
+    p.add_argument("--audio", nargs="+", metavar="DIR_OR_FILE",
+                   help="audio files or directories (default: a synthetic LibriSpeech-like duration mix)")
+    p.add_argument("--batch-size", type=int, default=16, help="utterances per batch (default: 16)")
+    p.add_argument("--repeat", type=int, default=1, help="timed passes over the audio (default: 1)")
+    _add_decoding_options(p)
+    p.add_argument("--n-utterances", type=int, default=128,
+                   help="synthetic utterances when no --audio is given (default: 128, about 16 min)")
+    p.add_argument("--seed", type=int, default=0, help="synthetic audio and random weights (default: 0)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import cmd_bench as run
+
+    return run(args)
+
+
+def _worker_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("worker", help="consume bulk jobs from Redis (no HTTP): one per GPU for scale-out")
+    _add_model_options(p)
+    p.add_argument("--redis-url", help="Redis holding the job stream (BATCHASR_REDIS_URL)")
+    p.add_argument("--name", help="consumer name in the group (default: host-pid)")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    p.set_defaults(func=cmd_worker)
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from .config import get_settings
+    from .jobs_cli import run_worker
+    from .logs import configure_json_logging
+
+    configure_json_logging(logging.DEBUG if args.verbose else logging.INFO)
+    settings = get_settings(model=args.model, device=None if args.device == "auto" else args.device,
+                            dtype=None if args.dtype == "auto" else args.dtype, redis_url=args.redis_url,
+                            worker_name=args.name)
+    if not settings.redis_url:
+        print("error: a worker needs --redis-url (or BATCHASR_REDIS_URL)", file=sys.stderr)
+        return 2
+    return asyncio.run(run_worker(settings, args.metrics_port))
+
+
+def _submit_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("submit", help="submit audio files (and directories of them) as one bulk job")
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--redis-url", help="submit straight into Redis")
+    target.add_argument("--server", help="submit through a batchasr server's /v1/jobs (e.g. http://host:8000)")
+    p.add_argument("--api-key", help="Bearer key for --server")
+    p.add_argument("--wait", action="store_true", help="wait for the job, with a progress bar, then print results")
+    p.add_argument("--output", type=Path, help="write result lines here instead of stdout")
+    p.add_argument("--idempotency-key", help="resubmitting with the same key returns the same job")
+    p.add_argument("paths", nargs="+", metavar="FILES_OR_DIRS")
+    p.set_defaults(func=cmd_submit)
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from .jobs_cli import collect_audio, run_submit
+
+    try:
+        files = collect_audio(args.paths)
+    except FileNotFoundError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not files:
+        print("error: no audio files found", file=sys.stderr)
+        return 2
+    with open(args.output, "w", encoding="utf-8") if args.output else contextlib.nullcontext(sys.stdout) as out:
+        return asyncio.run(run_submit(files, args.redis_url, args.server, args.api_key, args.wait, out,
+                                      args.idempotency_key))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="batchasr", description="High-throughput batch transcription.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
     sub = parser.add_subparsers(dest="command", required=True)
     _transcribe_parser(sub)
     _serve_parser(sub)
+    _worker_parser(sub)
+    _submit_parser(sub)
+    _bench_parser(sub)
     return parser
 
 

@@ -40,8 +40,16 @@ class Settings(BaseSettings):
 
     # Redis (bulk jobs)
     redis_url: str | None = None
+    input_roots: Annotated[list[str], NoDecode] = Field(default_factory=list)  # jobs may name files under these
+    job_input_ttl_s: int = 7 * 86400  # uploaded audio waits at most this long for a worker
+    job_result_ttl_s: int = 7 * 86400  # results are kept this long after the job finishes
+    job_max_attempts: int = 3
+    job_visibility_timeout_s: float = 300.0  # an unacknowledged delivery is reclaimed after this
+    job_prefetch: int = 64
+    webhook_secret: str | None = None  # whsec_<base64>; signs completion webhooks
+    worker_name: str | None = None  # consumer name in the group (default: host-pid)
 
-    @field_validator("api_keys", "model_aliases", mode="before")
+    @field_validator("api_keys", "model_aliases", "input_roots", mode="before")
     @classmethod
     def _split_commas(cls, value: object) -> object:
         """Accept ``a,b`` as well as a JSON list from the environment."""

@@ -11,7 +11,9 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+
+disable_created_metrics()  # the *_created series only add cardinality for our dashboards
 
 RTFX_WINDOW_S = 60.0
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -46,6 +48,13 @@ class Metrics:
                                 registry=r)
         self.jobs = Counter("batchasr_jobs", "Bulk jobs by final status", ["status"], registry=r)
         self.job_items = Counter("batchasr_job_items", "Bulk job items by status", ["status"], registry=r)
+        self.job_stream_lag = Gauge("batchasr_job_stream_lag", "Job items queued or delivered but not acknowledged",
+                                    registry=r)
+        self.job_items_reclaimed = Counter("batchasr_job_items_reclaimed", "Job items reclaimed from stalled workers",
+                                           registry=r)
+        self.job_items_dead_lettered = Counter("batchasr_job_items_dead_lettered",
+                                               "Job items failed for good and moved to the dead-letter stream",
+                                               registry=r)
         self.gpu_memory_bytes = Gauge("batchasr_gpu_memory_bytes", "GPU memory held by the engine", registry=r)
         self.dropped_items = Counter("batchasr_dropped_items", "Queued items dropped before the engine",
                                      ["reason"], registry=r)

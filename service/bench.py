@@ -1,0 +1,282 @@
+"""``batchasr bench``: offline throughput (RTFx) of a model, with features, encoder and decoder timed apart.
+
+``--model`` is a checkpoint or the name of a built-in architecture with random weights; for those the blank
+logit is calibrated so greedy decoding emits about one token per three encoder frames, as real speech does,
+since the decoder's cost depends on how many labels it finds. Without ``--audio`` the input is a synthetic,
+speech-like signal whose durations follow a LibriSpeech-like mix (deterministic for a seed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from models.asr_model import ASRModel, EncodedBatch
+
+SAMPLE_RATE = 16000
+# LibriSpeech test-clean/test-other: about 5.4 h in 2620 utterances (7.4 s mean), 1.3 s to 35 s, right-skewed.
+DURATION_MEAN_S = 7.4
+DURATION_SHAPE = 2.2  # gamma shape: std about 5 s
+DURATION_RANGE_S = (1.3, 35.0)
+TARGET_TOKENS_PER_FRAME = 1 / 3  # a Parakeet model on English speech emits about one token per 3 frames (240 ms)
+CALIBRATION_UTTERANCES = 4
+AUDIO_SUFFIXES = {".wav", ".flac", ".ogg", ".mp3", ".opus"}
+STAGES = ("features", "encoder", "decoder")
+
+
+@dataclass
+class BenchResult:
+    model: str
+    device: str
+    dtype: str
+    batch_size: int
+    decoder: str  # ctc | rnnt | tdt
+    decoder_algorithm: str
+    cuda_graphs: str  # requested
+    mode: str  # graph mode actually used: conditional | no_while | eager
+    n_utterances: int
+    repeat: int
+    audio_s: float  # audio decoded in the timed passes (all repeats)
+    wall_s: float
+    rtfx: float
+    stage_s: dict[str, float]
+    decoder_share: float  # decoder seconds / sum of stage seconds
+    tokens: int  # tokens in one pass
+    frames: int  # encoder frames in one pass
+    tokens_per_frame: float
+    tokens_sha1: str  # all token ids in input order: equal hashes, equal transcripts
+    blank_bias: float | None  # calibrated blank-logit offset (built-in architectures only)
+    torch: str = field(default_factory=lambda: torch.__version__)
+    gpu: str | None = None
+
+
+# --- inputs ---------------------------------------------------------------------------------------------------
+
+def synthetic_durations(n: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    durations = rng.gamma(DURATION_SHAPE, DURATION_MEAN_S / DURATION_SHAPE, size=n)
+    return np.clip(durations, *DURATION_RANGE_S)
+
+
+def synthetic_speech(duration_s: float, rng: np.random.Generator) -> np.ndarray:
+    """Speech-like float32 audio: a gliding harmonic voice, syllable-rate envelope, a little noise."""
+    t = np.arange(int(duration_s * SAMPLE_RATE)) / SAMPLE_RATE
+    f0 = rng.uniform(100.0, 220.0) * (1.0 + 0.1 * np.sin(2 * np.pi * rng.uniform(0.3, 0.8) * t))
+    phase = 2 * np.pi * np.cumsum(f0) / SAMPLE_RATE
+    voice = sum(np.sin(h * phase) / h for h in range(1, 7))
+    syllables = np.sin(2 * np.pi * rng.uniform(3.0, 5.0) * t + rng.uniform(0, 2 * np.pi)) ** 2
+    noise = rng.standard_normal(t.size)
+    return (0.1 * voice * syllables + 0.01 * noise).astype(np.float32)
+
+
+def synthetic_audio(n: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed + 1)
+    return [synthetic_speech(d, rng) for d in synthetic_durations(n, seed)]
+
+
+def audio_files(paths: list[str]) -> list[Path]:
+    files: list[Path] = []
+    for item in map(Path, paths):
+        if item.is_dir():
+            files.extend(sorted(p for p in item.rglob("*") if p.suffix.lower() in AUDIO_SUFFIXES))
+        else:
+            files.append(item)
+    if not files:
+        raise ValueError(f"no audio files in {', '.join(paths)}")
+    return files
+
+
+# --- model ----------------------------------------------------------------------------------------------------
+
+def load_bench_model(name: str | None, device: str, dtype: str, seed: int) -> tuple[ASRModel, bool]:
+    """(model, has_random_weights): a built-in architecture by name, else a checkpoint path."""
+    from models import load_model
+    from models.architectures import ARCHITECTURES, build_random_model
+
+    if name in ARCHITECTURES:
+        return build_random_model(name, device=device, dtype=dtype, seed=seed), True
+    return load_model(name, device=device, dtype=dtype), False
+
+
+def _blank_bias_param(model: ASRModel, decoder: str) -> tuple[torch.Tensor, int]:
+    """The output bias holding the blank logit of ``decoder``'s head, and the blank's index."""
+    if decoder == "ctc":
+        head = model.ctc_head
+        assert head is not None
+        return head.decoder_layers[0].bias, head.blank_id
+    return model.joint.joint_net[-1].bias, model.config.vocab_size
+
+
+def _token_rate(model: ASRModel, batch: EncodedBatch, decoder: str) -> float:
+    hyps = model.decode(batch, decoder, "label_looping", "off")
+    return sum(len(h.tokens) for h in hyps) / max(int(batch.lengths.sum()), 1)
+
+
+@torch.no_grad()
+def calibrate_blank_bias(model: ASRModel, waveforms: list[np.ndarray], decoder: str,
+                         target: float = TARGET_TOKENS_PER_FRAME, steps: int = 12) -> float:
+    """Shift the blank logit (bisection, in place) until greedy decoding emits ``target`` tokens per frame.
+
+    Returns the shift. More blank bias, fewer tokens: the rate falls monotonically (up to ties) with the shift.
+    """
+    bias, blank = _blank_bias_param(model, decoder)
+    batch = model.encode(waveforms)
+    base = float(bias[blank])
+    low, high = -8.0, 24.0
+    for _ in range(steps):
+        mid = (low + high) / 2
+        bias[blank] = base + mid
+        if _token_rate(model, batch, decoder) > target:
+            low = mid
+        else:
+            high = mid
+    shift = (low + high) / 2
+    bias[blank] = base + shift
+    return shift
+
+
+# --- timing ---------------------------------------------------------------------------------------------------
+
+class StageClock:
+    """Stage boundaries: CUDA events on a GPU (read once at the end), ``perf_counter`` on a CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list[list[Any]] = []  # per batch: start, after features, after encoder, after decoder
+
+    def mark(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def stage_seconds(self) -> dict[str, float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+        totals = dict.fromkeys(STAGES, 0.0)
+        for marks in self.marks:
+            for stage, start, end in zip(STAGES, marks, marks[1:], strict=False):
+                totals[stage] += start.elapsed_time(end) / 1000 if self.cuda else end - start
+        return totals
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass
+class PassOutput:
+    tokens: dict[int, list[int]] = field(default_factory=dict)  # by input index
+    frames: int = 0  # encoder frames decoded
+
+
+def run_batches(model: ASRModel, waveforms: list[np.ndarray], batches: list[list[int]], decoder: str,
+                decoder_algorithm: str, cuda_graphs: str, clock: StageClock | None) -> PassOutput:
+    """One pass: features, encoder, decoder per batch."""
+    out = PassOutput()
+    for chunk in batches:
+        marks = [clock.mark()] if clock else []
+        waves = [waveforms[i] for i in chunk]
+        features, n_frames = model.featurize(waves)
+        marks += [clock.mark()] if clock else []
+        encoded, lengths = model.run_encoder(features, n_frames)
+        marks += [clock.mark()] if clock else []
+        batch = EncodedBatch(encoded, lengths, [len(w) / SAMPLE_RATE for w in waves])
+        hyps = model.decode(batch, decoder, decoder_algorithm, cuda_graphs)
+        if clock:
+            clock.marks.append([*marks, clock.mark()])
+        out.tokens.update((i, h.tokens) for i, h in zip(chunk, hyps, strict=True))
+        out.frames += int(lengths.sum())  # after the decoder's own host copy: no extra sync in a stage
+    return out
+
+
+def tokens_sha1(tokens: dict[int, list[int]]) -> str:
+    text = "\n".join(" ".join(map(str, tokens[i])) for i in sorted(tokens))
+    return hashlib.sha1(text.encode()).hexdigest()
+
+
+def run_bench(args: argparse.Namespace) -> BenchResult:
+    if args.batch_size < 1 or args.repeat < 1:
+        raise ValueError("--batch-size and --repeat must be >= 1")
+    model, random_weights = load_bench_model(args.model, args.device, args.dtype, args.seed)
+    if args.audio:
+        from models.audio_io import read_audio
+
+        waveforms = [read_audio(path, model.sample_rate) for path in audio_files(args.audio)]
+    else:
+        waveforms = synthetic_audio(args.n_utterances, args.seed)
+    decoder = model.default_decoder
+    shift = (calibrate_blank_bias(model, waveforms[:CALIBRATION_UTTERANCES], decoder)
+             if random_weights else None)
+    # longest first, as ``transcribe`` does: the first batch sizes the decoder's buffers and graphs
+    order = sorted(range(len(waveforms)), key=lambda i: len(waveforms[i]), reverse=True)
+    batches = [order[i : i + args.batch_size] for i in range(0, len(order), args.batch_size)]
+    run_batches(model, waveforms, batches[:1], decoder, args.decoder_algorithm, args.cuda_graphs, None)  # warm-up
+    clock = StageClock(model.device)
+    _sync(model.device)
+    start = time.perf_counter()
+    for _ in range(args.repeat):
+        output = run_batches(model, waveforms, batches, decoder, args.decoder_algorithm, args.cuda_graphs, clock)
+    _sync(model.device)
+    wall_s = time.perf_counter() - start
+    return _result(args, model, decoder, waveforms, output, wall_s, clock.stage_seconds(), shift)
+
+
+def _result(args: argparse.Namespace, model: ASRModel, decoder: str, waveforms: list[np.ndarray],
+            output: PassOutput, wall_s: float, stage_s: dict[str, float], shift: float | None) -> BenchResult:
+    audio_s = sum(len(w) for w in waveforms) / SAMPLE_RATE * args.repeat
+    n_tokens = sum(len(t) for t in output.tokens.values())
+    frames = output.frames
+    mode = "eager"
+    if decoder != "ctc" and args.decoder_algorithm == "label_looping":
+        mode = model.label_looper(args.cuda_graphs).mode or "eager"
+    gpu = torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else None
+    return BenchResult(
+        model=str(args.model), device=str(model.device), dtype=str(model.dtype).removeprefix("torch."),
+        batch_size=args.batch_size, decoder=decoder, decoder_algorithm=args.decoder_algorithm,
+        cuda_graphs=args.cuda_graphs, mode=mode, n_utterances=len(waveforms), repeat=args.repeat,
+        audio_s=round(audio_s, 3), wall_s=round(wall_s, 4), rtfx=round(audio_s / wall_s, 2),
+        stage_s={k: round(v, 4) for k, v in stage_s.items()},
+        decoder_share=round(stage_s["decoder"] / max(sum(stage_s.values()), 1e-12), 4), tokens=n_tokens,
+        frames=frames, tokens_per_frame=round(n_tokens / max(frames, 1), 4), tokens_sha1=tokens_sha1(output.tokens),
+        blank_bias=None if shift is None else round(shift, 3), gpu=gpu)
+
+
+# --- output ---------------------------------------------------------------------------------------------------
+
+def format_report(r: BenchResult) -> str:
+    weights = f"random weights, blank bias {r.blank_bias:+.2f}" if r.blank_bias is not None else "checkpoint"
+    lines = [
+        f"model {r.model} ({weights}) on {r.gpu or r.device}, {r.dtype}, batch {r.batch_size}",
+        f"decoder {r.decoder}: {r.decoder_algorithm}, cuda graphs {r.cuda_graphs} -> mode {r.mode}",
+        f"{r.n_utterances} utterances x {r.repeat}: {r.audio_s:.1f} s of audio in {r.wall_s:.3f} s, "
+        f"RTFx {r.rtfx:.1f}",
+        f"{'stage':<10}{'seconds':>10}{'share':>9}{'RTFx':>11}",
+    ]
+    total = max(sum(r.stage_s.values()), 1e-12)
+    for stage, seconds in r.stage_s.items():
+        rtfx = r.audio_s / seconds if seconds > 0 else float("inf")
+        lines.append(f"{stage:<10}{seconds:>10.4f}{seconds / total:>9.1%}{rtfx:>11.1f}")
+    lines.append(f"{r.tokens_per_frame:.3f} tokens per frame; tokens_sha1 {r.tokens_sha1}")
+    return "\n".join(lines) + "\n"
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    try:
+        result = run_bench(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    sys.stdout.write(json.dumps(asdict(result)) + "\n" if args.json else format_report(result))
+    return 0

@@ -1,0 +1,104 @@
+"""What every route shares: the service state, the OpenAI error shape, API-key auth, bounded uploads."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.datastructures import UploadFile as StarletteUpload
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .config import Settings
+from .jobs import JobStore
+from .metrics import Metrics
+from .runtime import Stack
+from .schemas import ErrorResponse
+
+log = logging.getLogger("batchasr.api")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+
+@dataclass
+class ServiceState:
+    """Everything the routes share; lives on ``app.state.service``."""
+
+    settings: Settings
+    metrics: Metrics
+    model_id: str
+    stack: Stack | None = None
+    accepting: bool = True
+
+    @property
+    def jobs(self) -> JobStore | None:
+        return self.stack.jobs if self.stack is not None else None
+
+
+def _error_body(status: int, message: str, type: str, param: str | None, code: str | None) -> dict[str, Any]:
+    return ErrorResponse.model_validate({"error": {"message": message, "type": type, "param": param,
+                                                   "code": code}}).model_dump()
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(_error_body(exc.status, exc.message, exc.type, exc.param, exc.code), exc.status,
+                            headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return JSONResponse(_error_body(exc.status_code, str(exc.detail), kind, None, None), exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        param = str(first.get("loc", ["", ""])[-1]) or None
+        message = f"{param}: {first.get('msg', 'invalid request')}" if param else "invalid request"
+        return JSONResponse(_error_body(400, message, "invalid_request_error", param, "invalid_parameter"), 400)
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return JSONResponse(_error_body(500, f"internal error: {type(exc).__name__}", "server_error", None, None), 500)
+
+
+def _service(request: Request) -> ServiceState:
+    return request.app.state.service
+
+
+ServiceDep = Annotated[ServiceState, Depends(_service)]
+
+
+def require_api_key(request: Request, service: ServiceDep) -> None:
+    keys = service.settings.api_keys
+    if not keys:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or token.strip() not in keys:
+        raise ApiError(401, "a valid API key is required (Authorization: Bearer <key>)", type="authentication_error",
+                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+# --- shared request handling -------------------------------------------------------------------------------
+
+
+async def read_upload(upload: StarletteUpload | None, service: ServiceState) -> tuple[bytes, str | None]:
+    if upload is None:
+        raise ApiError(400, "no audio: send a multipart `file` field", param="file", code="missing_file")
+    limit = service.settings.max_upload_bytes
+    if upload.size is not None and upload.size > limit:
+        raise ApiError(413, f"upload of {upload.size} bytes exceeds the limit of {limit} bytes", param="file",
+                       code="audio_too_large")
+    return await upload.read(limit + 1), upload.content_type

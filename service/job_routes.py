@@ -1,0 +1,119 @@
+"""Bulk job routes: submit (uploads or paths under the input roots), status, results, cancel."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Header, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, Field
+from starlette.datastructures import UploadFile as StarletteUpload
+
+from .http import ApiError, ServiceDep, ServiceState, require_api_key
+from .jobs import REDIS_ERRORS, ItemInput, JobInputError, JobNotFound, JobStore, resolve_input_path
+
+router = APIRouter(prefix="/v1/jobs", dependencies=[Depends(require_api_key)], tags=["jobs"])
+
+
+class PathItem(BaseModel):
+    path: str
+
+
+class JobCreate(BaseModel):
+    """JSON submission: files the server can read, under its configured input roots."""
+
+    items: list[PathItem] = Field(min_length=1)
+    webhook_url: str | None = None
+
+
+def _store(service: ServiceState) -> JobStore:
+    if service.jobs is None:
+        raise ApiError(503, "bulk jobs are not enabled on this server (start it with --redis-url)",
+                       type="server_error", code="jobs_disabled")
+    return service.jobs
+
+
+async def _form_items(request: Request, service: ServiceState) -> tuple[list[ItemInput], str | None]:
+    form = await request.form(max_files=100_000)
+    uploads = [f for key in ("files", "file", "files[]") for f in form.getlist(key) if isinstance(f, StarletteUpload)]
+    if not uploads:
+        raise ApiError(400, "no audio: send one or more multipart `files` fields", param="files", code="missing_file")
+    limit = service.settings.max_upload_bytes
+    items = []
+    for upload in uploads:
+        data = await upload.read(limit + 1)
+        if len(data) > limit:
+            raise ApiError(413, f"{upload.filename}: exceeds the upload limit of {limit} bytes", param="files",
+                           code="audio_too_large")
+        items.append(ItemInput(audio=upload.filename or f"item{len(items)}", upload=data))
+    webhook = form.get("webhook_url")
+    return items, webhook if isinstance(webhook, str) else None
+
+
+async def _json_items(request: Request) -> tuple[list[ItemInput], str | None]:
+    try:
+        body = JobCreate.model_validate_json(await request.body())
+    except ValueError as exc:
+        raise ApiError(400, f"invalid job: {exc}", code="invalid_job") from exc
+    return [ItemInput(audio=item.path, path=item.path) for item in body.items], body.webhook_url
+
+
+def _check_paths(items: list[ItemInput], roots: list[str]) -> None:
+    for item in items:
+        if item.path is not None:
+            resolve_input_path(item.path, roots)  # refuse escapes now, not when a worker gets there
+
+
+@router.post("", status_code=202)
+async def create_job(request: Request, service: ServiceDep,
+                     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None) -> JSONResponse:
+    """Submit a job: multipart `files` uploads, or JSON `{"items": [{"path": ...}]}` for server-side files."""
+    store = _store(service)
+    if request.headers.get("content-type", "").startswith("multipart/form-data"):
+        items, webhook = await _form_items(request, service)
+    else:
+        items, webhook = await _json_items(request)
+    try:
+        _check_paths(items, service.settings.input_roots)
+        job, created = await store.submit(items, idempotency_key, webhook)
+    except JobInputError as exc:
+        raise ApiError(400, str(exc), param="items", code="invalid_input") from exc
+    except REDIS_ERRORS as exc:
+        raise _redis_down(exc) from exc
+    return JSONResponse(job.to_dict(), status_code=202 if created else 200)
+
+
+@router.get("/{job_id}")
+async def get_job(job_id: str, service: ServiceDep) -> dict[str, Any]:
+    return (await _load(service, job_id, "get")).to_dict()
+
+
+@router.get("/{job_id}/results")
+async def job_results(job_id: str, service: ServiceDep) -> Response:
+    """One JSON line per item, in submission order."""
+    records = await _load(service, job_id, "results")
+    body = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+    return Response(body, media_type="application/x-ndjson")
+
+
+@router.delete("/{job_id}")
+async def cancel_job(job_id: str, service: ServiceDep) -> dict[str, Any]:
+    """Cancel: items not started are dropped; items in progress finish."""
+    job = await _load(service, job_id, "cancel")
+    return job.to_dict()
+
+
+async def _load(service: ServiceState, job_id: str, action: str) -> Any:
+    store = _store(service)
+    try:
+        return await getattr(store, action)(job_id)
+    except JobNotFound as exc:
+        raise ApiError(404, f"no job `{job_id}` (it may have expired)", param="job_id", code="job_not_found") from exc
+    except REDIS_ERRORS as exc:
+        raise _redis_down(exc) from exc
+
+
+def _redis_down(exc: Exception) -> ApiError:
+    return ApiError(503, f"the job store (Redis) is unreachable: {exc}", type="server_error", code="redis_unavailable",
+                    headers={"Retry-After": "5"})

@@ -1,0 +1,209 @@
+"""The job consumer: reads items from the stream, feeds them to the batcher at bulk priority, writes each
+result once, then acknowledges.
+
+Failure handling: bad audio or a refused input fails its item at once (dead-lettered); any other error
+leaves the delivery unacknowledged, so it is reclaimed (XAUTOCLAIM) after the visibility timeout, and an
+item that has been started ``max_attempts`` times is failed with its last error. Redis going away is
+waited out with backoff; nothing is lost because nothing is acknowledged before its result is written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from .audio import AudioLimits, AudioRequestError, decode_audio
+from .batcher import Priority, QueueFull
+from .formats import to_record
+from .jobs import GROUP, ITEM_STREAM, REDIS_ERRORS, JobInputError, JobStore, item_record, resolve_input_path
+from .metrics import Metrics
+from .transcriber import Transcriber
+from .webhooks import WebhookSender
+
+log = logging.getLogger(__name__)
+
+MAX_BACKOFF_S = 30.0
+
+
+def default_consumer_name() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass(frozen=True)
+class ConsumerOptions:
+    name: str
+    prefetch: int = 64  # items in flight at once (the batcher batches across them)
+    block_ms: int = 1000  # how long one XREADGROUP waits for new items
+    visibility_timeout_s: float = 300.0  # a delivery unacknowledged this long is reclaimed
+    max_attempts: int = 3
+    reclaim_interval_s: float = 5.0
+
+
+class JobConsumer:
+    def __init__(self, store: JobStore, transcriber: Transcriber, limits: AudioLimits, input_roots: list[str],
+                 metrics: Metrics, options: ConsumerOptions, decode_pool: ThreadPoolExecutor | None = None,
+                 webhooks: WebhookSender | None = None):
+        self.store = store
+        self.transcriber = transcriber
+        self.limits = limits
+        self.input_roots = input_roots
+        self.metrics = metrics
+        self.options = options
+        self.decode_pool = decode_pool
+        self.webhooks = webhooks
+        self._in_flight: set[asyncio.Task] = set()
+        self._background: set[asyncio.Task] = set()  # webhook deliveries
+        self._last_reclaim = 0.0
+        self.connected = False
+
+    # --- loops -----------------------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Consume until ``stop`` is set; then finish (and acknowledge) what is in hand and return."""
+        backoff = 1.0
+        while not stop.is_set():
+            try:
+                await self._step()
+                backoff = 1.0
+            except REDIS_ERRORS as exc:
+                self.connected = False
+                log.warning("redis unreachable (%s); retrying in %.0f s", exc, backoff)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), backoff)
+                backoff = min(MAX_BACKOFF_S, backoff * 2)
+        await self._finish_in_flight()
+
+    async def drain(self, idle_rounds: int = 2) -> None:
+        """Burst mode (tests, one-off runs): consume until the stream has nothing left for this group."""
+        idle = 0
+        while idle < idle_rounds:
+            started = await self._step(block_ms=100)
+            await self._finish_in_flight()
+            idle = idle + 1 if not started and await self.store.stream_lag() == 0 else 0
+
+    async def _step(self, block_ms: int | None = None) -> int:
+        """Start what fits in the prefetch window; returns how many items were started."""
+        await self.store.ensure_group()
+        self.connected = True
+        room = self.options.prefetch - len(self._in_flight)
+        messages: list[tuple[bytes, dict]] = []
+        loop = asyncio.get_running_loop()
+        if room > 0 and loop.time() - self._last_reclaim >= self.options.reclaim_interval_s:
+            self._last_reclaim = loop.time()
+            messages += await self._reclaim(room)
+        room -= len(messages)
+        if room > 0:
+            wait = self.options.block_ms if block_ms is None else block_ms
+            if self._in_flight:  # work in hand: look for more often, not for long
+                wait = min(wait, 100)
+            reply = await self.store.redis.xreadgroup(GROUP, self.options.name, {ITEM_STREAM: ">"}, count=room,
+                                                      block=wait)
+            for _, entries in reply or []:
+                messages += entries
+        elif self._in_flight:
+            await asyncio.wait(self._in_flight, return_when=asyncio.FIRST_COMPLETED)
+        for message_id, fields in messages:
+            task = asyncio.create_task(self._handle(message_id, fields))
+            self._in_flight.add(task)
+            task.add_done_callback(self._in_flight.discard)
+        self.metrics.job_stream_lag.set(await self.store.stream_lag())
+        return len(messages)
+
+    async def _reclaim(self, count: int) -> list[tuple[bytes, dict]]:
+        idle_ms = int(self.options.visibility_timeout_s * 1000)
+        reply = await self.store.redis.xautoclaim(ITEM_STREAM, GROUP, self.options.name, idle_ms, "0-0", count=count)
+        claimed = [(mid, fields) for mid, fields in reply[1] if fields]
+        deleted = reply[2] if len(reply) > 2 else []
+        if claimed:
+            log.info("reclaimed %d items from stalled consumers", len(claimed))
+            self.metrics.job_items_reclaimed.inc(len(claimed))
+        for message_id in deleted:
+            await self.store.redis.xack(ITEM_STREAM, GROUP, message_id)
+        return claimed
+
+    async def _finish_in_flight(self) -> None:
+        if self._in_flight:
+            await asyncio.gather(*self._in_flight, return_exceptions=True)
+
+    # --- one item --------------------------------------------------------------------------------------
+
+    async def _handle(self, message_id: bytes, fields: dict) -> None:
+        job_id, index = fields[b"job"].decode(), int(fields[b"index"])
+        try:
+            await self._process(job_id, index)
+            await self.store.redis.xack(ITEM_STREAM, GROUP, message_id)
+        except REDIS_ERRORS as exc:  # unacknowledged: it comes back after the visibility timeout
+            log.warning("redis error on %s/%d (%s); it will be retried", job_id, index, exc)
+        except Exception as exc:  # likewise retried, until max_attempts
+            log.exception("item %s/%d failed; it will be retried", job_id, index)
+            await self.store.record_error(job_id, index, f"{type(exc).__name__}: {exc}")
+
+    async def _process(self, job_id: str, index: int) -> None:
+        state, attempts = await self.store.start_item(job_id, index)
+        if state != "in_progress":
+            return  # finished, cancelled or expired meanwhile: just acknowledge
+        record, upload = await self.store.item_input(job_id, index)
+        audio = record.get("audio")
+        if attempts > self.options.max_attempts:
+            last = await self.store.last_error(job_id, index) or "the worker died while processing it"
+            await self._fail(job_id, index, audio, f"gave up after {attempts - 1} attempts: {last}")
+            return
+        try:
+            waveform = await self._load(record, upload)
+        except (AudioRequestError, JobInputError, OSError) as exc:
+            await self._fail(job_id, index, audio, str(exc))
+            return
+        while True:
+            try:
+                result = await self.transcriber.transcribe(waveform, Priority.BULK)
+                break
+            except QueueFull:  # HTTP traffic holds the queue; bulk work waits its turn
+                await asyncio.sleep(0.2)
+        t = result.transcript
+        record_out = item_record(audio, "completed", **{k: v for k, v in to_record(t).items()
+                                                       if k in ("text", "tokens", "words", "duration_s")})
+        outcome = await self.store.finish_item(job_id, index, "completed", record_out, audio_s=t.duration_s,
+                                               compute_s=result.compute_s)
+        await self._after_finish(job_id, "completed", outcome)
+
+    async def _load(self, record: dict, upload: bytes | None):
+        if "upload" in record:
+            if upload is None:
+                raise JobInputError("the uploaded audio expired before it was processed")
+            data = upload
+        else:
+            path = resolve_input_path(record["path"], self.input_roots)
+            data = await asyncio.to_thread(Path(path).read_bytes)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.decode_pool, decode_audio, data, self.limits)
+
+    async def _fail(self, job_id: str, index: int, audio: str | None, error: str) -> None:
+        outcome = await self.store.finish_item(job_id, index, "failed", item_record(audio, "failed", error=error),
+                                               error=error)
+        if outcome:
+            await self.store.dead_letter(job_id, index, error)
+            self.metrics.job_items_dead_lettered.inc()
+        await self._after_finish(job_id, "failed", outcome)
+
+    async def _after_finish(self, job_id: str, item_status: str, outcome: int) -> None:
+        if outcome == 0:
+            return  # a redelivery of an item that already had its result
+        self.metrics.job_items.labels(item_status).inc()
+        if outcome == 2:
+            job = await self.store.get(job_id)
+            self.metrics.jobs.labels(job.status.value).inc()
+            if self.webhooks is not None and job.webhook_url:
+                task = asyncio.create_task(self.webhooks.job_finished(job))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+
+    async def wait_background(self) -> None:
+        """Let webhook deliveries in progress finish (at shutdown)."""
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)

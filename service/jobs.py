@@ -1,0 +1,348 @@
+"""Bulk jobs on Redis Streams: the key schema, submission, atomic item state changes, results, cancel.
+
+Delivery is at-least-once (a consumer group on one stream; stuck deliveries are reclaimed), and every
+state change of an item runs as one Lua script, so an item redelivered after a crash can never write a
+second result or be counted twice.
+
+Per job: a hash (status, times, counters), and per-item hashes keyed by the item's index: inputs, states,
+attempts, errors, results. Uploaded audio lives in its own keys with a TTL.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import redis.asyncio as aioredis
+
+# --- the key schema, in one place ----------------------------------------------------------------------------
+PREFIX = "batchasr"
+ITEM_STREAM = f"{PREFIX}:items"  # XADD job=<id> index=<i>; consumer group GROUP
+DEAD_LETTER_STREAM = f"{PREFIX}:items:dead"  # items that failed for good, with their last error
+GROUP = "workers"
+JOB_KEY = PREFIX + ":job:{job_id}"  # hash: status, created_at, started_at, finished_at, total, n_<state>, ...
+INPUTS_KEY = PREFIX + ":job:{job_id}:inputs"  # hash index -> JSON {"audio", "path" | "upload"}
+STATES_KEY = PREFIX + ":job:{job_id}:states"  # hash index -> queued | in_progress | completed | failed | cancelled
+ATTEMPTS_KEY = PREFIX + ":job:{job_id}:attempts"  # hash index -> deliveries started
+ERRORS_KEY = PREFIX + ":job:{job_id}:errors"  # hash index -> last error
+RESULTS_KEY = PREFIX + ":job:{job_id}:results"  # hash index -> result JSON, written once (HSETNX)
+UPLOAD_KEY = PREFIX + ":upload:{job_id}:{index}"  # audio bytes, with the input TTL
+IDEMPOTENCY_KEY = PREFIX + ":idempotency:{key}"  # -> job id
+REDIS_ERRORS = (aioredis.ConnectionError, aioredis.TimeoutError, ConnectionError, OSError)
+JOB_KEYS = (JOB_KEY, INPUTS_KEY, STATES_KEY, ATTEMPTS_KEY, ERRORS_KEY, RESULTS_KEY)
+
+
+class JobStatus(str, Enum):
+    QUEUED = "queued"
+    IN_PROGRESS = "in_progress"
+    COMPLETED = "completed"
+    COMPLETED_WITH_ERRORS = "completed_with_errors"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+ITEM_STATES = ("queued", "in_progress", "completed", "failed", "cancelled")
+FINAL_ITEM_STATES = ("completed", "failed", "cancelled")
+
+
+class JobNotFound(KeyError):
+    pass
+
+
+class JobInputError(ValueError):
+    """A submission that cannot be accepted (no items, a path outside the input roots, too large)."""
+
+
+# --- atomic item transitions ---------------------------------------------------------------------------------
+
+# KEYS: job, states, attempts. ARGV: index, now.
+# Returns {state, attempts}: the caller processes the item only if state is "in_progress".
+_START_ITEM = """
+local state = redis.call('HGET', KEYS[2], ARGV[1])
+if state == false then return {'missing', 0} end
+if state == 'completed' or state == 'failed' or state == 'cancelled' then return {state, 0} end
+local attempts = redis.call('HINCRBY', KEYS[3], ARGV[1], 1)
+if state == 'queued' then
+  redis.call('HSET', KEYS[2], ARGV[1], 'in_progress')
+  redis.call('HINCRBY', KEYS[1], 'n_queued', -1)
+  redis.call('HINCRBY', KEYS[1], 'n_in_progress', 1)
+  if redis.call('HGET', KEYS[1], 'status') == 'queued' then
+    redis.call('HSET', KEYS[1], 'status', 'in_progress', 'started_at', ARGV[2])
+  end
+end
+return {'in_progress', attempts}
+"""
+
+# KEYS: job, states, results, errors. ARGV: index, final state, result JSON, error, now, audio_s, compute_s.
+# Writes the result only if none exists; returns 0 (already finished), 1 (finished), 2 (finished the job).
+_FINISH_ITEM = """
+if redis.call('HSETNX', KEYS[3], ARGV[1], ARGV[3]) == 0 then return 0 end
+local previous = redis.call('HGET', KEYS[2], ARGV[1])
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+redis.call('HINCRBY', KEYS[1], 'n_' .. previous, -1)
+redis.call('HINCRBY', KEYS[1], 'n_' .. ARGV[2], 1)
+if ARGV[4] ~= '' then redis.call('HSET', KEYS[4], ARGV[1], ARGV[4]) end
+redis.call('HINCRBYFLOAT', KEYS[1], 'audio_s', ARGV[6])
+redis.call('HINCRBYFLOAT', KEYS[1], 'compute_s', ARGV[7])
+local job = redis.call('HMGET', KEYS[1], 'total', 'n_completed', 'n_failed', 'n_cancelled')
+local total, completed, failed, cancelled = tonumber(job[1]), tonumber(job[2]), tonumber(job[3]), tonumber(job[4])
+if completed + failed + cancelled < total then return 1 end
+local status = 'completed'
+if cancelled > 0 then status = 'cancelled'
+elseif failed == total then status = 'failed'
+elseif failed > 0 then status = 'completed_with_errors' end
+redis.call('HSET', KEYS[1], 'status', status, 'finished_at', ARGV[5])
+return 2
+"""
+
+
+def _now() -> str:
+    return f"{time.time():.3f}"
+
+
+@dataclass(frozen=True)
+class ItemInput:
+    audio: str  # what the submitter called it (file name or path)
+    path: str | None = None  # a file under the input roots
+    upload: bytes | None = None  # or the audio itself
+
+
+@dataclass
+class Job:
+    id: str
+    status: JobStatus
+    total_items: int
+    counts: dict[str, int]
+    created_at: float
+    started_at: float | None
+    finished_at: float | None
+    audio_s: float
+    compute_s: float
+    webhook_url: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def rtfx(self) -> float:
+        return self.audio_s / self.compute_s if self.compute_s > 0 else 0.0
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_at is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "object": "transcription.job", "status": self.status.value,
+                "total_items": self.total_items, "counts": self.counts, "created_at": self.created_at,
+                "started_at": self.started_at, "finished_at": self.finished_at, "audio_s": round(self.audio_s, 3),
+                "compute_s": round(self.compute_s, 3), "rtfx": round(self.rtfx, 2)}
+
+
+def resolve_input_path(path: str, roots: list[str]) -> Path:
+    """The real path of ``path`` if it lies under one of ``roots`` (symlinks followed); else JobInputError."""
+    if not roots:
+        raise JobInputError("path inputs are disabled: the server has no input roots (BATCHASR_INPUT_ROOTS)")
+    real = Path(path).resolve()
+    for root in roots:
+        if real.is_relative_to(Path(root).resolve()):
+            if not real.is_file():
+                raise JobInputError(f"{path}: no such file under the input roots")
+            return real
+    raise JobInputError(f"{path}: outside the input roots; refused")
+
+
+class JobStore:
+    """Everything jobs do in Redis. One instance per process; safe to share between tasks."""
+
+    def __init__(self, client: aioredis.Redis, input_ttl_s: int = 7 * 86400, result_ttl_s: int = 7 * 86400,
+                 max_upload_bytes: int = 200 * 1024 * 1024):
+        self.redis = client
+        self.input_ttl_s = input_ttl_s
+        self.result_ttl_s = result_ttl_s
+        self.max_upload_bytes = max_upload_bytes
+        self._start = client.register_script(_START_ITEM)
+        self._finish = client.register_script(_FINISH_ITEM)
+
+    @classmethod
+    def from_url(cls, url: str, **kwargs: Any) -> JobStore:
+        client = aioredis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=30,
+                                         health_check_interval=30)
+        return cls(client, **kwargs)
+
+    async def ensure_group(self) -> None:
+        try:
+            await self.redis.xgroup_create(ITEM_STREAM, GROUP, id="0", mkstream=True)
+        except aioredis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    # --- submission --------------------------------------------------------------------------------------
+
+    async def submit(self, items: list[ItemInput], idempotency_key: str | None = None,
+                     webhook_url: str | None = None) -> tuple[Job, bool]:
+        """Create a job and queue its items; returns (job, created). A repeated idempotency key returns the
+        job the first request created."""
+        if not items:
+            raise JobInputError("a job needs at least one item")
+        for item in items:
+            if item.upload is not None and len(item.upload) > self.max_upload_bytes:
+                raise JobInputError(f"{item.audio}: {len(item.upload)} bytes exceeds the upload limit "
+                                    f"of {self.max_upload_bytes}")
+        job_id = "job_" + secrets.token_urlsafe(18)  # random and unguessable
+        if idempotency_key:
+            key = IDEMPOTENCY_KEY.format(key=idempotency_key)
+            if not await self.redis.set(key, job_id, nx=True, ex=self.result_ttl_s):
+                existing = await self.redis.get(key)
+                return await self.get(existing.decode()), False
+        await self.ensure_group()
+        now = _now()
+        pipe = self.redis.pipeline(transaction=True)
+        inputs, states = {}, {}
+        for index, item in enumerate(items):
+            record: dict[str, Any] = {"audio": item.audio}
+            if item.upload is not None:
+                upload_key = UPLOAD_KEY.format(job_id=job_id, index=index)
+                pipe.set(upload_key, item.upload, ex=self.input_ttl_s)
+                record["upload"] = upload_key
+            else:
+                record["path"] = item.path
+            inputs[index] = json.dumps(record)
+            states[index] = "queued"
+        pipe.hset(JOB_KEY.format(job_id=job_id), mapping={
+            "status": JobStatus.QUEUED.value, "created_at": now, "total": len(items), "n_queued": len(items),
+            "n_in_progress": 0, "n_completed": 0, "n_failed": 0, "n_cancelled": 0, "audio_s": 0, "compute_s": 0,
+            "webhook_url": webhook_url or ""})
+        pipe.hset(INPUTS_KEY.format(job_id=job_id), mapping=inputs)
+        pipe.hset(STATES_KEY.format(job_id=job_id), mapping=states)
+        for index in range(len(items)):
+            pipe.xadd(ITEM_STREAM, {"job": job_id, "index": index})
+        for template in JOB_KEYS:
+            pipe.expire(template.format(job_id=job_id), self.input_ttl_s + self.result_ttl_s)
+        await pipe.execute()
+        return await self.get(job_id), True
+
+    # --- reading -----------------------------------------------------------------------------------------
+
+    async def get(self, job_id: str) -> Job:
+        raw = await self.redis.hgetall(JOB_KEY.format(job_id=job_id))
+        if not raw:
+            raise JobNotFound(job_id)
+        h = {k.decode(): v.decode() for k, v in raw.items()}
+
+        def opt(name: str) -> float | None:
+            return float(h[name]) if h.get(name) else None
+
+        return Job(id=job_id, status=JobStatus(h["status"]), total_items=int(h["total"]),
+                   counts={s: int(h.get(f"n_{s}", 0)) for s in ITEM_STATES}, created_at=float(h["created_at"]),
+                   started_at=opt("started_at"), finished_at=opt("finished_at"), audio_s=float(h["audio_s"]),
+                   compute_s=float(h["compute_s"]), webhook_url=h.get("webhook_url") or None)
+
+    async def results(self, job_id: str) -> list[dict[str, Any]]:
+        """One record per item, in submission order; unfinished items say their state."""
+        job = await self.get(job_id)
+        keys = [t.format(job_id=job_id) for t in (INPUTS_KEY, STATES_KEY, RESULTS_KEY, ERRORS_KEY)]
+        inputs, states, results, errors = [await self.redis.hgetall(k) for k in keys]
+        out = []
+        for index in range(job.total_items):
+            key = str(index).encode()
+            if key in results:
+                out.append(json.loads(results[key]))
+                continue
+            audio = json.loads(inputs[key])["audio"] if key in inputs else None
+            out.append({"audio": audio, "status": states.get(key, b"queued").decode(), "text": None,
+                        "tokens": None, "words": None, "duration_s": None,
+                        "error": errors[key].decode() if key in errors else None})
+        return out
+
+    async def item_input(self, job_id: str, index: int) -> tuple[dict[str, Any], bytes | None]:
+        raw = await self.redis.hget(INPUTS_KEY.format(job_id=job_id), index)
+        if raw is None:
+            raise JobNotFound(f"{job_id}/{index}")
+        record = json.loads(raw)
+        data = await self.redis.get(record["upload"]) if "upload" in record else None
+        return record, data
+
+    # --- item transitions (used by the consumer) -----------------------------------------------------------
+
+    async def start_item(self, job_id: str, index: int) -> tuple[str, int]:
+        keys = [JOB_KEY.format(job_id=job_id), STATES_KEY.format(job_id=job_id), ATTEMPTS_KEY.format(job_id=job_id)]
+        state, attempts = await self._start(keys=keys, args=[index, _now()])
+        return (state.decode() if isinstance(state, bytes) else state), int(attempts)
+
+    async def finish_item(self, job_id: str, index: int, state: str, result: dict[str, Any], error: str = "",
+                          audio_s: float = 0.0, compute_s: float = 0.0) -> int:
+        """Write the item's one result; 0: it had one already, 1: written, 2: written and the job finished."""
+        keys = [t.format(job_id=job_id) for t in (JOB_KEY, STATES_KEY, RESULTS_KEY, ERRORS_KEY)]
+        outcome = int(await self._finish(keys=keys, args=[index, state, json.dumps(result), error, _now(),
+                                                          audio_s, compute_s]))
+        if outcome == 2:
+            await self._expire_finished(job_id)
+        return outcome
+
+    async def record_error(self, job_id: str, index: int, error: str) -> None:
+        await self.redis.hset(ERRORS_KEY.format(job_id=job_id), index, error)
+
+    async def last_error(self, job_id: str, index: int) -> str | None:
+        raw = await self.redis.hget(ERRORS_KEY.format(job_id=job_id), index)
+        return raw.decode() if raw else None
+
+    async def dead_letter(self, job_id: str, index: int, error: str) -> None:
+        await self.redis.xadd(DEAD_LETTER_STREAM, {"job": job_id, "index": index, "error": error,
+                                                   "at": _now()})
+
+    async def _expire_finished(self, job_id: str) -> None:
+        """Results (and what is left of the inputs) expire ``result_ttl_s`` after the job finishes."""
+        pipe = self.redis.pipeline(transaction=False)
+        for template in JOB_KEYS:
+            pipe.expire(template.format(job_id=job_id), self.result_ttl_s)
+        inputs = await self.redis.hgetall(INPUTS_KEY.format(job_id=job_id))
+        for raw in inputs.values():
+            record = json.loads(raw)
+            if "upload" in record:
+                pipe.delete(record["upload"])  # audio is not kept once its result is
+        await pipe.execute()
+
+    # --- cancel ------------------------------------------------------------------------------------------
+
+    async def cancel(self, job_id: str) -> Job:
+        """Items not started yet are cancelled; items in progress finish. Returns the job after."""
+        job = await self.get(job_id)
+        states = await self.redis.hgetall(STATES_KEY.format(job_id=job_id))
+        for key, state in states.items():
+            if state == b"queued":
+                index = int(key)
+                record = await self.redis.hget(INPUTS_KEY.format(job_id=job_id), index)
+                audio = json.loads(record)["audio"] if record else None
+                await self.finish_item(job.id, index, "cancelled", item_record(audio, "cancelled"))
+        return await self.get(job_id)
+
+    async def stream_lag(self) -> int:
+        """Items not yet delivered to a consumer plus those delivered and not acknowledged."""
+        try:
+            groups = await self.redis.xinfo_groups(ITEM_STREAM)
+        except aioredis.ResponseError:
+            return 0
+        for group in groups:
+            if group["name"] in (GROUP, GROUP.encode()):
+                return int(group.get("lag") or 0) + int(group.get("pending") or 0)
+        return 0
+
+    async def ping(self) -> bool:
+        try:
+            return bool(await self.redis.ping())
+        except (aioredis.ConnectionError, aioredis.TimeoutError, OSError):
+            return False
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+
+def item_record(audio: str | None, status: str, text: str | None = None, tokens: list[int] | None = None,
+                words: list[dict[str, Any]] | None = None, duration_s: float | None = None,
+                error: str | None = None) -> dict[str, Any]:
+    """One line of a job's results (the same keys whatever the outcome)."""
+    return {"audio": audio, "status": status, "text": text, "tokens": tokens, "words": words,
+            "duration_s": duration_s, "error": error}

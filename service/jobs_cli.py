@@ -1,0 +1,162 @@
+"""`batchasr worker` (a job consumer for scale-out) and `batchasr submit` (a bulk job from files)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TextIO
+
+import httpx
+
+from .config import Settings
+from .jobs import REDIS_ERRORS, ItemInput, JobStore
+
+log = logging.getLogger(__name__)
+
+AUDIO_SUFFIXES = {".wav", ".flac", ".ogg", ".oga", ".opus", ".mp3", ".aif", ".aiff", ".au", ".w64", ".caf"}
+FINAL_STATUSES = {"completed", "completed_with_errors", "failed", "cancelled"}
+
+
+# --- worker -------------------------------------------------------------------------------------------------
+
+
+async def run_worker(settings: Settings, metrics_port: int | None) -> int:
+    from models.asr_model import load_model
+
+    from .runtime import build_stack
+
+    model = await asyncio.to_thread(load_model, settings.model, settings.device, settings.dtype)
+    stack = build_stack(settings, model)
+    if not await asyncio.to_thread(stack.engine.wait_ready):
+        log.error("engine failed: %s", stack.engine.error)
+        await stack.stop()
+        return 1
+    if metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(metrics_port, registry=stack.metrics.registry)
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stack.request_stop)
+    log.info("worker consuming jobs from %s", settings.redis_url)
+    stack.start_consumer()
+    await stack.wait_consumer()  # returns after a stop signal, with the items in hand finished and acked
+    await stack.stop()
+    log.info("worker stopped")
+    return 0
+
+
+# --- submit -------------------------------------------------------------------------------------------------
+
+
+def collect_audio(paths: list[str]) -> list[Path]:
+    """Files as given, and audio files found under directories (sorted, recursively)."""
+    found: list[Path] = []
+    for raw in paths:
+        path = Path(raw)
+        if path.is_dir():
+            found += sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in AUDIO_SUFFIXES)
+        elif path.is_file():
+            found.append(path)
+        else:
+            raise FileNotFoundError(f"{raw}: no such file or directory")
+    return found
+
+
+class Progress:
+    """One line on stderr, redrawn: done/total, failures, elapsed."""
+
+    def __init__(self, stream: TextIO = sys.stderr, width: int = 30):
+        self.stream, self.width, self.started = stream, width, time.monotonic()
+
+    def update(self, job: dict[str, Any]) -> None:
+        total = max(1, job["total_items"])
+        counts = job["counts"]
+        done = counts["completed"] + counts["failed"] + counts["cancelled"]
+        filled = int(self.width * done / total)
+        bar = "#" * filled + "." * (self.width - filled)
+        self.stream.write(f"\r[{bar}] {done}/{total} items, {counts['failed']} failed, "
+                          f"{time.monotonic() - self.started:.1f} s  ")
+        self.stream.flush()
+
+    def close(self) -> None:
+        self.stream.write("\n")
+
+
+class _ServerClient:
+    def __init__(self, url: str, api_key: str | None):
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, timeout=300)
+
+    async def submit(self, files: list[Path], idempotency_key: str | None) -> dict[str, Any]:
+        parts = [("files", (p.name, p.read_bytes(), "application/octet-stream")) for p in files]
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        response = await self.http.post("/v1/jobs", files=parts, headers=headers)
+        response.raise_for_status()
+        return response.json()
+
+    async def get(self, job_id: str) -> dict[str, Any]:
+        response = await self.http.get(f"/v1/jobs/{job_id}")
+        response.raise_for_status()
+        return response.json()
+
+    async def results(self, job_id: str) -> list[dict[str, Any]]:
+        response = await self.http.get(f"/v1/jobs/{job_id}/results")
+        response.raise_for_status()
+        return [json.loads(line) for line in response.text.splitlines() if line]
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+
+class _RedisClient:
+    def __init__(self, url: str):
+        self.store = JobStore.from_url(url)
+
+    async def submit(self, files: list[Path], idempotency_key: str | None) -> dict[str, Any]:
+        items = [ItemInput(audio=str(p), upload=p.read_bytes()) for p in files]
+        job, _ = await self.store.submit(items, idempotency_key)
+        return job.to_dict()
+
+    async def get(self, job_id: str) -> dict[str, Any]:
+        return (await self.store.get(job_id)).to_dict()
+
+    async def results(self, job_id: str) -> list[dict[str, Any]]:
+        return await self.store.results(job_id)
+
+    async def close(self) -> None:
+        await self.store.close()
+
+
+async def run_submit(files: list[Path], redis_url: str | None, server: str | None, api_key: str | None, wait: bool,
+                     output: TextIO, idempotency_key: str | None = None, poll_s: float = 1.0,
+                     progress: Callable[[], Progress] = Progress) -> int:
+    client = _ServerClient(server, api_key) if server else _RedisClient(redis_url or "")
+    try:
+        job = await client.submit(files, idempotency_key)
+        print(f"job {job['id']}: {job['total_items']} items", file=sys.stderr)
+        if not wait:
+            output.write(json.dumps(job) + "\n")
+            return 0
+        bar = progress()
+        while job["status"] not in FINAL_STATUSES:
+            bar.update(job)
+            await asyncio.sleep(poll_s)
+            job = await client.get(job["id"])
+        bar.update(job)
+        bar.close()
+        for path, record in zip(files, await client.results(job["id"]), strict=True):
+            output.write(json.dumps({**record, "audio": str(path)}, ensure_ascii=False) + "\n")
+        print(f"job {job['id']}: {job['status']}, RTFx {job['rtfx']}", file=sys.stderr)
+        return 0 if job["status"] == "completed" else 1
+    except (httpx.HTTPError, *REDIS_ERRORS) as exc:
+        print(f"error: cannot reach {'the server' if server else 'Redis'}: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        await client.close()

@@ -1,0 +1,91 @@
+"""Assembles the serving stack on one model: batcher -> engine -> transcriber, and the job consumer.
+
+Both `batchasr serve` (through the app's lifespan) and `batchasr worker` build it here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from models.asr_model import ASRModel
+
+from .audio import AudioLimits
+from .batcher import Batcher
+from .config import Settings
+from .engine import Engine
+from .job_worker import ConsumerOptions, JobConsumer, default_consumer_name
+from .jobs import JobStore
+from .metrics import Metrics
+from .transcriber import Transcriber
+from .webhooks import WebhookSender
+
+
+@dataclass
+class Stack:
+    settings: Settings
+    model: ASRModel
+    metrics: Metrics
+    batcher: Batcher
+    engine: Engine
+    transcriber: Transcriber
+    decode_pool: ThreadPoolExecutor
+    limits: AudioLimits
+    jobs: JobStore | None = None
+    consumer: JobConsumer | None = None
+    _consumer_task: asyncio.Task | None = None
+    _stop: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def make_consumer(self) -> JobConsumer:
+        """A job consumer feeding this engine (settings.redis_url must be set)."""
+        assert self.jobs is not None and self.consumer is None
+        s = self.settings
+        options = ConsumerOptions(name=s.worker_name or default_consumer_name(), prefetch=s.job_prefetch,
+                                  visibility_timeout_s=s.job_visibility_timeout_s, max_attempts=s.job_max_attempts)
+        webhooks = WebhookSender(s.webhook_secret) if s.webhook_secret else None
+        self.consumer = JobConsumer(self.jobs, self.transcriber, self.limits, s.input_roots, self.metrics, options,
+                                    self.decode_pool, webhooks)
+        return self.consumer
+
+    def start_consumer(self) -> None:
+        """Consume bulk jobs on this engine until ``request_stop`` (needs a running event loop)."""
+        self._consumer_task = asyncio.create_task(self.make_consumer().run(self._stop))
+
+    def request_stop(self) -> None:
+        """Ask the job consumer to stop (signal handlers call this)."""
+        self._stop.set()
+
+    async def wait_consumer(self) -> None:
+        if self._consumer_task is not None:
+            await self._consumer_task
+
+    async def stop(self) -> None:
+        """Stop taking job items, finish those in hand, drain the engine's queue, release everything."""
+        self._stop.set()
+        if self._consumer_task is not None:
+            await self._consumer_task
+        if self.consumer is not None:
+            await self.consumer.wait_background()
+        await asyncio.to_thread(self.engine.stop)
+        self.decode_pool.shutdown(wait=True)
+        if self.jobs is not None:
+            await self.jobs.close()
+
+
+def build_stack(settings: Settings, model: ASRModel, metrics: Metrics | None = None) -> Stack:
+    """Batcher, engine (started: it warms up in its thread) and transcriber; a job store if Redis is set."""
+    metrics = metrics or Metrics()
+    s = settings
+    batcher = Batcher(s.max_batch_size, s.max_batch_audio_s, s.max_wait_ms, s.max_queue, model.sample_rate,
+                      on_drop=lambda reason: metrics.dropped_items.labels(reason).inc())
+    engine = Engine(model, batcher, metrics, decoder=s.decoder)
+    transcriber = Transcriber(engine, batcher, s.max_segment_s, s.segment_overlap_s, s.request_timeout_s)
+    jobs = None
+    if s.redis_url:
+        jobs = JobStore.from_url(s.redis_url, input_ttl_s=s.job_input_ttl_s, result_ttl_s=s.job_result_ttl_s,
+                                 max_upload_bytes=s.max_upload_bytes)
+    engine.start()
+    return Stack(settings=s, model=model, metrics=metrics, batcher=batcher, engine=engine, transcriber=transcriber,
+                 decode_pool=ThreadPoolExecutor(s.decode_threads, thread_name_prefix="batchasr-decode"),
+                 limits=AudioLimits(s.max_upload_bytes, s.max_duration_s, model.sample_rate), jobs=jobs)
