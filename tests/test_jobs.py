@@ -1,0 +1,361 @@
+"""Bulk jobs against a real redis-server: exactly one correct result per item whatever fails."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import hmac
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+
+import httpx
+import pytest
+
+from models import load_model
+from service.config import Settings
+from service.jobs import DEAD_LETTER_STREAM, GROUP, ITEM_STREAM, RESULTS_KEY, ItemInput, JobStore
+from service.runtime import build_stack
+from tests.redis_server import RedisServer
+from tests.servers import free_port, run_server
+
+MODEL_FILE = "tdt.nemo"  # the fastest fixture: one encoder layer
+
+
+@pytest.fixture(scope="module")
+def model(parity_dir):
+    return load_model(parity_dir / MODEL_FILE, device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def expected(model, parity_audio) -> dict[str, str]:
+    return {Path(p).name: t.text for p, t in zip(parity_audio, model.transcribe(parity_audio), strict=True)}
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    server = RedisServer(tmp_path).start()
+    yield server
+    server.stop()
+
+
+def _uploads(parity_audio: list[str], n: int) -> list[ItemInput]:
+    return [ItemInput(audio=Path(parity_audio[i % len(parity_audio)]).name,
+                      upload=Path(parity_audio[i % len(parity_audio)]).read_bytes()) for i in range(n)]
+
+
+def _check_results(records: list[dict], items: list[ItemInput], expected: dict[str, str]) -> None:
+    assert len(records) == len(items)
+    for item, record in zip(items, records, strict=True):
+        assert record["status"] == "completed", record
+        assert record["text"] == expected[item.audio]
+
+
+async def _drain(settings: Settings, model, body) -> None:
+    """Run ``body(store)`` then drain the stream with an in-process consumer on one engine."""
+    stack = build_stack(settings, model)
+    assert await asyncio.to_thread(stack.engine.wait_ready, 30)
+    try:
+        await body(stack.jobs)
+        await stack.make_consumer().drain()
+    finally:
+        await stack.stop()
+
+
+def _worker(url: str, name: str, parity_dir: Path, **env: str) -> subprocess.Popen:
+    environment = {**os.environ, "PYTHONUNBUFFERED": "1", **{f"BATCHASR_{k.upper()}": v for k, v in env.items()}}
+    return subprocess.Popen([sys.executable, "-m", "service.cli", "worker", "--model", str(parity_dir / MODEL_FILE),
+                             "--redis-url", url, "--name", name], env=environment, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for(predicate, timeout: float, message: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(message)
+
+
+def _job_status(client, job_id: str) -> dict:
+    raw = client.hgetall(f"batchasr:job:{job_id}")
+    return {k.decode(): v.decode() for k, v in raw.items()}
+
+
+# --- crash safety ----------------------------------------------------------------------------------------------
+
+
+def test_200_items_over_3_workers_with_one_killed_mid_batch(redis_server, parity_dir, parity_audio, expected):
+    items = _uploads(parity_audio, 200)
+    store = JobStore.from_url(redis_server.url)
+    job, _ = asyncio.run(store.submit(items))
+    client = redis_server.client()
+    env = {"job_visibility_timeout_s": "3", "max_wait_ms": "100", "max_batch_size": "8", "job_prefetch": "16"}
+    workers = [_worker(redis_server.url, f"w{i}", parity_dir, **env) for i in range(3)]
+    try:
+        def victim_holds_items() -> bool:
+            pending = client.xpending_range(ITEM_STREAM, GROUP, "-", "+", 100, consumername="w0")
+            return len(pending) > 0 and int(_job_status(client, job.id)["n_completed"]) > 0
+        _wait_for(victim_holds_items, 120, "worker w0 never held items")
+        workers[0].send_signal(signal.SIGKILL)  # mid-batch: its deliveries stay unacknowledged
+        _wait_for(lambda: _job_status(client, job.id)["status"] == "completed", 180, "job did not complete")
+    finally:
+        for w in workers:
+            w.kill()
+            w.wait()
+    assert client.hlen(RESULTS_KEY.format(job_id=job.id)) == 200  # one result per item, no more
+    status = _job_status(client, job.id)
+    assert (status["n_completed"], status["n_failed"], status["n_in_progress"]) == ("200", "0", "0")
+    assert client.xpending(ITEM_STREAM, GROUP)["pending"] == 0
+    _check_results(asyncio.run(JobStore.from_url(redis_server.url).results(job.id)), items, expected)
+
+
+def test_redis_restart_mid_job_loses_nothing(tmp_path, parity_dir, parity_audio, expected):
+    server = RedisServer(tmp_path, appendonly=True).start()
+    items = _uploads(parity_audio, 60)
+    job, _ = asyncio.run(JobStore.from_url(server.url).submit(items))
+    worker = _worker(server.url, "w-restart", parity_dir, max_wait_ms="50", max_batch_size="4", job_prefetch="4",
+                     job_visibility_timeout_s="3")
+    try:
+        client = server.client()
+        _wait_for(lambda: int(_job_status(client, job.id)["n_completed"]) >= 5, 120, "no progress before restart")
+        server.stop()
+        time.sleep(1.5)  # the worker sees Redis gone and backs off
+        server.start()  # same port and directory: the append-only file brings everything back
+        client = server.client()
+        _wait_for(lambda: _job_status(client, job.id).get("status") == "completed", 180,
+                  "job did not complete after the restart")
+        assert worker.poll() is None  # the worker rode it out
+    finally:
+        worker.kill()
+        output = worker.communicate()[0]
+        server.stop()
+    assert "redis unreachable" in output
+    server.start()
+    try:
+        _check_results(asyncio.run(JobStore.from_url(server.url).results(job.id)), items, expected)
+        assert server.client().hlen(RESULTS_KEY.format(job_id=job.id)) == 60
+    finally:
+        server.stop()
+
+
+def test_worker_waits_for_redis_that_is_not_there_yet(tmp_path, parity_dir, parity_audio, expected):
+    server = RedisServer(tmp_path)  # not started yet
+    worker = _worker(server.url, "w-early", parity_dir)
+    try:
+        time.sleep(6)
+        assert worker.poll() is None, "the worker must not exit (or crash-loop) while Redis is away"
+        server.start()
+        items = _uploads(parity_audio, 5)
+        job, _ = asyncio.run(JobStore.from_url(server.url).submit(items))
+        client = server.client()
+        _wait_for(lambda: _job_status(client, job.id)["status"] == "completed", 120, "job did not complete")
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        output = worker.communicate(timeout=60)[0]
+        server.stop()
+    assert worker.returncode == 0, output
+    assert "redis unreachable" in output and "worker stopped" in output
+
+
+# --- item outcomes (in-process consumer) ---------------------------------------------------------------------------
+
+
+def test_poison_item_fails_alone_and_is_dead_lettered(redis_server, model, parity_audio, expected):
+    items = [*_uploads(parity_audio, 3), ItemInput(audio="broken.wav", upload=b"RIFF....not audio at all"),
+             *_uploads(parity_audio, 2)]
+    state = {}
+
+    async def body(store):
+        state["job"], _ = await store.submit(items)
+
+    asyncio.run(_drain(Settings(redis_url=redis_server.url), model, body))
+    job_id = state["job"].id
+    records = asyncio.run(JobStore.from_url(redis_server.url).results(job_id))
+    assert [r["status"] for r in records] == ["completed"] * 3 + ["failed"] + ["completed"] * 2
+    assert "cannot decode audio" in records[3]["error"]
+    assert records[0]["text"] == expected[items[0].audio]
+    assert _job_status(redis_server.client(), job_id)["status"] == "completed_with_errors"
+    dead = redis_server.client().xrange(DEAD_LETTER_STREAM)
+    assert len(dead) == 1 and dead[0][1][b"index"] == b"3"
+
+
+def test_item_that_keeps_killing_workers_is_failed_after_max_attempts(redis_server, model, parity_audio):
+    items = _uploads(parity_audio, 2)
+    state = {}
+
+    async def body(store):
+        state["job"], _ = await store.submit(items)
+        # as if two workers had died on item 1 already: it has been started max_attempts times
+        await store.redis.hset(f"batchasr:job:{state['job'].id}:attempts", 1, 3)
+        await store.record_error(state["job"].id, 1, "worker killed (out of memory)")
+
+    asyncio.run(_drain(Settings(redis_url=redis_server.url, job_max_attempts=3), model, body))
+    records = asyncio.run(JobStore.from_url(redis_server.url).results(state["job"].id))
+    assert records[0]["status"] == "completed"
+    assert records[1]["status"] == "failed"
+    assert records[1]["error"] == "gave up after 3 attempts: worker killed (out of memory)"
+
+
+def test_cancel_stops_unstarted_items(redis_server, model, parity_audio):
+    items = _uploads(parity_audio, 20)
+    state = {}
+
+    async def body(store):
+        state["job"], _ = await store.submit(items)
+        state["cancelled"] = await store.cancel(state["job"].id)
+
+    asyncio.run(_drain(Settings(redis_url=redis_server.url), model, body))
+    cancelled = state["cancelled"]
+    assert cancelled.status.value == "cancelled" and cancelled.counts["cancelled"] == 20
+    records = asyncio.run(JobStore.from_url(redis_server.url).results(state["job"].id))
+    assert {r["status"] for r in records} == {"cancelled"}
+    client = redis_server.client()
+    assert client.xpending(ITEM_STREAM, GROUP)["pending"] == 0  # the consumer acknowledged without working
+    assert not client.keys("batchasr:upload:*")  # inputs of a finished job are dropped
+
+
+def test_results_expire_after_the_job(redis_server, model, parity_audio):
+    state = {}
+
+    async def body(store):
+        state["job"], _ = await store.submit(_uploads(parity_audio, 2))
+
+    asyncio.run(_drain(Settings(redis_url=redis_server.url, job_result_ttl_s=120), model, body))
+    ttl = redis_server.client().ttl(RESULTS_KEY.format(job_id=state["job"].id))
+    assert 0 < ttl <= 120
+
+
+# --- HTTP routes -------------------------------------------------------------------------------------------------
+
+
+def test_http_jobs_submit_idempotent_poll_results(redis_server, model, parity_audio, expected):
+    settings = Settings(redis_url=redis_server.url, max_wait_ms=20)
+    files = [("files", (Path(p).name, Path(p).read_bytes(), "audio/wav")) for p in parity_audio]
+    with run_server(settings, model) as running:
+        first = httpx.post(f"{running.url}/v1/jobs", files=files, headers={"Idempotency-Key": "batch-7"}, timeout=60)
+        again = httpx.post(f"{running.url}/v1/jobs", files=files, headers={"Idempotency-Key": "batch-7"}, timeout=60)
+        assert first.status_code == 202 and again.status_code == 200
+        job_id = first.json()["id"]
+        assert again.json()["id"] == job_id and len(job_id) > 20
+        _wait_for(lambda: httpx.get(f"{running.url}/v1/jobs/{job_id}").json()["status"] == "completed", 60,
+                  "job did not complete")
+        job = httpx.get(f"{running.url}/v1/jobs/{job_id}").json()
+        assert job["counts"]["completed"] == 10 and job["rtfx"] > 0 and job["finished_at"] >= job["created_at"]
+        results = httpx.get(f"{running.url}/v1/jobs/{job_id}/results")
+        assert results.headers["content-type"].startswith("application/x-ndjson")
+        lines = [json.loads(line) for line in results.text.splitlines()]
+        assert [r["text"] for r in lines] == [expected[Path(p).name] for p in parity_audio]
+        assert all(set(r) == {"audio", "status", "text", "tokens", "words", "duration_s", "error"} for r in lines)
+        assert httpx.get(f"{running.url}/v1/jobs/job_doesnotexist").status_code == 404
+        assert running.metric("batchasr_job_items_total", '{status="completed"}') == 10
+
+
+def test_path_inputs_only_under_the_input_roots(redis_server, model, parity_audio, expected, tmp_path):
+    roots = tmp_path / "inputs"
+    roots.mkdir()
+    inside = roots / "ok.wav"
+    inside.write_bytes(Path(parity_audio[0]).read_bytes())
+    outside = tmp_path / "secret.wav"
+    outside.write_bytes(Path(parity_audio[1]).read_bytes())
+    (roots / "link.wav").symlink_to(outside)
+    settings = Settings(redis_url=redis_server.url, input_roots=[str(roots)])
+    with run_server(settings, model) as running:
+        def submit(path):
+            return httpx.post(f"{running.url}/v1/jobs", json={"items": [{"path": str(path)}]}, timeout=30)
+        for bad in (outside, roots / ".." / "secret.wav", roots / "link.wav", Path("/etc/passwd")):
+            response = submit(bad)
+            assert response.status_code == 400, bad
+            assert "outside the input roots" in response.json()["error"]["message"]
+        ok = submit(inside)
+        assert ok.status_code == 202
+        job_id = ok.json()["id"]
+        _wait_for(lambda: httpx.get(f"{running.url}/v1/jobs/{job_id}").json()["status"] == "completed", 60,
+                  "path job did not complete")
+        line = json.loads(httpx.get(f"{running.url}/v1/jobs/{job_id}/results").text)
+        assert line["text"] == expected[Path(parity_audio[0]).name]
+
+
+def test_http_without_redis_and_with_redis_down(model, parity_audio, tmp_path):
+    files = [("files", ("a.wav", Path(parity_audio[0]).read_bytes(), "audio/wav"))]
+    with run_server(Settings(), model) as running:
+        disabled = httpx.post(f"{running.url}/v1/jobs", files=files)
+        assert disabled.status_code == 503 and disabled.json()["error"]["code"] == "jobs_disabled"
+    server = RedisServer(tmp_path).start()
+    with run_server(Settings(redis_url=server.url), model) as running:
+        server.stop()
+        down = httpx.post(f"{running.url}/v1/jobs", files=files, timeout=30)
+        assert down.status_code == 503 and down.json()["error"]["code"] == "redis_unavailable"
+        ready = httpx.get(f"{running.url}/readyz")
+        assert ready.status_code == 503 and "redis unreachable" in ready.json()["problems"]
+        assert httpx.get(f"{running.url}/healthz").status_code == 200
+        server.start()
+        assert httpx.get(f"{running.url}/readyz").status_code == 200
+    server.stop()
+
+
+def test_submit_cli_to_unreachable_redis(parity_audio):
+    result = subprocess.run([sys.executable, "-m", "service.cli", "submit", "--redis-url",
+                             f"redis://127.0.0.1:{free_port()}/0", parity_audio[0]], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 2 and "cannot reach Redis" in result.stderr
+
+
+def test_submit_cli_waits_and_writes_results(redis_server, model, parity_audio, expected, tmp_path):
+    with run_server(Settings(redis_url=redis_server.url), model) as running:
+        out = tmp_path / "results.jsonl"
+        audio_dir = Path(parity_audio[0]).parent
+        result = subprocess.run([sys.executable, "-m", "service.cli", "submit", "--server", running.url, "--wait",
+                                 "--output", str(out), str(audio_dir)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "10/10 items" in result.stderr
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [Path(r["audio"]).name for r in lines] == sorted(Path(p).name for p in parity_audio)
+    assert all(r["text"] == expected[Path(r["audio"]).name] for r in lines)
+
+
+# --- webhook -------------------------------------------------------------------------------------------------------
+
+
+def test_completion_webhook_is_signed(redis_server, model, parity_audio):
+    secret_raw = b"0123456789abcdef0123456789abcdef"
+    secret = "whsec_" + base64.b64encode(secret_raw).decode()
+    received = []
+
+    class Receiver(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = self.rfile.read(int(self.headers["content-length"]))
+            received.append((dict(self.headers), body))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    hook = HTTPServer(("127.0.0.1", 0), Receiver)
+    threading.Thread(target=hook.serve_forever, daemon=True).start()
+    settings = Settings(redis_url=redis_server.url, webhook_secret=secret)
+    files = [("files", ("a.wav", Path(parity_audio[0]).read_bytes(), "audio/wav"))]
+    try:
+        with run_server(settings, model) as running:
+            url = f"http://127.0.0.1:{hook.server_address[1]}/hook"
+            job = httpx.post(f"{running.url}/v1/jobs", files=files, data={"webhook_url": url}).json()
+            _wait_for(lambda: received, 60, "no webhook arrived")
+    finally:
+        hook.shutdown()
+    headers, body = received[0]
+    payload = json.loads(body)
+    assert payload["type"] == "transcription.job.completed" and payload["data"] == {"id": job["id"],
+                                                                                  "status": "completed"}
+    signed = f"{headers['webhook-id']}.{headers['webhook-timestamp']}.".encode() + body
+    expected_sig = base64.b64encode(hmac.new(secret_raw, signed, hashlib.sha256).digest()).decode()
+    assert headers["webhook-signature"] == f"v1,{expected_sig}"
+    assert abs(int(headers["webhook-timestamp"]) - time.time()) < 60
