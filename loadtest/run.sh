@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Headless locust run against a batchasr server on this machine; CSV, HTML and /metrics snapshots land in
+# one results directory.
+#
+#   loadtest/run.sh                                  # 8 users, 60 s, both user classes
+#   LOADTEST_USERS=4 LOADTEST_RUN_TIME=2m loadtest/run.sh TranscribeUser   # only the HTTP user
+#
+# Environment: LOADTEST_HOST (default http://127.0.0.1:8000; loopback only), LOADTEST_USERS (8),
+# LOADTEST_SPAWN_RATE (2 per second), LOADTEST_RUN_TIME (60s), LOADTEST_RESULTS_DIR (default
+# loadtest/results/<UTC time>), and the locustfile's LOADTEST_* (audio, API key, job size).
+# Arguments: user classes to run (default: all), then any further locust options.
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+
+host="${LOADTEST_HOST:-http://127.0.0.1:8000}"
+users="${LOADTEST_USERS:-8}"
+spawn_rate="${LOADTEST_SPAWN_RATE:-2}"
+run_time="${LOADTEST_RUN_TIME:-60s}"
+results="${LOADTEST_RESULTS_DIR:-$here/results/$(date -u +%Y%m%dT%H%M%SZ)}"
+
+case "$host" in
+    http://127.*|https://127.*|http://localhost[:/]*|http://localhost|https://localhost[:/]*|http://\[::1\]*) ;;
+    *) echo "run.sh: refusing to load $host: only loopback hosts (127.0.0.1, localhost, [::1])" >&2; exit 2 ;;
+esac
+command -v locust >/dev/null || { echo "run.sh: locust is missing: pip install -e '.[loadtest]'" >&2; exit 2; }
+
+snapshot() {  # /metrics before and after: RTFx over the run = delta audio seconds / delta compute seconds
+    python3 -c 'import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())' \
+        "$host/metrics" > "$results/metrics-$1.txt" || echo "run.sh: no /metrics snapshot ($1)" >&2
+}
+
+mkdir -p "$results"
+snapshot before
+set +e
+locust -f "$here/locustfile.py" --headless --host "$host" --users "$users" --spawn-rate "$spawn_rate" \
+    --run-time "$run_time" --stop-timeout 60 --csv "$results/locust" --csv-full-history \
+    --html "$results/report.html" --logfile "$results/locust.log" "$@"
+status=$?
+set -e
+snapshot after
+python3 - "$results" <<'PY'
+import pathlib, re, sys
+
+results = pathlib.Path(sys.argv[1])
+
+
+def total(name: str, which: str) -> float:
+    path = results / f"metrics-{which}.txt"
+    text = path.read_text() if path.exists() else ""
+    match = re.search(rf"^{name} (\S+)$", text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+audio = total("batchasr_audio_seconds_total", "after") - total("batchasr_audio_seconds_total", "before")
+compute = total("batchasr_compute_seconds_total", "after") - total("batchasr_compute_seconds_total", "before")
+line = f"audio {audio:.1f} s, engine compute {compute:.1f} s, RTFx {audio / compute:.2f}" if compute else "no audio"
+(results / "rtfx.txt").write_text(line + "\n")
+print(f"server: {line}")
+PY
+echo "results: $results (report.html, locust_stats.csv, locust_failures.csv, rtfx.txt)"
+exit "$status"
