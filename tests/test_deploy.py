@@ -1,0 +1,406 @@
+"""Deployment files checked by parsing: Dockerfile, docker-compose.yml, Prometheus, Grafana, Kubernetes, locust.
+
+No Docker engine or cluster is needed. Checks that need an optional tool skip without it: a Compose v2 CLI
+(`docker compose config`), check-jsonschema (its vendored compose-spec schema), kubernetes-validate (Kubernetes
+OpenAPI schemas), kubectl (`kubectl kustomize`) and locust (`pip install -e '.[loadtest]'`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry
+
+from service.config import Settings
+from service.metrics import Metrics
+
+REPO = Path(__file__).resolve().parent.parent
+DEPLOY = REPO / "deploy"
+K8S = DEPLOY / "k8s"
+DASHBOARD = DEPLOY / "grafana" / "dashboards" / "batchasr.json"
+# The jobs issue's metric names (registered by service/metrics.py): the dashboard and autoscalers read them.
+JOB_METRIC_NAMES = {"batchasr_jobs_total", "batchasr_job_items_total", "batchasr_job_stream_lag"}
+STREAM, CONSUMER_GROUP = "batchasr:items", "workers"
+SAMPLE_SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count"),
+                   "summary": ("", "_sum", "_count"), "info": ("_info",)}
+
+
+# --- helpers -----------------------------------------------------------------------------------------------
+
+
+def _exposed_names(registry: CollectorRegistry) -> set[str]:
+    """The sample names a scrape of ``registry`` can show (counters as ``_total``, histograms' three)."""
+    return {family.name + suffix for family in registry.collect()
+            for suffix in SAMPLE_SUFFIXES.get(family.type, ("",))}
+
+
+def service_metric_names() -> set[str]:
+    return _exposed_names(Metrics().registry)
+
+
+def settings_env_names() -> set[str]:
+    return {f"BATCHASR_{name.upper()}" for name in Settings.model_fields}
+
+
+def load_yaml_docs(path: Path) -> list[dict]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs, continuation lines joined, comments dropped."""
+    text = re.sub(r"\\\n", " ", (REPO / "Dockerfile").read_text())
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1] if " " in line else "") for line in lines]
+
+
+def compose() -> dict:
+    return yaml.safe_load((REPO / "docker-compose.yml").read_text())
+
+
+def k8s_objects() -> dict[tuple[str, str], dict]:
+    """Every object the kustomization applies, by (kind, name)."""
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    objects = {}
+    for resource in kustomization["resources"]:
+        for doc in load_yaml_docs(K8S / resource):
+            key = (doc["kind"], doc["metadata"]["name"])
+            assert key not in objects, f"{key} defined twice"
+            objects[key] = doc
+    return objects
+
+
+def container(deployment: dict) -> dict:
+    (only,) = deployment["spec"]["template"]["spec"]["containers"]
+    return only
+
+
+def env_names(spec: dict) -> set[str]:
+    return {item["name"] for item in spec.get("env", [])}
+
+
+def promql_metric_names(expr: str) -> set[str]:
+    return set(re.findall(r"\bbatchasr_[a-z0-9_]+\b", expr))
+
+
+def dashboard_exprs() -> list[str]:
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    return [t["expr"] for p in panels for t in p.get("targets", [])]
+
+
+# --- Dockerfile --------------------------------------------------------------------------------------------
+
+
+def test_dockerfile_is_multi_stage_cuda_non_root_with_healthcheck():
+    steps = dockerfile_instructions()
+    args = dict(a.split("=", 1) for i, a in steps if i == "ARG" and "=" in a)
+    stages = [a for i, a in steps if i == "FROM"]
+    assert len(stages) >= 2, "multi-stage build"
+    final_base = stages[-1].split()[0].replace("${CUDA_IMAGE}", args.get("CUDA_IMAGE", ""))
+    assert final_base.startswith("nvidia/cuda:") and "runtime" in final_base
+    assert args["TORCH_SPEC"].strip('"').startswith("torch")
+    assert any("pip install" in a and "$TORCH_SPEC" in a for i, a in steps if i == "RUN"), "torch installed"
+    users = [a for i, a in steps if i == "USER"]
+    assert users and users[-1].split(":")[0] not in ("root", "0")
+    (health,) = [a for i, a in steps if i == "HEALTHCHECK"]
+    assert "/healthz" in health
+    exposed = {int(p.split("/")[0]) for i, a in steps if i == "EXPOSE" for p in a.split()}
+    env = dict(re.findall(r"(BATCHASR_[A-Z_]+)=(\S+)", " ".join(a for i, a in steps if i == "ENV")))
+    assert set(env) <= settings_env_names()
+    assert env["BATCHASR_HOST"] == "0.0.0.0" and int(env["BATCHASR_PORT"]) in exposed
+    assert "BATCHASR_MODEL" not in env, "unset BATCHASR_MODEL means the embedded default model"
+    assert [a for i, a in steps if i == "ENTRYPOINT"] == ['["batchasr"]']
+
+
+def test_image_carries_the_embedded_model():
+    copied = [a.split()[0] for i, a in dockerfile_instructions() if i == "COPY" and not a.startswith("--from")]
+    assert "models" in copied
+    package_data = (REPO / "pyproject.toml").read_text()
+    assert re.search(r'models = \[[^\]]*"assets/\*"', package_data), "models/assets ships in the wheel"
+    ignored = [line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")]
+    assert ".git" in ignored
+    assert not [p for p in ignored if p in ("models", "models/assets", "*.nemo", "**/*.nemo")]
+
+
+# --- docker-compose.yml ------------------------------------------------------------------------------------
+
+
+def test_compose_services_gpu_redis_and_monitoring():
+    services = compose()["services"]
+    assert {"api", "worker", "redis", "prometheus", "grafana"} <= set(services)
+    for name in ("api", "worker"):
+        (device,) = services[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
+        assert set(services[name]["environment"]) <= settings_env_names(), name
+    assert services["api"]["command"][0] == "serve"
+    assert services["worker"]["command"][:2] == ["worker", "--redis-url"]
+    assert "/readyz" in " ".join(services["api"]["healthcheck"]["test"])
+    assert services["redis"]["command"][services["redis"]["command"].index("--appendonly") + 1] == "yes"
+    mounts = {v.split(":")[0]: v.split(":")[1] for s in services.values() for v in s.get("volumes", [])
+              if v.startswith("./")}
+    for source in mounts:
+        assert (REPO / source).exists(), source
+    assert mounts["./deploy/prometheus.yml"] == "/etc/prometheus/prometheus.yml"
+    provider = yaml.safe_load((DEPLOY / "grafana/provisioning/dashboards/batchasr.yml").read_text())
+    assert provider["providers"][0]["options"]["path"] == mounts["./deploy/grafana/dashboards"]
+    assert mounts["./deploy/grafana/provisioning"] == "/etc/grafana/provisioning"
+
+
+def test_compose_file_matches_the_compose_spec_schema():
+    pytest.importorskip("check_jsonschema", reason="check-jsonschema carries the compose-spec schema")
+    import jsonschema
+    from check_jsonschema.builtin_schemas import get_builtin_schema
+
+    schema = get_builtin_schema("vendor.compose-spec")
+    errors = sorted(jsonschema.Draft7Validator(schema).iter_errors(compose()), key=str)
+    assert not errors, "\n".join(f"{list(e.absolute_path)}: {e.message}" for e in errors)
+
+
+def _compose_cli() -> list[str] | None:
+    """`docker compose` (the v2 plugin) or a v2 `docker-compose` binary; None when neither is here."""
+    for command in (["docker", "compose"], ["docker-compose"]):
+        if shutil.which(command[0]) is None:
+            continue
+        version = subprocess.run([*command, "version", "--short"], capture_output=True, text=True, timeout=20)
+        if version.returncode == 0 and version.stdout.strip().lstrip("v").startswith("2"):
+            return command
+    return None
+
+
+def test_docker_compose_config():
+    command = _compose_cli()
+    if command is None:
+        pytest.skip("no Compose v2 CLI (docker compose plugin or docker-compose v2)")
+    result = subprocess.run([*command, "-f", str(REPO / "docker-compose.yml"), "config", "--quiet"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+
+
+# --- Prometheus and Grafana --------------------------------------------------------------------------------
+
+
+def _option(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
+def test_prometheus_scrapes_api_and_worker_metrics():
+    config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    services = compose()["services"]
+    expected = {"batchasr-api": f"api:{services['api']['environment']['BATCHASR_PORT']}",
+                "batchasr-worker": f"worker:{_option(services['worker']['command'], '--metrics-port')}"}
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    for name, target in expected.items():
+        assert [t for sc in jobs[name]["static_configs"] for t in sc["targets"]] == [target]
+        assert jobs[name].get("metrics_path", "/metrics") == "/metrics"
+
+
+def test_dashboard_uses_only_metrics_the_service_exports():
+    exported = service_metric_names()
+    assert exported >= JOB_METRIC_NAMES
+    used = set().union(*map(promql_metric_names, dashboard_exprs()))
+    assert used, "no batchasr metric in the dashboard"
+    assert not used - exported, f"dashboard metrics the service does not export: {sorted(used - exported)}"
+
+
+def test_dashboard_covers_throughput_queue_latency_jobs_and_gpu():
+    used = set().union(*map(promql_metric_names, dashboard_exprs()))
+    bases = {re.sub(r"_(total|bucket|sum|count)$", "", name) for name in used}
+    assert {"batchasr_audio_seconds", "batchasr_compute_seconds", "batchasr_rtfx", "batchasr_queue_depth",
+            "batchasr_queue_wait_seconds", "batchasr_batch_size", "batchasr_request_duration_seconds",
+            "batchasr_job_items", "batchasr_job_stream_lag", "batchasr_gpu_memory_bytes"} <= bases
+    assert any("histogram_quantile(0.99" in e and "request_duration" in e for e in dashboard_exprs())
+
+
+def test_dashboard_panels_use_the_provisioned_datasource():
+    dashboard = json.loads(DASHBOARD.read_text())
+    (source,) = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/prometheus.yml").read_text())["datasources"]
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+    for panel in dashboard["panels"]:
+        for t in panel.get("targets", []):
+            assert t["datasource"]["uid"] == source["uid"], panel["title"]
+            assert t["expr"].count("(") == t["expr"].count(")"), panel["title"]
+
+
+# --- Kubernetes --------------------------------------------------------------------------------------------
+
+
+def test_k8s_manifests_have_the_expected_kinds():
+    kinds = {kind for kind, _ in k8s_objects()}
+    assert {"ConfigMap", "Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler",
+            "ScaledObject", "StatefulSet"} <= kinds
+    listed = set(yaml.safe_load((K8S / "kustomization.yaml").read_text())["resources"])
+    manifests = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml", "prometheus-adapter-values.yaml"}
+    assert manifests == listed, "every manifest is in the kustomization"
+
+
+def test_k8s_api_deployment_probes_gpu_ports_and_termination():
+    objects = k8s_objects()
+    api = objects["Deployment", "batchasr-api"]
+    pod, c = api["spec"]["template"]["spec"], container(api)
+    assert c["args"] == ["serve"]
+    assert int(c["resources"]["limits"]["nvidia.com/gpu"]) == 1
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    config = objects["ConfigMap", "batchasr-config"]["data"]
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports["http"] == int(config["BATCHASR_PORT"])
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        assert c[probe]["httpGet"]["port"] in (*ports, *ports.values()), probe
+    annotations = api["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == config["BATCHASR_PORT"]
+    sleep_s = int(c["lifecycle"]["preStop"]["exec"]["command"][-1])
+    assert pod["terminationGracePeriodSeconds"] > sleep_s + float(config["BATCHASR_REQUEST_TIMEOUT_S"])
+    service = objects["Service", "batchasr-api"]
+    assert {p["targetPort"] for p in service["spec"]["ports"]} <= set(ports)
+
+
+def test_k8s_selectors_match_their_pods():
+    objects = k8s_objects()
+    for (kind, name), obj in objects.items():
+        if kind in ("Deployment", "StatefulSet"):
+            labels = obj["spec"]["template"]["metadata"]["labels"]
+            assert obj["spec"]["selector"]["matchLabels"].items() <= labels.items(), name
+    for (kind, name), obj in objects.items():
+        if kind == "Service":
+            selector = obj["spec"]["selector"]
+        elif kind == "PodDisruptionBudget":
+            selector = obj["spec"]["selector"]["matchLabels"]
+        else:
+            continue
+        pods = [o["spec"]["template"]["metadata"]["labels"] for (k, _), o in objects.items()
+                if k in ("Deployment", "StatefulSet")]
+        assert any(selector.items() <= labels.items() for labels in pods), f"{kind} {name} selects no pod"
+
+
+def test_k8s_env_names_are_service_settings():
+    objects = k8s_objects()
+    known = settings_env_names()
+    assert set(objects["ConfigMap", "batchasr-config"]["data"]) <= known
+    for (kind, _name), obj in objects.items():
+        if kind == "Deployment":
+            c = container(obj)
+            assert env_names(c) <= known
+            refs = {ref["configMapRef"]["name"] for ref in c.get("envFrom", []) if "configMapRef" in ref}
+            assert all(("ConfigMap", ref) in objects for ref in refs)
+
+
+def test_k8s_worker_scales_on_stream_lag_with_keda():
+    objects = k8s_objects()
+    worker = objects["Deployment", "batchasr-worker"]
+    c = container(worker)
+    assert c["args"][:2] == ["worker", "--redis-url"]
+    metrics_port = _option(c["args"], "--metrics-port")
+    assert worker["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == metrics_port
+    assert {p["containerPort"] for p in c["ports"]} == {int(metrics_port)}
+    assert int(c["resources"]["limits"]["nvidia.com/gpu"]) == 1
+    assert worker["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= 60
+    scaled = objects["ScaledObject", "batchasr-worker"]
+    assert scaled["apiVersion"] == "keda.sh/v1alpha1"
+    assert scaled["spec"]["scaleTargetRef"]["name"] == "batchasr-worker"
+    (trigger,) = scaled["spec"]["triggers"]
+    meta = trigger["metadata"]
+    assert trigger["type"] == "redis-streams"
+    assert (meta["stream"], meta["consumerGroup"]) == (STREAM, CONSUMER_GROUP)
+    assert int(meta["lagCount"]) > 0 and "activationLagCount" in meta
+    assert all(isinstance(v, str) for v in meta.values()), "KEDA trigger metadata values are strings"
+    host, port = meta["address"].split(":")
+    redis_url = objects["ConfigMap", "batchasr-config"]["data"]["BATCHASR_REDIS_URL"]
+    assert redis_url.startswith(f"redis://{host}:{port}/{meta.get('databaseIndex', '0')}")
+    assert int(port) in {p["port"] for p in objects["Service", host]["spec"]["ports"]}
+
+
+def test_k8s_api_hpa_reads_the_adapter_queue_wait_metric():
+    objects = k8s_objects()
+    hpa = objects["HorizontalPodAutoscaler", "batchasr-api"]
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "batchasr-api"}
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["type"] == "Pods"
+    adapter = yaml.safe_load((K8S / "prometheus-adapter-values.yaml").read_text())
+    (rule,) = adapter["rules"]["custom"]
+    assert rule["name"]["as"] == metric["pods"]["metric"]["name"]
+    used = promql_metric_names(rule["seriesQuery"]) | promql_metric_names(rule["metricsQuery"])
+    assert used and used <= service_metric_names()
+    assert {"batchasr_queue_wait_seconds_sum", "batchasr_queue_wait_seconds_count"} <= used
+    # more replicas than the PDB keeps: a node drain can always evict one
+    assert hpa["spec"]["minReplicas"] > objects["PodDisruptionBudget", "batchasr-api"]["spec"]["minAvailable"]
+
+
+def test_k8s_manifests_match_kubernetes_schemas():
+    pytest.importorskip("kubernetes_validate", reason="kubernetes-validate carries the Kubernetes schemas")
+    import kubernetes_validate
+
+    for (kind, name), obj in k8s_objects().items():
+        if obj["apiVersion"].startswith("keda.sh/"):
+            continue  # a CRD: its fields are checked above
+        kubernetes_validate.validate(obj, "1.30", strict=True)
+        assert obj["metadata"]["name"] == name, kind
+
+
+def test_kustomize_builds():
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl not installed")
+    result = subprocess.run(["kubectl", "kustomize", str(K8S)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    built = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+    assert len(built) == len(k8s_objects())
+    deployments = [d["spec"]["template"]["spec"] for d in built if d["kind"] == "Deployment"]
+    images = {c["image"] for pod in deployments for c in pod["containers"]}
+    assert images == {"batchasr:0.1.0"}
+
+
+# --- load tests --------------------------------------------------------------------------------------------
+
+LOCUST_PROBE = """
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("locustfile", sys.argv[1])
+module = importlib.util.module_from_spec(spec)
+sys.modules["locustfile"] = module
+spec.loader.exec_module(module)
+from locust import HttpUser
+users = {name: [t.__name__ for t in cls.tasks] for name, cls in vars(module).items()
+         if isinstance(cls, type) and issubclass(cls, HttpUser) and not cls.__dict__.get("abstract")}
+short, long = module.audio_pool()
+print(json.dumps({"users": users, "short": len(short), "long": [c.duration_s for c in long],
+                  "loopback": [module.is_loopback(u) for u in sys.argv[2:]]}))
+"""
+
+
+def test_locustfile_defines_http_and_jobs_users(tmp_path):
+    if importlib.util.find_spec("locust") is None:
+        pytest.skip("locust not installed (pip install -e '.[loadtest]')")
+    import wave
+
+    for i, seconds in enumerate((1.0, 2.0)):
+        with wave.open(str(tmp_path / f"clip{i}.wav"), "wb") as w:
+            w.setparams((1, 2, 16000, 0, "NONE", "not compressed"))
+            w.writeframes(b"\0\0" * int(16000 * seconds))
+    # a subprocess: importing locust monkey-patches the standard library (gevent), which must not leak here
+    result = subprocess.run(
+        [sys.executable, "-c", LOCUST_PROBE, str(REPO / "loadtest" / "locustfile.py"),
+         "http://127.0.0.1:8000", "http://localhost:9", "http://[::1]:8000", "http://10.1.2.3:8000",
+         "http://example.com"],
+        capture_output=True, text=True, timeout=60, env={**os.environ, "LOADTEST_AUDIO_DIR": str(tmp_path)},
+    )
+    assert result.returncode == 0, result.stderr
+    probe = json.loads(result.stdout.strip().splitlines()[-1])
+    assert probe["users"] == {"TranscribeUser": ["openai_transcriptions", "native_transcribe"],
+                              "JobsUser": ["bulk_job"]}
+    assert probe["short"] == 2 and probe["long"] and min(probe["long"]) >= 30  # joined from the short clips
+    assert probe["loopback"] == [True, True, True, False, False]
+
+
+def test_run_sh_refuses_hosts_off_this_machine():
+    script = REPO / "loadtest" / "run.sh"
+    result = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=20,
+                            env={"LOADTEST_HOST": "http://192.0.2.1:8000", "PATH": "/usr/bin:/bin"})
+    assert result.returncode == 2 and "refusing" in result.stderr
