@@ -28,7 +28,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 NEG = -1e30  # log(0) stand-in: finite, so logaddexp and its gradient never see (-inf) - (-inf)
-CHUNK_ELEMENTS = 1 << 24  # joint outputs per checkpointed chunk (64 MB of float32 logits)
+CHUNK_ELEMENTS = 1 << 23  # joint outputs per checkpointed chunk (32 MB of float32 logits)
 
 JointFn = Callable[[Tensor], Tensor]  # (..., J) hidden sum -> (..., V+1+D) logits
 
@@ -70,7 +70,7 @@ def lattice_log_probs(enc_proj: Tensor, pred_proj: Tensor, targets: Tensor, enc_
         return blank, emit, logits[..., vocab_size + 1 :].log_softmax(dim=-1)
 
     # Longest samples bound each chunk; chunks are contiguous rows, so sort the batch by length beforehand
-    # (the trainer does) to keep padding low.
+    # (the trainer does) to keep padding low. A sample too big for one chunk is split along time.
     per_sample = n_frames * n_nodes_u * width
     rows = max(1, chunk_elements // max(per_sample, 1))
     use_checkpoint = torch.is_grad_enabled() and (enc_proj.requires_grad or pred_proj.requires_grad)
@@ -79,8 +79,12 @@ def lattice_log_probs(enc_proj: Tensor, pred_proj: Tensor, targets: Tensor, enc_
         sl = slice(start, start + rows)
         t_max = int(enc_lengths[sl].max())
         u_max = int(target_lengths[sl].max()) + 1
-        args = (enc_proj[sl, :t_max], pred_proj[sl, :u_max], index[sl, :u_max])
-        out = checkpoint(gather, *args, use_reentrant=False) if use_checkpoint else gather(*args)
+        t_step = max(1, chunk_elements // (u_max * width)) if rows == 1 else t_max
+        pieces = []
+        for t0 in range(0, t_max, t_step):
+            args = (enc_proj[sl, t0:min(t0 + t_step, t_max)], pred_proj[sl, :u_max], index[sl, :u_max])
+            pieces.append(checkpoint(gather, *args, use_reentrant=False) if use_checkpoint else gather(*args))
+        out = [torch.cat(xs, dim=1) for xs in zip(*pieces, strict=True)]  # joined along time
         pad = (0, n_nodes_u - u_max, 0, n_frames - t_max)
         parts.append(tuple(F.pad(x, pad) if x.dim() == 3 else F.pad(x, (0, 0, *pad)) for x in out))
     blank, emit, *duration = (torch.cat(xs) for xs in zip(*parts, strict=True))
