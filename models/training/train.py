@@ -1,0 +1,335 @@
+"""Train the embedded default model: hybrid TDT-CTC FastConformer on synthetic speech, mixed precision.
+
+Recipe (CPU, about an hour on 2 shared cores; a GPU takes minutes)::
+
+    python -m models.training.data --cache DATA --n-train 24000
+    python -m models.training.train --data DATA --out RUN --max-steps 3000
+    # a stopped run continues from RUN/last.pt with the same command
+
+Loss: (1 - w) * TDT + w * CTC with w = 0.3, as NeMo's hybrid models weight them, each normalised by the
+number of target tokens. AdamW, linear warm-up then cosine decay, gradient clipping. Mixed precision:
+float32 master weights; the forward pass runs under bf16 autocast (fp16 with a dynamic loss scaler where
+bf16 is unsupported); the losses accumulate in float32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import sentencepiece as spm
+import soundfile as sf
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..asr_model import ASRModel
+from .evaluate import split_wer
+from .export import ModelSize, build_model, save_nemo
+from .losses import ctc_loss, transducer_loss
+
+
+@dataclass(frozen=True)
+class Recipe:
+    vocab_size: int = 256
+    max_steps: int = 3000
+    batch_seconds: float = 60.0  # audio per batch
+    peak_lr: float = 2e-3
+    warmup_steps: int = 300
+    min_lr_ratio: float = 0.02
+    weight_decay: float = 1e-3
+    clip_norm: float = 1.0
+    ctc_weight: float = 0.3
+    tdt_sigma: float = 0.02
+    freq_masks: int = 2
+    freq_mask_width: int = 12  # mel bins
+    time_masks: int = 2
+    time_mask_width: int = 25  # 10 ms frames
+    noise_snr_db: tuple[float, float] = (20.0, 50.0)
+    eval_every: int = 500
+    save_every: int = 100
+    seed: int = 0
+
+
+# --- data ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Item:
+    audio: Path
+    text: str
+    duration_s: float
+
+
+def read_manifest(data: Path, split: str) -> list[Item]:
+    rows = [json.loads(line) for line in (data / f"{split}.jsonl").read_text().splitlines()]
+    return [Item(data / r["audio"], r["text"], r["duration_s"]) for r in rows]
+
+
+def make_batches(items: list[Item], batch_seconds: float, rng: random.Random) -> list[list[Item]]:
+    """Length-sorted batches of about ``batch_seconds`` of audio (little padding), in random order."""
+    ordered = sorted(items, key=lambda it: it.duration_s + rng.random() * 0.3)
+    batches, current, longest = [], [], 0.0
+    for item in ordered:
+        longest = max(longest, item.duration_s)
+        if current and longest * (len(current) + 1) > batch_seconds:
+            batches.append(current)
+            current, longest = [], item.duration_s
+        current.append(item)
+    if current:
+        batches.append(current)
+    rng.shuffle(batches)
+    return batches
+
+
+def train_tokenizer(text_file: Path, vocab_size: int) -> bytes:
+    """SentencePiece BPE on the training text; no bos/eos (NeMo's ASR tokenizers have none)."""
+    import io
+
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(input=str(text_file), model_writer=model, vocab_size=vocab_size,
+                                   model_type="bpe", character_coverage=1.0, bos_id=-1, eos_id=-1,
+                                   num_threads=2, minloglevel=2)
+    return model.getvalue()
+
+
+# --- model pieces used only in training -------------------------------------------------------------------
+
+
+def spec_augment(features: Tensor, n_frames: Tensor, recipe: Recipe, gen: torch.Generator) -> Tensor:
+    """Zero random mel bands and time spans (features are normalised, so zero is the mean). (B, M, T)."""
+    batch, n_mels, _ = features.shape
+    out = features.clone()
+    for b in range(batch):
+        for _ in range(recipe.freq_masks):
+            width = int(torch.randint(0, recipe.freq_mask_width + 1, (), generator=gen))
+            start = int(torch.randint(0, n_mels - width + 1, (), generator=gen))
+            out[b, start:start + width] = 0.0
+        for _ in range(recipe.time_masks):
+            width = int(torch.randint(0, recipe.time_mask_width + 1, (), generator=gen))
+            start = int(torch.randint(0, max(1, int(n_frames[b]) - width), (), generator=gen))
+            out[b, :, start:start + width] = 0.0
+    return out
+
+
+def prediction_sequence(model: ASRModel, targets: Tensor) -> Tensor:
+    """Prediction network over [start, y1 .. yU] at once: (B, U) -> (B, U+1, H). Start = blank (zeros)."""
+    pred = model.decoder.prediction
+    blank = model.decoder.blank_id
+    labels = F.pad(targets, (1, 0), value=blank)
+    out, _ = pred.dec_rnn.lstm(pred.embed(labels).transpose(0, 1))  # time-major, as NeMo's LSTM
+    return out.transpose(0, 1)
+
+
+@dataclass
+class Batch:
+    audio: Tensor  # (B, S) float32
+    n_samples: Tensor  # (B,)
+    targets: Tensor  # (B, U) padded with 0
+    target_lengths: Tensor  # (B,)
+
+
+def load_batch(items: list[Item], sp: spm.SentencePieceProcessor, recipe: Recipe, rng: np.random.Generator,
+               augment: bool) -> Batch:
+    waves = [sf.read(it.audio, dtype="float32")[0] for it in items]
+    if augment:  # white noise at a random SNR: espeak is noiseless, the world is not
+        waves = [w + rng.standard_normal(len(w)).astype(np.float32) * float(np.sqrt(np.mean(w**2) + 1e-9))
+                 * 10 ** (-rng.uniform(*recipe.noise_snr_db) / 20) for w in waves]
+    lengths = torch.tensor([len(w) for w in waves])
+    audio = torch.zeros(len(waves), int(lengths.max()))
+    for i, w in enumerate(waves):
+        audio[i, : len(w)] = torch.from_numpy(w)
+    ids = [sp.encode(it.text) for it in items]
+    targets = torch.zeros(len(ids), max(len(x) for x in ids), dtype=torch.long)
+    for i, x in enumerate(ids):
+        targets[i, : len(x)] = torch.tensor(x)
+    return Batch(audio, lengths, targets, torch.tensor([len(x) for x in ids]))
+
+
+def compute_losses(model: ASRModel, batch: Batch, recipe: Recipe, gen: torch.Generator | None,
+                   amp_dtype: torch.dtype | None) -> tuple[Tensor, Tensor]:
+    """(TDT, CTC) losses, each summed over the batch and divided by its target tokens."""
+    device = model.device
+    audio, n_samples = batch.audio.to(device), batch.n_samples.to(device)
+    targets, target_lengths = batch.targets.to(device), batch.target_lengths.to(device)
+    features, n_frames = model.preprocessor.featurizer(audio, n_samples)  # float32, no grad
+    if gen is not None:
+        features = spec_augment(features, n_frames, recipe, gen)
+    with torch.autocast(device.type, dtype=amp_dtype or torch.bfloat16, enabled=amp_dtype is not None):
+        encoded, enc_lengths = model.encoder(features, n_frames)  # (B, T, d)
+        enc_proj = model.joint.project_encoder(encoded)  # (B, T, J)
+        pred_proj = model.joint.pred(prediction_sequence(model, targets))  # (B, U+1, J)
+        ctc_log_probs = model.ctc_decoder(encoded)  # (B, T, V+1)
+        transducer = model.config.transducer
+        assert transducer is not None
+        tdt = transducer_loss(enc_proj, pred_proj, targets, enc_lengths, target_lengths, model.joint.joint_net,
+                              transducer.vocab_size, transducer.durations, recipe.tdt_sigma)
+    ctc = ctc_loss(ctc_log_probs, targets, enc_lengths, target_lengths, model.ctc_decoder.blank_id)
+    n_tokens = target_lengths.sum().clamp_min(1)
+    return tdt.sum() / n_tokens, ctc.sum() / n_tokens
+
+
+def learning_rate(step: int, recipe: Recipe) -> float:
+    if step < recipe.warmup_steps:
+        return recipe.peak_lr * (step + 1) / recipe.warmup_steps
+    progress = min(1.0, (step - recipe.warmup_steps) / max(1, recipe.max_steps - recipe.warmup_steps))
+    cosine = 0.5 * (1 + math.cos(math.pi * progress))
+    return recipe.peak_lr * (recipe.min_lr_ratio + (1 - recipe.min_lr_ratio) * cosine)
+
+
+def pick_precision(device: torch.device, requested: str) -> tuple[torch.dtype | None, bool]:
+    """(autocast dtype or None, use a loss scaler). bf16 where supported, else fp16 with a scaler."""
+    if requested == "fp32":
+        return None, False
+    if requested == "fp16":
+        return torch.float16, True
+    bf16_ok = torch.cuda.is_bf16_supported() if device.type == "cuda" else True
+    return (torch.bfloat16, False) if bf16_ok else (torch.float16, True)
+
+
+def validate(model: ASRModel, valid: list[Item], limit: int = 200) -> dict[str, float]:
+    model.eval()
+    audio = [sf.read(it.audio, dtype="float32")[0] for it in valid[:limit]]
+    texts = [it.text for it in valid[:limit]]
+    result = {f"wer_{d}": split_wer(model, audio, texts, d) for d in ("tdt", "ctc")}
+    model.train()
+    return result
+
+
+# --- loop ---------------------------------------------------------------------------------------------
+
+
+def _progress(step: int, total: int, loss: float, tdt: float, ctc: float, sec_per_s: float, lr: float) -> None:
+    done = int(30 * step / total)
+    sys.stderr.write(f"\r[{'#' * done}{'.' * (30 - done)}] {step}/{total} loss {loss:.3f} (tdt {tdt:.3f} "
+                     f"ctc {ctc:.3f}) {sec_per_s:.1f} audio-s/s lr {lr:.2e}   ")
+    sys.stderr.flush()
+
+
+def train(data: Path, out: Path, recipe: Recipe, size: ModelSize, device: torch.device, precision: str,
+          time_budget_s: float | None) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(recipe.seed)
+    tokenizer_path = out / "tokenizer.model"
+    if not tokenizer_path.exists():
+        tokenizer_path.write_bytes(train_tokenizer(data / "train_text.txt", recipe.vocab_size))
+    proto = tokenizer_path.read_bytes()
+    sp = spm.SentencePieceProcessor()
+    sp.LoadFromSerializedProto(proto)
+    model, raw_config = build_model(size, proto)
+    raw_config["aux_ctc"]["ctc_loss_weight"] = recipe.ctc_weight
+    raw_config["loss"]["tdt_kwargs"]["sigma"] = recipe.tdt_sigma
+    model.to(device).train()
+    amp_dtype, use_scaler = pick_precision(device, precision)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.peak_lr, weight_decay=recipe.weight_decay,
+                                  betas=(0.9, 0.98))
+    scaler = torch.amp.GradScaler(device.type, enabled=use_scaler)
+    train_items, valid_items = read_manifest(data, "train"), read_manifest(data, "valid")
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"{len(train_items)} training utterances ({sum(i.duration_s for i in train_items) / 3600:.1f} h); "
+          f"{n_params / 1e6:.2f} M parameters; autocast {amp_dtype}, loss scaler {use_scaler}", flush=True)
+
+    step, epoch, history = 0, 0, []
+    last = out / "last.pt"
+    if last.exists():  # resume
+        state = torch.load(last, map_location=device, weights_only=False)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scaler.load_state_dict(state["scaler"])
+        step, epoch, history = state["step"], state["epoch"], state["history"]
+        print(f"resumed at step {step} (epoch {epoch})", flush=True)
+
+    def save() -> None:
+        tmp = last.with_suffix(".tmp")
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                    "scaler": scaler.state_dict(), "step": step, "epoch": epoch, "history": history,
+                    "recipe": asdict(recipe), "size": asdict(size)}, tmp)
+        tmp.replace(last)
+
+    started = time.monotonic()
+    audio_s, window_start = 0.0, time.monotonic()
+    while step < recipe.max_steps:
+        # Batches of an epoch are a function of (seed, epoch): a resumed run skips those already done.
+        batches = make_batches(train_items, recipe.batch_seconds, random.Random(recipe.seed * 1000 + epoch))
+        offset = state_offset(step, epoch, len(batches), history)
+        for batch_items in batches[offset:]:
+            if step >= recipe.max_steps:
+                break
+            gen = torch.Generator().manual_seed(recipe.seed * 7919 + step)
+            batch = load_batch(batch_items, sp, recipe, np.random.default_rng(step), augment=True)
+            lr = learning_rate(step, recipe)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            tdt, ctc = compute_losses(model, batch, recipe, gen, amp_dtype)
+            loss = (1 - recipe.ctc_weight) * tdt + recipe.ctc_weight * ctc
+            optimizer.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.clip_norm)
+            scaler.step(optimizer)
+            scaler.update()
+            step += 1
+            audio_s += float(batch.n_samples.sum()) / model.sample_rate
+            rate = audio_s / (time.monotonic() - window_start)
+            _progress(step, recipe.max_steps, loss.item(), tdt.item(), ctc.item(), rate, lr)
+            history.append({"step": step, "epoch": epoch, "loss": round(loss.item(), 4)})
+            if step % 50 == 0:
+                print(f"\nstep {step} loss {loss.item():.3f} tdt {tdt.item():.3f} ctc {ctc.item():.3f} "
+                      f"{rate:.1f} audio-s/s elapsed {time.monotonic() - started:.0f}s", flush=True)
+            if step % recipe.eval_every == 0 or step == recipe.max_steps:
+                result = validate(model, valid_items)
+                history[-1].update(result)
+                print(f"\nstep {step} validation {result}", flush=True)
+            if step % recipe.save_every == 0 or step == recipe.max_steps:
+                save()
+            if time_budget_s is not None and time.monotonic() - started > time_budget_s:
+                print(f"\ntime budget reached at step {step}; rerun the same command to continue", flush=True)
+                break
+        else:
+            epoch += 1
+            continue
+        break
+    save()
+    model.eval()
+    save_nemo(model, raw_config, proto, out / "model.nemo")
+    print(f"\nwrote {out / 'model.nemo'}", flush=True)
+
+
+def state_offset(step: int, epoch: int, n_batches: int, history: list[dict]) -> int:
+    """Batches of the current epoch already trained (from the per-step history)."""
+    return sum(1 for h in history if h["epoch"] == epoch) % max(1, n_batches)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", type=Path, required=True, help="corpus from models.training.data")
+    parser.add_argument("--out", type=Path, required=True, help="run directory: checkpoints, model.nemo")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--precision", choices=["auto", "bf16", "fp16", "fp32"], default="auto")
+    # One thread: on a shared 2-core machine, two OpenMP threads spin-wait on each other and each small op
+    # gets ~10x slower (measured).
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--time-budget-s", type=float, default=None, help="stop (resumable) after this long")
+    for name, value in asdict(Recipe()).items():
+        if not isinstance(value, tuple):
+            parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
+    for name, value in asdict(ModelSize()).items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
+    args = vars(parser.parse_args())
+    torch.set_num_threads(args["threads"])
+    recipe = Recipe(**{k: args[k] for k in asdict(Recipe()) if k in args})
+    size = ModelSize(**{k: args[k] for k in asdict(ModelSize())})
+    device = torch.device("cuda" if args["device"] == "auto" and torch.cuda.is_available() else
+                          "cpu" if args["device"] == "auto" else args["device"])
+    train(args["data"], args["out"], recipe, size, device, args["precision"], args["time_budget_s"])
+
+
+if __name__ == "__main__":
+    main()
