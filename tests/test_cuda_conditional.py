@@ -1,0 +1,140 @@
+"""What of the graph machinery a CPU can check: support detection, the CUDA 12/13 binding shims, and the
+no_while host loop (with stand-in graphs that replay by calling the captured function)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from decoding import cuda_conditional, cuda_graphs
+from decoding.cuda_conditional import ConditionalGraphBuilder, CudaPythonError, _check, _version_tuple
+from decoding.frame_looping import frame_looping_greedy
+from decoding.label_looping import LabelLooper
+from models import load_model
+
+ACTIVE = "active"
+
+
+def fake_driver(cuda_major: int, driver_version: int = 12080) -> SimpleNamespace:
+    """Just enough of ``cuda.bindings.driver`` to add a WHILE node, recording the calls."""
+    calls: list[tuple] = []
+
+    def capture_info(stream):
+        if cuda_major >= 13:  # (err, status, id, graph, deps, edge_data, n)
+            return 0, ACTIVE, 7, "graph", ["dep"], ["edge"], 1
+        return 0, ACTIVE, 7, "graph", ["dep"], 1
+
+    def add_node(*args):
+        calls.append(("cuGraphAddNode", *args[:-1]))
+        return 0, "node"
+
+    def update_deps(*args):
+        calls.append(("cuStreamUpdateCaptureDependencies", *args))
+        return (0,)
+
+    def node_params():
+        return SimpleNamespace(type=None, conditional=SimpleNamespace(phGraph_out=["body graph"]))
+
+    return SimpleNamespace(
+        calls=calls,
+        cuStreamGetCaptureInfo=capture_info,
+        cuGraphAddNode=add_node,
+        cuStreamUpdateCaptureDependencies=update_deps,
+        cuDriverGetVersion=lambda: (0, driver_version),
+        CUgraphNodeParams=node_params,
+        CUstreamCaptureStatus=SimpleNamespace(CU_STREAM_CAPTURE_STATUS_ACTIVE=ACTIVE),
+        CUgraphNodeType=SimpleNamespace(CU_GRAPH_NODE_TYPE_CONDITIONAL="conditional"),
+        CUgraphConditionalNodeType=SimpleNamespace(CU_GRAPH_COND_TYPE_WHILE="while"),
+        CUstreamUpdateCaptureDependencies_flags=SimpleNamespace(CU_STREAM_SET_CAPTURE_DEPENDENCIES="set"),
+    )
+
+
+@pytest.mark.parametrize("cuda_major", [12, 13])
+def test_while_node_uses_the_signatures_of_both_cuda_versions(cuda_major):
+    driver = fake_driver(cuda_major)
+    builder = object.__new__(ConditionalGraphBuilder)  # skip __init__: it needs a live capture
+    builder._driver = driver
+    assert builder._add_while_node("stream", "handle", "ctx") == "body graph"
+    if cuda_major >= 13:
+        assert driver.calls == [("cuGraphAddNode", "graph", ["dep"], ["edge"], 1),
+                                ("cuStreamUpdateCaptureDependencies", "stream", ["node"], None, 1, "set")]
+    else:
+        assert driver.calls == [("cuGraphAddNode", "graph", ["dep"], 1),
+                                ("cuStreamUpdateCaptureDependencies", "stream", ["node"], 1, "set")]
+
+
+def test_check_unpacks_and_raises():
+    assert _check((0,), "f") is None
+    assert _check((0, "x"), "f") == "x"
+    assert _check((0, "x", "y"), "f") == ("x", "y")
+    with pytest.raises(CudaPythonError, match="f failed"):
+        _check((SimpleNamespace(value=700), "x"), "f")
+    assert _version_tuple("12.9.2") == (12, 9, 2) and _version_tuple("13.0.0rc1") == (13, 0, 0)
+
+
+@pytest.mark.parametrize(
+    ("bindings", "driver_version", "supported", "reason"),
+    [
+        (None, 12080, False, "not importable"),
+        ((12, 2, 0), 12080, False, "cuda-python 12.2.0 < 12.3"),
+        ((12, 9, 0), 12040, False, "CUDA driver 12.4 < 12.6"),
+        ((12, 9, 0), "raise", False, "cannot be queried"),
+        ((13, 0, 1), 13000, True, "CUDA driver 13.0, cuda-python 13.0.1"),
+    ],
+)
+def test_support_detection(monkeypatch, bindings, driver_version, supported, reason):
+    driver = fake_driver(13, 0 if driver_version == "raise" else driver_version)
+    if driver_version == "raise":  # a host without libcuda
+        driver.cuDriverGetVersion = lambda: (_ for _ in ()).throw(RuntimeError("libcuda.so not found"))
+
+    def fake_bindings():
+        if bindings is None:
+            raise ImportError("No module named 'cuda'")
+        return driver, None, bindings
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cuda_conditional, "_bindings", fake_bindings)
+    ok, why = cuda_conditional.conditional_support()
+    assert ok is supported and reason in why
+
+
+def test_auto_falls_back_to_no_while_and_forced_conditional_raises(monkeypatch):
+    monkeypatch.setattr(cuda_graphs, "conditional_support", lambda: (False, "CUDA driver 12.4 < 12.6"))
+    cuda = torch.device("cuda", 0)
+    choice = cuda_graphs.choose_mode("auto", cuda)
+    assert choice.mode == "no_while" and "12.4 < 12.6" in choice.reason
+    with pytest.raises(RuntimeError, match="not available"):
+        cuda_graphs.choose_mode("conditional", cuda)
+    assert cuda_graphs.choose_mode("no_while", cuda).mode == "no_while"
+    monkeypatch.setattr(cuda_graphs, "conditional_support", lambda: (True, "CUDA driver 13.0"))
+    assert cuda_graphs.choose_mode("auto", cuda).mode == "conditional"
+
+
+class Replayer:
+    """A stand-in for a captured graph: replay runs the captured function again."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def replay(self) -> None:
+        self.fn()
+
+
+@pytest.mark.parametrize("name", ["tdt", "rnnt"])
+def test_no_while_host_loop_equals_frame_looping(monkeypatch, parity_dir, name):
+    monkeypatch.setattr(cuda_graphs, "_capture", lambda fn, stream: Replayer(fn))
+    model = load_model(parity_dir / f"{name}.nemo", device="cpu", dtype="float32")
+    t = model.config.transducer
+    generator = torch.Generator().manual_seed(0)
+    encoded = torch.randn(5, 12, model.config.encoder.d_model, generator=generator)
+    lengths = torch.tensor([12, 0, 7, 1, 12])
+    looper = LabelLooper(model.decoder, model.joint, t.durations, t.max_symbols)
+    enc_proj = looper.project(encoded)
+    state = looper.allocate(8, 64, enc_proj.shape[-1], enc_proj.device, enc_proj.dtype)  # spare capacity
+    looper.load(state, enc_proj, lengths)
+    with torch.inference_mode():
+        cuda_graphs._StageGraphs(looper, state, [None]).run()
+        reference = frame_looping_greedy(encoded, lengths, model.decoder, model.joint, t.durations, t.max_symbols)
+    assert looper.results(state, 5) == reference
