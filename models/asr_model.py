@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from decoding.ctc import ctc_greedy
+from decoding.cuda_graphs import CUDA_GRAPH_OPTIONS, LabelLoopingDecoder
 from decoding.frame_looping import frame_looping_greedy
 from decoding.types import Hypothesis
 
@@ -33,6 +34,7 @@ from .transcript import Transcript, build_transcript
 log = logging.getLogger(__name__)
 
 DECODERS = ("auto", "ctc", "rnnt", "tdt")
+DECODER_ALGORITHMS = ("label_looping", "frame_looping")  # transducer greedy search; frame looping is the reference
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 AudioInput = np.ndarray | str | Path
 
@@ -174,7 +176,10 @@ class ASRModel(nn.Module):
         return EncodedBatch(encoded=encoded, lengths=lengths, duration_s=duration_s)
 
     @torch.inference_mode()
-    def decode(self, batch: EncodedBatch, decoder: str = "auto") -> list[Hypothesis]:
+    def decode(self, batch: EncodedBatch, decoder: str = "auto", decoder_algorithm: str = "label_looping",
+               cuda_graphs: str = "auto") -> list[Hypothesis]:
+        """Greedy search. Transducers: ``decoder_algorithm`` label_looping (default) | frame_looping (the
+        reference); ``cuda_graphs`` auto | conditional | no_while | off picks how label looping runs on CUDA."""
         decoder = self.resolve_decoder(decoder)
         if decoder == "ctc":
             head = self.ctc_head
@@ -182,28 +187,44 @@ class ASRModel(nn.Module):
             return ctc_greedy(head(batch.encoded), batch.lengths, head.blank_id)
         transducer = self.config.transducer
         assert transducer is not None
-        return frame_looping_greedy(batch.encoded, batch.lengths, self.decoder, self.joint,
-                                    durations=transducer.durations, max_symbols=transducer.max_symbols)
+        _check_decoding_options(decoder_algorithm, cuda_graphs)
+        if decoder_algorithm == "frame_looping":
+            return frame_looping_greedy(batch.encoded, batch.lengths, self.decoder, self.joint,
+                                        durations=transducer.durations, max_symbols=transducer.max_symbols)
+        return self.label_looper(cuda_graphs)(batch.encoded, batch.lengths)
+
+    def label_looper(self, cuda_graphs: str = "auto") -> LabelLoopingDecoder:
+        """This model's label-looping decoder for a ``cuda_graphs`` setting, kept with its buffers and graphs."""
+        transducer = self.config.transducer
+        if transducer is None:
+            raise ValueError("label looping needs a transducer head")
+        loopers = self.__dict__.setdefault("_label_loopers", {})  # plain attribute, not a submodule
+        if cuda_graphs not in loopers:
+            loopers[cuda_graphs] = LabelLoopingDecoder(self.decoder, self.joint, transducer.durations,
+                                                       transducer.max_symbols, cuda_graphs)
+        return loopers[cuda_graphs]
 
     def transcribe(self, audio: Sequence[AudioInput] | AudioInput, batch_size: int = 16,
-                   decoder: str = "auto") -> list[Transcript]:
+                   decoder: str = "auto", decoder_algorithm: str = "label_looping",
+                   cuda_graphs: str = "auto") -> list[Transcript]:
         """Transcribe waveforms (mono float32 at ``sample_rate``) or audio files, in input order.
 
         Inputs are grouped into batches of similar length (less padding); results do not depend on the
-        grouping.
+        grouping. ``decoder_algorithm`` and ``cuda_graphs`` are as in ``decode``.
         """
         if isinstance(audio, (np.ndarray, str, Path)):
             audio = [audio]
         if batch_size < 1:
             raise ValueError("batch_size must be >= 1")
         decoder = self.resolve_decoder(decoder)
+        _check_decoding_options(decoder_algorithm, cuda_graphs)
         waveforms = [self._load(item, i) for i, item in enumerate(audio)]
         order = sorted(range(len(waveforms)), key=lambda i: len(waveforms[i]), reverse=True)
         results: list[Transcript | None] = [None] * len(waveforms)
         for start in range(0, len(order), batch_size):
             chunk = order[start : start + batch_size]
             batch = self.encode([waveforms[i] for i in chunk])
-            hyps = self.decode(batch, decoder)
+            hyps = self.decode(batch, decoder, decoder_algorithm, cuda_graphs)
             for i, hyp, duration_s in zip(chunk, hyps, batch.duration_s, strict=True):
                 results[i] = build_transcript(hyp, self.tokenizer, self.config.frame_s, duration_s)
         return [r for r in results if r is not None]
@@ -214,6 +235,14 @@ class ASRModel(nn.Module):
         if not isinstance(item, np.ndarray):
             raise TypeError(f"audio[{index}]: expected a numpy array or a path, got {type(item).__name__}")
         return check_waveform(np.asarray(item, dtype=np.float32), f"audio[{index}]")
+
+
+def _check_decoding_options(decoder_algorithm: str, cuda_graphs: str) -> None:
+    if decoder_algorithm not in DECODER_ALGORITHMS:
+        raise ValueError(f"unknown decoder_algorithm {decoder_algorithm!r}; "
+                         f"choose from {', '.join(DECODER_ALGORITHMS)}")
+    if cuda_graphs not in CUDA_GRAPH_OPTIONS:
+        raise ValueError(f"unknown cuda_graphs {cuda_graphs!r}; choose from {', '.join(CUDA_GRAPH_OPTIONS)}")
 
 
 # --- loading ----------------------------------------------------------------------------------------------
