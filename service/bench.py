@@ -49,6 +49,7 @@ class BenchResult:
     wall_s: float
     rtfx: float
     stage_s: dict[str, float]
+    stage_cpu_s: dict[str, float] | None  # CPU time per stage (CPU runs; steadier on a shared machine)
     decoder_share: float  # decoder seconds / sum of stage seconds
     tokens: int  # tokens in one pass
     frames: int  # encoder frames in one pass
@@ -124,30 +125,34 @@ def _token_rate(model: ASRModel, batch: EncodedBatch, decoder: str) -> float:
 @torch.no_grad()
 def calibrate_blank_bias(model: ASRModel, waveforms: list[np.ndarray], decoder: str,
                          target: float = TARGET_TOKENS_PER_FRAME, steps: int = 12) -> float:
-    """Shift the blank logit (bisection, in place) until greedy decoding emits ``target`` tokens per frame.
+    """Shift the blank logit (in place) so greedy decoding emits about ``target`` tokens per frame.
 
-    Returns the shift. More blank bias, fewer tokens: the rate falls monotonically (up to ties) with the shift.
+    Bisection: more blank bias, fewer tokens (monotonic up to ties). Keeps the shift whose rate came
+    closest, since with random weights the rate can jump, and a TDT head's durations cap it. Returns the shift.
     """
     bias, blank = _blank_bias_param(model, decoder)
     batch = model.encode(waveforms)
     base = float(bias[blank])
     low, high = -8.0, 24.0
+    best_shift, best_error = 0.0, float("inf")
     for _ in range(steps):
         mid = (low + high) / 2
         bias[blank] = base + mid
-        if _token_rate(model, batch, decoder) > target:
-            low = mid
-        else:
-            high = mid
-    shift = (low + high) / 2
-    bias[blank] = base + shift
-    return shift
+        rate = _token_rate(model, batch, decoder)
+        if abs(rate - target) < best_error:
+            best_shift, best_error = mid, abs(rate - target)
+        low, high = (mid, high) if rate > target else (low, mid)
+    bias[blank] = base + best_shift
+    return best_shift
 
 
 # --- timing ---------------------------------------------------------------------------------------------------
 
 class StageClock:
-    """Stage boundaries: CUDA events on a GPU (read once at the end), ``perf_counter`` on a CPU."""
+    """Stage boundaries: CUDA events on a GPU (read once at the end), ``perf_counter`` on a CPU.
+
+    On a CPU the process's CPU time is kept too: on a shared machine it is far steadier than wall time.
+    """
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
@@ -155,18 +160,22 @@ class StageClock:
 
     def mark(self) -> Any:
         if not self.cuda:
-            return time.perf_counter()
+            return time.perf_counter(), time.process_time()
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
 
-    def stage_seconds(self) -> dict[str, float]:
+    def stage_seconds(self, cpu_time: bool = False) -> dict[str, float]:
+        """Seconds per stage, summed over batches: wall (GPU: event) time, or CPU time (CPU only)."""
         if self.cuda:
             torch.cuda.synchronize()
         totals = dict.fromkeys(STAGES, 0.0)
         for marks in self.marks:
             for stage, start, end in zip(STAGES, marks, marks[1:], strict=False):
-                totals[stage] += start.elapsed_time(end) / 1000 if self.cuda else end - start
+                if self.cuda:
+                    totals[stage] += start.elapsed_time(end) / 1000
+                else:
+                    totals[stage] += end[int(cpu_time)] - start[int(cpu_time)]
         return totals
 
 
@@ -206,68 +215,99 @@ def tokens_sha1(tokens: dict[int, list[int]]) -> str:
     return hashlib.sha1(text.encode()).hexdigest()
 
 
-def run_bench(args: argparse.Namespace) -> BenchResult:
-    if args.batch_size < 1 or args.repeat < 1:
-        raise ValueError("--batch-size and --repeat must be >= 1")
-    model, random_weights = load_bench_model(args.model, args.device, args.dtype, args.seed)
-    if args.audio:
+@dataclass
+class Workload:
+    """A model with its inputs, prepared once and measured under several settings."""
+
+    name: str
+    model: ASRModel
+    waveforms: list[np.ndarray]
+    decoder: str  # the model's default head
+    blank_bias: float | None  # calibrated shift (built-in architectures), None for checkpoints
+
+
+def prepare(name: str | None, device: str = "auto", dtype: str = "auto", seed: int = 0,
+            audio: list[str] | None = None, n_utterances: int = 128) -> Workload:
+    model, random_weights = load_bench_model(name, device, dtype, seed)
+    if audio:
         from models.audio_io import read_audio
 
-        waveforms = [read_audio(path, model.sample_rate) for path in audio_files(args.audio)]
+        waveforms = [read_audio(path, model.sample_rate) for path in audio_files(audio)]
     else:
-        waveforms = synthetic_audio(args.n_utterances, args.seed)
+        waveforms = synthetic_audio(n_utterances, seed)
     decoder = model.default_decoder
-    shift = (calibrate_blank_bias(model, waveforms[:CALIBRATION_UTTERANCES], decoder)
-             if random_weights else None)
+    shift = calibrate_blank_bias(model, waveforms[:CALIBRATION_UTTERANCES], decoder) if random_weights else None
+    return Workload(str(name), model, waveforms, decoder, shift)
+
+
+def measure(work: Workload, batch_size: int = 16, repeat: int = 1, decoder_algorithm: str = "label_looping",
+            cuda_graphs: str = "auto") -> BenchResult:
+    """One untimed warm-up batch, then ``repeat`` timed passes over all inputs."""
+    if batch_size < 1 or repeat < 1:
+        raise ValueError("batch size and repeat must be >= 1")
+    model, waveforms = work.model, work.waveforms
     # longest first, as ``transcribe`` does: the first batch sizes the decoder's buffers and graphs
     order = sorted(range(len(waveforms)), key=lambda i: len(waveforms[i]), reverse=True)
-    batches = [order[i : i + args.batch_size] for i in range(0, len(order), args.batch_size)]
-    run_batches(model, waveforms, batches[:1], decoder, args.decoder_algorithm, args.cuda_graphs, None)  # warm-up
+    batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    settings = (work.decoder, decoder_algorithm, cuda_graphs)
+    run_batches(model, waveforms, batches[:1], *settings, None)
     clock = StageClock(model.device)
     _sync(model.device)
     start = time.perf_counter()
-    for _ in range(args.repeat):
-        output = run_batches(model, waveforms, batches, decoder, args.decoder_algorithm, args.cuda_graphs, clock)
+    for _ in range(repeat):
+        output = run_batches(model, waveforms, batches, *settings, clock)
     _sync(model.device)
     wall_s = time.perf_counter() - start
-    return _result(args, model, decoder, waveforms, output, wall_s, clock.stage_seconds(), shift)
+    return _result(work, batch_size, repeat, decoder_algorithm, cuda_graphs, output, wall_s, clock)
 
 
-def _result(args: argparse.Namespace, model: ASRModel, decoder: str, waveforms: list[np.ndarray],
-            output: PassOutput, wall_s: float, stage_s: dict[str, float], shift: float | None) -> BenchResult:
-    audio_s = sum(len(w) for w in waveforms) / SAMPLE_RATE * args.repeat
-    n_tokens = sum(len(t) for t in output.tokens.values())
-    frames = output.frames
+def _result(work: Workload, batch_size: int, repeat: int, decoder_algorithm: str, cuda_graphs: str,
+            output: PassOutput, wall_s: float, clock: StageClock) -> BenchResult:
+    stage_s = clock.stage_seconds()
+    stage_cpu_s = None if clock.cuda else {k: round(v, 4) for k, v in clock.stage_seconds(cpu_time=True).items()}
+    model = work.model
     mode = "eager"
-    if decoder != "ctc" and args.decoder_algorithm == "label_looping":
-        mode = model.label_looper(args.cuda_graphs).mode or "eager"
-    gpu = torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else None
+    if work.decoder != "ctc" and decoder_algorithm == "label_looping":
+        mode = model.label_looper(cuda_graphs).mode or "eager"
+    audio_s = sum(len(w) for w in work.waveforms) / SAMPLE_RATE * repeat
+    n_tokens = sum(len(t) for t in output.tokens.values())
     return BenchResult(
-        model=str(args.model), device=str(model.device), dtype=str(model.dtype).removeprefix("torch."),
-        batch_size=args.batch_size, decoder=decoder, decoder_algorithm=args.decoder_algorithm,
-        cuda_graphs=args.cuda_graphs, mode=mode, n_utterances=len(waveforms), repeat=args.repeat,
+        model=work.name, device=str(model.device), dtype=str(model.dtype).removeprefix("torch."),
+        batch_size=batch_size, decoder=work.decoder, decoder_algorithm=decoder_algorithm,
+        cuda_graphs=cuda_graphs, mode=mode, n_utterances=len(work.waveforms), repeat=repeat,
         audio_s=round(audio_s, 3), wall_s=round(wall_s, 4), rtfx=round(audio_s / wall_s, 2),
-        stage_s={k: round(v, 4) for k, v in stage_s.items()},
+        stage_s={k: round(v, 4) for k, v in stage_s.items()}, stage_cpu_s=stage_cpu_s,
         decoder_share=round(stage_s["decoder"] / max(sum(stage_s.values()), 1e-12), 4), tokens=n_tokens,
-        frames=frames, tokens_per_frame=round(n_tokens / max(frames, 1), 4), tokens_sha1=tokens_sha1(output.tokens),
-        blank_bias=None if shift is None else round(shift, 3), gpu=gpu)
+        frames=output.frames, tokens_per_frame=round(n_tokens / max(output.frames, 1), 4),
+        tokens_sha1=tokens_sha1(output.tokens),
+        blank_bias=None if work.blank_bias is None else round(work.blank_bias, 3),
+        gpu=torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else None)
+
+
+def run_bench(args: argparse.Namespace) -> BenchResult:
+    if args.batch_size < 1 or args.repeat < 1:
+        raise ValueError("--batch-size and --repeat must be >= 1")
+    work = prepare(args.model, args.device, args.dtype, args.seed, args.audio, args.n_utterances)
+    return measure(work, args.batch_size, args.repeat, args.decoder_algorithm, args.cuda_graphs)
 
 
 # --- output ---------------------------------------------------------------------------------------------------
 
 def format_report(r: BenchResult) -> str:
     weights = f"random weights, blank bias {r.blank_bias:+.2f}" if r.blank_bias is not None else "checkpoint"
+    cpu = r.stage_cpu_s is not None
     lines = [
         f"model {r.model} ({weights}) on {r.gpu or r.device}, {r.dtype}, batch {r.batch_size}",
         f"decoder {r.decoder}: {r.decoder_algorithm}, cuda graphs {r.cuda_graphs} -> mode {r.mode}",
         f"{r.n_utterances} utterances x {r.repeat}: {r.audio_s:.1f} s of audio in {r.wall_s:.3f} s, "
         f"RTFx {r.rtfx:.1f}",
-        f"{'stage':<10}{'seconds':>10}{'share':>9}{'RTFx':>11}",
+        f"{'stage':<10}{'seconds':>10}{'share':>9}{'RTFx':>11}" + (f"{'CPU s':>10}" if cpu else ""),
     ]
     total = max(sum(r.stage_s.values()), 1e-12)
     for stage, seconds in r.stage_s.items():
         rtfx = r.audio_s / seconds if seconds > 0 else float("inf")
-        lines.append(f"{stage:<10}{seconds:>10.4f}{seconds / total:>9.1%}{rtfx:>11.1f}")
+        cpu_s = f"{r.stage_cpu_s[stage]:>10.4f}" if r.stage_cpu_s is not None else ""
+        lines.append(f"{stage:<10}{seconds:>10.4f}{seconds / total:>9.1%}{rtfx:>11.1f}{cpu_s}")
     lines.append(f"{r.tokens_per_frame:.3f} tokens per frame; tokens_sha1 {r.tokens_sha1}")
     return "\n".join(lines) + "\n"
 

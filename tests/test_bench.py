@@ -1,0 +1,81 @@
+"""``batchasr bench`` on CPU with a fixture model: JSON shape, exactness hash, blank calibration."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from models import load_model
+from service.bench import (
+    DURATION_RANGE_S,
+    calibrate_blank_bias,
+    synthetic_audio,
+    synthetic_durations,
+    tokens_sha1,
+)
+from service.cli import main as cli_main
+
+REQUIRED = {"rtfx", "audio_s", "wall_s", "stage_s", "mode", "batch_size", "device", "dtype", "tokens_sha1"}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Small models gain nothing from intra-op threads; on a loaded 2-core machine OpenMP hand-offs cost 30x."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def _bench(capsys, *args: str) -> dict:
+    assert cli_main(["bench", "--device", "cpu", "--json", *args]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_bench_json_and_equal_hashes_for_both_algorithms(parity_dir, capsys):
+    common = ("--model", str(parity_dir / "tdt.nemo"), "--n-utterances", "5", "--batch-size", "2")
+    label = _bench(capsys, *common)
+    frame = _bench(capsys, *common, "--decoder-algorithm", "frame_looping")
+    assert label.keys() >= REQUIRED
+    assert set(label["stage_s"]) == {"features", "encoder", "decoder"}
+    assert label["mode"] == "eager" and label["device"] == "cpu" and label["dtype"] == "float32"
+    assert label["decoder_algorithm"] == "label_looping" and frame["decoder_algorithm"] == "frame_looping"
+    assert label["tokens"] > 0
+    assert label["tokens_sha1"] == frame["tokens_sha1"]
+    assert label["audio_s"] == frame["audio_s"] > 5 * DURATION_RANGE_S[0]
+    assert label["rtfx"] == pytest.approx(label["audio_s"] / label["wall_s"], rel=0.01)
+
+
+def test_bench_reads_audio_files_and_prints_a_table(parity_dir, parity_audio, capsys):
+    assert cli_main(["bench", "--device", "cpu", "--model", str(parity_dir / "tdt_ctc_hybrid.nemo"),
+                     "--audio", *parity_audio[:3], "--batch-size", "3", "--repeat", "2"]) == 0
+    report = capsys.readouterr().out
+    assert "RTFx" in report and "decoder" in report and "3 utterances x 2" in report
+
+
+def test_synthetic_mix_is_deterministic_and_librispeech_like():
+    durations = synthetic_durations(2000, seed=0)
+    assert durations.min() >= DURATION_RANGE_S[0] and durations.max() <= DURATION_RANGE_S[1]
+    assert 6.5 < durations.mean() < 8.5
+    first, again = synthetic_audio(3, seed=4), synthetic_audio(3, seed=4)
+    assert all(np.array_equal(a, b) for a, b in zip(first, again, strict=True))
+    assert all(a.dtype == np.float32 and np.abs(a).max() < 1 for a in first)
+
+
+def test_tokens_hash_follows_input_order():
+    assert tokens_sha1({0: [1, 2], 1: [3]}) == tokens_sha1({1: [3], 0: [1, 2]})
+    assert tokens_sha1({0: [1, 2], 1: [3]}) != tokens_sha1({0: [3], 1: [1, 2]})
+
+
+@pytest.mark.parametrize(("name", "decoder"), [("ctc", "ctc"), ("tdt_ctc_hybrid", "tdt")])
+def test_blank_calibration_reaches_one_token_per_three_frames(parity_dir, name, decoder):
+    model = load_model(parity_dir / f"{name}.nemo", device="cpu", dtype="float32")
+    waves = synthetic_audio(3, seed=1)
+    calibrate_blank_bias(model, waves, decoder)
+    batch = model.encode(waves)
+    hyps = model.decode(batch, decoder)
+    rate = sum(len(h.tokens) for h in hyps) / int(batch.lengths.sum())
+    assert rate == pytest.approx(1 / 3, abs=0.05)
