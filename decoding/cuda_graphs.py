@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -145,8 +146,9 @@ def _warm_up(looper: LabelLooper, s: LabelLoopState, streams: list[torch.cuda.St
 class LabelLoopingDecoder:
     """Label-looping greedy decoding for one prediction network and joint, keeping buffers and graphs.
 
-    Create one per model (two models on a device each own their buffers and graphs). Not thread-safe: one
-    engine thread per device calls it. ``mode`` is known after the first call (it depends on the device).
+    Create one per model (two models on a device each own their buffers and graphs). Calls are serialised
+    by a lock: the buffers are shared, and a model may be used from the engine thread and from user code at
+    once. ``mode`` is known after the first call (it depends on the device).
     """
 
     def __init__(self, prediction: PredictionNet, joint: JointNet, durations: tuple[int, ...] = (),
@@ -160,6 +162,7 @@ class LabelLoopingDecoder:
         self._device: torch.device | None = None
         self._state: LabelLoopState | None = None
         self._graphs: _StageGraphs | _FullGraph | None = None
+        self._lock = threading.Lock()
 
     @property
     def capacity(self) -> tuple[int, int]:
@@ -171,6 +174,10 @@ class LabelLoopingDecoder:
     @torch.inference_mode()
     def __call__(self, encoded: Tensor, lengths: Tensor) -> list[Hypothesis]:
         """(B, T, d) encoder output and (B,) lengths -> one hypothesis per row."""
+        with self._lock:
+            return self._decode(encoded, lengths)
+
+    def _decode(self, encoded: Tensor, lengths: Tensor) -> list[Hypothesis]:
         enc_proj = self.looper.project(encoded)  # (B, T, J), once per batch
         batch, n_frames, hidden = enc_proj.shape
         self._choose_mode(enc_proj.device)

@@ -7,6 +7,12 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
+
+# The tests' models are small: one thread each is faster than two fighting over two cores, and worker
+# subprocesses started by tests inherit the setting.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parent.parent
 # NeMo's own outputs on small models: the project's shared fixtures sit beside the checkout.
