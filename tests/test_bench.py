@@ -6,7 +6,6 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
 from models import load_model
 from service.bench import (
@@ -20,14 +19,6 @@ from service.cli import main as cli_main
 
 REQUIRED = {"rtfx", "audio_s", "wall_s", "stage_s", "mode", "batch_size", "device", "dtype", "tokens_sha1"}
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small models gain nothing from intra-op threads; on a loaded 2-core machine OpenMP hand-offs cost 30x."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def _bench(capsys, *args: str) -> dict:

@@ -18,14 +18,6 @@ from models import load_model
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small models gain nothing from intra-op threads; on a loaded 2-core machine OpenMP hand-offs cost 30x."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
 
 def test_decoding_imports_without_cuda_python():
     code = ("import sys, decoding.cuda_graphs, decoding.label_looping, models; "

@@ -21,14 +21,6 @@ DURATION_SETS = ((0, 1, 2, 3, 4), (0, 2, 5), (1, 3), (0, 1), (0, 7))
 ENCODER_DIM = 6
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads; on a loaded 2-core machine OpenMP hand-offs cost 30x."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
 
 @dataclass
 class Tiny:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from decoding.types import Hypothesis
@@ -23,7 +25,7 @@ def test_cuts_fall_in_silence_and_pieces_cover_everything():
     segments = plan_segments(len(wave), wave, 16000, 30, 2, FRAME)
     assert [s.cut_before for s in segments[1:]] == [q + 1600 - (q + 1600) % FRAME for q in quiet]
     assert segments[0].start == 0 and segments[-1].end == len(wave)
-    for a, b in zip(segments, segments[1:], strict=False):
+    for a, b in itertools.pairwise(segments):
         assert b.start < a.end  # they overlap
         assert a.cut_after == b.cut_before and b.start % FRAME == 0
         assert a.end - a.start <= 30 * 16000
