@@ -37,12 +37,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import re
-import shutil
 import sys
 import tempfile
+import unicodedata
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -57,8 +56,10 @@ SHORT_NAMES = [f"utt{i:02d}" for i in range(10)]
 GAP_SECONDS = 0.25
 BASE_SEED = 20251122
 MAX_SYMBOLS = 10
-MIN_MARGIN = 1e-3  # re-seed a model until every greedy decision is at least this far from a tie
-MAX_ATTEMPTS = 12
+MIN_MARGIN = 2e-4  # re-seed a model until every greedy decision is this far from a tie (1e-4 x the logit std of 2)
+MAX_ATTEMPTS = 20
+SPACE_BOOST = 3.0  # cased model: logit bias on the bare word-start piece
+PUNCT_BOOST = 2.0  # cased model: logit bias on punctuation pieces
 
 # --------------------------------------------------------------------------------------------------
 # Audio
@@ -145,18 +146,7 @@ def synthetic_inputs(clips: dict[str, np.ndarray]) -> list[AudioInput]:
 # Tokenizers
 # --------------------------------------------------------------------------------------------------
 
-WORDS = (
-    "also what some said you like life new we right know the my was another more so while if did after "
-    "were from came may off both can had are up used come not an into have quartz here which first see "
-    "her back year on how vexed them zebra would because he his same it where world two take day over "
-    "or to never years state be under is a of and in that for with as at by this all they there their "
-    "one when will other about out many then these has time could people than only its now long down "
-    "way find use water been call who oil sit get made part just number sound little work place live "
-    "me give most very through name good sentence man think say great help low line differ turn cause "
-    "much mean before move boy old too does tell set three want air well play small end put home read "
-    "hand port large spell add even land must big high such follow act why ask men change went light "
-    "kind need house picture try us again animal point mother near build self earth father jumps fox"
-).split()
+WORDS = ["also", "what", "some", "said", "you", "like", "life", "new", "we", "right", "know", "the", "my", "was", "another", "more", "so", "while", "if", "did", "after", "were", "from", "came", "may", "off", "both", "can", "had", "are", "up", "used", "come", "not", "an", "into", "have", "quartz", "here", "which", "first", "see", "her", "back", "year", "on", "how", "vexed", "them", "zebra", "would", "because", "he", "his", "same", "it", "where", "world", "two", "take", "day", "over", "or", "to", "never", "years", "state", "be", "under", "is", "a", "of", "and", "in", "that", "for", "with", "as", "at", "by", "this", "all", "they", "there", "their", "one", "when", "will", "other", "about", "out", "many", "then", "these", "has", "time", "could", "people", "than", "only", "its", "now", "long", "down", "way", "find", "use", "water", "been", "call", "who", "oil", "sit", "get", "made", "part", "just", "number", "sound", "little", "work", "place", "live", "me", "give", "most", "very", "through", "name", "good", "sentence", "man", "think", "say", "great", "help", "low", "line", "differ", "turn", "cause", "much", "mean", "before", "move", "boy", "old", "too", "does", "tell", "set", "three", "want", "air", "well", "play", "small", "end", "put", "home", "read", "hand", "port", "large", "spell", "add", "even", "land", "must", "big", "high", "such", "follow", "act", "why", "ask", "men", "change", "went", "light", "kind", "need", "house", "picture", "try", "us", "again", "animal", "point", "mother", "near", "build", "self", "earth", "father", "jumps", "fox"]
 
 
 def make_corpus(seed: int, cased_punctuated: bool, n_sentences: int = 3000) -> str:
@@ -237,7 +227,9 @@ class ModelSpec:
     joint_hidden: int = 64
     pred_rnn_layers: int = 1
     durations: list[int] = field(default_factory=list)
-    blank_rate: float = 0.6  # fraction of calibration frames where blank should win
+    blank_rate: float = 0.6  # CTC: fraction of calibration frames where blank wins; transducers: first guess
+    tokens_per_frame: float = 0.35  # transducers: tokens per encoder frame that greedy decoding should emit
+    pred_scale: float = 0.35  # transducers: factor on the joint's prediction-net projection
 
 
 MODEL_SPECS = [
@@ -250,12 +242,12 @@ MODEL_SPECS = [
     ModelSpec(
         name="rnnt_big80", kind="rnnt", seed=BASE_SEED + 2, n_mels=80, d_model=64, n_layers=1, n_heads=4,
         conv_kernel_size=5, xscaling=True, use_bias=None, subsampling_conv_channels=48, vocab_size=96,
-        pred_hidden=48, joint_hidden=72, pred_rnn_layers=2, blank_rate=0.75,
+        pred_hidden=48, joint_hidden=72, pred_rnn_layers=2, blank_rate=0.75, tokens_per_frame=0.5,
     ),
     ModelSpec(
         name="ctc128", kind="ctc", seed=BASE_SEED + 3, n_mels=128, d_model=64, n_layers=1, n_heads=2,
         conv_kernel_size=9, xscaling=False, use_bias=False, subsampling_conv_channels=32, vocab_size=64,
-        blank_rate=0.35,
+        blank_rate=0.5,
     ),
     ModelSpec(
         name="hybrid_k9", kind="hybrid_tdt", seed=BASE_SEED + 4, n_mels=80, d_model=64, n_layers=3, n_heads=4,
@@ -467,9 +459,13 @@ def encode_clips(model: Any, clips: list[np.ndarray]) -> list[torch.Tensor]:
     return outs
 
 
-def quantile_shift(margins: torch.Tensor, rate: float) -> float:
-    """The shift ``s`` such that ``margins + s > 0`` for about ``rate`` of the entries."""
-    return float(torch.quantile(margins, 1.0 - rate))
+def blank_shift(margins: torch.Tensor, rate: float) -> float:
+    """The amount ``s`` to add to the blank logit so that blank wins (``margins < s``, where a margin is
+    the best non-blank logit minus the blank logit) on about ``rate`` of the entries. It lies halfway
+    between two neighbouring sorted margins, so no calibration frame ends up exactly on a tie."""
+    ordered = margins.flatten().sort().values
+    k = min(max(int(round(rate * len(ordered))), 1), len(ordered) - 1)
+    return float(ordered[k - 1] + ordered[k]) / 2.0
 
 
 @torch.no_grad()
@@ -491,7 +487,7 @@ def calibrate_ctc(weight: torch.Tensor, bias: torch.Tensor, enc: torch.Tensor, r
     bias (the last output) so that blank wins on about ``rate`` of the frames."""
     logits = standardize_rows(weight, bias, enc, slice(None), std)
     margin = logits[:, :-1].max(dim=1).values - logits[:, -1]
-    bias[-1] += quantile_shift(margin, rate)
+    bias[-1] += blank_shift(margin, rate)
 
 
 @torch.no_grad()
@@ -504,14 +500,30 @@ def prednet_outputs(model: Any, vocab_size: int) -> torch.Tensor:
     return g[:, 0, :]
 
 
+def piece_boost(piece: str) -> float:
+    """Logit bias for the cased model: the bare word-start piece and pieces made only of punctuation
+    are made more likely, so that NeMo's punctuation fix-up (it removes the space before a punctuation
+    mark, e.g. after the pieces "\u2581" ",") shows up in the reference texts."""
+    if piece == "\u2581":
+        return SPACE_BOOST
+    if piece and all(unicodedata.category(c).startswith("P") for c in piece):
+        return PUNCT_BOOST
+    return 0.0
+
+
 @torch.no_grad()
 def calibrate_joint(model: Any, enc_list: list[torch.Tensor], spec: ModelSpec, std: float = 2.0) -> dict[str, Any]:
     """Standardise the joint's outputs over (frame, previous label) pairs from the ten clips, set the
-    blank bias so blank wins on about ``spec.blank_rate`` of the pairs, and for TDT tune the duration
-    biases so that every duration is chosen (0 less often than the others)."""
+    blank bias so blank wins on about ``spec.blank_rate`` of the pairs (a first guess, refined by
+    ``tune_emission_rate``), and for TDT tune the duration biases so that every duration is chosen
+    about equally often where a label wins."""
     joint = model.joint
     out_layer = joint.joint_net[-1]
     vocab = model.tokenizer.vocab_size
+    # let the encoder dominate the joint, so that the prediction network shifts the decisions rather
+    # than locking decoding into all-blank or label loops
+    joint.pred.weight.mul_(spec.pred_scale)
+    joint.pred.bias.mul_(spec.pred_scale)
     f = joint.project_encoder(torch.cat(enc_list, 0))  # [N, J]
     g = joint.project_prednet(prednet_outputs(model, vocab))  # [V+1, J]
     gen = torch.Generator().manual_seed(spec.seed)
@@ -519,25 +531,83 @@ def calibrate_joint(model: Any, enc_list: list[torch.Tensor], spec: ModelSpec, s
     rows[torch.rand(f.shape[0], generator=gen) < 0.5] = vocab  # half of the pairs: SOS
     hidden = joint.joint_net[:-1](f + g[rows])
     logits = standardize_rows(out_layer.weight, out_layer.bias, hidden, slice(None), std)
+    if spec.cased_punctuated:
+        boost = torch.tensor([piece_boost(p) for p in model.tokenizer.vocab])
+        out_layer.bias[:vocab] += boost
+        logits[:, :vocab] += boost
     margin = logits[:, :vocab].max(dim=1).values - logits[:, vocab]
-    shift = quantile_shift(margin, spec.blank_rate)
+    shift = blank_shift(margin, spec.blank_rate)
     out_layer.bias[vocab] += shift
     logits[:, vocab] += shift
     info: dict[str, Any] = {}
     if spec.durations:
-        n_dur = len(spec.durations)
-        target = torch.ones(n_dur)
-        target[0] = 0.4
-        target = target / target.sum()
+        # only where a label wins does the duration matter (a blank's 0 becomes 1)
+        label_wins = logits[:, :vocab].max(dim=1).values > logits[:, vocab]
         dur_bias = out_layer.bias[vocab + 1 :]
-        dur_logits = logits[:, vocab + 1 :] - dur_bias
-        for it in range(400):
-            picks = (dur_logits + dur_bias).argmax(dim=1)
-            frac = torch.bincount(picks, minlength=n_dur).float() / picks.numel()
-            dur_bias -= 2.0 * (frac - target) / (1.0 + it / 20.0)
+        info["static_duration_fractions"] = fit_duration_bias(logits[label_wins, vocab + 1 :] - dur_bias, dur_bias)
+    return info
+
+
+@torch.no_grad()
+def fit_duration_bias(dur_logits: torch.Tensor, dur_bias: torch.Tensor, iters: int = 400) -> list[float]:
+    """Adjust ``dur_bias`` in place so that ``argmax(dur_logits + dur_bias)`` picks every duration about
+    equally often over the rows of ``dur_logits`` ``[N, D]``. Returns the fractions reached."""
+    n_dur = dur_logits.shape[1]
+    target = torch.full((n_dur,), 1.0 / n_dur)
+    for it in range(iters + 1):
         picks = (dur_logits + dur_bias).argmax(dim=1)
-        frac = torch.bincount(picks, minlength=n_dur).float() / picks.numel()
-        info["duration_fractions"] = [round(float(x), 3) for x in frac]
+        frac = torch.bincount(picks, minlength=n_dur).float() / max(picks.numel(), 1)
+        if it < iters:
+            dur_bias -= 2.0 * (frac - target) / (1.0 + it / 20.0)
+    return [round(float(x), 3) for x in frac]
+
+
+@torch.no_grad()
+def tune_emission_rate(model: Any, enc_list: list[torch.Tensor], spec: ModelSpec, steps: int = 14) -> float:
+    """Bisect the blank bias so that greedy decoding of the ten clips (frame-looping replay) emits
+    about ``spec.tokens_per_frame`` tokens per encoder frame. Returns the rate reached."""
+    bias = model.joint.joint_net[-1].bias
+    blank = model.tokenizer.vocab_size
+    base = float(bias[blank])
+    n_frames = sum(e.shape[0] for e in enc_list)
+
+    def rate(delta: float) -> float:
+        bias[blank] = base + delta
+        return sum(len(replay_transducer(model, e, spec.durations, blank)[0]) for e in enc_list) / n_frames
+
+    lo, hi = -10.0, 10.0  # more blank bias, fewer tokens
+    for _ in range(steps):
+        mid = (lo + hi) / 2.0
+        if rate(mid) > spec.tokens_per_frame:
+            lo = mid
+        else:
+            hi = mid
+    return rate((lo + hi) / 2.0)
+
+
+@torch.no_grad()
+def tune_decoding(model: Any, enc_list: list[torch.Tensor], spec: ModelSpec, rounds: int = 3) -> dict[str, Any]:
+    """Tune on real greedy decoding of the ten clips: the emission rate (blank bias) and, for TDT,
+    the duration biases over the steps that emit a label, alternately for a few rounds."""
+    info: dict[str, Any] = {}
+    blank = model.tokenizer.vocab_size
+    for _ in range(rounds if spec.durations else 1):
+        info["tokens_per_frame"] = round(tune_emission_rate(model, enc_list, spec), 3)
+        if not spec.durations:
+            break
+        trace: list[torch.Tensor] = []
+        for e in enc_list:
+            replay_transducer(model, e, spec.durations, blank, trace)
+        fit_duration_bias(torch.stack(trace), model.joint.joint_net[-1].bias[blank + 1 :])
+    if spec.durations:
+        info["tokens_per_frame"] = round(tune_emission_rate(model, enc_list, spec), 3)
+        trace = []
+        for e in enc_list:
+            replay_transducer(model, e, spec.durations, blank, trace)
+        picks = (torch.stack(trace) + model.joint.joint_net[-1].bias[blank + 1 :]).argmax(dim=1)
+        info["label_duration_fractions"] = [
+            round(float(x), 3) for x in torch.bincount(picks, minlength=len(spec.durations)).float() / len(picks)
+        ]
     return info
 
 
@@ -551,9 +621,10 @@ def calibrate(model: Any, spec: ModelSpec, clips: list[np.ndarray]) -> dict[str,
         calibrate_ctc(conv.weight, conv.bias, torch.cat(enc_list, 0), spec.blank_rate)
         return info
     info.update(calibrate_joint(model, enc_list, spec))
+    info.update(tune_decoding(model, enc_list, spec))
     if spec.kind == "hybrid_tdt":
         conv = model.ctc_decoder.decoder_layers[0]
-        calibrate_ctc(conv.weight, conv.bias, torch.cat(enc_list, 0), 0.35)
+        calibrate_ctc(conv.weight, conv.bias, torch.cat(enc_list, 0), 0.5)
     return info
 
 
@@ -610,7 +681,7 @@ def hyp_record(hyp: Any, ctc_blank: int | None, ctc_decoding: Any = None) -> dic
     return {"text": hyp.text, "tokens": tokens, "frames": frames}
 
 
-def run_transcribe(model: Any, paths: list[str], batch_size: int, ctc: bool, timestamps: bool | None = None) -> list[Any]:
+def run_transcribe(model: Any, paths: list[str], batch_size: int, timestamps: bool | None = None) -> list[Any]:
     """NeMo's own ``transcribe`` returning hypotheses."""
     out = model.transcribe(
         paths, batch_size=batch_size, return_hypotheses=True, verbose=False, num_workers=0, timestamps=timestamps
@@ -625,7 +696,7 @@ def run_transcribe(model: Any, paths: list[str], batch_size: int, ctc: bool, tim
 def check_ctc_timestamps(model: Any, paths: list[str], records: list[dict[str, Any]]) -> None:
     """Compare the derived CTC frames with NeMo's own CTC timestamps (``char[i].end_offset`` is the
     first frame of token i; ``start_offset`` is the previous token's)."""
-    hyps = run_transcribe(model, paths, 4, ctc=True, timestamps=True)
+    hyps = run_transcribe(model, paths, 4, timestamps=True)
     for hyp, rec in zip(hyps, records):
         nemo_frames = [int(c["end_offset"]) for c in hyp.timestamp["char"]]
         if nemo_frames != rec["frames"] or hyp.text != rec["text"]:
@@ -645,11 +716,14 @@ def top2_gap(logits: torch.Tensor) -> tuple[int, float]:
 
 
 @torch.no_grad()
-def replay_transducer(model: Any, enc: torch.Tensor, durations: list[int], blank: int) -> tuple[list[int], list[int], float]:
+def replay_transducer(
+    model: Any, enc: torch.Tensor, durations: list[int], blank: int, trace: list[torch.Tensor] | None = None
+) -> tuple[list[int], list[int], float]:
     """Frame-looping greedy decoding with NeMo's own prediction and joint networks: RNN-T when
     ``durations`` is empty, TDT otherwise, with NeMo's ``max_symbols`` rule. Returns the tokens, their
     frames and the smallest gap between the best and the second-best raw joint logit (tokens + blank,
-    and durations) over every decision taken, i.e. how far the fixture is from a tie."""
+    and durations) over every decision taken, i.e. how far the fixture is from a tie. If ``trace`` is
+    a list, the duration logits (without their biases) of every step that emits a label go into it."""
     model.eval()
     joint = model.joint
     f = joint.project_encoder(enc[None])[0]
@@ -675,6 +749,8 @@ def replay_transducer(model: Any, enc: torch.Tensor, durations: list[int], blank
         if k == blank:
             t += max(d, 1)
             continue
+        if trace is not None and durations:
+            trace.append(logits[blank + 1 :] - joint.joint_net[-1].bias[blank + 1 :])
         run = run + 1 if frames and frames[-1] == t else 1
         tokens.append(k)
         frames.append(t)
@@ -689,6 +765,23 @@ def ctc_margin(logprobs: torch.Tensor, length: int) -> float:
     """Smallest gap between the best and the second-best CTC log-prob over the valid frames."""
     top = logprobs[:length].topk(2, dim=-1).values
     return float((top[:, 0] - top[:, 1]).min())
+
+
+@torch.no_grad()
+def precheck_margin(model: Any, spec: ModelSpec, inputs: list[np.ndarray]) -> float:
+    """The smallest decision margin over all inputs, computed before saving (cheap rejection of a
+    seed): frame-looping replay for transducers, per-frame log-probs for CTC heads."""
+    worst = float("inf")
+    blank = model.tokenizer.vocab_size
+    for samples in inputs:
+        enc = encoder_output(model, samples)
+        if spec.kind != "ctc":
+            worst = min(worst, replay_transducer(model, enc, spec.durations, blank)[2])
+        ctc_head = model.decoder if spec.kind == "ctc" else getattr(model, "ctc_decoder", None)
+        if ctc_head is not None:
+            logprobs = ctc_head(encoder_output=enc.T[None])[0]
+            worst = min(worst, ctc_margin(logprobs, logprobs.shape[0]))
+    return worst
 
 
 def check_margins(model: Any, spec: ModelSpec, inputs: list[np.ndarray], result: dict[str, Any]) -> dict[str, float]:
@@ -720,7 +813,7 @@ def transcribe_all(model: Any, spec: ModelSpec, paths: list[str]) -> dict[str, A
         blank, decoding = None, None
     ctc_margins: dict[str, list[float]] = {}
     for bs in (1, 4):
-        hyps = run_transcribe(model, paths, bs, ctc=spec.kind == "ctc")
+        hyps = run_transcribe(model, paths, bs)
         result[f"main_bs{bs}"] = [hyp_record(h, blank, decoding) for h in hyps]
         if spec.kind == "ctc" and bs == 1:
             ctc_margins["main"] = [ctc_margin(h.y_sequence, int(h.length)) for h in hyps]
@@ -733,7 +826,7 @@ def transcribe_all(model: Any, spec: ModelSpec, paths: list[str]) -> dict[str, A
         blank, decoding = model.ctc_decoding.blank_id, model.ctc_decoding
         ctc = {}
         for bs in (1, 4):
-            hyps = run_transcribe(model, paths, bs, ctc=True)
+            hyps = run_transcribe(model, paths, bs)
             ctc[bs] = [hyp_record(h, blank, decoding) for h in hyps]
             if bs == 1:
                 ctc_margins["ctc"] = [ctc_margin(h.y_sequence, int(h.length)) for h in hyps]
@@ -804,6 +897,10 @@ def make_one(spec: ModelSpec, tmp: Path, outdir: Path, clips: dict[str, np.ndarr
     for attempt in range(MAX_ATTEMPTS):
         trial = replace(spec, seed=spec.seed + 1000 * attempt)
         model = build_model(trial, tok_dir, [clips[n] for n in SHORT_NAMES])
+        pre = precheck_margin(model, trial, inputs)
+        if pre < MIN_MARGIN:
+            print(f"[{spec.name}] seed {trial.seed}: smallest margin {pre:.3g} < {MIN_MARGIN}, next seed", flush=True)
+            continue
         nemo_path = outdir / f"{spec.name}.nemo"
         save_model(model, nemo_path)
         del model
