@@ -83,7 +83,7 @@ def build_long_int16(clips: list[np.ndarray], total_samples: int, gap_seconds: f
     follows every clip, including the last clip of each repetition, so repetitions are also separated
     by 0.25 s of zeros. ``long20``/``long45``/``long60`` use 320000 / 720000 / 960000 samples.
     """
-    gap = np.zeros(int(round(gap_seconds * SAMPLE_RATE)), dtype=np.int16)
+    gap = np.zeros(round(gap_seconds * SAMPLE_RATE), dtype=np.int16)
     unit = np.concatenate([part for clip in clips for part in (clip.astype(np.int16), gap)])
     reps = -(-total_samples // len(unit))
     return np.tile(unit, reps)[:total_samples]
@@ -124,7 +124,7 @@ def synthetic_inputs(clips: dict[str, np.ndarray]) -> list[AudioInput]:
                     "kind": "concat",
                     "clips": SHORT_NAMES,
                     "gap_seconds": GAP_SECONDS,
-                    "gap_samples": int(round(GAP_SECONDS * SAMPLE_RATE)),
+                    "gap_samples": round(GAP_SECONDS * SAMPLE_RATE),
                     "repeat": True,
                     "total_samples": total,
                 },
@@ -146,7 +146,205 @@ def synthetic_inputs(clips: dict[str, np.ndarray]) -> list[AudioInput]:
 # Tokenizers
 # --------------------------------------------------------------------------------------------------
 
-WORDS = ["also", "what", "some", "said", "you", "like", "life", "new", "we", "right", "know", "the", "my", "was", "another", "more", "so", "while", "if", "did", "after", "were", "from", "came", "may", "off", "both", "can", "had", "are", "up", "used", "come", "not", "an", "into", "have", "quartz", "here", "which", "first", "see", "her", "back", "year", "on", "how", "vexed", "them", "zebra", "would", "because", "he", "his", "same", "it", "where", "world", "two", "take", "day", "over", "or", "to", "never", "years", "state", "be", "under", "is", "a", "of", "and", "in", "that", "for", "with", "as", "at", "by", "this", "all", "they", "there", "their", "one", "when", "will", "other", "about", "out", "many", "then", "these", "has", "time", "could", "people", "than", "only", "its", "now", "long", "down", "way", "find", "use", "water", "been", "call", "who", "oil", "sit", "get", "made", "part", "just", "number", "sound", "little", "work", "place", "live", "me", "give", "most", "very", "through", "name", "good", "sentence", "man", "think", "say", "great", "help", "low", "line", "differ", "turn", "cause", "much", "mean", "before", "move", "boy", "old", "too", "does", "tell", "set", "three", "want", "air", "well", "play", "small", "end", "put", "home", "read", "hand", "port", "large", "spell", "add", "even", "land", "must", "big", "high", "such", "follow", "act", "why", "ask", "men", "change", "went", "light", "kind", "need", "house", "picture", "try", "us", "again", "animal", "point", "mother", "near", "build", "self", "earth", "father", "jumps", "fox"]
+WORDS = [
+    "also",
+    "what",
+    "some",
+    "said",
+    "you",
+    "like",
+    "life",
+    "new",
+    "we",
+    "right",
+    "know",
+    "the",
+    "my",
+    "was",
+    "another",
+    "more",
+    "so",
+    "while",
+    "if",
+    "did",
+    "after",
+    "were",
+    "from",
+    "came",
+    "may",
+    "off",
+    "both",
+    "can",
+    "had",
+    "are",
+    "up",
+    "used",
+    "come",
+    "not",
+    "an",
+    "into",
+    "have",
+    "quartz",
+    "here",
+    "which",
+    "first",
+    "see",
+    "her",
+    "back",
+    "year",
+    "on",
+    "how",
+    "vexed",
+    "them",
+    "zebra",
+    "would",
+    "because",
+    "he",
+    "his",
+    "same",
+    "it",
+    "where",
+    "world",
+    "two",
+    "take",
+    "day",
+    "over",
+    "or",
+    "to",
+    "never",
+    "years",
+    "state",
+    "be",
+    "under",
+    "is",
+    "a",
+    "of",
+    "and",
+    "in",
+    "that",
+    "for",
+    "with",
+    "as",
+    "at",
+    "by",
+    "this",
+    "all",
+    "they",
+    "there",
+    "their",
+    "one",
+    "when",
+    "will",
+    "other",
+    "about",
+    "out",
+    "many",
+    "then",
+    "these",
+    "has",
+    "time",
+    "could",
+    "people",
+    "than",
+    "only",
+    "its",
+    "now",
+    "long",
+    "down",
+    "way",
+    "find",
+    "use",
+    "water",
+    "been",
+    "call",
+    "who",
+    "oil",
+    "sit",
+    "get",
+    "made",
+    "part",
+    "just",
+    "number",
+    "sound",
+    "little",
+    "work",
+    "place",
+    "live",
+    "me",
+    "give",
+    "most",
+    "very",
+    "through",
+    "name",
+    "good",
+    "sentence",
+    "man",
+    "think",
+    "say",
+    "great",
+    "help",
+    "low",
+    "line",
+    "differ",
+    "turn",
+    "cause",
+    "much",
+    "mean",
+    "before",
+    "move",
+    "boy",
+    "old",
+    "too",
+    "does",
+    "tell",
+    "set",
+    "three",
+    "want",
+    "air",
+    "well",
+    "play",
+    "small",
+    "end",
+    "put",
+    "home",
+    "read",
+    "hand",
+    "port",
+    "large",
+    "spell",
+    "add",
+    "even",
+    "land",
+    "must",
+    "big",
+    "high",
+    "such",
+    "follow",
+    "act",
+    "why",
+    "ask",
+    "men",
+    "change",
+    "went",
+    "light",
+    "kind",
+    "need",
+    "house",
+    "picture",
+    "try",
+    "us",
+    "again",
+    "animal",
+    "point",
+    "mother",
+    "near",
+    "build",
+    "self",
+    "earth",
+    "father",
+    "jumps",
+    "fox",
+]
 
 
 def make_corpus(seed: int, cased_punctuated: bool, n_sentences: int = 3000) -> str:
@@ -234,25 +432,77 @@ class ModelSpec:
 
 MODEL_SPECS = [
     ModelSpec(
-        name="tdt_v2style", kind="tdt", seed=BASE_SEED + 1, n_mels=128, d_model=64, n_layers=1, n_heads=4,
-        conv_kernel_size=9, xscaling=False, use_bias=False, subsampling_conv_channels=32, vocab_size=128,
-        cased_punctuated=True, pred_hidden=64, joint_hidden=64, pred_rnn_layers=2, durations=[0, 1, 2, 3, 4],
+        name="tdt_v2style",
+        kind="tdt",
+        seed=BASE_SEED + 1,
+        n_mels=128,
+        d_model=64,
+        n_layers=1,
+        n_heads=4,
+        conv_kernel_size=9,
+        xscaling=False,
+        use_bias=False,
+        subsampling_conv_channels=32,
+        vocab_size=128,
+        cased_punctuated=True,
+        pred_hidden=64,
+        joint_hidden=64,
+        pred_rnn_layers=2,
+        durations=[0, 1, 2, 3, 4],
         blank_rate=0.55,
     ),
     ModelSpec(
-        name="rnnt_big80", kind="rnnt", seed=BASE_SEED + 2, n_mels=80, d_model=64, n_layers=1, n_heads=4,
-        conv_kernel_size=5, xscaling=True, use_bias=None, subsampling_conv_channels=48, vocab_size=96,
-        pred_hidden=48, joint_hidden=72, pred_rnn_layers=2, blank_rate=0.75, tokens_per_frame=0.5,
+        name="rnnt_big80",
+        kind="rnnt",
+        seed=BASE_SEED + 2,
+        n_mels=80,
+        d_model=64,
+        n_layers=1,
+        n_heads=4,
+        conv_kernel_size=5,
+        xscaling=True,
+        use_bias=None,
+        subsampling_conv_channels=48,
+        vocab_size=96,
+        pred_hidden=48,
+        joint_hidden=72,
+        pred_rnn_layers=2,
+        blank_rate=0.75,
+        tokens_per_frame=0.5,
     ),
     ModelSpec(
-        name="ctc128", kind="ctc", seed=BASE_SEED + 3, n_mels=128, d_model=64, n_layers=1, n_heads=2,
-        conv_kernel_size=9, xscaling=False, use_bias=False, subsampling_conv_channels=32, vocab_size=64,
+        name="ctc128",
+        kind="ctc",
+        seed=BASE_SEED + 3,
+        n_mels=128,
+        d_model=64,
+        n_layers=1,
+        n_heads=2,
+        conv_kernel_size=9,
+        xscaling=False,
+        use_bias=False,
+        subsampling_conv_channels=32,
+        vocab_size=64,
         blank_rate=0.5,
     ),
     ModelSpec(
-        name="hybrid_k9", kind="hybrid_tdt", seed=BASE_SEED + 4, n_mels=80, d_model=64, n_layers=3, n_heads=4,
-        conv_kernel_size=9, xscaling=True, use_bias=True, subsampling_conv_channels=32, vocab_size=80,
-        pred_hidden=56, joint_hidden=64, pred_rnn_layers=1, durations=[0, 1, 2, 4, 8], blank_rate=0.55,
+        name="hybrid_k9",
+        kind="hybrid_tdt",
+        seed=BASE_SEED + 4,
+        n_mels=80,
+        d_model=64,
+        n_layers=3,
+        n_heads=4,
+        conv_kernel_size=9,
+        xscaling=True,
+        use_bias=True,
+        subsampling_conv_channels=32,
+        vocab_size=80,
+        pred_hidden=56,
+        joint_hidden=64,
+        pred_rnn_layers=1,
+        durations=[0, 1, 2, 4, 8],
+        blank_rate=0.55,
     ),
 ]
 
@@ -430,7 +680,7 @@ def randomize_constant_params(model: torch.nn.Module, gen: torch.Generator) -> N
     def randn_like(t: torch.Tensor) -> torch.Tensor:
         return torch.randn(t.shape, generator=gen, dtype=t.dtype)
 
-    for name, mod in model.named_modules():
+    for _name, mod in model.named_modules():
         if isinstance(mod, torch.nn.LayerNorm):
             mod.weight.copy_(1.0 + 0.1 * randn_like(mod.weight))
             mod.bias.copy_(0.1 * randn_like(mod.bias))
@@ -464,12 +714,14 @@ def blank_shift(margins: torch.Tensor, rate: float) -> float:
     the best non-blank logit minus the blank logit) on about ``rate`` of the entries. It lies halfway
     between two neighbouring sorted margins, so no calibration frame ends up exactly on a tie."""
     ordered = margins.flatten().sort().values
-    k = min(max(int(round(rate * len(ordered))), 1), len(ordered) - 1)
+    k = min(max(round(rate * len(ordered)), 1), len(ordered) - 1)
     return float(ordered[k - 1] + ordered[k]) / 2.0
 
 
 @torch.no_grad()
-def standardize_rows(weight: torch.Tensor, bias: torch.Tensor, inputs: torch.Tensor, rows: slice, std: float) -> torch.Tensor:
+def standardize_rows(
+    weight: torch.Tensor, bias: torch.Tensor, inputs: torch.Tensor, rows: slice, std: float
+) -> torch.Tensor:
     """Rescale the output rows ``rows`` of a linear layer (weight ``[C, H, ...]``) so that each output
     has mean 0 and standard deviation ``std`` over ``inputs`` ``[N, H]``, so that which output wins
     depends on the input. Returns the new outputs ``[N, C]`` for all rows."""
@@ -697,7 +949,7 @@ def check_ctc_timestamps(model: Any, paths: list[str], records: list[dict[str, A
     """Compare the derived CTC frames with NeMo's own CTC timestamps (``char[i].end_offset`` is the
     first frame of token i; ``start_offset`` is the previous token's)."""
     hyps = run_transcribe(model, paths, 4, timestamps=True)
-    for hyp, rec in zip(hyps, records):
+    for hyp, rec in zip(hyps, records, strict=False):
         nemo_frames = [int(c["end_offset"]) for c in hyp.timestamp["char"]]
         if nemo_frames != rec["frames"] or hyp.text != rec["text"]:
             raise RuntimeError(f"CTC frames differ from NeMo's timestamps: {nemo_frames} vs {rec['frames']}")
@@ -792,7 +1044,7 @@ def check_margins(model: Any, spec: ModelSpec, inputs: list[np.ndarray], result:
         return margins
     blank = model.tokenizer.vocab_size
     worst = float("inf")
-    for samples, rec in zip(inputs, result["main_bs1"]):
+    for samples, rec in zip(inputs, result["main_bs1"], strict=False):
         tokens, frames, margin = replay_transducer(model, encoder_output(model, samples), spec.durations, blank)
         if tokens != rec["tokens"] or frames != rec["frames"]:
             raise RuntimeError(f"[{spec.name}] frame-looping replay differs from NeMo's label looping")
@@ -842,10 +1094,11 @@ def transcribe_all(model: Any, spec: ModelSpec, paths: list[str]) -> dict[str, A
 def decode_stats(records: list[dict[str, Any]], names: list[str]) -> str:
     """One line per input: tokens emitted, frames used, the largest number of tokens at one frame."""
     lines = []
-    for name, rec in zip(names, records):
+    for name, rec in zip(names, records, strict=False):
         frames = rec["frames"]
         per_frame = max((frames.count(f) for f in set(frames)), default=0)
-        lines.append(f"    {name}: {len(rec['tokens'] or [])} tokens, last frame {frames[-1] if frames else None}, max/frame {per_frame}")
+        last = frames[-1] if frames else None
+        lines.append(f"    {name}: {len(rec['tokens'] or [])} tokens, last frame {last}, max/frame {per_frame}")
     return "\n".join(lines)
 
 
@@ -857,7 +1110,11 @@ def decode_stats(records: list[dict[str, Any]], names: list[str]) -> str:
 def dump_json(obj: Any, path: Path) -> None:
     """JSON with one-space indentation, number lists on one line."""
     text = json.dumps(obj, indent=1, ensure_ascii=False)
-    text = re.sub(r"\[\s*(-?\d+(?:,\s*-?\d+)*)\s*\]", lambda m: "[" + re.sub(r"\s+", "", m.group(1)).replace(",", ", ") + "]", text)
+    text = re.sub(
+        r"\[\s*(-?\d+(?:,\s*-?\d+)*)\s*\]",
+        lambda m: "[" + re.sub(r"\s+", "", m.group(1)).replace(",", ", ") + "]",
+        text,
+    )
     path.write_text(text + "\n", encoding="utf-8")
 
 
@@ -888,7 +1145,9 @@ def write_inputs(tmp: Path, clips: dict[str, np.ndarray], extra: list[AudioInput
     return paths
 
 
-def make_one(spec: ModelSpec, tmp: Path, outdir: Path, clips: dict[str, np.ndarray], inputs: list[np.ndarray], paths: list[str]) -> dict[str, Any]:
+def make_one(
+    spec: ModelSpec, tmp: Path, outdir: Path, clips: dict[str, np.ndarray], inputs: list[np.ndarray], paths: list[str]
+) -> dict[str, Any]:
     """Build, save, restore and transcribe one model; re-seed (``seed + 1000 * attempt``) until the
     batch sizes agree and every greedy decision is at least ``MIN_MARGIN`` from a tie."""
     from nemo.core import ModelPT
