@@ -3,8 +3,8 @@
 Recipe (CPU, about an hour on 2 shared cores; a GPU takes minutes)::
 
     python -m models.training.data --cache DATA --n-train 24000
-    python -m models.training.train --data DATA --out RUN --max-steps 3000
-    # a stopped run continues from RUN/last.pt with the same command
+    python -m models.training.train --data DATA --out RUN --max-steps 4200
+    # a stopped run continues from RUN/last.pt with the same command; RUN/model.nemo is the result
 
 Loss: (1 - w) * TDT + w * CTC with w = 0.3, as NeMo's hybrid models weight them, each normalised by the
 number of target tokens. AdamW, linear warm-up then cosine decay, gradient clipping. Mixed precision:
