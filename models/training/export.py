@@ -46,7 +46,7 @@ def nemo_config(size: ModelSize, vocabulary: list[str], tokenizer_file: str | No
     return {
         "target": TARGET,
         "sample_rate": 16000,
-        "labels": vocabulary,
+        "labels": list(vocabulary),  # copies: one shared list would be written as YAML anchors
         "tokenizer": {"dir": None, "type": "bpe",
                       "model_path": f"nemo:{tokenizer_file}" if tokenizer_file else None},
         "preprocessor": {"_target_": "nemo.collections.asr.modules.AudioToMelSpectrogramPreprocessor",
@@ -68,15 +68,15 @@ def nemo_config(size: ModelSize, vocabulary: list[str], tokenizer_file: str | No
                                 "dropout": 0.0}},
         "joint": {"_target_": "nemo.collections.asr.modules.RNNTJoint", "log_softmax": None,
                   "preserve_memory": False, "fuse_loss_wer": False, "num_classes": v,
-                  "num_extra_outputs": len(DURATIONS), "vocabulary": vocabulary,
+                  "num_extra_outputs": len(DURATIONS), "vocabulary": list(vocabulary),
                   "jointnet": {"joint_hidden": size.joint_hidden, "activation": "relu", "dropout": 0.0,
                                "encoder_hidden": size.d_model, "pred_hidden": size.pred_hidden}},
         "decoding": {"strategy": "greedy_batch", "model_type": "tdt", "durations": DURATIONS,
                      "greedy": {"max_symbols": 10}},
-        "loss": {"loss_name": "tdt", "tdt_kwargs": {"durations": DURATIONS, "sigma": tdt_sigma, "omega": 0.0}},
+        "loss": {"loss_name": "tdt", "tdt_kwargs": {"durations": list(DURATIONS), "sigma": tdt_sigma, "omega": 0.0}},
         "aux_ctc": {"ctc_loss_weight": ctc_weight, "use_cer": False,
                     "decoder": {"_target_": "nemo.collections.asr.modules.ConvASRDecoder",
-                                "feat_in": size.d_model, "num_classes": v, "vocabulary": vocabulary},
+                                "feat_in": size.d_model, "num_classes": v, "vocabulary": list(vocabulary)},
                     "decoding": {"strategy": "greedy_batch"}},
     }
 
