@@ -1,9 +1,9 @@
 """Train the embedded default model: hybrid TDT-CTC FastConformer on synthetic speech, mixed precision.
 
-Recipe (CPU, about an hour on 2 shared cores; a GPU takes minutes)::
+Recipe (CPU: about 90 min on 2 shared cores for the shipped model)::
 
     python -m models.training.data --cache DATA --n-train 24000
-    python -m models.training.train --data DATA --out RUN --max-steps 4200
+    python -m models.training.train --data DATA --out RUN --max-steps 5000
     # a stopped run continues from RUN/last.pt with the same command; RUN/model.nemo is the result
 
 Loss: (1 - w) * TDT + w * CTC with w = 0.3, as NeMo's hybrid models weight them, each normalised by the
