@@ -44,7 +44,7 @@ class ServiceState:
         return self.stack.jobs if self.stack is not None else None
 
 
-def _error_body(status: int, message: str, type: str, param: str | None, code: str | None) -> dict[str, Any]:
+def _error_body(message: str, type: str, param: str | None, code: str | None) -> dict[str, Any]:
     return ErrorResponse.model_validate({"error": {"message": message, "type": type, "param": param,
                                                    "code": code}}).model_dump()
 
@@ -52,13 +52,13 @@ def _error_body(status: int, message: str, type: str, param: str | None, code: s
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(_error_body(exc.status, exc.message, exc.type, exc.param, exc.code), exc.status,
+        return JSONResponse(_error_body(exc.message, exc.type, exc.param, exc.code), exc.status,
                             headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return JSONResponse(_error_body(exc.status_code, str(exc.detail), kind, None, None), exc.status_code,
+        return JSONResponse(_error_body(str(exc.detail), kind, None, None), exc.status_code,
                             headers=getattr(exc, "headers", None))
 
     @app.exception_handler(RequestValidationError)
@@ -66,12 +66,12 @@ def install_error_handlers(app: FastAPI) -> None:
         first = exc.errors()[0] if exc.errors() else {}
         param = str(first.get("loc", ["", ""])[-1]) or None
         message = f"{param}: {first.get('msg', 'invalid request')}" if param else "invalid request"
-        return JSONResponse(_error_body(400, message, "invalid_request_error", param, "invalid_parameter"), 400)
+        return JSONResponse(_error_body(message, "invalid_request_error", param, "invalid_parameter"), 400)
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error")
-        return JSONResponse(_error_body(500, f"internal error: {type(exc).__name__}", "server_error", None, None), 500)
+        return JSONResponse(_error_body(f"internal error: {type(exc).__name__}", "server_error", None, None), 500)
 
 
 def _service(request: Request) -> ServiceState:
@@ -101,4 +101,7 @@ async def read_upload(upload: StarletteUpload | None, service: ServiceState) -> 
     if upload.size is not None and upload.size > limit:
         raise ApiError(413, f"upload of {upload.size} bytes exceeds the limit of {limit} bytes", param="file",
                        code="audio_too_large")
-    return await upload.read(limit + 1), upload.content_type
+    data = await upload.read(limit + 1)
+    if len(data) > limit:
+        raise ApiError(413, f"upload exceeds the limit of {limit} bytes", param="file", code="audio_too_large")
+    return data, upload.content_type
