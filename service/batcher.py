@@ -95,10 +95,6 @@ class Batcher:
     def depth(self) -> int:
         return sum(len(q) for q in self._queues.values())
 
-    def queued_audio_s(self) -> float:
-        with self._cond:
-            return sum(i.n_samples for q in self._queues.values() for i in q) / self.sample_rate
-
     def _retry_after_s(self) -> int:
         queued_s = sum(i.n_samples for q in self._queues.values() for i in q) / self.sample_rate
         if self._throughput_audio_s_per_s <= 0:

@@ -15,12 +15,13 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
 from models.asr_model import ASRModel, EncodedBatch
+
+from .timing import StageClock
 
 SAMPLE_RATE = 16000
 # LibriSpeech test-clean/test-other: about 5.4 h in 2620 utterances (7.4 s mean), 1.3 s to 35 s, right-skewed.
@@ -30,7 +31,6 @@ DURATION_RANGE_S = (1.3, 35.0)
 TARGET_TOKENS_PER_FRAME = 1 / 3  # a Parakeet model on English speech emits about one token per 3 frames (240 ms)
 CALIBRATION_UTTERANCES = 4
 AUDIO_SUFFIXES = {".wav", ".flac", ".ogg", ".mp3", ".opus"}
-STAGES = ("features", "encoder", "decoder")
 
 
 @dataclass
@@ -144,39 +144,6 @@ def calibrate_blank_bias(model: ASRModel, waveforms: list[np.ndarray], decoder: 
         low, high = (mid, high) if rate > target else (low, mid)
     bias[blank] = base + best_shift
     return best_shift
-
-
-# --- timing ---------------------------------------------------------------------------------------------------
-
-class StageClock:
-    """Stage boundaries: CUDA events on a GPU (read once at the end), ``perf_counter`` on a CPU.
-
-    On a CPU the process's CPU time is kept too: on a shared machine it is far steadier than wall time.
-    """
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.marks: list[list[Any]] = []  # per batch: start, after features, after encoder, after decoder
-
-    def mark(self) -> Any:
-        if not self.cuda:
-            return time.perf_counter(), time.process_time()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def stage_seconds(self, cpu_time: bool = False) -> dict[str, float]:
-        """Seconds per stage, summed over batches: wall (GPU: event) time, or CPU time (CPU only)."""
-        if self.cuda:
-            torch.cuda.synchronize()
-        totals = dict.fromkeys(STAGES, 0.0)
-        for marks in self.marks:
-            for stage, start, end in zip(STAGES, marks, marks[1:], strict=False):
-                if self.cuda:
-                    totals[stage] += start.elapsed_time(end) / 1000
-                else:
-                    totals[stage] += end[int(cpu_time)] - start[int(cpu_time)]
-        return totals
 
 
 def _sync(device: torch.device) -> None:

@@ -20,6 +20,7 @@ from models.asr_model import ASRModel, EncodedBatch
 
 from .batcher import Batch, Batcher
 from .metrics import Metrics
+from .timing import StageClock
 
 log = logging.getLogger(__name__)
 
@@ -39,32 +40,6 @@ class ItemResult:
     queue_s: float  # enqueue -> its batch started
     compute_s: float  # its share of the batch's compute time, by audio length
     batch_size: int
-
-
-class StageTimer:
-    """Wall time per stage: CUDA events on a GPU (no sync between stages), perf_counter on the CPU."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self._marks: list[tuple[str, object]] = [("start", self._now())]
-
-    def _now(self) -> object:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def mark(self, stage: str) -> None:
-        self._marks.append((stage, self._now()))
-
-    def seconds(self) -> dict[str, float]:
-        if self.cuda:
-            torch.cuda.synchronize()
-        out = {}
-        for (_, before), (stage, after) in zip(self._marks, self._marks[1:], strict=False):
-            out[stage] = before.elapsed_time(after) / 1000 if self.cuda else after - before
-        return out
 
 
 class Engine:
@@ -128,15 +103,16 @@ class Engine:
 
     def run(self, waveforms: list[np.ndarray]) -> tuple[list[Hypothesis], dict[str, float]]:
         """Features, encoder, decoder for one batch; hypotheses and seconds per stage."""
-        timer = StageTimer(self.model.device)
+        clock = StageClock(self.model.device)
+        marks = [clock.mark()]
         features, n_frames = self.model.featurize(waveforms)
-        timer.mark("features")
+        marks.append(clock.mark())
         encoded, lengths = self.model.run_encoder(features, n_frames)
-        timer.mark("encoder")
+        marks.append(clock.mark())
         duration_s = [len(w) / self.model.sample_rate for w in waveforms]
         hyps = self.model.decode(EncodedBatch(encoded, lengths, duration_s), self.decoder)
-        timer.mark("decoder")
-        return hyps, timer.seconds()
+        clock.marks.append([*marks, clock.mark()])
+        return hyps, clock.stage_seconds()
 
     def process(self, batch: Batch) -> None:
         started = time.monotonic()
