@@ -94,14 +94,17 @@ def require_api_key(request: Request, service: ServiceDep) -> None:
 # --- shared request handling -------------------------------------------------------------------------------
 
 
-async def read_upload(upload: StarletteUpload | None, service: ServiceState) -> tuple[bytes, str | None]:
+async def read_upload(upload: StarletteUpload | None, service: ServiceState, param: str = "file"
+                      ) -> tuple[bytes, str | None]:
+    """An uploaded file's bytes, refused (413) past the upload limit whether or not it declared its size."""
     if upload is None:
-        raise ApiError(400, "no audio: send a multipart `file` field", param="file", code="missing_file")
+        raise ApiError(400, f"no audio: send a multipart `{param}` field", param=param, code="missing_file")
     limit = service.settings.max_upload_bytes
+    name = f"{upload.filename}: " if upload.filename else ""
     if upload.size is not None and upload.size > limit:
-        raise ApiError(413, f"upload of {upload.size} bytes exceeds the limit of {limit} bytes", param="file",
+        raise ApiError(413, f"{name}upload of {upload.size} bytes exceeds the limit of {limit} bytes", param=param,
                        code="audio_too_large")
     data = await upload.read(limit + 1)
     if len(data) > limit:
-        raise ApiError(413, f"upload exceeds the limit of {limit} bytes", param="file", code="audio_too_large")
+        raise ApiError(413, f"{name}upload exceeds the limit of {limit} bytes", param=param, code="audio_too_large")
     return data, upload.content_type

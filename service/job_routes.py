@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 from starlette.datastructures import UploadFile as StarletteUpload
 
-from .http import ApiError, ServiceDep, ServiceState, require_api_key
+from .http import ApiError, ServiceDep, ServiceState, read_upload, require_api_key
 from .jobs import REDIS_ERRORS, ItemInput, JobInputError, JobNotFound, JobStore, resolve_input_path
 
 router = APIRouter(prefix="/v1/jobs", dependencies=[Depends(require_api_key)], tags=["jobs"])
@@ -39,13 +39,9 @@ async def _form_items(request: Request, service: ServiceState) -> tuple[list[Ite
     uploads = [f for key in ("files", "file", "files[]") for f in form.getlist(key) if isinstance(f, StarletteUpload)]
     if not uploads:
         raise ApiError(400, "no audio: send one or more multipart `files` fields", param="files", code="missing_file")
-    limit = service.settings.max_upload_bytes
     items = []
     for upload in uploads:
-        data = await upload.read(limit + 1)
-        if len(data) > limit:
-            raise ApiError(413, f"{upload.filename}: exceeds the upload limit of {limit} bytes", param="files",
-                           code="audio_too_large")
+        data, _ = await read_upload(upload, service, param="files")
         items.append(ItemInput(audio=upload.filename or f"item{len(items)}", upload=data))
     webhook = form.get("webhook_url")
     return items, webhook if isinstance(webhook, str) else None
