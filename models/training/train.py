@@ -20,6 +20,8 @@ import math
 import random
 import sys
 import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -31,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..asr_model import ASRModel
+from ..checkpoint import open_checkpoint
 from .evaluate import split_wer
 from .export import ModelSize, build_model, save_nemo
 from .losses import ctc_loss, transducer_loss
@@ -185,13 +188,21 @@ def learning_rate(step: int, recipe: Recipe) -> float:
 
 
 def pick_precision(device: torch.device, requested: str) -> tuple[torch.dtype | None, bool]:
-    """(autocast dtype or None, use a loss scaler). bf16 where supported, else fp16 with a scaler."""
+    """(autocast dtype or None, use a loss scaler).
+
+    auto: on CUDA, bf16 where supported, else fp16 with a scaler. On a CPU, bf16 only where it has bf16
+    instructions (AVX-512 BF16 or AMX); without them oneDNN emulates bf16 slower than float32 and refuses
+    the LSTM outright, so auto trains in float32 there.
+    """
     if requested == "fp32":
         return None, False
     if requested == "fp16":
         return torch.float16, True
-    bf16_ok = torch.cuda.is_bf16_supported() if device.type == "cuda" else True
-    return (torch.bfloat16, False) if bf16_ok else (torch.float16, True)
+    if requested == "bf16":
+        return torch.bfloat16, False
+    if device.type == "cpu":
+        return (torch.bfloat16, False) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (None, False)
+    return (torch.bfloat16, False) if torch.cuda.is_bf16_supported() else (torch.float16, True)
 
 
 def validate(model: ASRModel, valid: list[Item], limit: int = 200) -> dict[str, float]:
@@ -213,17 +224,34 @@ def _progress(step: int, total: int, loss: float, tdt: float, ctc: float, sec_pe
     sys.stderr.flush()
 
 
+def prefetched(batches: list[list[Item]], load: Callable[[int, list[Item]], Batch]) -> Iterator[Batch]:
+    """Load batch i+1 (file reads, noise) on a second thread while batch i trains."""
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(load, 0, batches[0]) if batches else None
+        for i in range(len(batches)):
+            assert pending is not None
+            batch = pending.result()
+            if i + 1 < len(batches):
+                pending = pool.submit(load, i + 1, batches[i + 1])
+            yield batch
+
+
 def train(data: Path, out: Path, recipe: Recipe, size: ModelSize, device: torch.device, precision: str,
-          time_budget_s: float | None) -> None:
+          time_budget_s: float | None, init_from: Path | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(recipe.seed)
+    start = open_checkpoint(init_from) if init_from is not None else None
     tokenizer_path = out / "tokenizer.model"
     if not tokenizer_path.exists():
-        tokenizer_path.write_bytes(train_tokenizer(data / "train_text.txt", recipe.vocab_size))
+        tokenizer_path.write_bytes(start.tokenizer_model if start is not None and start.tokenizer_model else
+                                   train_tokenizer(data / "train_text.txt", recipe.vocab_size))
     proto = tokenizer_path.read_bytes()
     sp = spm.SentencePieceProcessor()
     sp.LoadFromSerializedProto(proto)
     model, raw_config = build_model(size, proto)
+    if start is not None:  # warm start: same size and tokenizer, its weights; optimizer and schedule anew
+        model.load_weights(start.state_dict, start.source)
+        print(f"initialised from {start.source}", flush=True)
     raw_config["aux_ctc"]["ctc_loss_weight"] = recipe.ctc_weight
     raw_config["loss"]["tdt_kwargs"]["sigma"] = recipe.tdt_sigma
     model.to(device).train()
@@ -259,11 +287,12 @@ def train(data: Path, out: Path, recipe: Recipe, size: ModelSize, device: torch.
         # Batches of an epoch are a function of (seed, epoch): a resumed run skips those already done.
         batches = make_batches(train_items, recipe.batch_seconds, random.Random(recipe.seed * 1000 + epoch))
         offset = state_offset(step, epoch, len(batches), history)
-        for batch_items in batches[offset:]:
+        loads = prefetched(batches[offset:], lambda i, items, first=step: load_batch(
+            items, sp, recipe, np.random.default_rng(first + i), augment=True))
+        for batch in loads:
             if step >= recipe.max_steps:
                 break
             gen = torch.Generator().manual_seed(recipe.seed * 7919 + step)
-            batch = load_batch(batch_items, sp, recipe, np.random.default_rng(step), augment=True)
             lr = learning_rate(step, recipe)
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -317,6 +346,8 @@ def main() -> None:
     # gets ~10x slower (measured).
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--time-budget-s", type=float, default=None, help="stop (resumable) after this long")
+    parser.add_argument("--init-from", type=Path, default=None,
+                        help="a .nemo of the same size to start from (its weights and tokenizer)")
     for name, value in asdict(Recipe()).items():
         if not isinstance(value, tuple):
             parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
@@ -328,7 +359,8 @@ def main() -> None:
     size = ModelSize(**{k: args[k] for k in asdict(ModelSize())})
     device = torch.device("cuda" if args["device"] == "auto" and torch.cuda.is_available() else
                           "cpu" if args["device"] == "auto" else args["device"])
-    train(args["data"], args["out"], recipe, size, device, args["precision"], args["time_budget_s"])
+    train(args["data"], args["out"], recipe, size, device, args["precision"], args["time_budget_s"],
+          args["init_from"])
 
 
 if __name__ == "__main__":

@@ -1,0 +1,94 @@
+"""The training recipe end to end on a tiny corpus: it learns, checkpoints, resumes, warm-starts and exports.
+
+A real (if tiny) run: espeak-ng speech, a SentencePiece tokenizer trained on the corpus text, the hybrid
+TDT-CTC losses, AdamW, precision picked as on a user's machine, and a .nemo that the user-facing loader reads.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import soundfile as sf
+import torch
+
+from models import load_model
+from models.checkpoint import open_checkpoint
+from models.training.data import SAMPLE_RATE, Utterance, synthesize
+from models.training.export import ModelSize
+from models.training.train import Recipe, pick_precision, train
+
+pytestmark = pytest.mark.skipif(shutil.which("espeak-ng") is None, reason="espeak-ng not installed")
+
+SENTENCES = ["the cat sat on the mat", "a dog ran in the park", "the sun is bright today",
+             "we read a book at night", "she sings a song for him", "they walk to the old town"]
+TINY = ModelSize(d_model=32, n_layers=1, n_heads=2, conv_kernel=9, subsampling_channels=8, pred_hidden=32,
+                 joint_hidden=32, n_mels=80)
+
+
+def _recipe(max_steps: int) -> Recipe:
+    return Recipe(vocab_size=40, max_steps=max_steps, batch_seconds=8.0, peak_lr=3e-3, warmup_steps=2,
+                  eval_every=1000, save_every=5, freq_masks=0, time_masks=0, noise_snr_db=(60.0, 60.0))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("corpus")
+    (root / "train").mkdir()
+    rows = []
+    for i, text in enumerate(SENTENCES):
+        audio = synthesize(Utterance(text, "en-us+m1", 170, 50))
+        sf.write(root / "train" / f"{i}.wav", audio, SAMPLE_RATE, subtype="PCM_16")
+        rows.append({"audio": f"train/{i}.wav", "text": text, "duration_s": len(audio) / SAMPLE_RATE})
+    manifest = "".join(json.dumps(r) + "\n" for r in rows)
+    (root / "train.jsonl").write_text(manifest)
+    (root / "valid.jsonl").write_text(manifest)
+    # The tokenizer needs more text than six sentences to find 40 pieces.
+    (root / "train_text.txt").write_text("\n".join(SENTENCES * 20) + "\n")
+    return root
+
+
+def _losses(run: Path) -> list[float]:
+    return [h["loss"] for h in torch.load(run / "last.pt", weights_only=False)["history"]]
+
+
+def test_learns_checkpoints_and_exports(corpus, tmp_path):
+    run = tmp_path / "run"
+    train(corpus, run, _recipe(30), TINY, torch.device("cpu"), "auto", None)
+    losses = _losses(run)
+    assert len(losses) == 30
+    assert sum(losses[-5:]) / 5 < 0.85 * sum(losses[:5]) / 5  # it is learning the six sentences
+    model = load_model(run / "model.nemo", device="cpu")
+    assert model.config.kind == "hybrid"
+    assert len(model.transcribe([str(corpus / "train" / "0.wav")])) == 1
+
+
+def test_resume_continues_where_it_stopped(corpus, tmp_path):
+    run = tmp_path / "run"
+    train(corpus, run, _recipe(4), TINY, torch.device("cpu"), "auto", None)
+    train(corpus, run, _recipe(7), TINY, torch.device("cpu"), "auto", None)
+    state = torch.load(run / "last.pt", weights_only=False)
+    assert state["step"] == 7
+    assert [h["step"] for h in state["history"]] == list(range(1, 8))
+
+
+def test_init_from_starts_with_that_models_weights_and_tokenizer(corpus, tmp_path):
+    first = tmp_path / "first"
+    train(corpus, first, _recipe(3), TINY, torch.device("cpu"), "auto", None)
+    second = tmp_path / "second"
+    train(corpus, second, _recipe(0), TINY, torch.device("cpu"), "auto", None, init_from=first / "model.nemo")
+    before, after = open_checkpoint(first / "model.nemo"), open_checkpoint(second / "model.nemo")
+    assert after.tokenizer_model == before.tokenizer_model
+    assert after.state_dict.keys() == before.state_dict.keys()
+    for key, value in before.state_dict.items():
+        assert torch.equal(after.state_dict[key], value), key
+
+
+def test_cpu_precision_is_one_the_cpu_runs():
+    amp_dtype, scaler = pick_precision(torch.device("cpu"), "auto")
+    assert not scaler
+    # bf16 only where oneDNN has bf16 instructions for it; otherwise float32 (no autocast).
+    assert amp_dtype is (torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else None)
+    assert pick_precision(torch.device("cpu"), "fp32") == (None, False)
