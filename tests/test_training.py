@@ -7,10 +7,13 @@ TDT-CTC losses, AdamW, precision picked as on a user's machine, and a .nemo that
 from __future__ import annotations
 
 import json
+import random
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
+import sentencepiece as spm
 import soundfile as sf
 import torch
 
@@ -18,7 +21,7 @@ from models import load_model
 from models.checkpoint import open_checkpoint
 from models.training.data import SAMPLE_RATE, Utterance, synthesize
 from models.training.export import ModelSize
-from models.training.train import Recipe, pick_precision, train
+from models.training.train import Item, Recipe, join_samples, load_batch, pick_precision, train
 
 pytestmark = pytest.mark.skipif(shutil.which("espeak-ng") is None, reason="espeak-ng not installed")
 
@@ -28,9 +31,10 @@ TINY = ModelSize(d_model=32, n_layers=1, n_heads=2, conv_kernel=9, subsampling_c
                  joint_hidden=32, n_mels=80)
 
 
-def _recipe(max_steps: int) -> Recipe:
+def _recipe(max_steps: int, concat_fraction: float = 0.0) -> Recipe:
     return Recipe(vocab_size=40, max_steps=max_steps, batch_seconds=8.0, peak_lr=3e-3, warmup_steps=2,
-                  eval_every=1000, save_every=5, freq_masks=0, time_masks=0, noise_snr_db=(60.0, 60.0))
+                  eval_every=1000, save_every=5, freq_masks=0, time_masks=0, noise_snr_db=(60.0, 60.0),
+                  concat_fraction=concat_fraction, concat_max_s=5.0)
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +71,8 @@ def test_learns_checkpoints_and_exports(corpus, tmp_path):
 
 def test_resume_continues_where_it_stopped(corpus, tmp_path):
     run = tmp_path / "run"
-    train(corpus, run, _recipe(4), TINY, torch.device("cpu"), "auto", None)
-    train(corpus, run, _recipe(7), TINY, torch.device("cpu"), "auto", None)
+    train(corpus, run, _recipe(4, concat_fraction=0.5), TINY, torch.device("cpu"), "auto", None)
+    train(corpus, run, _recipe(7, concat_fraction=0.5), TINY, torch.device("cpu"), "auto", None)
     state = torch.load(run / "last.pt", weights_only=False)
     assert state["step"] == 7
     assert [h["step"] for h in state["history"]] == list(range(1, 8))
@@ -92,3 +96,31 @@ def test_cpu_precision_is_one_the_cpu_runs():
     # bf16 only where oneDNN has bf16 instructions for it; otherwise float32 (no autocast).
     assert amp_dtype is (torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else None)
     assert pick_precision(torch.device("cpu"), "fp32") == (None, False)
+
+
+def test_joined_samples_use_every_utterance_once_within_the_length_limit():
+    items = [Item(Path(f"{i}.wav"), f"w{i}", 1.0 + (i % 5) * 0.5) for i in range(200)]
+    recipe = Recipe(concat_fraction=0.4, concat_max_s=8.0, concat_gap_s=(0.1, 0.5))
+    samples = join_samples(items, recipe, random.Random(0))
+    assert sorted(it.text for s in samples for it in s) == sorted(it.text for it in items)
+    joined = [s for s in samples if len(s) > 1]
+    assert sum(len(s) for s in joined) >= 0.35 * len(items)
+    assert all(sum(it.duration_s for it in s) + 0.5 * (len(s) - 1) <= 8.0 for s in joined)
+
+
+def test_a_joined_sample_is_its_utterances_in_order_with_pauses(corpus):
+    items = [Item(corpus / "train" / f"{i}.wav", SENTENCES[i], 0.0) for i in (0, 1)]
+    sp = spm.SentencePieceProcessor()
+    sp.LoadFromSerializedProto(spm_proto(corpus))
+    recipe = Recipe(concat_gap_s=(0.2, 0.2))
+    batch = load_batch([items, items[:1]], sp, recipe, np.random.default_rng(0), augment=False)
+    lengths = [sf.info(it.audio).frames for it in items]
+    assert batch.n_samples.tolist() == [lengths[0] + int(0.2 * SAMPLE_RATE) + lengths[1], lengths[0]]
+    first = batch.targets[0, : batch.target_lengths[0]].tolist()
+    assert sp.decode(first) == f"{SENTENCES[0]} {SENTENCES[1]}"
+
+
+def spm_proto(corpus: Path) -> bytes:
+    from models.training.train import train_tokenizer
+
+    return train_tokenizer(corpus / "train_text.txt", 40)

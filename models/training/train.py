@@ -34,6 +34,7 @@ from torch import Tensor
 
 from ..asr_model import ASRModel
 from ..checkpoint import open_checkpoint
+from .data import SAMPLE_RATE
 from .evaluate import split_wer
 from .export import ModelSize, build_model, save_nemo
 from .losses import ctc_loss, transducer_loss
@@ -56,6 +57,11 @@ class Recipe:
     time_masks: int = 2
     time_mask_width: int = 25  # 10 ms frames
     noise_snr_db: tuple[float, float] = (20.0, 50.0)
+    # Share of utterances joined (with pauses) into samples of up to concat_max_s: the service feeds the
+    # model windows of up to 30 s of long audio, several sentences each, not only single short sentences.
+    concat_fraction: float = 0.0
+    concat_max_s: float = 24.0
+    concat_gap_s: tuple[float, float] = (0.1, 0.6)
     eval_every: int = 500
     save_every: int = 100
     seed: int = 0
@@ -76,16 +82,41 @@ def read_manifest(data: Path, split: str) -> list[Item]:
     return [Item(data / r["audio"], r["text"], r["duration_s"]) for r in rows]
 
 
-def make_batches(items: list[Item], batch_seconds: float, rng: random.Random) -> list[list[Item]]:
+Sample = list[Item]  # one training sample: its utterances, spoken one after another
+
+
+def join_samples(items: list[Item], recipe: Recipe, rng: random.Random) -> list[Sample]:
+    """Every utterance once: most alone, ``concat_fraction`` of them joined into samples of 2 or more
+    utterances up to ``concat_max_s`` long (with up to ``concat_gap_s[1]`` of pause between them)."""
+    shuffled = list(items)
+    rng.shuffle(shuffled)
+    n_joined = int(len(shuffled) * recipe.concat_fraction)
+    samples: list[Sample] = [[it] for it in shuffled[n_joined:]]
+    current: Sample = []
+    for item in shuffled[:n_joined]:
+        if current and _seconds([*current, item], recipe.concat_gap_s[1]) > recipe.concat_max_s:
+            samples.append(current)
+            current = []
+        current.append(item)
+    if current:
+        samples.append(current)
+    return samples
+
+
+def _seconds(sample: Sample, gap_s: float = 0.0) -> float:
+    return sum(it.duration_s for it in sample) + gap_s * (len(sample) - 1)
+
+
+def make_batches(samples: list[Sample], batch_seconds: float, rng: random.Random) -> list[list[Sample]]:
     """Length-sorted batches of about ``batch_seconds`` of audio (little padding), in random order."""
-    ordered = sorted(items, key=lambda it: it.duration_s + rng.random() * 0.3)
+    ordered = sorted(samples, key=lambda s: _seconds(s) + rng.random() * 0.3)
     batches, current, longest = [], [], 0.0
-    for item in ordered:
-        longest = max(longest, item.duration_s)
+    for sample in ordered:
+        longest = max(longest, _seconds(sample))
         if current and longest * (len(current) + 1) > batch_seconds:
             batches.append(current)
-            current, longest = [], item.duration_s
-        current.append(item)
+            current, longest = [], _seconds(sample)
+        current.append(sample)
     if current:
         batches.append(current)
     rng.shuffle(batches)
@@ -139,9 +170,19 @@ class Batch:
     target_lengths: Tensor  # (B,)
 
 
-def load_batch(items: list[Item], sp: spm.SentencePieceProcessor, recipe: Recipe, rng: np.random.Generator,
+def read_sample(sample: Sample, recipe: Recipe, rng: np.random.Generator) -> np.ndarray:
+    """The sample's utterances in order, a random pause of silence between each two."""
+    parts: list[np.ndarray] = []
+    for i, item in enumerate(sample):
+        if i:
+            parts.append(np.zeros(int(rng.uniform(*recipe.concat_gap_s) * SAMPLE_RATE), dtype=np.float32))
+        parts.append(sf.read(item.audio, dtype="float32")[0])
+    return np.concatenate(parts)
+
+
+def load_batch(samples: list[Sample], sp: spm.SentencePieceProcessor, recipe: Recipe, rng: np.random.Generator,
                augment: bool) -> Batch:
-    waves = [sf.read(it.audio, dtype="float32")[0] for it in items]
+    waves = [read_sample(sample, recipe, rng) for sample in samples]
     if augment:  # white noise at a random SNR: espeak is noiseless, the world is not
         waves = [w + rng.standard_normal(len(w)).astype(np.float32) * float(np.sqrt(np.mean(w**2) + 1e-9))
                  * 10 ** (-rng.uniform(*recipe.noise_snr_db) / 20) for w in waves]
@@ -149,7 +190,7 @@ def load_batch(items: list[Item], sp: spm.SentencePieceProcessor, recipe: Recipe
     audio = torch.zeros(len(waves), int(lengths.max()))
     for i, w in enumerate(waves):
         audio[i, : len(w)] = torch.from_numpy(w)
-    ids = [sp.encode(it.text) for it in items]
+    ids = [sp.encode(" ".join(it.text for it in sample)) for sample in samples]
     targets = torch.zeros(len(ids), max(len(x) for x in ids), dtype=torch.long)
     for i, x in enumerate(ids):
         targets[i, : len(x)] = torch.tensor(x)
@@ -224,7 +265,7 @@ def _progress(step: int, total: int, loss: float, tdt: float, ctc: float, sec_pe
     sys.stderr.flush()
 
 
-def prefetched(batches: list[list[Item]], load: Callable[[int, list[Item]], Batch]) -> Iterator[Batch]:
+def prefetched(batches: list[list[Sample]], load: Callable[[int, list[Sample]], Batch]) -> Iterator[Batch]:
     """Load batch i+1 (file reads, noise) on a second thread while batch i trains."""
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(load, 0, batches[0]) if batches else None
@@ -285,7 +326,8 @@ def train(data: Path, out: Path, recipe: Recipe, size: ModelSize, device: torch.
     audio_s, window_start = 0.0, time.monotonic()
     while step < recipe.max_steps:
         # Batches of an epoch are a function of (seed, epoch): a resumed run skips those already done.
-        batches = make_batches(train_items, recipe.batch_seconds, random.Random(recipe.seed * 1000 + epoch))
+        epoch_rng = random.Random(recipe.seed * 1000 + epoch)
+        batches = make_batches(join_samples(train_items, recipe, epoch_rng), recipe.batch_seconds, epoch_rng)
         offset = state_offset(step, epoch, len(batches), history)
         loads = prefetched(batches[offset:], lambda i, items, first=step: load_batch(
             items, sp, recipe, np.random.default_rng(first + i), augment=True))
