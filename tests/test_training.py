@@ -9,6 +9,10 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import socket
+import subprocess
+import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +25,7 @@ from models import load_model
 from models.checkpoint import open_checkpoint
 from models.training.data import SAMPLE_RATE, Utterance, synthesize
 from models.training.export import ModelSize
+from models.training.parallel import Workers
 from models.training.train import Item, Recipe, join_samples, load_batch, pick_precision, train
 
 pytestmark = pytest.mark.skipif(shutil.which("espeak-ng") is None, reason="espeak-ng not installed")
@@ -124,3 +129,52 @@ def spm_proto(corpus: Path) -> bytes:
     from models.training.train import train_tokenizer
 
     return train_tokenizer(corpus / "train_text.txt", 40)
+
+
+def _average_in_process(rank: int, init_file: str, results) -> None:
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2, 2))]
+        params[0].grad = torch.full((3,), float(rank + 1))
+        if rank == 1:  # a parameter unused on one process: its missing gradient counts as zeros
+            params[1].grad = torch.full((2, 2), 4.0)
+        Workers(rank, 2).average_gradients(params)
+        results[rank] = (params[0].grad.tolist(), params[1].grad.tolist(), Workers(rank, 2).sum([rank, 1.0]))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_processes_average_their_gradients(tmp_path):
+    ctx = torch.multiprocessing.get_context("spawn")
+    with ctx.Manager() as manager:
+        results = manager.dict()
+        procs = [ctx.Process(target=_average_in_process, args=(r, str(tmp_path / "init"), results))
+                 for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(120)
+        assert [p.exitcode for p in procs] == [0, 0]
+        for rank in range(2):
+            assert results[rank] == ([1.5] * 3, [[2.0, 2.0], [2.0, 2.0]], [1.0, 2.0])
+
+
+def test_two_process_run_under_torchrun(corpus, tmp_path):
+    run = tmp_path / "run"
+    size = [f"--{k.replace('_', '-')}={v}" for k, v in asdict(TINY).items()]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+               str(_free_port()), "-m", "models.training.train", "--data", str(corpus), "--out", str(run),
+               "--max-steps", "3", "--batch-seconds", "4", "--vocab-size", "40", "--eval-every", "1000",
+               "--threads", "1", *size]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "2 process(es)" in done.stdout
+    state = torch.load(run / "last.pt", weights_only=False)
+    assert state["step"] == 3 and len(state["history"]) == 3
+    assert load_model(run / "model.nemo", device="cpu").config.kind == "hybrid"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -38,6 +39,7 @@ from .data import SAMPLE_RATE
 from .evaluate import split_wer
 from .export import ModelSize, build_model, save_nemo
 from .losses import ctc_loss, transducer_loss
+from .parallel import Workers, start_workers
 
 
 @dataclass(frozen=True)
@@ -278,21 +280,24 @@ def prefetched(batches: list[list[Sample]], load: Callable[[int, list[Sample]], 
 
 
 def train(data: Path, out: Path, recipe: Recipe, size: ModelSize, device: torch.device, precision: str,
-          time_budget_s: float | None, init_from: Path | None = None) -> None:
+          time_budget_s: float | None, init_from: Path | None = None, workers: Workers | None = None) -> None:
+    workers = workers or Workers()
+    say = print if workers.is_main else _quiet
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(recipe.seed)
     start = open_checkpoint(init_from) if init_from is not None else None
     tokenizer_path = out / "tokenizer.model"
-    if not tokenizer_path.exists():
+    if workers.is_main and not tokenizer_path.exists():
         tokenizer_path.write_bytes(start.tokenizer_model if start is not None and start.tokenizer_model else
                                    train_tokenizer(data / "train_text.txt", recipe.vocab_size))
+    workers.barrier()
     proto = tokenizer_path.read_bytes()
     sp = spm.SentencePieceProcessor()
     sp.LoadFromSerializedProto(proto)
     model, raw_config = build_model(size, proto)
     if start is not None:  # warm start: same size and tokenizer, its weights; optimizer and schedule anew
         model.load_weights(start.state_dict, start.source)
-        print(f"initialised from {start.source}", flush=True)
+        say(f"initialised from {start.source}", flush=True)
     raw_config["aux_ctc"]["ctc_loss_weight"] = recipe.ctc_weight
     raw_config["loss"]["tdt_kwargs"]["sigma"] = recipe.tdt_sigma
     model.to(device).train()
@@ -302,8 +307,9 @@ def train(data: Path, out: Path, recipe: Recipe, size: ModelSize, device: torch.
     scaler = torch.amp.GradScaler(device.type, enabled=use_scaler)
     train_items, valid_items = read_manifest(data, "train"), read_manifest(data, "valid")
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"{len(train_items)} training utterances ({sum(i.duration_s for i in train_items) / 3600:.1f} h); "
-          f"{n_params / 1e6:.2f} M parameters; autocast {amp_dtype}, loss scaler {use_scaler}", flush=True)
+    say(f"{len(train_items)} training utterances ({sum(i.duration_s for i in train_items) / 3600:.1f} h); "
+        f"{n_params / 1e6:.2f} M parameters; autocast {amp_dtype}, loss scaler {use_scaler}; "
+        f"{workers.world} process(es)", flush=True)
 
     step, epoch, history = 0, 0, []
     last = out / "last.pt"
@@ -313,7 +319,7 @@ def train(data: Path, out: Path, recipe: Recipe, size: ModelSize, device: torch.
         optimizer.load_state_dict(state["optimizer"])
         scaler.load_state_dict(state["scaler"])
         step, epoch, history = state["step"], state["epoch"], state["history"]
-        print(f"resumed at step {step} (epoch {epoch})", flush=True)
+        say(f"resumed at step {step} (epoch {epoch})", flush=True)
 
     def save() -> None:
         tmp = last.with_suffix(".tmp")
@@ -326,15 +332,18 @@ def train(data: Path, out: Path, recipe: Recipe, size: ModelSize, device: torch.
     audio_s, window_start = 0.0, time.monotonic()
     while step < recipe.max_steps:
         # Batches of an epoch are a function of (seed, epoch): a resumed run skips those already done.
+        # A step takes `world` consecutive batches, one per process.
         epoch_rng = random.Random(recipe.seed * 1000 + epoch)
         batches = make_batches(join_samples(train_items, recipe, epoch_rng), recipe.batch_seconds, epoch_rng)
-        offset = state_offset(step, epoch, len(batches), history)
-        loads = prefetched(batches[offset:], lambda i, items, first=step: load_batch(
-            items, sp, recipe, np.random.default_rng(first + i), augment=True))
+        n_steps = len(batches) // workers.world
+        offset = state_offset(step, epoch, n_steps, history)
+        mine = batches[offset * workers.world + workers.rank : n_steps * workers.world : workers.world]
+        loads = prefetched(mine, lambda i, items, first=step: load_batch(
+            items, sp, recipe, np.random.default_rng([first + i, workers.rank]), augment=True))
         for batch in loads:
             if step >= recipe.max_steps:
                 break
-            gen = torch.Generator().manual_seed(recipe.seed * 7919 + step)
+            gen = torch.Generator().manual_seed(recipe.seed * 7919 + step + 1_000_003 * workers.rank)
             lr = learning_rate(step, recipe)
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -342,40 +351,55 @@ def train(data: Path, out: Path, recipe: Recipe, size: ModelSize, device: torch.
             loss = (1 - recipe.ctc_weight) * tdt + recipe.ctc_weight * ctc
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()
+            workers.average_gradients(model.parameters())
             scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.clip_norm)
             scaler.step(optimizer)
             scaler.update()
             step += 1
-            audio_s += float(batch.n_samples.sum()) / model.sample_rate
-            rate = audio_s / (time.monotonic() - window_start)
-            _progress(step, recipe.max_steps, loss.item(), tdt.item(), ctc.item(), rate, lr)
+            over_budget = time_budget_s is not None and time.monotonic() - started > time_budget_s
+            batch_audio, stop = workers.sum([float(batch.n_samples.sum()) / model.sample_rate, over_budget])
+            audio_s += batch_audio
             history.append({"step": step, "epoch": epoch, "loss": round(loss.item(), 4)})
-            if step % 50 == 0:
-                print(f"\nstep {step} loss {loss.item():.3f} tdt {tdt.item():.3f} ctc {ctc.item():.3f} "
-                      f"{rate:.1f} audio-s/s elapsed {time.monotonic() - started:.0f}s", flush=True)
-            if step % recipe.eval_every == 0 or step == recipe.max_steps:
-                result = validate(model, valid_items)
-                history[-1].update(result)
-                print(f"\nstep {step} validation {result}", flush=True)
-            if step % recipe.save_every == 0 or step == recipe.max_steps:
-                save()
-            if time_budget_s is not None and time.monotonic() - started > time_budget_s:
-                print(f"\ntime budget reached at step {step}; rerun the same command to continue", flush=True)
+            if workers.is_main:
+                _report(step, recipe, loss, tdt, ctc, audio_s / (time.monotonic() - window_start), lr,
+                        time.monotonic() - started)
+                if step % recipe.eval_every == 0 or step == recipe.max_steps:
+                    result = validate(model, valid_items)
+                    history[-1].update(result)
+                    print(f"\nstep {step} validation {result}", flush=True)
+                if step % recipe.save_every == 0 or step == recipe.max_steps:
+                    save()
+            if stop:
+                say(f"\ntime budget reached at step {step}; rerun the same command to continue", flush=True)
                 break
         else:
             epoch += 1
             continue
         break
-    save()
-    model.eval()
-    save_nemo(model, raw_config, proto, out / "model.nemo")
-    print(f"\nwrote {out / 'model.nemo'}", flush=True)
+    if workers.is_main:
+        save()
+        model.eval()
+        save_nemo(model, raw_config, proto, out / "model.nemo")
+        print(f"\nwrote {out / 'model.nemo'}", flush=True)
+    workers.barrier()
 
 
-def state_offset(step: int, epoch: int, n_batches: int, history: list[dict]) -> int:
-    """Batches of the current epoch already trained (from the per-step history)."""
-    return sum(1 for h in history if h["epoch"] == epoch) % max(1, n_batches)
+def _quiet(*args: object, **kwargs: object) -> None:
+    """print() for the processes that are not the first: they stay silent."""
+
+
+def _report(step: int, recipe: Recipe, loss: Tensor, tdt: Tensor, ctc: Tensor, rate: float, lr: float,
+            elapsed_s: float) -> None:
+    _progress(step, recipe.max_steps, loss.item(), tdt.item(), ctc.item(), rate, lr)
+    if step % 50 == 0:
+        print(f"\nstep {step} loss {loss.item():.3f} tdt {tdt.item():.3f} ctc {ctc.item():.3f} "
+              f"{rate:.1f} audio-s/s elapsed {elapsed_s:.0f}s", flush=True)
+
+
+def state_offset(step: int, epoch: int, n_steps: int, history: list[dict]) -> int:
+    """Steps of the current epoch already trained (from the per-step history)."""
+    return sum(1 for h in history if h["epoch"] == epoch) % max(1, n_steps)
 
 
 def main() -> None:
@@ -401,8 +425,14 @@ def main() -> None:
     size = ModelSize(**{k: args[k] for k in asdict(ModelSize())})
     device = torch.device("cuda" if args["device"] == "auto" and torch.cuda.is_available() else
                           "cpu" if args["device"] == "auto" else args["device"])
-    train(args["data"], args["out"], recipe, size, device, args["precision"], args["time_budget_s"],
-          args["init_from"])
+    if device.type == "cuda" and "LOCAL_RANK" in os.environ:  # torchrun: one GPU per process
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    workers = start_workers(device)
+    try:
+        train(args["data"], args["out"], recipe, size, device, args["precision"], args["time_budget_s"],
+              args["init_from"], workers)
+    finally:
+        workers.close()
 
 
 if __name__ == "__main__":
