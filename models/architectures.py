@@ -14,56 +14,18 @@ import torch
 
 from .asr_model import ASRModel, resolve_device, resolve_dtype
 from .config import parse_model_config
-
-_DURATIONS = [0, 1, 2, 3, 4]
-
-
-def _nemo_config(target: str, *, n_mels: int, d_model: int, n_layers: int, xscaling: bool, use_bias: bool,
-                 vocab_size: int, pred_layers: int = 2, tdt: bool = False, ctc_only: bool = False,
-                 hybrid: bool = False) -> dict[str, Any]:
-    cfg: dict[str, Any] = {
-        "target": f"nemo.collections.asr.models.{target}",
-        "sample_rate": 16000,
-        "preprocessor": {"sample_rate": 16000, "normalize": "per_feature", "window_size": 0.025,
-                         "window_stride": 0.01, "window": "hann", "features": n_mels, "n_fft": 512,
-                         "frame_splicing": 1, "dither": 1e-5, "pad_to": 0, "pad_value": 0.0},
-        "encoder": {"feat_in": n_mels, "feat_out": -1, "n_layers": n_layers, "d_model": d_model,
-                    "subsampling": "dw_striding", "subsampling_factor": 8, "subsampling_conv_channels": 256,
-                    "ff_expansion_factor": 4, "self_attention_model": "rel_pos", "n_heads": 8,
-                    "att_context_size": [-1, -1], "xscaling": xscaling, "untie_biases": True,
-                    "pos_emb_max_len": 5000, "conv_kernel_size": 9, "conv_norm_type": "batch_norm",
-                    "use_bias": use_bias},
-    }
-    ctc_decoder = {"_target_": "nemo.collections.asr.modules.ConvASRDecoder", "feat_in": d_model,
-                   "num_classes": vocab_size}
-    if ctc_only:
-        cfg["decoder"] = ctc_decoder
-        return cfg
-    cfg["decoder"] = {"_target_": "nemo.collections.asr.modules.RNNTDecoder", "blank_as_pad": True,
-                      "vocab_size": vocab_size, "prednet": {"pred_hidden": 640, "pred_rnn_layers": pred_layers}}
-    cfg["joint"] = {"num_classes": vocab_size, "num_extra_outputs": len(_DURATIONS) if tdt else 0,
-                    "jointnet": {"joint_hidden": 640, "activation": "relu", "encoder_hidden": d_model,
-                                 "pred_hidden": 640}}
-    cfg["decoding"] = {"strategy": "greedy_batch", "greedy": {"max_symbols": 10}}
-    if tdt:
-        cfg["decoding"].update(model_type="tdt", durations=_DURATIONS)
-    if hybrid:
-        cfg["aux_ctc"] = {"decoder": ctc_decoder}
-    return cfg
-
+from .nemo_layout import nemo_config
 
 ARCHITECTURES: dict[str, dict[str, Any]] = {
-    "parakeet-tdt-0.6b-v2": _nemo_config("rnnt_bpe_models.EncDecRNNTBPEModel", n_mels=128, d_model=1024,
-                                         n_layers=24, xscaling=False, use_bias=False, vocab_size=1024, tdt=True),
-    "parakeet-tdt-0.6b-v3": _nemo_config("rnnt_bpe_models.EncDecRNNTBPEModel", n_mels=128, d_model=1024,
-                                         n_layers=24, xscaling=False, use_bias=False, vocab_size=8192, tdt=True),
-    "parakeet-rnnt-1.1b": _nemo_config("rnnt_bpe_models.EncDecRNNTBPEModel", n_mels=80, d_model=1024,
-                                       n_layers=42, xscaling=True, use_bias=True, vocab_size=1024),
-    "parakeet-ctc-1.1b": _nemo_config("ctc_bpe_models.EncDecCTCModelBPE", n_mels=80, d_model=1024,
-                                      n_layers=42, xscaling=True, use_bias=True, vocab_size=1024, ctc_only=True),
-    "parakeet-tdt_ctc-110m": _nemo_config("hybrid_rnnt_ctc_bpe_models.EncDecHybridRNNTCTCBPEModel", n_mels=80,
-                                          d_model=512, n_layers=17, xscaling=False, use_bias=True,
-                                          vocab_size=1024, pred_layers=1, tdt=True, hybrid=True),
+    "parakeet-tdt-0.6b-v2": nemo_config("tdt", n_mels=128, d_model=1024, n_layers=24, xscaling=False,
+                                        use_bias=False, vocab_size=1024, pred_layers=2),
+    "parakeet-tdt-0.6b-v3": nemo_config("tdt", n_mels=128, d_model=1024, n_layers=24, xscaling=False,
+                                        use_bias=False, vocab_size=8192, pred_layers=2),
+    "parakeet-rnnt-1.1b": nemo_config("rnnt", n_mels=80, d_model=1024, n_layers=42, vocab_size=1024,
+                                      pred_layers=2),
+    "parakeet-ctc-1.1b": nemo_config("ctc", n_mels=80, d_model=1024, n_layers=42, vocab_size=1024),
+    "parakeet-tdt_ctc-110m": nemo_config("hybrid_tdt_ctc", n_mels=80, d_model=512, n_layers=17, xscaling=False,
+                                         vocab_size=1024),
 }
 
 

@@ -23,7 +23,7 @@ import torch
 
 from models import load_model
 from models.checkpoint import open_checkpoint
-from models.training.data import SAMPLE_RATE, Utterance, synthesize
+from models.training.data import SAMPLE_RATE, Utterance, synthesize, telephone_band
 from models.training.export import ModelSize
 from models.training.parallel import Workers
 from models.training.train import Item, Recipe, join_samples, load_batch, pick_precision, train
@@ -123,6 +123,19 @@ def test_a_joined_sample_is_its_utterances_in_order_with_pauses(corpus):
     assert batch.n_samples.tolist() == [lengths[0] + int(0.2 * SAMPLE_RATE) + lengths[1], lengths[0]]
     first = batch.targets[0, : batch.target_lengths[0]].tolist()
     assert sp.decode(first) == f"{SENTENCES[0]} {SENTENCES[1]}"
+
+
+def test_telephone_band_keeps_speech_below_4khz_and_removes_the_rest():
+    rng = np.random.default_rng(0)
+    t = np.arange(SAMPLE_RATE) / SAMPLE_RATE
+    low, high = np.sin(2 * np.pi * 1000 * t), np.sin(2 * np.pi * 6000 * t)
+    wave = (0.3 * low + 0.3 * high + 0.01 * rng.standard_normal(len(t))).astype(np.float32)
+    narrow = telephone_band(wave)
+    assert narrow.dtype == np.float32 and abs(len(narrow) - len(wave)) <= 1
+    spectrum = np.abs(np.fft.rfft(narrow[: SAMPLE_RATE - 1]))
+    bin_hz = SAMPLE_RATE / (SAMPLE_RATE - 1)
+    assert spectrum[int(6000 / bin_hz) - 5: int(6000 / bin_hz) + 5].max() < 0.01 * spectrum.max()
+    assert spectrum[int(1000 / bin_hz) - 5: int(1000 / bin_hz) + 5].max() == pytest.approx(spectrum.max())
 
 
 def spm_proto(corpus: Path) -> bytes:

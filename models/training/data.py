@@ -34,6 +34,7 @@ import soundfile as sf
 import soxr
 
 SAMPLE_RATE = 16000
+TELEPHONE_RATE = 8000  # call-centre audio
 WORDNET_DIR = Path("/usr/share/wordnet")  # Debian's wordnet-base
 WORDNET_FILES = ("data.noun", "data.verb", "data.adj", "data.adv")
 
@@ -115,6 +116,12 @@ def synthesize(utt: Utterance) -> np.ndarray:
                           utt.text], check=True, capture_output=True).stdout
     audio, rate = sf.read(io.BytesIO(wav), dtype="float32")
     return soxr.resample(audio, rate, SAMPLE_RATE).astype(np.float32)
+
+
+def telephone_band(wave: np.ndarray) -> np.ndarray:
+    """The wave as it sounds recorded at 8 kHz and resampled back to 16 kHz: nothing above 4 kHz."""
+    narrow = soxr.resample(wave, SAMPLE_RATE, TELEPHONE_RATE)
+    return soxr.resample(narrow, TELEPHONE_RATE, SAMPLE_RATE)[: len(wave)].astype(np.float32)
 
 
 def plan(sentences: list[str], n: int, rng: random.Random,

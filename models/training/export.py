@@ -21,10 +21,8 @@ import yaml
 
 from ..asr_model import ASRModel
 from ..config import parse_model_config
+from ..nemo_layout import TDT_DURATIONS, nemo_config
 from ..tokenizer import Tokenizer
-
-TARGET = "nemo.collections.asr.models.hybrid_rnnt_ctc_bpe_models.EncDecHybridRNNTCTCBPEModel"
-DURATIONS = [0, 1, 2, 3, 4]
 
 
 @dataclass(frozen=True)
@@ -39,53 +37,26 @@ class ModelSize:
     n_mels: int = 80
 
 
-def nemo_config(size: ModelSize, vocabulary: list[str], tokenizer_file: str | None = None,
-                tdt_sigma: float = 0.02, ctc_weight: float = 0.3) -> dict[str, Any]:
-    """A hybrid TDT-CTC config in NeMo's layout (the sections NeMo's class reads, training ones included)."""
-    v = len(vocabulary)
-    return {
-        "target": TARGET,
-        "sample_rate": 16000,
-        "labels": list(vocabulary),  # copies: one shared list would be written as YAML anchors
-        "tokenizer": {"dir": None, "type": "bpe",
-                      "model_path": f"nemo:{tokenizer_file}" if tokenizer_file else None},
-        "preprocessor": {"_target_": "nemo.collections.asr.modules.AudioToMelSpectrogramPreprocessor",
-                         "sample_rate": 16000, "normalize": "per_feature", "window_size": 0.025,
-                         "window_stride": 0.01, "window": "hann", "features": size.n_mels, "n_fft": 512,
-                         "log": True, "frame_splicing": 1, "dither": 1e-5, "pad_to": 0, "pad_value": 0.0},
-        "encoder": {"_target_": "nemo.collections.asr.modules.ConformerEncoder", "feat_in": size.n_mels,
-                    "feat_out": -1, "n_layers": size.n_layers, "d_model": size.d_model,
-                    "subsampling": "dw_striding", "subsampling_factor": 8,
-                    "subsampling_conv_channels": size.subsampling_channels, "causal_downsampling": False,
-                    "ff_expansion_factor": 4, "self_attention_model": "rel_pos", "n_heads": size.n_heads,
-                    "att_context_size": [-1, -1], "xscaling": True, "untie_biases": True,
-                    "pos_emb_max_len": 5000, "conv_kernel_size": size.conv_kernel,
-                    "conv_norm_type": "batch_norm", "conv_context_size": None, "use_bias": True,
-                    "dropout": 0.0, "dropout_pre_encoder": 0.0, "dropout_emb": 0.0, "dropout_att": 0.0},
-        "decoder": {"_target_": "nemo.collections.asr.modules.RNNTDecoder", "normalization_mode": None,
-                    "random_state_sampling": False, "blank_as_pad": True, "vocab_size": v,
-                    "prednet": {"pred_hidden": size.pred_hidden, "pred_rnn_layers": 1, "t_max": None,
-                                "dropout": 0.0}},
-        "joint": {"_target_": "nemo.collections.asr.modules.RNNTJoint", "log_softmax": None,
-                  "preserve_memory": False, "fuse_loss_wer": False, "num_classes": v,
-                  "num_extra_outputs": len(DURATIONS), "vocabulary": list(vocabulary),
-                  "jointnet": {"joint_hidden": size.joint_hidden, "activation": "relu", "dropout": 0.0,
-                               "encoder_hidden": size.d_model, "pred_hidden": size.pred_hidden}},
-        "decoding": {"strategy": "greedy_batch", "model_type": "tdt", "durations": DURATIONS,
-                     "greedy": {"max_symbols": 10}},
-        "loss": {"loss_name": "tdt", "tdt_kwargs": {"durations": list(DURATIONS), "sigma": tdt_sigma, "omega": 0.0}},
-        "aux_ctc": {"ctc_loss_weight": ctc_weight, "use_cer": False,
-                    "decoder": {"_target_": "nemo.collections.asr.modules.ConvASRDecoder",
-                                "feat_in": size.d_model, "num_classes": v, "vocabulary": list(vocabulary)},
-                    "decoding": {"strategy": "greedy_batch"}},
-    }
+def training_config(size: ModelSize, vocabulary: list[str], tdt_sigma: float = 0.02,
+                    ctc_weight: float = 0.3) -> dict[str, Any]:
+    """The hybrid TDT-CTC config NeMo's class reads, with its training sections (tokenizer, losses, labels)."""
+    cfg = nemo_config("hybrid_tdt_ctc", vocab_size=len(vocabulary), vocabulary=vocabulary, n_mels=size.n_mels,
+                      d_model=size.d_model, n_layers=size.n_layers, n_heads=size.n_heads,
+                      conv_kernel=size.conv_kernel, subsampling_channels=size.subsampling_channels,
+                      pred_hidden=size.pred_hidden, joint_hidden=size.joint_hidden)
+    cfg["labels"] = list(vocabulary)
+    cfg["tokenizer"] = {"dir": None, "type": "bpe", "model_path": None}  # set by save_nemo
+    cfg["loss"] = {"loss_name": "tdt", "tdt_kwargs": {"durations": list(TDT_DURATIONS), "sigma": tdt_sigma,
+                                                      "omega": 0.0}}
+    cfg["aux_ctc"].update(ctc_loss_weight=ctc_weight, use_cer=False)
+    return cfg
 
 
 def build_model(size: ModelSize, tokenizer_proto: bytes) -> tuple[ASRModel, dict[str, Any]]:
     sp = spm.SentencePieceProcessor()
     sp.LoadFromSerializedProto(tokenizer_proto)
     vocabulary = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
-    raw = nemo_config(size, vocabulary)
+    raw = training_config(size, vocabulary)
     return ASRModel(parse_model_config(raw), Tokenizer(tokenizer_proto)), raw
 
 
