@@ -1,17 +1,19 @@
 """Train the embedded default model: hybrid TDT-CTC FastConformer on synthetic speech, mixed precision.
 
-Recipe of the shipped model (two stages; about 90 + 95 min on a 2-core CPU)::
+Recipe of the shipped model (two stages; about 90 + 115 min on a 2-core CPU; see its model card)::
 
-    python -m models.training.data --cache DATA --n-train 36000       # stage 1 reads the first 24,000
-    python -m models.training.train --data DATA --out STAGE1 --max-steps 5000   # (trained on --n-train 24000)
-    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 -m models.training.train --data DATA --out STAGE2 \
-        --init-from STAGE1/model.nemo --max-steps 3400 --peak-lr 2e-3 --warmup-steps 100 --ctc-weight 0.5 \
-        --concat-fraction 0.25 --concat-max-s 20 --eval-every 300
+    python -m models.training.data --cache DATA1 --n-train 24000
+    python -m models.training.train --data DATA1 --out STAGE1 --max-steps 5000
+    python -m models.training.data --cache DATA2 --n-train 36000
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 -m models.training.train --data DATA2 --out STAGE2 \
+        --init-from STAGE1/model.nemo --max-steps 2900 --peak-lr 1e-3 --warmup-steps 100 --ctc-weight 0.5 \
+        --concat-fraction 0.25 --concat-max-s 20 --telephone-fraction 0.15 --eval-every 500 --time-budget-s 6300
     # a stopped run continues from RUN/last.pt with the same command; RUN/model.nemo is the result
 
 Loss: (1 - w) * TDT + w * CTC (NeMo's hybrids use w = 0.3), each normalised by the number of target tokens.
 AdamW, linear warm-up then cosine decay, gradient clipping. ``--concat-fraction`` joins a share of the
-utterances into long samples, so the model also learns the multi-sentence windows long audio is cut into.
+utterances into long samples, so the model also learns the multi-sentence windows long audio is cut into;
+``--telephone-fraction`` passes a share through an 8 kHz channel.
 Mixed precision: float32 master weights; the forward pass runs under bf16 autocast (fp16 with a dynamic loss
 scaler where bf16 is unsupported, float32 on CPUs without bf16 instructions); the losses accumulate in
 float32. Under ``torchrun`` each process trains its own batches and gradients are averaged every step
