@@ -31,7 +31,8 @@ from pathlib import Path
 
 import numpy as np
 import soundfile as sf
-import soxr
+
+from ..audio_io import resample
 
 SAMPLE_RATE = 16000
 TELEPHONE_RATE = 8000  # call-centre audio
@@ -115,13 +116,13 @@ def synthesize(utt: Utterance) -> np.ndarray:
     wav = subprocess.run(["espeak-ng", "-v", utt.voice, "-s", str(utt.rate), "-p", str(utt.pitch), "--stdout",
                           utt.text], check=True, capture_output=True).stdout
     audio, rate = sf.read(io.BytesIO(wav), dtype="float32")
-    return soxr.resample(audio, rate, SAMPLE_RATE).astype(np.float32)
+    return resample(audio, rate, SAMPLE_RATE)
 
 
 def telephone_band(wave: np.ndarray) -> np.ndarray:
     """The wave as it sounds recorded at 8 kHz and resampled back to 16 kHz: nothing above 4 kHz."""
-    narrow = soxr.resample(wave, SAMPLE_RATE, TELEPHONE_RATE)
-    return soxr.resample(narrow, TELEPHONE_RATE, SAMPLE_RATE)[: len(wave)].astype(np.float32)
+    narrow = resample(wave, SAMPLE_RATE, TELEPHONE_RATE)
+    return resample(narrow, TELEPHONE_RATE, SAMPLE_RATE)[: len(wave)]
 
 
 def plan(sentences: list[str], n: int, rng: random.Random,

@@ -37,8 +37,8 @@ class ModelSize:
     n_mels: int = 80
 
 
-def training_config(size: ModelSize, vocabulary: list[str], tdt_sigma: float = 0.02,
-                    ctc_weight: float = 0.3) -> dict[str, Any]:
+def training_config(size: ModelSize, vocabulary: list[str], *, tdt_sigma: float,
+                    ctc_weight: float) -> dict[str, Any]:
     """The hybrid TDT-CTC config NeMo's class reads, with its training sections (tokenizer, losses, labels)."""
     cfg = nemo_config("hybrid_tdt_ctc", vocab_size=len(vocabulary), vocabulary=vocabulary, n_mels=size.n_mels,
                       d_model=size.d_model, n_layers=size.n_layers, n_heads=size.n_heads,
@@ -52,11 +52,13 @@ def training_config(size: ModelSize, vocabulary: list[str], tdt_sigma: float = 0
     return cfg
 
 
-def build_model(size: ModelSize, tokenizer_proto: bytes) -> tuple[ASRModel, dict[str, Any]]:
+def build_model(size: ModelSize, tokenizer_proto: bytes, *, tdt_sigma: float,
+                ctc_weight: float) -> tuple[ASRModel, dict[str, Any]]:
+    """A fresh model and its raw config; the loss settings come from the recipe (``train.Recipe``)."""
     sp = spm.SentencePieceProcessor()
     sp.LoadFromSerializedProto(tokenizer_proto)
     vocabulary = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
-    raw = training_config(size, vocabulary)
+    raw = training_config(size, vocabulary, tdt_sigma=tdt_sigma, ctc_weight=ctc_weight)
     return ASRModel(parse_model_config(raw), Tokenizer(tokenizer_proto)), raw
 
 

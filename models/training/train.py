@@ -1,6 +1,6 @@
 """Train the embedded default model: hybrid TDT-CTC FastConformer on synthetic speech, mixed precision.
 
-Recipe of the shipped model (two stages; about 90 + 135 min on a 2-core CPU; see its model card)::
+Recipe of the shipped model (three stages; about 90 + 135 + 90 min on a 2-core CPU; see its model card)::
 
     python -m models.training.data --cache DATA1 --n-train 24000
     python -m models.training.train --data DATA1 --out STAGE1 --max-steps 5000
@@ -8,6 +8,10 @@ Recipe of the shipped model (two stages; about 90 + 135 min on a 2-core CPU; see
     OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 -m models.training.train --data DATA2 --out STAGE2 \
         --init-from STAGE1/model.nemo --max-steps 2900 --peak-lr 1e-3 --warmup-steps 100 --ctc-weight 0.5 \
         --concat-fraction 0.25 --concat-max-s 20 --telephone-fraction 0.15 --eval-every 500 --time-budget-s 6300
+    python -m models.training.data --cache DATA3 --n-train 60000
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 -m models.training.train --data DATA3 --out STAGE3 \
+        --init-from STAGE2/model.nemo --max-steps 2800 --peak-lr 6e-4 --warmup-steps 100 --ctc-weight 0.5 \
+        --concat-fraction 0.25 --concat-max-s 20 --telephone-fraction 0.15 --eval-every 500 --time-budget-s 6000
     # a stopped run continues from RUN/last.pt with the same command; RUN/model.nemo is the result
 
 Loss: (1 - w) * TDT + w * CTC (NeMo's hybrids use w = 0.3), each normalised by the number of target tokens.
@@ -306,12 +310,10 @@ def train(data: Path, out: Path, recipe: Recipe, size: ModelSize, device: torch.
     proto = tokenizer_path.read_bytes()
     sp = spm.SentencePieceProcessor()
     sp.LoadFromSerializedProto(proto)
-    model, raw_config = build_model(size, proto)
+    model, raw_config = build_model(size, proto, tdt_sigma=recipe.tdt_sigma, ctc_weight=recipe.ctc_weight)
     if start is not None:  # warm start: same size and tokenizer, its weights; optimizer and schedule anew
         model.load_weights(start.state_dict, start.source)
         say(f"initialised from {start.source}", flush=True)
-    raw_config["aux_ctc"]["ctc_loss_weight"] = recipe.ctc_weight
-    raw_config["loss"]["tdt_kwargs"]["sigma"] = recipe.tdt_sigma
     model.to(device).train()
     amp_dtype, use_scaler = pick_precision(device, precision)
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.peak_lr, weight_decay=recipe.weight_decay,
@@ -348,7 +350,7 @@ def train(data: Path, out: Path, recipe: Recipe, size: ModelSize, device: torch.
         epoch_rng = random.Random(recipe.seed * 1000 + epoch)
         batches = make_batches(join_samples(train_items, recipe, epoch_rng), recipe.batch_seconds, epoch_rng)
         n_steps = len(batches) // workers.world
-        offset = state_offset(step, epoch, n_steps, history)
+        offset = state_offset(epoch, n_steps, history)
         mine = batches[offset * workers.world + workers.rank : n_steps * workers.world : workers.world]
         loads = prefetched(mine, lambda i, items, first=step: load_batch(
             items, sp, recipe, np.random.default_rng([first + i, workers.rank]), augment=True))
@@ -409,7 +411,7 @@ def _report(step: int, recipe: Recipe, loss: Tensor, tdt: Tensor, ctc: Tensor, r
               f"{rate:.1f} audio-s/s elapsed {elapsed_s:.0f}s", flush=True)
 
 
-def state_offset(step: int, epoch: int, n_steps: int, history: list[dict]) -> int:
+def state_offset(epoch: int, n_steps: int, history: list[dict]) -> int:
     """Steps of the current epoch already trained (from the per-step history)."""
     return sum(1 for h in history if h["epoch"] == epoch) % max(1, n_steps)
 
