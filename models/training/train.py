@@ -1,6 +1,6 @@
 """Train the embedded default model: hybrid TDT-CTC FastConformer on synthetic speech, mixed precision.
 
-Recipe of the shipped model (four stages; about 90 + 135 + 90 + 85 min on a 2-core CPU; see its model card)::
+Recipe of the shipped model (four stages; about 90 + 135 + 90 + 84 min on a 2-core CPU; see its model card)::
 
     python -m models.training.data --cache DATA1 --n-train 24000
     python -m models.training.train --data DATA1 --out STAGE1 --max-steps 5000
