@@ -110,36 +110,39 @@ def _shift_u(x: Tensor) -> Tensor:
 def transducer_log_likelihood(lp: LatticeLogProbs, enc_lengths: Tensor, target_lengths: Tensor,
                               durations: Sequence[int] = ()) -> Tensor:
     """log P(targets | input) per sample (B,), summed over every alignment; RNN-T if no durations."""
-    blank, emit = lp.blank, lp.emit
-    batch, n_frames, n_nodes_u = blank.shape
-    acc = torch.promote_types(blank.dtype, torch.float32)
-    blank, emit = blank.to(acc), emit.to(acc)
-    start = torch.full((batch, n_nodes_u), NEG, dtype=acc, device=blank.device)
+    batch, n_frames, n_nodes_u = lp.blank.shape
+    acc = torch.promote_types(lp.blank.dtype, torch.float32)
+    blank_full, emit_full = lp.blank.to(acc), lp.emit.to(acc)
+    # Per-frame views taken once with unbind: its backward stacks the frame gradients in one op, where
+    # indexing [:, t] inside the loop would allocate and fill a full-size zero gradient for every frame.
+    blank, emit = blank_full.transpose(0, 1).unbind(0), emit_full.transpose(0, 1).unbind(0)  # T x (B, U+1)
+    start = torch.full((batch, n_nodes_u), NEG, dtype=acc, device=lp.blank.device)
     start[:, 0] = 0.0
-    rows = torch.arange(batch, device=blank.device)
+    rows = torch.arange(batch, device=lp.blank.device)
     u_end = target_lengths.long()
     alphas: list[Tensor] = []  # alphas[t]: (B, U+1)
 
     if not durations:  # RNN-T
         for t in range(n_frames):
-            arrive = start if t == 0 else alphas[t - 1] + blank[:, t - 1]
-            alphas.append(_within_frame(arrive, emit[:, t]))
+            arrive = start if t == 0 else alphas[t - 1] + blank[t - 1]
+            alphas.append(_within_frame(arrive, emit[t]))
         t_end = enc_lengths.long() - 1
-        return torch.stack(alphas)[t_end, rows, u_end] + blank[rows, t_end, u_end]
+        return torch.stack(alphas)[t_end, rows, u_end] + blank_full[rows, t_end, u_end]
 
     assert lp.duration is not None and lp.duration.shape[-1] == len(durations)
-    dur = lp.duration.to(acc)
+    dur_full = lp.duration.to(acc)
+    dur = [step.unbind(0) for step in dur_full.permute(1, 3, 0, 2).unbind(0)]  # dur[t][n]: (B, U+1)
     zero = durations.index(0) if 0 in durations else None
     for t in range(n_frames):
         terms = [start] if t == 0 else []
         for n, d in enumerate(durations):
             if d == 0 or t - d < 0:
                 continue
-            src, jump = alphas[t - d], dur[:, t - d, :, n]
-            terms.append(src + blank[:, t - d] + jump)  # blank lasting d frames
-            terms.append(_shift_u(src + emit[:, t - d] + jump))  # label, then d frames
+            src, jump = alphas[t - d], dur[t - d][n]
+            terms.append(src + blank[t - d] + jump)  # blank lasting d frames
+            terms.append(_shift_u(src + emit[t - d] + jump))  # label, then d frames
         arrive = torch.stack(terms).logsumexp(dim=0) if terms else torch.full_like(start, NEG)
-        alphas.append(arrive if zero is None else _within_frame(arrive, emit[:, t] + dur[:, t, :, zero]))
+        alphas.append(arrive if zero is None else _within_frame(arrive, emit[t] + dur[t][zero]))
     stacked = torch.stack(alphas)  # (T, B, U+1)
     finals = []
     for n, d in enumerate(durations):
@@ -148,7 +151,7 @@ def transducer_log_likelihood(lp: LatticeLogProbs, enc_lengths: Tensor, target_l
         t_src = enc_lengths.long() - d
         ok = t_src >= 0
         t_src = t_src.clamp_min(0)
-        term = stacked[t_src, rows, u_end] + blank[rows, t_src, u_end] + dur[rows, t_src, u_end, n]
+        term = stacked[t_src, rows, u_end] + blank_full[rows, t_src, u_end] + dur_full[rows, t_src, u_end, n]
         finals.append(torch.where(ok, term, torch.full_like(term, NEG)))
     return torch.stack(finals).logsumexp(dim=0)
 
