@@ -3,7 +3,12 @@
 Columns: unseen sentences; unseen sentences in a voice not heard in training; the unseen sentences again
 through a telephone channel (8 kHz, as call-centre audio arrives).
 
-Usage: ``python -m models.training.evaluate --cache DIR [--model PATH]`` (default: the embedded model).
+``--breakdown`` also prints where the errors are (float32): WER on training utterances beside the held-out
+sentences (how well the model fits what it trained on vs how it generalises), and held-out WER by the
+speaking rate espeak was given (fast speech puts more tokens in each 80 ms encoder frame).
+
+Usage: ``python -m models.training.evaluate --cache DIR [--model PATH] [--breakdown]`` (default: the embedded
+model).
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Sequence
+from itertools import islice
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +28,8 @@ from ..asr_model import ASRModel
 from .data import telephone_band
 
 SPLITS = ("test_sentences", "test_voice")
+RATE_BANDS = ((130, 150), (150, 170), (170, 190), (190, 211))  # words per minute, [low, high)
+N_FIT = 300  # training utterances for the fit column
 
 
 def edit_distance(ref: Sequence[str], hyp: Sequence[str]) -> int:
@@ -38,8 +46,13 @@ def wer(refs: Sequence[str], hyps: Sequence[str]) -> float:
     return errors / max(1, sum(len(r.split()) for r in refs))
 
 
+def read_rows(cache: Path, split: str, limit: int | None = None) -> list[dict]:
+    with (cache / f"{split}.jsonl").open() as manifest:
+        return [json.loads(line) for line in islice(manifest, limit)]
+
+
 def read_split(cache: Path, split: str, limit: int | None = None) -> tuple[list[np.ndarray], list[str]]:
-    rows = [json.loads(line) for line in (cache / f"{split}.jsonl").read_text().splitlines()][:limit]
+    rows = read_rows(cache, split, limit)
     audio = [sf.read(cache / r["audio"], dtype="float32")[0] for r in rows]
     return audio, [r["text"] for r in rows]
 
@@ -49,10 +62,29 @@ def split_wer(model: ASRModel, audio: list[np.ndarray], texts: list[str], decode
     return wer(texts, hyps)
 
 
+def print_breakdown(model: ASRModel, cache: Path) -> None:
+    """WER on training utterances vs held-out sentences, and held-out WER by speaking rate, per head."""
+    fit = read_split(cache, "train", N_FIT)
+    held_out = read_split(cache, "test_sentences")
+    rates = [r["rate"] for r in read_rows(cache, "test_sentences")]
+    bands = [[i for i, rate in enumerate(rates) if low <= rate < high] for low, high in RATE_BANDS]
+    columns = [f"training utterances (first {N_FIT})", "held-out sentences"]
+    columns += [f"held-out, {low}-{high - 1} wpm ({len(band)})" for (low, high), band in
+                zip(RATE_BANDS, bands, strict=True)]
+    print(f"\n| head | {' | '.join(columns)} |\n|---|" + "---|" * len(columns))
+    for decoder in ("tdt", "ctc"):
+        hyps = [t.text for t in model.transcribe(held_out[0], batch_size=32, decoder=decoder)]
+        cells = [split_wer(model, *fit, decoder), wer(held_out[1], hyps)]
+        cells += [wer([held_out[1][i] for i in band], [hyps[i] for i in band]) for band in bands]
+        print(f"| {decoder.upper()} | " + " | ".join(f"{100 * c:.2f}%" for c in cells) + " |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--cache", type=Path, required=True)
     parser.add_argument("--model", type=Path, default=None)
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also print training-utterance WER and held-out WER by speaking rate")
     args = parser.parse_args()
     torch.set_num_threads(2)
     data = {split: read_split(args.cache, split) for split in SPLITS}
@@ -65,6 +97,8 @@ def main() -> None:
         for decoder in ("tdt", "ctc"):
             cells = [f"{100 * split_wer(model, *data[s], decoder):.2f}%" for s in data]
             print(f"| {decoder.upper()} | {dtype} | {' | '.join(cells)} |", flush=True)
+    if args.breakdown:
+        print_breakdown(load_model(args.model, device="cpu", dtype="float32"), args.cache)
 
 
 if __name__ == "__main__":
