@@ -242,6 +242,28 @@ def compute_losses(model: ASRModel, batch: Batch, recipe: Recipe, gen: torch.Gen
     return tdt.sum() / n_tokens, ctc.sum() / n_tokens
 
 
+def train_step(model: ASRModel, batch: Batch, recipe: Recipe, gen: torch.Generator | None,
+               amp_dtype: torch.dtype | None, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+               workers: Workers) -> tuple[Tensor, Tensor, Tensor]:
+    """Forward, backward, gradients averaged over the processes, clipped, one optimizer step.
+    Returns (loss, TDT, CTC)."""
+    tdt, ctc = compute_losses(model, batch, recipe, gen, amp_dtype)
+    loss = (1 - recipe.ctc_weight) * tdt + recipe.ctc_weight * ctc
+    optimizer.zero_grad(set_to_none=True)
+    scaler.scale(loss).backward()
+    workers.average_gradients(model.parameters())
+    scaler.unscale_(optimizer)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.clip_norm)
+    scaler.step(optimizer)
+    scaler.update()
+    return loss, tdt, ctc
+
+
+def make_optimizer(model: ASRModel, recipe: Recipe) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=recipe.peak_lr, weight_decay=recipe.weight_decay,
+                             betas=(0.9, 0.98))
+
+
 def learning_rate(step: int, recipe: Recipe) -> float:
     if step < recipe.warmup_steps:
         return recipe.peak_lr * (step + 1) / recipe.warmup_steps
@@ -320,8 +342,7 @@ def train(data: Path, out: Path, recipe: Recipe, size: ModelSize, device: torch.
         say(f"initialised from {start.source}", flush=True)
     model.to(device).train()
     amp_dtype, use_scaler = pick_precision(device, precision)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.peak_lr, weight_decay=recipe.weight_decay,
-                                  betas=(0.9, 0.98))
+    optimizer = make_optimizer(model, recipe)
     scaler = torch.amp.GradScaler(device.type, enabled=use_scaler)
     train_items, valid_items = read_manifest(data, "train"), read_manifest(data, "valid")
     n_params = sum(p.numel() for p in model.parameters())
@@ -365,15 +386,7 @@ def train(data: Path, out: Path, recipe: Recipe, size: ModelSize, device: torch.
             lr = learning_rate(step, recipe)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            tdt, ctc = compute_losses(model, batch, recipe, gen, amp_dtype)
-            loss = (1 - recipe.ctc_weight) * tdt + recipe.ctc_weight * ctc
-            optimizer.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()
-            workers.average_gradients(model.parameters())
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.clip_norm)
-            scaler.step(optimizer)
-            scaler.update()
+            loss, tdt, ctc = train_step(model, batch, recipe, gen, amp_dtype, optimizer, scaler, workers)
             step += 1
             over_budget = time_budget_s is not None and time.monotonic() - started > time_budget_s
             batch_audio, stop = workers.sum([float(batch.n_samples.sum()) / model.sample_rate, over_budget])
