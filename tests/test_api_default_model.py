@@ -83,9 +83,11 @@ def test_ten_minutes_agree_with_the_pieces_transcribed_alone(server):
     got = body["text"].split()
     for anchor in ANCHOR_WORDS:
         assert got.count(anchor) == alone.count(anchor) > 0, anchor
-    agreement = 1 - _word_edits(got, alone) / len(alone)
-    print(f"10-minute word agreement with the pieces alone: {agreement:.4f} ({len(got)} / {len(alone)} words)")
-    assert agreement >= 0.9  # 0.989 measured with the shipped model (the model card's long-audio line)
+    edits = _word_edits(got, alone)
+    agreement = 1 - edits / len(alone)
+    print(f"10-minute word agreement with the pieces alone: {agreement:.4f} ({edits} word edits over "
+          f"{len(alone)} words; {len(got)} words heard)")
+    assert agreement >= 0.9  # 0.981 measured with the shipped model (the model card's long-audio line)
 
 
 def _word_edits(a: list[str], b: list[str]) -> int:

@@ -1,6 +1,7 @@
 """Train the embedded default model: hybrid TDT-CTC FastConformer on synthetic speech, mixed precision.
 
-Recipe of the shipped model (four stages; about 90 + 135 + 90 + 84 min on a 2-core CPU; see its model card)::
+Recipe of the shipped model (five stages; about 90 + 135 + 90 + 84 + 93 min on a 2-core CPU; see its model
+card)::
 
     python -m models.training.data --cache DATA1 --n-train 24000
     python -m models.training.train --data DATA1 --out STAGE1 --max-steps 5000
@@ -16,6 +17,11 @@ Recipe of the shipped model (four stages; about 90 + 135 + 90 + 84 min on a 2-co
     OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 -m models.training.train --data DATA4 --out STAGE4 \
         --init-from STAGE3/model.nemo --max-steps 2400 --peak-lr 4e-4 --warmup-steps 100 --ctc-weight 0.5 \
         --concat-fraction 0.35 --concat-max-s 20 --telephone-fraction 0.15 --eval-every 500 --time-budget-s 5000
+    python -m models.training.data --cache DATA5 --n-train 120000
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 -m models.training.train --data DATA5 --out STAGE5 \
+        --init-from STAGE4/model.nemo --max-steps 4300 --peak-lr 3e-4 --warmup-steps 100 --ctc-weight 0.65 \
+        --concat-fraction 0.35 --concat-max-s 20 --telephone-fraction 0.15 --eval-every 500 --time-budget-s 6000 \
+        --precision fp32
     # a stopped run continues from RUN/last.pt with the same command; RUN/model.nemo is the result
 
 Loss: (1 - w) * TDT + w * CTC (NeMo's hybrids use w = 0.3), each normalised by the number of target tokens.
