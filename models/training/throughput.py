@@ -42,7 +42,8 @@ from .train import (
 def load_trainable(path: Path, recipe: Recipe, size: ModelSize) -> tuple[ASRModel, bytes]:
     """A .nemo of the training size as a trainable model, and its tokenizer."""
     start = open_checkpoint(path)
-    assert start.tokenizer_model is not None, f"{path}: no tokenizer"
+    if start.tokenizer_model is None:
+        raise ValueError(f"{path}: the checkpoint has no SentencePiece tokenizer to train with")
     model, _ = build_model(size, start.tokenizer_model, tdt_sigma=recipe.tdt_sigma, ctc_weight=recipe.ctc_weight)
     model.load_weights(start.state_dict, start.source)
     return model.train(), start.tokenizer_model
