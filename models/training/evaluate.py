@@ -92,13 +92,13 @@ def main() -> None:
     data["telephone"] = ([telephone_band(a) for a in sentences], texts)
     print("| head | precision | held-out sentences | held-out voice | held-out sentences, 8 kHz |\n"
           "|---|---|---|---|---|")
-    for dtype in ("float32", "bfloat16"):
-        model = load_model(args.model, device="cpu", dtype=dtype)
+    models = {dtype: load_model(args.model, device="cpu", dtype=dtype) for dtype in ("float32", "bfloat16")}
+    for dtype, model in models.items():
         for decoder in ("tdt", "ctc"):
             cells = [f"{100 * split_wer(model, *data[s], decoder):.2f}%" for s in data]
             print(f"| {decoder.upper()} | {dtype} | {' | '.join(cells)} |", flush=True)
     if args.breakdown:
-        print_breakdown(load_model(args.model, device="cpu", dtype="float32"), args.cache)
+        print_breakdown(models["float32"], args.cache)
 
 
 if __name__ == "__main__":

@@ -69,8 +69,7 @@ def audio_seconds_per_second(model: ASRModel, batches: list[Batch], recipe: Reci
     start = time.perf_counter()
     for batch in batches[1:]:
         train_step(model, batch, recipe, gen, amp_dtype, optimizer, scaler, Workers())
-    audio_s = sum(float(b.n_samples.sum()) for b in batches[1:]) / model.sample_rate
-    return audio_s / (time.perf_counter() - start)
+    return sum(b.audio_seconds(model.sample_rate) for b in batches[1:]) / (time.perf_counter() - start)
 
 
 def main() -> None:
@@ -87,7 +86,7 @@ def main() -> None:
     model, tokenizer = load_trainable(args.model, recipe, ModelSize())
     batches = real_batches(args.data, recipe, tokenizer, args.steps + 1)
     initial = copy.deepcopy(model.state_dict())
-    audio_s = sum(float(b.n_samples.sum()) for b in batches[1:]) / model.sample_rate
+    audio_s = sum(b.audio_seconds(model.sample_rate) for b in batches[1:])
     print(f"{args.steps} steps of {audio_s:.0f} s of audio, "
           f"{args.threads} thread(s)\n| precision | audio-s/s |\n|---|---|")
     for precision in args.precision:

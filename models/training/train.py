@@ -196,6 +196,9 @@ class Batch:
     targets: Tensor  # (B, U) padded with 0
     target_lengths: Tensor  # (B,)
 
+    def audio_seconds(self, sample_rate: int) -> float:
+        return float(self.n_samples.sum()) / sample_rate
+
 
 def read_sample(sample: Sample, recipe: Recipe, rng: np.random.Generator) -> np.ndarray:
     """The sample's utterances in order, a random pause of silence between each two."""
@@ -395,7 +398,7 @@ def train(data: Path, out: Path, recipe: Recipe, size: ModelSize, device: torch.
             loss, tdt, ctc = train_step(model, batch, recipe, gen, amp_dtype, optimizer, scaler, workers)
             step += 1
             over_budget = time_budget_s is not None and time.monotonic() - started > time_budget_s
-            batch_audio, stop = workers.sum([float(batch.n_samples.sum()) / model.sample_rate, over_budget])
+            batch_audio, stop = workers.sum([batch.audio_seconds(model.sample_rate), over_budget])
             audio_s += batch_audio
             history.append({"step": step, "epoch": epoch, "loss": round(loss.item(), 4)})
             if workers.is_main:
