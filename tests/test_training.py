@@ -12,7 +12,7 @@ import shutil
 import socket
 import subprocess
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -93,6 +93,28 @@ def test_init_from_starts_with_that_models_weights_and_tokenizer(corpus, tmp_pat
     assert after.state_dict.keys() == before.state_dict.keys()
     for key, value in before.state_dict.items():
         assert torch.equal(after.state_dict[key], value), key
+
+
+def test_init_from_with_a_larger_vocabulary_keeps_what_it_heard(corpus, tmp_path):
+    first = tmp_path / "first"
+    train(corpus, first, _recipe(3), TINY, torch.device("cpu"), "auto", None)
+    second = tmp_path / "second"
+    train(corpus, second, replace(_recipe(0), vocab_size=60), TINY, torch.device("cpu"), "auto", None,
+          init_from=first / "model.nemo")
+    before, after = open_checkpoint(first / "model.nemo"), open_checkpoint(second / "model.nemo")
+    assert after.config.vocab_size == 60 and before.config.vocab_size == 40
+    rows = {"decoder.prediction.embed.weight", "joint.joint_net.2.weight", "joint.joint_net.2.bias",
+            "ctc_decoder.decoder_layers.0.weight", "ctc_decoder.decoder_layers.0.bias"}
+    for key, value in before.state_dict.items():
+        if key not in rows:
+            assert torch.equal(after.state_dict[key], value), key
+    old, new = spm.SentencePieceProcessor(), spm.SentencePieceProcessor()
+    old.LoadFromSerializedProto(before.tokenizer_model)
+    new.LoadFromSerializedProto(after.tokenizer_model)
+    ctc_old, ctc_new = (c.state_dict["ctc_decoder.decoder_layers.0.bias"] for c in (before, after))
+    for piece in ("▁the", "t", "a"):  # pieces in both vocabularies keep their rows
+        assert ctc_new[new.piece_to_id(piece)] == ctc_old[old.piece_to_id(piece)], piece
+    assert ctc_new[-1] == ctc_old[-1]  # blank
 
 
 def test_cpu_precision_is_one_the_cpu_runs():

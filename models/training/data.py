@@ -9,9 +9,9 @@ Audio: ``espeak-ng --stdout`` (22.05 kHz) resampled to 16 kHz with soxr. Each ut
 voice variant, a rate and a pitch from a seeded generator, so a corpus is reproducible from its seed.
 Held out: test sentences (never in training) and one voice variant (never in training).
 
-Usage: ``python -m models.training.data --cache DIR [--n-train N] [--seed S]`` writes ``DIR/<split>/*.wav``
-and ``DIR/<split>.jsonl`` (``{"audio", "text", "voice", "duration_s"}``) for splits train, valid,
-test_sentences, test_voice.
+Usage: ``python -m models.training.data --cache DIR [--n-train N] [--seed S] [--train-min-count C]``
+writes ``DIR/<split>/*.wav`` and ``DIR/<split>.jsonl`` (``{"audio", "text", "voice", "duration_s"}``) for
+splits train, valid, test_sentences, test_voice.
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ TEST_VOICE = ("en-us", "f4")  # never heard in training: the held-out voice
 RATE_WPM = (130, 210)
 PITCH = (25, 75)
 MIN_WORDS, MAX_WORDS = 4, 16
-MIN_WORD_COUNT = 20  # a sentence is kept only if each of its words occurs this often in the corpus
+# Held-out sentences are drawn from those whose words all occur this often in the corpus, in every stage.
+MIN_WORD_COUNT = 20
 N_VALID, N_TEST = 200, 300
 
 _ALLOWED = re.compile(r"^[a-z' ,;:.!?-]+$")
@@ -98,14 +99,24 @@ def wordnet_sentences(root: Path = WORDNET_DIR) -> list[str]:
     return sorted(found)
 
 
-def split_sentences(sentences: list[str]) -> dict[str, list[str]]:
-    """Keep sentences of common-enough words; split by a hash of the text (stable across runs)."""
+def split_sentences(sentences: list[str], train_min_count: int = MIN_WORD_COUNT) -> dict[str, list[str]]:
+    """Held-out splits from the sentences of common words (``MIN_WORD_COUNT``), by a hash of the text, so
+    they never change; training takes every other sentence whose words occur ``train_min_count`` times.
+    A lower ``train_min_count`` gives more distinct training sentences (and rarer words) without moving
+    a single held-out sentence."""
     counts = Counter(w for s in sentences for w in s.split())
-    kept = [s for s in sentences if all(counts[w] >= MIN_WORD_COUNT for w in s.split())]
-    kept.sort(key=lambda s: hashlib.sha1(s.encode()).hexdigest())
+
+    def common(min_count: int) -> list[str]:
+        kept = [s for s in sentences if all(counts[w] >= min_count for w in s.split())]
+        return sorted(kept, key=lambda s: hashlib.sha1(s.encode()).hexdigest())
+
+    held = common(MIN_WORD_COUNT)
     n_held = N_VALID + 2 * N_TEST
-    return {"valid": kept[:N_VALID], "test_sentences": kept[N_VALID:N_VALID + N_TEST],
-            "test_voice": kept[N_VALID + N_TEST:n_held], "train": kept[n_held:]}
+    held_out = set(held[:n_held])
+    train = held[n_held:] if train_min_count == MIN_WORD_COUNT else \
+        [s for s in common(train_min_count) if s not in held_out]
+    return {"valid": held[:N_VALID], "test_sentences": held[N_VALID:N_VALID + N_TEST],
+            "test_voice": held[N_VALID + N_TEST:n_held], "train": train}
 
 
 # --- audio --------------------------------------------------------------------------------------------
@@ -161,8 +172,9 @@ def build_split(cache: Path, split: str, utts: list[Utterance], workers: int) ->
     print(f"{split}: {len(rows)} utterances, {hours:.2f} h")
 
 
-def build_corpus(cache: Path, n_train: int, seed: int, workers: int = 2) -> None:
-    splits = split_sentences(wordnet_sentences())
+def build_corpus(cache: Path, n_train: int, seed: int, workers: int = 2,
+                 train_min_count: int = MIN_WORD_COUNT) -> None:
+    splits = split_sentences(wordnet_sentences(), train_min_count)
     train_voices = [(a, v) for a in ACCENTS for v in TRAIN_VARIANTS]
     cache.mkdir(parents=True, exist_ok=True)
     (cache / "train_text.txt").write_text("\n".join(splits["train"]) + "\n")
@@ -186,8 +198,11 @@ def main() -> None:
     parser.add_argument("--n-train", type=int, default=20000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--train-min-count", type=int, default=MIN_WORD_COUNT,
+                        help="training sentences need each word this often in WordNet's glosses (held-out "
+                             f"sentences always {MIN_WORD_COUNT})")
     args = parser.parse_args()
-    build_corpus(args.cache, args.n_train, args.seed, args.workers)
+    build_corpus(args.cache, args.n_train, args.seed, args.workers, args.train_min_count)
 
 
 if __name__ == "__main__":

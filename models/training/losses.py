@@ -42,6 +42,44 @@ class LatticeLogProbs:
     duration: Tensor | None  # (B, T, U+1, D) log P(durations[n] | t, u); None for RNN-T
 
 
+class _SelectLogProbs(torch.autograd.Function):
+    """Logits (b, t, u, V+1+D) -> log P(blank), log P(target[u]) (b, t, u) and the duration log-softmax
+    (b, t, u, D), with a backward that writes the logits' gradient in one buffer:
+    d/dlogit_k = [k = blank] g_blank + [k = target] g_emit - softmax_k (g_blank + g_emit) over the labels,
+    and g_dur - softmax(dur) * sum(g_dur) over the durations. Autograd's own backward of the same ops
+    (logsumexp, gather, two slices) fills several full-size buffers, which is most of a large vocabulary's
+    training time."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, idx: Tensor, vocab_size: int, sigma: float  # type: ignore[override]
+                ) -> tuple[Tensor, Tensor, Tensor]:
+        labels = logits[..., : vocab_size + 1]
+        lse = labels.logsumexp(dim=-1)  # (b, t, u)
+        norm = lse + sigma
+        blank = labels[..., vocab_size] - norm
+        full_idx = idx[:, None, :, None].expand(-1, logits.shape[1], -1, 1)
+        emit = labels.gather(-1, full_idx).squeeze(-1) - norm
+        duration = logits[..., vocab_size + 1 :].log_softmax(dim=-1)
+        ctx.save_for_backward(logits, lse, full_idx, duration)
+        ctx.vocab_size = vocab_size
+        return blank, emit, duration
+
+    @staticmethod
+    def backward(ctx, g_blank: Tensor, g_emit: Tensor, g_duration: Tensor  # type: ignore[override]
+                 ) -> tuple[Tensor | None, ...]:
+        logits, lse, full_idx, duration = ctx.saved_tensors
+        v = ctx.vocab_size
+        grad = torch.empty_like(logits)
+        labels_grad = grad[..., : v + 1]
+        torch.sub(logits[..., : v + 1], lse[..., None], out=labels_grad)
+        labels_grad.exp_().mul_(-(g_blank + g_emit)[..., None])  # softmax x -(g_blank + g_emit)
+        labels_grad[..., v] += g_blank
+        labels_grad.scatter_add_(-1, full_idx, g_emit[..., None])
+        if duration.shape[-1]:
+            grad[..., v + 1 :] = g_duration - duration.exp() * g_duration.sum(dim=-1, keepdim=True)
+        return grad, None, None, None
+
+
 def lattice_log_probs(enc_proj: Tensor, pred_proj: Tensor, targets: Tensor, enc_lengths: Tensor,
                       target_lengths: Tensor, joint_fn: JointFn, vocab_size: int, n_durations: int = 0,
                       sigma: float = 0.0, chunk_elements: int = CHUNK_ELEMENTS) -> LatticeLogProbs:
@@ -61,13 +99,8 @@ def lattice_log_probs(enc_proj: Tensor, pred_proj: Tensor, targets: Tensor, enc_
 
     def gather(enc: Tensor, pred: Tensor, idx: Tensor) -> tuple[Tensor, ...]:
         logits = joint_fn(enc[:, :, None] + pred[:, None]).to(acc)  # (b, t, u, V+1+D), freed after this call
-        labels = logits[..., : vocab_size + 1]
-        norm = labels.logsumexp(dim=-1) + sigma  # (b, t, u)
-        blank = labels[..., vocab_size] - norm
-        emit = labels.gather(-1, idx[:, None, :, None].expand(-1, enc.shape[1], -1, 1)).squeeze(-1) - norm
-        if not n_durations:
-            return blank, emit
-        return blank, emit, logits[..., vocab_size + 1 :].log_softmax(dim=-1)
+        blank, emit, duration = _SelectLogProbs.apply(logits, idx, vocab_size, sigma)
+        return (blank, emit, duration) if n_durations else (blank, emit)
 
     # Longest samples bound each chunk; chunks are contiguous rows, so sort the batch by length beforehand
     # (the trainer does) to keep padding low. A sample too big for one chunk is split along time.

@@ -24,11 +24,12 @@ import torch
 
 from ..asr_model import DEFAULT_MODEL, ASRModel
 from ..checkpoint import open_checkpoint
-from .export import ModelSize, build_model
+from .export import ModelSize
 from .parallel import Workers
 from .train import (
     Batch,
     Recipe,
+    initial_model,
     join_samples,
     load_batch,
     make_batches,
@@ -44,8 +45,7 @@ def load_trainable(path: Path, recipe: Recipe, size: ModelSize) -> tuple[ASRMode
     start = open_checkpoint(path)
     if start.tokenizer_model is None:
         raise ValueError(f"{path}: the checkpoint has no SentencePiece tokenizer to train with")
-    model, _ = build_model(size, start.tokenizer_model, tdt_sigma=recipe.tdt_sigma, ctc_weight=recipe.ctc_weight)
-    model.load_weights(start.state_dict, start.source)
+    model, _ = initial_model(size, recipe, start.tokenizer_model, start)
     return model.train(), start.tokenizer_model
 
 

@@ -27,7 +27,9 @@ card)::
 Loss: (1 - w) * TDT + w * CTC (NeMo's hybrids use w = 0.3), each normalised by the number of target tokens.
 AdamW, linear warm-up then cosine decay, gradient clipping. ``--concat-fraction`` joins a share of the
 utterances into long samples, so the model also learns the multi-sentence windows long audio is cut into;
-``--telephone-fraction`` passes a share through an 8 kHz channel.
+``--telephone-fraction`` passes a share through an 8 kHz channel. ``--init-from`` warm-starts from a
+.nemo of the same size; with a ``--vocab-size`` other than its tokenizer's, a new tokenizer is trained and
+the weights carried over to it (``vocab_transfer.py``).
 Mixed precision: float32 master weights; the forward pass runs under bf16 autocast (fp16 with a dynamic loss
 scaler where bf16 is unsupported, float32 on CPUs without bf16 instructions); the losses accumulate in
 float32. Under ``torchrun`` each process trains its own batches and gradients are averaged every step
@@ -47,6 +49,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import sentencepiece as spm
@@ -56,12 +59,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..asr_model import ASRModel
-from ..checkpoint import open_checkpoint
+from ..checkpoint import Checkpoint, open_checkpoint
 from .data import SAMPLE_RATE, telephone_band
 from .evaluate import split_wer
 from .export import ModelSize, build_model, save_nemo
 from .losses import ctc_loss, transducer_loss
 from .parallel import Workers, start_workers
+from .vocab_transfer import transfer_weights
 
 
 @dataclass(frozen=True)
@@ -148,6 +152,12 @@ def make_batches(samples: list[Sample], batch_seconds: float, rng: random.Random
         batches.append(current)
     rng.shuffle(batches)
     return batches
+
+
+def piece_count(tokenizer_proto: bytes) -> int:
+    sp = spm.SentencePieceProcessor()
+    sp.LoadFromSerializedProto(tokenizer_proto)
+    return sp.get_piece_size()
 
 
 def train_tokenizer(text_file: Path, vocab_size: int) -> bytes:
@@ -268,6 +278,24 @@ def train_step(model: ASRModel, batch: Batch, recipe: Recipe, gen: torch.Generat
     return loss, tdt, ctc
 
 
+def initial_model(size: ModelSize, recipe: Recipe, tokenizer_proto: bytes,
+                  start: Checkpoint | None = None) -> tuple[ASRModel, dict[str, Any]]:
+    """A model of ``size`` for the tokenizer, with ``start``'s weights when given (a checkpoint of the same
+    size; if its tokenizer is another, the vocabulary's rows start from the old pieces that spell the new)."""
+    model, raw_config = build_model(size, tokenizer_proto, tdt_sigma=recipe.tdt_sigma,
+                                    ctc_weight=recipe.ctc_weight)
+    if start is not None:
+        if start.tokenizer_model is None:
+            raise ValueError(f"{start.source}: the checkpoint has no SentencePiece tokenizer to train with")
+        weights = start.state_dict
+        if start.tokenizer_model != tokenizer_proto:
+            assert model.config.transducer is not None
+            weights = transfer_weights(weights, start.tokenizer_model, tokenizer_proto,
+                                       len(model.config.transducer.durations))
+        model.load_weights(weights, start.source)
+    return model, raw_config
+
+
 def make_optimizer(model: ASRModel, recipe: Recipe) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=recipe.peak_lr, weight_decay=recipe.weight_decay,
                              betas=(0.9, 0.98))
@@ -339,16 +367,18 @@ def train(data: Path, out: Path, recipe: Recipe, size: ModelSize, device: torch.
     start = open_checkpoint(init_from) if init_from is not None else None
     tokenizer_path = out / "tokenizer.model"
     if workers.is_main and not tokenizer_path.exists():
-        tokenizer_path.write_bytes(start.tokenizer_model if start is not None and start.tokenizer_model else
-                                   train_tokenizer(data / "train_text.txt", recipe.vocab_size))
+        reuse = start.tokenizer_model if start is not None else None
+        if reuse is not None and piece_count(reuse) != recipe.vocab_size:
+            reuse = None  # --vocab-size asks for another vocabulary
+        tokenizer_path.write_bytes(reuse or train_tokenizer(data / "train_text.txt", recipe.vocab_size))
     workers.barrier()
     proto = tokenizer_path.read_bytes()
     sp = spm.SentencePieceProcessor()
     sp.LoadFromSerializedProto(proto)
-    model, raw_config = build_model(size, proto, tdt_sigma=recipe.tdt_sigma, ctc_weight=recipe.ctc_weight)
-    if start is not None:  # warm start: same size and tokenizer, its weights; optimizer and schedule anew
-        model.load_weights(start.state_dict, start.source)
-        say(f"initialised from {start.source}", flush=True)
+    model, raw_config = initial_model(size, recipe, proto, start)
+    if start is not None:  # warm start: its weights; optimizer and schedule anew
+        changed = "" if start.tokenizer_model == proto else " (its rows carried over to the new vocabulary)"
+        say(f"initialised from {start.source}{changed}", flush=True)
     model.to(device).train()
     amp_dtype, use_scaler = pick_precision(device, precision)
     optimizer = make_optimizer(model, recipe)
@@ -453,7 +483,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--time-budget-s", type=float, default=None, help="stop (resumable) after this long")
     parser.add_argument("--init-from", type=Path, default=None,
-                        help="a .nemo of the same size to start from (its weights and tokenizer)")
+                        help="a .nemo of the same size to start from: its weights, and its tokenizer unless "
+                             "--vocab-size differs (then a new one, its rows started from the old pieces')")
     for name, value in asdict(Recipe()).items():
         if not isinstance(value, tuple):
             parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
