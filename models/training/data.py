@@ -113,8 +113,7 @@ def split_sentences(sentences: list[str], train_min_count: int = MIN_WORD_COUNT)
     held = common(MIN_WORD_COUNT)
     n_held = N_VALID + 2 * N_TEST
     held_out = set(held[:n_held])
-    train = held[n_held:] if train_min_count == MIN_WORD_COUNT else \
-        [s for s in common(train_min_count) if s not in held_out]
+    train = [s for s in common(train_min_count) if s not in held_out]
     return {"valid": held[:N_VALID], "test_sentences": held[N_VALID:N_VALID + N_TEST],
             "test_voice": held[N_VALID + N_TEST:n_held], "train": train}
 

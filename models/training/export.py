@@ -52,11 +52,16 @@ def training_config(size: ModelSize, vocabulary: list[str], *, tdt_sigma: float,
     return cfg
 
 
+def load_sentencepiece(tokenizer_proto: bytes) -> spm.SentencePieceProcessor:
+    sp = spm.SentencePieceProcessor()
+    sp.LoadFromSerializedProto(tokenizer_proto)
+    return sp
+
+
 def build_model(size: ModelSize, tokenizer_proto: bytes, *, tdt_sigma: float,
                 ctc_weight: float) -> tuple[ASRModel, dict[str, Any]]:
     """A fresh model and its raw config; the loss settings come from the recipe (``train.Recipe``)."""
-    sp = spm.SentencePieceProcessor()
-    sp.LoadFromSerializedProto(tokenizer_proto)
+    sp = load_sentencepiece(tokenizer_proto)
     vocabulary = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
     raw = training_config(size, vocabulary, tdt_sigma=tdt_sigma, ctc_weight=ctc_weight)
     return ASRModel(parse_model_config(raw), Tokenizer(tokenizer_proto)), raw

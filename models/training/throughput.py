@@ -19,12 +19,11 @@ import time
 from pathlib import Path
 
 import numpy as np
-import sentencepiece as spm
 import torch
 
 from ..asr_model import DEFAULT_MODEL, ASRModel
 from ..checkpoint import open_checkpoint
-from .export import ModelSize
+from .export import ModelSize, load_sentencepiece
 from .parallel import Workers
 from .train import (
     Batch,
@@ -51,8 +50,7 @@ def load_trainable(path: Path, recipe: Recipe, size: ModelSize) -> tuple[ASRMode
 
 def real_batches(data: Path, recipe: Recipe, tokenizer: bytes, n: int) -> list[Batch]:
     """The first n training batches of epoch 0, as ``train`` would draw them."""
-    sp = spm.SentencePieceProcessor()
-    sp.LoadFromSerializedProto(tokenizer)
+    sp = load_sentencepiece(tokenizer)
     rng = random.Random(recipe.seed * 1000)
     samples = join_samples(read_manifest(data, "train"), recipe, rng)
     return [load_batch(b, sp, recipe, np.random.default_rng(i), augment=True)

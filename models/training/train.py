@@ -62,7 +62,7 @@ from ..asr_model import ASRModel
 from ..checkpoint import Checkpoint, open_checkpoint
 from .data import SAMPLE_RATE, telephone_band
 from .evaluate import split_wer
-from .export import ModelSize, build_model, save_nemo
+from .export import ModelSize, build_model, load_sentencepiece, save_nemo
 from .losses import ctc_loss, transducer_loss
 from .parallel import Workers, start_workers
 from .vocab_transfer import transfer_weights
@@ -152,12 +152,6 @@ def make_batches(samples: list[Sample], batch_seconds: float, rng: random.Random
         batches.append(current)
     rng.shuffle(batches)
     return batches
-
-
-def piece_count(tokenizer_proto: bytes) -> int:
-    sp = spm.SentencePieceProcessor()
-    sp.LoadFromSerializedProto(tokenizer_proto)
-    return sp.get_piece_size()
 
 
 def train_tokenizer(text_file: Path, vocab_size: int) -> bytes:
@@ -368,13 +362,12 @@ def train(data: Path, out: Path, recipe: Recipe, size: ModelSize, device: torch.
     tokenizer_path = out / "tokenizer.model"
     if workers.is_main and not tokenizer_path.exists():
         reuse = start.tokenizer_model if start is not None else None
-        if reuse is not None and piece_count(reuse) != recipe.vocab_size:
+        if reuse is not None and load_sentencepiece(reuse).get_piece_size() != recipe.vocab_size:
             reuse = None  # --vocab-size asks for another vocabulary
         tokenizer_path.write_bytes(reuse or train_tokenizer(data / "train_text.txt", recipe.vocab_size))
     workers.barrier()
     proto = tokenizer_path.read_bytes()
-    sp = spm.SentencePieceProcessor()
-    sp.LoadFromSerializedProto(proto)
+    sp = load_sentencepiece(proto)
     model, raw_config = initial_model(size, recipe, proto, start)
     if start is not None:  # warm start: its weights; optimizer and schedule anew
         changed = "" if start.tokenizer_model == proto else " (its rows carried over to the new vocabulary)"

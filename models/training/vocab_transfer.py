@@ -9,9 +9,10 @@ has to learn to tell its longer pieces apart, not to hear again.
 
 from __future__ import annotations
 
-import sentencepiece as spm
 import torch
 from torch import Tensor
+
+from .export import load_sentencepiece
 
 # NeMo key -> where its blank row sits, counted from the end (embedding and CTC: last; joint: before the
 # duration logits).
@@ -38,9 +39,7 @@ def spell_with(piece: str, old_pieces: dict[str, int]) -> list[int]:
 
 def piece_map(old_proto: bytes, new_proto: bytes) -> list[list[int]]:
     """For each new piece id, the old piece ids that spell it."""
-    old, new = spm.SentencePieceProcessor(), spm.SentencePieceProcessor()
-    old.LoadFromSerializedProto(old_proto)
-    new.LoadFromSerializedProto(new_proto)
+    old, new = load_sentencepiece(old_proto), load_sentencepiece(new_proto)
     old_pieces = {old.id_to_piece(i): i for i in range(old.get_piece_size())}
     return [[old.unk_id()] if new.is_unknown(i) else spell_with(new.id_to_piece(i), old_pieces)
             for i in range(new.get_piece_size())]
