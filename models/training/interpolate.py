@@ -1,0 +1,80 @@
+"""Interpolate a warm-started stage's weights with those of the model it started from.
+
+A stage that warm-starts on new data learns it at some cost to what its start knew (the default model's stage
+6: better on unseen sentences, worse on the unseen voice). Both ends lie on one training path, so the weights
+between them are a model too, and often better than either (weight-space ensembling). The weight given to the
+tuned model is picked by WER on the validation split, never on the held-out test splits::
+
+    python -m models.training.interpolate --start STAGE5.nemo --tuned STAGE6/model.nemo --cache DATA6 \\
+        --weights 0.3 0.4 0.5 0.6 0.7 --out STAGE6/interpolated.nemo
+
+The pick is the weight with the lowest mean of the TDT and CTC heads' validation WER (float32); a tie goes to
+the smaller weight, the model nearer the start.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from ..asr_model import ASRModel
+from ..checkpoint import Checkpoint, open_checkpoint
+from .evaluate import read_split, split_wer
+from .export import save_nemo
+
+
+def check_compatible(start: Checkpoint, tuned: Checkpoint) -> None:
+    """Both ends must be the same architecture with the same tokenizer, or a weighted sum means nothing."""
+    if start.config != tuned.config:
+        raise ValueError(f"{start.source} and {tuned.source} are different architectures")
+    if start.tokenizer_model != tuned.tokenizer_model:
+        raise ValueError(f"{start.source} and {tuned.source} have different tokenizers")
+    if start.state_dict.keys() != tuned.state_dict.keys():
+        raise ValueError(f"{start.source} and {tuned.source} hold different weights")
+
+
+def interpolate(start: dict[str, Tensor], tuned: dict[str, Tensor], weight: float) -> dict[str, Tensor]:
+    """(1 - weight) * start + weight * tuned for every float tensor, batch-norm statistics included;
+    integer counters (batches seen) are the tuned model's."""
+    return {name: torch.lerp(start[name].float(), value.float(), weight) if value.is_floating_point() else value
+            for name, value in tuned.items()}
+
+
+def pick_weight(mean_wer: dict[float, float]) -> float:
+    return min(mean_wer, key=lambda weight: (mean_wer[weight], weight))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--start", type=Path, required=True, help="the .nemo the stage warm-started from")
+    parser.add_argument("--tuned", type=Path, required=True, help="the stage's result")
+    parser.add_argument("--cache", type=Path, required=True, help="corpus from models.training.data (its valid split)")
+    parser.add_argument("--weights", type=float, nargs="+", default=[0.3, 0.4, 0.5, 0.6, 0.7])
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    if any(not 0.0 <= w <= 1.0 for w in args.weights):
+        parser.error("--weights must lie in [0, 1]")
+    torch.set_num_threads(2)
+    start, tuned = open_checkpoint(args.start), open_checkpoint(args.tuned)
+    check_compatible(start, tuned)
+    audio, texts = read_split(args.cache, "valid")
+    model = ASRModel.from_checkpoint(tuned).eval()
+    mean_wer = {}
+    print("| weight of the tuned model | TDT | CTC |\n|---|---|---|")
+    for weight in sorted(set(args.weights)):
+        model.load_weights(interpolate(start.state_dict, tuned.state_dict, weight), f"weight {weight}")
+        tdt, ctc = (100 * split_wer(model, audio, texts, head) for head in ("tdt", "ctc"))
+        mean_wer[weight] = (tdt + ctc) / 2
+        print(f"| {weight:g} | {tdt:.2f}% | {ctc:.2f}% |", flush=True)
+    best = pick_weight(mean_wer)
+    model.load_weights(interpolate(start.state_dict, tuned.state_dict, best), f"weight {best}")
+    assert tuned.tokenizer_model is not None
+    save_nemo(model, tuned.raw_config, tuned.tokenizer_model, args.out)
+    print(f"picked weight {best:g} (mean validation WER {mean_wer[best]:.2f}%); wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
