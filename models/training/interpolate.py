@@ -62,7 +62,7 @@ def main() -> None:
     check_compatible(start, tuned)
     audio, texts = read_split(args.cache, "valid")
     model = ASRModel.from_checkpoint(tuned).eval()
-    mean_wer = {}
+    mean_wer: dict[float, float] = {}
     print("| weight of the tuned model | TDT | CTC |\n|---|---|---|")
     for weight in sorted(set(args.weights)):
         model.load_weights(interpolate(start.state_dict, tuned.state_dict, weight), f"weight {weight}")
