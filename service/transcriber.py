@@ -14,7 +14,7 @@ from models.transcript import Transcript, build_transcript
 
 from .batcher import Batcher, Priority, WorkItem
 from .engine import Engine, ItemResult
-from .segmenter import plan_segments, stitch
+from .segmenter import Segment, plan_segments, stitch
 
 
 @dataclass(frozen=True)
@@ -42,10 +42,14 @@ class Transcriber:
         # samples per encoder frame: cut points are snapped to it so token frames stay whole
         self.frame_samples = config.features.hop_length * config.encoder.subsampling_factor
 
+    def plan(self, waveform: np.ndarray) -> list[Segment]:
+        """Where ``transcribe`` cuts ``waveform`` into pieces."""
+        return plan_segments(len(waveform), waveform, self.sample_rate, self.max_segment_s, self.segment_overlap_s,
+                             self.frame_samples)
+
     async def transcribe(self, waveform: np.ndarray, priority: Priority = Priority.INTERACTIVE) -> RequestResult:
         """Queue (raises ``QueueFull``), await every piece, stitch. Cancelling this cancels queued pieces."""
-        segments = plan_segments(len(waveform), waveform, self.sample_rate, self.max_segment_s,
-                                 self.segment_overlap_s, self.frame_samples)
+        segments = self.plan(waveform)
         items = [WorkItem(waveform[s.start : s.end], priority, self.timeout_s) for s in segments]
         self.batcher.submit(items)
         gathered = asyncio.gather(*(asyncio.wrap_future(item.future) for item in items))

@@ -14,7 +14,6 @@ import soxr
 
 from models import load_model
 from service.config import Settings
-from service.segmenter import plan_segments
 from tests.servers import run_server
 
 DATA = Path(__file__).parent / "data" / "default_model"
@@ -22,12 +21,11 @@ GAP_S = 0.5
 RATE = 16000
 NEAR_CUT_S = 1.5  # a cut lies in a pause between sentences; this reaches two or three words either side
 TIMING_SLACK_S = 0.25
-SETTINGS = Settings(max_wait_ms=20)
 
 
 @pytest.fixture(scope="module")
 def server():
-    with run_server(SETTINGS, load_model(device="cpu")) as running:
+    with run_server(Settings(max_wait_ms=20), load_model(device="cpu")) as running:
         yield running
 
 
@@ -92,9 +90,7 @@ def test_ten_minutes_agree_with_the_pieces_transcribed_alone(server):
     alone_timed = [(w.word, start + (w.start_s + w.end_s) / 2)
                    for t, start in zip(transcripts, piece_starts_s[:-1], strict=True) for w in t.words]
     got_timed = [(w["word"], (w["start"] + w["end"]) / 2) for w in body["words"]]
-    frame_samples = model.config.features.hop_length * model.config.encoder.subsampling_factor
-    segments = plan_segments(len(recording), recording, RATE, SETTINGS.max_segment_s, SETTINGS.segment_overlap_s,
-                             frame_samples)
+    segments = server.service.stack.transcriber.plan(recording)
     assert len(segments) == body["segments"]
     for cut_s in (s.cut_after / RATE for s in segments[:-1]):
         # Each side's words near the cut appear, in order and nothing between, among the other side's words

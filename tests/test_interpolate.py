@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,9 @@ def test_pick_weight_takes_the_lowest_wer_and_a_tie_goes_to_the_start():
 @needs_default_model
 def test_different_tokenizers_or_architectures_are_refused():
     ckpt = open_checkpoint(DEFAULT_MODEL)
+    ctc_only = replace(ckpt.config, kind="ctc", transducer=None)
+    with pytest.raises(ValueError, match="different architectures"):
+        check_compatible(ckpt, Checkpoint(ctc_only, ckpt.raw_config, ckpt.state_dict, ckpt.tokenizer_model, "x"))
     other_tokenizer = Checkpoint(ckpt.config, ckpt.raw_config, ckpt.state_dict, b"another", "other.nemo")
     with pytest.raises(ValueError, match="different tokenizers"):
         check_compatible(ckpt, other_tokenizer)
