@@ -67,11 +67,14 @@ def build_model(size: ModelSize, tokenizer_proto: bytes, *, tdt_sigma: float,
     return ASRModel(parse_model_config(raw), Tokenizer(tokenizer_proto)), raw
 
 
-def save_nemo(model: ASRModel, raw_config: dict[str, Any], tokenizer_proto: bytes, path: Path) -> None:
-    """Write a .nemo archive (weights float32, on CPU) atomically."""
+def save_nemo(model: ASRModel, raw_config: dict[str, Any], tokenizer_proto: bytes, path: Path,
+              weights_dtype: torch.dtype = torch.float32) -> None:
+    """Write a .nemo archive (weights on CPU, floats as ``weights_dtype``) atomically. float16 halves the file
+    (the loader casts to the precision asked for); its 11-bit significand rounds a weight by at most 2^-11."""
     name = f"{hashlib.sha1(tokenizer_proto).hexdigest()[:32]}_tokenizer.model"
     config = dict(raw_config, tokenizer=dict(raw_config["tokenizer"], model_path=f"nemo:{name}"))
-    state = {k: v.detach().to("cpu", torch.float32).clone() for k, v in model.state_dict().items()}
+    state = {k: v.detach().to("cpu", weights_dtype if v.is_floating_point() else v.dtype).clone()
+             for k, v in model.state_dict().items()}
     weights = io.BytesIO()
     torch.save(state, weights)
     members = {"model_config.yaml": yaml.safe_dump(config, sort_keys=False).encode(),

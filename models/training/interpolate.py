@@ -15,6 +15,7 @@ the smaller weight, the model nearer the start.
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -22,17 +23,22 @@ from torch import Tensor
 
 from ..asr_model import ASRModel
 from ..checkpoint import Checkpoint, open_checkpoint
+from .depth_growth import deepen
 from .evaluate import read_split, split_wer
 from .export import save_nemo
 
 
 def check_compatible(start: Checkpoint, tuned: Checkpoint) -> None:
-    """Both ends must be the same architecture with the same tokenizer, or a weighted sum means nothing."""
-    if start.config != tuned.config:
+    """Both ends must be the same architecture with the same tokenizer, or a weighted sum means nothing; the
+    start may have fewer encoder layers (a stage that grew the encoder started from it grown)."""
+    if start.config.encoder.n_layers > tuned.config.encoder.n_layers:
+        raise ValueError(f"{start.source} has more encoder layers than {tuned.source}")
+    grown = replace(start.config, encoder=replace(start.config.encoder, n_layers=tuned.config.encoder.n_layers))
+    if grown != tuned.config:
         raise ValueError(f"{start.source} and {tuned.source} are different architectures")
     if start.tokenizer_model != tuned.tokenizer_model:
         raise ValueError(f"{start.source} and {tuned.source} have different tokenizers")
-    if start.state_dict.keys() != tuned.state_dict.keys():
+    if deepen(start.state_dict, tuned.config.encoder.n_layers).keys() != tuned.state_dict.keys():
         raise ValueError(f"{start.source} and {tuned.source} hold different weights")
 
 
@@ -54,25 +60,28 @@ def main() -> None:
     parser.add_argument("--cache", type=Path, required=True, help="corpus from models.training.data (its valid split)")
     parser.add_argument("--weights", type=float, nargs="+", default=[0.3, 0.4, 0.5, 0.6, 0.7])
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--store", choices=["float32", "float16"], default="float32",
+                        help="how the written weights are stored (float16: half the file)")
     args = parser.parse_args()
     if any(not 0.0 <= w <= 1.0 for w in args.weights):
         parser.error("--weights must lie in [0, 1]")
     torch.set_num_threads(2)
     start, tuned = open_checkpoint(args.start), open_checkpoint(args.tuned)
     check_compatible(start, tuned)
+    start_weights = deepen(start.state_dict, tuned.config.encoder.n_layers)
     audio, texts = read_split(args.cache, "valid")
     model = ASRModel.from_checkpoint(tuned).eval()
     mean_wer: dict[float, float] = {}
     print("| weight of the tuned model | TDT | CTC |\n|---|---|---|")
     for weight in sorted(set(args.weights)):
-        model.load_weights(interpolate(start.state_dict, tuned.state_dict, weight), f"weight {weight}")
+        model.load_weights(interpolate(start_weights, tuned.state_dict, weight), f"weight {weight}")
         tdt, ctc = (100 * split_wer(model, audio, texts, head) for head in ("tdt", "ctc"))
         mean_wer[weight] = (tdt + ctc) / 2
         print(f"| {weight:g} | {tdt:.2f}% | {ctc:.2f}% |", flush=True)
     best = pick_weight(mean_wer)
-    model.load_weights(interpolate(start.state_dict, tuned.state_dict, best), f"weight {best}")
+    model.load_weights(interpolate(start_weights, tuned.state_dict, best), f"weight {best}")
     assert tuned.tokenizer_model is not None
-    save_nemo(model, tuned.raw_config, tuned.tokenizer_model, args.out)
+    save_nemo(model, tuned.raw_config, tuned.tokenizer_model, args.out, getattr(torch, args.store))
     print(f"picked weight {best:g} (mean validation WER {mean_wer[best]:.2f}%); wrote {args.out}")
 
 

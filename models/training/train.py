@@ -35,8 +35,9 @@ Loss: (1 - w) * TDT + w * CTC (NeMo's hybrids use w = 0.3), each normalised by t
 AdamW, linear warm-up then cosine decay, gradient clipping. ``--concat-fraction`` joins a share of the
 utterances into long samples, so the model also learns the multi-sentence windows long audio is cut into;
 ``--telephone-fraction`` passes a share through an 8 kHz channel. ``--init-from`` warm-starts from a
-.nemo of the same size; with a ``--vocab-size`` other than its tokenizer's, a new tokenizer is trained and
-the weights carried over to it (``vocab_transfer.py``).
+.nemo of the same size; with a larger ``--n-layers`` the new encoder layers start as pass-throughs on top
+(``depth_growth.py``); with a ``--vocab-size`` other than its tokenizer's, a new tokenizer is trained and the
+weights carried over to it (``vocab_transfer.py``).
 Mixed precision: float32 master weights; the forward pass runs under bf16 autocast (fp16 with a dynamic loss
 scaler where bf16 is unsupported, float32 on CPUs without bf16 instructions); the losses accumulate in
 float32. Under ``torchrun`` each process trains its own batches and gradients are averaged every step
@@ -68,6 +69,7 @@ from torch import Tensor
 from ..asr_model import ASRModel
 from ..checkpoint import Checkpoint, open_checkpoint
 from .data import SAMPLE_RATE, telephone_band
+from .depth_growth import deepen
 from .evaluate import split_wer
 from .export import ModelSize, build_model, load_sentencepiece, save_nemo
 from .losses import ctc_loss, transducer_loss
@@ -282,13 +284,14 @@ def train_step(model: ASRModel, batch: Batch, recipe: Recipe, gen: torch.Generat
 def initial_model(size: ModelSize, recipe: Recipe, tokenizer_proto: bytes,
                   start: Checkpoint | None = None) -> tuple[ASRModel, dict[str, Any]]:
     """A model of ``size`` for the tokenizer, with ``start``'s weights when given (a checkpoint of the same
-    size; if its tokenizer is another, the vocabulary's rows start from the old pieces that spell the new)."""
+    size, or with fewer encoder layers: the new ones start as pass-throughs on top; if its tokenizer is another,
+    the vocabulary's rows start from the old pieces that spell the new)."""
     model, raw_config = build_model(size, tokenizer_proto, tdt_sigma=recipe.tdt_sigma,
                                     ctc_weight=recipe.ctc_weight)
     if start is not None:
         if start.tokenizer_model is None:
             raise ValueError(f"{start.source}: the checkpoint has no SentencePiece tokenizer to train with")
-        weights = start.state_dict
+        weights = deepen(start.state_dict, size.n_layers)
         if start.tokenizer_model != tokenizer_proto:
             assert model.config.transducer is not None
             weights = transfer_weights(weights, start.tokenizer_model, tokenizer_proto,
