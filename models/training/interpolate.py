@@ -9,7 +9,9 @@ tuned model is picked by WER on the validation split, never on the held-out test
         --weights 0.3 0.4 0.5 0.6 0.7 --out STAGE6/interpolated.nemo
 
 The pick is the weight with the lowest mean of the TDT and CTC heads' validation WER (float32); a tie goes to
-the smaller weight, the model nearer the start.
+the smaller weight, the model nearer the start. A stage that grew the encoder (``train --n-layers``) is
+interpolated with its start grown the same way (``depth_growth.py``). ``--store float16`` writes the weights in
+half precision, for a model whose float32 file would be too large to embed.
 """
 
 from __future__ import annotations
