@@ -16,7 +16,7 @@ from models.config import parse_model_config
 from models.tokenizer import Tokenizer
 from models.training.depth_growth import RESIDUAL_OUTPUTS, deepen, encoder_depth
 from models.training.export import ModelSize, save_nemo
-from models.training.interpolate import check_compatible
+from models.training.interpolate import checked_start_weights
 from models.training.train import Recipe, initial_model
 
 DATA = Path(__file__).parent / "data" / "default_model"
@@ -93,12 +93,12 @@ def test_interpolation_accepts_a_shallower_start_and_refuses_a_deeper_one(tmp_pa
     assert ckpt.tokenizer_model is not None
     save_nemo(grown, raw, ckpt.tokenizer_model, tmp_path / "grown.nemo")
     deeper = open_checkpoint(tmp_path / "grown.nemo")
-    check_compatible(ckpt, deeper)
+    checked_start_weights(ckpt, deeper)
     with pytest.raises(ValueError, match="more encoder layers"):
-        check_compatible(deeper, ckpt)
+        checked_start_weights(deeper, ckpt)
     other_width = replace(deeper.config, encoder=replace(deeper.config.encoder, d_model=96))
     with pytest.raises(ValueError, match="different architectures"):
-        check_compatible(ckpt, replace(deeper, config=other_width))
+        checked_start_weights(ckpt, replace(deeper, config=other_width))
 
 
 def test_float16_storage_halves_the_file_and_loads_to_the_rounded_weights(tmp_path):

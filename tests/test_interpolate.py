@@ -15,7 +15,7 @@ from models.asr_model import DEFAULT_MODEL, ASRModel
 from models.checkpoint import Checkpoint, open_checkpoint
 from models.training import interpolate as interpolate_tool
 from models.training.export import save_nemo
-from models.training.interpolate import check_compatible, interpolate, pick_weight
+from models.training.interpolate import checked_start_weights, interpolate, pick_weight
 
 DATA = Path(__file__).parent / "data" / "default_model"
 needs_default_model = pytest.mark.skipif(not DEFAULT_MODEL.exists(), reason="models/assets/default.nemo not installed")
@@ -42,13 +42,13 @@ def test_different_tokenizers_or_architectures_are_refused():
     ckpt = open_checkpoint(DEFAULT_MODEL)
     ctc_only = replace(ckpt.config, kind="ctc", transducer=None)
     with pytest.raises(ValueError, match="different architectures"):
-        check_compatible(ckpt, Checkpoint(ctc_only, ckpt.raw_config, ckpt.state_dict, ckpt.tokenizer_model, "x"))
+        checked_start_weights(ckpt, Checkpoint(ctc_only, ckpt.raw_config, ckpt.state_dict, ckpt.tokenizer_model, "x"))
     other_tokenizer = Checkpoint(ckpt.config, ckpt.raw_config, ckpt.state_dict, b"another", "other.nemo")
     with pytest.raises(ValueError, match="different tokenizers"):
-        check_compatible(ckpt, other_tokenizer)
+        checked_start_weights(ckpt, other_tokenizer)
     fewer_weights = {k: v for k, v in ckpt.state_dict.items() if not k.startswith("ctc_decoder.")}
     with pytest.raises(ValueError, match="different weights"):
-        check_compatible(ckpt, Checkpoint(ckpt.config, ckpt.raw_config, fewer_weights, ckpt.tokenizer_model, "x"))
+        checked_start_weights(ckpt, Checkpoint(ckpt.config, ckpt.raw_config, fewer_weights, ckpt.tokenizer_model, "x"))
 
 
 def _ruined_copy(path: Path) -> Path:

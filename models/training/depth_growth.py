@@ -31,8 +31,6 @@ def deepen(weights: dict[str, Tensor], n_layers: int) -> dict[str, Tensor]:
     old_layers = encoder_depth(weights)
     if n_layers < old_layers:
         raise ValueError(f"cannot grow a {old_layers}-layer encoder to {n_layers} layers")
-    if n_layers == old_layers:
-        return dict(weights)
     top = LAYER.format(old_layers - 1)
     top_layer = {k[len(top):]: v for k, v in weights.items() if k.startswith(top)}
     grown = dict(weights)

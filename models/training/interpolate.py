@@ -30,9 +30,10 @@ from .evaluate import read_split, split_wer
 from .export import save_nemo
 
 
-def check_compatible(start: Checkpoint, tuned: Checkpoint) -> None:
-    """Both ends must be the same architecture with the same tokenizer, or a weighted sum means nothing; the
-    start may have fewer encoder layers (a stage that grew the encoder started from it grown)."""
+def checked_start_weights(start: Checkpoint, tuned: Checkpoint) -> dict[str, Tensor]:
+    """The start's weights to interpolate with the tuned model's: both ends must be the same architecture with
+    the same tokenizer, or a weighted sum means nothing; a start with fewer encoder layers is grown to the tuned
+    depth (a stage that grew the encoder started from it grown)."""
     if start.config.encoder.n_layers > tuned.config.encoder.n_layers:
         raise ValueError(f"{start.source} has more encoder layers than {tuned.source}")
     grown = replace(start.config, encoder=replace(start.config.encoder, n_layers=tuned.config.encoder.n_layers))
@@ -40,8 +41,10 @@ def check_compatible(start: Checkpoint, tuned: Checkpoint) -> None:
         raise ValueError(f"{start.source} and {tuned.source} are different architectures")
     if start.tokenizer_model != tuned.tokenizer_model:
         raise ValueError(f"{start.source} and {tuned.source} have different tokenizers")
-    if deepen(start.state_dict, tuned.config.encoder.n_layers).keys() != tuned.state_dict.keys():
+    start_weights = deepen(start.state_dict, tuned.config.encoder.n_layers)
+    if start_weights.keys() != tuned.state_dict.keys():
         raise ValueError(f"{start.source} and {tuned.source} hold different weights")
+    return start_weights
 
 
 def interpolate(start: dict[str, Tensor], tuned: dict[str, Tensor], weight: float) -> dict[str, Tensor]:
@@ -69,8 +72,7 @@ def main() -> None:
         parser.error("--weights must lie in [0, 1]")
     torch.set_num_threads(2)
     start, tuned = open_checkpoint(args.start), open_checkpoint(args.tuned)
-    check_compatible(start, tuned)
-    start_weights = deepen(start.state_dict, tuned.config.encoder.n_layers)
+    start_weights = checked_start_weights(start, tuned)
     audio, texts = read_split(args.cache, "valid")
     model = ASRModel.from_checkpoint(tuned).eval()
     mean_wer: dict[float, float] = {}
