@@ -34,8 +34,9 @@ Recipe of the shipped model (six stages, the last averaged with the one before; 
 Loss: (1 - w) * TDT + w * CTC (NeMo's hybrids use w = 0.3), each normalised by the number of target tokens.
 AdamW, linear warm-up then cosine decay, gradient clipping. ``--concat-fraction`` joins a share of the
 utterances into long samples, so the model also learns the multi-sentence windows long audio is cut into;
-``--telephone-fraction`` passes a share through an 8 kHz channel. ``--init-from`` warm-starts from a
-.nemo of the same size; with a larger ``--n-layers`` the new encoder layers start as pass-throughs on top
+``--telephone-fraction`` passes a share through an 8 kHz channel; ``--vtlp-max-warp`` stretches or squeezes
+each sample's mel axis, as a longer or shorter vocal tract would (``augment.py``). ``--init-from`` warm-starts
+from a .nemo of the same size; with a larger ``--n-layers`` the new encoder layers start as pass-throughs on top
 (``depth_growth.py``); with a ``--vocab-size`` other than its tokenizer's, a new tokenizer is trained and the
 weights carried over to it (``vocab_transfer.py``).
 Mixed precision: float32 master weights; the forward pass runs under bf16 autocast (fp16 with a dynamic loss
