@@ -96,8 +96,8 @@ class Recipe:
     time_masks: int = 2
     time_mask_width: int = 25  # 10 ms frames
     noise_snr_db: tuple[float, float] = (20.0, 50.0)
-    # Mel axis warped by up to this factor either way (vocal tract length perturbation): espeak has few
-    # voices, and without it more training on them made the held-out voice worse while unseen sentences improved.
+    # Mel axis warped by up to this factor either way (vocal tract length perturbation): new voices from
+    # espeak's few. Tried against stage 7's drift on the held-out voice; no clear gain (model card).
     vtlp_max_warp: float = 0.0
     # Share of samples heard through a telephone-band channel (down to 8 kHz and back): call-centre audio
     # arrives at 8 kHz, and a model that only ever heard full-band espeak loses most words on it.
