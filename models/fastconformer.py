@@ -50,6 +50,11 @@ class DepthwiseStridingSubsampling(nn.Module):
             freq = (freq + 2 - 3) // 2 + 1
         self.out = nn.Linear(channels * freq, d_model)
 
+    @property
+    def input_conv(self) -> nn.Conv2d:
+        """The regular conv over the single-channel features; the depthwise/pointwise pairs follow it."""
+        return self.conv[0]
+
     def forward(self, x: Tensor, n_frames: Tensor) -> tuple[Tensor, Tensor]:
         """(B, T, n_mels), (B,) -> (B, T', d_model), (B,)"""
         x = x.unsqueeze(1)  # (B, 1, T, F)
@@ -209,9 +214,17 @@ class FastConformerEncoder(nn.Module):
         Returns:
             (B, T', d_model) encoder output and (B,) valid encoder frames.
         """
-        x, lengths = self.pre_encode(features.transpose(1, 2), n_frames)  # (B, T', d)
+        return self.contextualise(*self.subsample(features, n_frames))
+
+    def subsample(self, features: Tensor, n_frames: Tensor) -> tuple[Tensor, Tensor]:
+        """(B, n_mels, T), (B,) -> (B, T', d_model) frames before the conformer layers, (B,) valid frames."""
+        x, lengths = self.pre_encode(features.transpose(1, 2), n_frames)
         if self.xscale is not None:
             x = x * self.xscale
+        return x, lengths
+
+    def contextualise(self, x: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
+        """The conformer layers over subsampled frames: (B, T', d_model), (B,) -> the same shapes."""
         t = x.shape[1]
         pos_emb = self.pos_enc(t, x.dtype)  # (1, 2T'-1, d)
         valid = _time_mask(lengths, t)  # (B, T')

@@ -96,6 +96,22 @@ def test_init_from_starts_with_that_models_weights_and_tokenizer(corpus, tmp_pat
         assert torch.equal(after.state_dict[key], value), key
 
 
+def test_a_frozen_input_conv_keeps_its_weights_while_the_rest_trains(corpus, tmp_path):
+    first = tmp_path / "first"
+    train(corpus, first, _recipe(3), TINY, torch.device("cpu"), "auto", None)
+    second = tmp_path / "second"
+    train(corpus, second, replace(_recipe(3), freeze_input_conv=True), TINY, torch.device("cpu"), "auto", None,
+          init_from=first / "model.nemo")
+    before = open_checkpoint(first / "model.nemo").state_dict
+    after = open_checkpoint(second / "model.nemo").state_dict
+    for key in ("encoder.pre_encode.conv.0.weight", "encoder.pre_encode.conv.0.bias"):
+        assert torch.equal(after[key], before[key]), key
+    trained = ("encoder.pre_encode.conv.2.weight", "encoder.pre_encode.out.weight",
+               "ctc_decoder.decoder_layers.0.weight")
+    for key in trained:
+        assert not torch.equal(after[key], before[key]), key
+
+
 def test_init_from_with_a_larger_vocabulary_keeps_what_it_heard(corpus, tmp_path):
     first = tmp_path / "first"
     train(corpus, first, _recipe(3), TINY, torch.device("cpu"), "auto", None)
@@ -201,12 +217,13 @@ def test_two_process_run_under_torchrun(corpus, tmp_path):
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
                str(_free_port()), "-m", "models.training.train", "--data", str(corpus), "--out", str(run),
                "--max-steps", "3", "--batch-seconds", "4", "--vocab-size", "40", "--eval-every", "1000",
-               "--threads", "1", *size]
+               "--threads", "1", "--freeze-input-conv", *size]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "2 process(es)" in done.stdout
     state = torch.load(run / "last.pt", weights_only=False)
     assert state["step"] == 3 and len(state["history"]) == 3
+    assert state["recipe"]["freeze_input_conv"] is True
     assert load_model(run / "model.nemo", device="cpu").config.kind == "hybrid"
 
 

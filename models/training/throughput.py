@@ -7,7 +7,8 @@ joined into long samples, augmentation on) from a ``models.training.data`` corpu
 the same batches from the same starting weights, after one untimed warm-up step, in this one process.
 
 Usage: ``python -m models.training.throughput --data DIR [--model PATH] [--precision fp32 bf16]
-[--steps 8] [--concat-fraction 0.35] [--threads 1] [--n-layers 6]`` (default model: the embedded one).
+[--steps 8] [--concat-fraction 0.35] [--threads 1] [--n-layers 6] [--freeze-input-conv]`` (default model: the
+embedded one).
 """
 
 from __future__ import annotations
@@ -78,11 +79,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="timed steps per precision (plus one warm-up)")
     parser.add_argument("--concat-fraction", type=float, default=0.35)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--freeze-input-conv", action=argparse.BooleanOptionalAction, default=False,
+                        help="train as train --freeze-input-conv does")
     parser.add_argument("--n-layers", type=int, default=ModelSize.n_layers,
                         help="encoder layers to train (more than the model's: grown, depth_growth.py)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    recipe = Recipe(concat_fraction=args.concat_fraction, concat_max_s=20.0, telephone_fraction=0.15)
+    recipe = Recipe(concat_fraction=args.concat_fraction, concat_max_s=20.0, telephone_fraction=0.15,
+                    freeze_input_conv=args.freeze_input_conv)
     model, tokenizer = load_trainable(args.model, recipe, ModelSize(n_layers=args.n_layers))
     batches = real_batches(args.data, recipe, tokenizer, args.steps + 1)
     initial = copy.deepcopy(model.state_dict())

@@ -99,6 +99,10 @@ class Recipe:
     # Mel axis warped by up to this factor either way (vocal tract length perturbation): new voices from
     # espeak's few. Tried against stage 7's drift on the held-out voice; no clear gain (model card).
     vtlp_max_warp: float = 0.0
+    # Keep the first subsampling conv (1 -> C channels, 3x3: 640 weights, long trained) as it is. Its weights'
+    # gradient needs the gradient of the whole first feature map, the costliest backward of a CPU step: a
+    # frozen one trains 1.4x faster (docs/benchmarks.md).
+    freeze_input_conv: bool = False
     # Share of samples heard through a telephone-band channel (down to 8 kHz and back): call-centre audio
     # arrives at 8 kHz, and a model that only ever heard full-band espeak loses most words on it.
     telephone_fraction: float = 0.0
@@ -241,8 +245,10 @@ def compute_losses(model: ASRModel, batch: Batch, recipe: Recipe, gen: torch.Gen
         features = warp_frequencies(features, recipe.vtlp_max_warp, gen)
         features = spec_augment(features, n_frames, recipe.freq_masks, recipe.freq_mask_width,
                                 recipe.time_masks, recipe.time_mask_width, gen)
+    # The subsampling convs run in float32: in bf16 their backward is 2x slower on CPU, and they are small.
+    frames, enc_lengths = model.encoder.subsample(features, n_frames)
     with torch.autocast(device.type, dtype=amp_dtype or torch.bfloat16, enabled=amp_dtype is not None):
-        encoded, enc_lengths = model.encoder(features, n_frames)  # (B, T, d)
+        encoded, enc_lengths = model.encoder.contextualise(frames, enc_lengths)  # (B, T, d)
         enc_proj = model.joint.project_encoder(encoded)  # (B, T, J)
         pred_proj = model.joint.pred(prediction_sequence(model, targets))  # (B, U+1, J)
         ctc_log_probs = model.ctc_decoder(encoded)  # (B, T, V+1)
@@ -276,7 +282,8 @@ def initial_model(size: ModelSize, recipe: Recipe, tokenizer_proto: bytes,
                   start: Checkpoint | None = None) -> tuple[ASRModel, dict[str, Any]]:
     """A model of ``size`` for the tokenizer, with ``start``'s weights when given (a checkpoint of the same
     size, or with fewer encoder layers: the new ones start as pass-throughs on top; if its tokenizer is another,
-    the vocabulary's rows start from the old pieces that spell the new)."""
+    the vocabulary's rows start from the old pieces that spell the new); the input conv frozen if the recipe
+    says so."""
     model, raw_config = build_model(size, tokenizer_proto, tdt_sigma=recipe.tdt_sigma,
                                     ctc_weight=recipe.ctc_weight)
     if start is not None:
@@ -288,6 +295,8 @@ def initial_model(size: ModelSize, recipe: Recipe, tokenizer_proto: bytes,
             weights = transfer_weights(weights, start.tokenizer_model, tokenizer_proto,
                                        len(model.config.transducer.durations))
         model.load_weights(weights, start.source)
+    if recipe.freeze_input_conv:
+        model.encoder.pre_encode.input_conv.requires_grad_(False)
     return model, raw_config
 
 
@@ -480,7 +489,9 @@ def main() -> None:
                         help="a .nemo of the same size to start from: its weights, and its tokenizer unless "
                              "--vocab-size differs (then a new one, its rows started from the old pieces')")
     for name, value in asdict(Recipe()).items():
-        if not isinstance(value, tuple):
+        if isinstance(value, bool):
+            parser.add_argument(f"--{name.replace('_', '-')}", action=argparse.BooleanOptionalAction, default=value)
+        elif not isinstance(value, tuple):
             parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
     for name, value in asdict(ModelSize()).items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
