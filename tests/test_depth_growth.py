@@ -15,7 +15,7 @@ from models.checkpoint import Checkpoint, open_checkpoint
 from models.config import parse_model_config
 from models.tokenizer import Tokenizer
 from models.training.depth_growth import RESIDUAL_OUTPUTS, deepen, encoder_depth
-from models.training.export import ModelSize, save_nemo
+from models.training.export import ModelSize, float16_keeping_bfloat16, save_nemo
 from models.training.interpolate import checked_start_weights
 from models.training.train import Recipe, initial_model
 
@@ -101,7 +101,7 @@ def test_interpolation_accepts_a_shallower_start_and_refuses_a_deeper_one(tmp_pa
         checked_start_weights(ckpt, replace(deeper, config=other_width))
 
 
-def test_float16_storage_halves_the_file_and_loads_to_the_rounded_weights(tmp_path):
+def test_float16_storage_halves_the_file_and_loads_to_the_rounded_weights_and_exact_features(tmp_path):
     ckpt = open_checkpoint(DEFAULT_MODEL)
     model = ASRModel.from_checkpoint(ckpt)
     assert ckpt.tokenizer_model is not None
@@ -112,8 +112,20 @@ def test_float16_storage_halves_the_file_and_loads_to_the_rounded_weights(tmp_pa
     assert half.state_dict["encoder.layers.0.conv.batch_norm.num_batches_tracked"].dtype == torch.int64
     loaded = ASRModel.from_checkpoint(half).state_dict()
     for name, value in model.state_dict().items():
-        expected = value.half().float() if value.is_floating_point() else value
+        rounded = value.is_floating_point() and not name.startswith("preprocessor.")
+        expected = float16_keeping_bfloat16(value).float() if rounded else value
         assert loaded[name].dtype == value.dtype and torch.equal(loaded[name], expected), name
+
+
+def test_float16_storage_rounds_each_weight_to_the_bfloat16_its_float32_value_gives():
+    torch.manual_seed(0)
+    magnitudes = torch.exp(torch.empty(200_000).uniform_(-9, 4))  # 1.2e-4 to 55: float16's normal range
+    weights = magnitudes * torch.randn(200_000).sign()
+    assert (weights.half().bfloat16() != weights.bfloat16()).float().mean() > 0.03  # plain rounding misses
+    stored = float16_keeping_bfloat16(weights)
+    assert stored.dtype == torch.float16
+    assert torch.equal(stored.bfloat16(), weights.bfloat16())
+    assert ((stored.float() - weights).abs() <= weights.abs() * 2**-10).all()  # one float16 step at most
 
 
 def test_a_warm_start_with_more_layers_starts_from_the_grown_weights():

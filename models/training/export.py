@@ -18,6 +18,7 @@ from typing import Any
 import sentencepiece as spm
 import torch
 import yaml
+from torch import Tensor
 
 from ..asr_model import ASRModel
 from ..config import parse_model_config
@@ -67,14 +68,39 @@ def build_model(size: ModelSize, tokenizer_proto: bytes, *, tdt_sigma: float,
     return ASRModel(parse_model_config(raw), Tokenizer(tokenizer_proto)), raw
 
 
+def float16_keeping_bfloat16(weights: Tensor) -> Tensor:
+    """float32 weights as float16, each the nearest float16 that rounds to the same bfloat16 as the weight.
+
+    Plain rounding lands exactly on a point halfway between two bfloat16s for about one weight in sixteen, and
+    bf16 loading then rounds it to the even one, which may be the wrong side: the model a float16 file gives in
+    bf16 would differ from the one its float32 weights give. Such a weight moves one float16 step to its own
+    side instead (at most 2^-10 relative error, against 2^-11). Below float16's normal range (|w| < 2^-14)
+    its steps may be too coarse to find one."""
+    half = weights.to(torch.float16)
+    wrong_side = half.to(torch.bfloat16) != weights.to(torch.bfloat16)
+    _, exponent = torch.frexp(half.float())
+    step = torch.ldexp(torch.ones_like(weights), (exponent - 11).clamp_min(-24))  # one float16 ulp at half
+    nudged = (half.float() + torch.sign(weights - half.float()) * step).to(torch.float16)
+    return torch.where(wrong_side, nudged, half)
+
+
 def save_nemo(model: ASRModel, raw_config: dict[str, Any], tokenizer_proto: bytes, path: Path,
               weights_dtype: torch.dtype = torch.float32) -> None:
     """Write a .nemo archive (weights on CPU, floats as ``weights_dtype``) atomically. float16 halves the file
-    (the loader casts to the precision asked for); its 11-bit significand rounds a weight by at most 2^-11."""
+    (the loader casts to the precision asked for) and rounds a weight by at most 2^-10, never across a bfloat16
+    rounding boundary (``float16_keeping_bfloat16``); the preprocessor's buffers stay as they are."""
     name = f"{hashlib.sha1(tokenizer_proto).hexdigest()[:32]}_tokenizer.model"
     config = dict(raw_config, tokenizer=dict(raw_config["tokenizer"], model_path=f"nemo:{name}"))
-    state = {k: v.detach().to("cpu", weights_dtype if v.is_floating_point() else v.dtype).clone()
-             for k, v in model.state_dict().items()}
+
+    def stored(key: str, value: Tensor) -> Tensor:
+        value = value.detach().to("cpu")
+        if not value.is_floating_point() or key.startswith("preprocessor."):
+            return value.clone()  # the feature extractor's window and mel filters run in float32 in any precision
+        if weights_dtype == torch.float16:
+            return float16_keeping_bfloat16(value.float())
+        return value.to(weights_dtype).clone()
+
+    state = {k: stored(k, v) for k, v in model.state_dict().items()}
     weights = io.BytesIO()
     torch.save(state, weights)
     members = {"model_config.yaml": yaml.safe_dump(config, sort_keys=False).encode(),
