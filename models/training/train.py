@@ -107,7 +107,7 @@ class Recipe:
     vtlp_max_warp: float = 0.0
     # Keep the first subsampling conv (1 -> C channels, 3x3: 640 weights, long trained) as it is. Its weights'
     # gradient needs the gradient of the whole first feature map, the costliest backward of a CPU step: a
-    # frozen one trains 1.4x faster (docs/benchmarks.md).
+    # frozen one trains about 1.1x faster (docs/benchmarks.md).
     freeze_input_conv: bool = False
     # Share of samples heard through a telephone-band channel (down to 8 kHz and back): call-centre audio
     # arrives at 8 kHz, and a model that only ever heard full-band espeak loses most words on it.
@@ -251,7 +251,7 @@ def compute_losses(model: ASRModel, batch: Batch, recipe: Recipe, gen: torch.Gen
         features = warp_frequencies(features, recipe.vtlp_max_warp, gen)
         features = spec_augment(features, n_frames, recipe.freq_masks, recipe.freq_mask_width,
                                 recipe.time_masks, recipe.time_mask_width, gen)
-    # The subsampling convs run in float32: in bf16 their backward is 2x slower on CPU, and they are small.
+    # The subsampling convs run in float32: their bf16 backward is the slower one on CPU (docs/benchmarks.md).
     frames, enc_lengths = model.encoder.subsample(features, n_frames)
     with torch.autocast(device.type, dtype=amp_dtype or torch.bfloat16, enabled=amp_dtype is not None):
         encoded, enc_lengths = model.encoder.contextualise(frames, enc_lengths)  # (B, T, d)
