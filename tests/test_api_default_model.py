@@ -102,7 +102,7 @@ def test_ten_minutes_agree_with_the_pieces_transcribed_alone(server):
     agreement = 1 - edits / len(alone)
     print(f"10-minute word agreement with the pieces alone: {agreement:.4f} ({edits} word edits over "
           f"{len(alone)} words; {len(got)} words heard)")
-    assert agreement >= 0.9  # 0.995 measured with the shipped model (the model card's long-audio line)
+    assert agreement >= 0.9  # 0.992 measured with the shipped model (the model card's long-audio line)
 
 
 def _near(timed_words: list[tuple[str, float]], time_s: float, within_s: float) -> list[str]:
