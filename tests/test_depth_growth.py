@@ -104,6 +104,9 @@ def test_interpolation_accepts_a_shallower_start_and_refuses_a_deeper_one(tmp_pa
 def test_float16_storage_halves_the_file_and_loads_to_the_rounded_weights_and_exact_features(tmp_path):
     ckpt = open_checkpoint(DEFAULT_MODEL)
     model = ASRModel.from_checkpoint(ckpt)
+    with torch.no_grad():  # the shipped weights are float16 values already: make them float32 ones
+        for weight in model.parameters():
+            weight.add_(torch.randn_like(weight) * 1e-4)
     assert ckpt.tokenizer_model is not None
     save_nemo(model, ckpt.raw_config, ckpt.tokenizer_model, tmp_path / "full.nemo")
     save_nemo(model, ckpt.raw_config, ckpt.tokenizer_model, tmp_path / "half.nemo", torch.float16)

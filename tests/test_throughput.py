@@ -11,7 +11,6 @@ import soundfile as sf
 import torch
 
 from models.asr_model import DEFAULT_MODEL
-from models.training.export import ModelSize
 from models.training.throughput import audio_seconds_per_second, load_trainable, real_batches
 from models.training.train import Recipe
 
@@ -34,7 +33,7 @@ def corpus(tmp_path):
 
 def test_times_real_steps_that_train_the_model(corpus):
     recipe = Recipe(batch_seconds=4.0)  # one utterance a batch
-    model, tokenizer = load_trainable(DEFAULT_MODEL, recipe, ModelSize())
+    model, tokenizer = load_trainable(DEFAULT_MODEL, recipe)
     batches = real_batches(corpus, recipe, tokenizer, 3)
     assert len(batches) == 3 and all(len(b.n_samples) == 1 for b in batches)
     before = [p.detach().clone() for p in model.parameters()]

@@ -7,7 +7,7 @@ joined into long samples, augmentation on) from a ``models.training.data`` corpu
 the same batches from the same starting weights, after one untimed warm-up step, in this one process.
 
 Usage: ``python -m models.training.throughput --data DIR [--model PATH] [--precision fp32 bf16]
-[--steps 8] [--concat-fraction 0.35] [--threads 1] [--n-layers 6] [--freeze-input-conv]`` (default model: the
+[--steps 8] [--concat-fraction 0.35] [--threads 1] [--n-layers L] [--freeze-input-conv]`` (default model: the
 embedded one).
 """
 
@@ -24,6 +24,7 @@ import torch
 
 from ..asr_model import DEFAULT_MODEL, ASRModel
 from ..checkpoint import open_checkpoint
+from .depth_growth import encoder_depth
 from .export import ModelSize, load_sentencepiece
 from .parallel import Workers
 from .train import (
@@ -40,11 +41,13 @@ from .train import (
 )
 
 
-def load_trainable(path: Path, recipe: Recipe, size: ModelSize) -> tuple[ASRModel, bytes]:
-    """A .nemo of the training size as a trainable model, and its tokenizer."""
+def load_trainable(path: Path, recipe: Recipe, n_layers: int | None = None) -> tuple[ASRModel, bytes]:
+    """A .nemo of the training size as a trainable model (grown to ``n_layers`` encoder layers if given), and
+    its tokenizer."""
     start = open_checkpoint(path)
     if start.tokenizer_model is None:
         raise ValueError(f"{path}: the checkpoint has no SentencePiece tokenizer to train with")
+    size = ModelSize(n_layers=n_layers or encoder_depth(start.state_dict))
     model, _ = initial_model(size, recipe, start.tokenizer_model, start)
     return model.train(), start.tokenizer_model
 
@@ -81,13 +84,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--freeze-input-conv", action=argparse.BooleanOptionalAction, default=False,
                         help="train as train --freeze-input-conv does")
-    parser.add_argument("--n-layers", type=int, default=ModelSize.n_layers,
-                        help="encoder layers to train (more than the model's: grown, depth_growth.py)")
+    parser.add_argument("--n-layers", type=int, default=None,
+                        help="encoder layers to train (default: the model's; more: grown, depth_growth.py)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     recipe = Recipe(concat_fraction=args.concat_fraction, concat_max_s=20.0, telephone_fraction=0.15,
                     freeze_input_conv=args.freeze_input_conv)
-    model, tokenizer = load_trainable(args.model, recipe, ModelSize(n_layers=args.n_layers))
+    model, tokenizer = load_trainable(args.model, recipe, args.n_layers)
     batches = real_batches(args.data, recipe, tokenizer, args.steps + 1)
     initial = copy.deepcopy(model.state_dict())
     audio_s = sum(b.audio_seconds(model.sample_rate) for b in batches[1:])
