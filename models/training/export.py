@@ -78,9 +78,10 @@ def float16_keeping_bfloat16(weights: Tensor) -> Tensor:
     its steps may be too coarse to find one."""
     half = weights.to(torch.float16)
     wrong_side = half.to(torch.bfloat16) != weights.to(torch.bfloat16)
-    _, exponent = torch.frexp(half.float())
+    half_value = half.float()
+    _, exponent = torch.frexp(half_value)
     step = torch.ldexp(torch.ones_like(weights), (exponent - 11).clamp_min(-24))  # one float16 ulp at half
-    nudged = (half.float() + torch.sign(weights - half.float()) * step).to(torch.float16)
+    nudged = (half_value + torch.sign(weights - half_value) * step).to(torch.float16)
     return torch.where(wrong_side, nudged, half)
 
 
