@@ -1,4 +1,5 @@
-"""models.training.interpolate: weights between a stage's start and its result, the weight picked on validation."""
+"""Weight-space averaging, picked on validation: models.training.interpolate (weights between a stage's start and
+its result) and models.training.average (the mean of a run's last snapshots)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,12 @@ import torch
 
 from models.asr_model import DEFAULT_MODEL, ASRModel
 from models.checkpoint import Checkpoint, open_checkpoint
+from models.training import average as average_tool
 from models.training import interpolate as interpolate_tool
+from models.training.average import average, checked_snapshots
+from models.training.evaluate import pick_lowest
 from models.training.export import save_nemo
-from models.training.interpolate import checked_start_weights, interpolate, pick_weight
+from models.training.interpolate import checked_start_weights, interpolate
 
 DATA = Path(__file__).parent / "data" / "default_model"
 needs_default_model = pytest.mark.skipif(not DEFAULT_MODEL.exists(), reason="models/assets/default.nemo not installed")
@@ -32,9 +36,9 @@ def test_interpolate_reaches_both_ends_exactly_and_keeps_the_tuned_counters():
     assert middle["bn.num_batches_tracked"].item() == 9
 
 
-def test_pick_weight_takes_the_lowest_wer_and_a_tie_goes_to_the_start():
-    assert pick_weight({0.3: 9.0, 0.5: 8.7, 0.7: 8.8}) == 0.5
-    assert pick_weight({0.6: 8.7, 0.5: 8.7, 0.7: 8.8}) == 0.5
+def test_the_pick_is_the_lowest_wer_and_a_tie_goes_to_the_start():
+    assert pick_lowest({0.3: 9.0, 0.5: 8.7, 0.7: 8.8}) == 0.5
+    assert pick_lowest({0.6: 8.7, 0.5: 8.7, 0.7: 8.8}) == 0.5
 
 
 @needs_default_model
@@ -51,15 +55,16 @@ def test_different_tokenizers_or_architectures_are_refused():
         checked_start_weights(ckpt, Checkpoint(ckpt.config, ckpt.raw_config, fewer_weights, ckpt.tokenizer_model, "x"))
 
 
-def _ruined_copy(path: Path) -> Path:
-    """The default model with noise as large as its weights: it hears nothing right."""
+def _ruined_copy(path: Path, sign: float = 1.0) -> Path:
+    """The default model with noise as large as its weights (the same noise, negated where ``sign`` is -1): it
+    hears nothing right."""
     ckpt = open_checkpoint(DEFAULT_MODEL)
     model = ASRModel.from_checkpoint(ckpt)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if not name.startswith("preprocessor."):
-                param.add_(torch.randn(param.shape, generator=gen) * param.std().nan_to_num(1.0))
+                param.add_(sign * torch.randn(param.shape, generator=gen) * param.std().nan_to_num(1.0))
     assert ckpt.tokenizer_model is not None
     save_nemo(model, ckpt.raw_config, ckpt.tokenizer_model, path)
     return path
@@ -97,3 +102,48 @@ def test_weights_outside_zero_to_one_are_refused(tmp_path, monkeypatch):
                                       str(tmp_path), "--weights", "1.5", "--out", str(tmp_path / "o.nemo")])
     with pytest.raises(SystemExit):
         interpolate_tool.main()
+
+
+def test_average_is_the_mean_and_keeps_the_last_counters():
+    gen = torch.Generator().manual_seed(0)
+    snapshots = [{"w": torch.randn(4, 3, generator=gen), "bn.num_batches_tracked": torch.tensor(n)} for n in (5, 6, 7)]
+    mean = average(snapshots)
+    torch.testing.assert_close(mean["w"], (snapshots[0]["w"] + snapshots[1]["w"] + snapshots[2]["w"]) / 3)
+    assert mean["bn.num_batches_tracked"].item() == 7
+    assert torch.equal(average(snapshots[-1:])["w"], snapshots[-1]["w"])
+
+
+def test_snapshots_of_other_runs_are_refused():
+    ckpt = open_checkpoint(DEFAULT_MODEL)
+    other_tokenizer = Checkpoint(ckpt.config, ckpt.raw_config, ckpt.state_dict, b"another", "other.nemo")
+    with pytest.raises(ValueError, match="not a snapshot of the run"):
+        checked_snapshots([ckpt, other_tokenizer])
+    fewer_weights = {k: v for k, v in ckpt.state_dict.items() if not k.startswith("ctc_decoder.")}
+    with pytest.raises(ValueError, match="different weights"):
+        checked_snapshots([ckpt, Checkpoint(ckpt.config, ckpt.raw_config, fewer_weights, ckpt.tokenizer_model, "x")])
+
+
+@needs_default_model
+def test_the_average_cli_writes_the_mean_with_the_lowest_validation_wer(tmp_path, monkeypatch, capsys):
+    # Two snapshots either side of the default model's weights: each alone hears nothing, their mean is it.
+    snapshots = [_ruined_copy(tmp_path / "step-00500.nemo", +1.0), _ruined_copy(tmp_path / "step-01000.nemo", -1.0)]
+    out = tmp_path / "out.nemo"
+    monkeypatch.setattr(sys, "argv", ["average", "--snapshots", *map(str, reversed(snapshots)), "--cache",
+                                      str(_validation_cache(tmp_path / "cache")), "--last", "2", "1",
+                                      "--out", str(out)])
+    average_tool.main()
+
+    printed = capsys.readouterr().out
+    assert "| 2 (step-00500 to step-01000) | 0.00% | 0.00% |" in printed and "picked the last 2" in printed
+    assert "| 1 (step-01000) | 0.00% |" not in printed
+    written, good = open_checkpoint(out).state_dict, open_checkpoint(DEFAULT_MODEL).state_dict
+    assert written.keys() == good.keys()
+    for key, value in good.items():
+        torch.testing.assert_close(written[key], value.to(written[key].dtype), rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_averaging_more_snapshots_than_there_are_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["average", "--snapshots", "a.nemo", "b.nemo", "--cache", str(tmp_path),
+                                      "--last", "3", "--out", str(tmp_path / "o.nemo")])
+    with pytest.raises(SystemExit):
+        average_tool.main()

@@ -65,10 +65,17 @@ def _losses(run: Path) -> list[float]:
 
 def test_learns_checkpoints_and_exports(corpus, tmp_path):
     run = tmp_path / "run"
-    train(corpus, run, _recipe(30), TINY, torch.device("cpu"), "auto", None)
+    train(corpus, run, replace(_recipe(30), snapshot_every=10), TINY, torch.device("cpu"), "auto", None)
     losses = _losses(run)
     assert len(losses) == 30
     assert sum(losses[-5:]) / 5 < 0.85 * sum(losses[:5]) / 5  # it is learning the six sentences
+    snapshots = sorted(p.name for p in (run / "snapshots").iterdir())
+    assert snapshots == ["step-00010.nemo", "step-00020.nemo", "step-00030.nemo"]
+    final = open_checkpoint(run / "model.nemo").state_dict
+    first, last = (open_checkpoint(run / "snapshots" / name).state_dict for name in (snapshots[0], snapshots[-1]))
+    assert all(torch.equal(final[k], last[k]) for k in final)
+    head = "ctc_decoder.decoder_layers.0.weight"
+    assert not torch.equal(first[head], final[head])
     model = load_model(run / "model.nemo", device="cpu")
     assert model.config.kind == "hybrid"
     assert len(model.transcribe([str(corpus / "train" / "0.wav")])) == 1
@@ -94,6 +101,20 @@ def test_init_from_starts_with_that_models_weights_and_tokenizer(corpus, tmp_pat
     assert after.state_dict.keys() == before.state_dict.keys()
     for key, value in before.state_dict.items():
         assert torch.equal(after.state_dict[key], value), key
+
+
+def test_the_cli_warm_start_keeps_its_depth_unless_asked_to_grow(corpus, tmp_path):
+    first = tmp_path / "first"
+    train(corpus, first, _recipe(0), replace(TINY, n_layers=3), torch.device("cpu"), "auto", None)
+    size = [f"--{k.replace('_', '-')}={v}" for k, v in asdict(TINY).items() if k != "n_layers"]
+    for grow, depth in (([], 3), (["--n-layers", "4"], 4)):
+        run = tmp_path / f"run{depth}"
+        command = [sys.executable, "-m", "models.training.train", "--data", str(corpus), "--out", str(run),
+                   "--init-from", str(first / "model.nemo"), "--vocab-size", "40", "--max-steps", "0", *size,
+                   *grow]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert open_checkpoint(run / "model.nemo").config.encoder.n_layers == depth
 
 
 def test_a_frozen_input_conv_keeps_its_weights_while_the_rest_trains(corpus, tmp_path):

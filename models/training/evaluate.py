@@ -62,6 +62,18 @@ def split_wer(model: ASRModel, audio: list[np.ndarray], texts: list[str], decode
     return wer(texts, hyps)
 
 
+def heads_wer(model: ASRModel, audio: list[np.ndarray], texts: list[str]) -> tuple[float, float]:
+    """WER of the TDT and the CTC head, in percent."""
+    tdt, ctc = (100 * split_wer(model, audio, texts, head) for head in ("tdt", "ctc"))
+    return tdt, ctc
+
+
+def pick_lowest(mean_wer: dict[float, float]) -> float:
+    """The candidate with the lowest WER; a tie goes to the smaller one (the nearer the start, the fewer
+    averaged)."""
+    return min(mean_wer, key=lambda candidate: (mean_wer[candidate], candidate))
+
+
 def print_breakdown(model: ASRModel, cache: Path) -> None:
     """WER on training utterances vs held-out sentences, and held-out WER by speaking rate, per head."""
     fit = read_split(cache, "train", N_FIT)

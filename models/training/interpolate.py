@@ -26,7 +26,7 @@ from torch import Tensor
 from ..asr_model import ASRModel
 from ..checkpoint import Checkpoint, open_checkpoint
 from .depth_growth import deepen
-from .evaluate import read_split, split_wer
+from .evaluate import heads_wer, pick_lowest, read_split
 from .export import save_nemo
 
 
@@ -54,10 +54,6 @@ def interpolate(start: dict[str, Tensor], tuned: dict[str, Tensor], weight: floa
             for name, value in tuned.items()}
 
 
-def pick_weight(mean_wer: dict[float, float]) -> float:
-    return min(mean_wer, key=lambda weight: (mean_wer[weight], weight))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--start", type=Path, required=True, help="the .nemo the stage warm-started from")
@@ -79,10 +75,10 @@ def main() -> None:
     print("| weight of the tuned model | TDT | CTC |\n|---|---|---|")
     for weight in sorted(set(args.weights)):
         model.load_weights(interpolate(start_weights, tuned.state_dict, weight), f"weight {weight}")
-        tdt, ctc = (100 * split_wer(model, audio, texts, head) for head in ("tdt", "ctc"))
+        tdt, ctc = heads_wer(model, audio, texts)
         mean_wer[weight] = (tdt + ctc) / 2
         print(f"| {weight:g} | {tdt:.2f}% | {ctc:.2f}% |", flush=True)
-    best = pick_weight(mean_wer)
+    best = pick_lowest(mean_wer)
     model.load_weights(interpolate(start_weights, tuned.state_dict, best), f"weight {best}")
     assert tuned.tokenizer_model is not None
     save_nemo(model, tuned.raw_config, tuned.tokenizer_model, args.out, getattr(torch, args.store))

@@ -1,7 +1,8 @@
-"""Train the embedded default model: hybrid TDT-CTC FastConformer on synthetic speech, mixed precision.
+r"""Train the embedded default model: hybrid TDT-CTC FastConformer on synthetic speech, mixed precision.
 
-Recipe of the shipped model (eight stages; stages 6 and 9 averaged with the one before, stage 8 grown to twelve
-encoder layers; about 90 + 135 + 90 + 84 + 93 + 87 + 80 + 39 min on a 2-core CPU; see its model card)::
+Recipe of the shipped model (nine stages; stages 6, 9 and 10 averaged with the one before, stage 8 grown to
+twelve encoder layers, stage 10's last snapshots averaged; about 90 + 135 + 90 + 84 + 93 + 87 + 80 + 39 + 84 min
+on a 2-core CPU; see its model card)::
 
     python -m models.training.data --cache DATA1 --n-train 24000
     python -m models.training.train --data DATA1 --out STAGE1 --max-steps 5000
@@ -41,6 +42,14 @@ encoder layers; about 90 + 135 + 90 + 84 + 93 + 87 + 80 + 39 min on a 2-core CPU
         --freeze-input-conv --eval-every 500 --time-budget-s 2400 --seed 1 --precision bf16
     python -m models.training.interpolate --start STAGE8/model.nemo --tuned STAGE9/model.nemo --cache DATA6 \
         --weights 0 0.3 0.4 0.5 0.6 0.7 0.8 1 --out STAGE9/interpolated.nemo --store float16
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 -m models.training.train --data DATA6 --out STAGE10 \
+        --init-from STAGE9/interpolated.nemo --max-steps 7000 --peak-lr 1.5e-4 --warmup-steps 200 --ctc-weight 0.8 \
+        --concat-fraction 0.35 --concat-max-s 20 --telephone-fraction 0.15 --vtlp-max-warp 0.1 --freeze-input-conv \
+        --eval-every 500 --snapshot-every 200 --time-budget-s 5400 --seed 2 --precision bf16
+    python -m models.training.average --snapshots STAGE10/snapshots/*.nemo --cache DATA6 \
+        --last 1 2 3 5 8 12 16 --out STAGE10/averaged.nemo
+    python -m models.training.interpolate --start STAGE9/interpolated.nemo --tuned STAGE10/averaged.nemo \
+        --cache DATA6 --weights 0 0.5 0.6 0.7 0.8 0.9 1 --out STAGE10/interpolated.nemo --store float16
     # a stopped run continues from RUN/last.pt with the same command; RUN/model.nemo is the result
 
 Loss: (1 - w) * TDT + w * CTC (NeMo's hybrids use w = 0.3), each normalised by the number of target tokens.
@@ -48,8 +57,9 @@ AdamW, linear warm-up then cosine decay, gradient clipping. ``--concat-fraction`
 utterances into long samples, so the model also learns the multi-sentence windows long audio is cut into;
 ``--telephone-fraction`` passes a share through an 8 kHz channel; ``--vtlp-max-warp`` stretches or squeezes
 each sample's mel axis, as a longer or shorter vocal tract would (``augment.py``). ``--init-from`` warm-starts
-from a .nemo of the same size; with a larger ``--n-layers`` the new encoder layers start as pass-throughs on top
-(``depth_growth.py``); with a ``--vocab-size`` other than its tokenizer's, a new tokenizer is trained and the
+from a .nemo of the same size (its depth, unless ``--n-layers`` asks for more: the new encoder layers start as
+pass-throughs on top, ``depth_growth.py``); ``--snapshot-every`` also writes the weights every so many steps,
+for ``average.py``; with a ``--vocab-size`` other than its tokenizer's, a new tokenizer is trained and the
 weights carried over to it (``vocab_transfer.py``).
 Mixed precision: float32 master weights; the forward pass runs under bf16 autocast (fp16 with a dynamic loss
 scaler where bf16 is unsupported, float32 on CPUs without bf16 instructions); the losses accumulate in
@@ -125,6 +135,9 @@ class Recipe:
     concat_gap_s: tuple[float, float] = (0.1, 0.6)
     eval_every: int = 500
     save_every: int = 100
+    # Also write RUN/snapshots/step-NNNNN.nemo every this many steps (0: never): the late weights to average
+    # (average.py).
+    snapshot_every: int = 0
     seed: int = 0
 
 
@@ -455,6 +468,8 @@ def train(data: Path, out: Path, recipe: Recipe, size: ModelSize, device: torch.
                     print(f"\nstep {step} validation {result}", flush=True)
                 if step % recipe.save_every == 0 or step == recipe.max_steps:
                     save()
+                if recipe.snapshot_every and step % recipe.snapshot_every == 0:
+                    save_nemo(model, raw_config, proto, out / "snapshots" / f"step-{step:05d}.nemo")
             if stop:
                 say(f"\ntime budget reached at step {step}; rerun the same command to continue", flush=True)
                 break
@@ -506,10 +521,18 @@ def main() -> None:
         elif not isinstance(value, tuple):
             parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
     for name, value in asdict(ModelSize()).items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
+        if name == "n_layers":
+            parser.add_argument("--n-layers", type=int, default=None,
+                                help=f"encoder depth (default: --init-from's, or {value} from scratch; more than "
+                                     "--init-from's grows it)")
+        else:
+            parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
     args = vars(parser.parse_args())
     torch.set_num_threads(args["threads"])
     recipe = Recipe(**{k: args[k] for k in asdict(Recipe()) if k in args})
+    if args["n_layers"] is None:  # a warm start keeps its depth unless asked to grow it
+        args["n_layers"] = (open_checkpoint(args["init_from"]).config.encoder.n_layers
+                            if args["init_from"] is not None else ModelSize.n_layers)
     size = ModelSize(**{k: args[k] for k in asdict(ModelSize())})
     device = torch.device("cuda" if args["device"] == "auto" and torch.cuda.is_available() else
                           "cpu" if args["device"] == "auto" else args["device"])

@@ -1,0 +1,82 @@
+r"""Average the weights of a run's last snapshots (checkpoint averaging).
+
+Late in a run the weights wander around a minimum at a small learning rate; their mean usually sits nearer it
+than any one of them. ``train --snapshot-every N`` writes ``RUN/snapshots/step-NNNNN.nemo`` every N steps; this
+scores the mean of the last k snapshots for each k asked for on the validation split, never on the held-out
+test splits, and writes the best::
+
+    python -m models.training.average --snapshots STAGE10/snapshots/*.nemo --cache DATA6 \
+        --last 1 2 3 4 6 --out STAGE10/averaged.nemo
+
+The pick is the k with the lowest mean of the TDT and CTC heads' validation WER (float32); a tie goes to the
+smaller k. The snapshots are ordered by their names, so the zero-padded step numbers put the last one last.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from ..asr_model import ASRModel
+from ..checkpoint import Checkpoint, open_checkpoint
+from .evaluate import heads_wer, pick_lowest, read_split
+from .export import save_nemo
+
+
+def checked_snapshots(snapshots: list[Checkpoint]) -> list[dict[str, Tensor]]:
+    """The snapshots' weights: all of one architecture, tokenizer and set of weights, or a mean means nothing."""
+    first = snapshots[0]
+    for other in snapshots[1:]:
+        if other.config != first.config or other.tokenizer_model != first.tokenizer_model:
+            raise ValueError(f"{other.source} is not a snapshot of the run {first.source} belongs to")
+        if other.state_dict.keys() != first.state_dict.keys():
+            raise ValueError(f"{other.source} and {first.source} hold different weights")
+    return [s.state_dict for s in snapshots]
+
+
+def average(weights: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+    """The mean of every float tensor (batch-norm statistics included), in float32; integer counters (batches
+    seen) are the last snapshot's."""
+    last = weights[-1]
+    return {name: torch.stack([w[name].float() for w in weights]).mean(0) if value.is_floating_point() else value
+            for name, value in last.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--snapshots", type=Path, nargs="+", required=True, help="a run's snapshot .nemo files")
+    parser.add_argument("--cache", type=Path, required=True, help="corpus from models.training.data (its valid split)")
+    parser.add_argument("--last", type=int, nargs="+", default=[1, 2, 3, 4],
+                        help="how many of the last snapshots to average, each scored")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--store", choices=["float32", "float16"], default="float32",
+                        help="how the written weights are stored (float16: half the file)")
+    args = parser.parse_args()
+    paths = sorted(args.snapshots, key=lambda p: p.name)
+    if any(not 1 <= k <= len(paths) for k in args.last):
+        parser.error(f"--last must lie in [1, {len(paths)}] (the number of snapshots)")
+    torch.set_num_threads(2)
+    snapshots = [open_checkpoint(p) for p in paths]
+    weights = checked_snapshots(snapshots)
+    audio, texts = read_split(args.cache, "valid")
+    model = ASRModel.from_checkpoint(snapshots[-1]).eval()
+    mean_wer: dict[float, float] = {}
+    print("| last snapshots averaged | TDT | CTC |\n|---|---|---|")
+    for k in sorted(set(args.last)):
+        model.load_weights(average(weights[-k:]), f"the last {k}")
+        tdt, ctc = heads_wer(model, audio, texts)
+        mean_wer[k] = (tdt + ctc) / 2
+        span = paths[-1].stem if k == 1 else f"{paths[-k].stem} to {paths[-1].stem}"
+        print(f"| {k} ({span}) | {tdt:.2f}% | {ctc:.2f}% |", flush=True)
+    best = int(pick_lowest(mean_wer))
+    model.load_weights(average(weights[-best:]), f"the last {best}")
+    assert snapshots[-1].tokenizer_model is not None
+    save_nemo(model, snapshots[-1].raw_config, snapshots[-1].tokenizer_model, args.out, getattr(torch, args.store))
+    print(f"picked the last {best} (mean validation WER {mean_wer[best]:.2f}%); wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
