@@ -6,11 +6,12 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from models import load_model
 from models.asr_model import DEFAULT_MODEL
-from models.training.evaluate import RATE_BANDS, print_breakdown, read_rows, wer
+from models.training.evaluate import RATE_BANDS, print_breakdown, read_rows, read_splits, wer
 
 DATA = Path(__file__).parent / "data" / "default_model"
 
@@ -54,3 +55,18 @@ def test_breakdown_puts_each_utterance_in_its_rate_band(tmp_path, capsys):
         # the held-out files transcribe exactly, so the only errors are the 3 words cut from one reference
         assert cells == [head, f"{300 / n_words:.2f}%", f"{300 / n_words:.2f}%", "0.00%", "0.00%", "0.00%",
                          f"{300 / 5:.2f}%"]
+
+
+def test_read_splits_pools_the_splits_in_the_order_given(tmp_path):
+    expected = json.loads((DATA / "expected.json").read_text())
+    names = sorted(expected)
+    for name in names:
+        shutil.copy(DATA / name, tmp_path / name)
+    for split, chosen in (("valid", names[:2]), ("valid_voice", names[2:])):
+        (tmp_path / f"{split}.jsonl").write_text("".join(json.dumps({"audio": n, "text": expected[n]}) + "\n"
+                                                         for n in chosen))
+    audio, texts = read_splits(tmp_path, ["valid_voice", "valid"])
+    assert texts == [expected[n] for n in names[2:] + names[:2]]
+    assert len(audio) == len(names) and all(a.dtype == np.float32 and a.size > 0 for a in audio)
+    with pytest.raises(FileNotFoundError, match="test_voice"):
+        read_splits(tmp_path, ["valid", "test_voice"])

@@ -147,3 +147,14 @@ def test_averaging_more_snapshots_than_there_are_is_refused(tmp_path, monkeypatc
                                       "--last", "3", "--out", str(tmp_path / "o.nemo")])
     with pytest.raises(SystemExit):
         average_tool.main()
+
+
+@pytest.mark.parametrize("tool", [average_tool, interpolate_tool])
+def test_picking_on_a_test_split_is_refused(tmp_path, monkeypatch, capsys, tool):
+    inputs = (["--snapshots", "a.nemo", "--last", "1"] if tool is average_tool
+              else ["--start", "a.nemo", "--tuned", "b.nemo"])
+    monkeypatch.setattr(sys, "argv", ["pick", *inputs, "--cache", str(tmp_path), "--valid-splits", "valid",
+                                      "test_voice", "--out", str(tmp_path / "o.nemo")])
+    with pytest.raises(SystemExit):
+        tool.main()
+    assert "invalid choice: 'test_voice'" in capsys.readouterr().err

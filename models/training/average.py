@@ -10,6 +10,8 @@ test splits, and writes the best::
 
 The pick is the k with the lowest mean of the TDT and CTC heads' validation WER (float32); a tie goes to the
 smaller k. The snapshots are ordered by their names, so the zero-padded step numbers put the last one last.
+``--valid-splits valid valid_voice`` scores the validation sentences in training voices and in a voice never
+trained on, pooled, so the pick also sees an unheard voice (the held-out test voice stays unscored).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from torch import Tensor
 
 from ..asr_model import ASRModel
 from ..checkpoint import Checkpoint, open_checkpoint
-from .evaluate import heads_wer, pick_lowest, read_split
+from .evaluate import add_valid_splits_option, heads_wer, pick_lowest, read_splits
 from .export import save_nemo
 
 
@@ -48,12 +50,13 @@ def average(weights: list[dict[str, Tensor]]) -> dict[str, Tensor]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--snapshots", type=Path, nargs="+", required=True, help="a run's snapshot .nemo files")
-    parser.add_argument("--cache", type=Path, required=True, help="corpus from models.training.data (its valid split)")
+    parser.add_argument("--cache", type=Path, required=True, help="corpus from models.training.data")
     parser.add_argument("--last", type=int, nargs="+", default=[1, 2, 3, 4],
                         help="how many of the last snapshots to average, each scored")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--store", choices=["float32", "float16"], default="float32",
                         help="how the written weights are stored (float16: half the file)")
+    add_valid_splits_option(parser)
     args = parser.parse_args()
     paths = sorted(args.snapshots, key=lambda p: p.name)
     if any(not 1 <= k <= len(paths) for k in args.last):
@@ -61,7 +64,7 @@ def main() -> None:
     torch.set_num_threads(2)
     snapshots = [open_checkpoint(p) for p in paths]
     weights = checked_snapshots(snapshots)
-    audio, texts = read_split(args.cache, "valid")
+    audio, texts = read_splits(args.cache, args.valid_splits)
     model = ASRModel.from_checkpoint(snapshots[-1]).eval()
     mean_wer: dict[float, float] = {}
     print("| last snapshots averaged | TDT | CTC |\n|---|---|---|")

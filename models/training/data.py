@@ -7,11 +7,14 @@ the form the model outputs.
 
 Audio: ``espeak-ng --stdout`` (22.05 kHz) resampled to 16 kHz with soxr. Each utterance draws an accent, a
 voice variant, a rate and a pitch from a seeded generator, so a corpus is reproducible from its seed.
-Held out: test sentences (never in training) and one voice variant (never in training).
+Held out: test sentences (never in training) and one voice variant (never in training). The validation
+sentences are spoken twice: in training voices (``valid``) and in a second unheard voice (``valid_voice``), so
+a model can be picked for voices it never heard without scoring the test voice.
 
 Usage: ``python -m models.training.data --cache DIR [--n-train N] [--seed S] [--train-min-count C]``
 writes ``DIR/<split>/*.wav`` and ``DIR/<split>.jsonl`` (``{"audio", "text", "voice", "duration_s"}``) for
-splits train, valid, test_sentences, test_voice.
+splits train, valid, valid_voice, test_sentences, test_voice. A split already built is kept, so rerunning on
+an older corpus only adds what it lacks.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ TRAIN_VARIANTS = ("m1", "m2", "m4", "m5", "m6", "m7", "m8", "f1", "f2", "f3", "f
                   "iven2", "john", "Lee", "linda", "max", "Michael", "Mike", "norbert", "paul", "quincy",
                   "rob", "robert", "sandro", "shelby", "steph", "travis", "victor", "zac")
 TEST_VOICE = ("en-us", "f4")  # never heard in training: the held-out voice
+VALID_VOICE = ("en-us", "m3")  # never heard in training either: picks models for unheard voices
 RATE_WPM = (130, 210)
 PITCH = (25, 75)
 MIN_WORDS, MAX_WORDS = 4, 16
@@ -171,12 +175,10 @@ def build_split(cache: Path, split: str, utts: list[Utterance], workers: int) ->
     print(f"{split}: {len(rows)} utterances, {hours:.2f} h")
 
 
-def build_corpus(cache: Path, n_train: int, seed: int, workers: int = 2,
-                 train_min_count: int = MIN_WORD_COUNT) -> None:
-    splits = split_sentences(wordnet_sentences(), train_min_count)
+def corpus_plans(splits: dict[str, list[str]], n_train: int, seed: int) -> dict[str, list[Utterance]]:
+    """Every split's utterances. ``valid_voice`` draws last from the generator, so adding it changed no
+    utterance of the splits older corpora hold."""
     train_voices = [(a, v) for a in ACCENTS for v in TRAIN_VARIANTS]
-    cache.mkdir(parents=True, exist_ok=True)
-    (cache / "train_text.txt").write_text("\n".join(splits["train"]) + "\n")
     rng = random.Random(seed)
     plans = {
         "valid": list(plan(splits["valid"], N_VALID, rng, train_voices)),
@@ -184,6 +186,16 @@ def build_corpus(cache: Path, n_train: int, seed: int, workers: int = 2,
         "test_voice": list(plan(splits["test_voice"], N_TEST, rng, [TEST_VOICE])),
         "train": list(plan(splits["train"], n_train, rng, train_voices)),
     }
+    plans["valid_voice"] = list(plan(splits["valid"], N_VALID, rng, [VALID_VOICE]))
+    return plans
+
+
+def build_corpus(cache: Path, n_train: int, seed: int, workers: int = 2,
+                 train_min_count: int = MIN_WORD_COUNT) -> None:
+    splits = split_sentences(wordnet_sentences(), train_min_count)
+    cache.mkdir(parents=True, exist_ok=True)
+    (cache / "train_text.txt").write_text("\n".join(splits["train"]) + "\n")
+    plans = corpus_plans(splits, n_train, seed)
     print({k: len(v) for k, v in splits.items()}, "sentences")
     for split, utts in plans.items():
         build_split(cache, split, utts, workers)

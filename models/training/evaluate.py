@@ -57,6 +57,23 @@ def read_split(cache: Path, split: str, limit: int | None = None) -> tuple[list[
     return audio, [r["text"] for r in rows]
 
 
+def read_splits(cache: Path, splits: list[str]) -> tuple[list[np.ndarray], list[str]]:
+    """Several splits pooled into one, in the order given: WER over the pool weighs each split by its words."""
+    audio: list[np.ndarray] = []
+    texts: list[str] = []
+    for split in splits:
+        split_audio, split_texts = read_split(cache, split)
+        audio += split_audio
+        texts += split_texts
+    return audio, texts
+
+
+def add_valid_splits_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--valid-splits", nargs="+", default=["valid"], choices=["valid", "valid_voice"],
+                        help="the splits the pick is scored on, pooled (valid_voice: the validation sentences "
+                             "in a voice never trained on)")
+
+
 def split_wer(model: ASRModel, audio: list[np.ndarray], texts: list[str], decoder: str) -> float:
     hyps = [t.text for t in model.transcribe(audio, batch_size=32, decoder=decoder)]
     return wer(texts, hyps)

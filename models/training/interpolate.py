@@ -12,6 +12,8 @@ The pick is the weight with the lowest mean of the TDT and CTC heads' validation
 the smaller weight, the model nearer the start. A stage that grew the encoder (``train --n-layers``) is
 interpolated with its start grown the same way (``depth_growth.py``). ``--store float16`` writes the weights in
 half precision, for a model whose float32 file would be too large to embed.
+``--valid-splits valid valid_voice`` scores the validation sentences in training voices and in a voice never
+trained on, pooled, so the pick also sees an unheard voice (the held-out test voice stays unscored).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from torch import Tensor
 from ..asr_model import ASRModel
 from ..checkpoint import Checkpoint, open_checkpoint
 from .depth_growth import deepen
-from .evaluate import heads_wer, pick_lowest, read_split
+from .evaluate import add_valid_splits_option, heads_wer, pick_lowest, read_splits
 from .export import save_nemo
 
 
@@ -58,18 +60,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--start", type=Path, required=True, help="the .nemo the stage warm-started from")
     parser.add_argument("--tuned", type=Path, required=True, help="the stage's result")
-    parser.add_argument("--cache", type=Path, required=True, help="corpus from models.training.data (its valid split)")
+    parser.add_argument("--cache", type=Path, required=True, help="corpus from models.training.data")
     parser.add_argument("--weights", type=float, nargs="+", default=[0.3, 0.4, 0.5, 0.6, 0.7])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--store", choices=["float32", "float16"], default="float32",
                         help="how the written weights are stored (float16: half the file)")
+    add_valid_splits_option(parser)
     args = parser.parse_args()
     if any(not 0.0 <= w <= 1.0 for w in args.weights):
         parser.error("--weights must lie in [0, 1]")
     torch.set_num_threads(2)
     start, tuned = open_checkpoint(args.start), open_checkpoint(args.tuned)
     start_weights = checked_start_weights(start, tuned)
-    audio, texts = read_split(args.cache, "valid")
+    audio, texts = read_splits(args.cache, args.valid_splits)
     model = ASRModel.from_checkpoint(tuned).eval()
     mean_wer: dict[float, float] = {}
     print("| weight of the tuned model | TDT | CTC |\n|---|---|---|")
