@@ -24,7 +24,7 @@ from torch import Tensor
 
 from ..asr_model import ASRModel
 from ..checkpoint import Checkpoint, open_checkpoint
-from .evaluate import add_valid_splits_option, heads_wer, pick_lowest, read_splits
+from .evaluate import add_validation_options, pick_weights, read_splits
 from .export import save_nemo
 
 
@@ -50,13 +50,12 @@ def average(weights: list[dict[str, Tensor]]) -> dict[str, Tensor]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--snapshots", type=Path, nargs="+", required=True, help="a run's snapshot .nemo files")
-    parser.add_argument("--cache", type=Path, required=True, help="corpus from models.training.data")
+    add_validation_options(parser)
     parser.add_argument("--last", type=int, nargs="+", default=[1, 2, 3, 4],
                         help="how many of the last snapshots to average, each scored")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--store", choices=["float32", "float16"], default="float32",
                         help="how the written weights are stored (float16: half the file)")
-    add_valid_splits_option(parser)
     args = parser.parse_args()
     paths = sorted(args.snapshots, key=lambda p: p.name)
     if any(not 1 <= k <= len(paths) for k in args.last):
@@ -66,19 +65,18 @@ def main() -> None:
     weights = checked_snapshots(snapshots)
     audio, texts = read_splits(args.cache, args.valid_splits)
     model = ASRModel.from_checkpoint(snapshots[-1]).eval()
-    mean_wer: dict[float, float] = {}
-    print("| last snapshots averaged | TDT | CTC |\n|---|---|---|")
-    for k in sorted(set(args.last)):
-        model.load_weights(average(weights[-k:]), f"the last {k}")
-        tdt, ctc = heads_wer(model, audio, texts)
-        mean_wer[k] = (tdt + ctc) / 2
+
+    def row_label(last: float) -> str:
+        k = int(last)
         span = paths[-1].stem if k == 1 else f"{paths[-k].stem} to {paths[-1].stem}"
-        print(f"| {k} ({span}) | {tdt:.2f}% | {ctc:.2f}% |", flush=True)
-    best = int(pick_lowest(mean_wer))
-    model.load_weights(average(weights[-best:]), f"the last {best}")
+        return f"{k} ({span})"
+
+    print("| last snapshots averaged | TDT | CTC |\n|---|---|---|")
+    candidates = {k: lambda k=k: average(weights[-k:]) for k in args.last}
+    best, best_wer = pick_weights(model, candidates, audio, texts, row_label)
     assert snapshots[-1].tokenizer_model is not None
     save_nemo(model, snapshots[-1].raw_config, snapshots[-1].tokenizer_model, args.out, getattr(torch, args.store))
-    print(f"picked the last {best} (mean validation WER {mean_wer[best]:.2f}%); wrote {args.out}")
+    print(f"picked the last {int(best)} (mean validation WER {best_wer:.2f}%); wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import islice
 from pathlib import Path
 
@@ -68,7 +68,9 @@ def read_splits(cache: Path, splits: list[str]) -> tuple[list[np.ndarray], list[
     return audio, texts
 
 
-def add_valid_splits_option(parser: argparse.ArgumentParser) -> None:
+def add_validation_options(parser: argparse.ArgumentParser) -> None:
+    """The corpus and the validation splits a pick is scored on (never a test split)."""
+    parser.add_argument("--cache", type=Path, required=True, help="corpus from models.training.data")
     parser.add_argument("--valid-splits", nargs="+", default=["valid"], choices=["valid", "valid_voice"],
                         help="the splits the pick is scored on, pooled (valid_voice: the validation sentences "
                              "in a voice never trained on)")
@@ -89,6 +91,21 @@ def pick_lowest(mean_wer: dict[float, float]) -> float:
     """The candidate with the lowest WER; a tie goes to the smaller one (the nearer the start, the fewer
     averaged)."""
     return min(mean_wer, key=lambda candidate: (mean_wer[candidate], candidate))
+
+
+def pick_weights(model: ASRModel, candidates: dict[float, Callable[[], dict[str, torch.Tensor]]],
+                 audio: list[np.ndarray], texts: list[str], row_label: Callable[[float], str]) -> tuple[float, float]:
+    """Score each candidate's weights with both heads (a table row each), load the one with the lowest mean WER
+    into ``model`` and return it with that WER. Weights are built on demand: candidates can be whole models."""
+    mean_wer: dict[float, float] = {}
+    for key in sorted(candidates):
+        model.load_weights(candidates[key](), row_label(key))
+        tdt, ctc = heads_wer(model, audio, texts)
+        mean_wer[key] = (tdt + ctc) / 2
+        print(f"| {row_label(key)} | {tdt:.2f}% | {ctc:.2f}% |", flush=True)
+    best = pick_lowest(mean_wer)
+    model.load_weights(candidates[best](), row_label(best))
+    return best, mean_wer[best]
 
 
 def print_breakdown(model: ASRModel, cache: Path) -> None:

@@ -28,7 +28,7 @@ from torch import Tensor
 from ..asr_model import ASRModel
 from ..checkpoint import Checkpoint, open_checkpoint
 from .depth_growth import deepen
-from .evaluate import add_valid_splits_option, heads_wer, pick_lowest, read_splits
+from .evaluate import add_validation_options, pick_weights, read_splits
 from .export import save_nemo
 
 
@@ -60,12 +60,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--start", type=Path, required=True, help="the .nemo the stage warm-started from")
     parser.add_argument("--tuned", type=Path, required=True, help="the stage's result")
-    parser.add_argument("--cache", type=Path, required=True, help="corpus from models.training.data")
+    add_validation_options(parser)
     parser.add_argument("--weights", type=float, nargs="+", default=[0.3, 0.4, 0.5, 0.6, 0.7])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--store", choices=["float32", "float16"], default="float32",
                         help="how the written weights are stored (float16: half the file)")
-    add_valid_splits_option(parser)
     args = parser.parse_args()
     if any(not 0.0 <= w <= 1.0 for w in args.weights):
         parser.error("--weights must lie in [0, 1]")
@@ -74,18 +73,12 @@ def main() -> None:
     start_weights = checked_start_weights(start, tuned)
     audio, texts = read_splits(args.cache, args.valid_splits)
     model = ASRModel.from_checkpoint(tuned).eval()
-    mean_wer: dict[float, float] = {}
     print("| weight of the tuned model | TDT | CTC |\n|---|---|---|")
-    for weight in sorted(set(args.weights)):
-        model.load_weights(interpolate(start_weights, tuned.state_dict, weight), f"weight {weight}")
-        tdt, ctc = heads_wer(model, audio, texts)
-        mean_wer[weight] = (tdt + ctc) / 2
-        print(f"| {weight:g} | {tdt:.2f}% | {ctc:.2f}% |", flush=True)
-    best = pick_lowest(mean_wer)
-    model.load_weights(interpolate(start_weights, tuned.state_dict, best), f"weight {best}")
+    candidates = {w: lambda w=w: interpolate(start_weights, tuned.state_dict, w) for w in args.weights}
+    best, best_wer = pick_weights(model, candidates, audio, texts, lambda w: f"{w:g}")
     assert tuned.tokenizer_model is not None
     save_nemo(model, tuned.raw_config, tuned.tokenizer_model, args.out, getattr(torch, args.store))
-    print(f"picked weight {best:g} (mean validation WER {mean_wer[best]:.2f}%); wrote {args.out}")
+    print(f"picked weight {best:g} (mean validation WER {best_wer:.2f}%); wrote {args.out}")
 
 
 if __name__ == "__main__":
