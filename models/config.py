@@ -60,6 +60,7 @@ class TransducerConfig:
     pred_layers: int = 2
     joint_hidden: int = 640
     joint_activation: str = "relu"
+    joint_dropout: float = 0.0  # training-time only, but NeMo adds a layer for it, which shifts the output's key
     durations: tuple[int, ...] = ()  # TDT duration choices; empty for RNN-T
     max_symbols: int = 10  # labels one frame may emit before time is forced forward
 
@@ -247,6 +248,7 @@ def parse_transducer(cfg: dict[str, Any]) -> TransducerConfig:
         pred_layers=int(prednet.get("pred_rnn_layers", 1)),
         joint_hidden=int(_require(jointnet, "joint_hidden", "joint.jointnet")),
         joint_activation=activation,
+        joint_dropout=float(jointnet.get("dropout") or 0.0),
         durations=durations,
         max_symbols=10 if max_symbols is None else int(max_symbols),
     )

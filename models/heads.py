@@ -89,8 +89,10 @@ class Joint(nn.Module):
         self.enc = nn.Linear(encoder_hidden, cfg.joint_hidden)
         self.pred = nn.Linear(cfg.pred_hidden, cfg.joint_hidden)
         activation = {"relu": nn.ReLU(), "tanh": nn.Tanh(), "sigmoid": nn.Sigmoid()}[cfg.joint_activation]
-        # index 1 is the (eval-time no-op) dropout, so the output layer's key is joint_net.2
-        self.joint_net = nn.Sequential(activation, nn.Identity(),
+        # NeMo puts a dropout (a no-op here) between them only when the config has one, so the output layer's
+        # key is joint_net.2 with dropout and joint_net.1 without
+        dropout = [nn.Identity()] if cfg.joint_dropout else []
+        self.joint_net = nn.Sequential(activation, *dropout,
                                        nn.Linear(cfg.joint_hidden, cfg.vocab_size + 1 + self.n_durations))
 
     def project_encoder(self, encoded: Tensor) -> Tensor:

@@ -31,6 +31,9 @@ def nemo_config(kind: ModelKind, *, vocab_size: int, n_mels: int, d_model: int, 
     cfg: dict[str, Any] = {
         "target": f"nemo.collections.asr.models.{_TARGETS[kind]}",
         "sample_rate": 16000,
+        # NeMo's transcribe() reads options from here; no data set is named
+        "validation_ds": {"manifest_filepath": None, "sample_rate": 16000, "batch_size": 4, "shuffle": False,
+                          "use_start_end_token": False},
         "preprocessor": {"_target_": "nemo.collections.asr.modules.AudioToMelSpectrogramPreprocessor",
                          "sample_rate": 16000, "normalize": "per_feature", "window_size": 0.025,
                          "window_stride": 0.01, "window": "hann", "features": n_mels, "n_fft": 512, "log": True,
@@ -59,6 +62,9 @@ def nemo_config(kind: ModelKind, *, vocab_size: int, n_mels: int, d_model: int, 
                     "num_extra_outputs": len(TDT_DURATIONS) if tdt else 0, **words,
                     "jointnet": {"joint_hidden": joint_hidden, "activation": "relu", "dropout": 0.0,
                                  "encoder_hidden": d_model, "pred_hidden": pred_hidden}}
+    # NeMo's transducer classes copy these sizes into the decoder and joint when they are built
+    cfg["model_defaults"] = {"enc_hidden": d_model, "pred_hidden": pred_hidden, "joint_hidden": joint_hidden,
+                             **({"tdt_durations": list(TDT_DURATIONS)} if tdt else {})}
     cfg["decoding"] = {"strategy": "greedy_batch", "greedy": {"max_symbols": 10}}
     if tdt:
         cfg["decoding"].update(model_type="tdt", durations=list(TDT_DURATIONS))

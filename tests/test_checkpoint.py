@@ -9,10 +9,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import yaml
 
 from models import CheckpointError, UnsupportedModelError, load_model
+from models.asr_model import DEFAULT_MODEL
 from models.checkpoint import open_checkpoint
+from models.training.export import save_nemo
 
 
 def _members(nemo: Path) -> dict[str, bytes]:
@@ -195,3 +198,42 @@ def _without(members: dict[str, bytes], suffix: str) -> dict[str, bytes]:
 
 def _replace(members: dict[str, bytes], suffix: str, data: bytes) -> dict[str, bytes]:
     return {k: (data if k.endswith(suffix) else v) for k, v in members.items()}
+
+
+def test_a_joint_without_dropout_has_its_output_layer_at_nemos_index(tdt_members, tmp_path, audio, parity_dir):
+    """NeMo adds the joint's dropout layer only when the config has one: without it the output is joint_net.1."""
+    reference = load_model(parity_dir / "tdt.nemo", device="cpu").transcribe([audio])[0]
+    members = _with_config(tdt_members, lambda cfg: cfg["joint"]["jointnet"].update(dropout=0.0))
+    weights_key = next(k for k in members if k.endswith("model_weights.ckpt"))
+    state = torch.load(io.BytesIO(members[weights_key]), weights_only=True)
+    state = {k.replace("joint.joint_net.2.", "joint.joint_net.1."): v for k, v in state.items()}
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    path = _write_tar(tmp_path / "no_dropout.nemo", {**members, weights_key: buffer.getvalue()})
+    got = load_model(path, device="cpu").transcribe([audio])[0]
+    assert (got.tokens, got.token_frames) == (reference.tokens, reference.token_frames)
+    with pytest.raises(CheckpointError, match=r"unexpected: joint\.joint_net\.2\.weight"):
+        load_model(_write_tar(tmp_path / "mismatch.nemo", members), device="cpu")
+
+
+def test_an_exported_model_has_what_nemos_loader_asks_for(tmp_path):
+    """NeMo's restore_from builds the model from the config before loading weights: the transducer classes
+    read ``model_defaults``, the BPE tokenizer setup needs all three tokenizer files, and transcribe() reads
+    ``validation_ds``. (Checked with NeMo 3.0 itself on the default model: docs/benchmarks.md.)"""
+    source = open_checkpoint(DEFAULT_MODEL)
+    model = load_model(DEFAULT_MODEL, device="cpu", dtype="float32")
+    path = tmp_path / "exported.nemo"
+    save_nemo(model, source.raw_config, source.tokenizer_model, path, compress=False)
+    members = {name.removeprefix("./"): data for name, data in _members(path).items()}
+    cfg = yaml.safe_load(members["model_config.yaml"])
+    assert {"enc_hidden", "pred_hidden", "joint_hidden", "tdt_durations"} <= set(cfg["model_defaults"])
+    assert cfg["validation_ds"]["manifest_filepath"] is None
+    for field in ("model_path", "vocab_path", "spe_tokenizer_vocab"):
+        assert cfg["tokenizer"][field].removeprefix("nemo:") in members, field
+    vocab = members[cfg["tokenizer"]["vocab_path"].removeprefix("nemo:")].decode().splitlines()
+    assert len(vocab) == model.config.vocab_size - 1 and "<unk>" not in vocab  # every piece but <unk>
+    assert cfg["joint"]["jointnet"]["dropout"] == 0.0
+    state = torch.load(io.BytesIO(members["model_weights.ckpt"]), weights_only=True)
+    assert "joint.joint_net.1.weight" in state and "joint.joint_net.2.weight" not in state
+    again = load_model(path, device="cpu", dtype="float32")
+    assert all(torch.equal(again.state_dict()[k], v) for k, v in model.state_dict().items())

@@ -141,7 +141,7 @@ def test_init_from_with_a_larger_vocabulary_keeps_what_it_heard(corpus, tmp_path
           init_from=first / "model.nemo")
     before, after = open_checkpoint(first / "model.nemo"), open_checkpoint(second / "model.nemo")
     assert after.config.vocab_size == 60 and before.config.vocab_size == 40
-    rows = {"decoder.prediction.embed.weight", "joint.joint_net.2.weight", "joint.joint_net.2.bias",
+    rows = {"decoder.prediction.embed.weight", "joint.joint_net.1.weight", "joint.joint_net.1.bias",
             "ctc_decoder.decoder_layers.0.weight", "ctc_decoder.decoder_layers.0.bias"}
     for key, value in before.state_dict.items():
         if key not in rows:

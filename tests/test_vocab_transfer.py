@@ -8,11 +8,26 @@ import pytest
 import sentencepiece as spm
 import torch
 
-from models.training.vocab_transfer import CTC_OUT, EMBEDDING, JOINT_OUT, piece_map, spell_with, transfer_weights
+from models.training.vocab_transfer import (
+    CTC_OUT,
+    EMBEDDING,
+    joint_output_keys,
+    piece_map,
+    spell_with,
+    transfer_weights,
+)
 
 TEXT = ["the cat sat on the mat", "the dog sat on the log", "a cat and a dog walked in the park",
         "they walked and talked", "the mat was flat and the log was long"] * 30
 N_DURATIONS = 3
+JOINT_OUT = ("joint.joint_net.1.weight", "joint.joint_net.1.bias")  # a joint without dropout, as batchasr trains
+
+
+def test_the_joint_output_layer_is_found_with_and_without_nemo_dropout_layer():
+    for index in (1, 2):
+        state = {"joint.enc.weight": torch.zeros(1), f"joint.joint_net.{index}.weight": torch.zeros(1),
+                 f"joint.joint_net.{index}.bias": torch.zeros(1)}
+        assert joint_output_keys(state) == (f"joint.joint_net.{index}.weight", f"joint.joint_net.{index}.bias")
 
 
 def _tokenizer(vocab_size: int, tmp_path) -> bytes:
@@ -74,5 +89,5 @@ def test_a_state_whose_rows_do_not_fit_the_old_tokenizer_is_refused(tmp_path):
     state = {EMBEDDING: torch.zeros(n_old + 1, 4), JOINT_OUT[0]: torch.zeros(n_old + 2, 4),
              JOINT_OUT[1]: torch.zeros(n_old + 2), CTC_OUT[0]: torch.zeros(n_old + 1, 4, 1),
              CTC_OUT[1]: torch.zeros(n_old + 1)}
-    with pytest.raises(ValueError, match=r"joint\.joint_net\.2\.weight"):
+    with pytest.raises(ValueError, match=r"joint\.joint_net\.1\.weight"):
         transfer_weights(state, old_proto, old_proto, N_DURATIONS)

@@ -85,13 +85,31 @@ def float16_keeping_bfloat16(weights: Tensor) -> Tensor:
     return torch.where(wrong_side, nudged, half)
 
 
+def tokenizer_artifacts(tokenizer_proto: bytes) -> dict[str, tuple[str, bytes]]:
+    """The tokenizer members NeMo's BPE models register, keyed by their ``tokenizer`` config field:
+    the SentencePiece model, its ``piece<TAB>score`` listing (``tokenizer.vocab``) and ``vocab.txt`` (the pieces
+    but ``<unk>`` and control pieces, one a line), as NeMo's tokenizer script writes them. NeMo refuses a
+    checkpoint without ``vocab_path``; batchasr reads only the model."""
+    sp = load_sentencepiece(tokenizer_proto)
+    pieces = range(sp.get_piece_size())
+    listing = "".join(f"{sp.id_to_piece(i)}\t{sp.get_score(i):g}\n" for i in pieces)
+    plain = "".join(f"{sp.id_to_piece(i)}\n" for i in pieces if not (sp.is_unknown(i) or sp.is_control(i)))
+    prefix = hashlib.sha1(tokenizer_proto).hexdigest()[:32]
+    return {"model_path": (f"{prefix}_tokenizer.model", tokenizer_proto),
+            "spe_tokenizer_vocab": (f"{prefix}_tokenizer.vocab", listing.encode()),
+            "vocab_path": (f"{prefix}_vocab.txt", plain.encode())}
+
+
 def save_nemo(model: ASRModel, raw_config: dict[str, Any], tokenizer_proto: bytes, path: Path,
-              weights_dtype: torch.dtype = torch.float32) -> None:
+              weights_dtype: torch.dtype = torch.float32, compress: bool = True) -> None:
     """Write a .nemo archive (weights on CPU, floats as ``weights_dtype``) atomically. float16 halves the file
     (the loader casts to the precision asked for) and rounds a weight by at most 2^-10, never across a bfloat16
-    rounding boundary (``float16_keeping_bfloat16``); the preprocessor's buffers stay as they are."""
-    name = f"{hashlib.sha1(tokenizer_proto).hexdigest()[:32]}_tokenizer.model"
-    config = dict(raw_config, tokenizer=dict(raw_config["tokenizer"], model_path=f"nemo:{name}"))
+    rounding boundary (``float16_keeping_bfloat16``); the preprocessor's buffers stay as they are. NeMo reads
+    the archive too (``restore_from``). ``compress=False`` writes a plain tar, as NeMo does: gzip gains nothing
+    on random weights and takes a minute a gigabyte."""
+    artifacts = tokenizer_artifacts(tokenizer_proto)
+    tokenizer = dict(raw_config["tokenizer"], **{field: f"nemo:{name}" for field, (name, _) in artifacts.items()})
+    config = dict(raw_config, tokenizer=tokenizer)
 
     def stored(key: str, value: Tensor) -> Tensor:
         value = value.detach().to("cpu")
@@ -105,10 +123,10 @@ def save_nemo(model: ASRModel, raw_config: dict[str, Any], tokenizer_proto: byte
     weights = io.BytesIO()
     torch.save(state, weights)
     members = {"model_config.yaml": yaml.safe_dump(config, sort_keys=False).encode(),
-               "model_weights.ckpt": weights.getvalue(), name: tokenizer_proto}
+               "model_weights.ckpt": weights.getvalue(), **dict(artifacts.values())}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    with tarfile.open(tmp, "w:gz") as tar:
+    with tarfile.open(tmp, "w:gz" if compress else "w") as tar:
         for member, data in members.items():
             info = tarfile.TarInfo(f"./{member}")
             info.size, info.mtime, info.mode = len(data), int(time.time()), 0o644

@@ -17,7 +17,6 @@ from .export import load_sentencepiece
 # NeMo key -> where its blank row sits, counted from the end (embedding and CTC: last; joint: before the
 # duration logits).
 EMBEDDING = "decoder.prediction.embed.weight"
-JOINT_OUT = ("joint.joint_net.2.weight", "joint.joint_net.2.bias")
 CTC_OUT = ("ctc_decoder.decoder_layers.0.weight", "ctc_decoder.decoder_layers.0.bias")
 
 
@@ -45,6 +44,12 @@ def piece_map(old_proto: bytes, new_proto: bytes) -> list[list[int]]:
             for i in range(new.get_piece_size())]
 
 
+def joint_output_keys(state: dict[str, Tensor]) -> tuple[str, str]:
+    """The joint's output layer: the last of ``joint.joint_net`` (index 1 or 2, see ``heads.Joint``)."""
+    index = max(int(k.split(".")[2]) for k in state if k.startswith("joint.joint_net."))
+    return f"joint.joint_net.{index}.weight", f"joint.joint_net.{index}.bias"
+
+
 def _remap_rows(old: Tensor, mapping: list[list[int]], n_old: int, n_tail: int) -> Tensor:
     """Rows [0, n_old) are tokens (remapped); the ``n_tail`` rows after them (blank, durations) are kept."""
     token_rows = torch.stack([old[ids].mean(dim=0) for ids in mapping])
@@ -56,7 +61,7 @@ def transfer_weights(state: dict[str, Tensor], old_proto: bytes, new_proto: byte
     """``state`` (NeMo keys) re-indexed from the old tokenizer's pieces to the new one's."""
     mapping = piece_map(old_proto, new_proto)
     n_old = state[EMBEDDING].shape[0] - 1
-    tails = {EMBEDDING: 1, **dict.fromkeys(JOINT_OUT, 1 + n_durations), **dict.fromkeys(CTC_OUT, 1)}
+    tails = {EMBEDDING: 1, **dict.fromkeys(joint_output_keys(state), 1 + n_durations), **dict.fromkeys(CTC_OUT, 1)}
     out = dict(state)
     for key, n_tail in tails.items():
         if state[key].shape[0] != n_old + n_tail:
