@@ -1,16 +1,25 @@
 """HTTP throughput at saturation vs the offline engine, and latency at half load; bulk jobs vs offline.
 
 Starts `batchasr serve` (and Redis for --jobs) on 127.0.0.1 in subprocesses, so the load generator never
-shares an interpreter with the server. Prints one JSON object; `docs/benchmarks.md` records the results.
+shares an interpreter with the server. Prints one JSON object (also written to --out); `docs/benchmarks.md`
+records the results.
 
-    python loadtest/http_bench.py --model MODEL.nemo --audio-dir DIR [--requests 200] [--concurrency 64]
-                                  [--jobs]
+The offline baselines run the same audio in this process, on the same device: ``ASRModel.transcribe`` (the
+ceiling for a server, which also decodes uploads) and ``batchasr bench``'s model stages (features, encoder,
+decoder; the issue's "offline engine").
+
+    python loadtest/http_bench.py --model MODEL.nemo|ARCHITECTURE [--audio-dir DIR] [--requests 200]
+        [--concurrency 64] [--batch-size 32] [--device auto] [--dtype auto] [--jobs] [--out FILE]
+
+``--model`` may name a built-in architecture (random weights, calibrated blank, as ``batchasr bench``); without
+``--audio-dir`` the audio is ``batchasr bench``'s LibriSpeech-like synthetic mix, sent as 16-bit WAV.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import json
 import os
 import random
@@ -21,12 +30,49 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import numpy as np
 import soundfile as sf
+import torch
 
 from models import load_model
+from models.architectures import ARCHITECTURES
+from service.bench import Workload, measure, save_random_checkpoint, synthetic_audio
+
+SAMPLE_RATE = 16000
+
+
+@dataclass
+class Clip:
+    name: str
+    body: bytes  # what is uploaded
+    waveform: np.ndarray  # the same audio decoded, for the offline runs
+    duration_s: float
+
+
+def file_clips(audio_dir: Path, n: int) -> list[Clip]:
+    sources = sorted(p for p in audio_dir.iterdir() if p.suffix in (".wav", ".flac"))
+    distinct = [_clip(p.name, p.read_bytes()) for p in sources]
+    return [distinct[i % len(distinct)] for i in range(n)]
+
+
+def synthetic_clips(n: int, seed: int = 0) -> list[Clip]:
+    clips = []
+    for i, wave in enumerate(synthetic_audio(n, seed)):
+        buffer = io.BytesIO()
+        sf.write(buffer, wave, SAMPLE_RATE, subtype="PCM_16", format="WAV")
+        clips.append(_clip(f"synthetic_{i:05d}.wav", buffer.getvalue()))
+    return clips
+
+
+def _clip(name: str, body: bytes) -> Clip:
+    wave, rate = sf.read(io.BytesIO(body), dtype="float32")
+    if wave.ndim > 1 or rate != SAMPLE_RATE:
+        raise ValueError(f"{name}: the bench wants 16 kHz mono audio")
+    return Clip(name, body, wave, len(wave) / SAMPLE_RATE)
 
 
 def free_port() -> int:
@@ -35,15 +81,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def offline_rtfx(model_path: str, files: list[Path], batch_size: int) -> dict:
-    """The same audio through ASRModel.transcribe in one process: the ceiling for the server."""
-    model = load_model(model_path, device="cpu")
-    model.transcribe([str(files[0])])  # warm-up
-    audio_s = sum(sf.info(str(f)).duration for f in files)
+def offline_rtfx(model_path: str, clips: list[Clip], batch_size: int, device: str, dtype: str) -> dict:
+    """The same audio in this process: ``ASRModel.transcribe`` (decoded waveforms in memory; a warm-up pass
+    first) and ``batchasr bench``'s timed model stages."""
+    model = load_model(model_path, device=device, dtype=dtype)
+    waves = [c.waveform for c in clips]
+    audio_s = sum(c.duration_s for c in clips)
+    model.transcribe(waves, batch_size=batch_size)  # warm-up: graphs, allocator
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
     started = time.perf_counter()
-    model.transcribe([str(f) for f in files], batch_size=batch_size)
+    model.transcribe(waves, batch_size=batch_size)
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
     wall = time.perf_counter() - started
-    return {"audio_s": round(audio_s, 2), "wall_s": round(wall, 3), "rtfx": round(audio_s / wall, 2)}
+    bench = measure(Workload(model_path, model, waves, model.default_decoder, None), batch_size)
+    return {"audio_s": round(audio_s, 2), "device": str(model.device), "dtype": str(model.dtype),
+            "transcribe": {"wall_s": round(wall, 3), "rtfx": round(audio_s / wall, 2)},
+            "bench": {"wall_s": bench.wall_s, "rtfx": bench.rtfx, "stage_s": bench.stage_s, "mode": bench.mode}}
 
 
 async def saturate(url: str, bodies: list[bytes], durations: list[float], concurrency: int) -> dict:
@@ -90,27 +145,29 @@ async def open_loop(url: str, bodies: list[bytes], rate_per_s: float, seed: int 
             "p99_s": round(latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))], 4)}
 
 
-async def bulk_job(url: str, files: list[Path], durations: list[float]) -> dict:
+async def bulk_job(url: str, clips: list[Clip]) -> dict:
     async with httpx.AsyncClient(timeout=600) as http:
-        parts = [("files", (f.name, f.read_bytes(), "audio/wav")) for f in files]
+        parts = [("files", (c.name, c.body, "audio/wav")) for c in clips]
         started = time.perf_counter()
         job = (await http.post(f"{url}/v1/jobs", files=parts)).json()
         while job["status"] not in ("completed", "completed_with_errors", "failed", "cancelled"):
             await asyncio.sleep(0.05)
             job = (await http.get(f"{url}/v1/jobs/{job['id']}")).json()
         wall = time.perf_counter() - started
-    return {"items": len(files), "status": job["status"], "wall_s": round(wall, 3),
-            "items_per_s": round(len(files) / wall, 2), "rtfx_wall": round(sum(durations) / wall, 2),
+    return {"items": len(clips), "status": job["status"], "wall_s": round(wall, 3),
+            "items_per_s": round(len(clips) / wall, 2), "rtfx_wall": round(sum(c.duration_s for c in clips) / wall, 2),
             "rtfx_engine": job["rtfx"]}
 
 
-def start_server(model: str, port: int, redis_url: str | None, batch_size: int) -> subprocess.Popen:
-    env = {**os.environ, "BATCHASR_MAX_BATCH_SIZE": str(batch_size), "BATCHASR_MAX_QUEUE": "100000"}
-    command = [sys.executable, "-m", "service.cli", "serve", "--model", model, "--port", str(port)]
+def start_server(model: str, port: int, redis_url: str | None, args: argparse.Namespace) -> subprocess.Popen:
+    env = {**os.environ, "BATCHASR_MAX_BATCH_SIZE": str(args.batch_size), "BATCHASR_MAX_QUEUE": "100000",
+           "BATCHASR_MAX_BATCH_AUDIO_S": str(args.batch_size * 36.0)}  # room for full batches of the longest clips
+    command = [sys.executable, "-m", "service.cli", "serve", "--model", model, "--port", str(port),
+               "--device", args.device, "--dtype", args.dtype]
     if redis_url:
         command += ["--redis-url", redis_url]
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 600  # a large model on a GPU: load, warm-up, graph capture
     while time.monotonic() < deadline:
         try:
             if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
@@ -123,47 +180,64 @@ def start_server(model: str, port: int, redis_url: str | None, batch_size: int) 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--audio-dir", required=True, type=Path)
+    parser.add_argument("--model", required=True, help="a .nemo file or a built-in architecture's name")
+    parser.add_argument("--audio-dir", type=Path, help="16 kHz mono WAV/FLAC files (default: synthetic speech)")
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
     parser.add_argument("--jobs", action="store_true", help="also time a bulk job through Redis")
+    parser.add_argument("--out", type=Path, help="also write the JSON report here")
     args = parser.parse_args()
-    sources = sorted(p for p in args.audio_dir.iterdir() if p.suffix in (".wav", ".flac"))
-    files = [sources[i % len(sources)] for i in range(args.requests)]
-    bodies = [f.read_bytes() for f in files]
-    durations = [sf.info(str(f)).duration for f in files]
-    report = {"offline": offline_rtfx(args.model, files, args.batch_size)}
-    redis_dir, redis = None, None
-    redis_url = None
+    clips = file_clips(args.audio_dir, args.requests) if args.audio_dir else synthetic_clips(args.requests)
+    bodies, durations = [c.body for c in clips], [c.duration_s for c in clips]
+    workdir = Path(tempfile.mkdtemp())
+    model = args.model
+    report: dict = {"model": model, "requests": len(clips), "audio_s": round(sum(durations), 2)}
+    if model in ARCHITECTURES:
+        model = str(workdir / f"{args.model}.nemo")
+        device = args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+        report["blank_shift"] = save_random_checkpoint(args.model, Path(model), device,
+                                                       [c.waveform for c in clips[:4]], seed=0)
+    report["offline"] = offline_rtfx(model, clips, args.batch_size, args.device, args.dtype)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the server is another process on the same GPU
+    redis, redis_url = None, None
     if args.jobs:
-        redis_dir = tempfile.mkdtemp()
         redis_port = free_port()
         redis = subprocess.Popen([shutil.which("redis-server"), "--port", str(redis_port), "--save", "",
-                                  "--dir", redis_dir], stdout=subprocess.DEVNULL)
+                                  "--dir", str(workdir)], stdout=subprocess.DEVNULL)
         redis_url = f"redis://127.0.0.1:{redis_port}/0"
         time.sleep(0.5)
     port = free_port()
-    server = start_server(args.model, port, redis_url, args.batch_size)
+    server = start_server(model, port, redis_url, args)
     url = f"http://127.0.0.1:{port}"
     try:
-        asyncio.run(saturate(url, bodies[:16], durations[:16], 8))  # warm-up
+        warm = min(len(bodies), 2 * args.concurrency)
+        asyncio.run(saturate(url, bodies[:warm], durations[:warm], args.concurrency))  # warm-up
         report["http_saturation"] = asyncio.run(saturate(url, bodies, durations, args.concurrency))
-        report["http_vs_offline"] = round(report["http_saturation"]["rtfx"] / report["offline"]["rtfx"], 3)
+        rtfx = report["http_saturation"]["rtfx"]
+        report["http_vs_transcribe"] = round(rtfx / report["offline"]["transcribe"]["rtfx"], 3)
+        report["http_vs_bench"] = round(rtfx / report["offline"]["bench"]["rtfx"], 3)
         half_rate = report["http_saturation"]["requests_per_s"] / 2
         report["http_half_load"] = asyncio.run(open_loop(url, bodies, half_rate))
         if args.jobs:
-            report["bulk_job"] = asyncio.run(bulk_job(url, files, durations))
-            report["bulk_vs_offline"] = round(report["bulk_job"]["rtfx_wall"] / report["offline"]["rtfx"], 3)
+            report["bulk_job"] = asyncio.run(bulk_job(url, clips))
+            report["bulk_vs_transcribe"] = round(report["bulk_job"]["rtfx_wall"]
+                                                 / report["offline"]["transcribe"]["rtfx"], 3)
     finally:
         server.terminate()
         server.wait(60)
         if redis is not None:
             redis.terminate()
-            shutil.rmtree(redis_dir, ignore_errors=True)
-    report["machine"] = f"{os.cpu_count()} CPU cores, no GPU"
-    print(json.dumps(report, indent=2))
+        shutil.rmtree(workdir, ignore_errors=True)
+    gpu = torch.cuda.get_device_name() if report["offline"]["device"].startswith("cuda") else None
+    report["machine"] = f"{os.cpu_count()} CPU cores, " + (gpu or "no GPU")
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
 
 
 if __name__ == "__main__":

@@ -37,12 +37,12 @@ class DepthwiseStridingSubsampling(nn.Module):
     def __init__(self, n_mels: int, channels: int, d_model: int, factor: int):
         super().__init__()
         n_stages = int(math.log2(factor))
-        layers: list[nn.Module] = [nn.Conv2d(1, channels, 3, stride=2, padding=1), nn.ReLU()]
+        layers: list[nn.Module] = [nn.Conv2d(1, channels, 3, stride=2, padding=1), nn.ReLU(inplace=True)]
         for _ in range(n_stages - 1):
             layers += [
                 nn.Conv2d(channels, channels, 3, stride=2, padding=1, groups=channels),
                 nn.Conv2d(channels, channels, 1),
-                nn.ReLU(),
+                nn.ReLU(inplace=True),
             ]
         self.conv = nn.Sequential(*layers)
         freq = n_mels

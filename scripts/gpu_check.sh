@@ -1,21 +1,28 @@
 #!/usr/bin/env bash
-# GPU checks for label looping and its CUDA graph modes (issue 3): tests/gpu, then the bench table for
-# docs/benchmarks.md (parakeet-tdt-0.6b-v2 and parakeet-rnnt-1.1b, bf16, batch 1/16/128, every algorithm
-# and graph mode).
+# GPU checks and records: label looping and its CUDA graph modes (issue 3), the HTTP path against the offline
+# engine (issue 4), and batchasr against NeMo's own transcribe() (issue 7).
 #
-#   bash scripts/gpu_check.sh [all|tests|bench] [extra scripts/bench_table.py options]
+#   bash scripts/gpu_check.sh [all|tests|bench|nemo|http] [extra options for the stage's script]
 #
-# Results go under $OUT (the device tool's output folder; ./gpu_check_out when unset):
-#   env.txt (GPU, driver, torch, which graph mode "auto" picks and why), gpu_tests.log,
-#   bench.log, bench.jsonl (one `batchasr bench --json` object a line), bench_table.md.
+# Stages and what each writes under $OUT (the device tool's output folder; ./gpu_check_out when unset). Every
+# stage also writes env.txt (GPU, driver, Python, torch, which graph mode "auto" picks and why).
+#   tests  tests/gpu                                                    gpu_tests.log
+#   bench  scripts/bench_table.py: parakeet-tdt-0.6b-v2 and parakeet-rnnt-1.1b, bf16, batch 1/16/128, every
+#          algorithm and graph mode                                     bench.log, bench.jsonl, bench_table.md
+#   nemo   scripts/nemo_compare.py: the same two, bf16, batch 128, against NeMo 3.0 on the same weights and
+#          audio; tokens compared; encoder share of the speed of light; cost per 1M audio hours
+#                                                                       nemo.log, nemo_compare.jsonl, nemo_compare.md
+#   http   loadtest/http_bench.py: parakeet-tdt-0.6b-v2, bf16, `batchasr serve` at saturation and half load vs
+#          the offline engine                                           http.log, http_bench.json
+# The device tool brings back at most 8 files a call and runs a call for at most 10 minutes: run one stage a call.
 #
 # From a development checkout (run through the device tool, which sends the repository but not ../shared):
 #   once here:  mkdir -p .carry && cp -r ../shared/fixtures/nemo-parity .carry/
 #               x=$(git rev-parse --git-path info/exclude); mkdir -p "$(dirname "$x")"; echo /.carry/ >> "$x"
-#   then:       run(command="bash scripts/gpu_check.sh tests", carry=[".carry"])   # and again with "bench"
-# Python packages the GPU image lacks can travel as wheels in .whl/ (see the device tool's README); the GPU
-# tests and the bench use synthetic audio and need none beyond the image's torch, numpy, sentencepiece, pyyaml,
-# pytest, hypothesis and cuda-bindings.
+#               bash scripts/fetch_gpu_wheels.sh          # .whl/: what the image lacks (service and NeMo)
+#   then:       run(command="bash scripts/gpu_check.sh tests", carry=[".carry", ".whl"])   # then bench, nemo, http
+# The tests and the bench need nothing beyond the image's torch, numpy, sentencepiece, pyyaml, pytest,
+# hypothesis and cuda-bindings; nemo and http need the carried wheels.
 set -uo pipefail
 
 what="${1:-all}"
@@ -38,6 +45,7 @@ fi
 {
     date -u +"%Y-%m-%dT%H:%M:%SZ"
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+    python3 --version
     python3 - <<'EOF'
 import torch
 
@@ -64,6 +72,15 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
 fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
     python3 scripts/bench_table.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+if [ "$what" = all ] || [ "$what" = nemo ]; then
+    python3 scripts/nemo_compare.py --out "$OUT" "$@" 2>&1 | tee "$OUT/nemo.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+if [ "$what" = all ] || [ "$what" = http ]; then
+    python3 loadtest/http_bench.py --model parakeet-tdt-0.6b-v2 --device cuda --dtype bfloat16 --batch-size 128 \
+        --requests 2048 --concurrency 256 --out "$OUT/http_bench.json" "$@" 2>&1 | tee "$OUT/http.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 exit "$status"

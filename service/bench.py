@@ -9,7 +9,9 @@ speech-like signal whose durations follow a LibriSpeech-like mix (deterministic 
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
+import io
 import json
 import sys
 import time
@@ -17,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+import sentencepiece as spm
 import torch
 
 from models.asr_model import ASRModel, EncodedBatch
@@ -149,6 +152,46 @@ def calibrate_blank_bias(model: ASRModel, waveforms: list[np.ndarray], decoder: 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+# --- random-weight checkpoints (for tools that need a file: HTTP bench, NeMo comparison) ----------------------
+
+def synthetic_tokenizer(vocab_size: int, seed: int = 0) -> bytes:
+    """A SentencePiece BPE model of exactly ``vocab_size`` pieces, trained on seeded pseudo-words. A .nemo needs
+    a tokenizer of the model's size; with random weights, which text it spells does not matter."""
+    rng = np.random.default_rng(seed)
+    onsets = ["b", "c", "d", "f", "g", "h", "j", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "y", "z",
+              "bl", "br", "ch", "cl", "dr", "fl", "gr", "pl", "pr", "sh", "st", "th", "tr"]
+    vowels = ["a", "e", "i", "o", "u", "ai", "ea", "ee", "oo", "ou"]
+    codas = ["", "", "n", "r", "s", "t", "l", "nd", "st", "ng"]
+
+    def word() -> str:
+        return "".join(str(rng.choice(onsets)) + str(rng.choice(vowels)) + str(rng.choice(codas))
+                       for _ in range(int(rng.integers(1, 4))))
+
+    words = [word() for _ in range(4 * vocab_size)]  # enough distinct pairs for every merge
+    sentences = [" ".join(rng.choice(words, size=8)) for _ in range(len(words) // 2)]
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(sentences), model_writer=model, vocab_size=vocab_size,
+                                   model_type="bpe", character_coverage=1.0, bos_id=-1, eos_id=-1,
+                                   num_threads=4, minloglevel=2)
+    return model.getvalue()
+
+
+def save_random_checkpoint(name: str, path: Path, device: str, waveforms: list[np.ndarray],
+                            seed: int) -> float:
+    """``name``'s architecture with random weights and a calibrated blank, as a float32 .nemo that NeMo and
+    batchasr both load. Returns the blank shift."""
+    from models.architectures import ARCHITECTURES, build_random_model
+    from models.training.export import save_nemo
+
+    model = build_random_model(name, device=device, dtype="float32", seed=seed)
+    shift = calibrate_blank_bias(model, waveforms, model.default_decoder)
+    tokenizer = synthetic_tokenizer(model.config.vocab_size, seed)
+    raw = copy.deepcopy(ARCHITECTURES[name])
+    raw["tokenizer"] = {"dir": None, "type": "bpe"}
+    save_nemo(model, raw, tokenizer, path, torch.float32, compress=False)
+    return shift
 
 
 @dataclass

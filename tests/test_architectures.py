@@ -51,3 +51,19 @@ def test_small_hybrid_architecture_decodes_with_both_heads():
 def test_unknown_architecture_is_named():
     with pytest.raises(ValueError, match=r"unknown architecture 'parakeet-9b'; built-in: parakeet-tdt-0\.6b-v2"):
         build_random_model("parakeet-9b")
+
+
+def test_random_encoder_output_moves_with_the_audio_and_calibrates_to_speech_like_label_rates():
+    """Without centring the subsampling, every frame's output is nearly the same vector (its spread over time was
+    3% of its size) and greedy decoding emits labels on every frame or on none, whatever the blank bias."""
+    from service.bench import calibrate_blank_bias, synthetic_audio
+
+    model = build_random_model("parakeet-tdt_ctc-110m", device="cpu", dtype="float32")
+    waves = [w[:48000] for w in synthetic_audio(3, seed=2)]
+    batch = model.encode(waves)
+    frames = batch.encoded[0, : int(batch.lengths[0])]
+    assert frames.std(dim=0).mean() > 0.5 * frames.std()
+    for decoder in ("tdt", "ctc"):
+        calibrate_blank_bias(model, waves, decoder)
+        hyps = model.decode(batch, decoder)
+        assert sum(len(h.tokens) for h in hyps) / int(batch.lengths.sum()) == pytest.approx(1 / 3, abs=0.08)

@@ -1,18 +1,26 @@
-"""``batchasr bench`` on CPU with a fixture model: JSON shape, exactness hash, blank calibration."""
+"""``batchasr bench`` on CPU with a fixture model: JSON shape, exactness hash, blank calibration; random-weight
+checkpoints for the tools that need a file."""
 
 from __future__ import annotations
 
 import json
+import tarfile
 
 import numpy as np
 import pytest
+import sentencepiece as spm
+import torch
+import yaml
 
 from models import load_model
+from models.architectures import build_random_model
 from service.bench import (
     DURATION_RANGE_S,
     calibrate_blank_bias,
+    save_random_checkpoint,
     synthetic_audio,
     synthetic_durations,
+    synthetic_tokenizer,
     tokens_sha1,
 )
 from service.cli import main as cli_main
@@ -70,3 +78,30 @@ def test_blank_calibration_reaches_one_token_per_three_frames(parity_dir, name, 
     hyps = model.decode(batch, decoder)
     rate = sum(len(h.tokens) for h in hyps) / int(batch.lengths.sum())
     assert rate == pytest.approx(1 / 3, abs=0.05)
+
+
+def test_synthetic_tokenizer_has_exactly_the_pieces_asked_for_and_is_seeded():
+    proto = synthetic_tokenizer(1024, seed=3)
+    sp = spm.SentencePieceProcessor()
+    sp.LoadFromSerializedProto(proto)
+    assert sp.get_piece_size() == 1024 and sp.bos_id() == sp.eos_id() == -1
+    assert synthetic_tokenizer(1024, seed=3) == proto
+
+
+@pytest.mark.slow
+def test_random_checkpoint_holds_the_calibrated_architecture_in_nemos_layout(tmp_path):
+    path = tmp_path / "random.nemo"
+    waves = [w[:16000] for w in synthetic_audio(4, seed=0)]
+    shift = save_random_checkpoint("parakeet-tdt_ctc-110m", path, "cpu", waves, seed=0)
+    loaded = load_model(path, device="cpu", dtype="float32")
+    built = build_random_model("parakeet-tdt_ctc-110m", device="cpu", dtype="float32", seed=0)
+    blank = built.config.vocab_size
+    with torch.no_grad():  # what calibration did to the head it calibrated (the TDT head: the default)
+        built.joint.joint_net[-1].bias[blank] += shift
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in built.state_dict().items())
+    with tarfile.open(path) as tar:  # plain tar, as NeMo writes
+        names = {m.name.removeprefix("./") for m in tar.getmembers()}
+        cfg = yaml.safe_load(tar.extractfile("./model_config.yaml").read())
+    fields = ("model_path", "vocab_path", "spe_tokenizer_vocab")
+    assert {cfg["tokenizer"][field].removeprefix("nemo:") for field in fields} <= names
+    assert loaded.tokenizer.vocab_size == blank

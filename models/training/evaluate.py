@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from itertools import islice
 from pathlib import Path
 
@@ -32,7 +32,8 @@ RATE_BANDS = ((130, 150), (150, 170), (170, 190), (190, 211))  # words per minut
 N_FIT = 300  # training utterances for the fit column
 
 
-def edit_distance(ref: Sequence[str], hyp: Sequence[str]) -> int:
+def edit_distance(ref: Sequence[Hashable], hyp: Sequence[Hashable]) -> int:
+    """Levenshtein distance between two sequences (words, token ids)."""
     row = list(range(len(hyp) + 1))
     for i, r in enumerate(ref, 1):
         prev, row[0] = row[0], i

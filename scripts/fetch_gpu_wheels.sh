@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Fetch, here where pip reaches a package index, the wheels the GPU machine's image lacks, into .whl/ (ignored
+# by git; the device tool carries it when a run names it). scripts/gpu_check.sh installs whatever is there.
+#
+#   bash scripts/fetch_gpu_wheels.sh [service] [nemo]      # default: both lists
+#
+# The image's Python is 3.12 (override with PYTHON_VERSION). A package published only as source is built here
+# into a wheel, which must come out pure Python (py3-none-any) to run there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python_version="${PYTHON_VERSION:-3.12}"
+groups=("$@")
+[ ${#groups[@]} -gt 0 ] || groups=(service nemo)
+exclude="$(git rev-parse --git-path info/exclude)"
+mkdir -p .whl "$(dirname "$exclude")"
+grep -qx '/.whl/' "$exclude" 2>/dev/null || echo /.whl/ >> "$exclude"
+platforms=()
+for n in 1 2014 2_17 2_24 2_27 2_28 2_31 2_34 2_35; do
+    case "$n" in 1|2014) platforms+=(--platform "manylinux${n}_x86_64") ;; *) platforms+=(--platform "manylinux_${n}_x86_64") ;; esac
+done
+for group in "${groups[@]}"; do
+    for spec in $(grep -v '^#' "scripts/gpu_wheels_${group}.txt"); do
+        if ! python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$python_version" \
+                --implementation cp "${platforms[@]}" -d .whl "$spec" 2>/dev/null; then
+            python3 -m pip wheel -q --no-deps -w .whl "$spec"
+        fi
+    done
+done
+if compgen -G ".whl/*-cp3*-linux*.whl" > /dev/null && ls .whl | grep -v -e "cp${python_version/./}" -e "py3-none" -e "py2.py3-none" -e "abi3" ; then
+    echo "error: the wheels above were built for another Python than $python_version" >&2
+    exit 1
+fi
+du -sh .whl

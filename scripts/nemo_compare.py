@@ -1,0 +1,334 @@
+"""The performance record against NeMo (issue 7): batchasr and NeMo's own ``transcribe()``, same weights, same audio.
+
+For each architecture (random weights, the blank calibrated as ``batchasr bench`` does, about one token in three
+frames) one ``.nemo`` file is written that both load. The audio is ``batchasr bench``'s LibriSpeech-like synthetic
+mix, in memory for both. Each side runs its public API (``ASRModel.transcribe`` / NeMo's ``transcribe``, greedy
+label looping with CUDA graphs) at one batch size: a warm-up pass, then ``--repeat`` timed passes (the median is
+kept). NeMo gets its inputs sorted longest first, its best case; batchasr sorts them itself.
+
+Also recorded:
+- tokens, utterance by utterance: in the timed precision, and in float32 on a subset (TF32 off on both sides);
+- each side's stage times (features, encoder, decoder; NeMo's timed on its own modules, so what its
+  transcribe() takes beyond their sum is its data path);
+- the encoder's share of the speed of light: FLOPs counted by torch's ``FlopCounterMode`` over one pass,
+  divided by a measured large matrix product's rate (in the timed dtype) and by the encoder's measured seconds;
+- cost per million audio hours at ``--gpu-hour-usd``.
+
+NeMo's precision follows the Open ASR Leaderboard's NeMo runner: the whole model cast with ``.to(bfloat16)``.
+
+    PYTHONPATH=. python scripts/nemo_compare.py --out DIR [--models parakeet-tdt-0.6b-v2 parakeet-rnnt-1.1b]
+        [--batch-size 128] [--n-utterances 512] [--repeat 3] [--dtype bfloat16] [--gpu-hour-usd 2.50]
+
+Writes DIR/nemo_compare.jsonl (one object a model) and DIR/nemo_compare.md (the table for docs/benchmarks.md).
+Needs NeMo (``nemo_toolkit[asr]``) importable; scripts/gpu_check.sh installs it from carried wheels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import gc
+import json
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from models import load_model
+from models.architectures import ARCHITECTURES
+from models.asr_model import ASRModel
+from models.training.evaluate import edit_distance
+from service.bench import SAMPLE_RATE, Workload, measure, save_random_checkpoint, synthetic_audio, tokens_sha1
+from service.timing import StageClock
+
+MODELS = ("parakeet-tdt-0.6b-v2", "parakeet-rnnt-1.1b")
+
+
+# --- each side's transcribe -----------------------------------------------------------------------------------
+
+Transcriber = Callable[[list[np.ndarray]], list[list[int]]]  # waveforms -> token ids, in input order
+
+
+def batchasr_transcriber(model: ASRModel, batch_size: int) -> Transcriber:
+    return lambda waves: [t.tokens for t in model.transcribe(waves, batch_size=batch_size)]
+
+
+def load_nemo(path: Path, device: str, dtype: torch.dtype) -> Any:
+    """NeMo's own model from the file, greedy label looping with CUDA graphs (NeMo's fast path)."""
+    from nemo.collections.asr.models import ASRModel as NeMoASRModel
+    from omegaconf import open_dict
+
+    model = NeMoASRModel.restore_from(str(path), map_location=torch.device(device))
+    model.eval()
+    decoding = copy.deepcopy(model.cfg.decoding)
+    with open_dict(decoding):
+        decoding.strategy = "greedy_batch"
+        decoding.greedy.max_symbols = 10
+        decoding.greedy.loop_labels = True
+        decoding.greedy.use_cuda_graph_decoder = True
+    model.change_decoding_strategy(decoding, verbose=False)
+    return model.to(dtype)
+
+
+def nemo_transcriber(model: Any, batch_size: int) -> Transcriber:
+    def run(waves: list[np.ndarray]) -> list[list[int]]:
+        order = sorted(range(len(waves)), key=lambda i: len(waves[i]), reverse=True)
+        hyps = model.transcribe([waves[i] for i in order], batch_size=batch_size, return_hypotheses=True,
+                                verbose=False)
+        if isinstance(hyps, tuple):  # some NeMo versions return (best, all)
+            hyps = hyps[0]
+        tokens: list[list[int]] = [[] for _ in waves]
+        for i, hyp in zip(order, hyps, strict=True):
+            tokens[i] = [int(t) for t in hyp.y_sequence]
+        return tokens
+
+    return run
+
+
+@torch.inference_mode()
+def nemo_stage_seconds(model: Any, waves: list[np.ndarray], batch_size: int) -> dict[str, float]:
+    """NeMo's own modules timed stage by stage on batches grouped as transcribe() groups them: the preprocessor,
+    the encoder, the greedy decoding. What transcribe() takes beyond their sum is its data path."""
+    device = next(model.parameters()).device
+    clock = StageClock(device)
+    order = sorted(range(len(waves)), key=lambda i: len(waves[i]), reverse=True)
+    for start in range(0, len(order), batch_size):
+        chunk = [waves[i] for i in order[start : start + batch_size]]
+        audio = torch.zeros(len(chunk), len(chunk[0]))
+        for row, wave in enumerate(chunk):
+            audio[row, : len(wave)] = torch.from_numpy(wave)
+        lengths = torch.tensor([len(w) for w in chunk])
+        audio, lengths = audio.to(device), lengths.to(device)
+        marks = [clock.mark()]
+        features, n_frames = model.preprocessor(input_signal=audio, length=lengths)
+        marks.append(clock.mark())
+        encoded, encoded_lengths = model.encoder(audio_signal=features, length=n_frames)
+        marks.append(clock.mark())
+        model.decoding.rnnt_decoder_predictions_tensor(encoder_output=encoded, encoded_lengths=encoded_lengths)
+        clock.marks.append([*marks, clock.mark()])
+    return {k: round(v, 4) for k, v in clock.stage_seconds().items()}
+
+
+@dataclass
+class Timing:
+    passes_s: list[float]
+    tokens: list[list[int]]
+
+    @property
+    def wall_s(self) -> float:
+        return statistics.median(self.passes_s)
+
+
+def timed(transcribe: Transcriber, waves: list[np.ndarray], repeat: int) -> Timing:
+    """One warm-up pass (graph capture, allocator growth), then ``repeat`` timed passes."""
+    transcribe(waves)
+    passes = []
+    for _ in range(repeat):
+        _synchronize()
+        started = time.perf_counter()
+        tokens = transcribe(waves)
+        _synchronize()
+        passes.append(time.perf_counter() - started)
+    return Timing(passes, tokens)
+
+
+@contextlib.contextmanager
+def exact_float32() -> Iterator[None]:
+    """TF32 off for the float32 comparison (NeMo leaves cuDNN's TF32 on by default)."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict[str, Any]:
+    """Utterances with identical tokens, and token edits over NeMo's token count where they differ."""
+    edits = sum(edit_distance(a, b) for a, b in zip(ours, theirs, strict=True) if a != b)
+    return {"utterances": len(ours), "identical": sum(a == b for a, b in zip(ours, theirs, strict=True)),
+            "token_edit_rate": round(edits / max(sum(map(len, theirs)), 1), 6),
+            "sha1_batchasr": _sha1(ours), "sha1_nemo": _sha1(theirs)}
+
+
+def _sha1(tokens: list[list[int]]) -> str:
+    return tokens_sha1(dict(enumerate(tokens)))
+
+
+# --- speed of light -------------------------------------------------------------------------------------------
+
+def encoder_flops(model: ASRModel, waves: list[np.ndarray], batch_size: int) -> int:
+    """FLOPs of the encoder over ``waves`` in batches of ``batch_size`` (longest first, as transcribe groups)."""
+    order = sorted(range(len(waves)), key=lambda i: len(waves[i]), reverse=True)
+    counter = FlopCounterMode(display=False)
+    total = 0
+    for start in range(0, len(order), batch_size):
+        features, n_frames = model.featurize([waves[i] for i in order[start : start + batch_size]])
+        with counter:
+            model.run_encoder(features, n_frames)
+        total += counter.get_total_flops()
+    return total
+
+
+def matmul_peak_flops(device: torch.device, dtype: torch.dtype, n: int = 8192, repeat: int = 20) -> float:
+    """Measured FLOP/s of a large square matrix product: the speed of light the encoder is held to."""
+    if device.type != "cuda":
+        n, repeat = 1024, 3
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    _synchronize()
+    started = time.perf_counter()
+    for _ in range(repeat):
+        a @ b
+    _synchronize()
+    return 2 * n**3 * repeat / (time.perf_counter() - started)
+
+
+# --- one model ------------------------------------------------------------------------------------------------
+
+def compare_model(name: str, args: argparse.Namespace, workdir: Path, peak: float) -> dict[str, Any]:
+    dtype = getattr(torch, args.dtype)
+    waves = synthetic_audio(args.n_utterances, args.seed)
+    audio_s = sum(len(w) for w in waves) / SAMPLE_RATE
+    check = waves[: args.check_utterances]
+    path = workdir / f"{name}.nemo"
+    started = time.perf_counter()
+    shift = save_random_checkpoint(name, path, args.device, waves[:4], args.seed)
+    print(f"{name}: checkpoint written in {time.perf_counter() - started:.0f} s (blank shift {shift:+.2f})",
+          flush=True)
+    record: dict[str, Any] = {"model": name, "batch_size": args.batch_size, "dtype": args.dtype,
+                              "n_utterances": len(waves), "audio_s": round(audio_s, 2), "repeat": args.repeat,
+                              "blank_shift": round(shift, 3), "gpu_hour_usd": args.gpu_hour_usd}
+
+    # float32 first: both sides must give the same tokens
+    with exact_float32():
+        ours32 = load_model(path, device=args.device, dtype="float32")
+        ours_tokens = batchasr_transcriber(ours32, args.batch_size)(check)
+        del ours32
+        nemo32 = load_nemo(path, args.device, torch.float32)
+        nemo_tokens = nemo_transcriber(nemo32, args.batch_size)(check)
+    record["float32_agreement"] = agreement(ours_tokens, nemo_tokens)
+    print(f"{name}: float32 tokens {record['float32_agreement']}", flush=True)
+
+    nemo = nemo32.to(dtype)
+    del nemo32
+    nemo_run = timed(nemo_transcriber(nemo, args.batch_size), waves, args.repeat)
+    nemo_stages = nemo_stage_seconds(nemo, waves, args.batch_size)
+    del nemo
+    _free()
+
+    ours = load_model(path, device=args.device, dtype=args.dtype)
+    our_run = timed(batchasr_transcriber(ours, args.batch_size), waves, args.repeat)
+    stages = measure(Workload(name, ours, waves, ours.default_decoder, None), args.batch_size, 1)
+    flops = encoder_flops(ours, waves, args.batch_size)
+    del ours
+    _free()
+
+    record["batchasr"] = _side(audio_s, our_run, args.gpu_hour_usd)
+    record["nemo"] = _side(audio_s, nemo_run, args.gpu_hour_usd)
+    record["rtfx_ratio"] = round(record["batchasr"]["rtfx"] / record["nemo"]["rtfx"], 3)
+    record["agreement"] = agreement(our_run.tokens, nemo_run.tokens)
+    record["stages"] = {"stage_s": stages.stage_s, "decoder_share": stages.decoder_share, "mode": stages.mode,
+                        "tokens_per_frame": stages.tokens_per_frame, "tokens_sha1": stages.tokens_sha1,
+                        "nemo_stage_s": nemo_stages}
+    encoder_s = stages.stage_s["encoder"]
+    record["encoder"] = {"flops": flops, "flops_per_audio_s": round(flops / audio_s), "seconds": encoder_s,
+                         "achieved_tflops": round(flops / encoder_s / 1e12, 3),
+                         "peak_tflops": round(peak / 1e12, 3),
+                         "share_of_speed_of_light": round(flops / peak / encoder_s, 3)}
+    return record
+
+
+def _side(audio_s: float, run: Timing, gpu_hour_usd: float) -> dict[str, Any]:
+    rtfx = audio_s / run.wall_s
+    return {"wall_s": round(run.wall_s, 4), "passes_s": [round(p, 4) for p in run.passes_s],
+            "rtfx": round(rtfx, 1), "usd_per_million_audio_hours": round(1e6 / rtfx * gpu_hour_usd, 2)}
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# --- output ---------------------------------------------------------------------------------------------------
+
+HEADER = ("| model | batch | dtype | batchasr RTFx | NeMo RTFx | ratio | same tokens (timed dtype) | "
+          "same tokens (float32) | stages s: features / encoder / decoder (batchasr; NeMo) | "
+          "encoder: share of the speed of light (matmul peak) | "
+          "$ per 1M audio hours (batchasr / NeMo) |\n|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def table_row(r: dict[str, Any]) -> str:
+    same, same32 = r["agreement"], r["float32_agreement"]
+    return (f"| {r['model']} | {r['batch_size']} | {r['dtype']} | {r['batchasr']['rtfx']:.0f} | "
+            f"{r['nemo']['rtfx']:.0f} | {r['rtfx_ratio']:.2f}x | {same['identical']}/{same['utterances']} "
+            f"({same['token_edit_rate']:.2%} token edits) | {same32['identical']}/{same32['utterances']} | "
+            f"{_stages(r['stages']['stage_s'])}; {_stages(r['stages']['nemo_stage_s'])} | "
+            f"{r['encoder']['share_of_speed_of_light']:.0%} "
+            f"({r['encoder']['achieved_tflops']:.3g} of {r['encoder']['peak_tflops']:.3g} TFLOP/s) | "
+            f"{r['batchasr']['usd_per_million_audio_hours']:,.0f} / {r['nemo']['usd_per_million_audio_hours']:,.0f} |")
+
+
+def _stages(stage_s: dict[str, float]) -> str:
+    return " / ".join(f"{stage_s[k]:.3g}" for k in ("features", "encoder", "decoder"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=sorted(ARCHITECTURES))
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--n-utterances", type=int, default=512)
+    parser.add_argument("--check-utterances", type=int, default=128, help="float32 token check on this many")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--gpu-hour-usd", type=float, default=2.50, help="price of one GPU hour, for the cost")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    device = torch.device(args.device)
+    peak = matmul_peak_flops(device, getattr(torch, args.dtype))
+    print(f"measured {args.dtype} matrix-product peak: {peak / 1e12:.1f} TFLOP/s", flush=True)
+    rows, failed = [], False
+    with (args.out / "nemo_compare.jsonl").open("w") as jsonl, tempfile.TemporaryDirectory() as workdir:
+        for name in args.models:
+            try:
+                record = compare_model(name, args, Path(workdir), peak)
+            except Exception as exc:  # one failing model must not lose the other's record
+                traceback.print_exc()
+                record, failed = {"model": name, "error": f"{type(exc).__name__}: {exc}"}, True
+            else:
+                rows.append(table_row(record))
+                print(rows[-1], flush=True)
+            record["gpu"] = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+            jsonl.write(json.dumps(record) + "\n")
+            jsonl.flush()
+            (Path(workdir) / f"{name}.nemo").unlink(missing_ok=True)
+            _free()
+    table = HEADER + "\n" + "\n".join(rows) + "\n"
+    (args.out / "nemo_compare.md").write_text(table)
+    print(table)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
