@@ -9,7 +9,8 @@ ceiling for a server, which also decodes uploads) and ``batchasr bench``'s model
 decoder; the issue's "offline engine").
 
     python loadtest/http_bench.py --model MODEL.nemo|ARCHITECTURE [--audio-dir DIR] [--requests 200]
-        [--concurrency 64] [--batch-size 32] [--device auto] [--dtype auto] [--jobs] [--out FILE]
+        [--concurrency 64] [--batch-size 32] [--device auto] [--dtype auto] [--attention-kernel reference]
+        [--jobs] [--out FILE]
 
 ``--model`` may name a built-in architecture (random weights, calibrated blank, as ``batchasr bench``); without
 ``--audio-dir`` the audio is ``batchasr bench``'s LibriSpeech-like synthetic mix, sent as 16-bit WAV.
@@ -81,10 +82,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def offline_rtfx(model_path: str, clips: list[Clip], batch_size: int, device: str, dtype: str) -> dict:
+def offline_rtfx(model_path: str, clips: list[Clip], args: argparse.Namespace) -> dict:
     """The same audio in this process: ``ASRModel.transcribe`` (decoded waveforms in memory; a warm-up pass
     first) and ``batchasr bench``'s timed model stages."""
-    model = load_model(model_path, device=device, dtype=dtype)
+    batch_size = args.batch_size
+    model = load_model(model_path, device=args.device, dtype=args.dtype, attention_kernel=args.attention_kernel)
     waves = [c.waveform for c in clips]
     audio_s = sum(c.duration_s for c in clips)
     model.transcribe(waves, batch_size=batch_size)  # warm-up: graphs, allocator
@@ -163,7 +165,7 @@ def start_server(model: str, port: int, redis_url: str | None, args: argparse.Na
     env = {**os.environ, "BATCHASR_MAX_BATCH_SIZE": str(args.batch_size), "BATCHASR_MAX_QUEUE": "100000",
            "BATCHASR_MAX_BATCH_AUDIO_S": str(args.batch_size * 36.0)}  # room for full batches of the longest clips
     command = [sys.executable, "-m", "service.cli", "serve", "--model", model, "--port", str(port),
-               "--device", args.device, "--dtype", args.dtype]
+               "--device", args.device, "--dtype", args.dtype, "--attention-kernel", args.attention_kernel]
     if redis_url:
         command += ["--redis-url", redis_url]
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -187,6 +189,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--attention-kernel", default="reference", choices=("reference", "sdpa"))
     parser.add_argument("--jobs", action="store_true", help="also time a bulk job through Redis")
     parser.add_argument("--out", type=Path, help="also write the JSON report here")
     args = parser.parse_args()
@@ -194,13 +197,14 @@ def main() -> None:
     bodies, durations = [c.body for c in clips], [c.duration_s for c in clips]
     workdir = Path(tempfile.mkdtemp())
     model = args.model
-    report: dict = {"model": model, "requests": len(clips), "audio_s": round(sum(durations), 2)}
+    report: dict = {"model": model, "attention_kernel": args.attention_kernel, "requests": len(clips),
+                    "audio_s": round(sum(durations), 2)}
     if model in ARCHITECTURES:
         model = str(workdir / f"{args.model}.nemo")
         device = args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
         report["blank_shift"] = save_random_checkpoint(args.model, Path(model), device,
                                                        [c.waveform for c in clips[:4]], seed=0)
-    report["offline"] = offline_rtfx(model, clips, args.batch_size, args.device, args.dtype)
+    report["offline"] = offline_rtfx(model, clips, args)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the server is another process on the same GPU
     redis, redis_url = None, None

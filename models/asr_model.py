@@ -270,8 +270,11 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 
 def load_model(path_or_name: str | Path | None = None, device: str | torch.device = "auto",
-               dtype: str | torch.dtype = "auto") -> ASRModel:
-    """Load a ``.nemo`` file or unpacked checkpoint directory; with no argument, the embedded default model."""
+               dtype: str | torch.dtype = "auto", attention_kernel: str = "reference") -> ASRModel:
+    """Load a ``.nemo`` file or unpacked checkpoint directory; with no argument, the embedded default model.
+
+    ``attention_kernel``: "reference" (NeMo's sequence of operations) or "sdpa" (torch's fused attention; the
+    same result up to rounding), see ``fastconformer.ATTENTION_KERNELS``."""
     path = Path(path_or_name) if path_or_name is not None else DEFAULT_MODEL
     if path_or_name is None and not path.exists():
         raise CheckpointError("the embedded default model is not installed (models/assets/default.nemo); "
@@ -279,5 +282,7 @@ def load_model(path_or_name: str | Path | None = None, device: str | torch.devic
     target_device = resolve_device(device)
     target_dtype = resolve_dtype(dtype, target_device)
     model = ASRModel.from_checkpoint(open_checkpoint(path))
-    log.info("loaded %s (%s) on %s as %s", path, model.config.kind, target_device, target_dtype)
+    model.encoder.set_attention_kernel(attention_kernel)
+    log.info("loaded %s (%s) on %s as %s, %s attention", path, model.config.kind, target_device, target_dtype,
+             attention_kernel)
     return model.to_precision(target_device, target_dtype)

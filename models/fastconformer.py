@@ -15,6 +15,11 @@ from torch import Tensor, nn
 from .config import EncoderConfig
 
 ATTENTION_MASK_VALUE = -10000.0  # NeMo's INF_VAL: masked scores are this, not -inf
+# How attention weights are computed: "reference" is NeMo's sequence of operations (scores, softmax, weighted
+# sum, each a separate tensor); "sdpa" hands the content scores, softmax and weighted sum to
+# torch's fused scaled_dot_product_attention, with the position scores as its additive mask. Same result
+# up to rounding (about 1e-7 in float32).
+ATTENTION_KERNELS = ("reference", "sdpa")
 
 
 def _conv_out_length(n: Tensor) -> Tensor:
@@ -119,6 +124,7 @@ class RelPositionMultiHeadAttention(nn.Module):
         self.linear_pos = nn.Linear(d_model, d_model, bias=False)  # never a bias, whatever use_bias says
         self.pos_bias_u = nn.Parameter(torch.zeros(n_heads, self.d_k))
         self.pos_bias_v = nn.Parameter(torch.zeros(n_heads, self.d_k))
+        self.kernel = "reference"  # one of ATTENTION_KERNELS; set for the whole encoder by set_attention_kernel
 
     @staticmethod
     def rel_shift(x: Tensor) -> Tensor:
@@ -128,8 +134,9 @@ class RelPositionMultiHeadAttention(nn.Module):
         x = x.view(b, h, p + 1, t)[:, :, 1:]  # drop the first row
         return x.reshape(b, h, t, p)
 
-    def forward(self, x: Tensor, pos_emb: Tensor, att_mask: Tensor) -> Tensor:
-        """x (B, T, d), pos_emb (1, 2T-1, d), att_mask (B, T, T) True where attention is not allowed."""
+    def forward(self, x: Tensor, pos_emb: Tensor, att_mask: Tensor, pad_mask: Tensor) -> Tensor:
+        """x (B, T, d), pos_emb (1, 2T-1, d), att_mask (B, T, T) True where attention is not allowed,
+        pad_mask (B, T) True on padded frames."""
         b, t, _ = x.shape
         q = self.linear_q(x).view(b, t, self.n_heads, self.d_k)  # (B, T, h, d_k)
         k = self.linear_k(x).view(b, t, self.n_heads, self.d_k).transpose(1, 2)  # (B, h, T, d_k)
@@ -137,13 +144,21 @@ class RelPositionMultiHeadAttention(nn.Module):
         p = self.linear_pos(pos_emb).view(1, -1, self.n_heads, self.d_k).transpose(1, 2)  # (1, h, 2T-1, d_k)
         q_u = (q + self.pos_bias_u).transpose(1, 2)  # (B, h, T, d_k)
         q_v = (q + self.pos_bias_v).transpose(1, 2)
-        scores_pos = self.rel_shift(torch.matmul(q_v, p.transpose(-2, -1)))[..., :t]  # (B, h, T, T)
-        scores_content = torch.matmul(q_u, k.transpose(-2, -1))
-        scores = (scores_content + scores_pos) / math.sqrt(self.d_k)
         mask = att_mask.unsqueeze(1)  # (B, 1, T, T)
-        attn = torch.softmax(scores.masked_fill(mask, ATTENTION_MASK_VALUE), dim=-1).masked_fill(mask, 0.0)
-        out = torch.matmul(attn, v).transpose(1, 2).reshape(b, t, self.n_heads * self.d_k)
-        return self.linear_out(out)
+        if self.kernel == "sdpa":
+            scale = 1 / math.sqrt(self.d_k)
+            scores_pos = self.rel_shift(torch.matmul(q_v * scale, p.transpose(-2, -1)))[..., :t]
+            out = nn.functional.scaled_dot_product_attention(
+                q_u, k, v, attn_mask=scores_pos.masked_fill(mask, ATTENTION_MASK_VALUE))
+            # a padded query attends to nothing: zero, as the reference's masked weights make it
+            out = out.masked_fill(pad_mask[:, None, :, None], 0.0)
+        else:
+            scores_pos = self.rel_shift(torch.matmul(q_v, p.transpose(-2, -1)))[..., :t]  # (B, h, T, T)
+            scores_content = torch.matmul(q_u, k.transpose(-2, -1))
+            scores = (scores_content + scores_pos) / math.sqrt(self.d_k)
+            attn = torch.softmax(scores.masked_fill(mask, ATTENTION_MASK_VALUE), dim=-1).masked_fill(mask, 0.0)
+            out = torch.matmul(attn, v)
+        return self.linear_out(out.transpose(1, 2).reshape(b, t, self.n_heads * self.d_k))
 
 
 class ConvModule(nn.Module):
@@ -184,7 +199,7 @@ class ConformerLayer(nn.Module):
 
     def forward(self, x: Tensor, pos_emb: Tensor, att_mask: Tensor, pad_mask: Tensor) -> Tensor:
         x = x + self.feed_forward1(self.norm_feed_forward1(x)) * 0.5
-        x = x + self.self_attn(self.norm_self_att(x), pos_emb, att_mask)
+        x = x + self.self_attn(self.norm_self_att(x), pos_emb, att_mask, pad_mask)
         x = x + self.conv(self.norm_conv(x), pad_mask)
         x = x + self.feed_forward2(self.norm_feed_forward2(x)) * 0.5
         return self.norm_out(x)
@@ -205,6 +220,15 @@ class FastConformerEncoder(nn.Module):
             ConformerLayer(cfg.d_model, cfg.n_heads, d_ff, cfg.conv_kernel_size, cfg.use_bias)
             for _ in range(cfg.n_layers)
         )
+        self.attention_kernel = "reference"
+
+    def set_attention_kernel(self, kernel: str) -> None:
+        """Compute attention with ``kernel`` (see ``ATTENTION_KERNELS``) in every layer."""
+        if kernel not in ATTENTION_KERNELS:
+            raise ValueError(f"unknown attention kernel {kernel!r}; choose from {', '.join(ATTENTION_KERNELS)}")
+        for layer in self.layers:
+            layer.self_attn.kernel = kernel
+        self.attention_kernel = kernel
 
     def forward(self, features: Tensor, n_frames: Tensor) -> tuple[Tensor, Tensor]:
         """

@@ -47,6 +47,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from models import load_model
 from models.architectures import ARCHITECTURES
 from models.asr_model import ASRModel
+from models.fastconformer import ATTENTION_KERNELS
 from models.training.evaluate import edit_distance
 from service.bench import SAMPLE_RATE, Workload, measure, save_random_checkpoint, synthetic_audio, tokens_sha1
 from service.timing import StageClock
@@ -229,26 +230,32 @@ def compare_model(name: str, args: argparse.Namespace, workdir: Path, peak: floa
     del nemo
     _free()
 
-    ours = load_model(path, device=args.device, dtype=args.dtype)
-    our_run = timed(batchasr_transcriber(ours, args.batch_size), waves, args.repeat)
-    stages = measure(Workload(name, ours, waves, ours.default_decoder, None), args.batch_size, 1)
+    record["nemo"] = _side(audio_s, nemo_run, args.gpu_hour_usd)
+    record["nemo_stage_s"] = nemo_stages
+    record["runs"] = [batchasr_run(path, kernel, waves, nemo_run, args, peak) for kernel in args.attention_kernels]
+    return record
+
+
+def batchasr_run(path: Path, kernel: str, waves: list[np.ndarray], nemo_run: Timing, args: argparse.Namespace,
+                 peak: float) -> dict[str, Any]:
+    """batchasr's timed passes with one attention kernel, against NeMo's."""
+    audio_s = sum(len(w) for w in waves) / SAMPLE_RATE
+    ours = load_model(path, device=args.device, dtype=args.dtype, attention_kernel=kernel)
+    run = timed(batchasr_transcriber(ours, args.batch_size), waves, args.repeat)
+    stages = measure(Workload(path.stem, ours, waves, ours.default_decoder, None), args.batch_size, 1)
     flops = encoder_flops(ours, waves, args.batch_size)
     del ours
     _free()
-
-    record["batchasr"] = _side(audio_s, our_run, args.gpu_hour_usd)
-    record["nemo"] = _side(audio_s, nemo_run, args.gpu_hour_usd)
-    record["rtfx_ratio"] = round(record["batchasr"]["rtfx"] / record["nemo"]["rtfx"], 3)
-    record["agreement"] = agreement(our_run.tokens, nemo_run.tokens)
-    record["stages"] = {"stage_s": stages.stage_s, "decoder_share": stages.decoder_share, "mode": stages.mode,
-                        "tokens_per_frame": stages.tokens_per_frame, "tokens_sha1": stages.tokens_sha1,
-                        "nemo_stage_s": nemo_stages}
+    side = _side(audio_s, run, args.gpu_hour_usd)
     encoder_s = stages.stage_s["encoder"]
-    record["encoder"] = {"flops": flops, "flops_per_audio_s": round(flops / audio_s), "seconds": encoder_s,
-                         "achieved_tflops": round(flops / encoder_s / 1e12, 3),
-                         "peak_tflops": round(peak / 1e12, 3),
-                         "share_of_speed_of_light": round(flops / peak / encoder_s, 3)}
-    return record
+    return {"attention_kernel": kernel, "batchasr": side,
+            "rtfx_ratio": round(side["rtfx"] / (audio_s / nemo_run.wall_s), 3),
+            "agreement": agreement(run.tokens, nemo_run.tokens),
+            "stages": {"stage_s": stages.stage_s, "decoder_share": stages.decoder_share, "mode": stages.mode,
+                       "tokens_per_frame": stages.tokens_per_frame, "tokens_sha1": stages.tokens_sha1},
+            "encoder": {"flops": flops, "flops_per_audio_s": round(flops / audio_s), "seconds": encoder_s,
+                        "achieved_tflops": round(flops / encoder_s / 1e12, 3), "peak_tflops": round(peak / 1e12, 3),
+                        "share_of_speed_of_light": round(flops / peak / encoder_s, 3)}}
 
 
 def _side(audio_s: float, run: Timing, gpu_hour_usd: float) -> dict[str, Any]:
@@ -270,21 +277,26 @@ def _free() -> None:
 
 # --- output ---------------------------------------------------------------------------------------------------
 
-HEADER = ("| model | batch | dtype | batchasr RTFx | NeMo RTFx | ratio | same tokens (timed dtype) | "
+HEADER = ("| model | batch | dtype | attention | batchasr RTFx | NeMo RTFx | ratio | same tokens (timed dtype) | "
           "same tokens (float32) | stages s: features / encoder / decoder (batchasr; NeMo) | "
-          "encoder: share of the speed of light (matmul peak) | "
-          "$ per 1M audio hours (batchasr / NeMo) |\n|---|---|---|---|---|---|---|---|---|---|---|")
+          "encoder: share of the speed of light (matmul peak) | $ per 1M audio hours (batchasr / NeMo) |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
-def table_row(r: dict[str, Any]) -> str:
-    same, same32 = r["agreement"], r["float32_agreement"]
-    return (f"| {r['model']} | {r['batch_size']} | {r['dtype']} | {r['batchasr']['rtfx']:.0f} | "
-            f"{r['nemo']['rtfx']:.0f} | {r['rtfx_ratio']:.2f}x | {same['identical']}/{same['utterances']} "
+def table_rows(r: dict[str, Any]) -> list[str]:
+    same32 = r["float32_agreement"]
+    rows = []
+    for run in r["runs"]:
+        same, ours, encoder = run["agreement"], run["batchasr"], run["encoder"]
+        rows.append(
+            f"| {r['model']} | {r['batch_size']} | {r['dtype']} | {run['attention_kernel']} | {ours['rtfx']:.0f} | "
+            f"{r['nemo']['rtfx']:.0f} | {run['rtfx_ratio']:.2f}x | {same['identical']}/{same['utterances']} "
             f"({same['token_edit_rate']:.2%} token edits) | {same32['identical']}/{same32['utterances']} | "
-            f"{_stages(r['stages']['stage_s'])}; {_stages(r['stages']['nemo_stage_s'])} | "
-            f"{r['encoder']['share_of_speed_of_light']:.0%} "
-            f"({r['encoder']['achieved_tflops']:.3g} of {r['encoder']['peak_tflops']:.3g} TFLOP/s) | "
-            f"{r['batchasr']['usd_per_million_audio_hours']:,.0f} / {r['nemo']['usd_per_million_audio_hours']:,.0f} |")
+            f"{_stages(run['stages']['stage_s'])}; {_stages(r['nemo_stage_s'])} | "
+            f"{encoder['share_of_speed_of_light']:.0%} "
+            f"({encoder['achieved_tflops']:.3g} of {encoder['peak_tflops']:.3g} TFLOP/s) | "
+            f"{ours['usd_per_million_audio_hours']:,.0f} / {r['nemo']['usd_per_million_audio_hours']:,.0f} |")
+    return rows
 
 
 def _stages(stage_s: dict[str, float]) -> str:
@@ -300,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check-utterances", type=int, default=128, help="float32 token check on this many")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    parser.add_argument("--attention-kernels", nargs="+", default=["reference", "sdpa"],
+                        choices=ATTENTION_KERNELS, help="time batchasr with each (default: both)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--gpu-hour-usd", type=float, default=2.50, help="price of one GPU hour, for the cost")
     parser.add_argument("--seed", type=int, default=0)
@@ -317,8 +331,8 @@ def main(argv: list[str] | None = None) -> int:
                 traceback.print_exc()
                 record, failed = {"model": name, "error": f"{type(exc).__name__}: {exc}"}, True
             else:
-                rows.append(table_row(record))
-                print(rows[-1], flush=True)
+                rows.extend(table_rows(record))
+                print("\n".join(table_rows(record)), flush=True)
             record["gpu"] = torch.cuda.get_device_name(device) if device.type == "cuda" else None
             jsonl.write(json.dumps(record) + "\n")
             jsonl.flush()

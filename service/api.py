@@ -238,7 +238,8 @@ def create_app(settings: Settings, model: ASRModel | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         loaded = model
         if loaded is None:
-            loaded = await asyncio.to_thread(load_model, settings.model, settings.device, settings.dtype)
+            loaded = await asyncio.to_thread(load_model, settings.model, settings.device, settings.dtype,
+                                             settings.attention_kernel)
         service.stack = build_stack(settings, loaded, service.metrics)
         if service.stack.jobs is not None:
             service.stack.start_consumer()

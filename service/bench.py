@@ -59,6 +59,7 @@ class BenchResult:
     tokens_per_frame: float
     tokens_sha1: str  # all token ids in input order: equal hashes, equal transcripts
     blank_bias: float | None  # calibrated blank-logit offset (built-in architectures only)
+    attention_kernel: str = "reference"
     torch: str = field(default_factory=lambda: torch.__version__)
     gpu: str | None = None
 
@@ -101,14 +102,17 @@ def audio_files(paths: list[str]) -> list[Path]:
 
 # --- model ----------------------------------------------------------------------------------------------------
 
-def load_bench_model(name: str | None, device: str, dtype: str, seed: int) -> tuple[ASRModel, bool]:
+def load_bench_model(name: str | None, device: str, dtype: str, seed: int,
+                     attention_kernel: str = "reference") -> tuple[ASRModel, bool]:
     """(model, has_random_weights): a built-in architecture by name, else a checkpoint path."""
     from models import load_model
     from models.architectures import ARCHITECTURES, build_random_model
 
     if name in ARCHITECTURES:
-        return build_random_model(name, device=device, dtype=dtype, seed=seed), True
-    return load_model(name, device=device, dtype=dtype), False
+        model = build_random_model(name, device=device, dtype=dtype, seed=seed)
+        model.encoder.set_attention_kernel(attention_kernel)
+        return model, True
+    return load_model(name, device=device, dtype=dtype, attention_kernel=attention_kernel), False
 
 
 def _blank_bias_param(model: ASRModel, decoder: str) -> tuple[torch.Tensor, int]:
@@ -237,8 +241,9 @@ class Workload:
 
 
 def prepare(name: str | None, device: str = "auto", dtype: str = "auto", seed: int = 0,
-            audio: list[str] | None = None, n_utterances: int = 128) -> Workload:
-    model, random_weights = load_bench_model(name, device, dtype, seed)
+            audio: list[str] | None = None, n_utterances: int = 128,
+            attention_kernel: str = "reference") -> Workload:
+    model, random_weights = load_bench_model(name, device, dtype, seed, attention_kernel)
     if audio:
         from models.audio_io import read_audio
 
@@ -291,13 +296,15 @@ def _result(work: Workload, batch_size: int, repeat: int, decoder_algorithm: str
         frames=output.frames, tokens_per_frame=round(n_tokens / max(output.frames, 1), 4),
         tokens_sha1=tokens_sha1(output.tokens),
         blank_bias=None if work.blank_bias is None else round(work.blank_bias, 3),
+        attention_kernel=model.encoder.attention_kernel,
         gpu=torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else None)
 
 
 def run_bench(args: argparse.Namespace) -> BenchResult:
     if args.batch_size < 1 or args.repeat < 1:
         raise ValueError("--batch-size and --repeat must be >= 1")
-    work = prepare(args.model, args.device, args.dtype, args.seed, args.audio, args.n_utterances)
+    work = prepare(args.model, args.device, args.dtype, args.seed, args.audio, args.n_utterances,
+                   args.attention_kernel or "reference")
     return measure(work, args.batch_size, args.repeat, args.decoder_algorithm, args.cuda_graphs)
 
 
@@ -308,7 +315,8 @@ def format_report(r: BenchResult) -> str:
     cpu = r.stage_cpu_s is not None
     lines = [
         f"model {r.model} ({weights}) on {r.gpu or r.device}, {r.dtype}, batch {r.batch_size}",
-        f"decoder {r.decoder}: {r.decoder_algorithm}, cuda graphs {r.cuda_graphs} -> mode {r.mode}",
+        f"decoder {r.decoder}: {r.decoder_algorithm}, cuda graphs {r.cuda_graphs} -> mode {r.mode}; "
+        f"{r.attention_kernel} attention",
         f"{r.n_utterances} utterances x {r.repeat}: {r.audio_s:.1f} s of audio in {r.wall_s:.3f} s, "
         f"RTFx {r.rtfx:.1f}",
         f"{'stage':<10}{'seconds':>10}{'share':>9}{'RTFx':>11}" + (f"{'CPU s':>10}" if cpu else ""),

@@ -20,6 +20,9 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                         help="weights of encoder and heads (default: bfloat16 on CUDA, float32 on CPU)")
+    parser.add_argument("--attention-kernel", choices=("reference", "sdpa"),
+                        help="reference: NeMo's sequence of operations; sdpa: torch's fused attention, the same "
+                             "result up to rounding (default: reference; BATCHASR_ATTENTION_KERNEL for serve)")
 
 
 def _add_decoding_options(parser: argparse.ArgumentParser) -> None:
@@ -52,7 +55,8 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     if args.format in ("srt", "vtt") and len(args.audio) > 1 and args.output_dir is None:
         print(f"error: --format {args.format} prints one file; use --output-dir for several", file=sys.stderr)
         return 2
-    model = load_model(args.model, device=args.device, dtype=args.dtype)
+    model = load_model(args.model, device=args.device, dtype=args.dtype,
+                       attention_kernel=args.attention_kernel or "reference")
     try:
         transcripts = model.transcribe(args.audio, batch_size=args.batch_size, decoder=args.decoder,
                                        decoder_algorithm=args.decoder_algorithm, cuda_graphs=args.cuda_graphs)
@@ -100,7 +104,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     device = None if args.device == "auto" else args.device
     dtype = None if args.dtype == "auto" else args.dtype
     settings = get_settings(model=args.model, device=device, dtype=dtype, host=args.host, port=args.port,
-                            redis_url=args.redis_url)
+                            redis_url=args.redis_url, attention_kernel=args.attention_kernel)
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_config=None,
                 timeout_graceful_shutdown=int(settings.request_timeout_s))
     return 0
@@ -149,7 +153,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     configure_json_logging(logging.DEBUG if args.verbose else logging.INFO)
     settings = get_settings(model=args.model, device=None if args.device == "auto" else args.device,
                             dtype=None if args.dtype == "auto" else args.dtype, redis_url=args.redis_url,
-                            worker_name=args.name)
+                            worker_name=args.name, attention_kernel=args.attention_kernel)
     if not settings.redis_url:
         print("error: a worker needs --redis-url (or BATCHASR_REDIS_URL)", file=sys.stderr)
         return 2

@@ -19,6 +19,7 @@ class Settings(BaseSettings):
     device: str = "auto"
     dtype: str = "auto"
     decoder: str = "auto"
+    attention_kernel: str = "reference"  # or "sdpa": torch's fused attention (models.fastconformer)
 
     # HTTP
     host: str = "127.0.0.1"
@@ -64,6 +65,15 @@ class Settings(BaseSettings):
     def _positive(cls, value: int) -> int:
         if value < 1:
             raise ValueError("must be >= 1")
+        return value
+
+    @field_validator("attention_kernel")
+    @classmethod
+    def _known_attention_kernel(cls, value: str) -> str:
+        from models.fastconformer import ATTENTION_KERNELS
+
+        if value not in ATTENTION_KERNELS:
+            raise ValueError(f"must be one of {', '.join(ATTENTION_KERNELS)}")
         return value
 
     @field_validator("max_segment_s")

@@ -31,7 +31,8 @@ async def run_worker(settings: Settings, metrics_port: int | None) -> int:
 
     from .runtime import build_stack
 
-    model = await asyncio.to_thread(load_model, settings.model, settings.device, settings.dtype)
+    model = await asyncio.to_thread(load_model, settings.model, settings.device, settings.dtype,
+                                    settings.attention_kernel)
     stack = build_stack(settings, model)
     if not await asyncio.to_thread(stack.engine.wait_ready):
         log.error("engine failed: %s", stack.engine.error)

@@ -285,3 +285,15 @@ def test_graceful_shutdown_finishes_queued_requests(hybrid, parity_audio):
 def test_openapi_docs(server):
     spec = httpx.get(f"{server.url}/openapi.json").json()
     assert {"/v1/audio/transcriptions", "/v1/transcribe", "/healthz", "/readyz", "/metrics"} <= set(spec["paths"])
+
+
+def test_attention_kernel_setting_is_checked(monkeypatch):
+    from pydantic import ValidationError
+
+    from service.config import get_settings
+
+    monkeypatch.setenv("BATCHASR_ATTENTION_KERNEL", "sdpa")
+    assert get_settings().attention_kernel == "sdpa"
+    assert get_settings(attention_kernel=None).attention_kernel == "sdpa"  # an unset CLI option keeps the env's
+    with pytest.raises(ValidationError, match="must be one of reference, sdpa"):
+        Settings(attention_kernel="flash")
