@@ -103,6 +103,33 @@ def offline_rtfx(model_path: str, clips: list[Clip], args: argparse.Namespace) -
             "bench": {"wall_s": bench.wall_s, "rtfx": bench.rtfx, "stage_s": bench.stage_s, "mode": bench.mode}}
 
 
+SERVER_SERIES = ("batchasr_audio_seconds_total", "batchasr_compute_seconds_total", "batchasr_batch_size_sum",
+                 "batchasr_batch_size_count", "batchasr_queue_wait_seconds_sum", "batchasr_queue_wait_seconds_count")
+
+
+def server_counters(url: str) -> dict[str, float]:
+    """The unlabelled series above from the server's /metrics."""
+    values = {}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in SERVER_SERIES:
+            values[name] = float(value)
+    return values
+
+
+def engine_view(before: dict[str, float], after: dict[str, float], wall_s: float) -> dict:
+    """What the server saw over a run: a busy share near 1 with a low engine RTFx means the engine is slowed
+    (contention); a low busy share means the front end does not feed it fast enough."""
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in SERVER_SERIES}
+    compute = delta["batchasr_compute_seconds_total"]
+    batches = delta["batchasr_batch_size_count"]
+    return {"engine_busy_share": round(compute / wall_s, 3),
+            "engine_rtfx": round(delta["batchasr_audio_seconds_total"] / compute, 2) if compute else None,
+            "mean_batch_size": round(delta["batchasr_batch_size_sum"] / batches, 2) if batches else None,
+            "mean_queue_wait_s": round(delta["batchasr_queue_wait_seconds_sum"]
+                                       / max(delta["batchasr_queue_wait_seconds_count"], 1), 4)}
+
+
 async def saturate(url: str, bodies: list[bytes], durations: list[float], concurrency: int) -> dict:
     """Closed loop: ``concurrency`` clients, each sending the next request as soon as one returns."""
     queue = list(range(len(bodies)))
@@ -220,7 +247,10 @@ def main() -> None:
     try:
         warm = min(len(bodies), 2 * args.concurrency)
         asyncio.run(saturate(url, bodies[:warm], durations[:warm], args.concurrency))  # warm-up
+        before = server_counters(url)
         report["http_saturation"] = asyncio.run(saturate(url, bodies, durations, args.concurrency))
+        report["http_saturation"]["server"] = engine_view(before, server_counters(url),
+                                                          report["http_saturation"]["wall_s"])
         rtfx = report["http_saturation"]["rtfx"]
         report["http_vs_transcribe"] = round(rtfx / report["offline"]["transcribe"]["rtfx"], 3)
         report["http_vs_bench"] = round(rtfx / report["offline"]["bench"]["rtfx"], 3)
