@@ -104,7 +104,8 @@ def offline_rtfx(model_path: str, clips: list[Clip], args: argparse.Namespace) -
 
 
 SERVER_SERIES = ("batchasr_audio_seconds_total", "batchasr_compute_seconds_total", "batchasr_batch_size_sum",
-                 "batchasr_batch_size_count", "batchasr_queue_wait_seconds_sum", "batchasr_queue_wait_seconds_count")
+                 "batchasr_batch_size_count", "batchasr_queue_wait_seconds_sum", "batchasr_queue_wait_seconds_count",
+                 "batchasr_padding_ratio_sum")
 
 
 def server_counters(url: str) -> dict[str, float]:
@@ -126,6 +127,7 @@ def engine_view(before: dict[str, float], after: dict[str, float], wall_s: float
     return {"engine_busy_share": round(compute / wall_s, 3),
             "engine_rtfx": round(delta["batchasr_audio_seconds_total"] / compute, 2) if compute else None,
             "mean_batch_size": round(delta["batchasr_batch_size_sum"] / batches, 2) if batches else None,
+            "mean_padding_ratio": round(delta["batchasr_padding_ratio_sum"] / batches, 3) if batches else None,
             "mean_queue_wait_s": round(delta["batchasr_queue_wait_seconds_sum"]
                                        / max(delta["batchasr_queue_wait_seconds_count"], 1), 4)}
 
