@@ -182,3 +182,19 @@ def test_label_looping_equals_frame_looping_and_nemo_on_fixtures(parity_dir, par
             assert got == frame_looping_greedy(*args), (name, batch_size, start)
             for hyp, expected in zip(got, entry["main_bs4"][start : start + batch_size], strict=True):
                 assert (hyp.tokens, hyp.frames) == (expected["tokens"], expected["frames"])
+
+
+def test_cpu_prediction_step_agrees_with_the_lstm_module():
+    """On CPU the step runs torch's LSTM cell layer by layer instead of nn.LSTM (oneDNN); the two must agree."""
+    torch.manual_seed(0)
+    net = PredictionNetwork(TransducerConfig(vocab_size=30, pred_hidden=24, pred_layers=2)).eval()
+    state = net.initial_state(3, torch.device("cpu"), torch.float32)
+    lstm_state = (state.h, state.c)
+    with torch.inference_mode():
+        for labels in ([30, 30, 30], [4, 0, 29], [7, 7, 30]):  # blank (the start) first
+            labels = torch.tensor(labels)
+            out, state = net.step(labels, state)
+            expected, lstm_state = net.prediction.dec_rnn.lstm(net.prediction.embed(labels).unsqueeze(0), lstm_state)
+            torch.testing.assert_close(out, expected.squeeze(0), rtol=0, atol=1e-6)
+            torch.testing.assert_close(state.h, lstm_state[0], rtol=0, atol=1e-6)
+            torch.testing.assert_close(state.c, lstm_state[1], rtol=0, atol=1e-6)
