@@ -80,8 +80,10 @@ class LogMelFeatures(nn.Module):
         with torch.autocast(x.device.type, enabled=False):
             spec = torch.stft(x, n_fft=cfg.n_fft, hop_length=cfg.hop_length, win_length=cfg.win_length,
                               window=self.window.float(), center=True, pad_mode="constant", return_complex=True)
-            # sqrt then square (not abs()**2): NeMo's order, which matters for bit-exactness
-            mag = torch.view_as_real(spec).pow(2).sum(-1).sqrt()  # (B, n_fft // 2 + 1, T)
+            # sqrt(re^2 + im^2), then the power: NeMo's order, which matters for bit-exactness. NeMo sums the
+            # squares over the last dim of view_as_real; adding the two halves is the same arithmetic, 3x faster.
+            re, im = torch.view_as_real(spec).unbind(-1)
+            mag = (re * re + im * im).sqrt()  # (B, n_fft // 2 + 1, T)
             if cfg.mag_power != 1.0:
                 mag = mag.pow(cfg.mag_power)
             mel = torch.matmul(self.fb.float(), mag)  # (B, n_mels, T)
