@@ -35,8 +35,10 @@ def _time_mask(n_frames: Tensor, max_len: int) -> Tensor:
 class DepthwiseStridingSubsampling(nn.Module):
     """``dw_striding``: a regular 3x3 stride-2 conv, then (depthwise 3x3 stride 2, pointwise 1x1) pairs.
 
-    Time is the height axis and mel the width axis. Padded frames are zeroed before every layer and after
-    the last (NeMo >= 2.5 ``MaskedConvSequential``), so padding never leaks into valid frames.
+    Time is the height axis and mel the width axis. Padded frames are zeroed before every convolution that
+    mixes frames and after the last layer (NeMo >= 2.5 ``MaskedConvSequential`` zeroes them before every
+    layer; the layers between work frame by frame, so valid frames get the same values), so padding never
+    leaks into valid frames.
     """
 
     def __init__(self, n_mels: int, channels: int, d_model: int, factor: int):
@@ -65,7 +67,10 @@ class DepthwiseStridingSubsampling(nn.Module):
         x = x.unsqueeze(1)  # (B, 1, T, F)
         lengths = n_frames
         for layer in self.conv:
-            x = x * _time_mask(lengths, x.shape[2])[:, None, :, None].to(x.dtype)
+            if isinstance(layer, nn.Conv2d) and layer.kernel_size != (1, 1):
+                # it mixes neighbouring frames: padding must be zero here. ReLU and the 1x1 convs work frame by
+                # frame, so what they leave in padded frames never reaches a valid one before the next mask.
+                x = x * _time_mask(lengths, x.shape[2])[:, None, :, None].to(x.dtype)
             x = layer(x)
             if isinstance(layer, nn.Conv2d) and layer.stride != (1, 1):
                 lengths = _conv_out_length(lengths)

@@ -6,6 +6,7 @@ import json
 from functools import cache
 
 import pytest
+import torch
 
 from models import ASRModel, load_model
 from service.cli import main as cli_main
@@ -95,3 +96,24 @@ def test_attention_kernels_agree_on_valid_frames(parity_dir, parity_audio):
         assert (fused.encoded[row, :n] - reference.encoded[row, :n]).abs().max() < 1e-4
     with pytest.raises(ValueError, match="unknown attention kernel 'flash'; choose from reference, sdpa"):
         model.encoder.set_attention_kernel("flash")
+
+
+def test_subsampling_keeps_padding_out_of_valid_frames(parity_dir):
+    """Whatever padded feature frames hold, valid subsampled frames are the same, and equal the utterance alone."""
+    model = load_model(parity_dir / "tdt_ctc_hybrid.nemo", device="cpu", dtype="float32")
+    generator = torch.Generator().manual_seed(0)
+    n_mels = model.config.encoder.feat_in
+    n_frames = torch.tensor([203, 97, 9])
+    clean = torch.randn(3, n_mels, 203, generator=generator)
+    for row, n in enumerate(n_frames.tolist()):
+        clean[row, :, n:] = 0.0
+    noisy = clean.clone()
+    for row, n in enumerate(n_frames.tolist()):
+        noisy[row, :, n:] = 1e3 * torch.randn(n_mels, 203 - n, generator=generator)
+    with torch.inference_mode():
+        a, lengths = model.encoder.subsample(clean, n_frames)
+        b, _ = model.encoder.subsample(noisy, n_frames)
+        for row, n in enumerate(lengths.tolist()):
+            assert torch.equal(a[row, :n], b[row, :n])
+            alone, _ = model.encoder.subsample(clean[row : row + 1, :, : n_frames[row]], n_frames[row : row + 1])
+            torch.testing.assert_close(a[row, :n], alone[0, :n], rtol=1e-5, atol=1e-5)
