@@ -65,6 +65,10 @@ class DepthwiseStridingSubsampling(nn.Module):
     def forward(self, x: Tensor, n_frames: Tensor) -> tuple[Tensor, Tensor]:
         """(B, T, n_mels), (B,) -> (B, T', d_model), (B,)"""
         x = x.unsqueeze(1)  # (B, 1, T, F)
+        if x.device.type == "cpu":
+            # oneDNN runs these convolutions (the 1-channel one and the depthwise ones) 2-3x faster on
+            # channels-last tensors; the layout follows from the input. Same values to ~1e-6.
+            x = x.contiguous(memory_format=torch.channels_last)
         lengths = n_frames
         for layer in self.conv:
             if isinstance(layer, nn.Conv2d) and layer.kernel_size != (1, 1):
