@@ -26,8 +26,9 @@ for group in "${groups[@]}"; do
         fi
     done
 done
-if compgen -G ".whl/*-cp3*-linux*.whl" > /dev/null && ls .whl | grep -v -e "cp${python_version/./}" -e "py3-none" -e "py2.py3-none" -e "abi3" ; then
-    echo "error: the wheels above were built for another Python than $python_version" >&2
+# a wheel tagged for one Python (cp312, py312) must be for the image's
+if ls .whl | grep -E -- '-(cp|py)3[0-9]+-' | grep -v -- "-\(cp\|py\)${python_version/./}-"; then
+    echo "error: the wheels above are for another Python than $python_version" >&2
     exit 1
 fi
 du -sh .whl

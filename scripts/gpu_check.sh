@@ -8,9 +8,11 @@
 # stage also writes env.txt (GPU, driver, Python, torch, which graph mode "auto" picks and why).
 #   tests  tests/gpu                                                    gpu_tests.log
 #   bench  scripts/bench_table.py: parakeet-tdt-0.6b-v2 and parakeet-rnnt-1.1b, bf16, batch 1/16/128, every
-#          algorithm and graph mode                                     bench.log, bench.jsonl, bench_table.md
+#          algorithm and graph mode, both attention kernels in conditional mode
+#                                                                       bench.log, bench.jsonl, bench_table.md
 #   nemo   scripts/nemo_compare.py: the same two, bf16, batch 128, against NeMo 3.0 on the same weights and
-#          audio; tokens compared; encoder share of the speed of light; cost per 1M audio hours
+#          audio, batchasr with both attention kernels; tokens compared; each side's stage times; encoder
+#          share of the speed of light; cost per 1M audio hours
 #                                                                       nemo.log, nemo_compare.jsonl, nemo_compare.md
 #   http   loadtest/http_bench.py: parakeet-tdt-0.6b-v2, bf16, `batchasr serve` at saturation and half load vs
 #          the offline engine; 4x the batch size in flight, so the batcher has a pool to match lengths from
