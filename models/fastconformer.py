@@ -207,10 +207,10 @@ class ConformerLayer(nn.Module):
         self.norm_out = nn.LayerNorm(d_model)
 
     def forward(self, x: Tensor, pos_emb: Tensor, att_mask: Tensor, pad_mask: Tensor) -> Tensor:
-        x = x + self.feed_forward1(self.norm_feed_forward1(x)) * 0.5
+        x = torch.add(x, self.feed_forward1(self.norm_feed_forward1(x)), alpha=0.5)  # halving is exact: one pass
         x = x + self.self_attn(self.norm_self_att(x), pos_emb, att_mask, pad_mask)
         x = x + self.conv(self.norm_conv(x), pad_mask)
-        x = x + self.feed_forward2(self.norm_feed_forward2(x)) * 0.5
+        x = torch.add(x, self.feed_forward2(self.norm_feed_forward2(x)), alpha=0.5)
         return self.norm_out(x)
 
 
