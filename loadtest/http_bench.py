@@ -9,7 +9,7 @@ ceiling for a server, which also decodes uploads) and ``batchasr bench``'s model
 decoder; the issue's "offline engine").
 
     python loadtest/http_bench.py --model MODEL.nemo|ARCHITECTURE [--audio-dir DIR] [--requests 200]
-        [--concurrency 64] [--batch-size 32] [--device auto] [--dtype auto] [--attention-kernel reference]
+        [--concurrency 64] [--batch-size 32] [--device auto] [--dtype auto] [--attention-kernel auto]
         [--jobs] [--out FILE]
 
 ``--model`` may name a built-in architecture (random weights, calibrated blank, as ``batchasr bench``); without
@@ -218,7 +218,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--attention-kernel", default="reference", choices=("reference", "sdpa"))
+    parser.add_argument("--attention-kernel", default="auto", choices=("auto", "reference", "sdpa"))
     parser.add_argument("--jobs", action="store_true", help="also time a bulk job through Redis")
     parser.add_argument("--out", type=Path, help="also write the JSON report here")
     args = parser.parse_args()

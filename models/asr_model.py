@@ -25,7 +25,7 @@ from .audio_io import check_waveform, read_audio
 from .checkpoint import Checkpoint, open_checkpoint
 from .config import ModelConfig
 from .errors import CheckpointError
-from .fastconformer import FastConformerEncoder
+from .fastconformer import FastConformerEncoder, resolve_attention_kernel
 from .features import LogMelFeatures
 from .heads import CTCHead, Joint, PredictionNetwork
 from .tokenizer import Tokenizer
@@ -270,19 +270,20 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 
 def load_model(path_or_name: str | Path | None = None, device: str | torch.device = "auto",
-               dtype: str | torch.dtype = "auto", attention_kernel: str = "reference") -> ASRModel:
+               dtype: str | torch.dtype = "auto", attention_kernel: str = "auto") -> ASRModel:
     """Load a ``.nemo`` file or unpacked checkpoint directory; with no argument, the embedded default model.
 
-    ``attention_kernel``: "reference" (NeMo's sequence of operations) or "sdpa" (torch's fused attention; the
-    same result up to rounding), see ``fastconformer.ATTENTION_KERNELS``."""
+    ``attention_kernel``: "reference" (NeMo's sequence of operations), "sdpa" (torch's fused attention; the
+    same result up to rounding) or "auto" (``fastconformer.resolve_attention_kernel``)."""
     path = Path(path_or_name) if path_or_name is not None else DEFAULT_MODEL
     if path_or_name is None and not path.exists():
         raise CheckpointError("the embedded default model is not installed (models/assets/default.nemo); "
                               "pass a .nemo file")
     target_device = resolve_device(device)
     target_dtype = resolve_dtype(dtype, target_device)
+    kernel = resolve_attention_kernel(attention_kernel, target_device)
     model = ASRModel.from_checkpoint(open_checkpoint(path))
-    model.encoder.set_attention_kernel(attention_kernel)
+    model.encoder.set_attention_kernel(kernel)
     log.info("loaded %s (%s) on %s as %s, %s attention", path, model.config.kind, target_device, target_dtype,
-             attention_kernel)
+             kernel)
     return model.to_precision(target_device, target_dtype)

@@ -22,6 +22,16 @@ ATTENTION_MASK_VALUE = -10000.0  # NeMo's INF_VAL: masked scores are this, not -
 ATTENTION_KERNELS = ("reference", "sdpa")
 
 
+def resolve_attention_kernel(kernel: str, device: torch.device) -> str:
+    """``auto``: sdpa on CPU, where it is measured faster with the same tokens (docs/benchmarks.md); reference
+    on other devices until it is measured there."""
+    if kernel == "auto":
+        return "sdpa" if device.type == "cpu" else "reference"
+    if kernel not in ATTENTION_KERNELS:
+        raise ValueError(f"unknown attention kernel {kernel!r}; choose from auto, {', '.join(ATTENTION_KERNELS)}")
+    return kernel
+
+
 def _conv_out_length(n: Tensor) -> Tensor:
     """Frames after one kernel-3, stride-2, padding-1 convolution: floor((n + 2 - 3) / 2) + 1."""
     return torch.div(n + 2 - 3, 2, rounding_mode="floor") + 1

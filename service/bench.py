@@ -103,14 +103,15 @@ def audio_files(paths: list[str]) -> list[Path]:
 # --- model ----------------------------------------------------------------------------------------------------
 
 def load_bench_model(name: str | None, device: str, dtype: str, seed: int,
-                     attention_kernel: str = "reference") -> tuple[ASRModel, bool]:
+                     attention_kernel: str = "auto") -> tuple[ASRModel, bool]:
     """(model, has_random_weights): a built-in architecture by name, else a checkpoint path."""
     from models import load_model
     from models.architectures import ARCHITECTURES, build_random_model
+    from models.fastconformer import resolve_attention_kernel
 
     if name in ARCHITECTURES:
         model = build_random_model(name, device=device, dtype=dtype, seed=seed)
-        model.encoder.set_attention_kernel(attention_kernel)
+        model.encoder.set_attention_kernel(resolve_attention_kernel(attention_kernel, model.device))
         return model, True
     return load_model(name, device=device, dtype=dtype, attention_kernel=attention_kernel), False
 
@@ -242,7 +243,7 @@ class Workload:
 
 def prepare(name: str | None, device: str = "auto", dtype: str = "auto", seed: int = 0,
             audio: list[str] | None = None, n_utterances: int = 128,
-            attention_kernel: str = "reference") -> Workload:
+            attention_kernel: str = "auto") -> Workload:
     model, random_weights = load_bench_model(name, device, dtype, seed, attention_kernel)
     if audio:
         from models.audio_io import read_audio
@@ -304,7 +305,7 @@ def run_bench(args: argparse.Namespace) -> BenchResult:
     if args.batch_size < 1 or args.repeat < 1:
         raise ValueError("--batch-size and --repeat must be >= 1")
     work = prepare(args.model, args.device, args.dtype, args.seed, args.audio, args.n_utterances,
-                   args.attention_kernel or "reference")
+                   args.attention_kernel or "auto")
     return measure(work, args.batch_size, args.repeat, args.decoder_algorithm, args.cuda_graphs)
 
 

@@ -20,9 +20,10 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                         help="weights of encoder and heads (default: bfloat16 on CUDA, float32 on CPU)")
-    parser.add_argument("--attention-kernel", choices=("reference", "sdpa"),
+    parser.add_argument("--attention-kernel", choices=("auto", "reference", "sdpa"),
                         help="reference: NeMo's sequence of operations; sdpa: torch's fused attention, the same "
-                             "result up to rounding (default: reference; BATCHASR_ATTENTION_KERNEL for serve)")
+                             "result up to rounding; auto: sdpa on CPU, reference on CUDA (default: auto; "
+                             "BATCHASR_ATTENTION_KERNEL for serve and worker)")
 
 
 def _add_decoding_options(parser: argparse.ArgumentParser) -> None:
@@ -56,7 +57,7 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
         print(f"error: --format {args.format} prints one file; use --output-dir for several", file=sys.stderr)
         return 2
     model = load_model(args.model, device=args.device, dtype=args.dtype,
-                       attention_kernel=args.attention_kernel or "reference")
+                       attention_kernel=args.attention_kernel or "auto")
     try:
         transcripts = model.transcribe(args.audio, batch_size=args.batch_size, decoder=args.decoder,
                                        decoder_algorithm=args.decoder_algorithm, cuda_graphs=args.cuda_graphs)

@@ -19,7 +19,7 @@ class Settings(BaseSettings):
     device: str = "auto"
     dtype: str = "auto"
     decoder: str = "auto"
-    attention_kernel: str = "reference"  # or "sdpa": torch's fused attention (models.fastconformer)
+    attention_kernel: str = "auto"  # reference | sdpa (torch's fused attention) | auto (models.fastconformer)
 
     # HTTP
     host: str = "127.0.0.1"
@@ -72,8 +72,8 @@ class Settings(BaseSettings):
     def _known_attention_kernel(cls, value: str) -> str:
         from models.fastconformer import ATTENTION_KERNELS
 
-        if value not in ATTENTION_KERNELS:
-            raise ValueError(f"must be one of {', '.join(ATTENTION_KERNELS)}")
+        if value != "auto" and value not in ATTENTION_KERNELS:
+            raise ValueError(f"must be one of auto, {', '.join(ATTENTION_KERNELS)}")
         return value
 
     @field_validator("max_segment_s")

@@ -292,8 +292,10 @@ def test_attention_kernel_setting_is_checked(monkeypatch):
 
     from service.config import get_settings
 
+    monkeypatch.delenv("BATCHASR_ATTENTION_KERNEL", raising=False)
+    assert get_settings().attention_kernel == "auto"
     monkeypatch.setenv("BATCHASR_ATTENTION_KERNEL", "sdpa")
     assert get_settings().attention_kernel == "sdpa"
     assert get_settings(attention_kernel=None).attention_kernel == "sdpa"  # an unset CLI option keeps the env's
-    with pytest.raises(ValidationError, match="must be one of reference, sdpa"):
+    with pytest.raises(ValidationError, match="must be one of auto, reference, sdpa"):
         Settings(attention_kernel="flash")
