@@ -99,6 +99,7 @@ def offline_rtfx(model_path: str, clips: list[Clip], args: argparse.Namespace) -
     wall = time.perf_counter() - started
     bench = measure(Workload(model_path, model, waves, model.default_decoder, None), batch_size)
     return {"audio_s": round(audio_s, 2), "device": str(model.device), "dtype": str(model.dtype),
+            "attention_kernel": model.encoder.attention_kernel,  # what "auto" resolved to; the server does the same
             "transcribe": {"wall_s": round(wall, 3), "rtfx": round(audio_s / wall, 2)},
             "bench": {"wall_s": bench.wall_s, "rtfx": bench.rtfx, "stage_s": bench.stage_s, "mode": bench.mode}}
 
