@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -41,7 +42,8 @@ import torch
 
 from models import load_model
 from models.architectures import ARCHITECTURES
-from service.bench import Workload, measure, save_random_checkpoint, synthetic_audio
+from models.fastconformer import ATTENTION_KERNEL_OPTIONS
+from service.bench import Workload, measure, save_random_checkpoint, synthetic_audio, timed_passes
 
 SAMPLE_RATE = 16000
 
@@ -89,14 +91,7 @@ def offline_rtfx(model_path: str, clips: list[Clip], args: argparse.Namespace) -
     model = load_model(model_path, device=args.device, dtype=args.dtype, attention_kernel=args.attention_kernel)
     waves = [c.waveform for c in clips]
     audio_s = sum(c.duration_s for c in clips)
-    model.transcribe(waves, batch_size=batch_size)  # warm-up: graphs, allocator
-    if model.device.type == "cuda":
-        torch.cuda.synchronize(model.device)
-    started = time.perf_counter()
-    model.transcribe(waves, batch_size=batch_size)
-    if model.device.type == "cuda":
-        torch.cuda.synchronize(model.device)
-    wall = time.perf_counter() - started
+    wall = timed_passes(partial(model.transcribe, waves, batch_size=batch_size), model.device).median_s
     bench = measure(Workload(model_path, model, waves, model.default_decoder, None), batch_size)
     return {"audio_s": round(audio_s, 2), "device": str(model.device), "dtype": str(model.dtype),
             "attention_kernel": model.encoder.attention_kernel,  # what "auto" resolved to; the server does the same
@@ -219,7 +214,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--attention-kernel", default="auto", choices=("auto", "reference", "sdpa"))
+    parser.add_argument("--attention-kernel", default="auto", choices=ATTENTION_KERNEL_OPTIONS)
     parser.add_argument("--jobs", action="store_true", help="also time a bulk job through Redis")
     parser.add_argument("--out", type=Path, help="also write the JSON report here")
     args = parser.parse_args()

@@ -20,6 +20,7 @@ ATTENTION_MASK_VALUE = -10000.0  # NeMo's INF_VAL: masked scores are this, not -
 # torch's fused scaled_dot_product_attention, with the position scores as its additive mask. Same result
 # up to rounding (about 1e-7 in float32).
 ATTENTION_KERNELS = ("reference", "sdpa")
+ATTENTION_KERNEL_OPTIONS = ("auto", *ATTENTION_KERNELS)  # what users may ask for; resolve_attention_kernel decides
 
 
 def resolve_attention_kernel(kernel: str, device: torch.device) -> str:
@@ -28,7 +29,7 @@ def resolve_attention_kernel(kernel: str, device: torch.device) -> str:
     if kernel == "auto":
         return "sdpa" if device.type == "cpu" else "reference"
     if kernel not in ATTENTION_KERNELS:
-        raise ValueError(f"unknown attention kernel {kernel!r}; choose from auto, {', '.join(ATTENTION_KERNELS)}")
+        raise ValueError(f"unknown attention kernel {kernel!r}; choose from {', '.join(ATTENTION_KERNEL_OPTIONS)}")
     return kernel
 
 

@@ -30,13 +30,12 @@ import contextlib
 import copy
 import gc
 import json
-import statistics
 import sys
 import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +48,17 @@ from models.architectures import ARCHITECTURES
 from models.asr_model import ASRModel
 from models.fastconformer import ATTENTION_KERNELS
 from models.training.evaluate import edit_distance
-from service.bench import SAMPLE_RATE, Workload, measure, save_random_checkpoint, synthetic_audio, tokens_sha1
+from service.bench import (
+    SAMPLE_RATE,
+    TimedPasses,
+    Workload,
+    measure,
+    save_random_checkpoint,
+    synchronize,
+    synthetic_audio,
+    timed_passes,
+    tokens_sha1,
+)
 from service.timing import StageClock
 
 MODELS = ("parakeet-tdt-0.6b-v2", "parakeet-rnnt-1.1b")
@@ -123,29 +132,6 @@ def nemo_stage_seconds(model: Any, waves: list[np.ndarray], batch_size: int) -> 
     return {k: round(v, 4) for k, v in clock.stage_seconds().items()}
 
 
-@dataclass
-class Timing:
-    passes_s: list[float]
-    tokens: list[list[int]]
-
-    @property
-    def wall_s(self) -> float:
-        return statistics.median(self.passes_s)
-
-
-def timed(transcribe: Transcriber, waves: list[np.ndarray], repeat: int) -> Timing:
-    """One warm-up pass (graph capture, allocator growth), then ``repeat`` timed passes."""
-    transcribe(waves)
-    passes = []
-    for _ in range(repeat):
-        _synchronize()
-        started = time.perf_counter()
-        tokens = transcribe(waves)
-        _synchronize()
-        passes.append(time.perf_counter() - started)
-    return Timing(passes, tokens)
-
-
 @contextlib.contextmanager
 def exact_float32() -> Iterator[None]:
     """TF32 off for the float32 comparison (NeMo leaves cuDNN's TF32 on by default)."""
@@ -192,11 +178,11 @@ def matmul_peak_flops(device: torch.device, dtype: torch.dtype, n: int = 8192, r
     b = torch.randn(n, n, device=device, dtype=dtype)
     for _ in range(3):
         a @ b
-    _synchronize()
+    synchronize(device)
     started = time.perf_counter()
     for _ in range(repeat):
         a @ b
-    _synchronize()
+    synchronize(device)
     return 2 * n**3 * repeat / (time.perf_counter() - started)
 
 
@@ -228,7 +214,8 @@ def compare_model(name: str, args: argparse.Namespace, workdir: Path, peak: floa
 
     nemo = nemo32.to(dtype)
     del nemo32
-    nemo_run = timed(nemo_transcriber(nemo, args.batch_size), waves, args.repeat)
+    nemo_run = timed_passes(partial(nemo_transcriber(nemo, args.batch_size), waves), torch.device(args.device),
+                            args.repeat)
     nemo_stages = nemo_stage_seconds(nemo, waves, args.batch_size)
     del nemo
     _free()
@@ -239,12 +226,12 @@ def compare_model(name: str, args: argparse.Namespace, workdir: Path, peak: floa
     return record
 
 
-def batchasr_run(path: Path, kernel: str, waves: list[np.ndarray], nemo_run: Timing, args: argparse.Namespace,
+def batchasr_run(path: Path, kernel: str, waves: list[np.ndarray], nemo_run: TimedPasses, args: argparse.Namespace,
                  peak: float) -> dict[str, Any]:
     """batchasr's timed passes with one attention kernel, against NeMo's."""
     audio_s = sum(len(w) for w in waves) / SAMPLE_RATE
     ours = load_model(path, device=args.device, dtype=args.dtype, attention_kernel=kernel)
-    run = timed(batchasr_transcriber(ours, args.batch_size), waves, args.repeat)
+    run = timed_passes(partial(batchasr_transcriber(ours, args.batch_size), waves), ours.device, args.repeat)
     stages = measure(Workload(path.stem, ours, waves, ours.default_decoder, None), args.batch_size, 1)
     flops = encoder_flops(ours, waves, args.batch_size)
     del ours
@@ -252,8 +239,8 @@ def batchasr_run(path: Path, kernel: str, waves: list[np.ndarray], nemo_run: Tim
     side = _side(audio_s, run, args.gpu_hour_usd)
     encoder_s = stages.stage_s["encoder"]
     return {"attention_kernel": kernel, "batchasr": side,
-            "rtfx_ratio": round(side["rtfx"] / (audio_s / nemo_run.wall_s), 3),
-            "agreement": agreement(run.tokens, nemo_run.tokens),
+            "rtfx_ratio": round(side["rtfx"] / (audio_s / nemo_run.median_s), 3),
+            "agreement": agreement(run.result, nemo_run.result),
             "stages": {"stage_s": stages.stage_s, "decoder_share": stages.decoder_share, "mode": stages.mode,
                        "tokens_per_frame": stages.tokens_per_frame, "tokens_sha1": stages.tokens_sha1},
             "encoder": {"flops": flops, "flops_per_audio_s": round(flops / audio_s), "seconds": encoder_s,
@@ -261,15 +248,10 @@ def batchasr_run(path: Path, kernel: str, waves: list[np.ndarray], nemo_run: Tim
                         "share_of_speed_of_light": round(flops / peak / encoder_s, 3)}}
 
 
-def _side(audio_s: float, run: Timing, gpu_hour_usd: float) -> dict[str, Any]:
-    rtfx = audio_s / run.wall_s
-    return {"wall_s": round(run.wall_s, 4), "passes_s": [round(p, 4) for p in run.passes_s],
+def _side(audio_s: float, run: TimedPasses, gpu_hour_usd: float) -> dict[str, Any]:
+    rtfx = audio_s / run.median_s
+    return {"wall_s": round(run.median_s, 4), "passes_s": [round(p, 4) for p in run.seconds],
             "rtfx": round(rtfx, 1), "usd_per_million_audio_hours": round(1e6 / rtfx * gpu_hour_usd, 2)}
-
-
-def _synchronize() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def _free() -> None:

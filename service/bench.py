@@ -13,10 +13,13 @@ import copy
 import hashlib
 import io
 import json
+import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import sentencepiece as spm
@@ -154,9 +157,34 @@ def calibrate_blank_bias(model: ASRModel, waveforms: list[np.ndarray], decoder: 
     return best_shift
 
 
-def _sync(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Wait for ``device``'s queued work, so a wall clock around it measures it (a no-op on CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+@dataclass
+class TimedPasses:
+    seconds: list[float]  # one per timed pass
+    result: Any  # what the last pass returned
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.seconds)
+
+
+def timed_passes(run: Callable[[], Any], device: torch.device, repeat: int = 1) -> TimedPasses:
+    """Wall time of a whole pass (a public API, data path included): one untimed warm-up pass (graph capture,
+    allocator growth), then ``repeat`` timed ones. ``measure`` times the model's stages instead."""
+    run()
+    seconds, result = [], None
+    for _ in range(repeat):
+        synchronize(device)
+        started = time.perf_counter()
+        result = run()
+        synchronize(device)
+        seconds.append(time.perf_counter() - started)
+    return TimedPasses(seconds, result)
 
 
 # --- random-weight checkpoints (for tools that need a file: HTTP bench, NeMo comparison) ----------------------
@@ -268,11 +296,11 @@ def measure(work: Workload, batch_size: int = 16, repeat: int = 1, decoder_algor
     settings = (work.decoder, decoder_algorithm, cuda_graphs)
     run_batches(model, waveforms, batches[:1], *settings, None)
     clock = StageClock(model.device)
-    _sync(model.device)
+    synchronize(model.device)
     start = time.perf_counter()
     for _ in range(repeat):
         output = run_batches(model, waveforms, batches, *settings, clock)
-    _sync(model.device)
+    synchronize(model.device)
     wall_s = time.perf_counter() - start
     return _result(work, batch_size, repeat, decoder_algorithm, cuda_graphs, output, wall_s, clock)
 

@@ -70,10 +70,10 @@ class Settings(BaseSettings):
     @field_validator("attention_kernel")
     @classmethod
     def _known_attention_kernel(cls, value: str) -> str:
-        from models.fastconformer import ATTENTION_KERNELS
+        from models.fastconformer import ATTENTION_KERNEL_OPTIONS
 
-        if value != "auto" and value not in ATTENTION_KERNELS:
-            raise ValueError(f"must be one of auto, {', '.join(ATTENTION_KERNELS)}")
+        if value not in ATTENTION_KERNEL_OPTIONS:
+            raise ValueError(f"must be one of {', '.join(ATTENTION_KERNEL_OPTIONS)}")
         return value
 
     @field_validator("max_segment_s")
