@@ -74,14 +74,14 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(_error_body(f"internal error: {type(exc).__name__}", "server_error", None, None), 500)
 
 
-def _service(request: Request) -> ServiceState:
+async def _service(request: Request) -> ServiceState:  # async: a sync dependency costs a thread hop
     return request.app.state.service
 
 
 ServiceDep = Annotated[ServiceState, Depends(_service)]
 
 
-def require_api_key(request: Request, service: ServiceDep) -> None:
+async def require_api_key(request: Request, service: ServiceDep) -> None:
     keys = service.settings.api_keys
     if not keys:
         return

@@ -160,13 +160,15 @@ def test_full_queue_answers_429_with_retry_after(hybrid, parity_audio):
     assert rejected.json()["error"]["code"] == "queue_full"
 
 
-def test_client_disconnect_drops_the_queued_work(hybrid, parity_audio):
+@pytest.mark.parametrize("route", ["/v1/transcribe", "/v1/audio/transcriptions"])
+def test_client_disconnect_drops_the_queued_work(hybrid, parity_audio, route):
     settings = Settings(max_wait_ms=1500, max_batch_size=64)
     data = Path(parity_audio[0]).read_bytes()
+    upload = ({"files": {"file": ("a.wav", data, "audio/wav")}} if route == "/v1/audio/transcriptions"
+              else {"content": data, "headers": {"content-type": "audio/wav"}})  # multipart, or the raw body
     with run_server(settings, hybrid) as running:
         with pytest.raises(httpx.ReadTimeout):
-            httpx.post(f"{running.url}/v1/transcribe", content=data, headers={"content-type": "audio/wav"},
-                       timeout=0.4)
+            httpx.post(f"{running.url}{route}", timeout=0.4, **upload)
         time.sleep(2.0)  # past max_wait: the batch would have formed by now
         assert running.metric("batchasr_dropped_items_total", '{reason="cancelled"}') == 1
         assert running.metric("batchasr_batch_size_count") == 0  # it never reached the engine
