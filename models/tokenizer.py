@@ -33,6 +33,22 @@ class Tokenizer:
         self.vocab_size = self._sp.get_piece_size()
         self.pieces = [self._sp.id_to_piece(i) for i in range(self.vocab_size)]
         self._punctuation_re = self._punctuation_pattern(self.pieces)
+        self._starts_word = [p.startswith(WORD_BOUNDARY) and not self._is_punctuation(p) for p in self.pieces]
+        self._surfaces = self._plain_surfaces()
+
+    def _plain_surfaces(self) -> list[str | None] | None:
+        """Each plain piece's text inside a sentence (its boundary marker as a space); None for pieces that
+        only SentencePiece itself renders (bytes, control, unknown). Word texts are joined from these, which
+        costs a fraction of a decode call per word; used only if joining the whole vocabulary gives exactly
+        what SentencePiece's decoder does."""
+        sp = self._sp
+        surfaces: list[str | None] = [
+            None if sp.is_byte(i) or sp.is_control(i) or sp.is_unknown(i) or sp.is_unused(i)
+            else piece.replace(WORD_BOUNDARY, " ") for i, piece in enumerate(self.pieces)]
+        plain = [i for i, text in enumerate(surfaces) if text is not None]
+        joined = "".join(surfaces[i] for i in plain)
+        decoded = sp.decode_pieces([self.pieces[i] for i in plain])
+        return surfaces if joined.strip() == decoded.strip() else None
 
     @staticmethod
     def _punctuation_pattern(pieces: list[str]) -> re.Pattern[str] | None:
@@ -56,17 +72,26 @@ class Tokenizer:
         """
         spans: list[list[int]] = []  # [first, last] token index of each word
         for i, token in enumerate(ids):
-            piece = self.pieces[token]
-            if not spans or (piece.startswith(WORD_BOUNDARY) and not self._is_punctuation(piece)):
+            if not spans or self._starts_word[token]:
                 spans.append([i, i])
             else:
                 spans[-1][1] = i
         words = []
         for first, last in spans:
-            text = self.ids_to_text(ids[first : last + 1]).strip()
+            text = self._word_text(ids[first : last + 1])
             if text:
                 words.append(WordSpan(text=text, first=first, last=last))
         return words
+
+    def _word_text(self, ids: list[int]) -> str:
+        if self._surfaces is not None:
+            parts = [self._surfaces[i] for i in ids]
+            if None not in parts:
+                text = "".join(parts)  # type: ignore[arg-type]
+                if self._punctuation_re is not None:
+                    text = self._punctuation_re.sub(r"\2", text)
+                return text.strip()
+        return self.ids_to_text(ids).strip()
 
     def _is_punctuation(self, piece: str) -> bool:
         stripped = piece.lstrip(WORD_BOUNDARY)

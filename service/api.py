@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import json
 import logging
 import time
 import uuid
@@ -30,6 +29,7 @@ from .config import Settings
 from .formats import cues, to_srt, to_vtt
 from .http import ApiError, ServiceDep, ServiceState, install_error_handlers, read_upload, require_api_key
 from .job_routes import router as jobs_router
+from .logs import log_fields
 from .metrics import Metrics
 from .runtime import build_stack
 from .schemas import (
@@ -299,5 +299,6 @@ class RequestLogMiddleware:
             route_path = getattr(scope.get("route"), "path", "unmatched")
             if route_path.startswith("/v1"):
                 self.service.metrics.observe_request(route_path, status, elapsed)
-            log.info(json.dumps({"event": "request", "request_id": request_id, "method": scope["method"],
-                                 "path": scope["path"], "status": status, "duration_ms": round(elapsed * 1000, 2)}))
+            log.info("request", extra=log_fields(event="request", request_id=request_id, method=scope["method"],
+                                                 path=scope["path"], status=status,
+                                                 duration_ms=round(elapsed * 1000, 2)))

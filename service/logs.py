@@ -8,18 +8,25 @@ import time
 
 
 class JsonFormatter(logging.Formatter):
+    """One JSON object per record. Structured fields come as ``extra={"fields": {...}}`` and are merged into the
+    object rather than nested in the message (request lines: ``log.info("request", extra=log_fields(...))``)."""
+
     def format(self, record: logging.LogRecord) -> str:
-        message = record.getMessage()
         entry = {"ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
                  "level": record.levelname.lower(), "logger": record.name}
-        try:  # messages that are JSON objects already (request lines) are merged, not nested
-            parsed = json.loads(message)
-            entry.update(parsed if isinstance(parsed, dict) else {"message": message})
-        except ValueError:
-            entry["message"] = message
+        fields = getattr(record, "fields", None)
+        if isinstance(fields, dict):
+            entry.update(fields)
+        else:
+            entry["message"] = record.getMessage()
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         return json.dumps(entry, ensure_ascii=False)
+
+
+def log_fields(**fields: object) -> dict[str, dict[str, object]]:
+    """``extra=`` for a structured log line."""
+    return {"fields": fields}
 
 
 def configure_json_logging(level: int = logging.INFO) -> None:

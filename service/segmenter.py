@@ -72,6 +72,8 @@ def _quietest_point(waveform: np.ndarray, earliest: int, latest: int, sample_rat
 def stitch(pieces: list[tuple[Segment, Hypothesis]], tokenizer: Tokenizer | None, frame_samples: int,
            ) -> Hypothesis:
     """One hypothesis in the original's frames from pieces decoded separately."""
+    if len(pieces) == 1 and pieces[0][0].start == 0 and pieces[0][0].cut_after == NO_CUT:
+        return pieces[0][1]  # audio that was not cut: its hypothesis as decoded, every token kept
     out = Hypothesis(durations=[] if any(h.durations is not None for _, h in pieces) else None)
     for segment, hyp in pieces:
         offset = segment.start // frame_samples

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
+import logging
 import re
 import struct
 import time
@@ -17,6 +19,7 @@ import soundfile as sf
 
 from models import load_model
 from service.config import Settings
+from service.logs import JsonFormatter
 from tests.servers import run_server
 
 
@@ -173,6 +176,20 @@ def test_client_disconnect_drops_the_queued_work(hybrid, parity_audio, route):
         assert running.metric("batchasr_dropped_items_total", '{reason="cancelled"}') == 1
         assert running.metric("batchasr_batch_size_count") == 0  # it never reached the engine
         assert httpx.get(f"{running.url}/healthz").status_code == 200
+
+
+def test_each_request_logs_one_json_line_with_its_request_id(server, parity_audio, caplog):
+    data = Path(parity_audio[1]).read_bytes()
+    with caplog.at_level(logging.INFO, logger="batchasr.api"):
+        response = httpx.post(f"{server.url}/v1/transcribe", content=data,
+                              headers={"content-type": "audio/wav", "x-request-id": "trace-42"}, timeout=60)
+    assert response.status_code == 200 and response.headers["x-request-id"] == "trace-42"
+    lines = [json.loads(JsonFormatter().format(r)) for r in caplog.records if r.name == "batchasr.api"]
+    [line] = [line for line in lines if line.get("request_id") == "trace-42"]
+    assert line["event"] == "request" and line["path"] == "/v1/transcribe" and line["status"] == 200
+    assert line["level"] == "info" and line["duration_ms"] > 0 and line["ts"].endswith("Z")
+    plain = json.loads(JsonFormatter().format(logging.LogRecord("x", logging.WARNING, "", 0, "a %s", ("b",), None)))
+    assert plain["message"] == "a b" and plain["level"] == "warning"
 
 
 # --- auth ----------------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import itertools
 import numpy as np
 
 from decoding.types import Hypothesis
+from models import load_model
 from service.segmenter import NO_CUT, plan_segments, stitch
 
 FRAME = 1280  # samples per encoder frame
@@ -44,3 +45,12 @@ def test_stitch_keeps_each_unit_once_in_order():
     assert merged.frames == sorted(merged.frames)
     assert len(set(merged.tokens)) == len(merged.tokens)  # nothing doubled at the cut
     assert all(t < cut_frame for t in merged.tokens if t in first.tokens and t not in second.tokens)
+
+
+def test_audio_that_was_not_cut_keeps_every_token():
+    tokenizer = load_model("models/assets/default.nemo", device="cpu").tokenizer
+    lone_marker = tokenizer.pieces.index("▁")  # renders as no word: stitching pieces would drop it
+    ids = [tokenizer.pieces.index("▁the"), lone_marker, tokenizer.pieces.index("▁the")]
+    hyp = Hypothesis(tokens=ids, frames=[0, 3, 4], durations=[2, 1, 40])  # the last span runs past the end
+    [segment] = plan_segments(16000 * 2, np.zeros(16000 * 2), 16000, 30, 2, FRAME)
+    assert stitch([(segment, hyp)], tokenizer, FRAME) == hyp
