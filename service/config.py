@@ -46,7 +46,7 @@ class Settings(BaseSettings):
     job_result_ttl_s: int = 7 * 86400  # results are kept this long after the job finishes
     job_max_attempts: int = 3
     job_visibility_timeout_s: float = 300.0  # an unacknowledged delivery is reclaimed after this
-    job_prefetch: int = 64
+    job_prefetch: int | None = None  # job items in flight per worker (default: see job_items_in_flight)
     webhook_secret: str | None = None  # whsec_<base64>; signs completion webhooks
     worker_name: str | None = None  # consumer name in the group (default: host-pid)
 
@@ -60,12 +60,25 @@ class Settings(BaseSettings):
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
 
-    @field_validator("max_batch_size", "max_queue", "decode_threads")
+    @field_validator("max_batch_size", "max_queue", "decode_threads", "job_prefetch")
     @classmethod
-    def _positive(cls, value: int) -> int:
-        if value < 1:
+    def _positive(cls, value: int | None) -> int | None:
+        if value is not None and value < 1:
             raise ValueError("must be >= 1")
         return value
+
+    @property
+    def job_items_in_flight(self) -> int:
+        """A worker's job items in flight: ``job_prefetch``, else four batches' worth, so the batcher can put
+        items of like lengths together, but at most half the queue, which interactive requests share."""
+        if self.job_prefetch is not None:
+            return self.job_prefetch
+        return max(1, min(4 * self.max_batch_size, self.max_queue // 2))
+
+    @property
+    def redis_max_connections(self) -> int:
+        """One connection per item in flight, and room for the job routes and the consumer's own reads."""
+        return self.job_items_in_flight + 32
 
     @field_validator("attention_kernel")
     @classmethod

@@ -25,6 +25,7 @@ PREFIX = "batchasr"
 ITEM_STREAM = f"{PREFIX}:items"  # XADD job=<id> index=<i>; consumer group GROUP
 DEAD_LETTER_STREAM = f"{PREFIX}:items:dead"  # items that failed for good, with their last error
 GROUP = "workers"
+POOL_WAIT_S = 30.0  # a command waits this long for a free connection before it counts as Redis unreachable
 JOB_KEY = PREFIX + ":job:{job_id}"  # hash: status, created_at, started_at, finished_at, total, n_<state>, ...
 INPUTS_KEY = PREFIX + ":job:{job_id}:inputs"  # hash index -> JSON {"audio", "path" | "upload"}
 STATES_KEY = PREFIX + ":job:{job_id}:states"  # hash index -> queued | in_progress | completed | failed | cancelled
@@ -167,10 +168,14 @@ class JobStore:
         self._finish = client.register_script(_FINISH_ITEM)
 
     @classmethod
-    def from_url(cls, url: str, **kwargs: Any) -> JobStore:
-        client = aioredis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=30,
-                                         health_check_interval=30)
-        return cls(client, **kwargs)
+    def from_url(cls, url: str, max_connections: int = 128, **kwargs: Any) -> JobStore:
+        """A client whose commands wait for a free connection past ``max_connections`` in use. redis-py's
+        default pool raises "Too many connections" there instead, which looks like Redis going away: a worker
+        with more items in flight than the pool holds left them unacknowledged until the visibility timeout."""
+        pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=POOL_WAIT_S,
+                                                        socket_connect_timeout=5, socket_timeout=30,
+                                                        health_check_interval=30)
+        return cls(aioredis.Redis.from_pool(pool), **kwargs)
 
     async def ensure_group(self) -> None:
         try:

@@ -41,7 +41,7 @@ class Stack:
         """A job consumer feeding this engine (settings.redis_url must be set)."""
         assert self.jobs is not None and self.consumer is None
         s = self.settings
-        options = ConsumerOptions(name=s.worker_name or default_consumer_name(), prefetch=s.job_prefetch,
+        options = ConsumerOptions(name=s.worker_name or default_consumer_name(), prefetch=s.job_items_in_flight,
                                   visibility_timeout_s=s.job_visibility_timeout_s, max_attempts=s.job_max_attempts)
         webhooks = WebhookSender(s.webhook_secret) if s.webhook_secret else None
         self.consumer = JobConsumer(self.jobs, self.transcriber, self.limits, s.input_roots, self.metrics, options,
@@ -83,8 +83,8 @@ def build_stack(settings: Settings, model: ASRModel, metrics: Metrics | None = N
     transcriber = Transcriber(engine, batcher, s.max_segment_s, s.segment_overlap_s, s.request_timeout_s)
     jobs = None
     if s.redis_url:
-        jobs = JobStore.from_url(s.redis_url, input_ttl_s=s.job_input_ttl_s, result_ttl_s=s.job_result_ttl_s,
-                                 max_upload_bytes=s.max_upload_bytes)
+        jobs = JobStore.from_url(s.redis_url, max_connections=s.redis_max_connections, input_ttl_s=s.job_input_ttl_s,
+                                 result_ttl_s=s.job_result_ttl_s, max_upload_bytes=s.max_upload_bytes)
     engine.start()
     return Stack(settings=s, model=model, metrics=metrics, batcher=batcher, engine=engine, transcriber=transcriber,
                  decode_pool=ThreadPoolExecutor(s.decode_threads, thread_name_prefix="batchasr-decode"),

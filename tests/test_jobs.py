@@ -190,6 +190,36 @@ def test_poison_item_fails_alone_and_is_dead_lettered(redis_server, model, parit
     assert len(dead) == 1 and dead[0][1][b"index"] == b"3"
 
 
+def test_more_items_in_flight_than_redis_connections_wait_for_one(redis_server, model, parity_audio, expected):
+    """Commands past the pool's size wait for a free connection: none fails as if Redis were gone, which would
+    leave its item unacknowledged until the visibility timeout."""
+    items = _uploads(parity_audio, 40)
+    settings = Settings(redis_url=redis_server.url, job_prefetch=40, job_visibility_timeout_s=600)
+
+    async def run() -> str:
+        stack = build_stack(settings, model)
+        await stack.jobs.close()
+        stack.jobs = JobStore.from_url(redis_server.url, max_connections=4)
+        assert await asyncio.to_thread(stack.engine.wait_ready, 30)
+        try:
+            job, _ = await stack.jobs.submit(items)
+            await asyncio.wait_for(stack.make_consumer().drain(), 120)
+            return job.id
+        finally:
+            await stack.stop()
+
+    job_id = asyncio.run(run())
+    _check_results(asyncio.run(JobStore.from_url(redis_server.url).results(job_id)), items, expected)
+
+
+def test_a_worker_keeps_four_batches_in_flight_within_half_the_queue():
+    assert Settings().job_items_in_flight == 4 * Settings().max_batch_size
+    assert Settings(max_batch_size=128, max_queue=512).job_items_in_flight == 256
+    assert Settings(max_batch_size=128, max_queue=2048, job_prefetch=64).job_items_in_flight == 64
+    with pytest.raises(ValueError):
+        Settings(job_prefetch=0)
+
+
 def test_item_that_keeps_killing_workers_is_failed_after_max_attempts(redis_server, model, parity_audio):
     items = _uploads(parity_audio, 2)
     state = {}
