@@ -158,8 +158,8 @@ def _cpu_s(stat_path: Path) -> float:
 
 def front_end_view(before: ServerCpu | None, after: ServerCpu | None, requests: int, audio_s: float,
                    wall_s: float) -> dict | None:
-    """The server's CPU over a run: the event loop's busy share and its ceiling, in requests a second and in
-    RTFx for this audio, if it did nothing else."""
+    """The server's CPU over a run: the event loop's busy share and its ceiling, in requests (or job items) a
+    second and in RTFx for this audio, if it did nothing else."""
     if before is None or after is None:
         return None
     loop_s = after.event_loop_s - before.event_loop_s
@@ -306,7 +306,10 @@ def main() -> None:
         half_rate = report["http_saturation"]["requests_per_s"] / 2
         report["http_half_load"] = run_client(open_loop(url, bodies, half_rate))
         if args.jobs:
-            report["bulk_job"] = run_client(bulk_job(url, clips))
+            cpu_before = ServerCpu.read(server.pid)
+            bulk = report["bulk_job"] = run_client(bulk_job(url, clips))
+            bulk["front_end"] = front_end_view(cpu_before, ServerCpu.read(server.pid), len(clips), sum(durations),
+                                               bulk["wall_s"])  # the job consumer shares the event loop
             report["bulk_vs_transcribe"] = round(report["bulk_job"]["rtfx_wall"]
                                                  / report["offline"]["transcribe"]["rtfx"], 3)
     finally:

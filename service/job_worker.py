@@ -145,10 +145,10 @@ class JobConsumer:
             await self.store.record_error(job_id, index, f"{type(exc).__name__}: {exc}")
 
     async def _process(self, job_id: str, index: int) -> None:
-        state, attempts = await self.store.start_item(job_id, index)
-        if state != "in_progress":
+        start = await self.store.start_item(job_id, index)
+        if start.state != "in_progress":
             return  # finished, cancelled or expired meanwhile: just acknowledge
-        record, upload = await self.store.item_input(job_id, index)
+        record, upload, attempts = start.record, start.upload, start.attempts
         audio = record.get("audio")
         if attempts > self.options.max_attempts:
             last = await self.store.last_error(job_id, index) or "the worker died while processing it"

@@ -61,8 +61,9 @@ class JobInputError(ValueError):
 
 # --- atomic item transitions ---------------------------------------------------------------------------------
 
-# KEYS: job, states, attempts. ARGV: index, now.
-# Returns {state, attempts}: the caller processes the item only if state is "in_progress".
+# KEYS: job, states, attempts, inputs, upload. ARGV: index, now.
+# Returns {state, attempts[, input JSON, upload]}: the caller processes the item only if state is "in_progress",
+# and then gets its input in the same round trip (a missing one comes back as nil).
 _START_ITEM = """
 local state = redis.call('HGET', KEYS[2], ARGV[1])
 if state == false then return {'missing', 0} end
@@ -76,7 +77,7 @@ if state == 'queued' then
     redis.call('HSET', KEYS[1], 'status', 'in_progress', 'started_at', ARGV[2])
   end
 end
-return {'in_progress', attempts}
+return {'in_progress', attempts, redis.call('HGET', KEYS[4], ARGV[1]), redis.call('GET', KEYS[5])}
 """
 
 # KEYS: job, states, results, errors. ARGV: index, final state, result JSON, error, now, audio_s, compute_s.
@@ -111,6 +112,16 @@ class ItemInput:
     audio: str  # what the submitter called it (file name or path)
     path: str | None = None  # a file under the input roots
     upload: bytes | None = None  # or the audio itself
+
+
+@dataclass(frozen=True)
+class ItemStart:
+    """What a consumer learns when it starts an item: its state, deliveries so far, and (in progress) its input
+    record and uploaded audio (None once expired, or for a path input)."""
+    state: str
+    attempts: int
+    record: dict[str, Any] = field(default_factory=dict)
+    upload: bytes | None = None
 
 
 @dataclass
@@ -262,20 +273,18 @@ class JobStore:
                         "error": errors[key].decode() if key in errors else None})
         return out
 
-    async def item_input(self, job_id: str, index: int) -> tuple[dict[str, Any], bytes | None]:
-        raw = await self.redis.hget(INPUTS_KEY.format(job_id=job_id), index)
-        if raw is None:
+    async def start_item(self, job_id: str, index: int) -> ItemStart:
+        """Mark the item in progress (unless it is finished) and read its input, in one round trip."""
+        keys = [JOB_KEY.format(job_id=job_id), STATES_KEY.format(job_id=job_id), ATTEMPTS_KEY.format(job_id=job_id),
+                INPUTS_KEY.format(job_id=job_id), UPLOAD_KEY.format(job_id=job_id, index=index)]
+        state, attempts, *item = await self._start(keys=keys, args=[index, _now()])
+        state = state.decode() if isinstance(state, bytes) else state
+        if state != "in_progress":
+            return ItemStart(state, int(attempts))
+        raw_input, upload = item
+        if raw_input is None:
             raise JobNotFound(f"{job_id}/{index}")
-        record = json.loads(raw)
-        data = await self.redis.get(record["upload"]) if "upload" in record else None
-        return record, data
-
-    # --- item transitions (used by the consumer) -----------------------------------------------------------
-
-    async def start_item(self, job_id: str, index: int) -> tuple[str, int]:
-        keys = [JOB_KEY.format(job_id=job_id), STATES_KEY.format(job_id=job_id), ATTEMPTS_KEY.format(job_id=job_id)]
-        state, attempts = await self._start(keys=keys, args=[index, _now()])
-        return (state.decode() if isinstance(state, bytes) else state), int(attempts)
+        return ItemStart(state, int(attempts), json.loads(raw_input), upload)
 
     async def finish_item(self, job_id: str, index: int, state: str, result: dict[str, Any], error: str = "",
                           audio_s: float = 0.0, compute_s: float = 0.0) -> int:

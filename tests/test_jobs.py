@@ -220,6 +220,20 @@ def test_a_worker_keeps_four_batches_in_flight_within_half_the_queue():
         Settings(job_prefetch=0)
 
 
+def test_an_upload_that_expired_before_a_worker_took_it_fails_with_the_reason(redis_server, model, parity_audio):
+    items = _uploads(parity_audio, 2)
+    state = {}
+
+    async def body(store):
+        state["job"], _ = await store.submit(items)
+        await asyncio.sleep(1.5)  # past the input TTL: Redis drops the uploaded audio, the job stays
+
+    asyncio.run(_drain(Settings(redis_url=redis_server.url, job_input_ttl_s=1), model, body))
+    records = asyncio.run(JobStore.from_url(redis_server.url).results(state["job"].id))
+    assert [(r["audio"], r["status"]) for r in records] == [(i.audio, "failed") for i in items]
+    assert all("expired before it was processed" in r["error"] for r in records)
+
+
 def test_item_that_keeps_killing_workers_is_failed_after_max_attempts(redis_server, model, parity_audio):
     items = _uploads(parity_audio, 2)
     state = {}
