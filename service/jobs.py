@@ -273,6 +273,8 @@ class JobStore:
                         "error": errors[key].decode() if key in errors else None})
         return out
 
+    # --- item transitions (used by the consumer) -----------------------------------------------------------
+
     async def start_item(self, job_id: str, index: int) -> ItemStart:
         """Mark the item in progress (unless it is finished) and read its input, in one round trip."""
         keys = [JOB_KEY.format(job_id=job_id), STATES_KEY.format(job_id=job_id), ATTEMPTS_KEY.format(job_id=job_id),

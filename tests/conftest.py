@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -18,6 +21,15 @@ REPO = Path(__file__).resolve().parent.parent
 # NeMo's own outputs on small models: the project's shared fixtures sit beside the checkout.
 PARITY_DIR = Path(os.environ.get("BATCHASR_PARITY_DIR", REPO.parent / "shared" / "fixtures" / "nemo-parity"))
 EXTRA_PARITY_DIR = REPO / "tests" / "fixtures" / "nemo-extra"
+
+
+def load_script(path: Path) -> ModuleType:
+    """A script under scripts/ or loadtest/ as a module (registered, so its dataclasses can find it)."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def load_reference(directory: Path) -> dict:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -10,17 +9,14 @@ import pytest
 
 from models import load_model
 from service.bench import synthetic_audio
+from tests.conftest import load_script
 
 SCRIPT = Path(__file__).parents[1] / "scripts" / "nemo_compare.py"
 
 
 @pytest.fixture(scope="module")
 def nemo_compare():
-    spec = importlib.util.spec_from_file_location("nemo_compare", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["nemo_compare"] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)  # NeMo is imported only when a model is compared
-    yield module
+    yield load_script(SCRIPT)  # NeMo is imported only when a model is compared
     del sys.modules["nemo_compare"]
 
 

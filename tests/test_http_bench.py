@@ -1,0 +1,58 @@
+"""loadtest/http_bench.py end to end on the embedded model: it is what the GPU run records issue 4's ratio with,
+so it must work before a GPU is lent."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from tests.conftest import REPO, load_script
+
+
+@pytest.fixture(scope="module")
+def http_bench():
+    yield load_script(REPO / "loadtest" / "http_bench.py")
+    del sys.modules["http_bench"]
+
+
+def _spin(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def test_server_cpu_tells_the_main_thread_from_the_rest(http_bench):
+    before = http_bench.ServerCpu.read(os.getpid())
+    worker = threading.Thread(target=_spin, args=(0.3,))
+    worker.start()
+    worker.join()
+    middle = http_bench.ServerCpu.read(os.getpid())
+    _spin(0.3)
+    after = http_bench.ServerCpu.read(os.getpid())
+    assert middle.event_loop_s - before.event_loop_s < 0.1 <= middle.process_s - before.process_s
+    assert after.event_loop_s - middle.event_loop_s >= 0.2
+    view = http_bench.front_end_view(middle, after, requests=100, audio_s=50.0, wall_s=0.3)
+    assert 2.0 <= view["event_loop_cpu_ms_per_request"] <= 5.0
+    assert view["event_loop_ceiling_rtfx"] == round(50.0 / (after.event_loop_s - middle.event_loop_s), 1)
+
+
+def test_a_small_run_reports_http_half_load_and_a_bulk_job(parity_dir, tmp_path):
+    out = tmp_path / "report.json"
+    command = [sys.executable, "loadtest/http_bench.py", "--model", "models/assets/default.nemo",
+               "--audio-dir", str(parity_dir / "audio"), "--requests", "24", "--concurrency", "8",
+               "--batch-size", "4", "--jobs", "--out", str(out)]
+    subprocess.run(command, cwd=REPO, check=True, timeout=300, capture_output=True)
+    report = json.loads(out.read_text())
+    saturation = report["http_saturation"]
+    assert saturation["requests"] == 24 and saturation["rtfx"] > 0
+    assert saturation["front_end"]["event_loop_cpu_ms_per_request"] > 0
+    assert saturation["server"]["mean_batch_size"] > 1  # 8 in flight were batched
+    assert report["offline"]["transcribe"]["rtfx"] > 0 and report["offline"]["bench"]["rtfx"] > 0
+    assert 0 < report["http_half_load"]["p50_s"] <= report["http_half_load"]["p99_s"]
+    assert report["bulk_job"]["status"] == "completed" and report["bulk_job"]["items"] == 24
