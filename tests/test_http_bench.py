@@ -1,5 +1,5 @@
 """loadtest/http_bench.py end to end on the embedded model: it is what the GPU run records issue 4's ratio with,
-so it must work before a GPU is lent."""
+so it must work before a GPU is lent; and the interpreter-lock probe beside it."""
 
 from __future__ import annotations
 
@@ -56,3 +56,12 @@ def test_a_small_run_reports_http_half_load_and_a_bulk_job(parity_dir, tmp_path)
     assert report["offline"]["transcribe"]["rtfx"] > 0 and report["offline"]["bench"]["rtfx"] > 0
     assert 0 < report["http_half_load"]["p50_s"] <= report["http_half_load"]["p99_s"]
     assert report["bulk_job"]["status"] == "completed" and report["bulk_job"]["items"] == 24
+
+
+def test_gil_share_runs_and_reports_each_setting():
+    command = [sys.executable, "scripts/gil_share.py", "--busy", "0.5", "--switch-ms", "5", "1", "--ops", "300"]
+    lines = subprocess.run(command, cwd=REPO, check=True, timeout=120, capture_output=True,
+                           text=True).stdout.splitlines()
+    assert lines[0].startswith("event loop idle:")
+    assert [line.split(":")[0] for line in lines[1:]] == ["event loop busy  50%, switch interval 5 ms",
+                                                          "event loop busy  50%, switch interval 1 ms"]
