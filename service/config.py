@@ -33,7 +33,7 @@ class Settings(BaseSettings):
 
     # Batching
     max_batch_size: int = 32
-    max_batch_audio_s: float = 32 * 30.0  # padded seconds of audio in one batch (bounds memory)
+    max_batch_audio_s: float | None = None  # padded seconds in one batch (bounds memory); see batch_audio_limit_s
     max_wait_ms: float = 10.0
     max_queue: int = 512  # queued segments beyond which requests get 429
     max_segment_s: float = 30.0  # longer audio is split near here at quiet points
@@ -66,6 +66,14 @@ class Settings(BaseSettings):
         if value is not None and value < 1:
             raise ValueError("must be >= 1")
         return value
+
+    @property
+    def batch_audio_limit_s(self) -> float:
+        """Padded seconds of audio in one batch: ``max_batch_audio_s``, else full batches of the longest pieces
+        (``max_batch_size`` x ``max_segment_s``), so raising the batch size alone is not undone by this limit."""
+        if self.max_batch_audio_s is not None:
+            return self.max_batch_audio_s
+        return self.max_batch_size * self.max_segment_s
 
     @property
     def job_items_in_flight(self) -> int:

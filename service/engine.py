@@ -27,6 +27,21 @@ log = logging.getLogger(__name__)
 WARMUP_S = 1.0  # seconds of audio per warm-up item
 
 
+def warmup_shapes(device: torch.device, max_batch_size: int, max_segment_s: float,
+                  batch_audio_limit_s: float) -> list[tuple[int, float]]:
+    """(rows, seconds) batches to run before the engine says ready.
+
+    On a GPU: the widest and the longest batch the batcher can form. The decoder's graphs are then captured
+    for the largest buffers it will need, the encoder's kernels are chosen, and the memory peak is reached
+    at start, out-of-memory included, rather than under the first heavy traffic. Elsewhere nothing is
+    captured, and one short item initialises every stage."""
+    if device.type != "cuda":
+        return [(1, WARMUP_S)]
+    widest = (max_batch_size, min(max_segment_s, batch_audio_limit_s / max_batch_size))
+    longest = (max(1, min(max_batch_size, int(batch_audio_limit_s // max_segment_s))), max_segment_s)
+    return list(dict.fromkeys([(1, WARMUP_S), widest, longest]))
+
+
 class EngineState(str, Enum):
     STARTING = "starting"
     READY = "ready"
@@ -44,12 +59,12 @@ class ItemResult:
 
 class Engine:
     def __init__(self, model: ASRModel, batcher: Batcher, metrics: Metrics, decoder: str = "auto",
-                 warmup_batch_size: int = 1):
+                 warmup_shapes: list[tuple[int, float]] | None = None):
         self.model = model
         self.batcher = batcher
         self.metrics = metrics
         self.decoder = model.resolve_decoder(decoder)
-        self.warmup_batch_size = warmup_batch_size
+        self.warmup_shapes = warmup_shapes or [(1, WARMUP_S)]  # (rows, seconds) run before ready
         self.state = EngineState.STARTING
         self.error: str | None = None
         self._thread = threading.Thread(target=self._run, name="batchasr-engine", daemon=True)
@@ -92,14 +107,15 @@ class Engine:
             self.process(batch)
 
     def _warm_up(self) -> None:
-        """Run every stage once (and a full batch), so lazy init and graph capture happen before traffic."""
+        """Run every stage on each warm-up shape, so lazy init and graph capture happen before traffic."""
         rng = np.random.default_rng(0)
-        wave = (rng.standard_normal(int(WARMUP_S * self.model.sample_rate)) * 0.01).astype(np.float32)
         started = time.perf_counter()
-        for size in sorted({1, self.warmup_batch_size}):
-            self.model.decode(self.model.encode([wave] * size), self.decoder)
-        log.info("engine warm: %s on %s (%s), %.2f s", self.decoder, self.model.device, self.model.dtype,
-                 time.perf_counter() - started)
+        for rows, seconds in self.warmup_shapes:
+            wave = (rng.standard_normal(int(seconds * self.model.sample_rate)) * 0.01).astype(np.float32)
+            self.model.decode(self.model.encode([wave] * rows), self.decoder)
+        shapes = ", ".join(f"{rows} x {seconds:g} s" for rows, seconds in self.warmup_shapes)
+        log.info("engine warm: %s on %s (%s), batches of %s, %.2f s", self.decoder, self.model.device,
+                 self.model.dtype, shapes, time.perf_counter() - started)
 
     def run(self, waveforms: list[np.ndarray]) -> tuple[list[Hypothesis], dict[str, float]]:
         """Features, encoder, decoder for one batch; hypotheses and seconds per stage."""

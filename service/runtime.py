@@ -14,7 +14,7 @@ from models.asr_model import ASRModel
 from .audio import AudioLimits
 from .batcher import Batcher
 from .config import Settings
-from .engine import Engine
+from .engine import Engine, warmup_shapes
 from .job_worker import ConsumerOptions, JobConsumer, default_consumer_name
 from .jobs import JobStore
 from .metrics import Metrics
@@ -77,9 +77,11 @@ def build_stack(settings: Settings, model: ASRModel, metrics: Metrics | None = N
     """Batcher, engine (started: it warms up in its thread) and transcriber; a job store if Redis is set."""
     metrics = metrics or Metrics()
     s = settings
-    batcher = Batcher(s.max_batch_size, s.max_batch_audio_s, s.max_wait_ms, s.max_queue, model.sample_rate,
+    batcher = Batcher(s.max_batch_size, s.batch_audio_limit_s, s.max_wait_ms, s.max_queue, model.sample_rate,
                       on_drop=lambda reason: metrics.dropped_items.labels(reason).inc())
-    engine = Engine(model, batcher, metrics, decoder=s.decoder)
+    engine = Engine(model, batcher, metrics, decoder=s.decoder,
+                    warmup_shapes=warmup_shapes(model.device, s.max_batch_size, s.max_segment_s,
+                                                s.batch_audio_limit_s))
     transcriber = Transcriber(engine, batcher, s.max_segment_s, s.segment_overlap_s, s.request_timeout_s)
     jobs = None
     if s.redis_url:

@@ -7,8 +7,11 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from service.batcher import Batcher, Priority, QueueFull, WorkItem
+from service.config import Settings
+from service.engine import WARMUP_S, warmup_shapes
 
 
 def _item(seconds: float, priority: Priority = Priority.INTERACTIVE, timeout_s: float = 60.0) -> WorkItem:
@@ -86,3 +89,18 @@ def test_close_drains_then_stops():
     assert b.next_batch() is None
     with pytest.raises(RuntimeError):
         b.submit([_item(1)])
+
+
+def test_the_padded_audio_limit_follows_the_batch_size_unless_set():
+    assert Settings().batch_audio_limit_s == Settings().max_batch_size * Settings().max_segment_s
+    assert Settings(max_batch_size=128).batch_audio_limit_s == 128 * 30.0  # not capped at 32 batches' worth
+    assert Settings(max_batch_size=128, max_batch_audio_s=600).batch_audio_limit_s == 600
+
+
+def test_warm_up_covers_the_widest_and_the_longest_batch_on_a_gpu_only():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert warmup_shapes(cpu, 128, 30.0, 3840.0) == [(1, WARMUP_S)]
+    assert warmup_shapes(cuda, 128, 30.0, 3840.0) == [(1, WARMUP_S), (128, 30.0)]
+    # a tighter padded-audio limit: full rows of shorter pieces, and fewer rows of the longest
+    assert warmup_shapes(cuda, 128, 30.0, 960.0) == [(1, WARMUP_S), (128, 7.5), (32, 30.0)]
+    assert warmup_shapes(cuda, 16, 30.0, 10.0) == [(1, WARMUP_S), (16, 0.625), (1, 30.0)]  # one piece may pass it

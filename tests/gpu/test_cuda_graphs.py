@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from functools import cache
 
+import numpy as np
 import pytest
 import torch
 
@@ -158,3 +159,27 @@ def test_full_size_tdt_in_bf16(mode):
         got = graphs(encoded, lengths)
         assert got == eager(encoded, lengths), (rows, frames)
         assert sum(len(h.tokens) for h in got) > 0
+
+
+def test_the_engine_warm_up_captures_for_the_largest_batch_it_can_be_given(parity_dir):
+    """After warm-up a batch of the widest or longest shape the batcher can form decodes without a recapture."""
+    from service.batcher import Batcher
+    from service.bench import synthetic_speech
+    from service.engine import Engine, warmup_shapes
+    from service.metrics import Metrics
+
+    model = load_model(parity_dir / "tdt.nemo", device="cuda", dtype="float32")
+    rows, segment_s = 24, 12.0
+    shapes = warmup_shapes(model.device, rows, segment_s, rows * segment_s)
+    engine = Engine(model, Batcher(rows, rows * segment_s, 10.0, 100), Metrics(), warmup_shapes=shapes)
+    engine.start()
+    try:
+        assert engine.wait_ready(120), engine.error
+        looper = model.label_looper()
+        captures = looper.n_captures
+        assert looper.capacity[0] >= rows and looper.capacity[1] * model.config.frame_s >= segment_s
+        wave = synthetic_speech(segment_s, np.random.default_rng(3))
+        engine.run([wave] * rows)
+        assert looper.n_captures == captures
+    finally:
+        engine.stop(30)
