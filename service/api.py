@@ -227,6 +227,7 @@ async def readyz(service: ServiceDep) -> JSONResponse:
 
 @ops.get("/metrics")
 async def metrics(service: ServiceDep) -> Response:
+    service.metrics.observe_event_loop_cpu()  # async route: this runs on the event loop's thread
     return Response(service.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 

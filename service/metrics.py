@@ -58,6 +58,11 @@ class Metrics:
         self.gpu_memory_bytes = Gauge("batchasr_gpu_memory_bytes", "GPU memory held by the engine", registry=r)
         self.dropped_items = Counter("batchasr_dropped_items", "Queued items dropped before the engine",
                                      ["reason"], registry=r)
+        self.event_loop_cpu_seconds = Counter(
+            "batchasr_event_loop_cpu_seconds",
+            "CPU time of the thread that serves HTTP (the event loop): a rate near 1 means the front end, not the "
+            "model, limits throughput", registry=r)
+        self._event_loop_cpu_seen = 0.0
         self._window: deque[tuple[float, float, float]] = deque()  # (time, audio_s, compute_s)
         self._lock = threading.Lock()
 
@@ -89,6 +94,13 @@ class Metrics:
     def observe_request(self, route: str, code: int, duration_s: float) -> None:
         self.requests.labels(route, str(code)).inc()
         self.request_duration_seconds.labels(route).observe(duration_s)
+
+    def observe_event_loop_cpu(self) -> None:
+        """Count the calling thread's CPU time since the last call. The /metrics route calls it on the event
+        loop's thread before each scrape, which is where the time is spent."""
+        now = time.thread_time()
+        self.event_loop_cpu_seconds.inc(max(0.0, now - self._event_loop_cpu_seen))
+        self._event_loop_cpu_seen = now
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

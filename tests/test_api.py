@@ -192,6 +192,17 @@ def test_each_request_logs_one_json_line_with_its_request_id(server, parity_audi
     assert plain["message"] == "a b" and plain["level"] == "warning"
 
 
+def test_the_event_loops_cpu_is_counted_on_its_own_thread(server, parity_audio):
+    first = server.metric("batchasr_event_loop_cpu_seconds_total")
+    started = time.perf_counter()
+    data = Path(parity_audio[2]).read_bytes()
+    with ThreadPoolExecutor(8) as pool:
+        assert all(r.status_code == 200 for r in pool.map(lambda _: _post(server.url, data), range(16)))
+    spent = server.metric("batchasr_event_loop_cpu_seconds_total") - first
+    # 16 requests take the loop over a millisecond; one thread's CPU cannot outrun the wall clock
+    assert 0.001 < spent <= time.perf_counter() - started
+
+
 # --- auth ----------------------------------------------------------------------------------------------------
 
 
