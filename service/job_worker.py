@@ -134,7 +134,11 @@ class JobConsumer:
     # --- one item --------------------------------------------------------------------------------------
 
     async def _handle(self, message_id: bytes, fields: dict) -> None:
-        job_id, index = fields[b"job"].decode(), int(fields[b"index"])
+        try:
+            job_id, index = fields[b"job"].decode(), int(fields[b"index"])
+        except (KeyError, ValueError, UnicodeDecodeError):  # not ours (another writer, another version)
+            await self._discard(message_id, fields)
+            return
         try:
             await self._process(job_id, index)
             await self.store.redis.xack(ITEM_STREAM, GROUP, message_id)
@@ -143,6 +147,17 @@ class JobConsumer:
         except Exception as exc:  # likewise retried, until max_attempts
             log.exception("item %s/%d failed; it will be retried", job_id, index)
             await self.store.record_error(job_id, index, f"{type(exc).__name__}: {exc}")
+
+    async def _discard(self, message_id: bytes, fields: dict) -> None:
+        """A stream entry that names no job item: dead-letter and acknowledge it once, rather than fail it
+        on every redelivery."""
+        error = f"not a job item (fields: {', '.join(sorted(k.decode(errors='replace') for k in fields))})"
+        log.warning("stream entry %s discarded: %s", message_id.decode(), error)
+        try:
+            await self.store.discard_entry(message_id, error)
+            self.metrics.job_items_dead_lettered.inc()
+        except REDIS_ERRORS as exc:
+            log.warning("redis error discarding %s (%s); it will come back", message_id.decode(), exc)
 
     async def _process(self, job_id: str, index: int) -> None:
         start = await self.store.start_item(job_id, index)

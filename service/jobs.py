@@ -305,6 +305,13 @@ class JobStore:
         raw = await self.redis.hget(ERRORS_KEY.format(job_id=job_id), index)
         return raw.decode() if raw else None
 
+    async def discard_entry(self, message_id: bytes, error: str) -> None:
+        """Dead-letter and acknowledge a stream entry that names no job item."""
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.xadd(DEAD_LETTER_STREAM, {"message": message_id, "error": error, "at": _now()})
+        pipe.xack(ITEM_STREAM, GROUP, message_id)
+        await pipe.execute()
+
     async def dead_letter(self, job_id: str, index: int, error: str) -> None:
         await self.redis.xadd(DEAD_LETTER_STREAM, {"job": job_id, "index": index, "error": error,
                                                    "at": _now()})

@@ -234,6 +234,25 @@ def test_an_upload_that_expired_before_a_worker_took_it_fails_with_the_reason(re
     assert all("expired before it was processed" in r["error"] for r in records)
 
 
+def test_a_stream_entry_that_names_no_item_is_dead_lettered_once(redis_server, model, parity_audio, expected):
+    items = _uploads(parity_audio, 2)
+    state = {}
+
+    async def body(store):
+        await store.ensure_group()
+        await store.redis.xadd(ITEM_STREAM, {"something": "else"})  # another writer, or another version
+        await store.redis.xadd(ITEM_STREAM, {"job": "job_x", "index": "not a number"})
+        state["job"], _ = await store.submit(items)
+
+    # before the fix such entries failed on every redelivery and the drain never ended
+    asyncio.run(asyncio.wait_for(_drain(Settings(redis_url=redis_server.url), model, body), 120))
+    _check_results(asyncio.run(JobStore.from_url(redis_server.url).results(state["job"].id)), items, expected)
+    client = redis_server.client()
+    assert client.xpending(ITEM_STREAM, GROUP)["pending"] == 0  # acknowledged, so never redelivered
+    dead = client.xrange(DEAD_LETTER_STREAM)
+    assert len(dead) == 2 and all(b"not a job item" in fields[b"error"] for _, fields in dead)
+
+
 def test_item_that_keeps_killing_workers_is_failed_after_max_attempts(redis_server, model, parity_audio):
     items = _uploads(parity_audio, 2)
     state = {}
