@@ -60,10 +60,10 @@ class Tokenizer:
         return re.compile(r"(\s)(" + "|".join(re.escape(m) for m in marks) + ")")
 
     def ids_to_text(self, ids: list[int]) -> str:
-        text = self._sp.decode_pieces([self.pieces[i] for i in ids])
-        if self._punctuation_re is not None:
-            text = self._punctuation_re.sub(r"\2", text)
-        return text
+        return self._close_punctuation(self._sp.decode_pieces([self.pieces[i] for i in ids]))
+
+    def _close_punctuation(self, text: str) -> str:
+        return text if self._punctuation_re is None else self._punctuation_re.sub(r"\2", text)
 
     def words(self, ids: list[int]) -> list[WordSpan]:
         """Group tokens into words: a word starts at a piece beginning with the boundary marker.
@@ -87,10 +87,7 @@ class Tokenizer:
         if self._surfaces is not None:
             parts = [self._surfaces[i] for i in ids]
             if None not in parts:
-                text = "".join(parts)  # type: ignore[arg-type]
-                if self._punctuation_re is not None:
-                    text = self._punctuation_re.sub(r"\2", text)
-                return text.strip()
+                return self._close_punctuation("".join(parts)).strip()  # type: ignore[arg-type]
         return self.ids_to_text(ids).strip()
 
     def _is_punctuation(self, piece: str) -> bool:

@@ -25,6 +25,7 @@ from .timing import StageClock
 log = logging.getLogger(__name__)
 
 WARMUP_S = 1.0  # seconds of audio per warm-up item
+LIGHT_WARMUP = ((1, WARMUP_S),)  # one short item: initialises every stage where nothing is captured
 
 
 def warmup_shapes(device: torch.device, max_batch_size: int, max_segment_s: float,
@@ -36,10 +37,10 @@ def warmup_shapes(device: torch.device, max_batch_size: int, max_segment_s: floa
     at start, out-of-memory included, rather than under the first heavy traffic. Elsewhere nothing is
     captured, and one short item initialises every stage."""
     if device.type != "cuda":
-        return [(1, WARMUP_S)]
+        return list(LIGHT_WARMUP)
     widest = (max_batch_size, min(max_segment_s, batch_audio_limit_s / max_batch_size))
     longest = (max(1, min(max_batch_size, int(batch_audio_limit_s // max_segment_s))), max_segment_s)
-    return list(dict.fromkeys([(1, WARMUP_S), widest, longest]))
+    return list(dict.fromkeys([*LIGHT_WARMUP, widest, longest]))
 
 
 class EngineState(str, Enum):
@@ -64,7 +65,7 @@ class Engine:
         self.batcher = batcher
         self.metrics = metrics
         self.decoder = model.resolve_decoder(decoder)
-        self.warmup_shapes = warmup_shapes or [(1, WARMUP_S)]  # (rows, seconds) run before ready
+        self.warmup_shapes = warmup_shapes or list(LIGHT_WARMUP)  # (rows, seconds) run before ready
         self.state = EngineState.STARTING
         self.error: str | None = None
         self._thread = threading.Thread(target=self._run, name="batchasr-engine", daemon=True)
