@@ -10,7 +10,7 @@ decoder; the issue's "offline engine").
 
     python loadtest/http_bench.py --model MODEL.nemo|ARCHITECTURE [--audio-dir DIR] [--requests 200]
         [--concurrency 64] [--batch-size 32] [--device auto] [--dtype auto] [--attention-kernel auto]
-        [--jobs] [--out FILE]
+        [--frontends N] [--jobs] [--out FILE]
 
 ``--model`` may name a built-in architecture (random weights, calibrated blank, as ``batchasr bench``); without
 ``--audio-dir`` the audio is ``batchasr bench``'s LibriSpeech-like synthetic mix, sent as 16-bit WAV.
@@ -136,38 +136,66 @@ def engine_view(before: dict[str, float], after: dict[str, float], wall_s: float
 
 @dataclass(frozen=True)
 class ServerCpu:
-    """CPU seconds a server process has used (Linux /proc): all its threads, and the event loop's thread (the
-    main thread), which parses every request and runs every handler. The loop cannot spread over cores, so its
-    CPU per request caps the front end at 1 / that many requests a second, whatever the GPU."""
+    """CPU seconds a server has used (Linux /proc). The engine's process: all its threads, and its event loop's
+    thread (the main thread), which with HTTP in this process parses every request and runs every handler, and
+    with front-end processes moves their samples in and results out. The loop cannot spread over cores, so its
+    CPU per request caps the server at 1 / that many requests a second, whatever the GPU. Front-end processes
+    (``--frontends``): all their threads, and their loops, by pid."""
     process_s: float
     event_loop_s: float
+    front_ends_s: dict[int, float]
+    front_end_loops_s: dict[int, float]
 
     @classmethod
     def read(cls, pid: int) -> ServerCpu | None:
         try:
-            return cls(_cpu_s(Path(f"/proc/{pid}/stat")), _cpu_s(Path(f"/proc/{pid}/task/{pid}/stat")))
-        except OSError:  # no /proc here
+            front_ends = _front_end_pids(pid)
+            return cls(_cpu_s(pid), _cpu_s(pid, pid), {f: _cpu_s(f) for f in front_ends},
+                       {f: _cpu_s(f, f) for f in front_ends})
+        except OSError:  # no /proc here, or a front end exited between the listing and the read
             return None
 
 
-def _cpu_s(stat_path: Path) -> float:
-    stat = stat_path.read_text()
+def _cpu_s(pid: int, thread: int | None = None) -> float:
+    stat = Path(f"/proc/{pid}/stat" if thread is None else f"/proc/{pid}/task/{thread}/stat").read_text()
     fields = stat[stat.rindex(")") + 2:].split()  # after the command name, which may hold spaces
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
+def _front_end_pids(pid: int) -> list[int]:
+    """The server's front-end processes: its children started by multiprocessing's spawn."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            if parent == pid and b"spawn_main" in (stat.parent / "cmdline").read_bytes():
+                pids.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue  # exited meanwhile
+    return sorted(pids)
+
+
 def front_end_view(before: ServerCpu | None, after: ServerCpu | None, requests: int, audio_s: float,
                    wall_s: float) -> dict | None:
-    """The server's CPU over a run: the event loop's busy share and its ceiling, in requests (or job items) a
-    second and in RTFx for this audio, if it did nothing else."""
+    """The server's CPU over a run: the engine process's event loop, its busy share and the ceiling it sets, in
+    requests (or job items) a second and in RTFx for this audio, if it did nothing else; with front-end
+    processes, their CPU per request and their busiest loop's share."""
     if before is None or after is None:
         return None
     loop_s = after.event_loop_s - before.event_loop_s
-    return {"event_loop_cpu_ms_per_request": round(1000 * loop_s / requests, 3),
+    view = {"event_loop_cpu_ms_per_request": round(1000 * loop_s / requests, 3),
             "event_loop_busy_share": round(loop_s / wall_s, 3),
             "event_loop_ceiling_requests_per_s": round(requests / loop_s, 1) if loop_s else None,
             "event_loop_ceiling_rtfx": round(audio_s / loop_s, 1) if loop_s else None,
             "process_cpu_ms_per_request": round(1000 * (after.process_s - before.process_s) / requests, 3)}
+    kept = after.front_ends_s.keys() & before.front_ends_s.keys()  # a front end restarted meanwhile is left out
+    if kept:
+        cpu = sum(after.front_ends_s[f] - before.front_ends_s[f] for f in kept)
+        loops = [after.front_end_loops_s[f] - before.front_end_loops_s[f] for f in kept]
+        view["front_end_processes"] = {"count": len(kept), "cpu_ms_per_request": round(1000 * cpu / requests, 3),
+                                       "loop_cpu_ms_per_request": round(1000 * sum(loops) / requests, 3),
+                                       "busiest_loop_busy_share": round(max(loops) / wall_s, 3)}
+    return view
 
 
 def client_session(connections: int = 0) -> aiohttp.ClientSession:
@@ -243,6 +271,8 @@ def start_server(model: str, port: int, redis_url: str | None, args: argparse.Na
                "--device", args.device, "--dtype", args.dtype, "--attention-kernel", args.attention_kernel]
     if redis_url:
         command += ["--redis-url", redis_url]
+    if args.frontends:
+        command += ["--frontends", str(args.frontends)]
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 600  # a large model on a GPU: load, warm-up, graph capture
     while time.monotonic() < deadline:
@@ -265,6 +295,8 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--attention-kernel", default="auto", choices=ATTENTION_KERNEL_OPTIONS)
+    parser.add_argument("--frontends", type=int, default=0,
+                        help="serve HTTP from this many front-end processes (`batchasr serve --frontends`)")
     parser.add_argument("--jobs", action="store_true", help="also time a bulk job through Redis")
     parser.add_argument("--out", type=Path, help="also write the JSON report here")
     args = parser.parse_args()
@@ -272,8 +304,8 @@ def main() -> None:
     bodies, durations = [c.body for c in clips], [c.duration_s for c in clips]
     workdir = Path(tempfile.mkdtemp())
     model = args.model
-    report: dict = {"model": model, "attention_kernel": args.attention_kernel, "requests": len(clips),
-                    "audio_s": round(sum(durations), 2)}
+    report: dict = {"model": model, "attention_kernel": args.attention_kernel, "frontends": args.frontends,
+                    "requests": len(clips), "audio_s": round(sum(durations), 2)}
     if model in ARCHITECTURES:
         model = str(workdir / f"{args.model}.nemo")
         device = args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"

@@ -25,6 +25,7 @@ class WordSpan:
 
 class Tokenizer:
     def __init__(self, model_proto: bytes):
+        self.model_proto = model_proto  # serialized; another process builds the same tokenizer from it
         self._sp = spm.SentencePieceProcessor()
         try:
             self._sp.LoadFromSerializedProto(model_proto)

@@ -1,7 +1,8 @@
 """The HTTP API: OpenAI-compatible and native transcription, health, readiness and metrics.
 
 ``create_app(settings)`` builds everything; the model loads and warms up in the lifespan, and shutdown
-stops accepting, lets queued work finish, then stops the engine.
+stops accepting, lets queued work finish, then stops the engine. ``create_frontend_app`` serves the same routes
+in a front-end process, over a link to the engine process (``service.frontends``).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import bisect
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Annotated, Any
@@ -26,12 +27,13 @@ from models.asr_model import ASRModel, load_model
 from .audio import AudioRequestError, check_media_type, decode_audio
 from .batcher import Priority, QueueFull
 from .config import Settings
+from .engine_link import EngineLink
 from .formats import cues, to_srt, to_vtt
 from .http import ApiError, ServiceDep, ServiceState, install_error_handlers, read_upload, require_api_key
 from .job_routes import router as jobs_router
 from .logs import log_fields
 from .metrics import Metrics
-from .runtime import build_stack
+from .runtime import build_frontend_stack, build_stack
 from .schemas import (
     ModelCard,
     ModelList,
@@ -43,6 +45,7 @@ from .schemas import (
     WordTiming,
 )
 from .transcriber import RequestResult
+from .wire import EngineUnavailable
 
 log = logging.getLogger("batchasr.api")
 
@@ -91,6 +94,9 @@ async def _transcribe(request: Request, service: ServiceState, data: bytes, cont
     except TimeoutError as exc:
         raise ApiError(504, "transcription did not finish within the request timeout", type="server_error",
                        code="timeout") from exc
+    except EngineUnavailable as exc:
+        raise ApiError(503, str(exc), type="server_error", code="engine_unavailable",
+                       headers={"Retry-After": "5"}) from exc
     finally:
         for pending in (task, client_gone):
             if not pending.done():
@@ -171,7 +177,7 @@ async def openai_transcriptions(
     wants = set(granularities) or {"segment"}
     body = VerboseTranscription(
         language=language or "en", duration=round(transcript.duration_s, 3), text=transcript.text, usage=usage,
-        segments=_segments(result, service.stack.model.config.frame_s) if "segment" in wants else None,
+        segments=_segments(result, service.stack.transcriber.config.frame_s) if "segment" in wants else None,
         words=_words(result) if "word" in wants else None,
     )
     return JSONResponse(body.model_dump(exclude_none=True))
@@ -227,11 +233,21 @@ async def readyz(service: ServiceDep) -> JSONResponse:
 
 @ops.get("/metrics")
 async def metrics(service: ServiceDep) -> Response:
-    service.metrics.observe_event_loop_cpu()  # async route: this runs on the event loop's thread
-    return Response(service.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    if service.metrics is None:
+        raise ApiError(503, "the service is starting", type="server_error", code="not_ready")
+    try:
+        body = await service.metrics.scrape()  # async route: on the event loop's thread, whose CPU it counts
+    except EngineUnavailable as exc:
+        raise ApiError(503, str(exc), type="server_error", code="engine_unavailable") from exc
+    return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 
 # --- the app -----------------------------------------------------------------------------------------------
+
+
+def model_id(settings: Settings) -> str:
+    """The id clients see and may send as `model`."""
+    return settings.model_name or (Path(settings.model).stem if settings.model else "batchasr-default")
 
 
 def create_app(settings: Settings, model: ASRModel | None = None) -> FastAPI:
@@ -239,8 +255,7 @@ def create_app(settings: Settings, model: ASRModel | None = None) -> FastAPI:
 
     With ``settings.redis_url`` the same engine also consumes bulk jobs, and the /v1/jobs routes work.
     """
-    model_id = settings.model_name or (Path(settings.model).stem if settings.model else "batchasr-default")
-    service = ServiceState(settings=settings, metrics=Metrics(), model_id=model_id)
+    service = ServiceState(settings=settings, model_id=model_id(settings), metrics=Metrics())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -248,15 +263,39 @@ def create_app(settings: Settings, model: ASRModel | None = None) -> FastAPI:
         if loaded is None:
             loaded = await asyncio.to_thread(load_model, settings.model, settings.device, settings.dtype,
                                              settings.attention_kernel)
-        service.stack = build_stack(settings, loaded, service.metrics)
-        if service.stack.jobs is not None:
-            service.stack.start_consumer()
+        stack = service.stack = build_stack(settings, loaded, service.metrics)
+        if stack.jobs is not None:
+            stack.start_consumer()
         try:
             yield
         finally:
             service.accepting = False
-            await service.stack.stop()  # finishes job items in hand and what is queued first
+            await stack.stop()  # finishes job items in hand and what is queued first
 
+    return _app(service, lifespan)
+
+
+def create_frontend_app(settings: Settings, engine_path: str, on_engine_lost: Callable[[], None]) -> FastAPI:
+    """The API in a front-end process: requests are decoded, planned and worded here; their pieces go to the
+    engine process at ``engine_path``, which also keeps the metrics. ``on_engine_lost`` is called if it goes
+    away (the front end should then exit: it cannot serve without it)."""
+    service = ServiceState(settings=settings, model_id=model_id(settings))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        link = await EngineLink.connect(engine_path, on_engine_lost)
+        stack = service.stack = build_frontend_stack(settings, link)
+        service.metrics = link
+        try:
+            yield
+        finally:
+            service.accepting = False
+            await stack.stop()  # the server has finished its requests by now
+
+    return _app(service, lifespan)
+
+
+def _app(service: ServiceState, lifespan: Callable[[FastAPI], Any]) -> FastAPI:
     app = FastAPI(title="batchasr", version="0.1.0", lifespan=lifespan,
                   description="High-throughput transcription of NeMo FastConformer models.")
     app.state.service = service
@@ -298,7 +337,7 @@ class RequestLogMiddleware:
         finally:
             elapsed = time.perf_counter() - started
             route_path = getattr(scope.get("route"), "path", "unmatched")
-            if route_path.startswith("/v1"):
+            if route_path.startswith("/v1") and self.service.metrics is not None:
                 self.service.metrics.observe_request(route_path, status, elapsed)
             log.info("request", extra=log_fields(event="request", request_id=request_id, method=scope["method"],
                                                  path=scope["path"], status=status,

@@ -31,6 +31,10 @@ class QueueFull(Exception):
         self.retry_after_s = retry_after_s
 
 
+class BatcherClosed(RuntimeError):
+    """The engine is stopping: nothing new is queued."""
+
+
 @dataclass(eq=False)
 class WorkItem:
     """One waveform (a request, or one segment of a long one) waiting for the engine."""
@@ -84,7 +88,7 @@ class Batcher:
         """Queue all items or none; raises ``QueueFull`` (with a retry hint) past ``max_queue``."""
         with self._cond:
             if self._closed:
-                raise RuntimeError("the batcher is shut down")
+                raise BatcherClosed("the engine is shutting down")
             if self.depth + len(items) > self.max_queue:
                 raise QueueFull(self._retry_after_s())
             for item in items:

@@ -6,11 +6,14 @@ Each subcommand imports what it needs when it runs, so ``batchasr transcribe`` n
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import logging
 import sys
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any
 
 FORMATS = ("text", "json", "jsonl", "srt", "vtt")
 
@@ -91,6 +94,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", help="bind address (default: 127.0.0.1; BATCHASR_HOST)")
     p.add_argument("--port", type=int, help="port (default: 8000; BATCHASR_PORT)")
     p.add_argument("--redis-url", help="Redis for bulk jobs (BATCHASR_REDIS_URL)")
+    p.add_argument("--frontends", type=int,
+                   help="HTTP front-end processes beside the engine's, for request rates one event loop cannot "
+                        "parse (default: 0, HTTP in the engine's process; BATCHASR_FRONTENDS)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -101,14 +107,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .config import get_settings
     from .logs import configure_json_logging
 
-    configure_json_logging(logging.DEBUG if args.verbose else logging.INFO)
+    level = logging.DEBUG if args.verbose else logging.INFO
+    configure_json_logging(level)
     device = None if args.device == "auto" else args.device
     dtype = None if args.dtype == "auto" else args.dtype
     settings = get_settings(model=args.model, device=device, dtype=dtype, host=args.host, port=args.port,
-                            redis_url=args.redis_url, attention_kernel=args.attention_kernel)
+                            redis_url=args.redis_url, attention_kernel=args.attention_kernel,
+                            frontends=args.frontends)
+    if settings.frontends:
+        from .frontends import serve_with_frontends
+
+        return _run_async(serve_with_frontends(settings, level))
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_config=None,
                 timeout_graceful_shutdown=int(settings.request_timeout_s))
     return 0
+
+
+def _run_async(main: Coroutine[Any, Any, int]) -> int:
+    """Run on uvloop where it is installed (as uvicorn does): less CPU per message on the engine's link."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
 
 
 def _bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -145,7 +166,6 @@ def _worker_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    import asyncio
 
     from .config import get_settings
     from .jobs_cli import run_worker
@@ -175,8 +195,6 @@ def _submit_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    import asyncio
-
     from .jobs_cli import collect_audio, run_submit
 
     try:

@@ -30,6 +30,8 @@ class Settings(BaseSettings):
     max_duration_s: float = 4 * 3600.0
     request_timeout_s: float = 600.0
     decode_threads: int = 4  # audio decoding runs in this many threads, off the event loop
+    # HTTP front-end processes beside the engine's (service.frontends); 0: the engine's process serves HTTP too
+    frontends: int = 0
 
     # Batching
     max_batch_size: int = 32
@@ -65,6 +67,13 @@ class Settings(BaseSettings):
     def _positive(cls, value: int | None) -> int | None:
         if value is not None and value < 1:
             raise ValueError("must be >= 1")
+        return value
+
+    @field_validator("frontends")
+    @classmethod
+    def _not_negative(cls, value: int) -> int:
+        if value < 0:
+            raise ValueError("must be >= 0")
         return value
 
     @property

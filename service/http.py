@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, Protocol
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -14,8 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .config import Settings
 from .jobs import JobStore
-from .metrics import Metrics
-from .runtime import Stack
+from .runtime import FrontendStack, Stack
 from .schemas import ErrorResponse
 
 log = logging.getLogger("batchasr.api")
@@ -29,14 +28,23 @@ class ApiError(Exception):
         self.headers = headers or {}
 
 
+class MetricsSink(Protocol):
+    """Where the routes count requests and read the exposition: ``Metrics`` in the engine's process, or a
+    front-end process's link to it."""
+
+    def observe_request(self, route: str, code: int, duration_s: float) -> None: ...
+
+    async def scrape(self) -> bytes: ...
+
+
 @dataclass
 class ServiceState:
     """Everything the routes share; lives on ``app.state.service``."""
 
     settings: Settings
-    metrics: Metrics
     model_id: str
-    stack: Stack | None = None
+    metrics: MetricsSink | None = None  # a front end's arrives with its engine link
+    stack: Stack | FrontendStack | None = None
     accepting: bool = True
 
     @property

@@ -60,8 +60,8 @@ class Metrics:
                                      ["reason"], registry=r)
         self.event_loop_cpu_seconds = Counter(
             "batchasr_event_loop_cpu_seconds",
-            "CPU time of the thread that serves HTTP (the event loop): a rate near 1 means the front end, not the "
-            "model, limits throughput", registry=r)
+            "CPU time of the event loops that serve HTTP, summed over front-end processes and the engine's: one "
+            "loop's rate near 1 means it, not the model, limits throughput", registry=r)
         self._event_loop_cpu_seen = 0.0
         self._window: deque[tuple[float, float, float]] = deque()  # (time, audio_s, compute_s)
         self._lock = threading.Lock()
@@ -96,11 +96,21 @@ class Metrics:
         self.request_duration_seconds.labels(route).observe(duration_s)
 
     def observe_event_loop_cpu(self) -> None:
-        """Count the calling thread's CPU time since the last call. The /metrics route calls it on the event
-        loop's thread before each scrape, which is where the time is spent."""
+        """Count the calling thread's CPU time since the last call. Called on the event loop's thread before
+        each scrape, which is where the time is spent."""
         now = time.thread_time()
-        self.event_loop_cpu_seconds.inc(max(0.0, now - self._event_loop_cpu_seen))
+        self.add_event_loop_cpu(now - self._event_loop_cpu_seen)
         self._event_loop_cpu_seen = now
+
+    def add_event_loop_cpu(self, seconds: float) -> None:
+        """Another process's event-loop CPU (a front end's report)."""
+        self.event_loop_cpu_seconds.inc(max(0.0, seconds))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    async def scrape(self) -> bytes:
+        """The exposition, with this event loop's CPU counted up to now (call it on the loop's thread). Async:
+        the /metrics route awaits the same call whether the metrics live here or in the engine process."""
+        self.observe_event_loop_cpu()
+        return self.render()

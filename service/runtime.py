@@ -1,6 +1,7 @@
 """Assembles the serving stack on one model: batcher -> engine -> transcriber, and the job consumer.
 
-Both `batchasr serve` (through the app's lifespan) and `batchasr worker` build it here.
+`batchasr serve` (through the app's lifespan, or in the engine process when HTTP runs in front-end processes)
+and `batchasr worker` build it here; a front-end process builds its own, smaller stack over its engine link.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from .audio import AudioLimits
 from .batcher import Batcher
 from .config import Settings
 from .engine import Engine, warmup_shapes
+from .engine_link import EngineLink
 from .job_worker import ConsumerOptions, JobConsumer, default_consumer_name
 from .jobs import JobStore
 from .metrics import Metrics
@@ -73,6 +75,46 @@ class Stack:
             await self.jobs.close()
 
 
+@dataclass
+class FrontendStack:
+    """A front-end process's share of the stack: its link to the engine process stands in for the engine (its
+    readiness) and for the batcher (the transcriber's work queue). The job routes get a store of their own."""
+
+    settings: Settings
+    engine: EngineLink
+    transcriber: Transcriber
+    decode_pool: ThreadPoolExecutor
+    limits: AudioLimits
+    jobs: JobStore | None = None
+
+    async def stop(self) -> None:
+        self.engine.close()
+        self.decode_pool.shutdown(wait=True)
+        if self.jobs is not None:
+            await self.jobs.close()
+
+
+def _job_store(s: Settings) -> JobStore | None:
+    if not s.redis_url:
+        return None
+    return JobStore.from_url(s.redis_url, max_connections=s.redis_max_connections, input_ttl_s=s.job_input_ttl_s,
+                             result_ttl_s=s.job_result_ttl_s, max_upload_bytes=s.max_upload_bytes)
+
+
+def _decode_pool(s: Settings) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(s.decode_threads, thread_name_prefix="batchasr-decode")
+
+
+def build_frontend_stack(settings: Settings, link: EngineLink) -> FrontendStack:
+    s = settings
+    assert link.config is not None, "the link has not been greeted"
+    transcriber = Transcriber(link, link.config, link.tokenizer, s.max_segment_s, s.segment_overlap_s,
+                              s.request_timeout_s)
+    return FrontendStack(settings=s, engine=link, transcriber=transcriber, decode_pool=_decode_pool(s),
+                         limits=AudioLimits(s.max_upload_bytes, s.max_duration_s, link.config.features.sample_rate),
+                         jobs=_job_store(s))
+
+
 def build_stack(settings: Settings, model: ASRModel, metrics: Metrics | None = None) -> Stack:
     """Batcher, engine (started: it warms up in its thread) and transcriber; a job store if Redis is set."""
     metrics = metrics or Metrics()
@@ -82,12 +124,9 @@ def build_stack(settings: Settings, model: ASRModel, metrics: Metrics | None = N
     engine = Engine(model, batcher, metrics, decoder=s.decoder,
                     warmup_shapes=warmup_shapes(model.device, s.max_batch_size, s.max_segment_s,
                                                 s.batch_audio_limit_s))
-    transcriber = Transcriber(engine, batcher, s.max_segment_s, s.segment_overlap_s, s.request_timeout_s)
-    jobs = None
-    if s.redis_url:
-        jobs = JobStore.from_url(s.redis_url, max_connections=s.redis_max_connections, input_ttl_s=s.job_input_ttl_s,
-                                 result_ttl_s=s.job_result_ttl_s, max_upload_bytes=s.max_upload_bytes)
+    transcriber = Transcriber(batcher, model.config, model.tokenizer, s.max_segment_s, s.segment_overlap_s,
+                              s.request_timeout_s)
     engine.start()
     return Stack(settings=s, model=model, metrics=metrics, batcher=batcher, engine=engine, transcriber=transcriber,
-                 decode_pool=ThreadPoolExecutor(s.decode_threads, thread_name_prefix="batchasr-decode"),
-                 limits=AudioLimits(s.max_upload_bytes, s.max_duration_s, model.sample_rate), jobs=jobs)
+                 decode_pool=_decode_pool(s), limits=AudioLimits(s.max_upload_bytes, s.max_duration_s,
+                                                                 model.sample_rate), jobs=_job_store(s))

@@ -1,12 +1,21 @@
-"""Test helpers: a real uvicorn server on a free port, in a thread of the test process."""
+"""Test helpers: a real uvicorn server on a free port, in a thread of the test process, or `batchasr serve
+--frontends N` in processes of its own."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
+from typing import IO
 
 import httpx
 import uvicorn
@@ -22,6 +31,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def metric(url: str, name: str, labels: str = "") -> float:
+    """A sample's value from the server's /metrics (0 when absent)."""
+    text = httpx.get(f"{url}/metrics").text
+    for line in text.splitlines():
+        if line.startswith(f"{name}{labels} ") or (not labels and line.startswith(f"{name} ")):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def wait_ready(url: str, timeout: float, alive=lambda: True) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and alive():
+        try:
+            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
+                return True
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)
+    return False
+
+
 class RunningServer:
     def __init__(self, server: uvicorn.Server, thread: threading.Thread, url: str, app):
         self.server, self.thread, self.url, self.app = server, thread, url, app
@@ -31,12 +61,7 @@ class RunningServer:
         return self.app.state.service
 
     def metric(self, name: str, labels: str = "") -> float:
-        """A sample's value from /metrics (0 when absent)."""
-        text = httpx.get(f"{self.url}/metrics").text
-        for line in text.splitlines():
-            if line.startswith(f"{name}{labels} ") or (not labels and line.startswith(f"{name} ")):
-                return float(line.rsplit(" ", 1)[1])
-        return 0.0
+        return metric(self.url, name, labels)
 
     def shutdown(self, timeout: float = 60) -> None:
         self.server.should_exit = True
@@ -51,18 +76,60 @@ def run_server(settings: Settings, model: ASRModel, ready_timeout: float = 60) -
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     running = RunningServer(server, thread, f"http://127.0.0.1:{port}", app)
-    deadline = time.monotonic() + ready_timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{running.url}/readyz", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        time.sleep(0.05)
-    else:
+    if not wait_ready(running.url, ready_timeout):
         running.shutdown()
         raise RuntimeError("server did not become ready")
     try:
         yield running
     finally:
         running.shutdown()
+
+
+class ServerProcess:
+    """`batchasr serve` in a subprocess: the engine's process, and its front ends when asked for."""
+
+    def __init__(self, process: subprocess.Popen, url: str, log: IO[str]):
+        self.process, self.url, self.log = process, url, log
+
+    def log_text(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
+    def metric(self, name: str, labels: str = "") -> float:
+        return metric(self.url, name, labels)
+
+    def front_end_pids(self) -> list[int]:
+        """Its front-end processes (children started by multiprocessing's spawn)."""
+        out = subprocess.run(["pgrep", "-P", str(self.process.pid), "-f", "spawn_main"], capture_output=True,
+                             text=True)
+        return sorted(int(pid) for pid in out.stdout.split())
+
+    def stop(self, timeout: float = 60) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout)
+
+
+@contextmanager
+def serve_process(model: Path, frontends: int = 2, ready_timeout: float = 120,
+                  **settings: object) -> Iterator[ServerProcess]:
+    """``batchasr serve --frontends N`` on a free port; ``settings`` as BATCHASR_* variables."""
+    port = free_port()
+    env = {**os.environ, **{f"BATCHASR_{k.upper()}": str(v) for k, v in settings.items()}}
+    # the log goes to a file, not a pipe: nobody reads it while the server runs
+    with tempfile.TemporaryFile("w+") as log:
+        process = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--model", str(model), "--device",
+                                    "cpu", "--dtype", "float32", "--port", str(port), "--frontends", str(frontends)],
+                                   env=env, stdout=subprocess.DEVNULL, stderr=log)
+        running = ServerProcess(process, f"http://127.0.0.1:{port}", log)
+        try:
+            if not wait_ready(running.url, ready_timeout, alive=lambda: process.poll() is None):
+                raise RuntimeError(f"server did not become ready: {running.log_text()[-3000:]}")
+            yield running
+        finally:
+            for pid in running.front_end_pids():  # normally gone with the engine's process; never left behind
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            if process.poll() is None:
+                process.kill()
+                process.wait(30)

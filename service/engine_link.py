@@ -1,0 +1,180 @@
+"""A front-end process's connection to the engine process (``service.engine_server`` is the other end).
+
+The link is the front end's work queue (the transcriber submits pieces to it as it would to the batcher), its
+view of the engine's readiness, and its metrics sink: requests are counted where every other metric is kept, in
+the engine process, and a scrape of any front end shows them all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+
+import numpy as np
+
+from models.config import ModelConfig
+from models.tokenizer import Tokenizer
+
+from .batcher import WorkItem
+from .wire import (
+    Cancel,
+    EngineStatus,
+    EngineUnavailable,
+    Exposition,
+    FrameProtocol,
+    Hello,
+    ItemDone,
+    ItemsFailed,
+    LoopCpu,
+    RequestObserved,
+    Scrape,
+    Submit,
+    send_frame,
+)
+
+log = logging.getLogger(__name__)
+
+LOOP_CPU_REPORT_S = 1.0  # how often a front end reports its event loop's CPU
+SCRAPE_TIMEOUT_S = 10.0
+
+
+class EngineLink:
+    def __init__(self, on_lost: Callable[[], None]):
+        self.protocol = FrameProtocol(self._on_frame, self._on_connection_lost)
+        self.config: ModelConfig | None = None
+        self.tokenizer: Tokenizer | None = None
+        self.status = EngineStatus(ready=False)
+        self._greeted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._on_lost = on_lost
+        self._lost: str | None = None
+        self._ids = itertools.count()
+        self._pending: dict[int, Future] = {}  # item id -> the future its transcriber awaits
+        self._scrapes: dict[int, asyncio.Future[bytes]] = {}
+        self._loop_cpu_seen = time.thread_time()
+        self._reporter: asyncio.Task | None = None
+
+    @classmethod
+    async def connect(cls, path: str, on_lost: Callable[[], None], timeout_s: float = 30.0) -> EngineLink:
+        """Connect to the engine process at ``path`` and read its greeting. ``on_lost`` is called (on the event
+        loop) if the engine process goes away."""
+        link = cls(on_lost)
+        try:
+            await asyncio.wait_for(asyncio.get_running_loop().create_unix_connection(lambda: link.protocol, path),
+                                   timeout_s)
+            await asyncio.wait_for(link._greeted, timeout_s)
+        except (OSError, TimeoutError, EngineUnavailable) as exc:
+            link.close()
+            raise EngineUnavailable(f"cannot reach the engine process at {path}: {exc}") from exc
+        link._reporter = asyncio.create_task(link._report_loop_cpu())
+        return link
+
+    # --- what the routes see ----------------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return self.status.ready and self._lost is None
+
+    @property
+    def error(self) -> str | None:
+        return self._lost or self.status.error
+
+    def submit(self, items: list[WorkItem]) -> None:
+        """Send the pieces to the engine process. Its refusal (``QueueFull``) comes back on their futures."""
+        if self._lost is not None:
+            raise EngineUnavailable(self._lost)
+        ids = tuple(next(self._ids) for _ in items)
+        for item_id, item in zip(ids, items, strict=True):
+            self._pending[item_id] = item.future
+            item.future.add_done_callback(lambda f, i=item_id: self._maybe_cancelled(i, f))
+        self._send(Submit(ids, tuple(item.n_samples for item in items), int(items[0].priority), items[0].timeout_s),
+                   [item.waveform for item in items])
+
+    def observe_request(self, route: str, code: int, duration_s: float) -> None:
+        self._send(RequestObserved(route, code, duration_s))
+
+    async def scrape(self) -> bytes:
+        """The engine process's metrics, this front end's event-loop CPU reported first."""
+        if self._lost is not None:
+            raise EngineUnavailable(self._lost)
+        self._report_cpu()
+        scrape_id = next(self._ids)
+        answer = self._scrapes[scrape_id] = asyncio.get_running_loop().create_future()
+        self._send(Scrape(scrape_id))
+        try:
+            return await asyncio.wait_for(answer, SCRAPE_TIMEOUT_S)
+        finally:
+            self._scrapes.pop(scrape_id, None)
+
+    def close(self) -> None:
+        if self._reporter is not None:
+            self._reporter.cancel()
+        self._lost = self._lost or "the front end is stopping"
+        if self.protocol.transport is not None:
+            self.protocol.transport.close()
+
+    # --- plumbing ---------------------------------------------------------------------------------------
+
+    def _send(self, message: object, payload: list[np.ndarray] | None = None) -> None:
+        transport = self.protocol.transport
+        if self._lost is None and transport is not None and not transport.is_closing():
+            send_frame(transport, message, payload)
+
+    def _maybe_cancelled(self, item_id: int, future: Future) -> None:
+        """A piece its request gave up on (client gone, timeout): the engine process drops it if still queued."""
+        if future.cancelled() and self._pending.pop(item_id, None) is not None:
+            self._send(Cancel((item_id,)))
+
+    def _report_cpu(self) -> None:
+        now = time.thread_time()
+        self._send(LoopCpu(now - self._loop_cpu_seen))
+        self._loop_cpu_seen = now
+
+    async def _report_loop_cpu(self) -> None:
+        while True:
+            await asyncio.sleep(LOOP_CPU_REPORT_S)
+            self._report_cpu()
+
+    def _on_frame(self, message: object, payload: bytearray) -> None:
+        if isinstance(message, ItemDone):
+            future = self._pending.pop(message.item_id, None)
+            if future is not None and not future.done():
+                future.set_result(message.result)
+        elif isinstance(message, ItemsFailed):
+            for item_id in message.item_ids:
+                future = self._pending.pop(item_id, None)
+                if future is not None and not future.done():
+                    future.set_exception(message.exception())
+        elif isinstance(message, EngineStatus):
+            self.status = message
+        elif isinstance(message, Exposition):
+            answer = self._scrapes.get(message.scrape_id)
+            if answer is not None and not answer.done():
+                answer.set_result(message.body)
+        elif isinstance(message, Hello):
+            self.config, self.status = message.config, message.state
+            if message.tokenizer_model is not None:
+                self.tokenizer = Tokenizer(message.tokenizer_model)
+            if not self._greeted.done():
+                self._greeted.set_result(None)
+        else:
+            log.error("unexpected message from the engine process: %s", type(message).__name__)
+
+    def _on_connection_lost(self, exc: Exception | None) -> None:
+        reason = self._lost or f"the engine process went away ({exc or 'connection closed'})"
+        stopping = self._lost is not None
+        self._lost = reason
+        pending, self._pending = self._pending, {}
+        if pending and not stopping:
+            log.error("%s; failing %d pieces in flight", reason, len(pending))
+        for future in pending.values():
+            if not future.done():
+                future.set_exception(EngineUnavailable(reason))
+        for answer in [*self._scrapes.values(), self._greeted]:
+            if not answer.done():
+                answer.set_exception(EngineUnavailable(reason))
+        if not stopping:
+            self._on_lost()

@@ -1,0 +1,211 @@
+"""`batchasr serve --frontends N`: HTTP in front-end processes, the model in the engine's process.
+
+Real processes over real sockets: the results equal one process's, the queue's limits and disconnects reach the
+engine's process, metrics from every front end meet in one exposition, a dead front end is replaced, front ends
+do not outlive the engine, and SIGTERM finishes what is in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from models import load_model
+from service.batcher import BatcherClosed, QueueFull
+from service.wire import EngineUnavailable, FrameProtocol, ItemsFailed, send_frame, split_samples
+from tests.servers import serve_process
+
+MODEL = "tdt_ctc_hybrid.nemo"
+
+
+def _transcribe(url: str, audio: bytes, route: str = "/v1/transcribe", timeout: float = 60) -> httpx.Response:
+    if route == "/v1/transcribe":
+        return httpx.post(f"{url}{route}", content=audio, headers={"content-type": "audio/wav"}, timeout=timeout)
+    return httpx.post(f"{url}{route}", files={"file": ("a.wav", audio, "audio/wav")}, timeout=timeout)
+
+
+def _eventually(condition, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (exited, not yet reaped by its parent) is not alive
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def server(parity_dir):
+    with serve_process(parity_dir / MODEL, frontends=2, max_wait_ms=20, max_batch_size=16) as running:
+        yield running
+
+
+def test_front_ends_answer_as_one_process_does(server, parity_dir, parity_audio):
+    """Tokens, frames and words, over both routes, against the model in this process; 40 requests at once, so
+    both front ends serve and the engine batches across them."""
+    model = load_model(parity_dir / MODEL, device="cpu", dtype="float32")
+    expected = dict(zip(parity_audio, model.transcribe(parity_audio), strict=True))
+    files = [parity_audio[i % len(parity_audio)] for i in range(40)]
+    before = {name: server.metric(name) for name in ("batchasr_batch_size_count", "batchasr_batch_size_sum")}
+
+    async def send_all():
+        async with httpx.AsyncClient(timeout=120) as client:
+            async def one(path):
+                return path, await client.post(f"{server.url}/v1/transcribe", content=Path(path).read_bytes(),
+                                               headers={"content-type": "audio/wav"})
+            return await asyncio.gather(*(one(p) for p in files))
+
+    for path, response in asyncio.run(send_all()):
+        assert response.status_code == 200, response.text
+        body, want = response.json(), expected[path]
+        assert body["text"] == want.text and body["tokens"] == want.tokens
+        assert body["token_frames"] == want.token_frames
+        assert [w["word"] for w in body["words"]] == [w.word for w in want.words]
+    openai = _transcribe(server.url, Path(parity_audio[0]).read_bytes(), "/v1/audio/transcriptions")
+    assert openai.json()["text"] == expected[parity_audio[0]].text
+    batches = server.metric("batchasr_batch_size_count") - before["batchasr_batch_size_count"]
+    items = server.metric("batchasr_batch_size_sum") - before["batchasr_batch_size_sum"]
+    assert items == 41 and items / batches > 1, (items, batches)
+    assert len(server.front_end_pids()) == 2
+
+
+def test_every_front_ends_requests_and_event_loop_show_in_one_exposition(server, parity_audio):
+    route = '{code="200",route="/v1/transcribe"}'
+    first = server.metric("batchasr_requests_total", route)
+    loop_first = server.metric("batchasr_event_loop_cpu_seconds_total")
+    data = Path(parity_audio[2]).read_bytes()
+    with ThreadPoolExecutor(8) as pool:  # new connections: the kernel spreads them over both front ends
+        assert all(r.status_code == 200 for r in pool.map(lambda _: _transcribe(server.url, data), range(24)))
+    assert _eventually(lambda: server.metric("batchasr_requests_total", route) - first == 24)
+    assert server.metric("batchasr_event_loop_cpu_seconds_total") > loop_first
+    assert server.metric("batchasr_audio_seconds_total") > 0 and server.metric("batchasr_rtfx") > 0
+
+
+def test_bad_input_is_refused_by_the_front_end_and_nothing_breaks(server, parity_audio):
+    assert _transcribe(server.url, b"").status_code == 400
+    assert _transcribe(server.url, b"\x00" * 5000).status_code == 400
+    assert _transcribe(server.url, Path(parity_audio[1]).read_bytes()).status_code == 200
+    assert httpx.get(f"{server.url}/readyz").json() == {"status": "ready", "problems": []}
+
+
+def test_a_full_engine_queue_answers_429_through_the_front_end(parity_dir, parity_audio):
+    data = Path(parity_audio[7]).read_bytes()
+    with serve_process(parity_dir / MODEL, frontends=2, max_queue=3, max_wait_ms=3000, max_batch_size=64) as running, \
+            ThreadPoolExecutor(6) as pool:
+        responses = list(pool.map(lambda _: _transcribe(running.url, data), range(6)))
+    codes = sorted(r.status_code for r in responses)
+    assert codes.count(200) == 3 and codes.count(429) == 3, codes
+    rejected = next(r for r in responses if r.status_code == 429)
+    assert int(rejected.headers["retry-after"]) >= 1 and rejected.json()["error"]["code"] == "queue_full"
+
+
+def test_a_client_that_goes_away_never_reaches_the_engine(parity_dir, parity_audio):
+    data = Path(parity_audio[0]).read_bytes()
+    with serve_process(parity_dir / MODEL, frontends=1, max_wait_ms=1500, max_batch_size=64) as running:
+        with pytest.raises(httpx.ReadTimeout):
+            _transcribe(running.url, data, timeout=0.4)
+        time.sleep(2.0)  # past max_wait: the batch would have formed by now
+        assert running.metric("batchasr_dropped_items_total", '{reason="cancelled"}') == 1
+        assert running.metric("batchasr_batch_size_count") == 0
+
+
+def test_a_dead_front_end_is_replaced_and_sigterm_finishes_the_requests_in_flight(parity_dir, parity_audio):
+    data = Path(parity_audio[2]).read_bytes()
+    with serve_process(parity_dir / MODEL, frontends=2, max_wait_ms=800, max_batch_size=64) as running:
+        killed = running.front_end_pids()[0]
+        os.kill(killed, signal.SIGKILL)
+        assert _eventually(lambda: len(running.front_end_pids()) == 2 and killed not in running.front_end_pids())
+        with ThreadPoolExecutor(8) as pool:
+            assert all(r.status_code == 200 for r in pool.map(lambda _: _transcribe(running.url, data), range(8)))
+            futures = [pool.submit(_transcribe, running.url, data) for _ in range(4)]
+            time.sleep(0.3)  # queued in the engine's process, waiting for the batch to fill
+            front_ends = running.front_end_pids()
+            assert running.stop() == 0
+            assert [f.result().status_code for f in futures] == [200] * 4
+        assert not any(_alive(pid) for pid in front_ends)
+
+
+def test_front_ends_do_not_outlive_the_engines_process(parity_dir, parity_audio):
+    with serve_process(parity_dir / MODEL, frontends=2) as running:
+        front_ends = running.front_end_pids()
+        running.process.kill()  # no chance to stop them
+        running.process.wait(10)
+        assert _eventually(lambda: not any(_alive(pid) for pid in front_ends), timeout=20)
+
+
+# --- the wire --------------------------------------------------------------------------------------------------
+
+
+def test_samples_travel_as_raw_bytes_and_come_back_as_their_pieces():
+    pieces = [np.arange(n, dtype=np.float32) / 7 for n in (5, 0, 3)]
+    payload = bytearray(b"".join(p.tobytes() for p in pieces))
+    back = split_samples(payload, (5, 0, 3))
+    assert [b.tolist() for b in back] == [p.tolist() for p in pieces]
+    assert all(b.flags.writeable for b in back)
+    with pytest.raises(ValueError, match="payload holds 8 samples"):
+        split_samples(payload, (5, 4))
+
+
+def test_refusals_come_back_as_the_exceptions_the_routes_map():
+    full = ItemsFailed.from_exception((1, 2), QueueFull(7)).exception()
+    assert isinstance(full, QueueFull) and full.retry_after_s == 7
+    assert isinstance(ItemsFailed.from_exception((1,), TimeoutError("late")).exception(), TimeoutError)
+    assert isinstance(ItemsFailed.from_exception((1,), BatcherClosed("stopping")).exception(), EngineUnavailable)
+    other = ItemsFailed.from_exception((1,), ValueError("bad")).exception()
+    assert type(other) is RuntimeError and "ValueError: bad" in str(other)
+
+
+class _Transport:
+    """What ``send_frame`` writes to: the bytes, in order."""
+
+    def __init__(self):
+        self.sent = bytearray()
+
+    def write(self, data) -> None:
+        self.sent += bytes(data)
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.integers(0, 40_000), min_size=1, max_size=6), words=st.lists(st.text(max_size=30_000),
+       min_size=1, max_size=6), chunks=st.lists(st.integers(1, 70_000), min_size=1, max_size=30))
+def test_frames_arrive_whole_however_the_socket_cuts_them(sizes, words, chunks):
+    """Small messages, messages larger than the staging buffer, payloads of any size: read in chunks of any
+    size, each frame comes out once, whole, in order."""
+    transport = _Transport()
+    sent = []
+    for i, (size, text) in enumerate(zip(sizes, words * len(sizes), strict=False)):
+        samples = np.arange(size, dtype=np.float32) + i
+        send_frame(transport, (i, text), [samples[: size // 2], samples[size // 2:]])
+        sent.append(((i, text), samples))
+    received = []
+    protocol = FrameProtocol(lambda message, payload: received.append((message, payload)), lambda exc: None)
+    stream, at, turn = bytes(transport.sent), 0, 0
+    while at < len(stream):
+        buffer = protocol.get_buffer(-1)
+        n = min(len(buffer), chunks[turn % len(chunks)], len(stream) - at)
+        buffer[:n] = stream[at:at + n]
+        protocol.buffer_updated(n)
+        at, turn = at + n, turn + 1
+    assert [m for m, _ in received] == [m for m, _ in sent]
+    for (_, payload), (_, samples) in zip(received, sent, strict=True):
+        assert np.array_equal(np.frombuffer(payload, dtype=np.float32), samples)
