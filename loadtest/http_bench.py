@@ -45,6 +45,7 @@ from models import load_model
 from models.architectures import ARCHITECTURES
 from models.fastconformer import ATTENTION_KERNEL_OPTIONS
 from service.bench import Workload, measure, save_random_checkpoint, synthetic_audio, timed_passes
+from service.cli import raise_open_files_limit
 
 try:
     from uvloop import run as run_client  # keeps the load generator's own CPU per request low
@@ -300,6 +301,7 @@ def main() -> None:
     parser.add_argument("--jobs", action="store_true", help="also time a bulk job through Redis")
     parser.add_argument("--out", type=Path, help="also write the JSON report here")
     args = parser.parse_args()
+    raise_open_files_limit()  # a socket per request in flight
     clips = file_clips(args.audio_dir, args.requests) if args.audio_dir else synthetic_clips(args.requests)
     bodies, durations = [c.body for c in clips], [c.duration_s for c in clips]
     workdir = Path(tempfile.mkdtemp())

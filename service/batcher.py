@@ -7,6 +7,8 @@ A batch is released when it is full or when its oldest item has waited ``max_wai
 
 from __future__ import annotations
 
+import itertools
+import math
 import threading
 import time
 from collections import deque
@@ -17,7 +19,9 @@ from enum import IntEnum
 
 import numpy as np
 
-POOL_FACTOR = 4  # batches are chosen among this many times max_batch_size waiting items
+# Batches are chosen among this many times max_batch_size waiting items. With lengths spread as speech's, a pool
+# of 4 batches left a quarter of each batch's samples padding, 16 leaves 7% (docs/benchmarks.md).
+POOL_FACTOR = 16
 
 
 class Priority(IntEnum):
@@ -44,10 +48,10 @@ class WorkItem:
     timeout_s: float = 600.0
     future: Future = field(default_factory=Future)  # resolves to the engine's result for this item
     enqueued_at: float = field(default_factory=time.monotonic)
+    n_samples: int = field(init=False)  # an attribute, not a property: batch forming reads it thousands of times
 
-    @property
-    def n_samples(self) -> int:
-        return len(self.waveform)
+    def __post_init__(self) -> None:
+        self.n_samples = len(self.waveform)
 
     @property
     def deadline(self) -> float:
@@ -81,6 +85,9 @@ class Batcher:
         self._closed = False
         self._throughput_audio_s_per_s = 0.0  # recent engine speed, for Retry-After
         self._on_drop = on_drop or (lambda reason: None)  # told "expired" or "cancelled" per dropped item
+        # Dead items are looked for only when one may exist: a queued future was cancelled, or a deadline passed.
+        self._maybe_cancelled = False
+        self._next_deadline = math.inf
 
     # --- producers --------------------------------------------------------------------------------------
 
@@ -93,7 +100,13 @@ class Batcher:
                 raise QueueFull(self._retry_after_s())
             for item in items:
                 self._queues[item.priority].append(item)
+                item.future.add_done_callback(self._note_cancelled)
+                self._next_deadline = min(self._next_deadline, item.deadline)
             self._cond.notify_all()
+
+    def _note_cancelled(self, future: Future) -> None:
+        if future.cancelled():
+            self._maybe_cancelled = True
 
     @property
     def depth(self) -> int:
@@ -148,25 +161,39 @@ class Batcher:
 
     def _drop_dead_items(self) -> None:
         now = time.monotonic()
-        for queue in self._queues.values():
-            for item in [i for i in queue if i.future.cancelled() or now >= i.deadline]:
-                queue.remove(item)
+        if not self._maybe_cancelled and now < self._next_deadline:
+            return  # each look is a lock per queued item: thousands, between two batches
+        self._maybe_cancelled = False  # before the look: a cancel during it asks for another
+        next_deadline = math.inf
+        for priority, queue in list(self._queues.items()):
+            alive: deque[WorkItem] = deque()
+            for item in queue:
                 if item.future.cancelled():
                     self._on_drop("cancelled")
+                elif now < item.deadline:
+                    alive.append(item)
+                    next_deadline = min(next_deadline, item.deadline)
                 elif item.future.set_running_or_notify_cancel():
                     self._on_drop("expired")
                     item.future.set_exception(TimeoutError(f"not processed within {item.timeout_s:.0f} s"))
+                else:
+                    self._on_drop("cancelled")
+            self._queues[priority] = alive
+        self._next_deadline = next_deadline
 
     def _form_batch(self, anchor: WorkItem) -> Batch:
         pool_size = POOL_FACTOR * self.max_batch_size
         chosen = [anchor]
         for priority in Priority:  # the anchor's priority first, then less urgent work fills the room
             if priority >= anchor.priority and len(chosen) < self.max_batch_size:
-                pool = list(self._queues[priority])[:pool_size]
+                pool = list(itertools.islice(self._queues[priority], pool_size))
                 chosen = self._pick_similar(anchor, pool, chosen)
+        taken = {id(item) for item in chosen}
+        for queue in self._queues.values():  # every chosen item is in a queue's first pool_size
+            head = [queue.popleft() for _ in range(min(pool_size, len(queue)))]
+            queue.extendleft(reversed([item for item in head if id(item) not in taken]))
         items = []
         for item in chosen:
-            self._queues[item.priority].remove(item)
             if item.future.set_running_or_notify_cancel():  # False: cancelled since; drop it
                 items.append(item)
             else:
@@ -177,15 +204,16 @@ class Batcher:
         """Add pool items closest in length to the anchor while size and padded-audio limits hold."""
         chosen = list(chosen)
         taken = set(map(id, chosen))
+        candidates = [item for item in pool if id(item) not in taken]
+        distance = [abs(item.n_samples - anchor.n_samples) for item in candidates]
         longest = max(i.n_samples for i in chosen)
-        for item in sorted((i for i in pool if id(i) not in taken),
-                           key=lambda i: abs(i.n_samples - anchor.n_samples)):
+        for index in sorted(range(len(candidates)), key=distance.__getitem__):
             if len(chosen) >= self.max_batch_size:
                 break
+            item = candidates[index]
             new_longest = max(longest, item.n_samples)
             if (len(chosen) + 1) * new_longest > self.max_padded_samples:
                 continue
             chosen.append(item)
-            taken.add(id(item))
             longest = new_longest
         return chosen

@@ -100,6 +100,18 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_serve)
 
 
+def raise_open_files_limit() -> None:
+    """Let the process hold as many sockets as the system allows it: a server at saturation keeps thousands of
+    connections open, and a soft limit of 1024 is common."""
+    try:
+        import resource
+    except ImportError:  # not on this platform
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -109,6 +121,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     level = logging.DEBUG if args.verbose else logging.INFO
     configure_json_logging(level)
+    raise_open_files_limit()  # front-end processes inherit it
     device = None if args.device == "auto" else args.device
     dtype = None if args.dtype == "auto" else args.dtype
     settings = get_settings(model=args.model, device=device, dtype=dtype, host=args.host, port=args.port,

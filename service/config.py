@@ -8,6 +8,8 @@ from typing import Annotated
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from .batcher import POOL_FACTOR
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="BATCHASR_", extra="ignore")
@@ -37,7 +39,7 @@ class Settings(BaseSettings):
     max_batch_size: int = 32
     max_batch_audio_s: float | None = None  # padded seconds in one batch (bounds memory); see batch_audio_limit_s
     max_wait_ms: float = 10.0
-    max_queue: int = 512  # queued segments beyond which requests get 429
+    max_queue: int = 2048  # queued segments beyond which requests get 429
     max_segment_s: float = 30.0  # longer audio is split near here at quiet points
     segment_overlap_s: float = 2.0
 
@@ -86,16 +88,18 @@ class Settings(BaseSettings):
 
     @property
     def job_items_in_flight(self) -> int:
-        """A worker's job items in flight: ``job_prefetch``, else four batches' worth, so the batcher can put
-        items of like lengths together, but at most half the queue, which interactive requests share."""
+        """A worker's job items in flight: ``job_prefetch``, else as many as the batcher chooses a batch from
+        (``POOL_FACTOR`` batches), so it can put items of like lengths together, but at most half the queue,
+        which interactive requests share."""
         if self.job_prefetch is not None:
             return self.job_prefetch
-        return max(1, min(4 * self.max_batch_size, self.max_queue // 2))
+        return max(1, min(POOL_FACTOR * self.max_batch_size, self.max_queue // 2))
 
     @property
     def redis_max_connections(self) -> int:
-        """One connection per item in flight, and room for the job routes and the consumer's own reads."""
-        return self.job_items_in_flight + 32
+        """A connection per item in flight up to 256 (an item holds one only while it talks to Redis; the rest
+        wait for one), and room for the job routes and the consumer's own reads."""
+        return min(self.job_items_in_flight, 256) + 32
 
     @field_validator("attention_kernel")
     @classmethod

@@ -81,6 +81,24 @@ def test_cancelled_and_expired_items_never_reach_the_engine():
     assert isinstance(expired.future.exception(), TimeoutError)
 
 
+def test_items_that_die_while_others_wait_are_dropped_where_they_stand():
+    """The queue is looked through only after a cancel or a passed deadline; both still drop the item, from
+    the middle of the queue, between items of the same length."""
+    drops = []
+    b = _batcher(on_drop=drops.append, max_batch_size=2)
+    first, later, short_lived, fourth, fifth = _item(5), _item(5), _item(5, timeout_s=0.3), _item(5), _item(5)
+    b.submit([first, later, short_lived, fourth, fifth])
+    assert b.next_batch().items == [first, later]
+    time.sleep(0.35)
+    assert b.next_batch().items == [fourth, fifth]
+    assert drops == ["expired"] and isinstance(short_lived.future.exception(), TimeoutError)
+    cancelled, alive = _item(5), _item(5)
+    b.submit([cancelled, alive])
+    cancelled.future.cancel()
+    assert b.next_batch().items == [alive]
+    assert drops == ["expired", "cancelled"]
+
+
 def test_close_drains_then_stops():
     b = _batcher(max_wait_ms=10_000)
     b.submit([_item(1)])

@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from models import load_model
+from service.batcher import POOL_FACTOR
 from service.config import Settings
 from service.jobs import DEAD_LETTER_STREAM, GROUP, ITEM_STREAM, RESULTS_KEY, ItemInput, JobStore
 from service.runtime import build_stack
@@ -212,9 +213,11 @@ def test_more_items_in_flight_than_redis_connections_wait_for_one(redis_server, 
     _check_results(asyncio.run(JobStore.from_url(redis_server.url).results(job_id)), items, expected)
 
 
-def test_a_worker_keeps_four_batches_in_flight_within_half_the_queue():
-    assert Settings().job_items_in_flight == 4 * Settings().max_batch_size
+def test_a_worker_keeps_the_batchers_pool_in_flight_within_half_the_queue():
+    assert Settings().job_items_in_flight == POOL_FACTOR * Settings().max_batch_size
     assert Settings(max_batch_size=128, max_queue=512).job_items_in_flight == 256
+    assert Settings(max_batch_size=128, max_queue=4096).job_items_in_flight == 2048
+    assert Settings(max_batch_size=128, max_queue=4096).redis_max_connections == 256 + 32
     assert Settings(max_batch_size=128, max_queue=2048, job_prefetch=64).job_items_in_flight == 64
     with pytest.raises(ValueError):
         Settings(job_prefetch=0)
