@@ -10,7 +10,7 @@ decoder; the issue's "offline engine").
 
     python loadtest/http_bench.py --model MODEL.nemo|ARCHITECTURE [--audio-dir DIR] [--requests 200]
         [--concurrency 64] [--batch-size 32] [--device auto] [--dtype auto] [--attention-kernel auto]
-        [--frontends N] [--jobs] [--out FILE]
+        [--frontends N[,N...]] [--jobs] [--out FILE]
 
 ``--model`` may name a built-in architecture (random weights, calibrated blank, as ``batchasr bench``); without
 ``--audio-dir`` the audio is ``batchasr bench``'s LibriSpeech-like synthetic mix, sent as 16-bit WAV.
@@ -265,15 +265,16 @@ async def bulk_job(url: str, clips: list[Clip]) -> dict:
             "rtfx_engine": job["rtfx"]}
 
 
-def start_server(model: str, port: int, redis_url: str | None, args: argparse.Namespace) -> subprocess.Popen:
+def start_server(model: str, port: int, redis_url: str | None, frontends: int,
+                 args: argparse.Namespace) -> subprocess.Popen:
     env = {**os.environ, "BATCHASR_MAX_BATCH_SIZE": str(args.batch_size), "BATCHASR_MAX_QUEUE": "100000",
            "BATCHASR_MAX_BATCH_AUDIO_S": str(args.batch_size * 36.0)}  # room for full batches of the longest clips
     command = [sys.executable, "-m", "service.cli", "serve", "--model", model, "--port", str(port),
                "--device", args.device, "--dtype", args.dtype, "--attention-kernel", args.attention_kernel]
     if redis_url:
         command += ["--redis-url", redis_url]
-    if args.frontends:
-        command += ["--frontends", str(args.frontends)]
+    if frontends:
+        command += ["--frontends", str(frontends)]
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 600  # a large model on a GPU: load, warm-up, graph capture
     while time.monotonic() < deadline:
@@ -286,6 +287,44 @@ def start_server(model: str, port: int, redis_url: str | None, args: argparse.Na
     raise RuntimeError("server did not become ready")
 
 
+def server_run(model: str, clips: list[Clip], offline: dict, redis_url: str | None, frontends: int,
+               args: argparse.Namespace) -> dict:
+    """One `batchasr serve` configuration: saturation, half load, the bulk job; ratios to the offline runs."""
+    bodies, durations = [c.body for c in clips], [c.duration_s for c in clips]
+    run: dict = {"frontends": frontends}
+    port = free_port()
+    server = start_server(model, port, redis_url, frontends, args)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        warm = min(len(bodies), args.concurrency)  # every client connection opened, first-batch costs paid
+        run_client(saturate(url, bodies[:warm], durations[:warm], args.concurrency))
+        before, cpu_before = server_counters(url), ServerCpu.read(server.pid)
+        saturation = run["http_saturation"] = run_client(saturate(url, bodies, durations, args.concurrency))
+        saturation["front_end"] = front_end_view(cpu_before, ServerCpu.read(server.pid), len(bodies),
+                                                 sum(durations), saturation["wall_s"])
+        saturation["server"] = engine_view(before, server_counters(url), saturation["wall_s"])
+        run["http_vs_transcribe"] = round(saturation["rtfx"] / offline["transcribe"]["rtfx"], 3)
+        run["http_vs_bench"] = round(saturation["rtfx"] / offline["bench"]["rtfx"], 3)
+        run["http_half_load"] = run_client(open_loop(url, bodies, saturation["requests_per_s"] / 2))
+        if redis_url:
+            cpu_before = ServerCpu.read(server.pid)
+            bulk = run["bulk_job"] = run_client(bulk_job(url, clips))
+            bulk["front_end"] = front_end_view(cpu_before, ServerCpu.read(server.pid), len(clips), sum(durations),
+                                               bulk["wall_s"])  # the job consumer's loop is the engine process's
+            run["bulk_vs_transcribe"] = round(bulk["rtfx_wall"] / offline["transcribe"]["rtfx"], 3)
+    finally:
+        server.terminate()
+        server.wait(60)
+    return run
+
+
+def _counts(text: str) -> list[int]:
+    counts = [int(part) for part in text.split(",")]
+    if any(n < 0 for n in counts):
+        raise argparse.ArgumentTypeError("front-end counts are >= 0")
+    return counts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="a .nemo file or a built-in architecture's name")
@@ -296,18 +335,19 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--attention-kernel", default="auto", choices=ATTENTION_KERNEL_OPTIONS)
-    parser.add_argument("--frontends", type=int, default=0,
-                        help="serve HTTP from this many front-end processes (`batchasr serve --frontends`)")
+    parser.add_argument("--frontends", type=_counts, default=[0], metavar="N[,N...]",
+                        help="serve HTTP from this many front-end processes (`batchasr serve --frontends`); "
+                             "several: one server after another on the same audio (default: 0)")
     parser.add_argument("--jobs", action="store_true", help="also time a bulk job through Redis")
     parser.add_argument("--out", type=Path, help="also write the JSON report here")
     args = parser.parse_args()
     raise_open_files_limit()  # a socket per request in flight
     clips = file_clips(args.audio_dir, args.requests) if args.audio_dir else synthetic_clips(args.requests)
-    bodies, durations = [c.body for c in clips], [c.duration_s for c in clips]
     workdir = Path(tempfile.mkdtemp())
     model = args.model
-    report: dict = {"model": model, "attention_kernel": args.attention_kernel, "frontends": args.frontends,
-                    "requests": len(clips), "audio_s": round(sum(durations), 2)}
+    report: dict = {"model": model, "attention_kernel": args.attention_kernel, "requests": len(clips),
+                    "concurrency": args.concurrency, "batch_size": args.batch_size,
+                    "audio_s": round(sum(c.duration_s for c in clips), 2)}
     if model in ARCHITECTURES:
         model = str(workdir / f"{args.model}.nemo")
         device = args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
@@ -323,32 +363,10 @@ def main() -> None:
                                   "--dir", str(workdir)], stdout=subprocess.DEVNULL)
         redis_url = f"redis://127.0.0.1:{redis_port}/0"
         time.sleep(0.5)
-    port = free_port()
-    server = start_server(model, port, redis_url, args)
-    url = f"http://127.0.0.1:{port}"
     try:
-        warm = min(len(bodies), 2 * args.concurrency)
-        run_client(saturate(url, bodies[:warm], durations[:warm], args.concurrency))  # warm-up
-        before, cpu_before = server_counters(url), ServerCpu.read(server.pid)
-        saturation = report["http_saturation"] = run_client(saturate(url, bodies, durations, args.concurrency))
-        saturation["front_end"] = front_end_view(cpu_before, ServerCpu.read(server.pid), len(bodies),
-                                                 sum(durations), saturation["wall_s"])
-        saturation["server"] = engine_view(before, server_counters(url), saturation["wall_s"])
-        rtfx = report["http_saturation"]["rtfx"]
-        report["http_vs_transcribe"] = round(rtfx / report["offline"]["transcribe"]["rtfx"], 3)
-        report["http_vs_bench"] = round(rtfx / report["offline"]["bench"]["rtfx"], 3)
-        half_rate = report["http_saturation"]["requests_per_s"] / 2
-        report["http_half_load"] = run_client(open_loop(url, bodies, half_rate))
-        if args.jobs:
-            cpu_before = ServerCpu.read(server.pid)
-            bulk = report["bulk_job"] = run_client(bulk_job(url, clips))
-            bulk["front_end"] = front_end_view(cpu_before, ServerCpu.read(server.pid), len(clips), sum(durations),
-                                               bulk["wall_s"])  # the job consumer shares the event loop
-            report["bulk_vs_transcribe"] = round(report["bulk_job"]["rtfx_wall"]
-                                                 / report["offline"]["transcribe"]["rtfx"], 3)
+        report["servers"] = [server_run(model, clips, report["offline"], redis_url, frontends, args)
+                             for frontends in args.frontends]
     finally:
-        server.terminate()
-        server.wait(60)
         if redis is not None:
             redis.terminate()
         shutil.rmtree(workdir, ignore_errors=True)

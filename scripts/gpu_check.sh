@@ -16,8 +16,8 @@
 #                                                                       nemo.log, nemo_compare.jsonl, nemo_compare.md
 #   http   loadtest/http_bench.py: parakeet-tdt-0.6b-v2, bf16, `batchasr serve` at saturation and half load vs
 #          the offline engine; 16x the batch size in flight, the pool the batcher matches lengths from;
-#          with 4 HTTP front-end processes, then with HTTP in the engine's process (HTTP_FRONTENDS="4 0")
-#                                                                       http.log, http_bench_f4.json, http_bench_f0.json
+#          with 4 HTTP front-end processes, then with HTTP in the engine's process
+#                                                                       http.log, http_bench.json
 # The device tool brings back at most 8 files a call and runs a call for at most 10 minutes: run one stage a call.
 #
 # From a development checkout (run through the device tool, which sends the repository but not ../shared):
@@ -83,11 +83,9 @@ if [ "$what" = all ] || [ "$what" = nemo ]; then
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 if [ "$what" = all ] || [ "$what" = http ]; then
-    for frontends in ${HTTP_FRONTENDS:-4 0}; do  # front-end processes first: the deployments' setting
-        python3 loadtest/http_bench.py --model parakeet-tdt-0.6b-v2 --device cuda --dtype bfloat16 --batch-size 128 \
-            --requests 6144 --concurrency 2048 --frontends "$frontends" --out "$OUT/http_bench_f$frontends.json" "$@" \
-            2>&1 | tee -a "$OUT/http.log"
-        [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-    done
+    # 4 front-end processes (the deployments' layout), then HTTP in the engine's process, on the same audio
+    python3 loadtest/http_bench.py --model parakeet-tdt-0.6b-v2 --device cuda --dtype bfloat16 --batch-size 128 \
+        --requests 6144 --concurrency 2048 --frontends 4,0 --out "$OUT/http_bench.json" "$@" 2>&1 | tee "$OUT/http.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 exit "$status"

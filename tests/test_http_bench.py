@@ -43,19 +43,25 @@ def test_server_cpu_tells_the_main_thread_from_the_rest(http_bench):
 
 
 def test_a_small_run_reports_http_half_load_and_a_bulk_job(parity_dir, tmp_path):
+    """Both server layouts on the same audio: HTTP in the engine's process, and in two front ends."""
     out = tmp_path / "report.json"
     command = [sys.executable, "loadtest/http_bench.py", "--model", "models/assets/default.nemo",
                "--audio-dir", str(parity_dir / "audio"), "--requests", "24", "--concurrency", "8",
-               "--batch-size", "4", "--jobs", "--out", str(out)]
+               "--batch-size", "4", "--jobs", "--frontends", "0,2", "--out", str(out)]
     subprocess.run(command, cwd=REPO, check=True, timeout=300, capture_output=True)
     report = json.loads(out.read_text())
-    saturation = report["http_saturation"]
-    assert saturation["requests"] == 24 and saturation["rtfx"] > 0
-    assert saturation["front_end"]["event_loop_cpu_ms_per_request"] > 0
-    assert saturation["server"]["mean_batch_size"] > 1  # 8 in flight were batched
     assert report["offline"]["transcribe"]["rtfx"] > 0 and report["offline"]["bench"]["rtfx"] > 0
-    assert 0 < report["http_half_load"]["p50_s"] <= report["http_half_load"]["p99_s"]
-    assert report["bulk_job"]["status"] == "completed" and report["bulk_job"]["items"] == 24
+    assert [run["frontends"] for run in report["servers"]] == [0, 2]
+    for run in report["servers"]:
+        saturation = run["http_saturation"]
+        assert saturation["requests"] == 24 and saturation["rtfx"] > 0
+        assert saturation["front_end"]["event_loop_cpu_ms_per_request"] > 0
+        assert saturation["server"]["mean_batch_size"] > 1  # 8 in flight were batched
+        assert 0 < run["http_half_load"]["p50_s"] <= run["http_half_load"]["p99_s"]
+        assert run["bulk_job"]["status"] == "completed" and run["bulk_job"]["items"] == 24
+    in_process, split = report["servers"]
+    assert "front_end_processes" not in in_process["http_saturation"]["front_end"]
+    assert split["http_saturation"]["front_end"]["front_end_processes"]["count"] == 2
 
 
 def test_gil_share_runs_and_reports_each_setting():
