@@ -165,7 +165,13 @@ class ASRModel(nn.Module):
         audio = torch.zeros(len(waveforms), max(lengths), dtype=torch.float32, device=self.device)
         for row, wave in enumerate(waveforms):
             audio[row, : len(wave)].copy_(torch.from_numpy(np.asarray(wave, dtype=np.float32)))
-        return self.preprocessor.featurizer(audio, torch.tensor(lengths, dtype=torch.long, device=self.device))
+        return self.features(audio, torch.tensor(lengths, dtype=torch.long, device=self.device))
+
+    @torch.inference_mode()
+    def features(self, audio: Tensor, n_samples: Tensor) -> tuple[Tensor, Tensor]:
+        """A padded (B, N) float32 batch on the model's device, zero past each row's ``n_samples`` -> log-mel
+        (B, n_mels, T) float32 and valid frames (B,). For callers that pad and upload batches themselves."""
+        return self.preprocessor.featurizer(audio, n_samples)
 
     @torch.inference_mode()
     def run_encoder(self, features: Tensor, n_frames: Tensor) -> tuple[Tensor, Tensor]:

@@ -1,7 +1,8 @@
 """The engine: owns the model on one device and is the only code that runs it.
 
-One thread takes batches from the batcher, runs features -> encoder -> decoder, times each stage (CUDA
-events on a GPU) and resolves each item's future with its hypothesis and its share of the compute time.
+One thread takes batches, staged one ahead by ``service.staging`` (formed, padded and on the device while the
+last one runs), runs features -> encoder -> decoder, times each stage (CUDA events on a GPU) and resolves each
+item's future with its hypothesis and its share of the compute time.
 """
 
 from __future__ import annotations
@@ -9,17 +10,20 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from decoding.types import Hypothesis
 from models.asr_model import ASRModel, EncodedBatch
 
-from .batcher import Batch, Batcher
+from .batcher import Batcher
 from .metrics import Metrics
+from .staging import BatchStager, StagedBatch
 from .timing import StageClock
 
 log = logging.getLogger(__name__)
@@ -68,6 +72,7 @@ class Engine:
         self.warmup_shapes = warmup_shapes or list(LIGHT_WARMUP)  # (rows, seconds) run before ready
         self.state = EngineState.STARTING
         self.error: str | None = None
+        self.stager = BatchStager(batcher, model.device)
         self._thread = threading.Thread(target=self._run, name="batchasr-engine", daemon=True)
         self._ready = threading.Event()
         metrics.bind_queue(lambda: batcher.depth)
@@ -104,8 +109,9 @@ class Engine:
             return
         self.state = EngineState.READY
         self._ready.set()
-        while (batch := self.batcher.next_batch()) is not None:
-            self.process(batch)
+        self.stager.start()
+        while (staged := self.stager.next()) is not None:
+            self.process(staged)
 
     def _warm_up(self) -> None:
         """Run every stage on each warm-up shape, so lazy init and graph capture happen before traffic."""
@@ -119,22 +125,30 @@ class Engine:
                  self.model.dtype, shapes, time.perf_counter() - started)
 
     def run(self, waveforms: list[np.ndarray]) -> tuple[list[Hypothesis], dict[str, float]]:
-        """Features, encoder, decoder for one batch; hypotheses and seconds per stage."""
+        """Features, encoder, decoder for one batch of waveforms; hypotheses and seconds per stage."""
+        return self._compute(lambda: self.model.featurize(waveforms), [len(w) for w in waveforms])
+
+    def _compute(self, features: Callable[[], tuple[Tensor, Tensor]], n_samples: list[int]
+                 ) -> tuple[list[Hypothesis], dict[str, float]]:
         clock = StageClock(self.model.device)
         marks = [clock.mark()]
-        features, n_frames = self.model.featurize(waveforms)
+        feats, n_frames = features()
         marks.append(clock.mark())
-        encoded, lengths = self.model.run_encoder(features, n_frames)
+        encoded, lengths = self.model.run_encoder(feats, n_frames)
         marks.append(clock.mark())
-        duration_s = [len(w) / self.model.sample_rate for w in waveforms]
+        duration_s = [n / self.model.sample_rate for n in n_samples]
         hyps = self.model.decode(EncodedBatch(encoded, lengths, duration_s), self.decoder)
         clock.marks.append([*marks, clock.mark()])
         return hyps, clock.stage_seconds()
 
-    def process(self, batch: Batch) -> None:
+    def process(self, staged: StagedBatch) -> None:
+        batch = staged.batch
         started = time.monotonic()
         try:
-            hyps, stage_s = self.run([item.waveform for item in batch.items])
+            if staged.error is not None:
+                raise staged.error
+            hyps, stage_s = self._compute(lambda: self.model.features(*staged.on_current_stream()),
+                                          [item.n_samples for item in batch.items])
         except Exception as exc:
             log.exception("batch of %d failed", len(batch.items))
             for item in batch.items:

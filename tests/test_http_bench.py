@@ -55,13 +55,15 @@ def test_a_small_run_reports_http_half_load_and_a_bulk_job(parity_dir, tmp_path)
     for run in report["servers"]:
         saturation = run["http_saturation"]
         assert saturation["requests"] == 24 and saturation["rtfx"] > 0
-        assert saturation["front_end"]["event_loop_cpu_ms_per_request"] > 0
+        assert saturation["front_end"]["event_loop_cpu_ms_per_request"] >= 0  # /proc counts 10 ms ticks
         assert saturation["server"]["mean_batch_size"] > 1  # 8 in flight were batched
         assert 0 < run["http_half_load"]["p50_s"] <= run["http_half_load"]["p99_s"]
         assert run["bulk_job"]["status"] == "completed" and run["bulk_job"]["items"] == 24
     in_process, split = report["servers"]
+    assert in_process["http_saturation"]["front_end"]["event_loop_cpu_ms_per_request"] > 0
     assert "front_end_processes" not in in_process["http_saturation"]["front_end"]
-    assert split["http_saturation"]["front_end"]["front_end_processes"]["count"] == 2
+    front_ends = split["http_saturation"]["front_end"]["front_end_processes"]
+    assert front_ends["count"] == 2 and front_ends["cpu_ms_per_request"] > 0
 
 
 def test_gil_share_runs_and_reports_each_setting():

@@ -1,0 +1,76 @@
+"""Batches staged ahead of the engine: what the engine computes from, and what happens when staging fails."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from models import load_model
+from models.audio_io import read_audio
+from service.batcher import Batch, Batcher, WorkItem
+from service.engine import Engine
+from service.metrics import Metrics
+from service.staging import BatchStager
+
+
+def _items(*lengths: int, seed: int = 0) -> list[WorkItem]:
+    rng = np.random.default_rng(seed)
+    return [WorkItem((rng.standard_normal(n) * 0.1).astype(np.float32)) for n in lengths]
+
+
+def test_a_staged_batch_is_its_waveforms_zero_padded():
+    items = _items(5, 9, 1)
+    staged = BatchStager(Batcher(4, 100.0, 0.0, 10), torch.device("cpu")).stage(Batch(items))
+    audio, n_samples = staged.on_current_stream()
+    assert audio.shape == (3, 9) and n_samples.tolist() == [5, 9, 1]
+    for row, item in enumerate(items):
+        assert torch.equal(audio[row, : item.n_samples], torch.from_numpy(item.waveform))
+        assert not audio[row, item.n_samples :].any()
+
+
+def test_the_engine_computes_from_staged_batches_as_from_waveforms(parity_dir, parity_audio):
+    """The engine's loop (staged batches) gives the tokens `transcribe` gives, batch after batch."""
+    model = load_model(parity_dir / "tdt.nemo", device="cpu", dtype="float32")
+    expected = model.transcribe(parity_audio)
+    batcher = Batcher(3, 1000.0, 5.0, 100)
+    engine = Engine(model, batcher, Metrics())
+    engine.start()
+    try:
+        assert engine.wait_ready(60)
+        items = [WorkItem(read_audio(path, model.sample_rate)) for path in parity_audio]
+        batcher.submit(items)
+        results = [item.future.result(60) for item in items]
+    finally:
+        engine.stop(30)
+    assert [r.hypothesis.tokens for r in results] == [t.tokens for t in expected]
+    assert max(r.batch_size for r in results) > 1
+
+
+def test_a_batch_that_cannot_be_staged_fails_its_items_and_the_engine_goes_on(parity_dir, monkeypatch):
+    model = load_model(parity_dir / "tdt.nemo", device="cpu", dtype="float32")
+    batcher = Batcher(2, 1000.0, 0.0, 100)
+    engine = Engine(model, batcher, Metrics())
+    stage = engine.stager.stage
+    calls = []
+
+    def fail_first(batch: Batch):
+        calls.append(batch)
+        if len(calls) == 1:
+            raise MemoryError("cannot pin host memory")
+        return stage(batch)
+
+    monkeypatch.setattr(engine.stager, "stage", fail_first)
+    engine.start()
+    try:
+        assert engine.wait_ready(60)
+        first = _items(16000, 16000, seed=1)
+        batcher.submit(first)
+        for item in first:
+            with pytest.raises(MemoryError, match="pin host memory"):
+                item.future.result(60)
+        second = _items(8000, seed=2)
+        batcher.submit(second)
+        assert second[0].future.result(60).batch_size == 1
+    finally:
+        engine.stop(30)
