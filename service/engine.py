@@ -1,7 +1,7 @@
 """The engine: owns the model on one device and is the only code that runs it.
 
-One thread takes batches, staged one ahead by ``service.staging`` (formed, padded and on the device while the
-last one runs), runs features -> encoder -> decoder, times each stage (CUDA events on a GPU) and resolves each
+One thread takes batches, on a GPU staged one ahead by ``service.staging`` (formed, padded and on the device while
+the last one runs), runs features -> encoder -> decoder, times each stage (CUDA events on a GPU) and resolves each
 item's future with its hypothesis and its share of the compute time.
 """
 
@@ -64,7 +64,7 @@ class ItemResult:
 
 class Engine:
     def __init__(self, model: ASRModel, batcher: Batcher, metrics: Metrics, decoder: str = "auto",
-                 warmup_shapes: list[tuple[int, float]] | None = None):
+                 warmup_shapes: list[tuple[int, float]] | None = None, stage_ahead: bool | None = None):
         self.model = model
         self.batcher = batcher
         self.metrics = metrics
@@ -72,7 +72,7 @@ class Engine:
         self.warmup_shapes = warmup_shapes or list(LIGHT_WARMUP)  # (rows, seconds) run before ready
         self.state = EngineState.STARTING
         self.error: str | None = None
-        self.stager = BatchStager(batcher, model.device)
+        self.stager = BatchStager(batcher, model.device, ahead=stage_ahead)  # default: ahead on CUDA
         self._thread = threading.Thread(target=self._run, name="batchasr-engine", daemon=True)
         self._ready = threading.Event()
         metrics.bind_queue(lambda: batcher.depth)

@@ -6,7 +6,8 @@ thread of its own does both while the engine waits for its batch's results: it p
 buffer and uploads the batch with one asynchronous copy on a stream of its own. The engine's stream waits for
 that copy, not the host.
 
-On a CPU the same thread pads the batch into a plain tensor; nothing is copied.
+On a CPU there is no idle device to keep fed, and a batch formed early is chosen from fewer waiting pieces
+(the staged batch holds some back): there the engine thread forms and pads each batch when it needs it.
 """
 
 from __future__ import annotations
@@ -63,11 +64,13 @@ class _PinnedBuffer:
 
 
 class BatchStager:
-    """Forms each batch and puts it on the device from its own thread, one batch ahead of the engine."""
+    """Forms each batch and puts it on the device: from its own thread, one batch ahead of the engine, when
+    ``ahead`` (the default on CUDA); else when the engine asks."""
 
-    def __init__(self, batcher: Batcher, device: torch.device):
+    def __init__(self, batcher: Batcher, device: torch.device, ahead: bool | None = None):
         self.batcher = batcher
         self.device = device
+        self.ahead = device.type == "cuda" if ahead is None else ahead
         self._staged: queue.Queue[StagedBatch | None] = queue.Queue(maxsize=1)
         self._thread = threading.Thread(target=self._run, name="batchasr-stager", daemon=True)
         self._cuda = device.type == "cuda"
@@ -76,23 +79,29 @@ class BatchStager:
         self._turn = 0
 
     def start(self) -> None:
-        self._thread.start()
+        if self.ahead:
+            self._thread.start()
 
     def next(self) -> StagedBatch | None:
         """The next staged batch; None once the batcher is closed and drained."""
-        return self._staged.get()
+        if self.ahead:
+            return self._staged.get()
+        batch = self.batcher.next_batch()
+        return None if batch is None else self._stage_or_fail(batch)
 
     def _run(self) -> None:
         try:
             while (batch := self.batcher.next_batch()) is not None:
-                try:
-                    staged = self.stage(batch)
-                except Exception as exc:  # e.g. out of pinned memory: fail this batch's items, not the engine
-                    log.exception("staging a batch of %d failed", len(batch.items))
-                    staged = StagedBatch(batch, error=exc)
-                self._staged.put(staged)
+                self._staged.put(self._stage_or_fail(batch))
         finally:
             self._staged.put(None)
+
+    def _stage_or_fail(self, batch: Batch) -> StagedBatch:
+        try:
+            return self.stage(batch)
+        except Exception as exc:  # e.g. out of pinned memory: fail this batch's items, not the engine
+            log.exception("staging a batch of %d failed", len(batch.items))
+            return StagedBatch(batch, error=exc)
 
     @torch.inference_mode()
     def stage(self, batch: Batch) -> StagedBatch:

@@ -29,12 +29,14 @@ def test_a_staged_batch_is_its_waveforms_zero_padded():
         assert not audio[row, item.n_samples :].any()
 
 
-def test_the_engine_computes_from_staged_batches_as_from_waveforms(parity_dir, parity_audio):
-    """The engine's loop (staged batches) gives the tokens `transcribe` gives, batch after batch."""
+@pytest.mark.parametrize("ahead", [False, True], ids=["when_asked", "ahead"])
+def test_the_engine_computes_from_staged_batches_as_from_waveforms(parity_dir, parity_audio, ahead):
+    """The engine's loop (staged batches) gives the tokens `transcribe` gives, batch after batch, whether
+    batches are staged on a thread of their own (as on a GPU) or when the engine asks (as on a CPU)."""
     model = load_model(parity_dir / "tdt.nemo", device="cpu", dtype="float32")
     expected = model.transcribe(parity_audio)
     batcher = Batcher(3, 1000.0, 5.0, 100)
-    engine = Engine(model, batcher, Metrics())
+    engine = Engine(model, batcher, Metrics(), stage_ahead=ahead)
     engine.start()
     try:
         assert engine.wait_ready(60)
@@ -47,10 +49,11 @@ def test_the_engine_computes_from_staged_batches_as_from_waveforms(parity_dir, p
     assert max(r.batch_size for r in results) > 1
 
 
-def test_a_batch_that_cannot_be_staged_fails_its_items_and_the_engine_goes_on(parity_dir, monkeypatch):
+@pytest.mark.parametrize("ahead", [False, True], ids=["when_asked", "ahead"])
+def test_a_batch_that_cannot_be_staged_fails_its_items_and_the_engine_goes_on(parity_dir, monkeypatch, ahead):
     model = load_model(parity_dir / "tdt.nemo", device="cpu", dtype="float32")
     batcher = Batcher(2, 1000.0, 0.0, 100)
-    engine = Engine(model, batcher, Metrics())
+    engine = Engine(model, batcher, Metrics(), stage_ahead=ahead)
     stage = engine.stager.stage
     calls = []
 
@@ -74,3 +77,9 @@ def test_a_batch_that_cannot_be_staged_fails_its_items_and_the_engine_goes_on(pa
         assert second[0].future.result(60).batch_size == 1
     finally:
         engine.stop(30)
+
+
+def test_batches_are_staged_ahead_on_cuda_only():
+    batcher = Batcher(2, 1000.0, 0.0, 100)
+    assert not BatchStager(batcher, torch.device("cpu")).ahead
+    assert BatchStager(batcher, torch.device("cpu"), ahead=True).ahead

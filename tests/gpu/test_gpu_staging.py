@@ -34,6 +34,7 @@ def test_the_engine_on_cuda_computes_from_staged_batches_as_transcribe_does(pari
     expected = [t.tokens for t in model.transcribe(parity_audio, batch_size=4)]
     batcher = Batcher(4, 1000.0, 5.0, 100)
     engine = Engine(model, batcher, Metrics())
+    assert engine.stager.ahead  # the default on CUDA
     engine.start()
     try:
         assert engine.wait_ready(120), engine.error
