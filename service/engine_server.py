@@ -15,6 +15,7 @@ from functools import partial
 from typing import Any
 
 from .batcher import BatcherClosed, Priority, QueueFull, WorkItem
+from .engine import EngineState
 from .runtime import Stack
 from .wire import (
     Cancel,
@@ -98,7 +99,10 @@ class EngineServer:
         return EngineStatus(ready=engine.ready, error=engine.error)
 
     async def _announce_ready(self) -> None:
-        await asyncio.to_thread(self.stack.engine.wait_ready)
+        engine = self.stack.engine
+        # in steps, so that no thread is left waiting on an engine that never finishes warming up
+        while not await asyncio.to_thread(engine.wait_ready, 1.0) and engine.state is EngineState.STARTING:
+            pass
         status = self._status()
         for front_end in self.front_ends:
             front_end.send(status)

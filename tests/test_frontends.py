@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,7 +22,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from models import load_model
-from service.batcher import BatcherClosed, QueueFull
+from models.audio_io import read_audio
+from service.batcher import BatcherClosed, QueueFull, WorkItem
+from service.config import Settings
+from service.engine import Engine
+from service.engine_link import EngineLink
+from service.engine_server import EngineServer
+from service.runtime import build_stack
+from service.transcriber import Transcriber
 from service.wire import EngineUnavailable, FrameProtocol, ItemsFailed, send_frame, split_samples
 from tests.servers import serve_process
 
@@ -151,6 +159,51 @@ def test_front_ends_do_not_outlive_the_engines_process(parity_dir, parity_audio)
         running.process.kill()  # no chance to stop them
         running.process.wait(10)
         assert _eventually(lambda: not any(_alive(pid) for pid in front_ends), timeout=20)
+
+
+# --- the link, in one process ----------------------------------------------------------------------------------
+
+
+def test_a_link_learns_when_the_engine_is_ready_and_when_it_goes_away(parity_dir, parity_audio, tmp_path,
+                                                                     monkeypatch):
+    """Engine server and link on one event loop over a real Unix socket: a front end that connects while the
+    engine warms up hears when it is ready; requests come back as the model in this process answers them;
+    when the engine's side closes, the link says why and calls its ``on_lost``."""
+    warm = threading.Event()
+    warm_up = Engine._warm_up
+    monkeypatch.setattr(Engine, "_warm_up", lambda engine: (warm.wait(30), warm_up(engine)))
+    model = load_model(parity_dir / MODEL, device="cpu", dtype="float32")
+    waveform = read_audio(parity_audio[3], model.sample_rate)
+    expected = model.transcribe([waveform])[0]
+
+    async def scenario() -> None:
+        stack = build_stack(Settings(max_wait_ms=5), model)
+        server = EngineServer(stack, str(tmp_path / "engine.sock"))
+        await server.start()
+        lost = asyncio.Event()
+        link = await EngineLink.connect(server.path, lost.set)
+        try:
+            assert not link.ready and link.error is None
+            warm.set()
+            for _ in range(200):
+                if link.ready:
+                    break
+                await asyncio.sleep(0.05)
+            assert link.ready
+            transcriber = Transcriber(link, link.config, link.tokenizer, 30.0, 2.0, 60.0)
+            result = await transcriber.transcribe(waveform)
+            assert result.transcript.tokens == expected.tokens and result.transcript.text == expected.text
+            assert b"batchasr_batch_size_count 1.0" in await link.scrape()
+        finally:
+            await server.close()
+            await stack.stop()
+        await asyncio.wait_for(lost.wait(), 10)
+        assert not link.ready and "went away" in link.error
+        with pytest.raises(EngineUnavailable):
+            link.submit([WorkItem(waveform)])
+        link.close()
+
+    asyncio.run(scenario())
 
 
 # --- the wire --------------------------------------------------------------------------------------------------
