@@ -265,10 +265,11 @@ async def bulk_job(url: str, clips: list[Clip]) -> dict:
             "rtfx_engine": job["rtfx"]}
 
 
-def start_server(model: str, port: int, redis_url: str | None, frontends: int,
+def start_server(model: str, port: int, redis_url: str | None, frontends: int, max_upload_bytes: int,
                  args: argparse.Namespace) -> subprocess.Popen:
     env = {**os.environ, "BATCHASR_MAX_BATCH_SIZE": str(args.batch_size), "BATCHASR_MAX_QUEUE": "100000",
-           "BATCHASR_MAX_BATCH_AUDIO_S": str(args.batch_size * 36.0)}  # room for full batches of the longest clips
+           "BATCHASR_MAX_BATCH_AUDIO_S": str(args.batch_size * 36.0),  # room for full batches of the longest clips
+           "BATCHASR_MAX_UPLOAD_BYTES": str(max_upload_bytes)}
     command = [sys.executable, "-m", "service.cli", "serve", "--model", model, "--port", str(port),
                "--device", args.device, "--dtype", args.dtype, "--attention-kernel", args.attention_kernel]
     if redis_url:
@@ -293,7 +294,8 @@ def server_run(model: str, clips: list[Clip], offline: dict, redis_url: str | No
     bodies, durations = [c.body for c in clips], [c.duration_s for c in clips]
     run: dict = {"frontends": frontends}
     port = free_port()
-    server = start_server(model, port, redis_url, frontends, args)
+    # the bulk job is one upload of every clip
+    server = start_server(model, port, redis_url, frontends, max(200 << 20, 2 * sum(map(len, bodies))), args)
     url = f"http://127.0.0.1:{port}"
     try:
         warm = min(len(bodies), args.concurrency)  # every client connection opened, first-batch costs paid

@@ -5,7 +5,8 @@
 #   bash scripts/fetch_gpu_wheels.sh [service] [nemo]      # default: both lists
 #
 # The image's Python is 3.12 (override with PYTHON_VERSION). A package published only as source is built here
-# into a wheel, which must come out pure Python (py3-none-any) to run there.
+# into a wheel, which must come out pure Python (py3-none-any) to run there. With the service group, Redis comes
+# too, as Debian packages in .whl/redis (the image has none; gpu_check.sh unpacks them for the bulk-job stage).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python_version="${PYTHON_VERSION:-3.12}"
@@ -26,6 +27,11 @@ for group in "${groups[@]}"; do
         fi
     done
 done
+if [[ " ${groups[*]} " == *" service "* ]] && command -v apt-get > /dev/null; then
+    mkdir -p .whl/redis
+    (cd .whl/redis && apt-get download -q redis-server redis-tools liblzf1 libjemalloc2 > /dev/null 2>&1) \
+        || echo "warning: no Redis packages; the GPU bulk-job stage will skip" >&2
+fi
 # a wheel tagged for one Python (cp312, py312) must be for the image's
 if ls .whl | grep -E -- '-(cp|py)3[0-9]+-' | grep -v -- "-\(cp\|py\)${python_version/./}-"; then
     echo "error: the wheels above are for another Python than $python_version" >&2

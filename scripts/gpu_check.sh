@@ -2,7 +2,7 @@
 # GPU checks and records: label looping and its CUDA graph modes (issue 3), the HTTP path against the offline
 # engine (issue 4), and batchasr against NeMo's own transcribe() (issue 7).
 #
-#   bash scripts/gpu_check.sh [all|tests|bench|nemo|http] [extra options for the stage's script]
+#   bash scripts/gpu_check.sh [all|tests|bench|nemo|http|bulk] [extra options for the stage's script]
 #
 # Stages and what each writes under $OUT (the device tool's output folder; ./gpu_check_out when unset). Every
 # stage also writes env.txt (GPU, driver, Python, torch, which graph mode "auto" picks and why).
@@ -18,13 +18,15 @@
 #          the offline engine; 16x the batch size in flight, the pool the batcher matches lengths from;
 #          with 4 HTTP front-end processes, then with HTTP in the engine's process
 #                                                                       http.log, http_bench.json
+#   bulk   loadtest/http_bench.py --jobs: 4,096 clips as one bulk job through Redis (carried in .whl/redis), and
+#          over HTTP, 4 front-end processes                              bulk.log, bulk_bench.json
 # The device tool brings back at most 8 files a call and runs a call for at most 10 minutes: run one stage a call.
 #
 # From a development checkout (run through the device tool, which sends the repository but not ../shared):
 #   once here:  mkdir -p .carry && cp -r ../shared/fixtures/nemo-parity .carry/
 #               x=$(git rev-parse --git-path info/exclude); mkdir -p "$(dirname "$x")"; echo /.carry/ >> "$x"
 #               bash scripts/fetch_gpu_wheels.sh          # .whl/: what the image lacks (service and NeMo)
-#   then:       run(command="bash scripts/gpu_check.sh tests", carry=[".carry", ".whl"])   # then bench, nemo, http
+#   then:       run(command="bash scripts/gpu_check.sh tests", carry=[".carry", ".whl"])   # then bench, nemo, http, bulk
 # The tests and the bench need nothing beyond the image's torch, numpy, sentencepiece, pyyaml, pytest,
 # hypothesis and cuda-bindings; nemo and http need the carried wheels.
 set -uo pipefail
@@ -41,6 +43,11 @@ if compgen -G ".whl/*.whl" > /dev/null; then
     export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if compgen -G ".whl/redis/*.deb" > /dev/null; then  # Redis for the bulk-job stage, unpacked beside the image
+    for deb in .whl/redis/*.deb; do dpkg -x "$deb" /tmp/redis; done
+    export PATH="/tmp/redis/usr/bin:$PATH"
+    export LD_LIBRARY_PATH="/tmp/redis/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
 export PYTHONUNBUFFERED=1
 if [ -z "${BATCHASR_PARITY_DIR:-}" ] && [ -f .carry/nemo-parity/reference.json ]; then
     export BATCHASR_PARITY_DIR="$PWD/.carry/nemo-parity"
@@ -87,5 +94,16 @@ if [ "$what" = all ] || [ "$what" = http ]; then
     python3 loadtest/http_bench.py --model parakeet-tdt-0.6b-v2 --device cuda --dtype bfloat16 --batch-size 128 \
         --requests 6144 --concurrency 2048 --frontends 4,0 --out "$OUT/http_bench.json" "$@" 2>&1 | tee "$OUT/http.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+if [ "$what" = all ] || [ "$what" = bulk ]; then
+    if redis-server --version > /dev/null 2>&1; then
+        # a bulk job of the same kind of audio through Redis, beside HTTP, with 4 front-end processes
+        python3 loadtest/http_bench.py --model parakeet-tdt-0.6b-v2 --device cuda --dtype bfloat16 --batch-size 128 \
+            --requests 4096 --concurrency 2048 --frontends 4 --jobs --out "$OUT/bulk_bench.json" "$@" 2>&1 \
+            | tee "$OUT/bulk.log"
+        [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+    else
+        echo "bulk: no redis-server (bash scripts/fetch_gpu_wheels.sh service puts one in .whl/redis)" | tee "$OUT/bulk.log"
+    fi
 fi
 exit "$status"
