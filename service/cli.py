@@ -11,9 +11,7 @@ import contextlib
 import json
 import logging
 import sys
-from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any
 
 FORMATS = ("text", "json", "jsonl", "srt", "vtt")
 
@@ -127,22 +125,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = get_settings(model=args.model, device=device, dtype=dtype, host=args.host, port=args.port,
                             redis_url=args.redis_url, attention_kernel=args.attention_kernel,
                             frontends=args.frontends)
+    if settings.job_consumers and not settings.frontends:
+        print("error: job consumer processes (BATCHASR_JOB_CONSUMERS) need front-end processes (--frontends)",
+              file=sys.stderr)
+        return 2
     if settings.frontends:
-        from .frontends import serve_with_frontends
+        from .frontends import run_async, run_engine_process
 
-        return _run_async(serve_with_frontends(settings, level))
+        return run_async(run_engine_process(settings, http=True, log_level=level))
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_config=None,
                 timeout_graceful_shutdown=int(settings.request_timeout_s))
     return 0
-
-
-def _run_async(main: Coroutine[Any, Any, int]) -> int:
-    """Run on uvloop where it is installed (as uvicorn does): less CPU per message on the engine's link."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(main)
-    return uvloop.run(main)
 
 
 def _bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -179,18 +172,22 @@ def _worker_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-
     from .config import get_settings
     from .jobs_cli import run_worker
     from .logs import configure_json_logging
 
-    configure_json_logging(logging.DEBUG if args.verbose else logging.INFO)
+    level = logging.DEBUG if args.verbose else logging.INFO
+    configure_json_logging(level)
     settings = get_settings(model=args.model, device=None if args.device == "auto" else args.device,
                             dtype=None if args.dtype == "auto" else args.dtype, redis_url=args.redis_url,
                             worker_name=args.name, attention_kernel=args.attention_kernel)
     if not settings.redis_url:
         print("error: a worker needs --redis-url (or BATCHASR_REDIS_URL)", file=sys.stderr)
         return 2
+    if settings.job_consumers:  # the consumers in processes of their own, the model in this one
+        from .frontends import run_async, run_engine_process
+
+        return run_async(run_engine_process(settings, http=False, metrics_port=args.metrics_port, log_level=level))
     return asyncio.run(run_worker(settings, args.metrics_port))
 
 

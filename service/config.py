@@ -53,6 +53,9 @@ class Settings(BaseSettings):
     job_prefetch: int | None = None  # job items in flight per worker (default: see job_items_in_flight)
     webhook_secret: str | None = None  # whsec_<base64>; signs completion webhooks
     worker_name: str | None = None  # consumer name in the group (default: host-pid)
+    # job consumer processes beside the engine's, sharing job_items_in_flight (service.frontends); 0: the
+    # engine's process consumes. serve needs front ends for them.
+    job_consumers: int = 0
 
     @field_validator("api_keys", "model_aliases", "input_roots", mode="before")
     @classmethod
@@ -71,7 +74,7 @@ class Settings(BaseSettings):
             raise ValueError("must be >= 1")
         return value
 
-    @field_validator("frontends")
+    @field_validator("frontends", "job_consumers")
     @classmethod
     def _not_negative(cls, value: int) -> int:
         if value < 0:

@@ -30,6 +30,7 @@ from .wire import (
     ItemDone,
     ItemsFailed,
     LoopCpu,
+    MetricCall,
     RequestObserved,
     Scrape,
     Submit,
@@ -95,6 +96,22 @@ class EngineLink:
 
     def observe_request(self, route: str, code: int, duration_s: float) -> None:
         self._send(RequestObserved(route, code, duration_s))
+
+    # a job consumer's counts (``job_worker.JobMetrics``), kept in the engine process
+    def observe_job_stream_lag(self, lag: int) -> None:
+        self._send(MetricCall("observe_job_stream_lag", (lag,)))
+
+    def count_job_items_reclaimed(self, n: int) -> None:
+        self._send(MetricCall("count_job_items_reclaimed", (n,)))
+
+    def count_job_item_dead_lettered(self) -> None:
+        self._send(MetricCall("count_job_item_dead_lettered", ()))
+
+    def count_job_item(self, status: str) -> None:
+        self._send(MetricCall("count_job_item", (status,)))
+
+    def count_job(self, status: str) -> None:
+        self._send(MetricCall("count_job", (status,)))
 
     async def scrape(self) -> bytes:
         """The engine process's metrics, this front end's event-loop CPU reported first."""

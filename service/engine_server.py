@@ -16,6 +16,7 @@ from typing import Any
 
 from .batcher import BatcherClosed, Priority, QueueFull, WorkItem
 from .engine import EngineState
+from .metrics import JOB_METRIC_CALLS
 from .runtime import Stack
 from .wire import (
     Cancel,
@@ -26,6 +27,7 @@ from .wire import (
     ItemDone,
     ItemsFailed,
     LoopCpu,
+    MetricCall,
     RequestObserved,
     Scrape,
     Submit,
@@ -128,6 +130,8 @@ class EngineServer:
             metrics.observe_request(message.route, message.code, message.duration_s)
         elif isinstance(message, LoopCpu):
             metrics.add_event_loop_cpu(message.seconds)
+        elif isinstance(message, MetricCall) and message.method in JOB_METRIC_CALLS:
+            getattr(metrics, message.method)(*message.args)
         elif isinstance(message, Scrape):
             self._spawn(self._scrape(front_end, message.scrape_id))
         else:

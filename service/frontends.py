@@ -1,14 +1,16 @@
-"""`batchasr serve --frontends N`: HTTP in N front-end processes, the model in this one.
+"""`batchasr serve --frontends N` (and `BATCHASR_JOB_CONSUMERS`): HTTP and job consumers in processes of their
+own, the model in this one.
 
 One event loop parses every request, decodes its audio and words its answer, and it shares the interpreter lock
 with the engine thread: on a GPU, at hundreds of requests a second, that loop is the limit, and the engine thread
 launches its kernels in the loop's gaps. With front ends, HTTP spreads over N processes (one listening socket,
-shared), and this process keeps the model, the batcher, the engine thread, the job consumer and the metrics; its
-event loop only moves samples in and results out (``service.engine_server``).
+shared), and this process keeps the model, the batcher, the engine thread and the metrics; its event loop only
+moves samples in and results out (``service.engine_server``). Job consumers can move out the same way
+(``BATCHASR_JOB_CONSUMERS``, for `batchasr worker` too): their Redis round trips then cost the engine nothing.
 
-Lifecycle: the engine warms up while the front ends start (``/readyz`` says so); a front end that dies is
-started again; SIGTERM or SIGINT stops the front ends first (each finishes its requests, which the engine still
-serves), then drains the engine and stops the job consumer.
+Lifecycle: the engine warms up while the front ends start (``/readyz`` says so); a process that dies is started
+again; SIGTERM or SIGINT stops the front ends and consumers first (each finishes its requests or items, which the
+engine still serves), then drains the engine.
 """
 
 from __future__ import annotations
@@ -21,8 +23,11 @@ import os
 import signal
 import socket
 import tempfile
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from pathlib import Path
+from typing import Any
 
 from .config import Settings
 from .logs import configure_json_logging
@@ -62,53 +67,102 @@ def run_frontend(settings: Settings, sock: socket.socket, engine_path: str, log_
     server.run(sockets=[sock])
 
 
-class FrontendPool:
-    """The front-end processes: started, restarted when one dies, stopped gracefully."""
+def run_job_consumer(settings: Settings, engine_path: str, index: int, log_level: int) -> None:
+    """A job consumer process: items from Redis, their pieces to the engine process over a link, results back
+    to Redis. SIGTERM or SIGINT: finish the items in hand (the engine still serves them), acknowledge, exit."""
+    configure_json_logging(log_level)
+    run_async(_consume(settings, engine_path, index))
 
-    def __init__(self, settings: Settings, sock: socket.socket, engine_path: str, log_level: int):
-        self.settings, self.sock, self.engine_path, self.log_level = settings, sock, engine_path, log_level
+
+async def _consume(settings: Settings, engine_path: str, index: int) -> None:
+    from .engine_link import EngineLink
+    from .job_worker import default_consumer_name
+    from .runtime import build_frontend_stack, make_consumer
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    link = await EngineLink.connect(engine_path, on_lost=stop.set)
+    stack = build_frontend_stack(settings, link)
+    assert stack.jobs is not None, "job consumers need settings.redis_url"
+    name = f"{settings.worker_name}-{index}" if settings.worker_name else default_consumer_name()
+    prefetch = max(1, settings.job_items_in_flight // settings.job_consumers)
+    consumer = make_consumer(settings, stack.jobs, stack.transcriber, stack.limits, link, stack.decode_pool, name,
+                             prefetch)
+    log.info("job consumer %s: %d items in flight", name, prefetch)
+    await consumer.run(stop)
+    await consumer.wait_background()
+    await stack.stop()
+
+
+def run_async(main: Coroutine[Any, Any, Any]) -> Any:
+    """Run on uvloop where it is installed (as uvicorn does): less CPU per message on the engine's link."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    name: str
+    target: Callable[..., None]
+    args: tuple
+
+
+class ProcessPool:
+    """The engine's helper processes (front ends, job consumers): started, restarted when one dies, stopped
+    gracefully."""
+
+    def __init__(self, specs: list[ProcessSpec], stop_grace_s: float):
+        self.specs = specs
+        self.stop_grace_s = stop_grace_s
         self._context = multiprocessing.get_context("spawn")  # no inherited threads, CUDA state or locks
         self._processes: list[BaseProcess] = []
         self._stopping = False
 
     def start(self) -> None:
-        self._processes = [self._spawn(index) for index in range(self.settings.frontends)]
+        self._processes = [self._spawn(spec) for spec in self.specs]
 
-    def _spawn(self, index: int) -> BaseProcess:
-        process = self._context.Process(
-            target=run_frontend, name=f"batchasr-frontend-{index}", daemon=True,
-            args=(self.settings, self.sock, self.engine_path, self.log_level))
+    def _spawn(self, spec: ProcessSpec) -> BaseProcess:
+        process = self._context.Process(target=spec.target, name=spec.name, args=spec.args, daemon=True)
         process.start()
         return process
 
     async def watch(self) -> None:
-        """Restart front ends that die, until ``stop``."""
+        """Restart processes that die, until ``stop``."""
         while not self._stopping:
             await asyncio.sleep(RESPAWN_DELAY_S)
-            for index, process in enumerate(self._processes):
+            for index, (spec, process) in enumerate(zip(self.specs, self._processes, strict=True)):
                 if not self._stopping and not process.is_alive():
-                    log.error("front end %d (pid %s) exited with %s; starting another", index, process.pid,
+                    log.error("%s (pid %s) exited with %s; starting another", spec.name, process.pid,
                               process.exitcode)
-                    self._processes[index] = self._spawn(index)
+                    self._processes[index] = self._spawn(spec)
 
     async def stop(self) -> None:
-        """SIGTERM each front end (it stops accepting and finishes its requests), wait, kill stragglers."""
+        """SIGTERM each (a front end stops accepting and finishes its requests, a consumer its items), wait,
+        kill stragglers."""
         self._stopping = True
         for process in self._processes:
             if process.is_alive() and process.pid is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(process.pid, signal.SIGTERM)
-        grace = self.settings.request_timeout_s + STOP_GRACE_S
         for process in self._processes:
-            await asyncio.to_thread(process.join, grace)
+            await asyncio.to_thread(process.join, self.stop_grace_s)
             if process.is_alive():
-                log.error("front end pid %s did not stop within %.0f s; killing it", process.pid, grace)
+                log.error("%s (pid %s) did not stop within %.0f s; killing it", process.name, process.pid,
+                          self.stop_grace_s)
                 process.kill()
                 await asyncio.to_thread(process.join)
 
 
-async def serve_with_frontends(settings: Settings, log_level: int = logging.INFO) -> int:
-    """Run the engine here and ``settings.frontends`` HTTP front ends until SIGTERM or SIGINT."""
+async def run_engine_process(settings: Settings, http: bool = True, metrics_port: int | None = None,
+                             log_level: int = logging.INFO) -> int:
+    """The model here; ``settings.frontends`` HTTP front ends (when ``http``) and ``settings.job_consumers`` job
+    consumers in processes of their own (none: this process consumes jobs, when Redis is set). Runs until
+    SIGTERM or SIGINT."""
     from models.asr_model import load_model
 
     from .engine_server import EngineServer
@@ -118,26 +172,37 @@ async def serve_with_frontends(settings: Settings, log_level: int = logging.INFO
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    sock = listening_socket(settings.host, settings.port)  # first: a taken port fails before the model loads
+    # first: a taken port fails before the model loads
+    sock = listening_socket(settings.host, settings.port) if http else None
     model = await asyncio.to_thread(load_model, settings.model, settings.device, settings.dtype,
                                     settings.attention_kernel)
     stack = build_stack(settings, model)
-    if stack.jobs is not None:
+    consumers = settings.job_consumers if stack.jobs is not None else 0
+    if stack.jobs is not None and not consumers:
         stack.start_consumer()
+    if metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(metrics_port, registry=stack.metrics.registry)
     with tempfile.TemporaryDirectory(prefix="batchasr-") as private:  # created 0700: only this user connects
         engine_path = str(Path(private) / "engine.sock")
         server = EngineServer(stack, engine_path)
         await server.start()
-        pool = FrontendPool(settings, sock, engine_path, log_level)
+        specs = [ProcessSpec(f"batchasr-frontend-{i}", run_frontend, (settings, sock, engine_path, log_level))
+                 for i in range(settings.frontends if sock is not None else 0)]
+        specs += [ProcessSpec(f"batchasr-consumer-{i}", run_job_consumer, (settings, engine_path, i, log_level))
+                  for i in range(consumers)]
+        pool = ProcessPool(specs, settings.request_timeout_s + STOP_GRACE_S)
         pool.start()
-        log.info("serving on http://%s:%d with %d front-end processes", settings.host, settings.port,
-                 settings.frontends)
+        log.info("engine process: %d front ends%s, %d job consumer processes", len(specs) - consumers,
+                 f" on http://{settings.host}:{settings.port}" if sock is not None else "", consumers)
         watcher = asyncio.create_task(pool.watch())
         await stop.wait()
-        log.info("stopping: front ends first, then the engine")
+        log.info("stopping: front ends and consumers first, then the engine")
         watcher.cancel()
         await pool.stop()
-        sock.close()
+        if sock is not None:
+            sock.close()
         await server.close()
         await stack.stop()
     log.info("stopped")

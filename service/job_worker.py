@@ -17,12 +17,12 @@ import socket
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from .audio import AudioLimits, AudioRequestError, decode_audio
 from .batcher import Priority, QueueFull
 from .formats import to_record
 from .jobs import GROUP, ITEM_STREAM, REDIS_ERRORS, JobInputError, JobStore, item_record, resolve_input_path
-from .metrics import Metrics
 from .transcriber import Transcriber
 from .webhooks import WebhookSender
 
@@ -33,6 +33,20 @@ MAX_BACKOFF_S = 30.0
 
 def default_consumer_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class JobMetrics(Protocol):
+    """What the consumer counts: ``Metrics`` in the engine's process, or a consumer process's link to it."""
+
+    def observe_job_stream_lag(self, lag: int) -> None: ...
+
+    def count_job_items_reclaimed(self, n: int) -> None: ...
+
+    def count_job_item_dead_lettered(self) -> None: ...
+
+    def count_job_item(self, status: str) -> None: ...
+
+    def count_job(self, status: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -47,7 +61,7 @@ class ConsumerOptions:
 
 class JobConsumer:
     def __init__(self, store: JobStore, transcriber: Transcriber, limits: AudioLimits, input_roots: list[str],
-                 metrics: Metrics, options: ConsumerOptions, decode_pool: ThreadPoolExecutor | None = None,
+                 metrics: JobMetrics, options: ConsumerOptions, decode_pool: ThreadPoolExecutor | None = None,
                  webhooks: WebhookSender | None = None):
         self.store = store
         self.transcriber = transcriber
@@ -112,7 +126,7 @@ class JobConsumer:
             task = asyncio.create_task(self._handle(message_id, fields))
             self._in_flight.add(task)
             task.add_done_callback(self._in_flight.discard)
-        self.metrics.job_stream_lag.set(await self.store.stream_lag())
+        self.metrics.observe_job_stream_lag(await self.store.stream_lag())
         return len(messages)
 
     async def _reclaim(self, count: int) -> list[tuple[bytes, dict]]:
@@ -122,7 +136,7 @@ class JobConsumer:
         deleted = reply[2] if len(reply) > 2 else []
         if claimed:
             log.info("reclaimed %d items from stalled consumers", len(claimed))
-            self.metrics.job_items_reclaimed.inc(len(claimed))
+            self.metrics.count_job_items_reclaimed(len(claimed))
         for message_id in deleted:
             await self.store.redis.xack(ITEM_STREAM, GROUP, message_id)
         return claimed
@@ -155,7 +169,7 @@ class JobConsumer:
         log.warning("stream entry %s discarded: %s", message_id.decode(), error)
         try:
             await self.store.discard_entry(message_id, error)
-            self.metrics.job_items_dead_lettered.inc()
+            self.metrics.count_job_item_dead_lettered()
         except REDIS_ERRORS as exc:
             log.warning("redis error discarding %s (%s); it will come back", message_id.decode(), exc)
 
@@ -203,16 +217,16 @@ class JobConsumer:
                                                error=error)
         if outcome:
             await self.store.dead_letter(job_id, index, error)
-            self.metrics.job_items_dead_lettered.inc()
+            self.metrics.count_job_item_dead_lettered()
         await self._after_finish(job_id, "failed", outcome)
 
     async def _after_finish(self, job_id: str, item_status: str, outcome: int) -> None:
         if outcome == 0:
             return  # a redelivery of an item that already had its result
-        self.metrics.job_items.labels(item_status).inc()
+        self.metrics.count_job_item(item_status)
         if outcome == 2:
             job = await self.store.get(job_id)
-            self.metrics.jobs.labels(job.status.value).inc()
+            self.metrics.count_job(job.status.value)
             if self.webhooks is not None and job.webhook_url:
                 task = asyncio.create_task(self.webhooks.job_finished(job))
                 self._background.add(task)

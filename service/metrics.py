@@ -16,6 +16,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 disable_created_metrics()  # the *_created series only add cardinality for our dashboards
 
 RTFX_WINDOW_S = 60.0
+# what a job consumer may count (``JobMetrics``); a consumer process's link calls these by name
+JOB_METRIC_CALLS = ("observe_job_stream_lag", "count_job_items_reclaimed", "count_job_item_dead_lettered",
+                    "count_job_item", "count_job")
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -90,6 +93,22 @@ class Metrics:
                 self._window.popleft()
             compute = sum(c for _, _, c in self._window)
             self.rtfx.set(sum(a for _, a, _ in self._window) / compute if compute > 0 else 0.0)
+
+    # the job consumer's counts: method calls, so that a consumer in another process can make them over its link
+    def observe_job_stream_lag(self, lag: int) -> None:
+        self.job_stream_lag.set(lag)
+
+    def count_job_items_reclaimed(self, n: int) -> None:
+        self.job_items_reclaimed.inc(n)
+
+    def count_job_item_dead_lettered(self) -> None:
+        self.job_items_dead_lettered.inc()
+
+    def count_job_item(self, status: str) -> None:
+        self.job_items.labels(status).inc()
+
+    def count_job(self, status: str) -> None:
+        self.jobs.labels(status).inc()
 
     def observe_request(self, route: str, code: int, duration_s: float) -> None:
         self.requests.labels(route, str(code)).inc()

@@ -17,7 +17,7 @@ from .batcher import Batcher
 from .config import Settings
 from .engine import Engine, warmup_shapes
 from .engine_link import EngineLink
-from .job_worker import ConsumerOptions, JobConsumer, default_consumer_name
+from .job_worker import ConsumerOptions, JobConsumer, JobMetrics, default_consumer_name
 from .jobs import JobStore
 from .metrics import Metrics
 from .transcriber import Transcriber
@@ -43,11 +43,8 @@ class Stack:
         """A job consumer feeding this engine (settings.redis_url must be set)."""
         assert self.jobs is not None and self.consumer is None
         s = self.settings
-        options = ConsumerOptions(name=s.worker_name or default_consumer_name(), prefetch=s.job_items_in_flight,
-                                  visibility_timeout_s=s.job_visibility_timeout_s, max_attempts=s.job_max_attempts)
-        webhooks = WebhookSender(s.webhook_secret) if s.webhook_secret else None
-        self.consumer = JobConsumer(self.jobs, self.transcriber, self.limits, s.input_roots, self.metrics, options,
-                                    self.decode_pool, webhooks)
+        self.consumer = make_consumer(s, self.jobs, self.transcriber, self.limits, self.metrics, self.decode_pool,
+                                      s.worker_name or default_consumer_name(), s.job_items_in_flight)
         return self.consumer
 
     def start_consumer(self) -> None:
@@ -92,6 +89,14 @@ class FrontendStack:
         self.decode_pool.shutdown(wait=True)
         if self.jobs is not None:
             await self.jobs.close()
+
+
+def make_consumer(s: Settings, jobs: JobStore, transcriber: Transcriber, limits: AudioLimits, metrics: JobMetrics,
+                  decode_pool: ThreadPoolExecutor, name: str, prefetch: int) -> JobConsumer:
+    options = ConsumerOptions(name=name, prefetch=prefetch, visibility_timeout_s=s.job_visibility_timeout_s,
+                              max_attempts=s.job_max_attempts)
+    webhooks = WebhookSender(s.webhook_secret) if s.webhook_secret else None
+    return JobConsumer(jobs, transcriber, limits, s.input_roots, metrics, options, decode_pool, webhooks)
 
 
 def _job_store(s: Settings) -> JobStore | None:

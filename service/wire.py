@@ -120,6 +120,14 @@ class LoopCpu:
 
 
 @dataclass(frozen=True)
+class MetricCall:
+    """A job consumer's count, made in the engine process (one of ``metrics.JOB_METRIC_CALLS``)."""
+
+    method: str
+    args: tuple
+
+
+@dataclass(frozen=True)
 class Scrape:
     scrape_id: int
 

@@ -8,8 +8,11 @@ do not outlive the engine, and SIGTERM finishes what is in flight.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +34,7 @@ from service.engine_server import EngineServer
 from service.runtime import build_stack
 from service.transcriber import Transcriber
 from service.wire import EngineUnavailable, FrameProtocol, ItemsFailed, send_frame, split_samples
+from tests.redis_server import RedisServer
 from tests.servers import serve_process
 
 MODEL = "tdt_ctc_hybrid.nemo"
@@ -159,6 +163,31 @@ def test_front_ends_do_not_outlive_the_engines_process(parity_dir, parity_audio)
         running.process.kill()  # no chance to stop them
         running.process.wait(10)
         assert _eventually(lambda: not any(_alive(pid) for pid in front_ends), timeout=20)
+
+
+def test_bulk_jobs_through_a_front_end_and_a_consumer_process(parity_dir, parity_audio, tmp_path):
+    model = load_model(parity_dir / MODEL, device="cpu", dtype="float32")
+    expected = [t.text for t in model.transcribe(parity_audio)]
+    redis = RedisServer(tmp_path).start()
+    try:
+        with serve_process(parity_dir / MODEL, frontends=1, job_consumers=1, redis_url=redis.url) as running:
+            files = [("files", (Path(p).name, Path(p).read_bytes(), "audio/wav")) for p in parity_audio]
+            job = httpx.post(f"{running.url}/v1/jobs", files=files, timeout=60).json()
+            assert _eventually(lambda: httpx.get(f"{running.url}/v1/jobs/{job['id']}").json()["status"]
+                               == "completed", timeout=60)
+            lines = httpx.get(f"{running.url}/v1/jobs/{job['id']}/results").text.splitlines()
+            assert [json.loads(line)["text"] for line in lines] == expected
+            assert running.metric("batchasr_job_items_total", '{status="completed"}') == len(parity_audio)
+            assert len(running.front_end_pids()) == 2  # the front end and the consumer
+    finally:
+        redis.stop()
+
+
+def test_job_consumer_processes_need_front_ends_under_serve(parity_dir):
+    env = {**os.environ, "BATCHASR_JOB_CONSUMERS": "2"}
+    done = subprocess.run([sys.executable, "-m", "service.cli", "serve", "--model", str(parity_dir / MODEL)],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "need front-end processes" in done.stderr
 
 
 # --- the link, in one process ----------------------------------------------------------------------------------

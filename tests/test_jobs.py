@@ -70,10 +70,10 @@ async def _drain(settings: Settings, model, body) -> None:
         await stack.stop()
 
 
-def _worker(url: str, name: str, parity_dir: Path, **env: str) -> subprocess.Popen:
+def _worker(url: str, name: str, parity_dir: Path, *options: str, **env: str) -> subprocess.Popen:
     environment = {**os.environ, "PYTHONUNBUFFERED": "1", **{f"BATCHASR_{k.upper()}": v for k, v in env.items()}}
     return subprocess.Popen([sys.executable, "-m", "service.cli", "worker", "--model", str(parity_dir / MODEL_FILE),
-                             "--redis-url", url, "--name", name], env=environment, stdout=subprocess.PIPE,
+                             "--redis-url", url, "--name", name, *options], env=environment, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
 
@@ -167,6 +167,37 @@ def test_worker_waits_for_redis_that_is_not_there_yet(tmp_path, parity_dir, pari
         server.stop()
     assert worker.returncode == 0, output
     assert "redis unreachable" in output and "worker stopped" in output
+
+
+def test_a_worker_with_consumer_processes_counts_in_one_place_and_stops_cleanly(redis_server, parity_dir,
+                                                                                parity_audio, expected):
+    """BATCHASR_JOB_CONSUMERS=2: two consumers in processes of their own feed the worker's engine; their counts
+    (a poison item among them) reach the worker's metrics port; SIGTERM finishes and exits cleanly."""
+    items = [*_uploads(parity_audio, 30), ItemInput(audio="broken.wav", upload=b"RIFF....not audio at all")]
+    job, _ = asyncio.run(JobStore.from_url(redis_server.url).submit(items))
+    client = redis_server.client()
+    metrics_port = free_port()
+    # 4 items in flight, 2 per consumer: both must take items
+    worker = _worker(redis_server.url, "wc", parity_dir, "--metrics-port", str(metrics_port), job_consumers="2",
+                     job_prefetch="4", max_wait_ms="50", max_batch_size="8")
+    try:
+        _wait_for(lambda: _job_status(client, job.id).get("status") == "completed_with_errors", 120,
+                  "job did not finish")
+        consumers = {c["name"].decode() for c in client.xinfo_consumers(ITEM_STREAM, GROUP)}
+        assert consumers == {"wc-0", "wc-1"}, consumers  # a consumer joins the group with its first delivery
+        text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
+        assert 'batchasr_job_items_total{status="completed"} 30.0' in text
+        assert 'batchasr_job_items_total{status="failed"} 1.0' in text
+        assert "batchasr_job_items_dead_lettered_total 1.0" in text
+        assert 'batchasr_jobs_total{status="completed_with_errors"} 1.0' in text
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        output = worker.communicate(timeout=60)[0]
+    assert worker.returncode == 0, output
+    assert "2 job consumer processes" in output and "wc-1: 2 items in flight" in output and '"stopped"' in output
+    records = asyncio.run(JobStore.from_url(redis_server.url).results(job.id))
+    _check_results(records[:30], items[:30], expected)
+    assert records[30]["status"] == "failed"
 
 
 # --- item outcomes (in-process consumer) ---------------------------------------------------------------------------
