@@ -2,7 +2,7 @@
 
 ``create_app(settings)`` builds everything; the model loads and warms up in the lifespan, and shutdown
 stops accepting, lets queued work finish, then stops the engine. ``create_frontend_app`` serves the same routes
-in a front-end process, over a link to the engine process (``service.frontends``).
+in a front-end process, over a link to the engine process (``service.processes``).
 """
 
 from __future__ import annotations

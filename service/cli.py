@@ -130,7 +130,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     if settings.frontends:
-        from .frontends import run_async, run_engine_process
+        from .processes import run_async, run_engine_process
 
         return run_async(run_engine_process(settings, http=True, log_level=level))
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_config=None,
@@ -185,7 +185,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         print("error: a worker needs --redis-url (or BATCHASR_REDIS_URL)", file=sys.stderr)
         return 2
     if settings.job_consumers:  # the consumers in processes of their own, the model in this one
-        from .frontends import run_async, run_engine_process
+        from .processes import run_async, run_engine_process
 
         return run_async(run_engine_process(settings, http=False, metrics_port=args.metrics_port, log_level=level))
     return asyncio.run(run_worker(settings, args.metrics_port))

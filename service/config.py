@@ -32,7 +32,7 @@ class Settings(BaseSettings):
     max_duration_s: float = 4 * 3600.0
     request_timeout_s: float = 600.0
     decode_threads: int = 4  # audio decoding runs in this many threads, off the event loop
-    # HTTP front-end processes beside the engine's (service.frontends); 0: the engine's process serves HTTP too
+    # HTTP front-end processes beside the engine's (service.processes); 0: the engine's process serves HTTP too
     frontends: int = 0
 
     # Batching
@@ -53,7 +53,7 @@ class Settings(BaseSettings):
     job_prefetch: int | None = None  # job items in flight per worker (default: see job_items_in_flight)
     webhook_secret: str | None = None  # whsec_<base64>; signs completion webhooks
     worker_name: str | None = None  # consumer name in the group (default: host-pid)
-    # job consumer processes beside the engine's, sharing job_items_in_flight (service.frontends); 0: the
+    # job consumer processes beside the engine's, sharing job_items_in_flight (service.processes); 0: the
     # engine's process consumes. serve needs front ends for them.
     job_consumers: int = 0
 

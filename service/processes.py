@@ -34,8 +34,8 @@ from .logs import configure_json_logging
 
 log = logging.getLogger(__name__)
 
-RESPAWN_DELAY_S = 1.0  # between a front end's death and its replacement, so a crash loop cannot spin
-STOP_GRACE_S = 10.0  # beyond the front ends' own graceful-shutdown timeout, before they are killed
+RESPAWN_DELAY_S = 1.0  # between a helper process's death and its replacement, so a crash loop cannot spin
+STOP_GRACE_S = 10.0  # beyond the request timeout (a front end's graceful shutdown), before a helper is killed
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
