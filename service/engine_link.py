@@ -1,8 +1,9 @@
-"""A front-end process's connection to the engine process (``service.engine_server`` is the other end).
+"""A helper process's connection to the engine process (``service.engine_server`` is the other end).
 
-The link is the front end's work queue (the transcriber submits pieces to it as it would to the batcher), its
-view of the engine's readiness, and its metrics sink: requests are counted where every other metric is kept, in
-the engine process, and a scrape of any front end shows them all.
+Front ends and job consumers use it the same way: it is their work queue (the transcriber submits pieces to it
+as it would to the batcher), their view of the engine's readiness, and their metrics sink: requests and job
+items are counted where every other metric is kept, in the engine process, and a scrape of any front end shows
+them all.
 """
 
 from __future__ import annotations
@@ -39,11 +40,13 @@ from .wire import (
 
 log = logging.getLogger(__name__)
 
-LOOP_CPU_REPORT_S = 1.0  # how often a front end reports its event loop's CPU
+LOOP_CPU_REPORT_S = 1.0  # how often a helper process reports its event loop's CPU
 SCRAPE_TIMEOUT_S = 10.0
 
 
 class EngineLink:
+    """Connect with ``EngineLink.connect``; everything else runs on the event loop that connected it."""
+
     def __init__(self, on_lost: Callable[[], None]):
         self.protocol = FrameProtocol(self._on_frame, self._on_connection_lost)
         self.config: ModelConfig | None = None

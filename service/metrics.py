@@ -63,8 +63,9 @@ class Metrics:
                                      ["reason"], registry=r)
         self.event_loop_cpu_seconds = Counter(
             "batchasr_event_loop_cpu_seconds",
-            "CPU time of the event loops that serve HTTP, summed over front-end processes and the engine's: one "
-            "loop's rate near 1 means it, not the model, limits throughput", registry=r)
+            "CPU time of the event loops that take requests and job items in, summed over the engine's process and "
+            "its front-end and consumer processes: one loop's rate near 1 means it, not the model, limits "
+            "throughput", registry=r)
         self._event_loop_cpu_seen = 0.0
         self._window: deque[tuple[float, float, float]] = deque()  # (time, audio_s, compute_s)
         self._lock = threading.Lock()
