@@ -19,7 +19,7 @@
 #          with 4 HTTP front-end processes, then with HTTP in the engine's process
 #                                                                       http.log, http_bench.json
 #   bulk   loadtest/http_bench.py --jobs: 4,096 clips as one bulk job through Redis (carried in .whl/redis), and
-#          over HTTP, 4 front-end processes                              bulk.log, bulk_bench.json
+#          over HTTP; 4 front-end and 2 job consumer processes           bulk.log, bulk_bench.json
 # The device tool brings back at most 8 files a call and runs a call for at most 10 minutes: run one stage a call.
 #
 # From a development checkout (run through the device tool, which sends the repository but not ../shared):
@@ -97,8 +97,8 @@ if [ "$what" = all ] || [ "$what" = http ]; then
 fi
 if [ "$what" = all ] || [ "$what" = bulk ]; then
     if redis-server --version > /dev/null 2>&1; then
-        # a bulk job of the same kind of audio through Redis, beside HTTP, with 4 front-end processes
-        python3 loadtest/http_bench.py --model parakeet-tdt-0.6b-v2 --device cuda --dtype bfloat16 --batch-size 128 \
+        # a bulk job of the same kind of audio through Redis, beside HTTP: 4 front ends, 2 consumer processes
+        BATCHASR_JOB_CONSUMERS=2 python3 loadtest/http_bench.py --model parakeet-tdt-0.6b-v2 --device cuda --dtype bfloat16 --batch-size 128 \
             --requests 4096 --concurrency 2048 --frontends 4 --jobs --out "$OUT/bulk_bench.json" "$@" 2>&1 \
             | tee "$OUT/bulk.log"
         [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
