@@ -1,4 +1,5 @@
-"""What the engine process and its HTTP front-end processes say to each other over a Unix socket.
+"""What the engine process and its helper processes (HTTP front ends, job consumers) say to each other over a
+Unix socket.
 
 A frame is a fixed header (message bytes, payload bytes), the pickled message, then the payload: the raw float32
 samples of a submission, so audio is never pickled. Both ends are this program, started together: pickle is safe
@@ -116,7 +117,7 @@ class RequestObserved:
 
 @dataclass(frozen=True)
 class LoopCpu:
-    seconds: float  # the front end's event-loop CPU since its last report
+    seconds: float  # the helper process's event-loop CPU since its last report
 
 
 @dataclass(frozen=True)
