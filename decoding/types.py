@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from torch import Tensor
+if TYPE_CHECKING:  # the types alone need no torch: the service's front ends import them
+    from torch import Tensor
 
 
 @dataclass

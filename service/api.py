@@ -15,14 +15,12 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Form, Request, UploadFile
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.datastructures import UploadFile as StarletteUpload
-
-from models.asr_model import ASRModel, load_model
 
 from .audio import AudioRequestError, check_media_type, decode_audio
 from .batcher import Priority, QueueFull
@@ -46,6 +44,9 @@ from .schemas import (
 )
 from .transcriber import RequestResult
 from .wire import EngineUnavailable
+
+if TYPE_CHECKING:  # front-end processes serve these routes without the model (or torch)
+    from models.asr_model import ASRModel
 
 log = logging.getLogger("batchasr.api")
 
@@ -261,6 +262,8 @@ def create_app(settings: Settings, model: ASRModel | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         loaded = model
         if loaded is None:
+            from models.asr_model import load_model
+
             loaded = await asyncio.to_thread(load_model, settings.model, settings.device, settings.dtype,
                                              settings.attention_kernel)
         stack = service.stack = build_stack(settings, loaded, service.metrics)

@@ -19,6 +19,8 @@ from enum import IntEnum
 
 import numpy as np
 
+from decoding.types import Hypothesis
+
 # Batches are chosen among this many times max_batch_size waiting items. With lengths spread as speech's, a pool
 # of 4 batches left a quarter of each batch's samples padding, 16 leaves 7% (docs/benchmarks.md).
 POOL_FACTOR = 16
@@ -33,6 +35,16 @@ class QueueFull(Exception):
     def __init__(self, retry_after_s: int):
         super().__init__(f"the queue is full; retry in {retry_after_s} s")
         self.retry_after_s = retry_after_s
+
+
+@dataclass(frozen=True)
+class ItemResult:
+    """What a work item's future resolves to."""
+
+    hypothesis: Hypothesis
+    queue_s: float  # enqueue -> its batch started
+    compute_s: float  # its share of the batch's compute time, by audio length
+    batch_size: int
 
 
 class BatcherClosed(RuntimeError):

@@ -11,7 +11,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from enum import Enum
 
 import numpy as np
@@ -21,7 +20,7 @@ from torch import Tensor
 from decoding.types import Hypothesis
 from models.asr_model import ASRModel, EncodedBatch
 
-from .batcher import Batcher
+from .batcher import Batcher, ItemResult
 from .metrics import Metrics
 from .staging import BatchStager, StagedBatch
 from .timing import StageClock
@@ -52,14 +51,6 @@ class EngineState(str, Enum):
     READY = "ready"
     STOPPED = "stopped"
     FAILED = "failed"
-
-
-@dataclass(frozen=True)
-class ItemResult:
-    hypothesis: Hypothesis
-    queue_s: float  # enqueue -> its batch started
-    compute_s: float  # its share of the batch's compute time, by audio length
-    batch_size: int
 
 
 class Engine:

@@ -9,19 +9,22 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-
-from models.asr_model import ASRModel
+from typing import TYPE_CHECKING
 
 from .audio import AudioLimits
 from .batcher import Batcher
 from .config import Settings
-from .engine import Engine, warmup_shapes
 from .engine_link import EngineLink
 from .job_worker import ConsumerOptions, JobConsumer, JobMetrics, default_consumer_name
 from .jobs import JobStore
 from .metrics import Metrics
 from .transcriber import Transcriber
 from .webhooks import WebhookSender
+
+if TYPE_CHECKING:  # a front end's stack needs neither (nor torch, which they import)
+    from models.asr_model import ASRModel
+
+    from .engine import Engine
 
 
 @dataclass
@@ -122,6 +125,8 @@ def build_frontend_stack(settings: Settings, link: EngineLink) -> FrontendStack:
 
 def build_stack(settings: Settings, model: ASRModel, metrics: Metrics | None = None) -> Stack:
     """Batcher, engine (started: it warms up in its thread) and transcriber; a job store if Redis is set."""
+    from .engine import Engine, warmup_shapes
+
     metrics = metrics or Metrics()
     s = settings
     batcher = Batcher(s.max_batch_size, s.batch_audio_limit_s, s.max_wait_ms, s.max_queue, model.sample_rate,

@@ -15,8 +15,7 @@ from models.config import ModelConfig
 from models.tokenizer import Tokenizer
 from models.transcript import Transcript, build_transcript
 
-from .batcher import Priority, WorkItem
-from .engine import ItemResult
+from .batcher import ItemResult, Priority, WorkItem
 from .segmenter import Segment, plan_segments, stitch
 
 

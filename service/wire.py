@@ -20,8 +20,7 @@ import numpy as np
 
 from models.config import ModelConfig
 
-from .batcher import BatcherClosed, QueueFull
-from .engine import ItemResult
+from .batcher import BatcherClosed, ItemResult, QueueFull
 
 HEADER = struct.Struct("!II")  # message bytes, payload bytes
 SAMPLE_DTYPE = np.float32

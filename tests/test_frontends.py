@@ -98,7 +98,10 @@ def test_front_ends_answer_as_one_process_does(server, parity_dir, parity_audio)
     batches = server.metric("batchasr_batch_size_count") - before["batchasr_batch_size_count"]
     items = server.metric("batchasr_batch_size_sum") - before["batchasr_batch_size_sum"]
     assert items == 41 and items / batches > 1, (items, batches)
-    assert len(server.front_end_pids()) == 2
+    front_ends = server.front_end_pids()
+    assert len(front_ends) == 2
+    for pid in front_ends:  # they served all that without the model's code: no torch in their memory
+        assert "libtorch" not in Path(f"/proc/{pid}/maps").read_text()
 
 
 def test_every_front_ends_requests_and_event_loop_show_in_one_exposition(server, parity_audio):
