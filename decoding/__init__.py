@@ -8,7 +8,7 @@ __all__ = ["Hypothesis", "ctc_greedy", "frame_looping_greedy"]
 
 
 def __getattr__(name: str) -> Any:
-    """The decoders load torch when first used, so ``decoding.types`` alone stays light (front-end processes)."""
+    """The decoders (and torch) load when first used: a process that handles only hypotheses never loads them."""
     if name == "ctc_greedy":
         from .ctc import ctc_greedy
 

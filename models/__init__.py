@@ -9,8 +9,8 @@ __all__ = ["ASRModel", "CheckpointError", "Transcript", "UnsupportedModelError",
 
 
 def __getattr__(name: str) -> Any:
-    """The model (and torch) load when first asked for: the service's front-end processes use only the
-    config, the tokenizer and transcripts."""
+    """The model's code (and torch) loads when first asked for: a process that handles only configs,
+    tokenizers and transcripts never loads it."""
     if name in ("ASRModel", "load_model"):
         from . import asr_model
 
