@@ -4,8 +4,8 @@
     loadtest/run.sh                                                    # headless, CSV and HTML reports
 
 Users:
-- ``TranscribeUser``: short and long files on both routes (``/v1/audio/transcriptions``, ``/v1/transcribe``);
-  every response is checked (status, JSON shape, reported duration).
+- ``TranscribeUser``: short and long files on both routes (``/v1/audio/transcriptions``, also streamed, and
+  ``/v1/transcribe``); every response is checked (status, JSON shape, reported duration; a stream's events).
 - ``JobsUser``: submits a job of several files (sometimes twice with one ``Idempotency-Key``), polls it to a
   final status, fetches its NDJSON results and checks one row per item in submission order. The job's
   end-to-end time is reported as request type ``JOB``.
@@ -206,6 +206,24 @@ def _check_duration(response, body: dict, key: str, clip: Clip) -> None:
         response.failure(f"{key}={reported!r}, but {clip.name} lasts {clip.duration_s:.3f} s")
 
 
+def _check_stream(response) -> None:
+    """Server-sent events: text deltas, then one done event whose text they add up to."""
+    if response.status_code != 200 or not response.headers.get("content-type", "").startswith("text/event-stream"):
+        response.failure(f"HTTP {response.status_code} {response.headers.get('content-type')!r}: {response.text[:200]}")
+        return
+    try:
+        events = [json.loads(line.removeprefix("data: ")) for line in response.text.splitlines()
+                  if line.startswith("data: ")]
+    except ValueError:
+        response.failure("an event's data is not JSON")
+        return
+    types = [e.get("type") for e in events]
+    if not types or types[-1] != "transcript.text.done" or set(types[:-1]) - {"transcript.text.delta"}:
+        response.failure(f"events {types[-5:]}: {events[-1] if events else ''}")
+    elif "".join(e["delta"] for e in events[:-1]) != events[-1]["text"]:
+        response.failure("the deltas do not add up to the done event's text")
+
+
 def _names_known(rows: list[dict], clips: list[Clip]) -> bool:
     """Whether the rows name their audio by upload file name (then their order can be checked)."""
     return {Path(str(r["audio"])).name for r in rows} <= {c.name for c in clips}
@@ -254,15 +272,26 @@ class TranscribeUser(_LoopbackUser):
     weight = 4
     wait_time = between(0.1, 0.5)
 
+    def _openai(self, kind: str, clip: Clip, **form: str):
+        """POST the clip to the OpenAI-compatible route; the response, to check in a ``with`` block."""
+        return self.client.post("/v1/audio/transcriptions", files={"file": (clip.name, clip.data, clip.content_type)},
+                                data={"model": os.environ.get("LOADTEST_MODEL", "default"), **form},
+                                name=f"/v1/audio/transcriptions [{'stream, ' if 'stream' in form else ''}{kind}]",
+                                catch_response=True)
+
     @task
     def openai_transcriptions(self) -> None:
         kind, clip = pick_clip()
-        form = {"model": os.environ.get("LOADTEST_MODEL", "default"), "response_format": "verbose_json"}
-        with self.client.post("/v1/audio/transcriptions", files={"file": (clip.name, clip.data, clip.content_type)},
-                              data=form, name=f"/v1/audio/transcriptions [{kind}]", catch_response=True) as r:
+        with self._openai(kind, clip, response_format="verbose_json") as r:
             body = _json_or_fail(r, 200, {"text", "duration", "segments"})
             if body is not None:
                 _check_duration(r, body, "duration", clip)
+
+    @task
+    def streamed_transcription(self) -> None:
+        kind, clip = pick_clip()
+        with self._openai(kind, clip, stream="true") as r:
+            _check_stream(r)
 
     @task
     def native_transcribe(self) -> None:

@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
+import numpy as np
 from fastapi import APIRouter, Depends, FastAPI, Form, Request, UploadFile
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.datastructures import UploadFile as StarletteUpload
 
@@ -42,7 +44,7 @@ from .schemas import (
     VerboseTranscription,
     WordTiming,
 )
-from .transcriber import RequestResult
+from .transcriber import QueuedRequest, RequestResult
 from .wire import EngineUnavailable
 
 if TYPE_CHECKING:  # front-end processes serve these routes without the model (or torch)
@@ -51,7 +53,10 @@ if TYPE_CHECKING:  # front-end processes serve these routes without the model (o
 log = logging.getLogger("batchasr.api")
 
 RESPONSE_FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
+STREAM_FORMATS = ("json", "text")  # as OpenAI's: the stream's events carry text only
 GRANULARITIES = ("word", "segment")
+
+T = TypeVar("T")
 
 
 async def _read_body(request: Request, service: ServiceState) -> bytes:
@@ -68,9 +73,8 @@ async def _read_body(request: Request, service: ServiceState) -> bytes:
     return b"".join(chunks)
 
 
-async def _transcribe(request: Request, service: ServiceState, data: bytes, content_type: str | None
-                      ) -> RequestResult:
-    """Decode off the event loop, queue, and await the result; drop the work if the client goes away."""
+async def _decode(service: ServiceState, data: bytes, content_type: str | None) -> np.ndarray:
+    """An upload's waveform, decoded off the event loop, once the service takes requests."""
     stack = service.stack
     if not service.accepting or stack is None or not stack.engine.ready:
         raise ApiError(503, "the service is not ready", type="server_error", code="not_ready",
@@ -78,30 +82,89 @@ async def _transcribe(request: Request, service: ServiceState, data: bytes, cont
     try:
         check_media_type(content_type)
         loop = asyncio.get_running_loop()
-        waveform = await loop.run_in_executor(stack.decode_pool, decode_audio, data, stack.limits)
+        return await loop.run_in_executor(stack.decode_pool, decode_audio, data, stack.limits)
     except AudioRequestError as exc:
         raise ApiError(exc.status, str(exc), param="file", code=exc.code) from exc
-    task = asyncio.ensure_future(stack.transcriber.transcribe(waveform, Priority.INTERACTIVE))
+
+
+async def _transcribe(request: Request, service: ServiceState, data: bytes, content_type: str | None
+                      ) -> RequestResult:
+    """Decode, queue, and await the result; drop the work if the client goes away."""
+    waveform = await _decode(service, data, content_type)
+    assert service.stack is not None
+    return await _while_client_waits(request, service.stack.transcriber.transcribe(waveform, Priority.INTERACTIVE))
+
+
+async def _while_client_waits(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work`` unless the client goes away first (then it is cancelled: its queued pieces never reach the
+    engine, and the answer is 499); its failures become the API's errors."""
+    task = asyncio.ensure_future(work)
     client_gone = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
         await asyncio.wait({task, client_gone}, return_when=asyncio.FIRST_COMPLETED)
         if not task.done():
-            task.cancel()  # cancels its queued pieces: they never reach the engine
+            task.cancel()
             raise ApiError(499, "client closed the request", code="client_closed")
         return task.result()
-    except QueueFull as exc:
-        raise ApiError(429, str(exc), type="rate_limit_error", code="queue_full",
-                       headers={"Retry-After": str(exc.retry_after_s)}) from exc
-    except TimeoutError as exc:
-        raise ApiError(504, "transcription did not finish within the request timeout", type="server_error",
-                       code="timeout") from exc
-    except EngineUnavailable as exc:
-        raise ApiError(503, str(exc), type="server_error", code="engine_unavailable",
-                       headers={"Retry-After": "5"}) from exc
+    except (QueueFull, TimeoutError, EngineUnavailable) as exc:
+        raise _engine_error(exc) from exc
     finally:
         for pending in (task, client_gone):
             if not pending.done():
                 pending.cancel()
+
+
+def _engine_error(exc: QueueFull | TimeoutError | EngineUnavailable) -> ApiError:
+    """Why the engine did not transcribe a request, as the API says it."""
+    if isinstance(exc, QueueFull):
+        return ApiError(429, str(exc), type="rate_limit_error", code="queue_full",
+                        headers={"Retry-After": str(exc.retry_after_s)})
+    if isinstance(exc, TimeoutError):
+        return ApiError(504, "transcription did not finish within the request timeout", type="server_error",
+                        code="timeout")
+    return ApiError(503, str(exc), type="server_error", code="engine_unavailable", headers={"Retry-After": "5"})
+
+
+async def _stream_transcription(request: Request, service: ServiceState, data: bytes, content_type: str | None
+                                ) -> StreamingResponse:
+    """OpenAI's transcription stream (server-sent events): ``transcript.text.delta`` as the leading pieces of the
+    audio finish, then ``transcript.text.done`` with the whole text. Failures before the first event answer
+    with their status codes, as without streaming; a later one ends the stream with an ``error`` event."""
+    waveform = await _decode(service, data, content_type)
+    assert service.stack is not None
+    try:
+        queued = service.stack.transcriber.submit(waveform, Priority.INTERACTIVE)
+    except QueueFull as exc:
+        raise _engine_error(exc) from exc
+    deltas = queued.text_deltas()
+    try:
+        first = await _while_client_waits(request, anext(deltas, None))
+    except BaseException:
+        queued.cancel()
+        raise
+    return StreamingResponse(_transcription_events(queued, deltas, first), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+async def _transcription_events(queued: QueuedRequest, deltas: AsyncIterator[str], first: str | None
+                                ) -> AsyncIterator[bytes]:
+    """The stream's events. A client that goes away cancels this (Starlette listens for it), which drops the
+    pieces still queued."""
+    try:
+        delta = first
+        while delta is not None:
+            yield _event({"type": "transcript.text.delta", "delta": delta})
+            delta = await anext(deltas, None)
+        result = await queued.result()  # every piece is done by now
+        yield _event({"type": "transcript.text.done", "text": result.transcript.text})
+    except (QueueFull, TimeoutError, EngineUnavailable) as exc:
+        yield _event({"type": "error", **_engine_error(exc).body()})
+    finally:
+        queued.cancel()
+
+
+def _event(data: dict[str, Any]) -> bytes:
+    return f"event: {data['type']}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -139,7 +202,15 @@ def _segments(result: RequestResult, frame_s: float) -> list[Segment]:
 v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)], tags=["transcription"])
 
 
-@v1.post("/audio/transcriptions", response_model=None)
+TRANSCRIPTION_RESPONSES: dict[int | str, dict[str, Any]] = {200: {
+    "description": "By `response_format`: `json` and `verbose_json` as JSON, `text`, `srt` and `vtt` as text; with "
+                   "`stream=true`, server-sent events (`transcript.text.delta`, then `transcript.text.done`)",
+    "content": {"application/json": {}, "text/plain": {}, "application/x-subrip": {}, "text/vtt": {},
+                "text/event-stream": {}},
+}}
+
+
+@v1.post("/audio/transcriptions", response_model=None, responses=TRANSCRIPTION_RESPONSES)
 async def openai_transcriptions(
     request: Request,
     service: ServiceDep,
@@ -155,8 +226,8 @@ async def openai_transcriptions(
     _check_model(service, model)
     if response_format not in RESPONSE_FORMATS:
         raise ApiError(400, f"response_format must be one of {', '.join(RESPONSE_FORMATS)}", param="response_format")
-    if stream:
-        raise ApiError(400, "streaming responses are not supported", param="stream")
+    if stream and response_format not in STREAM_FORMATS:
+        raise ApiError(400, f"stream=true needs response_format {' or '.join(STREAM_FORMATS)}", param="stream")
     form = await request.form()
     granularities = [str(g) for key in ("timestamp_granularities[]", "timestamp_granularities")
                      for g in form.getlist(key)]
@@ -164,6 +235,8 @@ async def openai_transcriptions(
         raise ApiError(400, f"timestamp_granularities[] must be word or segment, not {bad[0]!r}",
                        param="timestamp_granularities[]")
     data, content_type = await read_upload(file, service)
+    if stream:
+        return await _stream_transcription(request, service, data, content_type)
     result = await _transcribe(request, service, data, content_type)
     transcript = result.transcript
     usage = Usage(seconds=round(transcript.duration_s, 3))

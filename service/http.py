@@ -27,6 +27,10 @@ class ApiError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers or {}
 
+    def body(self) -> dict[str, Any]:
+        """The error in OpenAI's shape, ``{"error": {...}}``."""
+        return _error_body(self.message, self.type, self.param, self.code)
+
 
 class MetricsSink(Protocol):
     """Where the routes count requests and read the exposition: ``Metrics`` in the engine's process, or a
@@ -60,8 +64,7 @@ def _error_body(message: str, type: str, param: str | None, code: str | None) ->
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(_error_body(exc.message, exc.type, exc.param, exc.code), exc.status,
-                            headers=exc.headers)
+        return JSONResponse(exc.body(), exc.status, headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:

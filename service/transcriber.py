@@ -6,6 +6,7 @@ Shared by the HTTP routes and the bulk-job consumer; neither touches the batcher
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -56,20 +57,71 @@ class Transcriber:
         return plan_segments(len(waveform), waveform, self.sample_rate, self.max_segment_s, self.segment_overlap_s,
                              self.frame_samples)
 
-    async def transcribe(self, waveform: np.ndarray, priority: Priority = Priority.INTERACTIVE) -> RequestResult:
-        """Queue (raises ``QueueFull``), await every piece, stitch. Cancelling this cancels queued pieces."""
+    def submit(self, waveform: np.ndarray, priority: Priority = Priority.INTERACTIVE) -> QueuedRequest:
+        """Cut ``waveform`` and queue its pieces (raises ``QueueFull``). The caller must ``cancel`` the request
+        when it is done with it: that drops pieces still queued."""
         segments = self.plan(waveform)
         items = [WorkItem(waveform[s.start : s.end], priority, self.timeout_s) for s in segments]
         self.queue.submit(items)
-        gathered = asyncio.gather(*(asyncio.wrap_future(item.future) for item in items))
-        gathered.add_done_callback(lambda f: f.cancelled() or f.exception())  # a drop is not an error to log
+        return QueuedRequest(self, len(waveform), segments, items, asyncio.get_running_loop().time() + self.timeout_s)
+
+    async def transcribe(self, waveform: np.ndarray, priority: Priority = Priority.INTERACTIVE) -> RequestResult:
+        """Queue (raises ``QueueFull``), await every piece, stitch. Cancelling this cancels queued pieces."""
+        request = self.submit(waveform, priority)
         try:
-            results: list[ItemResult] = await asyncio.wait_for(gathered, self.timeout_s)
+            return await request.result()
         finally:
-            for item in items:
-                item.future.cancel()  # no-op once done; drops pieces still queued if we gave up
-        hyp = stitch(list(zip(segments, (r.hypothesis for r in results), strict=True)), self.tokenizer,
-                     self.frame_samples)
-        transcript = build_transcript(hyp, self.tokenizer, self.config.frame_s, len(waveform) / self.sample_rate)
+            request.cancel()
+
+
+class QueuedRequest:
+    """One request's pieces in the queue: await them all (``result``), or their text as the leading pieces finish
+    (``text_deltas``). Every wait ends at the request's deadline with ``TimeoutError``."""
+
+    def __init__(self, transcriber: Transcriber, n_samples: int, segments: list[Segment], items: list[WorkItem],
+                 deadline: float):
+        self._transcriber = transcriber
+        self._n_samples = n_samples
+        self._segments = segments
+        self._items = items
+        self._deadline = deadline  # event-loop time
+
+    async def result(self) -> RequestResult:
+        """Every piece's hypothesis, stitched into the request's transcript."""
+        gathered = asyncio.gather(*(asyncio.wrap_future(item.future) for item in self._items))
+        gathered.add_done_callback(lambda f: f.cancelled() or f.exception())  # a drop is not an error to log
+        results: list[ItemResult] = await asyncio.wait_for(gathered, self._remaining_s())
+        t = self._transcriber
+        hyp = stitch(list(zip(self._segments, (r.hypothesis for r in results), strict=True)), t.tokenizer,
+                     t.frame_samples)
+        transcript = build_transcript(hyp, t.tokenizer, t.config.frame_s, self._n_samples / t.sample_rate)
         return RequestResult(transcript=transcript, queue_s=max(r.queue_s for r in results),
-                             compute_s=sum(r.compute_s for r in results), n_segments=len(segments))
+                             compute_s=sum(r.compute_s for r in results), n_segments=len(self._segments))
+
+    async def text_deltas(self) -> AsyncIterator[str]:
+        """The transcript's text in order, a delta each time the pieces finished so far from the start lengthen
+        it; together the deltas are the text ``result`` returns, which is ready once they end.
+
+        A piece's words are known when it finishes (stitching keeps a word in the piece its middle falls in),
+        and the text of a run of whole words starts the text of any longer run, so nothing said is retracted.
+        """
+        t = self._transcriber
+        tokens: list[int] = []
+        shown = ""
+        for segment, item in zip(self._segments, self._items, strict=True):
+            result: ItemResult = await asyncio.wait_for(asyncio.wrap_future(item.future), self._remaining_s())
+            if t.tokenizer is None:
+                continue  # no vocabulary: no text
+            tokens += stitch([(segment, result.hypothesis)], t.tokenizer, t.frame_samples).tokens  # its words
+            text = t.tokenizer.ids_to_text(tokens)
+            if len(text) > len(shown) and text.startswith(shown):
+                yield text[len(shown) :]
+                shown = text
+
+    def cancel(self) -> None:
+        """Drop the pieces still queued (a no-op for those done)."""
+        for item in self._items:
+            item.future.cancel()
+
+    def _remaining_s(self) -> float:
+        return max(0.0, self._deadline - asyncio.get_running_loop().time())

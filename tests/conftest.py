@@ -9,7 +9,9 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import numpy as np
 import pytest
+import soundfile as sf
 import torch
 
 # The tests' models are small: one thread each is faster than two fighting over two cores, and worker
@@ -21,6 +23,7 @@ REPO = Path(__file__).resolve().parent.parent
 # NeMo's own outputs on small models: the project's shared fixtures sit beside the checkout.
 PARITY_DIR = Path(os.environ.get("BATCHASR_PARITY_DIR", REPO.parent / "shared" / "fixtures" / "nemo-parity"))
 EXTRA_PARITY_DIR = REPO / "tests" / "fixtures" / "nemo-extra"
+GAP_S = 0.4  # silence between concatenated utterances
 
 
 def load_script(path: Path) -> ModuleType:
@@ -53,3 +56,17 @@ def parity_reference(parity_dir: Path) -> dict:
 @pytest.fixture(scope="session")
 def parity_audio(parity_dir: Path, parity_reference: dict) -> list[str]:
     return [str(parity_dir / "audio" / name) for name in parity_reference["audio"]]
+
+
+def long_recording(paths: list[str] | list[Path], seconds: float, gap_s: float = GAP_S
+                   ) -> tuple[np.ndarray, list[np.ndarray]]:
+    """16 kHz utterances, each followed by ``gap_s`` of silence, repeated to ``seconds``; also the pieces in order."""
+    clips = [sf.read(p, dtype="float32")[0] for p in paths]
+    gap = np.zeros(int(gap_s * 16000), dtype=np.float32)
+    pieces, total = [], 0
+    while total < seconds * 16000:
+        clip = clips[len(pieces) % len(clips)]
+        pieces.append(clip)
+        total += len(clip) + len(gap)
+    joined = np.concatenate([x for clip in pieces for x in (clip, gap)])
+    return joined, pieces

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -38,6 +39,22 @@ def metric(url: str, name: str, labels: str = "") -> float:
         if line.startswith(f"{name}{labels} ") or (not labels and line.startswith(f"{name} ")):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
+
+
+def stream_transcription(url: str, audio: bytes, **form: str) -> list[dict]:
+    """POST audio to the OpenAI route with stream=true: the server-sent events, each checked to name its type on
+    its `event:` line."""
+    with httpx.stream("POST", f"{url}/v1/audio/transcriptions", files={"file": ("a.flac", audio, "audio/flac")},
+                      data={"stream": "true", **form}, timeout=120) as response:
+        assert response.status_code == 200, response.read()
+        assert response.headers["content-type"].startswith("text/event-stream")
+        blocks = [b for b in response.read().decode().split("\n\n") if b.strip()]
+    events = []
+    for block in blocks:
+        event, data = block.split("\n")
+        events.append(json.loads(data.removeprefix("data: ")))
+        assert event == f"event: {events[-1]['type']}"
+    return events
 
 
 def wait_ready(url: str, timeout: float, alive=lambda: True) -> bool:

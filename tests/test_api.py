@@ -20,7 +20,8 @@ import soundfile as sf
 from models import load_model
 from service.config import Settings
 from service.logs import JsonFormatter
-from tests.servers import run_server
+from tests.conftest import REPO, load_script, long_recording
+from tests.servers import run_server, stream_transcription
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +95,57 @@ def test_verbose_json_with_words_and_segments(server, hybrid, parity_audio, fiel
 def test_verbose_json_defaults_to_segments_only(server, parity_audio):
     body = _post(server.url, Path(parity_audio[2]).read_bytes(), response_format="verbose_json").json()
     assert "segments" in body and "words" not in body
+
+
+def _flac(wave: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    sf.write(buffer, wave, 16000, format="FLAC")
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("response_format", ["json", "text"])
+def test_stream_sends_the_text_then_done(server, hybrid, parity_audio, response_format):
+    expected = hybrid.transcribe([parity_audio[3]])[0].text
+    wave, _ = sf.read(parity_audio[3], dtype="float32")
+    events = stream_transcription(server.url, _flac(wave), response_format=response_format)
+    assert events == [{"type": "transcript.text.delta", "delta": expected},
+                      {"type": "transcript.text.done", "text": expected}]
+
+
+def test_stream_refuses_formats_with_timings(server, parity_audio):
+    for response_format in ("srt", "vtt", "verbose_json"):
+        response = _post(server.url, Path(parity_audio[0]).read_bytes(), stream="true", response_format=response_format)
+        assert response.status_code == 400 and response.json()["error"]["param"] == "stream"
+    refused = _post(server.url, b"not audio at all", stream="true")  # failures before the first event: as usual
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_audio"
+
+
+def test_long_audio_streams_its_text_piece_by_piece(hybrid, parity_audio):
+    recording, _ = long_recording(parity_audio, 40)
+    with run_server(Settings(max_segment_s=5, max_batch_size=4, max_wait_ms=5), hybrid) as running:
+        events = stream_transcription(running.url, _flac(recording))
+        whole = _post(running.url, _flac(recording), name="a.flac", content_type="audio/flac").json()["text"]
+    *deltas, done = events
+    assert len(deltas) > 4 and {e["type"] for e in deltas} == {"transcript.text.delta"}
+    assert done == {"type": "transcript.text.done", "text": whole}
+    assert "".join(e["delta"] for e in deltas) == whole
+
+
+def test_a_client_that_leaves_mid_stream_drops_the_pieces_still_queued(hybrid, parity_audio):
+    recording, _ = long_recording(parity_audio, 200)
+    with run_server(Settings(max_segment_s=5, max_batch_size=1, max_wait_ms=0), hybrid) as running:
+        n_pieces = len(running.service.stack.transcriber.plan(recording))
+        with httpx.stream("POST", f"{running.url}/v1/audio/transcriptions", data={"stream": "true"},
+                          files={"file": ("a.flac", _flac(recording), "audio/flac")}, timeout=120) as response:
+            first = next(response.iter_lines())
+        assert first == "event: transcript.text.delta"  # the first piece is done; the client leaves
+        deadline = time.monotonic() + 30
+        while running.metric("batchasr_dropped_items_total", '{reason="cancelled"}') == 0:
+            assert time.monotonic() < deadline, "the pieces still queued were not dropped"
+            time.sleep(0.05)
+        time.sleep(0.5)
+        assert running.metric("batchasr_batch_size_count") < n_pieces  # never all run
+        assert httpx.get(f"{running.url}/healthz").status_code == 200
 
 
 def test_native_endpoint_multipart_and_raw_body(server, hybrid, parity_audio):
@@ -279,7 +331,7 @@ def test_limits_on_upload_size_and_duration(hybrid, parity_audio):
         ({"model": "gpt-9"}, 404, "model"),
         ({"timestamp_granularities[]": "sentence", "response_format": "verbose_json"}, 400,
          "timestamp_granularities[]"),
-        ({"stream": "true"}, 400, "stream"),
+        ({"stream": "true", "response_format": "srt"}, 400, "stream"),
     ],
 )
 def test_bad_parameters(server, parity_audio, form, status, param):
@@ -315,6 +367,8 @@ def test_graceful_shutdown_finishes_queued_requests(hybrid, parity_audio):
 def test_openapi_docs(server):
     spec = httpx.get(f"{server.url}/openapi.json").json()
     assert {"/v1/audio/transcriptions", "/v1/transcribe", "/healthz", "/readyz", "/metrics"} <= set(spec["paths"])
+    answers = spec["paths"]["/v1/audio/transcriptions"]["post"]["responses"]["200"]["content"]
+    assert {"application/json", "text/vtt", "text/event-stream"} <= set(answers)
 
 
 def test_attention_kernel_setting_is_checked(monkeypatch):
@@ -329,3 +383,12 @@ def test_attention_kernel_setting_is_checked(monkeypatch):
     assert get_settings(attention_kernel=None).attention_kernel == "sdpa"  # an unset CLI option keeps the env's
     with pytest.raises(ValidationError, match="must be one of auto, reference, sdpa"):
         Settings(attention_kernel="flash")
+
+
+def test_stream_latency_script_measures_a_stream_against_one_request(server, parity_dir, capsys):
+    script = load_script(REPO / "loadtest" / "stream_latency.py")
+    script.main(["--url", server.url, "--audio-dir", str(parity_dir / "audio"), "--seconds", "40", "--repeat", "1"])
+    [line] = capsys.readouterr().out.splitlines()
+    report = json.loads(line)
+    assert report["same_text"] is True and report["deltas"] == 2 and report["audio_s"] >= 40
+    assert 0 < report["first_delta_s"] <= report["done_s"] and report["without_stream_s"] > 0

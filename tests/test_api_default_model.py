@@ -14,6 +14,7 @@ import soxr
 
 from models import load_model
 from service.config import Settings
+from tests.conftest import long_recording
 from tests.servers import run_server
 
 DATA = Path(__file__).parent / "data" / "default_model"
@@ -63,18 +64,8 @@ def test_48k_stereo_and_8k_inputs_give_the_16k_text(server, name):
     assert _text(server, _float_wav(phone_8k, 8000))["text"] == _text(server, _float_wav(phone_16k, 16000))["text"]
 
 
-def _clips() -> list[np.ndarray]:
-    return [sf.read(p, dtype="float32")[0] for p in sorted(DATA.glob("*.wav"))]
-
-
 def test_ten_minutes_agree_with_the_pieces_transcribed_alone(server):
-    clips = _clips()
-    gap = np.zeros(int(GAP_S * RATE), dtype=np.float32)
-    pieces, total = [], 0
-    while total < 600 * RATE:
-        pieces.append(clips[len(pieces) % len(clips)])
-        total += len(pieces[-1]) + len(gap)
-    recording = np.concatenate([x for clip in pieces for x in (clip, gap)])
+    recording, pieces = long_recording(sorted(DATA.glob("*.wav")), 600, gap_s=GAP_S)
     body = _text(server, _flac(recording, RATE))
     assert body["segments"] >= 20 and body["duration_s"] == pytest.approx(len(recording) / RATE)
     starts = [w["start"] for w in body["words"]]
@@ -86,7 +77,7 @@ def test_ten_minutes_agree_with_the_pieces_transcribed_alone(server):
     transcripts = model.transcribe(pieces, batch_size=16)
     alone = " ".join(t.text for t in transcripts).split()
     got = body["text"].split()
-    piece_starts_s = np.cumsum([0] + [len(clip) + len(gap) for clip in pieces]) / RATE
+    piece_starts_s = np.cumsum([0] + [len(clip) / RATE + GAP_S for clip in pieces])
     alone_timed = [(w.word, start + (w.start_s + w.end_s) / 2)
                    for t, start in zip(transcripts, piece_starts_s[:-1], strict=True) for w in t.words]
     got_timed = [(w["word"], (w["start"] + w["end"]) / 2) for w in body["words"]]

@@ -7,15 +7,13 @@ import io
 from pathlib import Path
 
 import httpx
-import numpy as np
 import pytest
 import soundfile as sf
 
 from models import load_model
 from service.config import Settings
+from tests.conftest import long_recording
 from tests.servers import run_server
-
-GAP_S = 0.4  # silence between concatenated utterances
 
 
 def test_http_float32_matches_nemo(parity_dir, parity_reference, parity_audio):
@@ -28,19 +26,6 @@ def test_http_float32_matches_nemo(parity_dir, parity_reference, parity_audio):
                 assert body["text"] == expected["text"], (name, path)
                 if expected["tokens"] is not None:
                     assert body["tokens"] == expected["tokens"] and body["token_frames"] == expected["frames"]
-
-
-def long_recording(parity_audio: list[str], seconds: float) -> tuple[np.ndarray, list[np.ndarray]]:
-    """Utterances, each followed by GAP_S of silence, repeated to ``seconds``; also the pieces in order."""
-    clips = [sf.read(p, dtype="float32")[0] for p in parity_audio]
-    gap = np.zeros(int(GAP_S * 16000), dtype=np.float32)
-    pieces, total = [], 0
-    while total < seconds * 16000:
-        clip = clips[len(pieces) % len(clips)]
-        pieces.append(clip)
-        total += len(clip) + len(gap)
-    joined = np.concatenate([x for clip in pieces for x in (clip, gap)])
-    return joined, pieces
 
 
 def word_agreement(a: list[str], b: list[str]) -> float:

@@ -392,7 +392,8 @@ def test_locustfile_defines_http_and_jobs_users(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     probe = json.loads(result.stdout.strip().splitlines()[-1])
-    assert probe["users"] == {"TranscribeUser": ["openai_transcriptions", "native_transcribe"],
+    assert probe["users"] == {"TranscribeUser": ["openai_transcriptions", "streamed_transcription",
+                                                 "native_transcribe"],
                               "JobsUser": ["bulk_job"]}
     assert probe["short"] == 2 and probe["long"] and min(probe["long"]) >= 30  # joined from the short clips
     assert probe["loopback"] == [True, True, True, False, False]

@@ -8,6 +8,7 @@ do not outlive the engine, and SIGTERM finishes what is in flight.
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 import signal
@@ -21,6 +22,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+import soundfile as sf
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -34,8 +36,9 @@ from service.engine_server import EngineServer
 from service.runtime import build_stack
 from service.transcriber import Transcriber
 from service.wire import EngineUnavailable, FrameProtocol, ItemsFailed, send_frame, split_samples
+from tests.conftest import long_recording
 from tests.redis_server import RedisServer
-from tests.servers import serve_process
+from tests.servers import serve_process, stream_transcription
 
 MODEL = "tdt_ctc_hybrid.nemo"
 
@@ -102,6 +105,17 @@ def test_front_ends_answer_as_one_process_does(server, parity_dir, parity_audio)
     assert len(front_ends) == 2
     for pid in front_ends:  # they served all that without the model's code: no torch in their memory
         assert "libtorch" not in Path(f"/proc/{pid}/maps").read_text()
+
+
+def test_a_long_stream_through_a_front_end_says_what_one_request_does(server, parity_audio):
+    recording, _ = long_recording(parity_audio, 70)  # three pieces of at most 30 s
+    buffer = io.BytesIO()
+    sf.write(buffer, recording, 16000, format="FLAC")
+    *deltas, done = stream_transcription(server.url, buffer.getvalue())
+    whole = httpx.post(f"{server.url}/v1/transcribe", content=buffer.getvalue(),
+                       headers={"content-type": "audio/flac"}, timeout=120).json()
+    assert whole["segments"] == 3 and len(deltas) == 3
+    assert "".join(d["delta"] for d in deltas) == done["text"] == whole["text"]
 
 
 def test_every_front_ends_requests_and_event_loop_show_in_one_exposition(server, parity_audio):

@@ -71,3 +71,15 @@ def test_words_from_encoded_text_match_the_text(tokenizer):
     ids = tokenizer._sp.encode(text)
     assert tokenizer.words(ids) == words_by_decoding(tokenizer, ids)
     assert " ".join(w.text for w in tokenizer.words(ids)) == tokenizer.ids_to_text(ids).strip()
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_the_text_of_leading_words_starts_the_whole_text(tokenizer, data):
+    """What a stream relies on: the text of the words finished so far is never changed by the words after."""
+    plain = [i for i, surface in enumerate(tokenizer._surfaces) if surface is not None]
+    any_piece = st.integers(0, tokenizer.vocab_size - 1)
+    ids = data.draw(st.lists(st.one_of(st.sampled_from(plain), st.sampled_from(plain), any_piece), max_size=40))
+    whole = tokenizer.ids_to_text(ids)
+    for word in tokenizer.words(ids):
+        assert whole.startswith(tokenizer.ids_to_text(ids[: word.first]))

@@ -1,0 +1,109 @@
+"""OpenAI's own Python client against a real server: what users of the OpenAI-compatible route run. Every
+response format parses into the client's types, its stream yields its events, and refusals raise the
+client's exceptions with our messages."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+import soundfile as sf
+from openai.types.audio import (
+    Transcription,
+    TranscriptionTextDeltaEvent,
+    TranscriptionTextDoneEvent,
+    TranscriptionVerbose,
+)
+
+from models import load_model
+from service.config import Settings
+from tests.conftest import long_recording
+from tests.servers import run_server
+
+MODEL_ID = "parakeet-test"
+
+
+@pytest.fixture(scope="module")
+def hybrid(parity_dir):
+    return load_model(parity_dir / "tdt_ctc_hybrid.nemo", device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def server(hybrid):
+    settings = Settings(model_name=MODEL_ID, max_wait_ms=10, max_segment_s=5, api_keys=["sk-test"])
+    with run_server(settings, hybrid) as running:
+        yield running
+
+
+def _client(url: str, api_key: str = "sk-test") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0, timeout=120)
+
+
+def test_each_response_format_parses_into_the_clients_types(server, hybrid, parity_audio):
+    client, audio = _client(server.url), Path(parity_audio[4])
+    expected = hybrid.transcribe([str(audio)])[0]
+
+    def create(**options):
+        return client.audio.transcriptions.create(file=audio, model=MODEL_ID, **options)
+
+    as_json = create()
+    assert isinstance(as_json, Transcription) and as_json.text == expected.text
+    assert as_json.usage is not None and as_json.usage.seconds == pytest.approx(expected.duration_s, abs=1e-3)
+    assert create(response_format="text") == expected.text + "\n"
+    assert create(response_format="srt").startswith("1\n00:00:00,")
+    assert create(response_format="vtt").startswith("WEBVTT\n\n")
+    verbose = create(response_format="verbose_json", timestamp_granularities=["word", "segment"], language="en")
+    assert isinstance(verbose, TranscriptionVerbose) and verbose.text == expected.text
+    assert [w.word for w in verbose.words] == [w.word for w in expected.words]
+    assert [(w.start, w.end) for w in verbose.words] == [(w.start_s, w.end_s) for w in expected.words]
+    assert " ".join(s.text for s in verbose.segments) == expected.text
+    assert [m.id for m in client.models.list()] == [MODEL_ID]
+
+
+def test_the_clients_stream_yields_deltas_then_done(server, parity_audio, tmp_path):
+    recording, _ = long_recording(parity_audio, 16)  # pieces of at most 5 s
+    path = tmp_path / "long.wav"
+    sf.write(path, recording, 16000)
+    client = _client(server.url)
+    whole = client.audio.transcriptions.create(file=path, model=MODEL_ID).text
+    events = list(client.audio.transcriptions.create(file=path, model=MODEL_ID, stream=True))
+    *deltas, done = events
+    assert len(deltas) > 1 and all(isinstance(e, TranscriptionTextDeltaEvent) for e in deltas)
+    assert isinstance(done, TranscriptionTextDoneEvent) and done.text == whole
+    assert "".join(e.delta for e in deltas) == whole
+
+
+def test_refusals_raise_the_clients_exceptions(server, hybrid, parity_audio):
+    audio = Path(parity_audio[0])
+    with pytest.raises(openai.AuthenticationError, match="API key"):
+        _client(server.url, api_key="wrong").audio.transcriptions.create(file=audio, model=MODEL_ID)
+    client = _client(server.url)
+    with pytest.raises(openai.NotFoundError, match=f"serves `{MODEL_ID}`") as not_found:
+        client.audio.transcriptions.create(file=audio, model="gpt-4o-transcribe")
+    assert not_found.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError, match="cannot decode audio") as bad_audio:
+        client.audio.transcriptions.create(file=("a.wav", b"RIFF" + b"\x00" * 64, "audio/wav"), model=MODEL_ID)
+    assert bad_audio.value.param == "file"
+    with pytest.raises(openai.BadRequestError) as bad_stream:
+        client.audio.transcriptions.create(file=audio, model=MODEL_ID, response_format="srt", stream=True)
+    assert bad_stream.value.param == "stream"
+
+
+def test_a_full_queue_raises_rate_limit_errors(hybrid, parity_audio):
+    settings = Settings(max_queue=2, max_wait_ms=3000, max_batch_size=64)
+    audio = Path(parity_audio[7])
+    with run_server(settings, hybrid) as running, ThreadPoolExecutor(4) as pool:
+        client = _client(running.url)
+
+        def one(_):
+            try:
+                return client.audio.transcriptions.create(file=audio, model="whisper-1").text  # an alias clients send
+            except openai.RateLimitError as exc:
+                return exc
+
+        outcomes = list(pool.map(one, range(4)))
+    refused = [o for o in outcomes if isinstance(o, openai.RateLimitError)]
+    assert len(refused) == 2 and all(isinstance(o, str) for o in outcomes if o not in refused)
+    assert refused[0].code == "queue_full" and int(refused[0].response.headers["retry-after"]) >= 1

@@ -1,0 +1,90 @@
+"""One request's pieces through a real batcher, the test standing in for the engine thread so that it decides
+when each piece finishes: the stream's text comes in order, and its failures end it with an error event."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numpy as np
+import pytest
+
+from models import load_model
+from service.api import _transcription_events
+from service.batcher import Batcher, ItemResult, WorkItem
+from service.transcriber import Transcriber
+from tests.conftest import long_recording
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(device="cpu", dtype="float32")  # the embedded default: a real vocabulary, real words
+
+
+@pytest.fixture(scope="module")
+def recording(parity_audio) -> np.ndarray:
+    return long_recording(parity_audio, 14)[0]
+
+
+def _queued_pieces(model, recording: np.ndarray, taken: int | None = None):
+    """A request cut every ~3 s and queued; the batcher, and the first ``taken`` pieces (all by default) as the
+    engine takes them, in order."""
+    batcher = Batcher(max_batch_size=1, max_batch_audio_s=60, max_wait_ms=0, max_queue=100)
+    transcriber = Transcriber(batcher, model.config, model.tokenizer, max_segment_s=3, segment_overlap_s=1,
+                              timeout_s=60)
+    queued = transcriber.submit(recording)
+    assert batcher.depth >= 4
+    items: list[WorkItem] = [batcher.next_batch().items[0] for _ in range(taken or batcher.depth)]
+    return batcher, queued, items
+
+
+def _finish(model, item: WorkItem) -> None:
+    [hyp] = model.decode(model.encode([item.waveform]))
+    item.future.set_result(ItemResult(hyp, queue_s=0.0, compute_s=0.01, batch_size=1))
+
+
+def test_text_comes_in_order_as_the_leading_pieces_finish(model, recording):
+    async def run() -> tuple[list[str], str, int]:
+        _, queued, items = _queued_pieces(model, recording)
+        deltas = queued.text_deltas()
+        first = asyncio.ensure_future(anext(deltas, None))
+        for item in reversed(items[1:]):  # every piece but the first: nothing can be said yet
+            _finish(model, item)
+        await asyncio.sleep(0.05)
+        assert not first.done()
+        _finish(model, items[0])
+        said = [await first]
+        said += [delta async for delta in deltas]
+        return said, (await queued.result()).transcript.text, len(items)
+
+    said, text, n_pieces = asyncio.run(run())
+    assert len(said) > 1 and all(said)
+    assert "".join(said) == text and len(text.split()) > n_pieces  # real words, every one said once
+
+
+def test_a_piece_that_fails_mid_stream_ends_it_with_an_error_event_and_drops_the_rest(model, recording):
+    async def run() -> tuple[list[dict], Batcher]:
+        batcher, queued, items = _queued_pieces(model, recording, taken=2)
+        deltas = queued.text_deltas()
+        first = await asyncio.wait_for(_first_after(items[0], deltas), 30)
+        items[1].future.set_exception(TimeoutError("the request's deadline passed"))
+        events = [_parse(chunk) async for chunk in _transcription_events(queued, deltas, first)]
+        return events, batcher
+
+    async def _first_after(item: WorkItem, deltas):
+        _finish(model, item)
+        return await anext(deltas, None)
+
+    events, batcher = asyncio.run(run())
+    assert [e["type"] for e in events] == ["transcript.text.delta", "error"]
+    assert events[1]["error"]["code"] == "timeout" and events[1]["error"]["type"] == "server_error"
+    batcher.close()
+    assert batcher.next_batch() is None  # the pieces still queued were dropped: nothing more would run
+
+
+def _parse(chunk: bytes) -> dict:
+    event, data = chunk.decode().strip().split("\n")
+    assert event.startswith("event: ") and data.startswith("data: ")
+    body = json.loads(data.removeprefix("data: "))
+    assert body["type"] == event.removeprefix("event: ")
+    return body
