@@ -192,7 +192,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def _submit_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("submit", help="submit audio files (and directories of them) as one bulk job")
+    p = sub.add_parser("submit", help="submit audio files (and directories of them) or URLs as one bulk job")
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument("--redis-url", help="submit straight into Redis")
     target.add_argument("--server", help="submit through a batchasr server's /v1/jobs (e.g. http://host:8000)")
@@ -200,7 +200,9 @@ def _submit_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--wait", action="store_true", help="wait for the job, with a progress bar, then print results")
     p.add_argument("--output", type=Path, help="write result lines here instead of stdout")
     p.add_argument("--idempotency-key", help="resubmitting with the same key returns the same job")
-    p.add_argument("paths", nargs="+", metavar="FILES_OR_DIRS")
+    p.add_argument("--url-list", action="append", default=[], metavar="FILE",
+                   help="http(s) URLs to submit, one a line ('-': standard input); the workers fetch them")
+    p.add_argument("paths", nargs="*", metavar="FILES_DIRS_OR_URLS")
     p.set_defaults(func=cmd_submit)
 
 
@@ -208,15 +210,15 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from .jobs_cli import collect_audio, run_submit
 
     try:
-        files = collect_audio(args.paths)
-    except FileNotFoundError as exc:
+        inputs = collect_audio(args.paths, args.url_list)
+    except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if not files:
-        print("error: no audio files found", file=sys.stderr)
+    if not inputs:
+        print("error: no audio files or URLs found", file=sys.stderr)
         return 2
     with open(args.output, "w", encoding="utf-8") if args.output else contextlib.nullcontext(sys.stdout) as out:
-        return asyncio.run(run_submit(files, args.redis_url, args.server, args.api_key, args.wait, out,
+        return asyncio.run(run_submit(inputs, args.redis_url, args.server, args.api_key, args.wait, out,
                                       args.idempotency_key))
 
 

@@ -46,6 +46,9 @@ class Settings(BaseSettings):
     # Redis (bulk jobs)
     redis_url: str | None = None
     input_roots: Annotated[list[str], NoDecode] = Field(default_factory=list)  # jobs may name files under these
+    # jobs may name http(s) URLs under these (service.url_inputs: scheme, host, port and path must match)
+    input_url_prefixes: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    job_url_timeout_s: float = 60.0  # connecting to, and each read from, a job's audio URL
     job_input_ttl_s: int = 7 * 86400  # uploaded audio waits at most this long for a worker
     job_result_ttl_s: int = 7 * 86400  # results are kept this long after the job finishes
     job_max_attempts: int = 3
@@ -57,7 +60,7 @@ class Settings(BaseSettings):
     # engine's process consumes. serve needs front ends for them.
     job_consumers: int = 0
 
-    @field_validator("api_keys", "model_aliases", "input_roots", mode="before")
+    @field_validator("api_keys", "model_aliases", "input_roots", "input_url_prefixes", mode="before")
     @classmethod
     def _split_commas(cls, value: object) -> object:
         """Accept ``a,b`` as well as a JSON list from the environment."""
@@ -65,6 +68,15 @@ class Settings(BaseSettings):
             if value.lstrip().startswith("["):
                 return json.loads(value)
             return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("input_url_prefixes")
+    @classmethod
+    def _http_urls(cls, value: list[str]) -> list[str]:
+        from .url_inputs import check_input_url  # the same parsing the inputs get
+
+        for prefix in value:
+            check_input_url(prefix, [prefix])  # raises for anything but a well-formed http(s) URL
         return value
 
     @field_validator("max_batch_size", "max_queue", "decode_threads", "job_prefetch")

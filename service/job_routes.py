@@ -1,4 +1,5 @@
-"""Bulk job routes: submit (uploads or paths under the input roots), status, results, cancel."""
+"""Bulk job routes: submit (uploads, paths under the input roots, URLs under the input URL prefixes), status,
+results, cancel."""
 
 from __future__ import annotations
 
@@ -7,23 +8,34 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 from starlette.datastructures import UploadFile as StarletteUpload
 
+from .config import Settings
 from .http import ApiError, ServiceDep, ServiceState, read_upload, require_api_key
 from .jobs import REDIS_ERRORS, ItemInput, JobInputError, JobNotFound, JobStore, resolve_input_path
+from .url_inputs import check_input_url
 
 router = APIRouter(prefix="/v1/jobs", dependencies=[Depends(require_api_key)], tags=["jobs"])
 
 
-class PathItem(BaseModel):
-    path: str
+class JobItem(BaseModel):
+    """A file the server can read, under its input roots, or an http(s) URL under its input URL prefixes."""
+
+    path: str | None = None
+    url: str | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> JobItem:
+        if (self.path is None) == (self.url is None):
+            raise ValueError("an item has either a `path` or a `url`")
+        return self
 
 
 class JobCreate(BaseModel):
-    """JSON submission: files the server can read, under its configured input roots."""
+    """JSON submission: audio the server reads itself (files under its input roots, URLs under its prefixes)."""
 
-    items: list[PathItem] = Field(min_length=1)
+    items: list[JobItem] = Field(min_length=1)
     webhook_url: str | None = None
 
 
@@ -52,26 +64,32 @@ async def _json_items(request: Request) -> tuple[list[ItemInput], str | None]:
         body = JobCreate.model_validate_json(await request.body())
     except ValueError as exc:
         raise ApiError(400, f"invalid job: {exc}", code="invalid_job") from exc
-    return [ItemInput(audio=item.path, path=item.path) for item in body.items], body.webhook_url
+    items = [ItemInput(audio=item.path, path=item.path) if item.path is not None
+             else ItemInput(audio=str(item.url), url=item.url) for item in body.items]
+    return items, body.webhook_url
 
 
-def _check_paths(items: list[ItemInput], roots: list[str]) -> None:
+def _check_inputs(items: list[ItemInput], settings: Settings) -> None:
+    """Refuse paths and URLs the workers would not read now, not when a worker gets there."""
     for item in items:
         if item.path is not None:
-            resolve_input_path(item.path, roots)  # refuse escapes now, not when a worker gets there
+            resolve_input_path(item.path, settings.input_roots)
+        elif item.url is not None:
+            check_input_url(item.url, settings.input_url_prefixes)
 
 
 @router.post("", status_code=202)
 async def create_job(request: Request, service: ServiceDep,
                      idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None) -> JSONResponse:
-    """Submit a job: multipart `files` uploads, or JSON `{"items": [{"path": ...}]}` for server-side files."""
+    """Submit a job: multipart `files` uploads, or JSON `{"items": [{"path": ...} | {"url": ...}]}` for audio the
+    server reads itself."""
     store = _store(service)
     if request.headers.get("content-type", "").startswith("multipart/form-data"):
         items, webhook = await _form_items(request, service)
     else:
         items, webhook = await _json_items(request)
     try:
-        _check_paths(items, service.settings.input_roots)
+        _check_inputs(items, service.settings)
         job, created = await store.submit(items, idempotency_key, webhook)
     except JobInputError as exc:
         raise ApiError(400, str(exc), param="items", code="invalid_input") from exc

@@ -24,6 +24,7 @@ from .batcher import Priority, QueueFull
 from .formats import to_record
 from .jobs import GROUP, ITEM_STREAM, REDIS_ERRORS, JobInputError, JobStore, item_record, resolve_input_path
 from .transcriber import Transcriber
+from .url_inputs import UrlFetcher
 from .webhooks import WebhookSender
 
 log = logging.getLogger(__name__)
@@ -62,11 +63,12 @@ class ConsumerOptions:
 class JobConsumer:
     def __init__(self, store: JobStore, transcriber: Transcriber, limits: AudioLimits, input_roots: list[str],
                  metrics: JobMetrics, options: ConsumerOptions, decode_pool: ThreadPoolExecutor | None = None,
-                 webhooks: WebhookSender | None = None):
+                 webhooks: WebhookSender | None = None, urls: UrlFetcher | None = None):
         self.store = store
         self.transcriber = transcriber
         self.limits = limits
         self.input_roots = input_roots
+        self.urls = urls  # None: URL inputs are refused
         self.metrics = metrics
         self.options = options
         self.decode_pool = decode_pool
@@ -92,6 +94,12 @@ class JobConsumer:
                     await asyncio.wait_for(stop.wait(), backoff)
                 backoff = min(MAX_BACKOFF_S, backoff * 2)
         await self._finish_in_flight()
+        await self.close()
+
+    async def close(self) -> None:
+        """Release the URL fetcher's connections (``run`` does this when it returns)."""
+        if self.urls is not None:
+            await self.urls.close()
 
     async def drain(self, idle_rounds: int = 2) -> None:
         """Burst mode (tests, one-off runs): consume until the stream has nothing left for this group."""
@@ -206,6 +214,11 @@ class JobConsumer:
             if upload is None:
                 raise JobInputError("the uploaded audio expired before it was processed")
             data = upload
+        elif "url" in record:
+            if self.urls is None:
+                raise JobInputError(f"{record['url']}: URL inputs are disabled on this worker "
+                                    "(BATCHASR_INPUT_URL_PREFIXES)")
+            data = await self.urls.fetch(record["url"])
         else:
             path = resolve_input_path(record["path"], self.input_roots)
             data = await asyncio.to_thread(Path(path).read_bytes)

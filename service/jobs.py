@@ -27,7 +27,7 @@ DEAD_LETTER_STREAM = f"{PREFIX}:items:dead"  # items that failed for good, with 
 GROUP = "workers"
 POOL_WAIT_S = 30.0  # a command waits this long for a free connection before it counts as Redis unreachable
 JOB_KEY = PREFIX + ":job:{job_id}"  # hash: status, created_at, started_at, finished_at, total, n_<state>, ...
-INPUTS_KEY = PREFIX + ":job:{job_id}:inputs"  # hash index -> JSON {"audio", "path" | "upload"}
+INPUTS_KEY = PREFIX + ":job:{job_id}:inputs"  # hash index -> JSON {"audio", "path" | "url" | "upload"}
 STATES_KEY = PREFIX + ":job:{job_id}:states"  # hash index -> queued | in_progress | completed | failed | cancelled
 ATTEMPTS_KEY = PREFIX + ":job:{job_id}:attempts"  # hash index -> deliveries started
 ERRORS_KEY = PREFIX + ":job:{job_id}:errors"  # hash index -> last error
@@ -56,7 +56,8 @@ class JobNotFound(KeyError):
 
 
 class JobInputError(ValueError):
-    """A submission that cannot be accepted (no items, a path outside the input roots, too large)."""
+    """An input that cannot be taken (no items, a path outside the input roots, a URL outside the input URL
+    prefixes or that cannot be fetched, too large)."""
 
 
 # --- atomic item transitions ---------------------------------------------------------------------------------
@@ -109,9 +110,16 @@ def _now() -> str:
 
 @dataclass(frozen=True)
 class ItemInput:
-    audio: str  # what the submitter called it (file name or path)
+    """One item's audio: exactly one of a path, a URL, or the bytes themselves."""
+
+    audio: str  # what the submitter called it (file name, path or URL)
     path: str | None = None  # a file under the input roots
-    upload: bytes | None = None  # or the audio itself
+    url: str | None = None  # an http(s) URL under the input URL prefixes
+    upload: bytes | None = None  # the audio itself
+
+    def __post_init__(self) -> None:
+        if sum(source is not None for source in (self.path, self.url, self.upload)) != 1:
+            raise JobInputError(f"{self.audio}: an item needs exactly one of a path, a URL or uploaded audio")
 
 
 @dataclass(frozen=True)
@@ -223,6 +231,8 @@ class JobStore:
                 upload_key = UPLOAD_KEY.format(job_id=job_id, index=index)
                 pipe.set(upload_key, item.upload, ex=self.input_ttl_s)
                 record["upload"] = upload_key
+            elif item.url is not None:
+                record["url"] = item.url
             else:
                 record["path"] = item.path
             inputs[index] = json.dumps(record)

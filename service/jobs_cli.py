@@ -1,4 +1,4 @@
-"""`batchasr worker` (a job consumer for scale-out) and `batchasr submit` (a bulk job from files)."""
+"""`batchasr worker` (a job consumer for scale-out) and `batchasr submit` (a bulk job from files or URLs)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -56,18 +56,43 @@ async def run_worker(settings: Settings, metrics_port: int | None) -> int:
 # --- submit -------------------------------------------------------------------------------------------------
 
 
-def collect_audio(paths: list[str]) -> list[Path]:
-    """Files as given, and audio files found under directories (sorted, recursively)."""
-    found: list[Path] = []
+Input = Path | str  # a local file, or an http(s) URL the workers fetch
+
+
+def is_url(text: str) -> bool:
+    return text.startswith(("http://", "https://"))
+
+
+def collect_audio(paths: list[str], url_lists: Sequence[str] = ()) -> list[Input]:
+    """Files as given, audio files found under directories (sorted, recursively), URLs as given, and the URLs
+    listed one a line in each of ``url_lists`` (``-``: standard input; blank lines and ``#`` comments skipped)."""
+    found: list[Input] = []
     for raw in paths:
         path = Path(raw)
-        if path.is_dir():
+        if is_url(raw):
+            found.append(raw)
+        elif path.is_dir():
             found += sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in AUDIO_SUFFIXES)
         elif path.is_file():
             found.append(path)
         else:
             raise FileNotFoundError(f"{raw}: no such file or directory")
+    for listing in url_lists:
+        text = sys.stdin.read() if listing == "-" else Path(listing).read_text(encoding="utf-8")
+        for number, line in enumerate(text.splitlines(), start=1):
+            line = line.strip()
+            if line and not line.startswith("#"):
+                if not is_url(line):
+                    raise ValueError(f"{listing}:{number}: not an http(s) URL: {line[:200]}")
+                found.append(line)
     return found
+
+
+def item_input(source: Input) -> ItemInput:
+    """A job item for a local file (its bytes, uploaded) or a URL (fetched by the worker)."""
+    if isinstance(source, str):
+        return ItemInput(audio=source, url=source)
+    return ItemInput(audio=str(source), upload=source.read_bytes())
 
 
 class Progress:
@@ -95,10 +120,20 @@ class _ServerClient:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, timeout=300)
 
-    async def submit(self, files: list[Path], idempotency_key: str | None) -> dict[str, Any]:
-        parts = [("files", (p.name, p.read_bytes(), "application/octet-stream")) for p in files]
+    async def submit(self, inputs: list[Input], idempotency_key: str | None) -> dict[str, Any]:
+        """Files as multipart uploads; URLs as a JSON job (the server fetches them)."""
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
-        response = await self.http.post("/v1/jobs", files=parts, headers=headers)
+        urls = [source for source in inputs if isinstance(source, str)]
+        if urls and len(urls) < len(inputs):
+            raise ValueError("through --server, submit URLs and local files as separate jobs")
+        if urls:
+            response = await self.http.post("/v1/jobs", json={"items": [{"url": url} for url in urls]},
+                                            headers=headers)
+        else:
+            parts = [("files", (p.name, p.read_bytes(), "application/octet-stream")) for p in inputs]
+            response = await self.http.post("/v1/jobs", files=parts, headers=headers)
+        if response.is_client_error:  # the server's reason (a URL it does not take, ...), not just the status
+            raise ValueError(f"the server refused the job: {response.json()['error']['message']}")
         response.raise_for_status()
         return response.json()
 
@@ -120,9 +155,8 @@ class _RedisClient:
     def __init__(self, url: str):
         self.store = JobStore.from_url(url)
 
-    async def submit(self, files: list[Path], idempotency_key: str | None) -> dict[str, Any]:
-        items = [ItemInput(audio=str(p), upload=p.read_bytes()) for p in files]
-        job, _ = await self.store.submit(items, idempotency_key)
+    async def submit(self, inputs: list[Input], idempotency_key: str | None) -> dict[str, Any]:
+        job, _ = await self.store.submit([item_input(source) for source in inputs], idempotency_key)
         return job.to_dict()
 
     async def get(self, job_id: str) -> dict[str, Any]:
@@ -135,12 +169,12 @@ class _RedisClient:
         await self.store.close()
 
 
-async def run_submit(files: list[Path], redis_url: str | None, server: str | None, api_key: str | None, wait: bool,
+async def run_submit(inputs: list[Input], redis_url: str | None, server: str | None, api_key: str | None, wait: bool,
                      output: TextIO, idempotency_key: str | None = None, poll_s: float = 1.0,
                      progress: Callable[[], Progress] = Progress) -> int:
     client = _ServerClient(server, api_key) if server else _RedisClient(redis_url or "")
     try:
-        job = await client.submit(files, idempotency_key)
+        job = await client.submit(inputs, idempotency_key)
         print(f"job {job['id']}: {job['total_items']} items", file=sys.stderr)
         if not wait:
             output.write(json.dumps(job) + "\n")
@@ -152,12 +186,15 @@ async def run_submit(files: list[Path], redis_url: str | None, server: str | Non
             job = await client.get(job["id"])
         bar.update(job)
         bar.close()
-        for path, record in zip(files, await client.results(job["id"]), strict=True):
-            output.write(json.dumps({**record, "audio": str(path)}, ensure_ascii=False) + "\n")
+        for source, record in zip(inputs, await client.results(job["id"]), strict=True):
+            output.write(json.dumps({**record, "audio": str(source)}, ensure_ascii=False) + "\n")
         print(f"job {job['id']}: {job['status']}, RTFx {job['rtfx']}", file=sys.stderr)
         return 0 if job["status"] == "completed" else 1
     except (httpx.HTTPError, *REDIS_ERRORS) as exc:
         print(f"error: cannot reach {'the server' if server else 'Redis'}: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:  # a job the server or the store refused, with the reason
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     finally:
         await client.close()

@@ -19,6 +19,7 @@ from .job_worker import ConsumerOptions, JobConsumer, JobMetrics, default_consum
 from .jobs import JobStore
 from .metrics import Metrics
 from .transcriber import Transcriber
+from .url_inputs import UrlFetcher
 from .webhooks import WebhookSender
 
 if TYPE_CHECKING:  # a front end's stack needs neither (nor torch, which they import)
@@ -99,7 +100,8 @@ def make_consumer(s: Settings, jobs: JobStore, transcriber: Transcriber, limits:
     options = ConsumerOptions(name=name, prefetch=prefetch, visibility_timeout_s=s.job_visibility_timeout_s,
                               max_attempts=s.job_max_attempts)
     webhooks = WebhookSender(s.webhook_secret) if s.webhook_secret else None
-    return JobConsumer(jobs, transcriber, limits, s.input_roots, metrics, options, decode_pool, webhooks)
+    urls = UrlFetcher(s.input_url_prefixes, s.max_upload_bytes, s.job_url_timeout_s) if s.input_url_prefixes else None
+    return JobConsumer(jobs, transcriber, limits, s.input_roots, metrics, options, decode_pool, webhooks, urls)
 
 
 def _job_store(s: Settings) -> JobStore | None:

@@ -13,17 +13,19 @@ import subprocess
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, HTTPServer
+from http.server import BaseHTTPRequestHandler, HTTPServer, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
 import pytest
 
 from models import load_model
+from service import url_inputs
 from service.batcher import POOL_FACTOR
 from service.config import Settings
-from service.jobs import DEAD_LETTER_STREAM, GROUP, ITEM_STREAM, RESULTS_KEY, ItemInput, JobStore
+from service.jobs import DEAD_LETTER_STREAM, GROUP, ITEM_STREAM, RESULTS_KEY, ItemInput, JobInputError, JobStore
 from service.runtime import build_stack
+from service.url_inputs import check_input_url
 from tests.redis_server import RedisServer
 from tests.servers import free_port, run_server
 
@@ -458,3 +460,166 @@ def test_completion_webhook_is_signed(redis_server, model, parity_audio):
     expected_sig = base64.b64encode(hmac.new(secret_raw, signed, hashlib.sha256).digest()).decode()
     assert headers["webhook-signature"] == f"v1,{expected_sig}"
     assert abs(int(headers["webhook-timestamp"]) - time.time()) < 60
+
+
+# --- URL inputs ----------------------------------------------------------------------------------------------------
+
+
+class AudioSite:
+    """A real HTTP server with the parity clips under /clips/, and the ways a media host misbehaves: /clips/flaky/
+    answers 503 twice per clip first, /clips/moved/ redirects back into /clips/, /clips/away redirects off the
+    allowed prefix, /clips/huge streams more than the upload limit without saying its length, and /private/
+    holds a clip outside the prefix."""
+
+    def __init__(self, parity_audio: list[str], huge_bytes: int):
+        self.clips = {Path(p).name: Path(p).read_bytes() for p in parity_audio}
+        self.requests: dict[str, int] = {}
+        site = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self):
+                site.requests[self.path] = site.requests.get(self.path, 0) + 1
+                name = self.path.rsplit("/", 1)[-1]
+                if self.path.startswith("/clips/flaky/") and site.requests[self.path] <= 2:
+                    self._send(503, b"busy")
+                elif self.path.startswith("/clips/moved/"):
+                    self._redirect(f"/clips/{name}")
+                elif self.path == "/clips/away":
+                    self._redirect(f"http://127.0.0.1:{site.port}/private/{next(iter(site.clips))}")
+                elif self.path == "/clips/huge":
+                    self.send_response(200)
+                    self.send_header("Transfer-Encoding", "chunked")
+                    self.end_headers()
+                    chunk = b"\0" * 65536
+                    for _ in range(huge_bytes // len(chunk) + 1):
+                        self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                    self.wfile.write(b"0\r\n\r\n")
+                elif self.path.startswith(("/clips/", "/private/")) and name in site.clips:
+                    self._send(200, site.clips[name])
+                else:
+                    self._send(404, b"no such clip")
+
+            def _send(self, status: int, body: bytes) -> None:
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def _redirect(self, location: str) -> None:
+                self.send_response(302)
+                self.send_header("Location", location)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_which_urls_a_server_takes():
+    prefixes = ["https://bucket.example.com/audio/", "http://127.0.0.1:8900/clips"]
+    taken = ["https://bucket.example.com/audio/a.wav", "https://BUCKET.example.com:443/audio/x/y.flac?sig=1",
+             "http://127.0.0.1:8900/clips/a.wav", "http://127.0.0.1:8900/clips",
+             "https://bucket.example.com/audio/%252e%252e/x"]  # the server reads a directory named "%2e%2e"
+    refused = ["https://bucket.example.com/audio/../secret", "https://bucket.example.com/audio/%2e%2e/secret",
+               "https://bucket.example.com.evil.com/audio/a.wav", "http://bucket.example.com/audio/a.wav",
+               "https://bucket.example.com:8443/audio/a.wav", "http://127.0.0.1:8900/clipsX/a.wav",
+               "file:///etc/passwd", "ftp://bucket.example.com/audio/a", "not a url"]
+    for url in taken:
+        check_input_url(url, prefixes)
+    for url in refused:
+        with pytest.raises(JobInputError):
+            check_input_url(url, prefixes)
+    with pytest.raises(JobInputError, match="BATCHASR_INPUT_URL_PREFIXES"):
+        check_input_url(taken[0], [])
+
+
+def test_url_items_are_fetched_and_each_failure_fails_only_its_item(redis_server, model, parity_audio, expected,
+                                                                      monkeypatch):
+    monkeypatch.setattr(url_inputs, "RETRY_DELAYS_S", (0.05, 0.1, 0.2))
+    limit = 2 * 1024 * 1024
+    site = AudioSite(parity_audio, limit)
+    dead = f"http://127.0.0.1:{free_port()}/"  # nothing listens there
+    names = sorted(site.clips)
+    settings = Settings(redis_url=redis_server.url, input_url_prefixes=[f"{site.url}/clips/", dead],
+                        max_upload_bytes=limit)
+    items = {f"{site.url}/clips/{names[0]}": "completed", f"{site.url}/clips/moved/{names[1]}": "completed",
+             f"{site.url}/clips/flaky/{names[2]}": "completed", f"{site.url}/clips/missing.wav": "HTTP 404",
+             f"{site.url}/clips/huge": "upload limit", f"{site.url}/clips/away": "not under",
+             f"{dead}a.wav": "ConnectError"}
+    try:
+        with run_server(settings, model) as running:
+            submitted = httpx.post(f"{running.url}/v1/jobs", json={"items": [{"url": u} for u in items]}, timeout=30)
+            assert submitted.status_code == 202, submitted.text
+            job_id = submitted.json()["id"]
+            _wait_for(lambda: httpx.get(f"{running.url}/v1/jobs/{job_id}").json()["finished_at"] is not None, 60,
+                      "the URL job did not finish")
+            job = httpx.get(f"{running.url}/v1/jobs/{job_id}").json()
+            results = httpx.get(f"{running.url}/v1/jobs/{job_id}/results").text
+            lines = [json.loads(line) for line in results.splitlines()]
+    finally:
+        site.close()
+    assert job["status"] == "completed_with_errors" and job["counts"]["failed"] == 4
+    for (url, outcome), line in zip(items.items(), lines, strict=True):
+        assert line["audio"] == url
+        if outcome == "completed":
+            assert line["status"] == "completed" and line["text"] == expected[url.rsplit("/", 1)[-1]]
+        else:
+            assert line["status"] == "failed" and outcome in line["error"], (url, line["error"])
+    assert site.requests[f"/clips/flaky/{names[2]}"] == 3  # two 503s, then the clip
+    assert "(4 tries)" in lines[-1]["error"]  # refused connections are tried again, then given up
+    assert not any(path.startswith("/private/") for path in site.requests)  # the redirect off the prefix: not taken
+
+
+def test_url_items_are_checked_when_submitted(redis_server, model):
+    with run_server(Settings(redis_url=redis_server.url, input_url_prefixes=["http://media.example/clips/"]),
+                    model) as running:
+        def submit(*items):
+            return httpx.post(f"{running.url}/v1/jobs", json={"items": list(items)}, timeout=30)
+
+        outside = submit({"url": "http://media.example/clips/a.wav"}, {"url": "http://media.example/private/b.wav"})
+        assert outside.status_code == 400 and "not under" in outside.json()["error"]["message"]
+        for bad in ({}, {"url": "http://media.example/clips/a.wav", "path": "/tmp/a.wav"}):
+            refused = submit(bad)
+            assert refused.status_code == 400 and "either a `path` or a `url`" in refused.json()["error"]["message"]
+        assert submit({"url": "file:///etc/passwd"}).status_code == 400
+    with run_server(Settings(redis_url=redis_server.url), model) as running:
+        disabled = httpx.post(f"{running.url}/v1/jobs", json={"items": [{"url": "http://media.example/a.wav"}]})
+        assert disabled.status_code == 400 and "BATCHASR_INPUT_URL_PREFIXES" in disabled.json()["error"]["message"]
+
+
+def test_submit_cli_takes_a_list_of_urls(redis_server, model, parity_audio, expected, tmp_path):
+    site = AudioSite(parity_audio, 1 << 20)
+    urls = [f"{site.url}/clips/{name}" for name in sorted(site.clips)[:3]]
+    listing = tmp_path / "urls.txt"
+    listing.write_text("# three clips\n" + "\n".join(urls) + "\n\n")
+    settings = Settings(redis_url=redis_server.url, input_url_prefixes=[f"{site.url}/clips/"])
+    try:
+        with run_server(settings, model) as running:
+            def submit(*args):
+                return subprocess.run([sys.executable, "-m", "service.cli", "submit", *args], capture_output=True,
+                                      text=True, timeout=120)
+
+            for target in (["--server", running.url], ["--redis-url", redis_server.url]):
+                out = tmp_path / "results.jsonl"
+                result = submit(*target, "--wait", "--output", str(out), "--url-list", str(listing))
+                assert result.returncode == 0, result.stderr
+                lines = [json.loads(line) for line in out.read_text().splitlines()]
+                assert [r["audio"] for r in lines] == urls
+                assert [r["text"] for r in lines] == [expected[u.rsplit("/", 1)[-1]] for u in urls]
+            mixed = submit("--server", running.url, urls[0], parity_audio[0])
+            assert mixed.returncode == 2 and "separate jobs" in mixed.stderr
+            refused = submit("--server", running.url, f"{site.url}/private/a.wav")
+            assert refused.returncode == 2 and "not under" in refused.stderr
+    finally:
+        site.close()

@@ -1,0 +1,121 @@
+"""Job items given as http(s) URLs: which URLs a server takes, and fetching them in a job consumer.
+
+A server fetches only under the URL prefixes it is configured with (``BATCHASR_INPUT_URL_PREFIXES``): none, no
+URL inputs. Otherwise a job could make it fetch from anywhere its network reaches (its own metadata service,
+say). A prefix names a scheme, host, port and path; a URL is under it when all four match, its path compared
+after dot segments are resolved (percent-encoded ones too), and every redirect is checked the same way.
+
+A fetch that fails for a reason that may pass (the connection, a timeout, HTTP 5xx, 408, 425 or 429) is tried
+again after a pause; other failures (HTTP 4xx, too large, outside the prefixes) fail the item at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import posixpath
+
+import httpx
+
+from .jobs import JobInputError
+
+DEFAULT_PORTS = {"http": 80, "https": 443}
+RETRY_DELAYS_S = (1.0, 3.0, 9.0)  # pauses before the 2nd, 3rd and 4th tries of a fetch that may succeed later
+RETRYABLE_STATUS = {408, 425, 429}
+MAX_REDIRECTS = 5
+CHUNK_BYTES = 1 << 20
+
+
+class _MayPass(Exception):
+    """A fetch failure worth another try."""
+
+
+def _parts(url: str) -> tuple[str, str, int, str]:
+    """(scheme, host, port, path with dot segments resolved) of an http(s) URL; JobInputError otherwise."""
+    try:
+        parsed = httpx.URL(url)
+        scheme, host = parsed.scheme, parsed.host.lower()
+        path = parsed.path  # percent-decoded once, as the server reads it
+    except (httpx.InvalidURL, ValueError) as exc:
+        raise JobInputError(f"{url}: not a valid URL ({exc})") from exc
+    if scheme not in DEFAULT_PORTS or not host:
+        raise JobInputError(f"{url}: only http and https URLs are taken")
+    resolved = posixpath.normpath(path) if path not in ("", "/") else "/"
+    if path.endswith("/") and not resolved.endswith("/"):
+        resolved += "/"
+    return scheme, host, parsed.port or DEFAULT_PORTS[scheme], resolved
+
+
+def check_input_url(url: str, prefixes: list[str]) -> None:
+    """Refuse (JobInputError) a URL that is not http(s) or not under one of ``prefixes``."""
+    if not prefixes:
+        raise JobInputError("URL inputs are disabled: the server has no input URL prefixes "
+                            "(BATCHASR_INPUT_URL_PREFIXES)")
+    scheme, host, port, path = _parts(url)
+    for prefix in prefixes:
+        p_scheme, p_host, p_port, p_path = _parts(prefix)
+        directory = p_path if p_path.endswith("/") else p_path + "/"
+        if (scheme, host, port) == (p_scheme, p_host, p_port) and (path == p_path or path.startswith(directory)):
+            return
+    raise JobInputError(f"{url}: not under the server's input URL prefixes; refused")
+
+
+class UrlFetcher:
+    """Fetches job audio by URL for one consumer, over one connection pool. ``close`` when done."""
+
+    def __init__(self, prefixes: list[str], max_bytes: int, timeout_s: float = 60.0,
+                 retry_delays_s: tuple[float, ...] | None = None):
+        self.prefixes = prefixes
+        self.max_bytes = max_bytes
+        self.retry_delays_s = RETRY_DELAYS_S if retry_delays_s is None else retry_delays_s
+        # redirects are followed here, each one checked against the prefixes
+        self._client = httpx.AsyncClient(timeout=timeout_s, follow_redirects=False)
+
+    async def fetch(self, url: str) -> bytes:
+        """The body at ``url``; JobInputError (the item fails) when it cannot be had."""
+        check_input_url(url, self.prefixes)  # again here: items written to Redis directly skip the API's check
+        failure: _MayPass | None = None
+        for delay in (0.0, *self.retry_delays_s):
+            await asyncio.sleep(delay)
+            try:
+                return await self._get(url)
+            except _MayPass as exc:
+                failure = exc
+        tries = 1 + len(self.retry_delays_s)
+        raise JobInputError(f"{url}: {failure} ({tries} tries)")
+
+    async def _get(self, url: str) -> bytes:
+        for _ in range(MAX_REDIRECTS + 1):
+            try:
+                async with self._client.stream("GET", url) as response:
+                    if response.is_redirect:
+                        target = str(response.url.join(response.headers["location"]))
+                        check_input_url(target, self.prefixes)
+                        url = target
+                        continue
+                    self._check_status(url, response)
+                    return await self._read(url, response)
+            except httpx.TransportError as exc:  # refused, reset, timed out, DNS
+                raise _MayPass(f"{type(exc).__name__}: {exc or 'no detail'}") from exc
+        raise JobInputError(f"{url}: more than {MAX_REDIRECTS} redirects")
+
+    @staticmethod
+    def _check_status(url: str, response: httpx.Response) -> None:
+        status = response.status_code
+        if status >= 500 or status in RETRYABLE_STATUS:
+            raise _MayPass(f"HTTP {status} {response.reason_phrase}")
+        if status != 200:
+            raise JobInputError(f"{url}: HTTP {status} {response.reason_phrase}")
+
+    async def _read(self, url: str, response: httpx.Response) -> bytes:
+        declared = response.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            raise JobInputError(f"{url}: {declared} bytes exceeds the upload limit of {self.max_bytes} bytes")
+        body = bytearray()
+        async for chunk in response.aiter_bytes(CHUNK_BYTES):
+            body += chunk
+            if len(body) > self.max_bytes:
+                raise JobInputError(f"{url}: more than the upload limit of {self.max_bytes} bytes")
+        return bytes(body)
+
+    async def close(self) -> None:
+        await self._client.aclose()
