@@ -14,15 +14,18 @@ from __future__ import annotations
 import asyncio
 import posixpath
 
-import httpx
+import aiohttp
+from yarl import URL
 
 from .jobs import JobInputError
 
-DEFAULT_PORTS = {"http": 80, "https": 443}
+SCHEMES = ("http", "https")
 RETRY_DELAYS_S = (1.0, 3.0, 9.0)  # pauses before the 2nd, 3rd and 4th tries of a fetch that may succeed later
 RETRYABLE_STATUS = {408, 425, 429}
+REDIRECT_STATUS = {301, 302, 303, 307, 308}
 MAX_REDIRECTS = 5
 CHUNK_BYTES = 1 << 20
+CONNECTIONS = 64  # to the media hosts, per consumer
 
 
 class _MayPass(Exception):
@@ -30,19 +33,17 @@ class _MayPass(Exception):
 
 
 def _parts(url: str) -> tuple[str, str, int, str]:
-    """(scheme, host, port, path with dot segments resolved) of an http(s) URL; JobInputError otherwise."""
+    """(scheme, host, port, path) of an http(s) URL as it will be requested: the path percent-decoded once and
+    its dot segments resolved. JobInputError for anything else."""
     try:
-        parsed = httpx.URL(url)
-        scheme, host = parsed.scheme, parsed.host.lower()
-        path = parsed.path  # percent-decoded once, as the server reads it
-    except (httpx.InvalidURL, ValueError) as exc:
+        parsed = URL(url)
+    except (TypeError, ValueError) as exc:
         raise JobInputError(f"{url}: not a valid URL ({exc})") from exc
-    if scheme not in DEFAULT_PORTS or not host:
+    if parsed.scheme not in SCHEMES or not parsed.host or parsed.port is None:
         raise JobInputError(f"{url}: only http and https URLs are taken")
-    resolved = posixpath.normpath(path) if path not in ("", "/") else "/"
-    if path.endswith("/") and not resolved.endswith("/"):
-        resolved += "/"
-    return scheme, host, parsed.port or DEFAULT_PORTS[scheme], resolved
+    path = parsed.path or "/"
+    resolved = posixpath.normpath(path) + ("/" if path.endswith("/") and path != "/" else "")
+    return parsed.scheme, parsed.host.lower(), parsed.port, resolved.replace("//", "/")
 
 
 def check_input_url(url: str, prefixes: list[str]) -> None:
@@ -60,15 +61,18 @@ def check_input_url(url: str, prefixes: list[str]) -> None:
 
 
 class UrlFetcher:
-    """Fetches job audio by URL for one consumer, over one connection pool. ``close`` when done."""
+    """Fetches job audio by URL for one consumer, over one connection pool (aiohttp: a tenth of the event loop's
+    CPU per fetch that httpx takes, docs/benchmarks.md). ``close`` when done."""
 
     def __init__(self, prefixes: list[str], max_bytes: int, timeout_s: float = 60.0,
                  retry_delays_s: tuple[float, ...] | None = None):
         self.prefixes = prefixes
         self.max_bytes = max_bytes
         self.retry_delays_s = RETRY_DELAYS_S if retry_delays_s is None else retry_delays_s
-        # redirects are followed here, each one checked against the prefixes
-        self._client = httpx.AsyncClient(timeout=timeout_s, follow_redirects=False)
+        # no limit on the whole fetch (a long file takes long), only on connecting and on each read; a fetch
+        # waits as long as it takes for one of the pool's connections: the items in flight bound how many wait
+        self._timeout = aiohttp.ClientTimeout(total=None, connect=timeout_s, sock_read=timeout_s)
+        self._session: aiohttp.ClientSession | None = None  # made on the event loop, at the first fetch
 
     async def fetch(self, url: str) -> bytes:
         """The body at ``url``; JobInputError (the item fails) when it cannot be had."""
@@ -84,38 +88,44 @@ class UrlFetcher:
         raise JobInputError(f"{url}: {failure} ({tries} tries)")
 
     async def _get(self, url: str) -> bytes:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=CONNECTIONS),
+                                                  timeout=self._timeout)
         for _ in range(MAX_REDIRECTS + 1):
             try:
-                async with self._client.stream("GET", url) as response:
-                    if response.is_redirect:
-                        target = str(response.url.join(response.headers["location"]))
-                        check_input_url(target, self.prefixes)
-                        url = target
+                # redirects are followed here, each one checked against the prefixes
+                async with self._session.get(url, allow_redirects=False) as response:
+                    if response.status in REDIRECT_STATUS and "Location" in response.headers:
+                        url = str(response.url.join(URL(response.headers["Location"])))
+                        check_input_url(url, self.prefixes)
                         continue
                     self._check_status(url, response)
                     return await self._read(url, response)
-            except httpx.TransportError as exc:  # refused, reset, timed out, DNS
+            except (aiohttp.ClientError, TimeoutError) as exc:  # refused, reset, timed out, DNS
                 raise _MayPass(f"{type(exc).__name__}: {exc or 'no detail'}") from exc
         raise JobInputError(f"{url}: more than {MAX_REDIRECTS} redirects")
 
     @staticmethod
-    def _check_status(url: str, response: httpx.Response) -> None:
-        status = response.status_code
+    def _check_status(url: str, response: aiohttp.ClientResponse) -> None:
+        status = response.status
         if status >= 500 or status in RETRYABLE_STATUS:
-            raise _MayPass(f"HTTP {status} {response.reason_phrase}")
+            raise _MayPass(f"HTTP {status} {response.reason}")
         if status != 200:
-            raise JobInputError(f"{url}: HTTP {status} {response.reason_phrase}")
+            raise JobInputError(f"{url}: HTTP {status} {response.reason}")
 
-    async def _read(self, url: str, response: httpx.Response) -> bytes:
-        declared = response.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > self.max_bytes:
+    async def _read(self, url: str, response: aiohttp.ClientResponse) -> bytes:
+        declared = response.content_length
+        if declared is not None and declared > self.max_bytes:
             raise JobInputError(f"{url}: {declared} bytes exceeds the upload limit of {self.max_bytes} bytes")
+        if declared is not None and "Content-Encoding" not in response.headers:
+            return await response.read()  # its length is known and allowed: one buffer, no copies
         body = bytearray()
-        async for chunk in response.aiter_bytes(CHUNK_BYTES):
+        async for chunk in response.content.iter_chunked(CHUNK_BYTES):
             body += chunk
             if len(body) > self.max_bytes:
                 raise JobInputError(f"{url}: more than the upload limit of {self.max_bytes} bytes")
         return bytes(body)
 
     async def close(self) -> None:
-        await self._client.aclose()
+        if self._session is not None:
+            await self._session.close()

@@ -73,3 +73,11 @@ def test_gil_share_runs_and_reports_each_setting():
     assert lines[0].startswith("event loop idle:")
     assert [line.split(":")[0] for line in lines[1:]] == ["event loop busy  50%, switch interval 5 ms",
                                                           "event loop busy  50%, switch interval 1 ms"]
+
+
+def test_url_fetch_cost_reports_each_client(parity_dir, capsys):
+    script = load_script(REPO / "loadtest" / "url_fetch_cost.py")
+    script.main(["--audio-dir", str(parity_dir / "audio"), "--fetches", "60", "--concurrency", "8"])
+    reports = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["client"] for r in reports] == ["UrlFetcher (aiohttp)", "httpx"]
+    assert all(r["fetches"] == 60 and r["mean_kb"] > 10 and r["loop_cpu_ms_per_fetch"] > 0 for r in reports)

@@ -556,7 +556,7 @@ def test_url_items_are_fetched_and_each_failure_fails_only_its_item(redis_server
     items = {f"{site.url}/clips/{names[0]}": "completed", f"{site.url}/clips/moved/{names[1]}": "completed",
              f"{site.url}/clips/flaky/{names[2]}": "completed", f"{site.url}/clips/missing.wav": "HTTP 404",
              f"{site.url}/clips/huge": "upload limit", f"{site.url}/clips/away": "not under",
-             f"{dead}a.wav": "ConnectError"}
+             f"{dead}a.wav": "ClientConnectorError"}
     try:
         with run_server(settings, model) as running:
             submitted = httpx.post(f"{running.url}/v1/jobs", json={"items": [{"url": u} for u in items]}, timeout=30)
