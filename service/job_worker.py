@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import socket
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Protocol
 
 from .audio import AudioLimits, AudioRequestError, decode_audio
+from .audio_budget import AudioBudget, AudioClaim
 from .batcher import Priority, QueueFull
 from .formats import to_record
 from .jobs import GROUP, ITEM_STREAM, REDIS_ERRORS, JobInputError, JobStore, item_record, resolve_input_path
@@ -58,6 +60,9 @@ class ConsumerOptions:
     visibility_timeout_s: float = 300.0  # a delivery unacknowledged this long is reclaimed
     max_attempts: int = 3
     reclaim_interval_s: float = 5.0
+    max_audio_s: float = math.inf  # decoded job audio held at once (service.audio_budget)
+    first_item_s: float = 30.0  # the length items are expected to have until some are seen
+    max_reading: int = 64  # items fetched and decoded at once
 
 
 class JobConsumer:
@@ -74,6 +79,7 @@ class JobConsumer:
         self.decode_pool = decode_pool
         self.webhooks = webhooks
         self._in_flight: set[asyncio.Task] = set()
+        self.audio = AudioBudget(options.max_audio_s, options.first_item_s, options.max_reading)
         self._background: set[asyncio.Task] = set()  # webhook deliveries
         self._last_reclaim = 0.0
         self.connected = False
@@ -113,7 +119,7 @@ class JobConsumer:
         """Start what fits in the prefetch window; returns how many items were started."""
         await self.store.ensure_group()
         self.connected = True
-        room = self.options.prefetch - len(self._in_flight)
+        room = self.audio.room(self.options.prefetch - len(self._in_flight))
         messages: list[tuple[bytes, dict]] = []
         loop = asyncio.get_running_loop()
         if room > 0 and loop.time() - self._last_reclaim >= self.options.reclaim_interval_s:
@@ -129,9 +135,9 @@ class JobConsumer:
             for _, entries in reply or []:
                 messages += entries
         elif self._in_flight:
-            await asyncio.wait(self._in_flight, return_when=asyncio.FIRST_COMPLETED)
+            await self.audio.changed()  # an item was read or finished: there may be room now
         for message_id, fields in messages:
-            task = asyncio.create_task(self._handle(message_id, fields))
+            task = asyncio.create_task(self._handle(message_id, fields, self.audio.claim()))
             self._in_flight.add(task)
             task.add_done_callback(self._in_flight.discard)
         self.metrics.observe_job_stream_lag(await self.store.stream_lag())
@@ -155,20 +161,23 @@ class JobConsumer:
 
     # --- one item --------------------------------------------------------------------------------------
 
-    async def _handle(self, message_id: bytes, fields: dict) -> None:
+    async def _handle(self, message_id: bytes, fields: dict, share: AudioClaim) -> None:
         try:
             job_id, index = fields[b"job"].decode(), int(fields[b"index"])
         except (KeyError, ValueError, UnicodeDecodeError):  # not ours (another writer, another version)
+            share.release()
             await self._discard(message_id, fields)
             return
         try:
-            await self._process(job_id, index)
+            await self._process(job_id, index, share)
             await self.store.redis.xack(ITEM_STREAM, GROUP, message_id)
         except REDIS_ERRORS as exc:  # unacknowledged: it comes back after the visibility timeout
             log.warning("redis error on %s/%d (%s); it will be retried", job_id, index, exc)
         except Exception as exc:  # likewise retried, until max_attempts
             log.exception("item %s/%d failed; it will be retried", job_id, index)
             await self.store.record_error(job_id, index, f"{type(exc).__name__}: {exc}")
+        finally:
+            share.release()
 
     async def _discard(self, message_id: bytes, fields: dict) -> None:
         """A stream entry that names no job item: dead-letter and acknowledge it once, rather than fail it
@@ -181,7 +190,8 @@ class JobConsumer:
         except REDIS_ERRORS as exc:
             log.warning("redis error discarding %s (%s); it will come back", message_id.decode(), exc)
 
-    async def _process(self, job_id: str, index: int) -> None:
+    async def _process(self, job_id: str, index: int, share: AudioClaim) -> None:
+        """``share``: the item's part of the consumer's audio budget, told its length once decoded."""
         start = await self.store.start_item(job_id, index)
         if start.state != "in_progress":
             return  # finished, cancelled or expired meanwhile: just acknowledge
@@ -196,6 +206,7 @@ class JobConsumer:
         except (AudioRequestError, JobInputError, OSError) as exc:
             await self._fail(job_id, index, audio, str(exc))
             return
+        share.decoded(len(waveform) / self.limits.sample_rate)
         while True:
             try:
                 result = await self.transcriber.transcribe(waveform, Priority.BULK)

@@ -95,10 +95,16 @@ class FrontendStack:
             await self.jobs.close()
 
 
+READING_SHARE = 16  # a consumer reads (fetches, decodes) this fraction of its items in flight at once
+
+
 def make_consumer(s: Settings, jobs: JobStore, transcriber: Transcriber, limits: AudioLimits, metrics: JobMetrics,
                   decode_pool: ThreadPoolExecutor, name: str, prefetch: int) -> JobConsumer:
+    # the items in flight hold at most the audio of as many segments; a sixteenth of them are read at once
+    # (service.audio_budget)
     options = ConsumerOptions(name=name, prefetch=prefetch, visibility_timeout_s=s.job_visibility_timeout_s,
-                              max_attempts=s.job_max_attempts)
+                              max_attempts=s.job_max_attempts, max_audio_s=prefetch * s.max_segment_s,
+                              first_item_s=s.max_segment_s, max_reading=max(1, prefetch // READING_SHARE))
     webhooks = WebhookSender(s.webhook_secret) if s.webhook_secret else None
     urls = UrlFetcher(s.input_url_prefixes, s.max_upload_bytes, s.job_url_timeout_s) if s.input_url_prefixes else None
     return JobConsumer(jobs, transcriber, limits, s.input_roots, metrics, options, decode_pool, webhooks, urls)

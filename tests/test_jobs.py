@@ -6,6 +6,7 @@ import asyncio
 import base64
 import hashlib
 import hmac
+import io
 import json
 import os
 import signal
@@ -18,14 +19,16 @@ from pathlib import Path
 
 import httpx
 import pytest
+import soundfile as sf
 
 from models import load_model
 from service import url_inputs
 from service.batcher import POOL_FACTOR
 from service.config import Settings
 from service.jobs import DEAD_LETTER_STREAM, GROUP, ITEM_STREAM, RESULTS_KEY, ItemInput, JobInputError, JobStore
-from service.runtime import build_stack
+from service.runtime import READING_SHARE, build_stack
 from service.url_inputs import check_input_url
+from tests.conftest import long_recording
 from tests.redis_server import RedisServer
 from tests.servers import free_port, run_server
 
@@ -228,7 +231,8 @@ def test_more_items_in_flight_than_redis_connections_wait_for_one(redis_server, 
     """Commands past the pool's size wait for a free connection: none fails as if Redis were gone, which would
     leave its item unacknowledged until the visibility timeout."""
     items = _uploads(parity_audio, 40)
-    settings = Settings(redis_url=redis_server.url, job_prefetch=40, job_visibility_timeout_s=600)
+    # a consumer reads a sixteenth of its items in flight at once: all 40 start together
+    settings = Settings(redis_url=redis_server.url, job_prefetch=40 * READING_SHARE, job_visibility_timeout_s=600)
 
     async def run() -> str:
         stack = build_stack(settings, model)
@@ -244,6 +248,47 @@ def test_more_items_in_flight_than_redis_connections_wait_for_one(redis_server, 
 
     job_id = asyncio.run(run())
     _check_results(asyncio.run(JobStore.from_url(redis_server.url).results(job_id)), items, expected)
+
+
+def test_a_worker_holds_the_audio_of_its_items_in_flight_within_its_budget(redis_server, model, parity_audio):
+    """Long recordings: a worker keeping 8 items in flight of 5 s segments holds at most 40 s of audio, so one
+    30 s recording at a time, and each is transcribed."""
+    recording, _ = long_recording(parity_audio, 30)
+    buffer = io.BytesIO()
+    sf.write(buffer, recording, 16000, format="FLAC")
+    items = [ItemInput(audio=f"long{i}.flac", upload=buffer.getvalue()) for i in range(5)]
+    settings = Settings(redis_url=redis_server.url, job_prefetch=8, max_segment_s=5, max_wait_ms=300, max_batch_size=64)
+    held: list[float] = []
+
+    async def run() -> str:
+        stack = build_stack(settings, model)
+        assert await asyncio.to_thread(stack.engine.wait_ready, 30)
+        consumer = stack.make_consumer()
+
+        async def watch() -> None:
+            while True:
+                held.append(consumer.audio.held_s)
+                await asyncio.sleep(0.002)
+
+        watcher = asyncio.create_task(watch())
+        stop = asyncio.Event()
+        consuming = asyncio.create_task(consumer.run(stop))  # as a worker runs: items overlap (drain goes in rounds)
+        try:
+            job, _ = await stack.jobs.submit(items)
+            while not (await stack.jobs.get(job.id)).finished:
+                await asyncio.sleep(0.05)
+            return job.id
+        finally:
+            stop.set()
+            await asyncio.wait_for(consuming, 60)
+            watcher.cancel()
+            await stack.stop()
+
+    job_id = asyncio.run(run())
+    records = asyncio.run(JobStore.from_url(redis_server.url).results(job_id))
+    assert [r["status"] for r in records] == ["completed"] * 5 and len({r["text"] for r in records}) == 1
+    assert records[0]["duration_s"] == pytest.approx(len(recording) / 16000)
+    assert max(held) == pytest.approx(len(recording) / 16000)  # one at a time: the budget holds one
 
 
 def test_a_worker_keeps_the_batchers_pool_in_flight_within_half_the_queue():
