@@ -116,7 +116,7 @@ class JobConsumer:
             idle = idle + 1 if not started and await self.store.stream_lag() == 0 else 0
 
     async def _step(self, block_ms: int | None = None) -> int:
-        """Start what fits in the prefetch window; returns how many items were started."""
+        """Start what fits in the prefetch window and the audio budget; returns how many items were started."""
         await self.store.ensure_group()
         self.connected = True
         room = self.audio.room(self.options.prefetch - len(self._in_flight))

@@ -70,6 +70,7 @@ class Stack:
             await self._consumer_task
         if self.consumer is not None:
             await self.consumer.wait_background()
+            await self.consumer.close()  # a consumer that drained rather than ran still holds its connections
         await asyncio.to_thread(self.engine.stop)
         self.decode_pool.shutdown(wait=True)
         if self.jobs is not None:
