@@ -12,6 +12,7 @@ again after a pause; other failures (HTTP 4xx, too large, outside the prefixes) 
 from __future__ import annotations
 
 import asyncio
+import functools
 import posixpath
 
 import aiohttp
@@ -46,6 +47,12 @@ def _parts(url: str) -> tuple[str, str, int, str]:
     return parsed.scheme, parsed.host.lower(), parsed.port, resolved.replace("//", "/")
 
 
+@functools.lru_cache(maxsize=256)
+def _prefix_parts(prefix: str) -> tuple[str, str, int, str]:
+    """A configured prefix's parts, parsed once rather than for every URL checked against it."""
+    return _parts(prefix)
+
+
 def check_input_url(url: str, prefixes: list[str]) -> None:
     """Refuse (JobInputError) a URL that is not http(s) or not under one of ``prefixes``."""
     if not prefixes:
@@ -53,7 +60,7 @@ def check_input_url(url: str, prefixes: list[str]) -> None:
                             "(BATCHASR_INPUT_URL_PREFIXES)")
     scheme, host, port, path = _parts(url)
     for prefix in prefixes:
-        p_scheme, p_host, p_port, p_path = _parts(prefix)
+        p_scheme, p_host, p_port, p_path = _prefix_parts(prefix)
         directory = p_path if p_path.endswith("/") else p_path + "/"
         if (scheme, host, port) == (p_scheme, p_host, p_port) and (path == p_path or path.startswith(directory)):
             return

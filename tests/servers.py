@@ -49,12 +49,16 @@ def stream_transcription(url: str, audio: bytes, **form: str) -> list[dict]:
         assert response.status_code == 200, response.read()
         assert response.headers["content-type"].startswith("text/event-stream")
         blocks = [b for b in response.read().decode().split("\n\n") if b.strip()]
-    events = []
-    for block in blocks:
-        event, data = block.split("\n")
-        events.append(json.loads(data.removeprefix("data: ")))
-        assert event == f"event: {events[-1]['type']}"
-    return events
+    return [parse_event(block) for block in blocks]
+
+
+def parse_event(block: str) -> dict:
+    """One server-sent event (``event: TYPE`` then ``data: JSON``): its data, checked to carry the same type."""
+    event, data = block.strip().split("\n")
+    assert event.startswith("event: ") and data.startswith("data: ")
+    body = json.loads(data.removeprefix("data: "))
+    assert body["type"] == event.removeprefix("event: ")
+    return body
 
 
 def wait_ready(url: str, timeout: float, alive=lambda: True) -> bool:

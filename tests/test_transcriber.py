@@ -4,7 +4,6 @@ when each piece finishes: the stream's text comes in order, and its failures end
 from __future__ import annotations
 
 import asyncio
-import json
 
 import numpy as np
 import pytest
@@ -14,6 +13,7 @@ from service.api import _transcription_events
 from service.batcher import Batcher, ItemResult, WorkItem
 from service.transcriber import Transcriber
 from tests.conftest import long_recording
+from tests.servers import parse_event
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def test_a_piece_that_fails_mid_stream_ends_it_with_an_error_event_and_drops_the
         deltas = queued.text_deltas()
         first = await asyncio.wait_for(_first_after(items[0], deltas), 30)
         items[1].future.set_exception(TimeoutError("the request's deadline passed"))
-        events = [_parse(chunk) async for chunk in _transcription_events(queued, deltas, first)]
+        events = [parse_event(chunk.decode()) async for chunk in _transcription_events(queued, deltas, first)]
         return events, batcher
 
     async def _first_after(item: WorkItem, deltas):
@@ -81,10 +81,3 @@ def test_a_piece_that_fails_mid_stream_ends_it_with_an_error_event_and_drops_the
     batcher.close()
     assert batcher.next_batch() is None  # the pieces still queued were dropped: nothing more would run
 
-
-def _parse(chunk: bytes) -> dict:
-    event, data = chunk.decode().strip().split("\n")
-    assert event.startswith("event: ") and data.startswith("data: ")
-    body = json.loads(data.removeprefix("data: "))
-    assert body["type"] == event.removeprefix("event: ")
-    return body
