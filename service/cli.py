@@ -200,6 +200,7 @@ def _submit_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--wait", action="store_true", help="wait for the job, with a progress bar, then print results")
     p.add_argument("--output", type=Path, help="write result lines here instead of stdout")
     p.add_argument("--idempotency-key", help="resubmitting with the same key returns the same job")
+    p.add_argument("--webhook-url", help="POSTed to (signed) when the job finishes; the server must allow it")
     p.add_argument("--url-list", action="append", default=[], metavar="FILE",
                    help="http(s) URLs to submit, one a line ('-': standard input); the workers fetch them")
     p.add_argument("paths", nargs="*", metavar="FILES_DIRS_OR_URLS")
@@ -219,7 +220,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         return 2
     with open(args.output, "w", encoding="utf-8") if args.output else contextlib.nullcontext(sys.stdout) as out:
         return asyncio.run(run_submit(inputs, args.redis_url, args.server, args.api_key, args.wait, out,
-                                      args.idempotency_key))
+                                      args.idempotency_key, webhook_url=args.webhook_url))
 
 
 def build_parser() -> argparse.ArgumentParser:

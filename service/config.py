@@ -54,13 +54,16 @@ class Settings(BaseSettings):
     job_max_attempts: int = 3
     job_visibility_timeout_s: float = 300.0  # an unacknowledged delivery is reclaimed after this
     job_prefetch: int | None = None  # job items in flight per worker (default: see job_items_in_flight)
-    webhook_secret: str | None = None  # whsec_<base64>; signs completion webhooks
+    webhook_secret: str | None = None  # whsec_<base64>; signs completion webhooks (none: jobs cannot ask for one)
+    # a job's webhook URL must lie under one of these (service.url_rules); none: any URL at a public address
+    webhook_url_prefixes: Annotated[list[str], NoDecode] = Field(default_factory=list)
     worker_name: str | None = None  # consumer name in the group (default: host-pid)
     # job consumer processes beside the engine's, sharing job_items_in_flight (service.processes); 0: the
     # engine's process consumes. serve needs front ends for them.
     job_consumers: int = 0
 
-    @field_validator("api_keys", "model_aliases", "input_roots", "input_url_prefixes", mode="before")
+    @field_validator("api_keys", "model_aliases", "input_roots", "input_url_prefixes", "webhook_url_prefixes",
+                     mode="before")
     @classmethod
     def _split_commas(cls, value: object) -> object:
         """Accept ``a,b`` as well as a JSON list from the environment."""
@@ -70,14 +73,12 @@ class Settings(BaseSettings):
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
 
-    @field_validator("input_url_prefixes")
+    @field_validator("input_url_prefixes", "webhook_url_prefixes")
     @classmethod
     def _http_urls(cls, value: list[str]) -> list[str]:
-        from .url_inputs import check_input_url  # the same parsing the inputs get
+        from .url_rules import check_prefixes  # the same parsing the URLs checked against them get
 
-        for prefix in value:
-            check_input_url(prefix, [prefix])  # raises for anything but a well-formed http(s) URL
-        return value
+        return check_prefixes(value)
 
     @field_validator("max_batch_size", "max_queue", "decode_threads", "job_prefetch")
     @classmethod

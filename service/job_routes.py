@@ -15,6 +15,8 @@ from .config import Settings
 from .http import ApiError, ServiceDep, ServiceState, read_upload, require_api_key
 from .jobs import REDIS_ERRORS, ItemInput, JobInputError, JobNotFound, JobStore, resolve_input_path
 from .url_inputs import check_input_url
+from .url_rules import UrlRefused
+from .webhooks import check_webhook_url
 
 router = APIRouter(prefix="/v1/jobs", dependencies=[Depends(require_api_key)], tags=["jobs"])
 
@@ -36,6 +38,7 @@ class JobCreate(BaseModel):
     """JSON submission: audio the server reads itself (files under its input roots, URLs under its prefixes)."""
 
     items: list[JobItem] = Field(min_length=1)
+    # POSTed to when the job finishes (service.webhooks): under the server's webhook URL prefixes, or public
     webhook_url: str | None = None
 
 
@@ -78,6 +81,17 @@ def _check_inputs(items: list[ItemInput], settings: Settings) -> None:
             check_input_url(item.url, settings.input_url_prefixes)
 
 
+def _check_webhook(url: str, settings: Settings) -> None:
+    """Refuse a webhook the workers could not sign or would not post to."""
+    if not settings.webhook_secret:
+        raise ApiError(400, "webhooks are disabled: the server has no webhook secret (BATCHASR_WEBHOOK_SECRET)",
+                       param="webhook_url", code="webhooks_disabled")
+    try:
+        check_webhook_url(url, settings.webhook_url_prefixes)
+    except UrlRefused as exc:
+        raise ApiError(400, str(exc), param="webhook_url", code="invalid_webhook_url") from exc
+
+
 @router.post("", status_code=202)
 async def create_job(request: Request, service: ServiceDep,
                      idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None) -> JSONResponse:
@@ -88,6 +102,8 @@ async def create_job(request: Request, service: ServiceDep,
         items, webhook = await _form_items(request, service)
     else:
         items, webhook = await _json_items(request)
+    if webhook:
+        _check_webhook(webhook, service.settings)
     try:
         _check_inputs(items, service.settings)
         job, created = await store.submit(items, idempotency_key, webhook)

@@ -24,10 +24,10 @@ from .audio import AudioLimits, AudioRequestError, decode_audio
 from .audio_budget import AudioBudget, AudioClaim
 from .batcher import Priority, QueueFull
 from .formats import to_record
-from .jobs import GROUP, ITEM_STREAM, REDIS_ERRORS, JobInputError, JobStore, item_record, resolve_input_path
+from .jobs import GROUP, ITEM_STREAM, REDIS_ERRORS, Job, JobInputError, JobStore, item_record, resolve_input_path
 from .transcriber import Transcriber
 from .url_inputs import UrlFetcher
-from .webhooks import WebhookSender
+from .webhooks import Delivery, WebhookSender
 
 log = logging.getLogger(__name__)
 
@@ -103,9 +103,13 @@ class JobConsumer:
         await self.close()
 
     async def close(self) -> None:
-        """Release the URL fetcher's connections (``run`` does this when it returns)."""
-        if self.urls is not None:
-            await self.urls.close()
+        """Let webhook deliveries in progress finish, then release the URL fetcher's and the webhook sender's
+        connections (``run`` does this when it returns)."""
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+        for client in (self.urls, self.webhooks):
+            if client is not None:
+                await client.close()
 
     async def drain(self, idle_rounds: int = 2) -> None:
         """Burst mode (tests, one-off runs): consume until the stream has nothing left for this group."""
@@ -251,12 +255,19 @@ class JobConsumer:
         if outcome == 2:
             job = await self.store.get(job_id)
             self.metrics.count_job(job.status.value)
-            if self.webhooks is not None and job.webhook_url:
-                task = asyncio.create_task(self.webhooks.job_finished(job))
+            if job.webhook_url:
+                task = asyncio.create_task(self._notify(job))
                 self._background.add(task)
                 task.add_done_callback(self._background.discard)
 
-    async def wait_background(self) -> None:
-        """Let webhook deliveries in progress finish (at shutdown)."""
-        if self._background:
-            await asyncio.gather(*self._background, return_exceptions=True)
+    async def _notify(self, job: Job) -> None:
+        """Deliver the finished job's webhook, and record on the job how that went."""
+        if self.webhooks is None:
+            delivery = Delivery(False, 0, "the worker that finished the job cannot sign webhooks (it has no "
+                                          "BATCHASR_WEBHOOK_SECRET)")
+        else:
+            delivery = await self.webhooks.job_finished(job)
+        try:
+            await self.store.record_webhook(job.id, delivery.delivered, delivery.attempts, delivery.error)
+        except REDIS_ERRORS as exc:
+            log.warning("could not record the webhook delivery of %s: %s", job.id, exc)

@@ -103,6 +103,13 @@ redis.call('HSET', KEYS[1], 'status', status, 'finished_at', ARGV[5])
 return 2
 """
 
+# KEYS: a hash. ARGV: field, value, ... Written only while the hash exists: a late write to an expired job would
+# leave a hash behind with no TTL.
+_HSET_IF_EXISTS = """
+if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], unpack(ARGV)) return 1 end
+return 0
+"""
+
 
 def _now() -> str:
     return f"{time.time():.3f}"
@@ -144,6 +151,9 @@ class Job:
     audio_s: float
     compute_s: float
     webhook_url: str | None = None
+    webhook_status: str | None = None  # pending | delivered | failed, when the job has a webhook
+    webhook_attempts: int = 0
+    webhook_error: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -158,7 +168,13 @@ class Job:
         return {"id": self.id, "object": "transcription.job", "status": self.status.value,
                 "total_items": self.total_items, "counts": self.counts, "created_at": self.created_at,
                 "started_at": self.started_at, "finished_at": self.finished_at, "audio_s": round(self.audio_s, 3),
-                "compute_s": round(self.compute_s, 3), "rtfx": round(self.rtfx, 2)}
+                "compute_s": round(self.compute_s, 3), "rtfx": round(self.rtfx, 2), **self._webhook_dict()}
+
+    def _webhook_dict(self) -> dict[str, Any]:
+        if not self.webhook_url:
+            return {}
+        return {"webhook": {"url": self.webhook_url, "status": self.webhook_status or "pending",
+                            "attempts": self.webhook_attempts, "error": self.webhook_error}}
 
 
 def resolve_input_path(path: str, roots: list[str]) -> Path:
@@ -185,6 +201,7 @@ class JobStore:
         self.max_upload_bytes = max_upload_bytes
         self._start = client.register_script(_START_ITEM)
         self._finish = client.register_script(_FINISH_ITEM)
+        self._update_existing = client.register_script(_HSET_IF_EXISTS)
 
     @classmethod
     def from_url(cls, url: str, max_connections: int = 128, **kwargs: Any) -> JobStore:
@@ -240,7 +257,7 @@ class JobStore:
         pipe.hset(JOB_KEY.format(job_id=job_id), mapping={
             "status": JobStatus.QUEUED.value, "created_at": now, "total": len(items), "n_queued": len(items),
             "n_in_progress": 0, "n_completed": 0, "n_failed": 0, "n_cancelled": 0, "audio_s": 0, "compute_s": 0,
-            "webhook_url": webhook_url or ""})
+            "webhook_url": webhook_url or "", "webhook_status": "pending" if webhook_url else ""})
         pipe.hset(INPUTS_KEY.format(job_id=job_id), mapping=inputs)
         pipe.hset(STATES_KEY.format(job_id=job_id), mapping=states)
         for index in range(len(items)):
@@ -264,7 +281,15 @@ class JobStore:
         return Job(id=job_id, status=JobStatus(h["status"]), total_items=int(h["total"]),
                    counts={s: int(h.get(f"n_{s}", 0)) for s in ITEM_STATES}, created_at=float(h["created_at"]),
                    started_at=opt("started_at"), finished_at=opt("finished_at"), audio_s=float(h["audio_s"]),
-                   compute_s=float(h["compute_s"]), webhook_url=h.get("webhook_url") or None)
+                   compute_s=float(h["compute_s"]), webhook_url=h.get("webhook_url") or None,
+                   webhook_status=h.get("webhook_status") or None, webhook_attempts=int(h.get("webhook_attempts", 0)),
+                   webhook_error=h.get("webhook_error") or None)
+
+    async def record_webhook(self, job_id: str, delivered: bool, attempts: int, error: str | None) -> None:
+        """How the job's completion webhook went; nothing once the job has expired."""
+        fields = ["webhook_status", "delivered" if delivered else "failed", "webhook_attempts", attempts,
+                  "webhook_error", error or ""]
+        await self._update_existing(keys=[JOB_KEY.format(job_id=job_id)], args=fields)
 
     async def results(self, job_id: str) -> list[dict[str, Any]]:
         """One record per item, in submission order; unfinished items say their state."""

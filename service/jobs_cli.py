@@ -120,18 +120,20 @@ class _ServerClient:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, timeout=300)
 
-    async def submit(self, inputs: list[Input], idempotency_key: str | None) -> dict[str, Any]:
+    async def submit(self, inputs: list[Input], idempotency_key: str | None, webhook_url: str | None
+                     ) -> dict[str, Any]:
         """Files as multipart uploads; URLs as a JSON job (the server fetches them)."""
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
         urls = [source for source in inputs if isinstance(source, str)]
         if urls and len(urls) < len(inputs):
             raise ValueError("through --server, submit URLs and local files as separate jobs")
         if urls:
-            response = await self.http.post("/v1/jobs", json={"items": [{"url": url} for url in urls]},
-                                            headers=headers)
+            body = {"items": [{"url": url} for url in urls], "webhook_url": webhook_url}
+            response = await self.http.post("/v1/jobs", json=body, headers=headers)
         else:
             parts = [("files", (p.name, p.read_bytes(), "application/octet-stream")) for p in inputs]
-            response = await self.http.post("/v1/jobs", files=parts, headers=headers)
+            form = {"webhook_url": webhook_url} if webhook_url else None
+            response = await self.http.post("/v1/jobs", files=parts, data=form, headers=headers)
         if response.is_client_error:  # the server's reason (a URL it does not take, ...), not just the status
             raise ValueError(f"the server refused the job: {response.json()['error']['message']}")
         response.raise_for_status()
@@ -155,8 +157,10 @@ class _RedisClient:
     def __init__(self, url: str):
         self.store = JobStore.from_url(url)
 
-    async def submit(self, inputs: list[Input], idempotency_key: str | None) -> dict[str, Any]:
-        job, _ = await self.store.submit([item_input(source) for source in inputs], idempotency_key)
+    async def submit(self, inputs: list[Input], idempotency_key: str | None, webhook_url: str | None
+                     ) -> dict[str, Any]:
+        # the workers check the webhook URL against their own settings when they post (and record a refusal)
+        job, _ = await self.store.submit([item_input(source) for source in inputs], idempotency_key, webhook_url)
         return job.to_dict()
 
     async def get(self, job_id: str) -> dict[str, Any]:
@@ -171,10 +175,10 @@ class _RedisClient:
 
 async def run_submit(inputs: list[Input], redis_url: str | None, server: str | None, api_key: str | None, wait: bool,
                      output: TextIO, idempotency_key: str | None = None, poll_s: float = 1.0,
-                     progress: Callable[[], Progress] = Progress) -> int:
+                     progress: Callable[[], Progress] = Progress, webhook_url: str | None = None) -> int:
     client = _ServerClient(server, api_key) if server else _RedisClient(redis_url or "")
     try:
-        job = await client.submit(inputs, idempotency_key)
+        job = await client.submit(inputs, idempotency_key, webhook_url)
         print(f"job {job['id']}: {job['total_items']} items", file=sys.stderr)
         if not wait:
             output.write(json.dumps(job) + "\n")

@@ -92,7 +92,6 @@ async def _consume(settings: Settings, engine_path: str, index: int) -> None:
                              prefetch)
     log.info("job consumer %s: %d items in flight", name, prefetch)
     await consumer.run(stop)
-    await consumer.wait_background()
     await stack.stop()
 
 

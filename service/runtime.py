@@ -69,7 +69,6 @@ class Stack:
         if self._consumer_task is not None:
             await self._consumer_task
         if self.consumer is not None:
-            await self.consumer.wait_background()
             await self.consumer.close()  # a consumer that drained rather than ran still holds its connections
         await asyncio.to_thread(self.engine.stop)
         self.decode_pool.shutdown(wait=True)
@@ -106,7 +105,7 @@ def make_consumer(s: Settings, jobs: JobStore, transcriber: Transcriber, limits:
     options = ConsumerOptions(name=name, prefetch=prefetch, visibility_timeout_s=s.job_visibility_timeout_s,
                               max_attempts=s.job_max_attempts, max_audio_s=prefetch * s.max_segment_s,
                               first_item_s=s.max_segment_s, max_reading=max(1, prefetch // READING_SHARE))
-    webhooks = WebhookSender(s.webhook_secret) if s.webhook_secret else None
+    webhooks = WebhookSender(s.webhook_secret, s.webhook_url_prefixes) if s.webhook_secret else None
     urls = UrlFetcher(s.input_url_prefixes, s.max_upload_bytes, s.job_url_timeout_s) if s.input_url_prefixes else None
     return JobConsumer(jobs, transcriber, limits, s.input_roots, metrics, options, decode_pool, webhooks, urls)
 

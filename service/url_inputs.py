@@ -12,15 +12,13 @@ again after a pause; other failures (HTTP 4xx, too large, outside the prefixes) 
 from __future__ import annotations
 
 import asyncio
-import functools
-import posixpath
 
 import aiohttp
 from yarl import URL
 
 from .jobs import JobInputError
+from .url_rules import UrlRefused, check_under_prefixes
 
-SCHEMES = ("http", "https")
 RETRY_DELAYS_S = (1.0, 3.0, 9.0)  # pauses before the 2nd, 3rd and 4th tries of a fetch that may succeed later
 RETRYABLE_STATUS = {408, 425, 429}
 REDIRECT_STATUS = {301, 302, 303, 307, 308}
@@ -33,38 +31,15 @@ class _MayPass(Exception):
     """A fetch failure worth another try."""
 
 
-def _parts(url: str) -> tuple[str, str, int, str]:
-    """(scheme, host, port, path) of an http(s) URL as it will be requested: the path percent-decoded once and
-    its dot segments resolved. JobInputError for anything else."""
-    try:
-        parsed = URL(url)
-    except (TypeError, ValueError) as exc:
-        raise JobInputError(f"{url}: not a valid URL ({exc})") from exc
-    if parsed.scheme not in SCHEMES or not parsed.host or parsed.port is None:
-        raise JobInputError(f"{url}: only http and https URLs are taken")
-    path = parsed.path or "/"
-    resolved = posixpath.normpath(path) + ("/" if path.endswith("/") and path != "/" else "")
-    return parsed.scheme, parsed.host.lower(), parsed.port, resolved.replace("//", "/")
-
-
-@functools.lru_cache(maxsize=256)
-def _prefix_parts(prefix: str) -> tuple[str, str, int, str]:
-    """A configured prefix's parts, parsed once rather than for every URL checked against it."""
-    return _parts(prefix)
-
-
 def check_input_url(url: str, prefixes: list[str]) -> None:
     """Refuse (JobInputError) a URL that is not http(s) or not under one of ``prefixes``."""
     if not prefixes:
         raise JobInputError("URL inputs are disabled: the server has no input URL prefixes "
                             "(BATCHASR_INPUT_URL_PREFIXES)")
-    scheme, host, port, path = _parts(url)
-    for prefix in prefixes:
-        p_scheme, p_host, p_port, p_path = _prefix_parts(prefix)
-        directory = p_path if p_path.endswith("/") else p_path + "/"
-        if (scheme, host, port) == (p_scheme, p_host, p_port) and (path == p_path or path.startswith(directory)):
-            return
-    raise JobInputError(f"{url}: not under the server's input URL prefixes; refused")
+    try:
+        check_under_prefixes(url, prefixes, "input URL")
+    except UrlRefused as exc:
+        raise JobInputError(str(exc)) from exc
 
 
 class UrlFetcher:

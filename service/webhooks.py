@@ -1,6 +1,11 @@
 """Job-completion webhooks, signed the Standard Webhooks way (webhook-id, webhook-timestamp,
 webhook-signature: ``v1,<base64 HMAC-SHA256 of "id.timestamp.body">``), with a thin payload: the receiver
-fetches the results with a GET."""
+fetches the results with a GET.
+
+Where they may go (service.url_rules): under ``BATCHASR_WEBHOOK_URL_PREFIXES`` when the server has any, else to
+public addresses only, checked when the job is submitted and again as each delivery connects. Redirects are not
+followed: a 3xx answer fails the delivery like any other refusal.
+"""
 
 from __future__ import annotations
 
@@ -11,15 +16,18 @@ import hmac
 import json
 import logging
 import time
+from dataclasses import dataclass
 
-import httpx
+import aiohttp
 
 from .jobs import Job
+from .url_rules import NoPublicAddress, PublicAddressResolver, UrlRefused, check_public_url, check_under_prefixes
 
 log = logging.getLogger(__name__)
 
 RETRY_DELAYS_S = (1.0, 2.0, 5.0, 10.0, 30.0)
 RETRYABLE_STATUS = {408, 409, 425, 429}
+CONNECTIONS = 32  # to receivers, per consumer
 
 
 def secret_bytes(secret: str) -> bytes:
@@ -35,34 +43,83 @@ def sign(secret: str, message_id: str, timestamp: int, body: bytes) -> str:
     return "v1," + base64.b64encode(digest).decode()
 
 
+def check_webhook_url(url: str, prefixes: list[str]) -> None:
+    """Refuse (UrlRefused) a webhook URL this server would not post to: one outside ``prefixes`` when there are
+    any, else one at an address that is not public."""
+    if prefixes:
+        check_under_prefixes(url, prefixes, "webhook URL")
+    else:
+        check_public_url(url)
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """How a job's webhook went: delivered (a 2xx came back) or not, in how many attempts, and why not."""
+
+    delivered: bool
+    attempts: int
+    error: str | None = None
+
+
 class WebhookSender:
-    def __init__(self, secret: str, timeout_s: float = 10.0, delays_s: tuple[float, ...] = RETRY_DELAYS_S):
+    """Posts job-completion webhooks for one consumer, over one connection pool. ``close`` when done."""
+
+    def __init__(self, secret: str, url_prefixes: list[str] | None = None, timeout_s: float = 10.0,
+                 delays_s: tuple[float, ...] = RETRY_DELAYS_S):
         self.secret = secret
+        self.url_prefixes = url_prefixes or []
         self.timeout_s = timeout_s
         self.delays_s = delays_s
+        self._session: aiohttp.ClientSession | None = None  # made on the event loop, at the first delivery
 
-    async def job_finished(self, job: Job) -> bool:
-        """POST ``transcription.job.completed``; retries on errors and 5xx; True once a 2xx comes back."""
+    async def job_finished(self, job: Job) -> Delivery:
+        """POST ``transcription.job.completed``; retries on connection errors, timeouts, 5xx and the statuses
+        that ask for a retry, until a 2xx comes back or the retries run out."""
         assert job.webhook_url
+        try:
+            check_webhook_url(job.webhook_url, self.url_prefixes)  # again here: the rules may have changed
+        except UrlRefused as exc:
+            log.warning("webhook for %s refused: %s", job.id, exc)
+            return Delivery(False, 0, str(exc))
         message_id = f"msg_{job.id}_finished"  # stable: receivers deduplicate redeliveries on it
         body = json.dumps({"type": "transcription.job.completed", "created_at": time.time(),
                            "data": {"id": job.id, "status": job.status.value}}).encode()
-        async with httpx.AsyncClient(timeout=self.timeout_s) as client:
-            for attempt, delay in enumerate((0.0, *self.delays_s)):
-                await asyncio.sleep(delay)
-                timestamp = int(time.time())
-                headers = {"content-type": "application/json", "webhook-id": message_id,
-                           "webhook-timestamp": str(timestamp),
-                           "webhook-signature": sign(self.secret, message_id, timestamp, body)}
-                try:
-                    response = await client.post(job.webhook_url, content=body, headers=headers)
-                except httpx.HTTPError as exc:
-                    log.warning("webhook for %s failed (attempt %d): %s", job.id, attempt + 1, exc)
-                    continue
-                if response.is_success:
-                    return True
-                if response.status_code < 500 and response.status_code not in RETRYABLE_STATUS:
-                    log.warning("webhook for %s refused with %d; not retried", job.id, response.status_code)
-                    return False
+        error = "not attempted"
+        for attempt, delay in enumerate((0.0, *self.delays_s), start=1):
+            await asyncio.sleep(delay)
+            try:
+                status, reason = await self._post(job.webhook_url, message_id, body)
+            except aiohttp.ClientConnectorError as exc:
+                if isinstance(exc.os_error, NoPublicAddress):
+                    log.warning("webhook for %s refused: %s", job.id, exc.os_error)
+                    return Delivery(False, attempt, str(exc.os_error))
+                error = f"{type(exc).__name__}: {exc}"
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                error = f"{type(exc).__name__}: {exc or 'no detail'}"
+            else:
+                if 200 <= status < 300:
+                    return Delivery(True, attempt)
+                error = f"HTTP {status} {reason}"
+                if status < 500 and status not in RETRYABLE_STATUS:  # 3xx too: redirects are not followed
+                    log.warning("webhook for %s refused with %s; not retried", job.id, error)
+                    return Delivery(False, attempt, error)
+            log.warning("webhook for %s failed (attempt %d): %s", job.id, attempt, error)
         log.warning("webhook for %s gave up after %d attempts", job.id, len(self.delays_s) + 1)
-        return False
+        return Delivery(False, len(self.delays_s) + 1, error)
+
+    async def _post(self, url: str, message_id: str, body: bytes) -> tuple[int, str]:
+        if self._session is None:
+            # with no prefixes, names resolve to public addresses only, at the connection that uses them
+            resolver = None if self.url_prefixes else PublicAddressResolver()
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=CONNECTIONS, resolver=resolver),
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+        timestamp = int(time.time())
+        headers = {"content-type": "application/json", "webhook-id": message_id, "webhook-timestamp": str(timestamp),
+                   "webhook-signature": sign(self.secret, message_id, timestamp, body)}
+        async with self._session.post(url, data=body, headers=headers, allow_redirects=False) as response:
+            return response.status, response.reason or ""
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()

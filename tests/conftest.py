@@ -58,6 +58,16 @@ def parity_audio(parity_dir: Path, parity_reference: dict) -> list[str]:
     return [str(parity_dir / "audio" / name) for name in parity_reference["audio"]]
 
 
+@pytest.fixture
+def redis_server(tmp_path):
+    """A private redis-server on a free port, for one test."""
+    from tests.redis_server import RedisServer  # here: the GPU tests run where the redis client is not installed
+
+    server = RedisServer(tmp_path).start()
+    yield server
+    server.stop()
+
+
 def long_recording(paths: list[str] | list[Path], seconds: float, gap_s: float = GAP_S
                    ) -> tuple[np.ndarray, list[np.ndarray]]:
     """16 kHz utterances, each followed by ``gap_s`` of silence, repeated to ``seconds``; also the pieces in order."""

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -13,10 +14,10 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import httpx
 import uvicorn
@@ -24,6 +25,20 @@ import uvicorn
 from models.asr_model import ASRModel
 from service.api import create_app
 from service.config import Settings
+from service.jobs import JobStore
+from service.runtime import build_stack
+
+
+async def drain_jobs(settings: Settings, model: ASRModel, body: Callable[[JobStore], Awaitable[Any]]) -> None:
+    """Run ``body(store)`` then drain the job stream with an in-process consumer on one engine."""
+    stack = build_stack(settings, model)
+    assert await asyncio.to_thread(stack.engine.wait_ready, 30)
+    try:
+        assert stack.jobs is not None, "drain_jobs needs settings.redis_url"
+        await body(stack.jobs)
+        await stack.make_consumer().drain()
+    finally:
+        await stack.stop()
 
 
 def free_port() -> int:

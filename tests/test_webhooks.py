@@ -1,0 +1,260 @@
+"""Job-completion webhooks: signed, posted only where the server allows (under its webhook URL prefixes, or else
+to public addresses), retried when the receiver may recover, and how each went recorded on the job."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import hmac
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+import pytest
+
+from models import load_model
+from service.config import Settings
+from service.jobs import ITEM_STREAM, ItemInput, Job, JobStatus, JobStore
+from service.url_rules import NoPublicAddress, PublicAddressResolver, UrlRefused
+from service.webhooks import WebhookSender, check_webhook_url
+from tests.servers import drain_jobs, run_server
+
+SECRET_RAW = b"0123456789abcdef0123456789abcdef"
+SECRET = "whsec_" + base64.b64encode(SECRET_RAW).decode()
+
+
+@pytest.fixture(scope="module")
+def model(parity_dir):
+    return load_model(parity_dir / "tdt.nemo", device="cpu", dtype="float32")
+
+
+class Receiver:
+    """A real HTTP server taking webhook POSTs on every interface: it answers with ``statuses`` in turn (the
+    last one from then on) and keeps what it was sent."""
+
+    def __init__(self, *statuses: int):
+        self.statuses = list(statuses) or [200]
+        self.received: list[tuple[dict[str, str], bytes]] = []
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                receiver.received.append((dict(self.headers), self.rfile.read(int(self.headers["content-length"]))))
+                status = receiver.statuses[min(len(receiver.received), len(receiver.statuses)) - 1]
+                self.send_response(status)
+                if 300 <= status < 400:
+                    self.send_header("Location", "http://127.0.0.1:9/elsewhere")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("0.0.0.0", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def url(self, host: str = "127.0.0.1") -> str:
+        return f"http://{host}:{self.port}/hook"
+
+    def prefix(self, host: str = "127.0.0.1") -> str:
+        return f"http://{host}:{self.port}/"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def receiver():
+    made: list[Receiver] = []
+
+    def make(*statuses: int) -> Receiver:
+        made.append(Receiver(*statuses))
+        return made[-1]
+
+    yield make
+    for r in made:
+        r.close()
+
+
+def _upload(parity_audio: list[str]) -> list[tuple[str, tuple[str, bytes, str]]]:
+    return [("files", ("a.wav", Path(parity_audio[0]).read_bytes(), "audio/wav"))]
+
+
+def _wait_for(predicate, timeout: float, message: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(0.1)
+    raise AssertionError(message)
+
+
+def test_completion_webhook_is_signed_and_its_delivery_recorded(redis_server, model, parity_audio, receiver):
+    hook = receiver(200)
+    settings = Settings(redis_url=redis_server.url, webhook_secret=SECRET, webhook_url_prefixes=[hook.prefix()])
+    with run_server(settings, model) as running:
+        job = httpx.post(f"{running.url}/v1/jobs", files=_upload(parity_audio), data={"webhook_url": hook.url()}).json()
+        assert job["webhook"] == {"url": hook.url(), "status": "pending", "attempts": 0, "error": None}
+
+        def delivered() -> dict | None:
+            webhook = httpx.get(f"{running.url}/v1/jobs/{job['id']}").json()["webhook"]
+            return webhook if webhook["status"] != "pending" else None
+        assert _wait_for(delivered, 60, "the delivery was never recorded") == {
+            "url": hook.url(), "status": "delivered", "attempts": 1, "error": None}
+    headers, body = hook.received[0]
+    assert json.loads(body)["type"] == "transcription.job.completed"
+    assert json.loads(body)["data"] == {"id": job["id"], "status": "completed"}
+    signed = f"{headers['webhook-id']}.{headers['webhook-timestamp']}.".encode() + body
+    expected_sig = base64.b64encode(hmac.new(SECRET_RAW, signed, hashlib.sha256).digest()).decode()
+    assert headers["webhook-signature"] == f"v1,{expected_sig}"
+    assert abs(int(headers["webhook-timestamp"]) - time.time()) < 60
+
+
+REFUSED_WITHOUT_PREFIXES = [
+    "http://127.0.0.1:8080/hook", "http://localhost:8080/hook", "http://api.localhost/hook", "http://[::1]/hook",
+    "http://169.254.169.254/latest/meta-data", "http://10.0.0.5/hook", "http://192.168.1.1/hook",
+    "http://100.64.0.1/hook", "http://[::ffff:127.0.0.1]/hook", "http://[fd00::1]/hook", "http://0.0.0.0/hook",
+    "http://224.0.0.1/hook", "ftp://hooks.example.com/hook", "file:///etc/passwd", "not a url", "http:///hook",
+]
+
+
+@pytest.mark.parametrize("url", REFUSED_WITHOUT_PREFIXES)
+def test_without_prefixes_webhooks_go_to_public_addresses_only(url):
+    with pytest.raises(UrlRefused):
+        check_webhook_url(url, [])
+
+
+@pytest.mark.parametrize("url", ["https://hooks.example.com/batchasr", "http://8.8.8.8:8080/hook",
+                                 "http://[2606:4700::1111]/hook", "https://hooks.example.com:8443/x?job=1"])
+def test_public_webhook_urls_are_taken(url):
+    check_webhook_url(url, [])
+
+
+def test_with_prefixes_webhooks_go_under_them_only():
+    prefixes = ["http://127.0.0.1:9000/hooks/", "https://hooks.example.com/"]
+    for url in ("http://127.0.0.1:9000/hooks/a", "https://hooks.example.com/any/thing"):
+        check_webhook_url(url, prefixes)  # a private address too, when the operator names it
+    for url in ("http://127.0.0.1:9000/other", "http://127.0.0.1:9001/hooks/a", "http://127.0.0.1:9000/hooks/../x",
+                "https://hooks.example.com.evil.test/", "http://hooks.example.com/", "https://8.8.8.8/"):
+        with pytest.raises(UrlRefused, match="webhook URL prefixes"):
+            check_webhook_url(url, prefixes)
+
+
+def test_webhook_urls_the_workers_would_not_post_to_are_refused_when_submitted(redis_server, model, parity_audio,
+                                                                              receiver, tmp_path):
+    hook = receiver(200)
+    cases = [
+        (Settings(redis_url=redis_server.url), "https://hooks.example.com/x", "webhooks_disabled"),
+        (Settings(redis_url=redis_server.url, webhook_secret=SECRET), hook.url(), "invalid_webhook_url"),
+        (Settings(redis_url=redis_server.url, webhook_secret=SECRET), "gopher://hooks.example.com/",
+         "invalid_webhook_url"),
+        (Settings(redis_url=redis_server.url, webhook_secret=SECRET, webhook_url_prefixes=[hook.prefix()],
+                  input_roots=[str(Path(parity_audio[0]).parent)]),
+         "https://hooks.example.com/x", "invalid_webhook_url"),
+    ]
+    for settings, url, code in cases:
+        with run_server(settings, model) as running:
+            refused = httpx.post(f"{running.url}/v1/jobs", files=_upload(parity_audio), data={"webhook_url": url})
+            assert refused.status_code == 400, (url, refused.text)
+            assert (refused.json()["error"]["code"], refused.json()["error"]["param"]) == (code, "webhook_url")
+            if settings.input_roots:  # JSON submissions are checked the same way
+                body = {"items": [{"path": parity_audio[0]}], "webhook_url": url}
+                assert httpx.post(f"{running.url}/v1/jobs", json=body).json()["error"]["code"] == code
+    assert redis_server.client().xlen(ITEM_STREAM) == 0  # nothing was queued
+    assert hook.received == []
+
+
+def test_a_name_resolving_to_a_private_address_is_refused_as_the_webhook_connects(receiver):
+    host = socket.gethostname()  # a name (not an address) for this machine, resolving to one of its addresses
+    hook = receiver(200)
+    job = Job(id="job_x", status=JobStatus.COMPLETED, total_items=1, counts={}, created_at=0.0, started_at=None,
+              finished_at=None, audio_s=0.0, compute_s=0.0, webhook_url=hook.url(host))
+
+    async def deliver(sender: WebhookSender):
+        try:
+            return await sender.job_finished(job)
+        finally:
+            await sender.close()
+
+    check_webhook_url(hook.url(host), [])  # a name passes the check made when the job is submitted
+    refused = asyncio.run(deliver(WebhookSender(SECRET, delays_s=(0.1, 0.1))))
+    assert (refused.delivered, refused.attempts) == (False, 1) and "no public address" in refused.error
+    assert hook.received == []
+    # the receiver is there: under a prefix the operator configured, the same name is posted to
+    delivered = asyncio.run(deliver(WebhookSender(SECRET, url_prefixes=[hook.prefix(host)])))
+    assert (delivered.delivered, delivered.attempts) == (True, 1) and len(hook.received) == 1
+
+
+def test_the_public_address_resolver_drops_local_addresses():
+    async def resolve():
+        resolver = PublicAddressResolver()
+        try:
+            return await resolver.resolve("localhost", 80, socket.AF_UNSPEC)
+        finally:
+            await resolver.close()
+
+    with pytest.raises(NoPublicAddress):
+        asyncio.run(resolve())
+
+
+@pytest.mark.parametrize(("statuses", "outcome"), [
+    ((500, 503, 200), ("delivered", 3, None)),  # retried after 1 and 2 s
+    ((429, 200), ("delivered", 2, None)),
+    ((410,), ("failed", 1, "HTTP 410 Gone")),  # refused: not retried
+    ((302,), ("failed", 1, "HTTP 302 Found")),  # redirects are not followed
+])
+def test_each_delivery_outcome_is_recorded_on_the_job(redis_server, model, parity_audio, receiver, statuses,
+                                                       outcome):
+    hook = receiver(*statuses)
+    settings = Settings(redis_url=redis_server.url, webhook_secret=SECRET, webhook_url_prefixes=[hook.prefix()])
+    jobs: list[Job] = []
+
+    async def submit(store: JobStore) -> None:
+        item = ItemInput(audio="a.wav", upload=Path(parity_audio[0]).read_bytes())
+        jobs.append((await store.submit([item], webhook_url=hook.url()))[0])
+
+    asyncio.run(drain_jobs(settings, model, submit))  # stopping waits for deliveries in progress
+    job = asyncio.run(JobStore.from_url(redis_server.url).get(jobs[0].id))
+    assert (job.webhook_status, job.webhook_attempts, job.webhook_error) == outcome
+    assert len(hook.received) == outcome[1]
+    assert len({headers["webhook-id"] for headers, _ in hook.received}) == 1  # one message, redelivered
+
+
+def test_a_worker_that_cannot_sign_records_why_no_webhook_came(redis_server, model, parity_audio):
+    jobs: list[Job] = []
+
+    async def submit(store: JobStore) -> None:  # straight to Redis: the API would have refused it
+        jobs.append((await store.submit([ItemInput(audio="a.wav", upload=Path(parity_audio[0]).read_bytes())],
+                                        webhook_url="https://hooks.example.com/x"))[0])
+
+    asyncio.run(drain_jobs(Settings(redis_url=redis_server.url), model, submit))
+    job = asyncio.run(JobStore.from_url(redis_server.url).get(jobs[0].id))
+    assert (job.webhook_status, job.webhook_attempts) == ("failed", 0)
+    assert "BATCHASR_WEBHOOK_SECRET" in job.webhook_error
+
+
+def test_submit_cli_asks_for_a_webhook(redis_server, model, parity_audio, receiver):
+    hook = receiver(200)
+    settings = Settings(redis_url=redis_server.url, webhook_secret=SECRET, webhook_url_prefixes=[hook.prefix()])
+    with run_server(settings, model) as running:
+        def submit(webhook_url: str) -> subprocess.CompletedProcess:
+            return subprocess.run([sys.executable, "-m", "service.cli", "submit", "--server", running.url,
+                                   "--webhook-url", webhook_url, parity_audio[0]], capture_output=True, text=True,
+                                  timeout=60)
+        taken = submit(hook.url())
+        assert taken.returncode == 0, taken.stderr
+        job = json.loads(taken.stdout)
+        assert job["webhook"]["url"] == hook.url()
+        _wait_for(lambda: hook.received, 60, "no webhook arrived")
+        assert json.loads(hook.received[0][1])["data"]["id"] == job["id"]
+        refused = submit("http://10.0.0.1/hook")
+    assert refused.returncode == 2 and "not under the server's webhook URL prefixes" in refused.stderr
