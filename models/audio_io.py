@@ -39,6 +39,26 @@ def resample(samples: np.ndarray, from_rate: int, to_rate: int) -> np.ndarray:
     return soxr.resample(samples, from_rate, to_rate, quality="HQ").astype(np.float32, copy=False)
 
 
+class ResampleStream:
+    """``resample`` a block at a time, for audio too long to hold at its own rate: the blocks' outputs, then
+    ``flush()``, joined, equal ``resample`` of the whole (soxr's stream and one-shot share one filter)."""
+
+    def __init__(self, from_rate: int, to_rate: int):
+        self._stream = None
+        if from_rate != to_rate:
+            import soxr
+
+            self._stream = soxr.ResampleStream(from_rate, to_rate, 1, dtype="float32", quality="HQ")
+
+    def resample(self, block: np.ndarray) -> np.ndarray:
+        return block if self._stream is None else self._stream.resample_chunk(block)
+
+    def flush(self) -> np.ndarray:
+        """What the filter still holds, once the last block is in."""
+        empty = np.zeros(0, dtype=np.float32)
+        return empty if self._stream is None else self._stream.resample_chunk(empty, last=True)
+
+
 def check_waveform(samples: np.ndarray, name: str) -> np.ndarray:
     if samples.ndim != 1:
         raise AudioError(f"{name}: expected a 1-D waveform, got shape {samples.shape}")

@@ -2,7 +2,9 @@
 
 Limits are checked before the whole file is decoded: the header's length against the duration limit,
 then the decoded length block by block, so a header that lies about its length cannot make the server
-allocate more than the limit allows.
+allocate more than the limit allows. Blocks are mixed down and resampled as they are read: the file's own rate
+and channels are never held whole (a 4-hour 48 kHz stereo upload would be 5.5 GB of float32 samples at its
+rate; at 16 kHz mono it is 0.9 GB).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import soundfile as sf
 
-from models.audio_io import check_waveform, resample, to_mono
+from models.audio_io import ResampleStream, check_waveform, to_mono
 
 BLOCK_FRAMES = 1 << 20  # decode in blocks of about a minute of 16 kHz audio
 ACCEPTED_MEDIA_PREFIXES = ("audio/", "video/")
@@ -67,16 +69,14 @@ def decode_audio(data: bytes, limits: AudioLimits) -> np.ndarray:
             if claimed_s > limits.max_duration_s:
                 raise AudioTooLarge(f"audio is {claimed_s:.1f} s long (per its header); the limit is "
                                     f"{limits.max_duration_s:.0f} s")
-            samples, rate = _read_blocks(f, limits), f.samplerate
+            samples = _read_resampled(f, limits)
     except sf.LibsndfileError as exc:
         raise AudioRequestError(f"cannot decode audio: {exc.error_string or exc}") from exc
     except (RuntimeError, TypeError) as exc:
         raise AudioRequestError(f"cannot decode audio: {exc}") from exc
     if samples.size == 0:
         raise AudioRequestError("the audio has no samples")
-    if not np.isfinite(samples).all():
-        raise AudioRequestError("the audio contains NaN or infinite samples")
-    return check_waveform(resample(samples, rate, limits.sample_rate), "upload")
+    return check_waveform(samples, "upload")
 
 
 def _check_wav_header(data: bytes, limits: AudioLimits) -> None:
@@ -106,9 +106,12 @@ def _check_wav_header(data: bytes, limits: AudioLimits) -> None:
         offset += 8 + size + (size & 1)  # chunks are padded to even sizes
 
 
-def _read_blocks(f: sf.SoundFile, limits: AudioLimits) -> np.ndarray:
-    """Mono blocks until the end of the data (not the header's claim), refusing past the duration limit."""
+def _read_resampled(f: sf.SoundFile, limits: AudioLimits) -> np.ndarray:
+    """Until the end of the data (not the header's claim): mono blocks, resampled as they come (soxr's stream
+    gives the same samples as resampling the whole at once), refused past the duration limit or when a sample
+    is not finite."""
     max_frames = int(limits.max_duration_s * f.samplerate) + 1
+    stream = ResampleStream(f.samplerate, limits.sample_rate)
     blocks, total = [], 0
     while True:
         block = f.read(BLOCK_FRAMES, dtype="float32", always_2d=True)
@@ -117,5 +120,9 @@ def _read_blocks(f: sf.SoundFile, limits: AudioLimits) -> np.ndarray:
         total += len(block)
         if total > max_frames:
             raise AudioTooLarge(f"audio is longer than the limit of {limits.max_duration_s:.0f} s")
-        blocks.append(to_mono(block))
-    return np.concatenate(blocks) if blocks else np.zeros(0, dtype=np.float32)
+        mono = to_mono(block)
+        if not np.isfinite(mono).all():
+            raise AudioRequestError("the audio contains NaN or infinite samples")
+        blocks.append(stream.resample(mono))
+    blocks.append(stream.flush())
+    return np.concatenate(blocks)

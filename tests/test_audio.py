@@ -1,0 +1,58 @@
+"""Upload decoding: resampling block by block gives exactly the samples resampling the whole file gives."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+from models.audio_io import resample, to_mono
+from service import audio
+from service.audio import AudioLimits, AudioRequestError, AudioTooLarge, decode_audio
+
+LIMITS = AudioLimits(max_bytes=50 * 1024 * 1024, max_duration_s=60.0)
+
+
+def _encode(samples: np.ndarray, rate: int, format: str, subtype: str | None = None) -> bytes:
+    buffer = io.BytesIO()
+    sf.write(buffer, samples, rate, format=format, subtype=subtype)
+    return buffer.getvalue()
+
+
+def _whole_file_decode(data: bytes) -> np.ndarray:
+    samples, rate = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
+    return resample(to_mono(samples), rate, 16000)
+
+
+@pytest.mark.parametrize(("rate", "channels", "format", "subtype"), [
+    (48000, 2, "WAV", "PCM_16"), (44100, 1, "FLAC", None), (8000, 1, "WAV", "FLOAT"), (22050, 2, "OGG", "VORBIS"),
+    (16000, 1, "WAV", "PCM_16"), (11025, 3, "WAV", "PCM_24"),
+])
+@pytest.mark.parametrize("block_frames", [4_001, 1 << 20])
+def test_blockwise_decoding_equals_decoding_the_whole_file(monkeypatch, rate, channels, format, subtype,
+                                                           block_frames):
+    monkeypatch.setattr(audio, "BLOCK_FRAMES", block_frames)  # small blocks: dozens of them, and a short last one
+    rng = np.random.default_rng(rate + channels)
+    t = np.arange(int(rate * 3.3)) / rate
+    tone = 0.3 * np.sin(2 * np.pi * 440 * t)[:, None] + 0.05 * rng.standard_normal((len(t), channels))
+    data = _encode(tone.astype(np.float32), rate, format, subtype)
+    decoded = decode_audio(data, LIMITS)
+    assert decoded.dtype == np.float32 and decoded.ndim == 1
+    np.testing.assert_array_equal(decoded, _whole_file_decode(data))
+
+
+def test_a_non_finite_sample_in_a_late_block_is_refused(monkeypatch):
+    monkeypatch.setattr(audio, "BLOCK_FRAMES", 1000)
+    samples = np.zeros((48000, 2), dtype=np.float32)
+    samples[40000, 1] = np.nan
+    with pytest.raises(AudioRequestError, match="NaN or infinite"):
+        decode_audio(_encode(samples, 48000, "WAV", "FLOAT"), LIMITS)
+
+
+def test_audio_longer_than_the_limit_is_refused(monkeypatch):
+    monkeypatch.setattr(audio, "BLOCK_FRAMES", 1000)
+    data = _encode(np.zeros(2 * 44100, dtype=np.float32), 44100, "FLAC")
+    with pytest.raises(AudioTooLarge):
+        decode_audio(data, AudioLimits(max_bytes=LIMITS.max_bytes, max_duration_s=1.0))
