@@ -20,7 +20,7 @@ import soundfile as sf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from service.audio import AudioLimits, decode_audio  # noqa: E402
+from service.audio import AudioLimits, decode_audio
 
 
 def make_upload(minutes: float, rate: int, channels: int, format: str) -> bytes:

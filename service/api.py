@@ -26,10 +26,12 @@ from starlette.datastructures import UploadFile as StarletteUpload
 
 from .audio import AudioRequestError, check_media_type, decode_audio
 from .batcher import Priority, QueueFull
+from .body_limit import FORM_OVERHEAD_BYTES, BodyLimitMiddleware, BodyTooLarge
 from .config import Settings
 from .engine_link import EngineLink
 from .formats import cues, to_srt, to_vtt
 from .http import ApiError, ServiceDep, ServiceState, install_error_handlers, read_upload, require_api_key
+from .job_routes import job_too_large_message
 from .job_routes import router as jobs_router
 from .logs import log_fields
 from .metrics import Metrics
@@ -379,8 +381,21 @@ def _app(service: ServiceState, lifespan: Callable[[FastAPI], Any]) -> FastAPI:
     app.include_router(v1)
     app.include_router(jobs_router)
     app.include_router(ops)
-    app.add_middleware(RequestLogMiddleware, service=service)
+    app.add_middleware(BodyLimitMiddleware, limit_for=_body_limits(service.settings))
+    app.add_middleware(RequestLogMiddleware, service=service)  # added last: outermost, so it sees every answer
     return app
+
+
+def _body_limits(settings: Settings) -> Callable[[str], BodyTooLarge]:
+    """Each route's largest request body: a job submission's uploads together, else one upload and its form."""
+    def limit_for(path: str) -> BodyTooLarge:
+        if path.rstrip("/") == "/v1/jobs":
+            limit = settings.max_job_upload_bytes
+            return BodyTooLarge(limit + FORM_OVERHEAD_BYTES, job_too_large_message(limit), "files", "job_too_large")
+        limit = settings.max_upload_bytes
+        return BodyTooLarge(limit + FORM_OVERHEAD_BYTES, f"upload exceeds the limit of {limit} bytes", "file",
+                            "audio_too_large")
+    return limit_for
 
 
 class RequestLogMiddleware:

@@ -49,11 +49,20 @@ def _store(service: ServiceState) -> JobStore:
     return service.jobs
 
 
+def job_too_large_message(limit: int) -> str:
+    return (f"a job's uploads may total at most {limit} bytes (BATCHASR_MAX_JOB_UPLOAD_BYTES); submit larger sets "
+            "as several jobs, or as paths or URLs")
+
+
 async def _form_items(request: Request, service: ServiceState) -> tuple[list[ItemInput], str | None]:
+    # the body is limited as it arrives (service.body_limit): the files, their boundaries and the other fields
     form = await request.form(max_files=100_000)
     uploads = [f for key in ("files", "file", "files[]") for f in form.getlist(key) if isinstance(f, StarletteUpload)]
     if not uploads:
         raise ApiError(400, "no audio: send one or more multipart `files` fields", param="files", code="missing_file")
+    limit = service.settings.max_job_upload_bytes
+    if sum(upload.size or 0 for upload in uploads) > limit:  # the audio alone, exactly
+        raise ApiError(413, job_too_large_message(limit), param="files", code="job_too_large")
     items = []
     for upload in uploads:
         data, _ = await read_upload(upload, service, param="files")

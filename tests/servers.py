@@ -169,3 +169,26 @@ def serve_process(model: Path, frontends: int = 2, ready_timeout: float = 120,
             if process.poll() is None:
                 process.kill()
                 process.wait(30)
+
+
+class StreamedUpload:
+    """A multipart body with one file field of ``total`` bytes, sent in chunks without a declared length (as
+    chunked transfer encoding), counting the bytes the server took before it answered."""
+
+    boundary = "batchasr-test-boundary"
+
+    def __init__(self, field: str, total: int, chunk: int = 100_000):
+        self.field, self.total, self.chunk = field, total, chunk
+        self.sent = 0
+
+    @property
+    def content_type(self) -> str:
+        return f"multipart/form-data; boundary={self.boundary}"
+
+    def __iter__(self) -> Iterator[bytes]:
+        yield (f'--{self.boundary}\r\nContent-Disposition: form-data; name="{self.field}"; filename="x.wav"\r\n'
+               "Content-Type: audio/wav\r\n\r\n").encode()
+        while self.sent < self.total:
+            self.sent += self.chunk
+            yield bytes(self.chunk)
+        yield f"\r\n--{self.boundary}--\r\n".encode()

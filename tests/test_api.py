@@ -21,7 +21,7 @@ from models import load_model
 from service.config import Settings
 from service.logs import JsonFormatter
 from tests.conftest import REPO, load_script, long_recording
-from tests.servers import run_server, stream_transcription
+from tests.servers import StreamedUpload, run_server, stream_transcription
 
 
 @pytest.fixture(scope="module")
@@ -321,6 +321,24 @@ def test_limits_on_upload_size_and_duration(hybrid, parity_audio):
     with run_server(Settings(max_duration_s=2.0), hybrid) as running:
         long = _post(running.url, data)
         assert long.status_code == 413 and "limit" in long.json()["error"]["message"]
+
+
+def test_bodies_past_the_upload_limit_are_refused_as_they_arrive(hybrid):
+    """Not spooled whole first: a multipart body is parsed (and its files written to disk) before the route
+    sees its size, so without the limit on the body a 200 MB request would be read to its end."""
+    with run_server(Settings(max_upload_bytes=50_000), hybrid) as running:
+        for route in ("/v1/audio/transcriptions", "/v1/transcribe"):
+            declared = httpx.post(f"{running.url}{route}", files={"file": ("x.wav", bytes(5_000_000), "audio/wav")})
+            assert declared.status_code == 413 and declared.json()["error"]["code"] == "audio_too_large"
+            upload = StreamedUpload("file", total=200_000_000)
+            streamed = httpx.post(f"{running.url}{route}", content=upload,
+                                  headers={"content-type": upload.content_type})
+            assert streamed.status_code == 413, streamed.text
+            assert streamed.json()["error"] == {"message": "upload exceeds the limit of 50000 bytes",
+                                                "type": "invalid_request_error", "param": "file",
+                                                "code": "audio_too_large"}
+            assert upload.sent < 20_000_000  # refused within a few MB (the socket's buffers), not at the end
+        assert httpx.get(f"{running.url}/healthz").status_code == 200
 
 
 @pytest.mark.parametrize(

@@ -27,7 +27,7 @@ from service.runtime import READING_SHARE, build_stack
 from service.url_inputs import check_input_url
 from tests.conftest import long_recording
 from tests.redis_server import RedisServer
-from tests.servers import drain_jobs, free_port, run_server
+from tests.servers import StreamedUpload, drain_jobs, free_port, run_server
 
 MODEL_FILE = "tdt.nemo"  # the fastest fixture: one encoder layer
 
@@ -382,6 +382,24 @@ def test_http_jobs_submit_idempotent_poll_results(redis_server, model, parity_au
         assert all(set(r) == {"audio", "status", "text", "tokens", "words", "duration_s", "error"} for r in lines)
         assert httpx.get(f"{running.url}/v1/jobs/job_doesnotexist").status_code == 404
         assert running.metric("batchasr_job_items_total", '{status="completed"}') == 10
+
+
+def test_a_job_submission_past_its_size_limit_is_refused_as_it_arrives(redis_server, model, parity_audio):
+    clip = Path(parity_audio[0]).read_bytes()
+    settings = Settings(redis_url=redis_server.url, max_job_upload_bytes=3 * len(clip))
+    with run_server(settings, model) as running:
+        files = [("files", (f"{i}.wav", clip, "audio/wav")) for i in range(4)]
+        declared = httpx.post(f"{running.url}/v1/jobs", files=files)
+        assert declared.status_code == 413, declared.text
+        assert (declared.json()["error"]["code"], declared.json()["error"]["param"]) == ("job_too_large", "files")
+        assert "paths or URLs" in declared.json()["error"]["message"]
+        upload = StreamedUpload("files", total=200_000_000)
+        streamed = httpx.post(f"{running.url}/v1/jobs", content=upload, headers={"content-type": upload.content_type})
+        assert streamed.status_code == 413 and streamed.json()["error"]["code"] == "job_too_large"
+        assert upload.sent < 20_000_000
+        taken = httpx.post(f"{running.url}/v1/jobs", files=files[:3])  # within the limit with the form around it
+        assert taken.status_code == 202, taken.text
+    assert redis_server.client().xlen(ITEM_STREAM) == 3  # only the job that was taken
 
 
 def test_path_inputs_only_under_the_input_roots(redis_server, model, parity_audio, expected, tmp_path):

@@ -1,0 +1,77 @@
+"""Request bodies refused past their route's limit as they arrive, before anything parses or stores them.
+
+Without this a multipart upload is spooled whole (to memory, then a temporary file) before a route sees its
+size: one request of many GB fills the disk however small the upload limit. A body that says its length is
+refused (413) before a byte of it is read; one that does not (chunked) is refused once it passes the limit.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from .http import ApiError
+
+FORM_OVERHEAD_BYTES = 1 << 20  # multipart boundaries and the form's other fields, beside the audio
+
+
+class BodyTooLarge(ApiError):
+    """A route's largest body (``limit`` bytes), and the 413 it answers past that."""
+
+    def __init__(self, limit: int, message: str, param: str, code: str):
+        super().__init__(413, message, param=param, code=code)
+        self.limit = limit
+
+
+class BodyLimitMiddleware:
+    """Plain ASGI: ``limit_for(path)`` gives a route's largest body in bytes and the error it answers
+    past that. Routes that read their body themselves get ``BodyTooLarge`` (an ApiError) from ``receive``;
+    where FastAPI parses the body first and words the failure as its own 400, the answer is replaced with the
+    413 all the same."""
+
+    def __init__(self, app: Any, limit_for: Callable[[str], BodyTooLarge]):
+        self.app, self.limit_for = app, limit_for
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
+            await self.app(scope, receive, send)
+            return
+        refusal = self.limit_for(scope["path"])
+        limit = refusal.limit
+        declared = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > limit:
+            await _answer(send, refusal)
+            return
+        received = 0
+        too_large = False
+
+        async def counting_receive() -> dict:
+            nonlocal received, too_large
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    too_large = True
+                    raise refusal
+            return message
+
+        answered = False
+
+        async def send_or_refuse(message: dict) -> None:
+            nonlocal answered
+            if not too_large:
+                await send(message)
+            elif not answered:  # whatever the app made of the failed read, the client hears why
+                answered = True
+                await _answer(send, refusal)
+
+        await self.app(scope, counting_receive, send_or_refuse)
+
+
+async def _answer(send: Any, refusal: ApiError) -> None:
+    body = json.dumps(refusal.body()).encode()
+    await send({"type": "http.response.start", "status": refusal.status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
