@@ -24,10 +24,11 @@ from .audio import AudioLimits, AudioRequestError, decode_audio
 from .audio_budget import AudioBudget, AudioClaim
 from .batcher import Priority, QueueFull
 from .formats import to_record
-from .jobs import GROUP, ITEM_STREAM, REDIS_ERRORS, Job, JobInputError, JobStore, item_record, resolve_input_path
+from .jobs import GROUP, ITEM_STREAM, REDIS_ERRORS, JobInputError, JobStore, item_record, resolve_input_path
 from .transcriber import Transcriber
 from .url_inputs import UrlFetcher
-from .webhooks import Delivery, WebhookSender
+from .webhook_worker import WebhookWorker
+from .webhooks import WebhookSender
 
 log = logging.getLogger(__name__)
 
@@ -78,16 +79,18 @@ class JobConsumer:
         self.options = options
         self.decode_pool = decode_pool
         self.webhooks = webhooks
+        self.webhook_deliveries = WebhookWorker(store, webhooks, options.name)
         self._in_flight: set[asyncio.Task] = set()
         self.audio = AudioBudget(options.max_audio_s, options.first_item_s, options.max_reading)
-        self._background: set[asyncio.Task] = set()  # webhook deliveries
         self._last_reclaim = 0.0
         self.connected = False
 
     # --- loops -----------------------------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Consume until ``stop`` is set; then finish (and acknowledge) what is in hand and return."""
+        """Consume until ``stop`` is set; then finish (and acknowledge) what is in hand and return. Webhook
+        deliveries run beside, on a stream of their own (service.webhook_worker)."""
+        webhooks = asyncio.create_task(self.webhook_deliveries.run(stop))
         backoff = 1.0
         while not stop.is_set():
             try:
@@ -100,13 +103,11 @@ class JobConsumer:
                     await asyncio.wait_for(stop.wait(), backoff)
                 backoff = min(MAX_BACKOFF_S, backoff * 2)
         await self._finish_in_flight()
+        await webhooks
         await self.close()
 
     async def close(self) -> None:
-        """Let webhook deliveries in progress finish, then release the URL fetcher's and the webhook sender's
-        connections (``run`` does this when it returns)."""
-        if self._background:
-            await asyncio.gather(*self._background, return_exceptions=True)
+        """Release the URL fetcher's and the webhook sender's connections (``run`` does this when it returns)."""
         for client in (self.urls, self.webhooks):
             if client is not None:
                 await client.close()
@@ -118,6 +119,7 @@ class JobConsumer:
             started = await self._step(block_ms=100)
             await self._finish_in_flight()
             idle = idle + 1 if not started and await self.store.stream_lag() == 0 else 0
+        await self.webhook_deliveries.drain()
 
     async def _step(self, block_ms: int | None = None) -> int:
         """Start what fits in the prefetch window and the audio budget; returns how many items were started."""
@@ -129,6 +131,7 @@ class JobConsumer:
         if room > 0 and loop.time() - self._last_reclaim >= self.options.reclaim_interval_s:
             self._last_reclaim = loop.time()
             messages += await self._reclaim(room)
+            await self.store.trim_acknowledged()
         room -= len(messages)
         if room > 0:
             wait = self.options.block_ms if block_ms is None else block_ms
@@ -255,19 +258,3 @@ class JobConsumer:
         if outcome == 2:
             job = await self.store.get(job_id)
             self.metrics.count_job(job.status.value)
-            if job.webhook_url:
-                task = asyncio.create_task(self._notify(job))
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
-
-    async def _notify(self, job: Job) -> None:
-        """Deliver the finished job's webhook, and record on the job how that went."""
-        if self.webhooks is None:
-            delivery = Delivery(False, 0, "the worker that finished the job cannot sign webhooks (it has no "
-                                          "BATCHASR_WEBHOOK_SECRET)")
-        else:
-            delivery = await self.webhooks.job_finished(job)
-        try:
-            await self.store.record_webhook(job.id, delivery.delivered, delivery.attempts, delivery.error)
-        except REDIS_ERRORS as exc:
-            log.warning("could not record the webhook delivery of %s: %s", job.id, exc)

@@ -330,6 +330,27 @@ def test_item_that_keeps_killing_workers_is_failed_after_max_attempts(redis_serv
     assert records[1]["error"] == "gave up after 3 attempts: worker killed (out of memory)"
 
 
+def test_the_stream_keeps_only_entries_not_yet_acknowledged(redis_server, parity_audio):
+    async def scenario() -> None:
+        store = JobStore.from_url(redis_server.url)
+        await store.ensure_group()
+        await store.submit(_uploads(parity_audio, 10))
+        everything = [message_id for message_id, _ in await store.redis.xrange(ITEM_STREAM)]
+        reply = await store.redis.xreadgroup(GROUP, "c", {ITEM_STREAM: ">"}, count=6)
+        delivered = [message_id for message_id, _ in reply[0][1]]
+        await store.redis.xack(ITEM_STREAM, GROUP, *delivered[:3], delivered[4])  # 3 and 5 still pending
+        await store.trim_acknowledged()
+        assert [m for m, _ in await store.redis.xrange(ITEM_STREAM)] == everything[3:]  # from the oldest pending
+        await store.redis.xack(ITEM_STREAM, GROUP, delivered[3], delivered[5])
+        await store.trim_acknowledged()
+        # all delivered ones acknowledged: kept from the last delivered on, and the four never delivered
+        assert [m for m, _ in await store.redis.xrange(ITEM_STREAM)] == everything[5:]
+        assert await store.stream_lag() == 4  # the group's lag still counts right after trimming
+        await store.close()
+
+    asyncio.run(scenario())
+
+
 def test_cancel_stops_unstarted_items(redis_server, model, parity_audio):
     items = _uploads(parity_audio, 20)
     state = {}

@@ -21,8 +21,9 @@ import pytest
 
 from models import load_model
 from service.config import Settings
-from service.jobs import ITEM_STREAM, ItemInput, Job, JobStatus, JobStore
+from service.jobs import GROUP, ITEM_STREAM, WEBHOOK_STREAM, ItemInput, Job, JobStatus, JobStore
 from service.url_rules import NoPublicAddress, PublicAddressResolver, UrlRefused
+from service.webhook_worker import WebhookWorker
 from service.webhooks import WebhookSender, check_webhook_url
 from tests.servers import drain_jobs, run_server
 
@@ -37,17 +38,22 @@ def model(parity_dir):
 
 class Receiver:
     """A real HTTP server taking webhook POSTs on every interface: it answers with ``statuses`` in turn (the
-    last one from then on) and keeps what it was sent."""
+    last one from then on) and keeps what it was sent. A status of None holds the answer (a receiver that
+    hangs) until ``release`` is set, then answers 200."""
 
-    def __init__(self, *statuses: int):
+    def __init__(self, *statuses: int | None):
         self.statuses = list(statuses) or [200]
         self.received: list[tuple[dict[str, str], bytes]] = []
+        self.release = threading.Event()
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):
                 receiver.received.append((dict(self.headers), self.rfile.read(int(self.headers["content-length"]))))
                 status = receiver.statuses[min(len(receiver.received), len(receiver.statuses)) - 1]
+                if status is None:
+                    receiver.release.wait(30)
+                    status = 200
                 self.send_response(status)
                 if 300 <= status < 400:
                     self.send_header("Location", "http://127.0.0.1:9/elsewhere")
@@ -68,6 +74,7 @@ class Receiver:
         return f"http://{host}:{self.port}/"
 
     def close(self) -> None:
+        self.release.set()
         self.server.shutdown()
         self.server.server_close()
 
@@ -76,7 +83,7 @@ class Receiver:
 def receiver():
     made: list[Receiver] = []
 
-    def make(*statuses: int) -> Receiver:
+    def make(*statuses: int | None) -> Receiver:
         made.append(Receiver(*statuses))
         return made[-1]
 
@@ -258,3 +265,84 @@ def test_submit_cli_asks_for_a_webhook(redis_server, model, parity_audio, receiv
         assert json.loads(hook.received[0][1])["data"]["id"] == job["id"]
         refused = submit("http://10.0.0.1/hook")
     assert refused.returncode == 2 and "not under the server's webhook URL prefixes" in refused.stderr
+
+
+# --- at least once: deliveries are queued with the job's end, and survive the worker that took them ------------
+
+
+async def _finished_job_with_webhook(store: JobStore, url: str) -> str:
+    """A job ended by cancelling its one queued item: the script that ends it queues the webhook."""
+    job, _ = await store.submit([ItemInput(audio="a.wav", upload=b"RIFF")], webhook_url=url)
+    await store.cancel(job.id)
+    return job.id
+
+
+async def _deliver_the_rest(store: JobStore, hook: Receiver, job_id: str, **options: float) -> Job:
+    """Deliver what is queued with a fresh worker; the job after (the store is closed)."""
+    sender = WebhookSender(SECRET, url_prefixes=[hook.prefix()])
+    await WebhookWorker(store, sender, "next", **options).drain()
+    await sender.close()
+    job = await store.get(job_id)
+    await store.close()
+    return job
+
+
+def test_a_job_cancelled_before_any_worker_took_it_still_gets_its_webhook(redis_server, receiver):
+    hook = receiver(200)
+
+    async def scenario() -> Job:
+        store = JobStore.from_url(redis_server.url)
+        await store.ensure_group()
+        job_id = await _finished_job_with_webhook(store, hook.url())
+        return await _deliver_the_rest(store, hook, job_id)
+
+    job = asyncio.run(scenario())
+    assert (job.status, job.webhook_status, job.webhook_attempts) == (JobStatus.CANCELLED, "delivered", 1)
+    assert json.loads(hook.received[0][1])["data"] == {"id": job.id, "status": "cancelled"}
+    assert redis_server.client().xpending(WEBHOOK_STREAM, GROUP)["pending"] == 0
+
+
+def test_a_delivery_whose_worker_died_is_reclaimed_by_another(redis_server, receiver):
+    hook = receiver(None, 200)  # the first delivery hangs: its worker dies meanwhile
+
+    async def scenario() -> Job:
+        store = JobStore.from_url(redis_server.url)
+        await store.ensure_group()
+        job_id = await _finished_job_with_webhook(store, hook.url())
+        doomed = WebhookWorker(store, WebhookSender(SECRET, url_prefixes=[hook.prefix()]), "doomed")
+        assert await doomed.step(block_ms=100) == 1
+        await asyncio.to_thread(_wait_for, lambda: hook.received, 10, "the first delivery never arrived")
+        for task in list(doomed._deliveries):  # killed: no acknowledgement, no hand-back
+            task.cancel()
+        await asyncio.sleep(0.6)
+        await doomed.sender.close()
+        return await _deliver_the_rest(store, hook, job_id, claim_idle_s=0.5)
+
+    job = asyncio.run(scenario())
+    assert (job.webhook_status, job.webhook_attempts) == ("delivered", 1)
+    assert len(hook.received) == 2  # the same message twice, as at-least-once allows
+    assert len({headers["webhook-id"] for headers, _ in hook.received}) == 1
+    assert redis_server.client().xpending(WEBHOOK_STREAM, GROUP)["pending"] == 0
+
+
+def test_a_stopping_worker_hands_its_deliveries_back_at_once(redis_server, receiver):
+    hook = receiver(None, 200)
+
+    async def scenario() -> Job:
+        store = JobStore.from_url(redis_server.url)
+        await store.ensure_group()
+        job_id = await _finished_job_with_webhook(store, hook.url())
+        stop = asyncio.Event()
+        stopping = WebhookWorker(store, WebhookSender(SECRET, url_prefixes=[hook.prefix()]), "stopping",
+                                 stop_grace_s=0.2)
+        running = asyncio.create_task(stopping.run(stop, block_ms=100))
+        await asyncio.to_thread(_wait_for, lambda: hook.received, 10, "the first delivery never arrived")
+        stop.set()
+        await running
+        assert redis_server.client().xpending(WEBHOOK_STREAM, GROUP)["pending"] == 0  # handed back, not held
+        await stopping.sender.close()
+        return await _deliver_the_rest(store, hook, job_id)  # at once: no claim timeout to wait for
+
+    job = asyncio.run(scenario())
+    assert (job.webhook_status, job.webhook_attempts) == ("delivered", 1)
+    assert len(hook.received) == 2

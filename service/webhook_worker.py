@@ -1,0 +1,126 @@
+"""Delivers finished jobs' completion webhooks, at least once, whatever happens to the worker that finished them.
+
+The script that finishes a job with a webhook also queues its delivery on the webhook stream, read by the
+workers' consumer group as the items are. A delivery is acknowledged in the transaction that records its
+outcome on the job; one a worker dropped (killed mid-delivery) is reclaimed after ``CLAIM_IDLE_S``; one a
+stopping worker had in hand is queued again at once. A receiver may therefore get a message twice: its
+``webhook-id`` stays the same, for the receiver to drop the second, as Standard Webhooks asks of receivers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+
+from .jobs import GROUP, REDIS_ERRORS, WEBHOOK_STREAM, JobNotFound, JobStore
+from .webhooks import Delivery, WebhookSender
+
+log = logging.getLogger(__name__)
+
+CLAIM_IDLE_S = 300.0  # longer than one delivery can take: 6 attempts of at most 10 s each, and 48 s of pauses
+STOP_GRACE_S = 5.0  # a stopping worker lets deliveries run this long, then hands the rest back
+IN_FLIGHT = 32  # deliveries at once, per worker
+MAX_BACKOFF_S = 30.0
+NO_SECRET = "the worker that took the delivery cannot sign webhooks (it has no BATCHASR_WEBHOOK_SECRET)"
+
+
+class WebhookWorker:
+    """One consumer's share of the webhook stream. ``sender`` None: deliveries are recorded as failed, with why."""
+
+    def __init__(self, store: JobStore, sender: WebhookSender | None, name: str, in_flight: int = IN_FLIGHT,
+                 claim_idle_s: float = CLAIM_IDLE_S, reclaim_interval_s: float = 5.0,
+                 stop_grace_s: float = STOP_GRACE_S):
+        self.store = store
+        self.sender = sender
+        self.name = name
+        self.in_flight = in_flight
+        self.claim_idle_s = claim_idle_s
+        self.reclaim_interval_s = reclaim_interval_s
+        self.stop_grace_s = stop_grace_s
+        self._deliveries: dict[asyncio.Task, tuple[bytes, str]] = {}  # task -> (stream entry, job id)
+        self._last_reclaim = -math.inf
+
+    async def run(self, stop: asyncio.Event, block_ms: int = 1000) -> None:
+        """Deliver until ``stop`` is set; then give deliveries in progress ``stop_grace_s`` and hand back the rest."""
+        backoff = 1.0
+        while not stop.is_set():
+            try:
+                await self.step(block_ms)
+                backoff = 1.0
+            except REDIS_ERRORS as exc:
+                log.warning("redis unreachable for webhooks (%s); retrying in %.0f s", exc, backoff)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), backoff)
+                backoff = min(MAX_BACKOFF_S, backoff * 2)
+        await self._hand_back()
+
+    async def drain(self) -> None:
+        """Burst mode (tests, one-off runs): deliver until the stream has nothing left for this consumer."""
+        while await self.step(block_ms=100) or self._deliveries:
+            await asyncio.gather(*self._deliveries, return_exceptions=True)
+
+    async def step(self, block_ms: int) -> int:
+        """Start the deliveries there is room for (reclaiming stalled ones first); returns how many started."""
+        room = self.in_flight - len(self._deliveries)
+        if room <= 0:
+            await asyncio.wait(self._deliveries, timeout=block_ms / 1000, return_when=asyncio.FIRST_COMPLETED)
+            return 0
+        entries: list[tuple[bytes, dict]] = []
+        loop = asyncio.get_running_loop()
+        if loop.time() - self._last_reclaim >= self.reclaim_interval_s:
+            self._last_reclaim = loop.time()
+            entries += await self._reclaim(room)
+        if len(entries) < room:
+            reply = await self.store.redis.xreadgroup(GROUP, self.name, {WEBHOOK_STREAM: ">"},
+                                                      count=room - len(entries), block=block_ms)
+            for _, new in reply or []:
+                entries += new
+        for message_id, fields in entries:
+            job_id = fields.get(b"job", b"").decode(errors="replace")
+            task = asyncio.create_task(self._deliver(message_id, job_id))
+            self._deliveries[task] = (message_id, job_id)
+            task.add_done_callback(self._deliveries.pop)
+        return len(entries)
+
+    async def _reclaim(self, count: int) -> list[tuple[bytes, dict]]:
+        reply = await self.store.redis.xautoclaim(WEBHOOK_STREAM, GROUP, self.name, int(self.claim_idle_s * 1000),
+                                                  "0-0", count=count)
+        claimed = [(message_id, fields) for message_id, fields in reply[1] if fields]
+        if claimed:
+            log.info("reclaimed %d webhook deliveries from stalled consumers", len(claimed))
+        for message_id in reply[2] if len(reply) > 2 else []:  # entries trimmed away while pending
+            await self.store.ack_webhook(message_id)
+        return claimed
+
+    async def _deliver(self, message_id: bytes, job_id: str) -> None:
+        try:
+            try:
+                job = await self.store.get(job_id)
+            except JobNotFound:  # expired, or an entry naming no job
+                await self.store.ack_webhook(message_id)
+                return
+            if not job.webhook_url or job.webhook_status in ("delivered", "failed"):  # done by another worker
+                await self.store.ack_webhook(message_id)
+                return
+            delivery = Delivery(False, 0, NO_SECRET) if self.sender is None else await self.sender.job_finished(job)
+            await self.store.record_webhook(job.id, message_id, delivery.delivered, delivery.attempts, delivery.error)
+        except REDIS_ERRORS as exc:  # unacknowledged: reclaimed after the claim timeout
+            log.warning("redis error delivering the webhook of %s (%s); it will be retried", job_id, exc)
+
+    async def _hand_back(self) -> None:
+        if not self._deliveries:
+            return
+        _, running = await asyncio.wait(self._deliveries, timeout=self.stop_grace_s)
+        handed = [self._deliveries[task] for task in running]
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+        for message_id, job_id in handed:
+            try:
+                await self.store.requeue_webhook(message_id, job_id)
+            except REDIS_ERRORS as exc:  # still pending: reclaimed after the claim timeout
+                log.warning("could not hand back the webhook of %s (%s)", job_id, exc)
+        if handed:
+            log.info("handed back %d webhook deliveries in progress", len(handed))
