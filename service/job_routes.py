@@ -13,7 +13,7 @@ from starlette.datastructures import UploadFile as StarletteUpload
 
 from .config import Settings
 from .http import ApiError, ServiceDep, ServiceState, read_upload, require_api_key
-from .jobs import REDIS_ERRORS, ItemInput, JobInputError, JobNotFound, JobStore, resolve_input_path
+from .jobs import REDIS_ERRORS, REDIS_FULL, ItemInput, JobInputError, JobNotFound, JobStore, resolve_input_path
 from .url_inputs import check_input_url
 from .url_rules import UrlRefused
 from .webhooks import check_webhook_url
@@ -120,6 +120,9 @@ async def create_job(request: Request, service: ServiceDep,
         raise ApiError(400, str(exc), param="items", code="invalid_input") from exc
     except REDIS_ERRORS as exc:
         raise _redis_down(exc) from exc
+    except REDIS_FULL as exc:  # nothing of the job was written: the same request (and key) can be sent again
+        raise ApiError(503, "the job store (Redis) is out of memory; nothing was queued, retry later",
+                       type="server_error", code="job_store_full", headers={"Retry-After": "30"}) from exc
     return JSONResponse(job.to_dict(), status_code=202 if created else 200)
 
 

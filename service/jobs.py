@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import OutOfMemoryError
 
 # --- the key schema, in one place ----------------------------------------------------------------------------
 PREFIX = "batchasr"
@@ -37,6 +38,7 @@ RESULTS_KEY = PREFIX + ":job:{job_id}:results"  # hash index -> result JSON, wri
 UPLOAD_KEY = PREFIX + ":upload:{job_id}:{index}"  # audio bytes, with the input TTL
 IDEMPOTENCY_KEY = PREFIX + ":idempotency:{key}"  # -> job id
 REDIS_ERRORS = (aioredis.ConnectionError, aioredis.TimeoutError, ConnectionError, OSError)
+REDIS_FULL = OutOfMemoryError  # Redis at its maxmemory (with noeviction, as a job store must be) refused a write
 JOB_KEYS = (JOB_KEY, INPUTS_KEY, STATES_KEY, ATTEMPTS_KEY, ERRORS_KEY, RESULTS_KEY)
 
 
@@ -241,14 +243,29 @@ class JobStore:
                 raise JobInputError(f"{item.audio}: {len(item.upload)} bytes exceeds the upload limit "
                                     f"of {self.max_upload_bytes}")
         job_id = "job_" + secrets.token_urlsafe(18)  # random and unguessable
-        if idempotency_key:
-            key = IDEMPOTENCY_KEY.format(key=idempotency_key)
-            if not await self.redis.set(key, job_id, nx=True, ex=self.result_ttl_s):
-                existing = await self.redis.get(key)
-                return await self.get(existing.decode()), False
         await self.ensure_group()
-        now = _now()
-        pipe = self.redis.pipeline(transaction=True)
+        key = IDEMPOTENCY_KEY.format(key=idempotency_key) if idempotency_key else None
+        async with self.redis.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    if key is not None:
+                        await pipe.watch(key)
+                        existing = await pipe.get(key)
+                        if existing is not None:
+                            await pipe.reset()
+                            return await self.get(existing.decode()), False
+                    pipe.multi()
+                    if key is not None:  # set with the job, in one transaction: never a key naming no job
+                        pipe.set(key, job_id, ex=self.result_ttl_s)
+                    self._queue_job(pipe, job_id, items, webhook_url)
+                    await pipe.execute()
+                    break
+                except aioredis.WatchError:  # another request with this key got there first: take its job
+                    continue
+        return await self.get(job_id), True
+
+    def _queue_job(self, pipe: Any, job_id: str, items: list[ItemInput], webhook_url: str | None) -> None:
+        """The writes that create a job and queue its items, added to ``pipe`` (a transaction)."""
         inputs, states = {}, {}
         for index, item in enumerate(items):
             record: dict[str, Any] = {"audio": item.audio}
@@ -263,7 +280,7 @@ class JobStore:
             inputs[index] = json.dumps(record)
             states[index] = "queued"
         pipe.hset(JOB_KEY.format(job_id=job_id), mapping={
-            "status": JobStatus.QUEUED.value, "created_at": now, "total": len(items), "n_queued": len(items),
+            "status": JobStatus.QUEUED.value, "created_at": _now(), "total": len(items), "n_queued": len(items),
             "n_in_progress": 0, "n_completed": 0, "n_failed": 0, "n_cancelled": 0, "audio_s": 0, "compute_s": 0,
             "webhook_url": webhook_url or "", "webhook_status": "pending" if webhook_url else ""})
         pipe.hset(INPUTS_KEY.format(job_id=job_id), mapping=inputs)
@@ -272,8 +289,6 @@ class JobStore:
             pipe.xadd(ITEM_STREAM, {"job": job_id, "index": index})
         for template in JOB_KEYS:
             pipe.expire(template.format(job_id=job_id), self.input_ttl_s + self.result_ttl_s)
-        await pipe.execute()
-        return await self.get(job_id), True
 
     # --- reading -----------------------------------------------------------------------------------------
 

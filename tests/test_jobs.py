@@ -22,7 +22,7 @@ from models import load_model
 from service import url_inputs
 from service.batcher import POOL_FACTOR
 from service.config import Settings
-from service.jobs import DEAD_LETTER_STREAM, GROUP, ITEM_STREAM, RESULTS_KEY, ItemInput, JobInputError, JobStore
+from service.jobs import DEAD_LETTER_STREAM, GROUP, ITEM_STREAM, RESULTS_KEY, ItemInput, Job, JobInputError, JobStore
 from service.runtime import READING_SHARE, build_stack
 from service.url_inputs import check_input_url
 from tests.conftest import long_recording
@@ -403,6 +403,41 @@ def test_http_jobs_submit_idempotent_poll_results(redis_server, model, parity_au
         assert all(set(r) == {"audio", "status", "text", "tokens", "words", "duration_s", "error"} for r in lines)
         assert httpx.get(f"{running.url}/v1/jobs/job_doesnotexist").status_code == 404
         assert running.metric("batchasr_job_items_total", '{status="completed"}') == 10
+
+
+def test_a_submission_redis_refused_for_memory_leaves_its_idempotency_key_free(redis_server, model, parity_audio):
+    """Nothing of a job is written unless all of it is: the key too. (It used to be set first, so a retry of a
+    submission Redis refused answered 404 for the job the key named, for as long as the key lived.)"""
+    client = redis_server.client()
+    files = [("files", (Path(p).name, Path(p).read_bytes(), "audio/wav")) for p in parity_audio]
+    headers = {"Idempotency-Key": "nightly-42"}
+    with run_server(Settings(redis_url=redis_server.url), model) as running:
+        client.config_set("maxmemory-policy", "noeviction")
+        client.config_set("maxmemory", client.info("memory")["used_memory"] + 100_000)  # less than the clips
+        full = httpx.post(f"{running.url}/v1/jobs", files=files, headers=headers)
+        assert full.status_code == 503 and full.json()["error"]["code"] == "job_store_full", full.text
+        assert full.headers["retry-after"] == "30"
+        assert client.xlen(ITEM_STREAM) == 0 and client.keys("batchasr:idempotency:*") == []
+        client.config_set("maxmemory", 0)
+        retried = httpx.post(f"{running.url}/v1/jobs", files=files, headers=headers)
+        assert retried.status_code == 202, retried.text
+        again = httpx.post(f"{running.url}/v1/jobs", files=files, headers=headers)
+        assert again.status_code == 200 and again.json()["id"] == retried.json()["id"]
+
+
+def test_concurrent_submissions_with_one_idempotency_key_make_one_job(redis_server, parity_audio):
+    async def scenario() -> list[tuple[Job, bool]]:
+        stores = [JobStore.from_url(redis_server.url) for _ in range(8)]
+        try:
+            return await asyncio.gather(*(store.submit(_uploads(parity_audio, 3), "same-key") for store in stores))
+        finally:
+            for store in stores:
+                await store.close()
+
+    outcomes = asyncio.run(scenario())
+    assert len({job.id for job, _ in outcomes}) == 1
+    assert sum(created for _, created in outcomes) == 1
+    assert redis_server.client().xlen(ITEM_STREAM) == 3  # one job's items, once
 
 
 def test_a_job_submission_past_its_size_limit_is_refused_as_it_arrives(redis_server, model, parity_audio):
