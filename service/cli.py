@@ -201,6 +201,9 @@ def _submit_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output", type=Path, help="write result lines here instead of stdout")
     p.add_argument("--idempotency-key", help="resubmitting with the same key returns the same job")
     p.add_argument("--webhook-url", help="POSTed to (signed) when the job finishes; the server must allow it")
+    p.add_argument("--job-bytes", default="256M", metavar="SIZE",
+                   help="uploads a job holds at most (e.g. 256M, 1G); more audio goes as several jobs, in order "
+                        "(default 256M; a server takes at most BATCHASR_MAX_JOB_UPLOAD_BYTES a job)")
     p.add_argument("--url-list", action="append", default=[], metavar="FILE",
                    help="http(s) URLs to submit, one a line ('-': standard input); the workers fetch them")
     p.add_argument("paths", nargs="*", metavar="FILES_DIRS_OR_URLS")
@@ -208,9 +211,10 @@ def _submit_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from .jobs_cli import collect_audio, run_submit
+    from .jobs_cli import collect_audio, parse_size, run_submit
 
     try:
+        job_bytes = parse_size(args.job_bytes)
         inputs = collect_audio(args.paths, args.url_list)
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -220,7 +224,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         return 2
     with open(args.output, "w", encoding="utf-8") if args.output else contextlib.nullcontext(sys.stdout) as out:
         return asyncio.run(run_submit(inputs, args.redis_url, args.server, args.api_key, args.wait, out,
-                                      args.idempotency_key, webhook_url=args.webhook_url))
+                                      args.idempotency_key, webhook_url=args.webhook_url, job_bytes=job_bytes))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import signal
@@ -15,10 +16,12 @@ from typing import Any, TextIO
 import httpx
 
 from .config import Settings
-from .jobs import REDIS_ERRORS, ItemInput, JobStore
+from .jobs import REDIS_ERRORS, REDIS_FULL, ItemInput, JobStore
 
 log = logging.getLogger(__name__)
 
+JOB_BYTES = 256 * 1024 * 1024  # uploads per job by default: well under a server's MAX_JOB_UPLOAD_BYTES (1 GiB)
+SIZE_SUFFIXES = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3}
 AUDIO_SUFFIXES = {".wav", ".flac", ".ogg", ".oga", ".opus", ".mp3", ".aif", ".aiff", ".au", ".w64", ".caf"}
 FINAL_STATUSES = {"completed", "completed_with_errors", "failed", "cancelled"}
 
@@ -88,6 +91,29 @@ def collect_audio(paths: list[str], url_lists: Sequence[str] = ()) -> list[Input
     return found
 
 
+def parse_size(text: str) -> int:
+    """Bytes from ``1048576``, ``512K``, ``256M`` or ``1G`` (binary multiples)."""
+    number, suffix = (text[:-1], text[-1].upper()) if text[-1:].isalpha() else (text, "")
+    if suffix not in SIZE_SUFFIXES or not number.isdigit() or int(number) < 1:
+        raise ValueError(f"{text!r}: give a size as a number of bytes, or with K, M or G")
+    return int(number) * SIZE_SUFFIXES[suffix]
+
+
+def split_into_jobs(inputs: list[Input], max_bytes: int) -> list[list[Input]]:
+    """Runs of consecutive inputs whose uploads total at most ``max_bytes`` (a URL counts its length; a file
+    larger than that goes alone), files and URLs in separate runs: each run one job, in input order."""
+    jobs: list[list[Input]] = []
+    size = 0
+    for source in inputs:
+        n = len(source) if isinstance(source, str) else source.stat().st_size
+        if not jobs or size + n > max_bytes or isinstance(jobs[-1][-1], str) != isinstance(source, str):
+            jobs.append([])
+            size = 0
+        jobs[-1].append(source)
+        size += n
+    return jobs
+
+
 def item_input(source: Input) -> ItemInput:
     """A job item for a local file (its bytes, uploaded) or a URL (fetched by the worker)."""
     if isinstance(source, str):
@@ -125,15 +151,15 @@ class _ServerClient:
         """Files as multipart uploads; URLs as a JSON job (the server fetches them)."""
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
         urls = [source for source in inputs if isinstance(source, str)]
-        if urls and len(urls) < len(inputs):
-            raise ValueError("through --server, submit URLs and local files as separate jobs")
-        if urls:
+        if urls:  # split_into_jobs keeps files and URLs apart
             body = {"items": [{"url": url} for url in urls], "webhook_url": webhook_url}
             response = await self.http.post("/v1/jobs", json=body, headers=headers)
         else:
-            parts = [("files", (p.name, p.read_bytes(), "application/octet-stream")) for p in inputs]
-            form = {"webhook_url": webhook_url} if webhook_url else None
-            response = await self.http.post("/v1/jobs", files=parts, data=form, headers=headers)
+            with contextlib.ExitStack() as files:  # streamed from disk, not read into memory first
+                parts = [("files", (p.name, files.enter_context(open(p, "rb")), "application/octet-stream"))
+                         for p in inputs if isinstance(p, Path)]
+                form = {"webhook_url": webhook_url} if webhook_url else None
+                response = await self.http.post("/v1/jobs", files=parts, data=form, headers=headers)
         if response.is_client_error:  # the server's reason (a URL it does not take, ...), not just the status
             raise ValueError(f"the server refused the job: {response.json()['error']['message']}")
         response.raise_for_status()
@@ -175,30 +201,50 @@ class _RedisClient:
 
 async def run_submit(inputs: list[Input], redis_url: str | None, server: str | None, api_key: str | None, wait: bool,
                      output: TextIO, idempotency_key: str | None = None, poll_s: float = 1.0,
-                     progress: Callable[[], Progress] = Progress, webhook_url: str | None = None) -> int:
+                     progress: Callable[[], Progress] = Progress, webhook_url: str | None = None,
+                     job_bytes: int = JOB_BYTES) -> int:
+    """Submit ``inputs`` as one job, or as several of at most ``job_bytes`` of uploads each (in input order; with
+    an idempotency key, the n-th job's key is ``KEY.n``); with ``wait``, follow them and write every result in
+    input order."""
     client = _ServerClient(server, api_key) if server else _RedisClient(redis_url or "")
+    parts = split_into_jobs(inputs, job_bytes)
     try:
-        job = await client.submit(inputs, idempotency_key, webhook_url)
-        print(f"job {job['id']}: {job['total_items']} items", file=sys.stderr)
+        jobs = []
+        for number, part in enumerate(parts, start=1):
+            key = f"{idempotency_key}.{number}" if idempotency_key and len(parts) > 1 else idempotency_key
+            jobs.append(await client.submit(part, key, webhook_url))
+            print(f"job {jobs[-1]['id']}: {jobs[-1]['total_items']} items", file=sys.stderr)
         if not wait:
-            output.write(json.dumps(job) + "\n")
+            output.writelines(json.dumps(job) + "\n" for job in jobs)
             return 0
         bar = progress()
-        while job["status"] not in FINAL_STATUSES:
-            bar.update(job)
+        while True:
+            bar.update(_overall(jobs))
+            if all(job["status"] in FINAL_STATUSES for job in jobs):
+                break
             await asyncio.sleep(poll_s)
-            job = await client.get(job["id"])
-        bar.update(job)
+            jobs = [job if job["status"] in FINAL_STATUSES else await client.get(job["id"]) for job in jobs]
         bar.close()
-        for source, record in zip(inputs, await client.results(job["id"]), strict=True):
-            output.write(json.dumps({**record, "audio": str(source)}, ensure_ascii=False) + "\n")
-        print(f"job {job['id']}: {job['status']}, RTFx {job['rtfx']}", file=sys.stderr)
-        return 0 if job["status"] == "completed" else 1
+        for part, job in zip(parts, jobs, strict=True):
+            for source, record in zip(part, await client.results(job["id"]), strict=True):
+                output.write(json.dumps({**record, "audio": str(source)}, ensure_ascii=False) + "\n")
+            print(f"job {job['id']}: {job['status']}, RTFx {job['rtfx']}", file=sys.stderr)
+        return 0 if all(job["status"] == "completed" for job in jobs) else 1
     except (httpx.HTTPError, *REDIS_ERRORS) as exc:
         print(f"error: cannot reach {'the server' if server else 'Redis'}: {exc}", file=sys.stderr)
+        return 2
+    except REDIS_FULL:
+        print("error: Redis is out of memory: nothing of that job was queued (submit fewer bytes a job with "
+              "--job-bytes, or raise Redis's maxmemory)", file=sys.stderr)
         return 2
     except ValueError as exc:  # a job the server or the store refused, with the reason
         print(f"error: {exc}", file=sys.stderr)
         return 2
     finally:
         await client.close()
+
+
+def _overall(jobs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The jobs' progress as one job's, for the progress bar."""
+    counts = {state: sum(job["counts"][state] for job in jobs) for state in ("completed", "failed", "cancelled")}
+    return {"total_items": sum(job["total_items"] for job in jobs), "counts": counts}

@@ -23,6 +23,7 @@ from service import url_inputs
 from service.batcher import POOL_FACTOR
 from service.config import Settings
 from service.jobs import DEAD_LETTER_STREAM, GROUP, ITEM_STREAM, RESULTS_KEY, ItemInput, Job, JobInputError, JobStore
+from service.jobs_cli import parse_size, split_into_jobs
 from service.runtime import READING_SHARE, build_stack
 from service.url_inputs import check_input_url
 from tests.conftest import long_recording
@@ -508,6 +509,45 @@ def test_submit_cli_to_unreachable_redis(parity_audio):
     assert result.returncode == 2 and "cannot reach Redis" in result.stderr
 
 
+def test_submit_cli_splits_more_audio_than_a_job_takes_into_several(redis_server, model, parity_audio, expected,
+                                                                     tmp_path):
+    sizes = [Path(p).stat().st_size for p in sorted(parity_audio)]
+    settings = Settings(redis_url=redis_server.url, max_job_upload_bytes=350_000)
+    with run_server(settings, model) as running:
+        out = tmp_path / "results.jsonl"
+        audio_dir = Path(parity_audio[0]).parent
+        whole = subprocess.run([sys.executable, "-m", "service.cli", "submit", "--server", running.url,
+                                "--job-bytes", "1M", str(audio_dir)], capture_output=True, text=True, timeout=120)
+        assert whole.returncode == 2 and "BATCHASR_MAX_JOB_UPLOAD_BYTES" in whole.stderr  # one job: too large
+        result = subprocess.run([sys.executable, "-m", "service.cli", "submit", "--server", running.url, "--wait",
+                                 "--job-bytes", "300K", "--idempotency-key", "set-1", "--output", str(out),
+                                 str(audio_dir)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    jobs = [line for line in result.stderr.splitlines() if line.endswith(" items")]
+    assert len(jobs) == len(split_into_jobs([Path(p) for p in sorted(parity_audio)], 300 * 1024)) > 2
+    assert sum(sizes) > 350_000
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [Path(r["audio"]).name for r in lines] == sorted(Path(p).name for p in parity_audio)  # input order
+    assert all(r["text"] == expected[Path(r["audio"]).name] for r in lines)
+    keys = {key.decode() for key in redis_server.client().keys("batchasr:idempotency:*")}
+    assert keys == {f"batchasr:idempotency:set-1.{n}" for n in range(1, len(jobs) + 1)}  # one key per job
+
+
+def test_jobs_are_split_by_upload_bytes_in_order(tmp_path):
+    files = []
+    for name, size in (("a", 100), ("b", 150), ("c", 400), ("d", 50), ("e", 60)):
+        files.append(tmp_path / f"{name}.wav")
+        files[-1].write_bytes(bytes(size))
+    url = "https://media.example/x.wav"
+    jobs = split_into_jobs([*files[:2], url, *files[2:]], 300)
+    assert jobs == [files[:2], [url], [files[2]], files[3:]]  # c is larger than a job alone: it goes alone
+    assert split_into_jobs(files, 10_000) == [files]
+    assert parse_size("256M") == 256 * 1024**2 and parse_size("300k") == 300 * 1024 and parse_size("12") == 12
+    for bad in ("", "M", "-1", "1.5G", "0", "12T"):
+        with pytest.raises(ValueError):
+            parse_size(bad)
+
+
 def test_submit_cli_waits_and_writes_results(redis_server, model, parity_audio, expected, tmp_path):
     with run_server(Settings(redis_url=redis_server.url), model) as running:
         out = tmp_path / "results.jsonl"
@@ -676,8 +716,13 @@ def test_submit_cli_takes_a_list_of_urls(redis_server, model, parity_audio, expe
                 lines = [json.loads(line) for line in out.read_text().splitlines()]
                 assert [r["audio"] for r in lines] == urls
                 assert [r["text"] for r in lines] == [expected[u.rsplit("/", 1)[-1]] for u in urls]
-            mixed = submit("--server", running.url, urls[0], parity_audio[0])
-            assert mixed.returncode == 2 and "separate jobs" in mixed.stderr
+            out = tmp_path / "mixed.jsonl"  # a URL and a file: two jobs, results in input order
+            mixed = submit("--server", running.url, "--wait", "--output", str(out), urls[0], parity_audio[0])
+            assert mixed.returncode == 0 and mixed.stderr.count(": 1 items") == 2, mixed.stderr
+            lines = [json.loads(line) for line in out.read_text().splitlines()]
+            assert [r["audio"] for r in lines] == [urls[0], parity_audio[0]]
+            assert [r["text"] for r in lines] == [expected[urls[0].rsplit("/", 1)[-1]],
+                                                  expected[Path(parity_audio[0]).name]]
             refused = submit("--server", running.url, f"{site.url}/private/a.wav")
             assert refused.returncode == 2 and "not under" in refused.stderr
     finally:
