@@ -79,6 +79,13 @@ def k8s_objects() -> dict[tuple[str, str], dict]:
     return objects
 
 
+def parse_quantity(text: str) -> int:
+    """Bytes from a Kubernetes quantity (``4Gi``) or a Redis one (``2560mb``: binary, as Redis reads it)."""
+    units = {"": 1, "ki": 2**10, "mi": 2**20, "gi": 2**30, "kb": 2**10, "mb": 2**20, "gb": 2**30}
+    number = text.rstrip("".join(chr(c) for c in range(ord("A"), ord("z") + 1)))
+    return int(number) * units[text[len(number):].lower()]
+
+
 def container(deployment: dict) -> dict:
     (only,) = deployment["spec"]["template"]["spec"]["containers"]
     return only
@@ -146,6 +153,7 @@ def test_compose_services_gpu_redis_and_monitoring():
     assert services["worker"]["command"][:2] == ["worker", "--redis-url"]
     assert "/readyz" in " ".join(services["api"]["healthcheck"]["test"])
     assert services["redis"]["command"][services["redis"]["command"].index("--appendonly") + 1] == "yes"
+    assert services["redis"]["command"][services["redis"]["command"].index("--maxmemory-policy") + 1] == "noeviction"
     mounts = {v.split(":")[0]: v.split(":")[1] for s in services.values() for v in s.get("volumes", [])
               if v.startswith("./")}
     for source in mounts:
@@ -261,6 +269,17 @@ def test_k8s_api_deployment_probes_gpu_ports_and_termination():
     assert pod["terminationGracePeriodSeconds"] > sleep_s + float(config["BATCHASR_REQUEST_TIMEOUT_S"])
     service = objects["Service", "batchasr-api"]
     assert {p["targetPort"] for p in service["spec"]["ports"]} <= set(ports)
+
+
+def test_k8s_redis_refuses_writes_when_full_rather_than_dropping_jobs():
+    redis = next(o for (kind, _), o in k8s_objects().items() if kind == "StatefulSet")
+    c = container(redis)
+    args = c["args"]
+    assert args[args.index("--maxmemory-policy") + 1] == "noeviction"
+    assert args[args.index("--appendonly") + 1] == "yes"
+    limit = parse_quantity(c["resources"]["limits"]["memory"])
+    maxmemory = parse_quantity(args[args.index("--maxmemory") + 1])
+    assert maxmemory <= 0.75 * limit  # room for the fork that rewrites the append-only file
 
 
 def test_k8s_selectors_match_their_pods():
