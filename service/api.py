@@ -89,10 +89,25 @@ async def _decode(service: ServiceState, data: bytes, content_type: str | None) 
         raise ApiError(exc.status, str(exc), param="file", code=exc.code) from exc
 
 
-async def _transcribe(request: Request, service: ServiceState, data: bytes, content_type: str | None
-                      ) -> RequestResult:
-    """Decode, queue, and await the result; drop the work if the client goes away."""
-    waveform = await _decode(service, data, content_type)
+async def _decoded_upload(service: ServiceState, upload: StarletteUpload | None) -> np.ndarray:
+    """A multipart upload, read and decoded within the process's intake budget (service.intake)."""
+    size = 0 if upload is None else service.settings.max_upload_bytes if upload.size is None else upload.size
+    async with service.intake.hold(size):
+        data, content_type = await read_upload(upload, service)
+        return await _decode(service, data, content_type)
+
+
+async def _decoded_body(request: Request, service: ServiceState) -> np.ndarray:
+    """The raw audio body, read and decoded within the intake budget; until there is room, it waits unread."""
+    declared = request.headers.get("content-length", "")
+    size = int(declared) if declared.isdigit() else service.settings.max_upload_bytes
+    async with service.intake.hold(size):
+        data = await _read_body(request, service)
+        return await _decode(service, data, request.headers.get("content-type"))
+
+
+async def _transcribe(request: Request, service: ServiceState, waveform: np.ndarray) -> RequestResult:
+    """Queue, and await the result; drop the work if the client goes away."""
     assert service.stack is not None
     return await _while_client_waits(request, service.stack.transcriber.transcribe(waveform, Priority.INTERACTIVE))
 
@@ -127,12 +142,10 @@ def _engine_error(exc: QueueFull | TimeoutError | EngineUnavailable) -> ApiError
     return ApiError(503, str(exc), type="server_error", code="engine_unavailable", headers={"Retry-After": "5"})
 
 
-async def _stream_transcription(request: Request, service: ServiceState, data: bytes, content_type: str | None
-                                ) -> StreamingResponse:
+async def _stream_transcription(request: Request, service: ServiceState, waveform: np.ndarray) -> StreamingResponse:
     """OpenAI's transcription stream (server-sent events): ``transcript.text.delta`` as the leading pieces of the
     audio finish, then ``transcript.text.done`` with the whole text. Failures before the first event answer
     with their status codes, as without streaming; a later one ends the stream with an ``error`` event."""
-    waveform = await _decode(service, data, content_type)
     assert service.stack is not None
     try:
         queued = service.stack.transcriber.submit(waveform, Priority.INTERACTIVE)
@@ -236,10 +249,10 @@ async def openai_transcriptions(
     if bad := [g for g in granularities if g not in GRANULARITIES]:
         raise ApiError(400, f"timestamp_granularities[] must be word or segment, not {bad[0]!r}",
                        param="timestamp_granularities[]")
-    data, content_type = await read_upload(file, service)
+    waveform = await _decoded_upload(service, file)
     if stream:
-        return await _stream_transcription(request, service, data, content_type)
-    result = await _transcribe(request, service, data, content_type)
+        return await _stream_transcription(request, service, waveform)
+    result = await _transcribe(request, service, waveform)
     transcript = result.transcript
     usage = Usage(seconds=round(transcript.duration_s, 3))
     if response_format == "text":
@@ -266,10 +279,10 @@ async def native_transcribe(request: Request, service: ServiceDep) -> NativeTran
     if content_type.startswith("multipart/form-data"):
         form = await request.form()
         upload = form.get("file")
-        data, content_type = await read_upload(upload if isinstance(upload, StarletteUpload) else None, service)
+        waveform = await _decoded_upload(service, upload if isinstance(upload, StarletteUpload) else None)
     else:
-        data = await _read_body(request, service)
-    result = await _transcribe(request, service, data, content_type)
+        waveform = await _decoded_body(request, service)
+    result = await _transcribe(request, service, waveform)
     t = result.transcript
     return NativeTranscription(
         model=service.model_id, text=t.text, tokens=t.tokens, token_frames=t.token_frames, words=_words(result),

@@ -31,6 +31,8 @@ class Settings(BaseSettings):
     max_upload_bytes: int = 200 * 1024 * 1024
     # one job submission's body: its uploads wait in Redis for the workers (larger sets: paths or URLs)
     max_job_upload_bytes: int = 1024 * 1024 * 1024
+    # upload bytes a process holds in memory at once, read and not yet decoded (service.intake)
+    max_intake_bytes: int = 2 * 1024 * 1024 * 1024
     max_duration_s: float = 4 * 3600.0
     request_timeout_s: float = 600.0
     decode_threads: int = 4  # audio decoding runs in this many threads, off the event loop

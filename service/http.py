@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Protocol
 
 from fastapi import Depends, FastAPI, Request
@@ -13,6 +13,7 @@ from starlette.datastructures import UploadFile as StarletteUpload
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .config import Settings
+from .intake import IntakeBudget
 from .jobs import JobStore
 from .runtime import FrontendStack, Stack
 from .schemas import ErrorResponse
@@ -50,6 +51,10 @@ class ServiceState:
     metrics: MetricsSink | None = None  # a front end's arrives with its engine link
     stack: Stack | FrontendStack | None = None
     accepting: bool = True
+    intake: IntakeBudget = field(init=False)  # upload bytes read and not yet decoded, this process
+
+    def __post_init__(self) -> None:
+        self.intake = IntakeBudget(self.settings.max_intake_bytes)
 
     @property
     def jobs(self) -> JobStore | None:

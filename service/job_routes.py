@@ -54,7 +54,8 @@ def job_too_large_message(limit: int) -> str:
             "as several jobs, or as paths or URLs")
 
 
-async def _form_items(request: Request, service: ServiceState) -> tuple[list[ItemInput], str | None]:
+async def _form_uploads(request: Request, service: ServiceState) -> tuple[list[StarletteUpload], str | None]:
+    """The uploads of a multipart submission (parsed: each in its temporary file), and its webhook URL."""
     # the body is limited as it arrives (service.body_limit): the files, their boundaries and the other fields
     form = await request.form(max_files=100_000)
     uploads = [f for key in ("files", "file", "files[]") for f in form.getlist(key) if isinstance(f, StarletteUpload)]
@@ -63,12 +64,16 @@ async def _form_items(request: Request, service: ServiceState) -> tuple[list[Ite
     limit = service.settings.max_job_upload_bytes
     if sum(upload.size or 0 for upload in uploads) > limit:  # the audio alone, exactly
         raise ApiError(413, job_too_large_message(limit), param="files", code="job_too_large")
+    webhook = form.get("webhook_url")
+    return uploads, webhook if isinstance(webhook, str) else None
+
+
+async def _read_uploads(uploads: list[StarletteUpload], service: ServiceState) -> list[ItemInput]:
     items = []
     for upload in uploads:
         data, _ = await read_upload(upload, service, param="files")
         items.append(ItemInput(audio=upload.filename or f"item{len(items)}", upload=data))
-    webhook = form.get("webhook_url")
-    return items, webhook if isinstance(webhook, str) else None
+    return items
 
 
 async def _json_items(request: Request) -> tuple[list[ItemInput], str | None]:
@@ -107,14 +112,22 @@ async def create_job(request: Request, service: ServiceDep,
     """Submit a job: multipart `files` uploads, or JSON `{"items": [{"path": ...} | {"url": ...}]}` for audio the
     server reads itself."""
     store = _store(service)
-    if request.headers.get("content-type", "").startswith("multipart/form-data"):
-        items, webhook = await _form_items(request, service)
-    else:
+    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
         items, webhook = await _json_items(request)
+        return await _submit(store, service.settings, items, webhook, idempotency_key)
+    uploads, webhook = await _form_uploads(request, service)
+    # read into memory only in turn (service.intake), until Redis has them
+    async with service.intake.hold(sum(upload.size or 0 for upload in uploads)):
+        items = await _read_uploads(uploads, service)
+        return await _submit(store, service.settings, items, webhook, idempotency_key)
+
+
+async def _submit(store: JobStore, settings: Settings, items: list[ItemInput], webhook: str | None,
+                  idempotency_key: str | None) -> JSONResponse:
     if webhook:
-        _check_webhook(webhook, service.settings)
+        _check_webhook(webhook, settings)
     try:
-        _check_inputs(items, service.settings)
+        _check_inputs(items, settings)
         job, created = await store.submit(items, idempotency_key, webhook)
     except JobInputError as exc:
         raise ApiError(400, str(exc), param="items", code="invalid_input") from exc

@@ -203,6 +203,35 @@ def test_concurrent_requests_are_batched_and_each_gets_its_own_result(server, hy
     assert server.metric("batchasr_audio_seconds_total") > 0
 
 
+def test_uploads_wait_their_turn_within_the_intake_budget(hybrid, parity_audio):
+    """Decoded one at a time (one decode thread), 24 uploads at once would all be held in memory; within a budget
+    of two and a half clips, at most that much is, and each request still gets its own result."""
+    files = [parity_audio[i % len(parity_audio)] for i in range(24)]
+    expected = {p: t.text for p, t in zip(parity_audio, hybrid.transcribe(parity_audio), strict=True)}
+    largest = max(Path(p).stat().st_size for p in parity_audio)
+    settings = Settings(decode_threads=1, max_intake_bytes=int(2.5 * largest))
+    with run_server(settings, hybrid) as running:
+        async def send_all():
+            async with httpx.AsyncClient(timeout=120) as client:
+                async def one(index: int, path: str):
+                    data = Path(path).read_bytes()
+                    if index % 2:  # the raw body waits unread; the multipart one in its temporary file
+                        r = await client.post(f"{running.url}/v1/transcribe", content=data,
+                                              headers={"content-type": "audio/wav"})
+                    else:
+                        r = await client.post(f"{running.url}/v1/audio/transcriptions", data={"model": "whisper-1"},
+                                              files={"file": ("a.wav", data, "audio/wav")})
+                    return path, r
+                return await asyncio.gather(*(one(i, p) for i, p in enumerate(files)))
+
+        for path, response in asyncio.run(send_all()):
+            assert response.status_code == 200, response.text
+            assert response.json()["text"] == expected[path]
+        intake = running.app.state.service.intake
+    assert intake.held == 0
+    assert largest < intake.peak <= settings.max_intake_bytes  # used concurrently, never past the budget
+
+
 def test_full_queue_answers_429_with_retry_after(hybrid, parity_audio):
     settings = Settings(max_queue=3, max_wait_ms=3000, max_batch_size=64)
     data = Path(parity_audio[7]).read_bytes()
