@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import struct
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import soundfile as sf
@@ -19,6 +20,7 @@ import soundfile as sf
 from models.audio_io import ResampleStream, check_waveform, to_mono
 
 BLOCK_FRAMES = 1 << 20  # decode in blocks of about a minute of 16 kHz audio
+HEADER_BYTES = 1 << 16  # of a file on disk, read to check a WAV header's claims before decoding
 ACCEPTED_MEDIA_PREFIXES = ("audio/", "video/")
 STREAMED_WAV_SIZES = {0, 0xFFFFFFFF}  # data sizes written by tools that stream WAV without seeking back
 ACCEPTED_MEDIA_TYPES = {"", "application/octet-stream", "application/ogg", "multipart/form-data"}
@@ -62,9 +64,24 @@ def decode_audio(data: bytes, limits: AudioLimits) -> np.ndarray:
         raise AudioRequestError("the uploaded file is empty")
     if len(data) > limits.max_bytes:
         raise AudioTooLarge(f"upload of {len(data)} bytes exceeds the limit of {limits.max_bytes} bytes")
-    _check_wav_header(data, limits)
+    _check_wav_header(data, len(data), limits)
+    return _decode(io.BytesIO(data), limits)
+
+
+def decode_audio_file(path: Path, limits: AudioLimits) -> np.ndarray:
+    """Decode a file on disk as it is read, never holding its bytes: only the duration limit applies (a job's path
+    inputs are how recordings larger than an upload may come in)."""
+    size = path.stat().st_size
+    if size == 0:
+        raise AudioRequestError(f"{path.name}: the file is empty")
+    with open(path, "rb") as f:
+        _check_wav_header(f.read(HEADER_BYTES), size, limits)
+    return _decode(path, limits)
+
+
+def _decode(source: io.BytesIO | Path, limits: AudioLimits) -> np.ndarray:
     try:
-        with sf.SoundFile(io.BytesIO(data)) as f:
+        with sf.SoundFile(source) as f:
             claimed_s = f.frames / f.samplerate if f.frames > 0 else 0.0
             if claimed_s > limits.max_duration_s:
                 raise AudioTooLarge(f"audio is {claimed_s:.1f} s long (per its header); the limit is "
@@ -79,8 +96,9 @@ def decode_audio(data: bytes, limits: AudioLimits) -> np.ndarray:
     return check_waveform(samples, "upload")
 
 
-def _check_wav_header(data: bytes, limits: AudioLimits) -> None:
-    """RIFF/WAVE: the data chunk's declared size against the limit and against the bytes really sent.
+def _check_wav_header(data: bytes, total_bytes: int, limits: AudioLimits) -> None:
+    """RIFF/WAVE: the data chunk's declared size against the limit and against the bytes really sent (``data``
+    is the file's start, or all of it; ``total_bytes`` its whole length).
 
     libsndfile silently trusts the file size over the header, so a cut-off upload would decode as shorter
     audio; we would rather say it is cut off (and refuse a header claiming hours before reading further).
@@ -98,7 +116,7 @@ def _check_wav_header(data: bytes, limits: AudioLimits) -> None:
             if size / byte_rate > limits.max_duration_s:
                 raise AudioTooLarge(f"audio is {size / byte_rate:.1f} s long (per its header); the limit is "
                                     f"{limits.max_duration_s:.0f} s")
-            available = len(data) - offset - 8
+            available = total_bytes - offset - 8
             if available < size:
                 raise AudioRequestError(f"the audio is truncated: its header promises {size} bytes of samples, "
                                         f"the upload holds {available}")

@@ -17,10 +17,9 @@ import os
 import socket
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
-from .audio import AudioLimits, AudioRequestError, decode_audio
+from .audio import AudioLimits, AudioRequestError, decode_audio, decode_audio_file
 from .audio_budget import AudioBudget, AudioClaim
 from .batcher import Priority, QueueFull
 from .formats import to_record
@@ -228,19 +227,21 @@ class JobConsumer:
         await self._after_finish(job_id, "completed", outcome)
 
     async def _load(self, record: dict, upload: bytes | None):
-        if "upload" in record:
-            if upload is None:
-                raise JobInputError("the uploaded audio expired before it was processed")
-            data = upload
-        elif "url" in record:
+        """The item's waveform: a file decoded straight from disk, whatever its size (only its duration is
+        limited); uploaded or fetched bytes decoded from memory."""
+        loop = asyncio.get_running_loop()
+        if "path" in record:
+            path = resolve_input_path(record["path"], self.input_roots)
+            return await loop.run_in_executor(self.decode_pool, decode_audio_file, path, self.limits)
+        if "url" in record:
             if self.urls is None:
                 raise JobInputError(f"{record['url']}: URL inputs are disabled on this worker "
                                     "(BATCHASR_INPUT_URL_PREFIXES)")
             data = await self.urls.fetch(record["url"])
+        elif upload is None:
+            raise JobInputError("the uploaded audio expired before it was processed")
         else:
-            path = resolve_input_path(record["path"], self.input_roots)
-            data = await asyncio.to_thread(Path(path).read_bytes)
-        loop = asyncio.get_running_loop()
+            data = upload
         return await loop.run_in_executor(self.decode_pool, decode_audio, data, self.limits)
 
     async def _fail(self, job_id: str, index: int, audio: str | None, error: str) -> None:

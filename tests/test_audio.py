@@ -10,7 +10,7 @@ import soundfile as sf
 
 from models.audio_io import resample, to_mono
 from service import audio
-from service.audio import AudioLimits, AudioRequestError, AudioTooLarge, decode_audio
+from service.audio import AudioLimits, AudioRequestError, AudioTooLarge, decode_audio, decode_audio_file
 
 LIMITS = AudioLimits(max_bytes=50 * 1024 * 1024, max_duration_s=60.0)
 
@@ -56,3 +56,28 @@ def test_audio_longer_than_the_limit_is_refused(monkeypatch):
     data = _encode(np.zeros(2 * 44100, dtype=np.float32), 44100, "FLAC")
     with pytest.raises(AudioTooLarge):
         decode_audio(data, AudioLimits(max_bytes=LIMITS.max_bytes, max_duration_s=1.0))
+
+
+def test_a_file_decodes_from_disk_as_its_bytes_do_whatever_its_size(tmp_path):
+    rng = np.random.default_rng(7)
+    data = _encode((0.1 * rng.standard_normal((44100 * 5, 2))).astype(np.float32), 44100, "WAV", "PCM_16")
+    path = tmp_path / "long.wav"
+    path.write_bytes(data)
+    small_uploads = AudioLimits(max_bytes=len(data) // 4, max_duration_s=60.0)
+    with pytest.raises(AudioTooLarge):
+        decode_audio(data, small_uploads)
+    np.testing.assert_array_equal(decode_audio_file(path, small_uploads), decode_audio(data, LIMITS))
+    with pytest.raises(AudioTooLarge, match="per its header"):
+        decode_audio_file(path, AudioLimits(max_bytes=LIMITS.max_bytes, max_duration_s=2.0))
+
+
+def test_a_truncated_or_empty_file_on_disk_is_refused_with_the_reason(tmp_path):
+    data = _encode(np.zeros(16000 * 2, dtype=np.float32), 16000, "WAV", "PCM_16")
+    cut = tmp_path / "cut.wav"
+    cut.write_bytes(data[: len(data) // 2])
+    with pytest.raises(AudioRequestError, match="truncated"):
+        decode_audio_file(cut, LIMITS)
+    empty = tmp_path / "empty.wav"
+    empty.write_bytes(b"")
+    with pytest.raises(AudioRequestError, match="empty"):
+        decode_audio_file(empty, LIMITS)

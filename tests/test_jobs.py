@@ -467,7 +467,9 @@ def test_path_inputs_only_under_the_input_roots(redis_server, model, parity_audi
     outside = tmp_path / "secret.wav"
     outside.write_bytes(Path(parity_audio[1]).read_bytes())
     (roots / "link.wav").symlink_to(outside)
-    settings = Settings(redis_url=redis_server.url, input_roots=[str(roots)])
+    # files are decoded from disk, whatever their size: an upload limit smaller than the clip does not apply
+    settings = Settings(redis_url=redis_server.url, input_roots=[str(roots)],
+                        max_upload_bytes=inside.stat().st_size // 2)
     with run_server(settings, model) as running:
         def submit(path):
             return httpx.post(f"{running.url}/v1/jobs", json={"items": [{"path": str(path)}]}, timeout=30)
