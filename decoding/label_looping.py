@@ -75,9 +75,10 @@ class LabelLoopState:
     pred_state: Any  # prediction-network state for B rows (LSTM: h, c each (layers, B, H))
     init_state: Any  # the prediction network's initial state, the start of every run
     # --- results, written at column n_labels for every row; only found rows move n_labels on
-    tokens: Tensor  # (B, L) long
-    frames: Tensor  # (B, L) long
-    token_steps: Tensor  # (B, L) long, each token's duration (TDT)
+    emitted: Tensor  # (3, B, L) long: the three below in one block, so one copy brings them to the host
+    tokens: Tensor  # (B, L) long, a view of emitted[0]
+    frames: Tensor  # (B, L) long, emitted[1]
+    token_steps: Tensor  # (B, L) long, emitted[2]: each token's duration (TDT)
     n_labels: Tensor  # (B,) long
     # --- max_symbols bookkeeping
     last_frame: Tensor  # (B,) long, frame of the last emitted label (-1: none yet)
@@ -154,6 +155,8 @@ class LabelLooper:
         def flags(*shape: int) -> Tensor:
             return torch.zeros(shape, dtype=torch.bool, device=device)
 
+        emitted = longs(3, batch, n_cols)
+
         return LabelLoopState(
             enc_proj=torch.zeros(batch, n_frames, joint_hidden, device=device, dtype=dtype),
             lengths=longs(batch), row_start=torch.arange(batch, device=device) * n_frames,
@@ -167,7 +170,7 @@ class LabelLooper:
             pred_proj=torch.zeros(batch, joint_hidden, device=device, dtype=dtype),
             pred_state=self.prediction.initial_state(batch, device, dtype),
             init_state=self.prediction.initial_state(batch, device, dtype),
-            tokens=longs(batch, n_cols), frames=longs(batch, n_cols), token_steps=longs(batch, n_cols),
+            emitted=emitted, tokens=emitted[0], frames=emitted[1], token_steps=emitted[2],
             n_labels=longs(batch), last_frame=longs(batch), n_at_frame=longs(batch),
         )
 
@@ -188,14 +191,13 @@ class LabelLooper:
         s.enc_proj[:batch, :n_frames].copy_(enc_proj)
 
     def results(self, s: LabelLoopState, batch: int) -> list[Hypothesis]:
-        """Copy the first ``batch`` rows' hypotheses to the host (one copy per tensor)."""
+        """Copy the first ``batch`` rows' hypotheses to the host: the counts, then tokens, frames and (TDT)
+        durations together, two device-to-host copies (and waits) where there were four."""
         counts = s.n_labels[:batch].tolist()
         width = max(counts, default=0)
-        tokens = s.tokens[:batch, :width].tolist()
-        frames = s.frames[:batch, :width].tolist()
-        steps = s.token_steps[:batch, :width].tolist() if self.is_tdt else None
+        tokens, frames, *steps = s.emitted[: 3 if self.is_tdt else 2, :batch, :width].tolist()
         return [Hypothesis(tokens=tokens[b][:n], frames=frames[b][:n],
-                           durations=steps[b][:n] if steps is not None else None)
+                           durations=steps[0][b][:n] if steps else None)
                 for b, n in enumerate(counts)]
 
     # --- stages (capturable: no host sync, writes only into the state) --------------------------------------
