@@ -8,7 +8,7 @@ reference.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,15 +21,16 @@ from decoding.cuda_graphs import CUDA_GRAPH_OPTIONS, LabelLoopingDecoder
 from decoding.frame_looping import frame_looping_greedy
 from decoding.types import Hypothesis
 
-from .audio_io import check_waveform, read_audio
+from .audio_io import AudioError, check_waveform, read_audio
 from .checkpoint import Checkpoint, open_checkpoint
 from .config import ModelConfig
 from .errors import CheckpointError
 from .fastconformer import FastConformerEncoder, resolve_attention_kernel
 from .features import LogMelFeatures
 from .heads import CTCHead, Joint, PredictionNetwork
+from .offline import OfflineOptions, transcribe_stream
 from .tokenizer import Tokenizer
-from .transcript import Transcript, build_transcript
+from .transcript import Transcript
 
 log = logging.getLogger(__name__)
 
@@ -215,30 +216,45 @@ class ASRModel(nn.Module):
 
     def transcribe(self, audio: Sequence[AudioInput] | AudioInput, batch_size: int = 16,
                    decoder: str = "auto", decoder_algorithm: str = "label_looping",
-                   cuda_graphs: str = "auto") -> list[Transcript]:
+                   cuda_graphs: str = "auto", max_segment_s: float | None = None) -> list[Transcript]:
         """Transcribe waveforms (mono float32 at ``sample_rate``) or audio files, in input order.
 
-        Inputs are grouped into batches of similar length (less padding); results do not depend on the
-        grouping. ``decoder_algorithm`` and ``cuda_graphs`` are as in ``decode``.
+        All inputs are grouped into batches of similar length (less padding); results do not depend on the
+        grouping. ``decoder_algorithm`` and ``cuda_graphs`` are as in ``decode``. Inputs are taken whole, as
+        NeMo's transcribe takes them; ``max_segment_s`` (30 in the service) cuts longer ones at quiet points
+        and stitches them back, so that long audio costs what its pieces cost. Many inputs, or files: see
+        ``transcribe_iter``.
         """
         if isinstance(audio, (np.ndarray, str, Path)):
             audio = [audio]
+        options = self._offline_options(batch_size, decoder, decoder_algorithm, cuda_graphs, max_segment_s,
+                                        window=max(1, len(audio)))  # one window: every input sorted together
+        return list(transcribe_stream(self, audio, options))
+
+    def transcribe_iter(self, audio: Iterable[AudioInput], batch_size: int = 16, decoder: str = "auto",
+                        decoder_algorithm: str = "label_looping", cuda_graphs: str = "auto",
+                        max_segment_s: float | None = None, window: int | None = None,
+                        return_errors: bool = False) -> Iterator[Transcript | AudioError | OSError]:
+        """``transcribe`` over any number of inputs in bounded memory: read ``window`` at a time (default 16
+        batches; files by a few threads, the next window while one is transcribed), transcripts yielded in input
+        order as each window finishes. An input that cannot be read raises, or with ``return_errors`` is
+        yielded as its error in its place (models.offline)."""
+        options = self._offline_options(batch_size, decoder, decoder_algorithm, cuda_graphs, max_segment_s, window)
+        return transcribe_stream(self, audio, options, return_errors)
+
+    def _offline_options(self, batch_size: int, decoder: str, decoder_algorithm: str, cuda_graphs: str,
+                         max_segment_s: float | None, window: int | None) -> OfflineOptions:
         if batch_size < 1:
             raise ValueError("batch_size must be >= 1")
-        decoder = self.resolve_decoder(decoder)
+        if max_segment_s is not None and max_segment_s <= 2 * OfflineOptions.segment_overlap_s:
+            raise ValueError(f"max_segment_s must be more than {2 * OfflineOptions.segment_overlap_s:g} s")
         _check_decoding_options(decoder_algorithm, cuda_graphs)
-        waveforms = [self._load(item, i) for i, item in enumerate(audio)]
-        order = sorted(range(len(waveforms)), key=lambda i: len(waveforms[i]), reverse=True)
-        results: list[Transcript | None] = [None] * len(waveforms)
-        for start in range(0, len(order), batch_size):
-            chunk = order[start : start + batch_size]
-            batch = self.encode([waveforms[i] for i in chunk])
-            hyps = self.decode(batch, decoder, decoder_algorithm, cuda_graphs)
-            for i, hyp, duration_s in zip(chunk, hyps, batch.duration_s, strict=True):
-                results[i] = build_transcript(hyp, self.tokenizer, self.config.frame_s, duration_s)
-        return [r for r in results if r is not None]
+        return OfflineOptions(batch_size=batch_size, decoder=self.resolve_decoder(decoder),
+                              decoder_algorithm=decoder_algorithm, cuda_graphs=cuda_graphs,
+                              max_segment_s=max_segment_s, window=window)
 
-    def _load(self, item: AudioInput, index: int) -> np.ndarray:
+    def load_audio(self, item: AudioInput, index: int = 0) -> np.ndarray:
+        """A waveform as given (checked), or a file read at the model's rate."""
         if isinstance(item, (str, Path)):
             return read_audio(item, self.sample_rate)
         if not isinstance(item, np.ndarray):

@@ -7,10 +7,26 @@ are imported here, lazily, so arrays can always be transcribed and files only wh
 from __future__ import annotations
 
 import io
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import numpy as np
+
+AUDIO_SUFFIXES = {".wav", ".flac", ".ogg", ".oga", ".opus", ".mp3", ".aif", ".aiff", ".au", ".w64", ".caf"}
+
+
+def find_audio_files(paths: Iterable[str | Path]) -> list[Path]:
+    """Files as given, and the audio files under directories (by suffix, recursively, sorted)."""
+    found: list[Path] = []
+    for path in map(Path, paths):
+        if path.is_dir():
+            found += sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in AUDIO_SUFFIXES)
+        elif path.is_file():
+            found.append(path)
+        else:
+            raise FileNotFoundError(f"{path}: no such file or directory")
+    return found
 
 
 class AudioError(ValueError):
@@ -59,6 +75,19 @@ class ResampleStream:
         return empty if self._stream is None else self._stream.resample_chunk(empty, last=True)
 
 
+def decode_blocks(f: Any, to_rate: int, block_frames: int = 1 << 20) -> Iterator[tuple[int, np.ndarray]]:
+    """(frames read, that block mixed to mono and resampled to ``to_rate``) for each block of an open
+    ``soundfile.SoundFile``, read until the end of its data, then the resampler's tail (0 frames). Joined, the
+    blocks equal resampling the whole file at once; the file is never held at its own rate."""
+    stream = ResampleStream(f.samplerate, to_rate)
+    while True:
+        block = f.read(block_frames, dtype="float32", always_2d=True)
+        if len(block) == 0:
+            break
+        yield len(block), stream.resample(to_mono(block))
+    yield 0, stream.flush()
+
+
 def check_waveform(samples: np.ndarray, name: str) -> np.ndarray:
     if samples.ndim != 1:
         raise AudioError(f"{name}: expected a 1-D waveform, got shape {samples.shape}")
@@ -77,7 +106,8 @@ def read_audio(source: str | Path | bytes | BinaryIO, sample_rate: int = 16000) 
         raise FileNotFoundError(f"{source}: no such audio file")
     handle = io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else source
     try:
-        samples, rate = sf.read(handle, dtype="float32", always_2d=False)
+        with sf.SoundFile(handle) as f:
+            blocks = [block for _, block in decode_blocks(f, sample_rate)]
     except (sf.LibsndfileError, RuntimeError, TypeError) as exc:
         raise AudioError(f"{name}: cannot decode audio ({exc})") from exc
-    return check_waveform(resample(to_mono(samples), rate, sample_rate), name)
+    return check_waveform(np.concatenate(blocks), name)

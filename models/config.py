@@ -91,6 +91,11 @@ class ModelConfig:
         return self.encoder.subsampling_factor * self.features.hop_length / self.features.sample_rate
 
     @property
+    def frame_samples(self) -> int:
+        """Audio samples per encoder frame: where long audio may be cut so token frames stay whole."""
+        return self.features.hop_length * self.encoder.subsampling_factor
+
+    @property
     def vocab_size(self) -> int:
         head = self.transducer or self.ctc
         assert head is not None

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import soundfile as sf
 
-from models.audio_io import ResampleStream, check_waveform, to_mono
+from models.audio_io import check_waveform, decode_blocks
 
 BLOCK_FRAMES = 1 << 20  # decode in blocks of about a minute of 16 kHz audio
 HEADER_BYTES = 1 << 16  # of a file on disk, read to check a WAV header's claims before decoding
@@ -125,22 +125,16 @@ def _check_wav_header(data: bytes, total_bytes: int, limits: AudioLimits) -> Non
 
 
 def _read_resampled(f: sf.SoundFile, limits: AudioLimits) -> np.ndarray:
-    """Until the end of the data (not the header's claim): mono blocks, resampled as they come (soxr's stream
-    gives the same samples as resampling the whole at once), refused past the duration limit or when a sample
-    is not finite."""
+    """Mono blocks resampled as they are read, until the end of the data (not the header's claim); refused past
+    the duration limit, or once a block holds a sample that is not finite (NaN or infinity in spreads through
+    the resampler's filter, so none is missed)."""
     max_frames = int(limits.max_duration_s * f.samplerate) + 1
-    stream = ResampleStream(f.samplerate, limits.sample_rate)
     blocks, total = [], 0
-    while True:
-        block = f.read(BLOCK_FRAMES, dtype="float32", always_2d=True)
-        if len(block) == 0:
-            break
-        total += len(block)
+    for n_frames, block in decode_blocks(f, limits.sample_rate, BLOCK_FRAMES):
+        total += n_frames
         if total > max_frames:
             raise AudioTooLarge(f"audio is longer than the limit of {limits.max_duration_s:.0f} s")
-        mono = to_mono(block)
-        if not np.isfinite(mono).all():
+        if not np.isfinite(block).all():
             raise AudioRequestError("the audio contains NaN or infinite samples")
-        blocks.append(stream.resample(mono))
-    blocks.append(stream.flush())
+        blocks.append(block)
     return np.concatenate(blocks)

@@ -26,6 +26,7 @@ import sentencepiece as spm
 import torch
 
 from models.asr_model import ASRModel, EncodedBatch
+from models.audio_io import find_audio_files
 
 from .timing import StageClock
 
@@ -36,7 +37,6 @@ DURATION_SHAPE = 2.2  # gamma shape: std about 5 s
 DURATION_RANGE_S = (1.3, 35.0)
 TARGET_TOKENS_PER_FRAME = 1 / 3  # a Parakeet model on English speech emits about one token per 3 frames (240 ms)
 CALIBRATION_UTTERANCES = 4
-AUDIO_SUFFIXES = {".wav", ".flac", ".ogg", ".mp3", ".opus"}
 
 
 @dataclass
@@ -92,12 +92,7 @@ def synthetic_audio(n: int, seed: int) -> list[np.ndarray]:
 
 
 def audio_files(paths: list[str]) -> list[Path]:
-    files: list[Path] = []
-    for item in map(Path, paths):
-        if item.is_dir():
-            files.extend(sorted(p for p in item.rglob("*") if p.suffix.lower() in AUDIO_SUFFIXES))
-        else:
-            files.append(item)
+    files = find_audio_files(paths)
     if not files:
         raise ValueError(f"no audio files in {', '.join(paths)}")
     return files

@@ -44,27 +44,35 @@ def _transcribe_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--format", default="text", choices=FORMATS, help="output format (default: text)")
     p.add_argument("--output-dir", type=Path,
                    help="write one <name>.<format> per input here instead of printing to stdout")
-    p.add_argument("audio", nargs="+", help="audio files (WAV, FLAC, OGG, MP3: whatever libsndfile reads)")
+    p.add_argument("--max-segment-s", type=float, default=30.0,
+                   help="cut longer audio at quiet points into pieces this long, as the service does, and stitch "
+                        "them back (default: 30; 0: take every file whole, as NeMo does)")
+    p.add_argument("audio", nargs="+", help="audio files (WAV, FLAC, OGG, MP3: whatever libsndfile reads) and "
+                                            "directories of them")
     p.set_defaults(func=cmd_transcribe)
 
 
 def cmd_transcribe(args: argparse.Namespace) -> int:
+    """Files (and directories of them) transcribed in bounded memory, each result written as it comes (a run over
+    thousands of files keeps what it has done); a file that cannot be read is reported and skipped."""
     from models import load_model
-    from models.audio_io import AudioError
+    from models.audio_io import find_audio_files
 
     from .formats import to_record, to_srt, to_vtt
 
-    if args.format in ("srt", "vtt") and len(args.audio) > 1 and args.output_dir is None:
+    try:
+        files = find_audio_files(args.audio)
+    except FileNotFoundError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.format in ("srt", "vtt") and len(files) > 1 and args.output_dir is None:
         print(f"error: --format {args.format} prints one file; use --output-dir for several", file=sys.stderr)
         return 2
     model = load_model(args.model, device=args.device, dtype=args.dtype,
                        attention_kernel=args.attention_kernel or "auto")
-    try:
-        transcripts = model.transcribe(args.audio, batch_size=args.batch_size, decoder=args.decoder,
-                                       decoder_algorithm=args.decoder_algorithm, cuda_graphs=args.cuda_graphs)
-    except (AudioError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    outcomes = model.transcribe_iter(files, batch_size=args.batch_size, decoder=args.decoder,
+                                     decoder_algorithm=args.decoder_algorithm, cuda_graphs=args.cuda_graphs,
+                                     max_segment_s=args.max_segment_s or None, return_errors=True)
     render = {
         "text": lambda t, a: t.text + "\n",
         "jsonl": lambda t, a: json.dumps(to_record(t, a), ensure_ascii=False) + "\n",
@@ -74,16 +82,23 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     }[args.format]
     if args.output_dir is not None:
         args.output_dir.mkdir(parents=True, exist_ok=True)
-        for path, transcript in zip(args.audio, transcripts, strict=True):
-            (args.output_dir / f"{Path(path).stem}.{args.format}").write_text(render(transcript, path),
-                                                                             encoding="utf-8")
-    elif args.format == "json":
-        records = [to_record(t, a) for a, t in zip(args.audio, transcripts, strict=True)]
+    records, failed = [], 0
+    for path, outcome in zip(files, outcomes, strict=True):
+        if isinstance(outcome, Exception):
+            failed += 1
+            print(f"error: {outcome}", file=sys.stderr)
+        elif args.output_dir is not None:
+            (args.output_dir / f"{path.stem}.{args.format}").write_text(render(outcome, str(path)), encoding="utf-8")
+        elif args.format == "json":  # one array: written at the end
+            records.append(to_record(outcome, str(path)))
+        else:
+            sys.stdout.write(render(outcome, str(path)))
+            sys.stdout.flush()
+    if args.format == "json" and args.output_dir is None:
         sys.stdout.write(json.dumps(records, ensure_ascii=False, indent=2) + "\n")
-    else:
-        for path, transcript in zip(args.audio, transcripts, strict=True):
-            sys.stdout.write(render(transcript, path))
-    return 0
+    if failed:
+        print(f"{failed} of {len(files)} files could not be read", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:

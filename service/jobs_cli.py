@@ -15,6 +15,8 @@ from typing import Any, TextIO
 
 import httpx
 
+from models.audio_io import find_audio_files
+
 from .config import Settings
 from .jobs import REDIS_ERRORS, REDIS_FULL, ItemInput, JobStore
 
@@ -22,7 +24,6 @@ log = logging.getLogger(__name__)
 
 JOB_BYTES = 256 * 1024 * 1024  # uploads per job by default: well under a server's MAX_JOB_UPLOAD_BYTES (1 GiB)
 SIZE_SUFFIXES = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3}
-AUDIO_SUFFIXES = {".wav", ".flac", ".ogg", ".oga", ".opus", ".mp3", ".aif", ".aiff", ".au", ".w64", ".caf"}
 FINAL_STATUSES = {"completed", "completed_with_errors", "failed", "cancelled"}
 
 
@@ -71,15 +72,7 @@ def collect_audio(paths: list[str], url_lists: Sequence[str] = ()) -> list[Input
     listed one a line in each of ``url_lists`` (``-``: standard input; blank lines and ``#`` comments skipped)."""
     found: list[Input] = []
     for raw in paths:
-        path = Path(raw)
-        if is_url(raw):
-            found.append(raw)
-        elif path.is_dir():
-            found += sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in AUDIO_SUFFIXES)
-        elif path.is_file():
-            found.append(path)
-        else:
-            raise FileNotFoundError(f"{raw}: no such file or directory")
+        found += [raw] if is_url(raw) else find_audio_files([raw])
     for listing in url_lists:
         text = sys.stdin.read() if listing == "-" else Path(listing).read_text(encoding="utf-8")
         for number, line in enumerate(text.splitlines(), start=1):

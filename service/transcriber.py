@@ -13,11 +13,11 @@ from typing import Protocol
 import numpy as np
 
 from models.config import ModelConfig
+from models.segmenter import Segment, plan_segments, stitch
 from models.tokenizer import Tokenizer
 from models.transcript import Transcript, build_transcript
 
 from .batcher import ItemResult, Priority, WorkItem
-from .segmenter import Segment, plan_segments, stitch
 
 
 @dataclass(frozen=True)
@@ -49,8 +49,7 @@ class Transcriber:
         self.segment_overlap_s = segment_overlap_s
         self.timeout_s = timeout_s
         self.sample_rate = config.features.sample_rate
-        # samples per encoder frame: cut points are snapped to it so token frames stay whole
-        self.frame_samples = config.features.hop_length * config.encoder.subsampling_factor
+        self.frame_samples = config.frame_samples
 
     def plan(self, waveform: np.ndarray) -> list[Segment]:
         """Where ``transcribe`` cuts ``waveform`` into pieces."""

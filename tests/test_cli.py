@@ -6,11 +6,13 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import soundfile as sf
 
+from models import load_model
 from service.cli import main
 
 
@@ -45,15 +47,35 @@ def test_output_dir_writes_one_file_per_input(parity_dir, parity_audio, tmp_path
     [
         (b"", "cannot decode audio"),
         (b"this is not audio at all" * 10, "cannot decode audio"),
-        (None, "no such audio file"),
     ],
 )
 def test_bad_audio_is_reported(parity_dir, tmp_path, capsys, content, message):
     path = tmp_path / "bad.wav"
-    if content is not None:
-        path.write_bytes(content)
+    path.write_bytes(content)
     assert main(["transcribe", "--model", str(parity_dir / "tdt.nemo"), str(path)]) == 1
     assert message in capsys.readouterr().err
+
+
+def test_a_missing_file_is_refused_before_the_model_loads(tmp_path, capsys):
+    assert main(["transcribe", "--model", str(tmp_path / "never-loaded.nemo"), str(tmp_path / "gone.wav")]) == 2
+    assert "gone.wav: no such file or directory" in capsys.readouterr().err
+
+
+def test_a_directory_run_writes_every_readable_file_and_reports_the_rest(parity_dir, parity_audio, tmp_path,
+                                                                         capsys):
+    for path in parity_audio[:4]:
+        (tmp_path / Path(path).name).write_bytes(Path(path).read_bytes())
+    (tmp_path / "utt01b.wav").write_bytes(b"RIFF but not audio" * 20)  # sorts among the good ones
+    (tmp_path / "notes.txt").write_text("not audio, not taken")
+    assert main(["transcribe", "--model", str(parity_dir / "tdt.nemo"), "--format", "jsonl", "--batch-size", "2",
+                 str(tmp_path)]) == 1
+    captured = capsys.readouterr()
+    lines = [json.loads(line) for line in captured.out.splitlines()]
+    assert [Path(r["audio"]).name for r in lines] == sorted(Path(p).name for p in parity_audio[:4])
+    expected = load_model(parity_dir / "tdt.nemo", device="cpu", dtype="float32").transcribe(parity_audio[:4])
+    by_name = {Path(p).name: t.text for p, t in zip(parity_audio[:4], expected, strict=True)}
+    assert all(r["text"] == by_name[Path(r["audio"]).name] for r in lines)
+    assert "utt01b.wav" in captured.err and "1 of 5 files could not be read" in captured.err
 
 
 def test_subtitles_of_several_files_need_an_output_dir(parity_audio, capsys):

@@ -8,7 +8,7 @@ import numpy as np
 
 from decoding.types import Hypothesis
 from models import load_model
-from service.segmenter import NO_CUT, plan_segments, stitch
+from models.segmenter import NO_CUT, plan_segments, stitch
 
 FRAME = 1280  # samples per encoder frame
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from decoding.types import Hypothesis
-from models.tokenizer import Tokenizer
+
+from .tokenizer import Tokenizer
 
 ENERGY_WINDOW_S = 0.1  # length of the window whose energy picks a cut point
 SEARCH_FRACTION = 0.3  # look for the cut in the last 30% of a segment

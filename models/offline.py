@@ -1,0 +1,111 @@
+"""Offline transcription of any number of inputs, of any length, in bounded memory (``ASRModel.transcribe_iter``).
+
+Inputs are read a window at a time, by a few threads, the next window while this one is transcribed. Inputs
+longer than ``max_segment_s`` are cut at quiet points and stitched back as the service does it
+(models.segmenter), so an hour-long file costs what thirty-second pieces cost rather than attention over an
+hour. A window's pieces are sorted by length into batches (little padding), and transcripts come out in input
+order as each window finishes. An input that cannot be read can come out as its error, in its place, so that
+one bad file does not end a run over thousands.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .audio_io import AudioError
+from .segmenter import NO_CUT, Segment, plan_segments, stitch
+from .transcript import Transcript, build_transcript
+
+if TYPE_CHECKING:
+    from .asr_model import ASRModel, AudioInput
+
+WINDOW_BATCHES = 16  # inputs read at once, in batches: as many as the service's batcher chooses among
+READERS = 4  # threads reading (decoding, resampling) files; libsndfile and soxr run outside the GIL
+
+
+@dataclass(frozen=True)
+class OfflineOptions:
+    batch_size: int = 16
+    decoder: str = "auto"
+    decoder_algorithm: str = "label_looping"
+    cuda_graphs: str = "auto"
+    max_segment_s: float | None = None  # None: every input whole, as NeMo's transcribe takes it
+    segment_overlap_s: float = 2.0
+    window: int | None = None  # inputs read at once (None: WINDOW_BATCHES batches)
+    readers: int = READERS
+
+
+Loaded = np.ndarray | AudioError | OSError
+
+
+def transcribe_stream(model: ASRModel, audio: Iterable[AudioInput], options: OfflineOptions,
+                      return_errors: bool = False) -> Iterator[Transcript | AudioError | OSError]:
+    """Transcripts in input order (see the module's description). An input that cannot be read raises its error
+    there, or with ``return_errors`` comes out as it."""
+    window = options.window or WINDOW_BATCHES * options.batch_size
+    inputs = enumerate(audio)
+    with ThreadPoolExecutor(options.readers, thread_name_prefix="batchasr-read") as readers:
+        reading = _read_window(model, readers, inputs, window)
+        while reading:
+            loaded = [future.result() for future in reading]
+            reading = _read_window(model, readers, inputs, window)  # the next window, while this one runs
+            for outcome in _transcribe_window(model, loaded, options):
+                if isinstance(outcome, Exception) and not return_errors:
+                    raise outcome
+                yield outcome
+
+
+def _read_window(model: ASRModel, readers: ThreadPoolExecutor, inputs: Iterator[tuple[int, AudioInput]],
+                 window: int) -> list[Future[Loaded]]:
+    return [readers.submit(_read, model, item, index) for index, item in itertools.islice(inputs, window)]
+
+
+def _read(model: ASRModel, item: AudioInput, index: int) -> Loaded:
+    try:
+        return model.load_audio(item, index)
+    except (AudioError, OSError) as exc:
+        return exc
+
+
+def _transcribe_window(model: ASRModel, loaded: list[Loaded], options: OfflineOptions
+                       ) -> list[Transcript | AudioError | OSError]:
+    """Every readable input of the window cut into pieces, the pieces decoded in batches of like lengths, and
+    each input's pieces stitched back; errors in their inputs' places."""
+    frame_samples = model.config.frame_samples
+    pieces: list[tuple[int, Segment, np.ndarray]] = []  # (position in the window, segment, its samples)
+    for position, wave in enumerate(loaded):
+        if isinstance(wave, np.ndarray):
+            for segment in _plan(model, wave, options):
+                pieces.append((position, segment, wave[segment.start : segment.end]))
+    hypotheses = [None] * len(pieces)
+    order = sorted(range(len(pieces)), key=lambda i: len(pieces[i][2]), reverse=True)
+    for start in range(0, len(order), options.batch_size):
+        chunk = order[start : start + options.batch_size]
+        batch = model.encode([pieces[i][2] for i in chunk])
+        decoded = model.decode(batch, options.decoder, options.decoder_algorithm, options.cuda_graphs)
+        for i, hypothesis in zip(chunk, decoded, strict=True):
+            hypotheses[i] = hypothesis
+    by_input: dict[int, list] = {}
+    for (position, segment, _), hypothesis in zip(pieces, hypotheses, strict=True):
+        by_input.setdefault(position, []).append((segment, hypothesis))
+    out: list[Transcript | AudioError | OSError] = []
+    for position, wave in enumerate(loaded):
+        if not isinstance(wave, np.ndarray):
+            out.append(wave)
+            continue
+        hypothesis = stitch(by_input[position], model.tokenizer, frame_samples)
+        out.append(build_transcript(hypothesis, model.tokenizer, model.config.frame_s, len(wave) / model.sample_rate))
+    return out
+
+
+def _plan(model: ASRModel, wave: np.ndarray, options: OfflineOptions) -> list[Segment]:
+    if options.max_segment_s is None:
+        return [Segment(0, len(wave), 0, NO_CUT)]
+    return plan_segments(len(wave), wave, model.sample_rate, options.max_segment_s, options.segment_overlap_s,
+                         model.config.frame_samples)

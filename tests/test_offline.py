@@ -1,0 +1,90 @@
+"""Offline transcription (ASRModel.transcribe_iter, `batchasr transcribe`): long audio cut and stitched exactly as
+the service does it, inputs read a window at a time, and an unreadable input reported in its place."""
+
+from __future__ import annotations
+
+import io
+
+import httpx
+import numpy as np
+import pytest
+import soundfile as sf
+
+from models import load_model
+from models.audio_io import AudioError
+from models.transcript import Transcript
+from service.cli import main
+from service.config import Settings
+from tests.conftest import long_recording
+from tests.servers import run_server
+
+
+@pytest.fixture(scope="module")
+def model(parity_dir):
+    return load_model(parity_dir / "tdt.nemo", device="cpu", dtype="float32")
+
+
+def test_long_audio_offline_equals_the_service(model, parity_audio):
+    """The same cuts and the same stitching, batched differently: the same tokens, frames and words."""
+    recording, _ = long_recording(parity_audio, 100)
+    offline = model.transcribe([recording], batch_size=3, max_segment_s=30)[0]
+    assert offline.duration_s == pytest.approx(len(recording) / 16000)
+    buffer = io.BytesIO()
+    sf.write(buffer, recording, 16000, format="FLAC")
+    with run_server(Settings(max_segment_s=30, segment_overlap_s=2, max_batch_size=8), model) as running:
+        served = httpx.post(f"{running.url}/v1/transcribe", content=buffer.getvalue(),
+                            headers={"content-type": "audio/flac"}, timeout=300).json()
+    assert served["segments"] >= 4
+    assert (offline.tokens, offline.token_frames) == (served["tokens"], served["token_frames"])
+    assert offline.text == served["text"]
+
+
+def test_the_command_line_cuts_long_files_unless_told_not_to(parity_dir, parity_audio, tmp_path, capsys):
+    recording, _ = long_recording(parity_audio, 70)
+    path = tmp_path / "long.flac"
+    sf.write(path, recording, 16000)
+    model_file = str(parity_dir / "tdt.nemo")
+    assert main(["transcribe", "--model", model_file, str(path)]) == 0
+    cut = capsys.readouterr().out.strip()
+    assert main(["transcribe", "--model", model_file, "--max-segment-s", "0", str(path)]) == 0
+    whole = capsys.readouterr().out.strip()
+    model = load_model(model_file, device="cpu", dtype="float32")
+    cut_tokens = model.transcribe([recording], max_segment_s=30)[0]
+    whole_tokens = model.transcribe([recording])[0]
+    assert cut_tokens.tokens != whole_tokens.tokens  # (pieces see less context: here they decode differently)
+    assert cut == cut_tokens.text and whole == whole_tokens.text
+
+
+def test_inputs_are_read_a_window_at_a_time(model, parity_audio):
+    waves = [sf.read(p, dtype="float32")[0] for p in parity_audio]
+    taken: list[int] = []
+
+    def inputs():
+        for i in range(40):
+            taken.append(i)
+            yield waves[i % len(waves)]
+
+    results = model.transcribe_iter(inputs(), batch_size=2, window=4)
+    first = next(results)
+    assert len(taken) <= 8  # this window and the next, read while this one is transcribed
+    rest = list(results)
+    assert len(taken) == 40 and len(rest) == 39
+    whole = model.transcribe([waves[i % len(waves)] for i in range(40)], batch_size=2)
+    assert [t.tokens for t in [first, *rest]] == [t.tokens for t in whole]  # windows change nothing
+
+
+def test_an_unreadable_input_comes_out_in_its_place_or_raises(model, parity_audio, tmp_path):
+    bad = tmp_path / "bad.wav"
+    bad.write_bytes(b"not audio" * 50)
+    inputs = [parity_audio[0], str(bad), parity_audio[1], str(tmp_path / "missing.wav")]
+    outcomes = list(model.transcribe_iter(inputs, return_errors=True))
+    assert [type(o) for o in outcomes] == [Transcript, AudioError, Transcript, FileNotFoundError]
+    assert "bad.wav" in str(outcomes[1])
+    assert outcomes[2].text == model.transcribe([parity_audio[1]])[0].text
+    with pytest.raises(AudioError, match=r"bad\.wav"):
+        model.transcribe(inputs)
+
+
+def test_segment_length_is_checked(model):
+    with pytest.raises(ValueError, match="max_segment_s"):
+        model.transcribe([np.zeros(16000, dtype=np.float32)], max_segment_s=3)
