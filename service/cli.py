@@ -44,6 +44,8 @@ def _transcribe_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--format", default="text", choices=FORMATS, help="output format (default: text)")
     p.add_argument("--output-dir", type=Path,
                    help="write one <name>.<format> per input here instead of printing to stdout")
+    p.add_argument("--skip-existing", action="store_true",
+                   help="with --output-dir: leave out files whose result is already there (to resume a run)")
     p.add_argument("--max-segment-s", type=float, default=30.0,
                    help="cut longer audio at quiet points into pieces this long, as the service does, and stitch "
                         "them back (default: 30; 0: take every file whole, as NeMo does)")
@@ -56,18 +58,25 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     """Files (and directories of them) transcribed in bounded memory, each result written as it comes (a run over
     thousands of files keeps what it has done); a file that cannot be read is reported and skipped."""
     from models import load_model
-    from models.audio_io import find_audio_files
 
     from .formats import to_record, to_srt, to_vtt
 
     try:
-        files = find_audio_files(args.audio)
-    except FileNotFoundError as exc:
+        named = _named_inputs(args.audio, f".{args.format}")
+    except (FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if args.format in ("srt", "vtt") and len(files) > 1 and args.output_dir is None:
+    if not named:
+        print("error: no audio files found", file=sys.stderr)
+        return 2
+    if args.format in ("srt", "vtt") and len(named) > 1 and args.output_dir is None:
         print(f"error: --format {args.format} prints one file; use --output-dir for several", file=sys.stderr)
         return 2
+    if args.output_dir is not None and args.skip_existing:
+        done = [path for path, name in named.items() if (args.output_dir / name).is_file()]
+        named = {path: name for path, name in named.items() if path not in done}
+        print(f"{len(done)} files already transcribed in {args.output_dir}; {len(named)} to go", file=sys.stderr)
+    files = list(named)
     model = load_model(args.model, device=args.device, dtype=args.dtype,
                        attention_kernel=args.attention_kernel or "auto")
     outcomes = model.transcribe_iter(files, batch_size=args.batch_size, decoder=args.decoder,
@@ -88,7 +97,7 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
             failed += 1
             print(f"error: {outcome}", file=sys.stderr)
         elif args.output_dir is not None:
-            (args.output_dir / f"{path.stem}.{args.format}").write_text(render(outcome, str(path)), encoding="utf-8")
+            _write_whole(args.output_dir / named[path], render(outcome, str(path)))
         elif args.format == "json":  # one array: written at the end
             records.append(to_record(outcome, str(path)))
         else:
@@ -99,6 +108,33 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     if failed:
         print(f"{failed} of {len(files)} files could not be read", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _named_inputs(arguments: list[str], suffix: str) -> dict[Path, Path]:
+    """Each audio file to transcribe, and the name of its result under an output directory: a file given by name
+    as <stem><suffix>, a file found under a directory at its path inside it. ValueError if two would share one."""
+    from models.audio_io import find_audio_files
+
+    named: dict[Path, Path] = {}
+    for argument in arguments:
+        root = Path(argument)
+        for path in find_audio_files([argument]):
+            named[path] = (path.relative_to(root) if root.is_dir() else Path(path.name)).with_suffix(suffix)
+    seen: dict[Path, Path] = {}
+    for path, name in named.items():
+        if name in seen:
+            raise ValueError(f"{seen[name]} and {path} would both be written as {name}: give them in separate runs")
+        seen[name] = path
+    return named
+
+
+def _write_whole(path: Path, text: str) -> None:
+    """Written under a temporary name and renamed: a run cut short leaves no half-written result behind (which
+    --skip-existing would take for a finished one)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text, encoding="utf-8")
+    partial.replace(path)
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:

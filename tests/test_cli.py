@@ -78,6 +78,33 @@ def test_a_directory_run_writes_every_readable_file_and_reports_the_rest(parity_
     assert "utt01b.wav" in captured.err and "1 of 5 files could not be read" in captured.err
 
 
+def test_output_dir_mirrors_directories_refuses_clashes_and_resumes(parity_dir, parity_audio, tmp_path, capsys):
+    source = tmp_path / "archive"
+    (source / "day1").mkdir(parents=True)
+    (source / "day2").mkdir()
+    clips = [Path(p).read_bytes() for p in parity_audio[:3]]
+    for name, data in (("day1/call.wav", clips[0]), ("day2/call.wav", clips[1]), ("extra.wav", clips[2])):
+        (source / name).write_bytes(data)
+    out = tmp_path / "out"
+    command = ["transcribe", "--model", str(parity_dir / "tdt.nemo"), "--format", "jsonl", "--output-dir", str(out)]
+    assert main([*command, str(source)]) == 0
+    written = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+    assert written == ["day1/call.jsonl", "day2/call.jsonl", "extra.jsonl"]  # the same name twice, both kept
+    first = (out / "day2/call.jsonl").read_text()
+    assert main([*command, str(source / "day1/call.wav"), str(source / "day2/call.wav")]) == 2
+    assert "would both be written as call.jsonl" in capsys.readouterr().err
+    (out / "day2/call.jsonl").unlink()
+    assert main([*command, "--skip-existing", str(source)]) == 0
+    assert "2 files already transcribed" in capsys.readouterr().err
+    assert (out / "day2/call.jsonl").read_text() == first
+    assert not list(out.rglob("*.partial"))
+
+
+def test_an_empty_directory_is_an_error(tmp_path, capsys):
+    assert main(["transcribe", str(tmp_path)]) == 2
+    assert "no audio files found" in capsys.readouterr().err
+
+
 def test_subtitles_of_several_files_need_an_output_dir(parity_audio, capsys):
     assert main(["transcribe", "--format", "srt", *parity_audio[:2]]) == 2
     assert "use --output-dir" in capsys.readouterr().err
