@@ -4,10 +4,11 @@ results, cancel."""
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field, model_validator
 from starlette.datastructures import UploadFile as StarletteUpload
 
@@ -146,10 +147,28 @@ async def get_job(job_id: str, service: ServiceDep) -> dict[str, Any]:
 
 @router.get("/{job_id}/results")
 async def job_results(job_id: str, service: ServiceDep) -> Response:
-    """One JSON line per item, in submission order."""
-    records = await _load(service, job_id, "results")
-    body = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
-    return Response(body, media_type="application/x-ndjson")
+    """One JSON line per item, in submission order, streamed a page of items at a time."""
+    store = _store(service)
+    records = store.iter_results(job_id)
+    try:
+        first = await anext(records)  # the job's absence (404) or Redis's (503) still answers with a status
+    except StopAsyncIteration:
+        return Response("", media_type="application/x-ndjson")
+    except JobNotFound as exc:
+        raise ApiError(404, f"no job `{job_id}` (it may have expired)", param="job_id", code="job_not_found") from exc
+    except REDIS_ERRORS as exc:
+        raise _redis_down(exc) from exc
+
+    async def lines() -> AsyncIterator[bytes]:
+        yield _line(first)
+        async for record in records:
+            yield _line(record)
+
+    return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+
+def _line(record: dict[str, Any]) -> bytes:
+    return (json.dumps(record, ensure_ascii=False) + "\n").encode()
 
 
 @router.delete("/{job_id}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -28,6 +29,7 @@ DEAD_LETTER_STREAM = f"{PREFIX}:items:dead"  # items that failed for good, with 
 # XADD job=<id> in the same script that finishes a job with a webhook; consumer group GROUP delivers it
 WEBHOOK_STREAM = f"{PREFIX}:webhooks"
 GROUP = "workers"
+RESULTS_PAGE = 1000  # items read per round trip when results are listed
 POOL_WAIT_S = 30.0  # a command waits this long for a free connection before it counts as Redis unreachable
 JOB_KEY = PREFIX + ":job:{job_id}"  # hash: status, created_at, started_at, finished_at, total, n_<state>, ...
 INPUTS_KEY = PREFIX + ":job:{job_id}:inputs"  # hash index -> JSON {"audio", "path" | "url" | "upload"}
@@ -334,20 +336,26 @@ class JobStore:
 
     async def results(self, job_id: str) -> list[dict[str, Any]]:
         """One record per item, in submission order; unfinished items say their state."""
+        return [record async for record in self.iter_results(job_id)]
+
+    async def iter_results(self, job_id: str, page: int = RESULTS_PAGE) -> AsyncIterator[dict[str, Any]]:
+        """``results`` a page of items at a time (one round trip each): a job of 100k items is neither read in
+        one reply that holds Redis up, nor held whole. JobNotFound before the first record."""
         job = await self.get(job_id)
-        keys = [t.format(job_id=job_id) for t in (INPUTS_KEY, STATES_KEY, RESULTS_KEY, ERRORS_KEY)]
-        inputs, states, results, errors = [await self.redis.hgetall(k) for k in keys]
-        out = []
-        for index in range(job.total_items):
-            key = str(index).encode()
-            if key in results:
-                out.append(json.loads(results[key]))
-                continue
-            audio = json.loads(inputs[key])["audio"] if key in inputs else None
-            out.append({"audio": audio, "status": states.get(key, b"queued").decode(), "text": None,
-                        "tokens": None, "words": None, "duration_s": None,
-                        "error": errors[key].decode() if key in errors else None})
-        return out
+        keys = [t.format(job_id=job_id) for t in (RESULTS_KEY, INPUTS_KEY, STATES_KEY, ERRORS_KEY)]
+        for first in range(0, job.total_items, page):
+            indices = list(range(first, min(first + page, job.total_items)))
+            pipe = self.redis.pipeline(transaction=False)
+            for key in keys:
+                pipe.hmget(key, indices)
+            results, inputs, states, errors = await pipe.execute()
+            for i, result in enumerate(results):
+                if result is not None:
+                    yield json.loads(result)
+                    continue
+                yield {"audio": json.loads(inputs[i])["audio"] if inputs[i] else None,
+                       "status": (states[i] or b"queued").decode(), "text": None, "tokens": None, "words": None,
+                       "duration_s": None, "error": errors[i].decode() if errors[i] else None}
 
     # --- item transitions (used by the consumer) -----------------------------------------------------------
 

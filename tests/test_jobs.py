@@ -459,6 +459,32 @@ def test_a_job_submission_past_its_size_limit_is_refused_as_it_arrives(redis_ser
     assert redis_server.client().xlen(ITEM_STREAM) == 3  # only the job that was taken
 
 
+def test_results_are_listed_a_page_at_a_time_in_order(redis_server, model):
+    items = [ItemInput(audio=f"item{i:04d}.wav", upload=b"not audio") for i in range(2100)]
+
+    async def submit_and_finish_some() -> str:
+        store = JobStore.from_url(redis_server.url)
+        job, _ = await store.submit(items)
+        await store.finish_item(job.id, 1, "completed", {"audio": "item0001.wav", "status": "completed",
+                                                        "text": "done"})
+        await store.finish_item(job.id, 1500, "failed", {"audio": "item1500.wav", "status": "failed"},
+                                error="bad")
+        small = [r async for r in store.iter_results(job.id, page=7)][:12]
+        assert [r["audio"] for r in small] == [f"item{i:04d}.wav" for i in range(12)]
+        await store.close()
+        return job.id
+
+    job_id = asyncio.run(submit_and_finish_some())
+    with run_server(Settings(redis_url=redis_server.url), model) as running:  # (its worker fails the rest)
+        response = httpx.get(f"{running.url}/v1/jobs/{job_id}/results")
+        missing = httpx.get(f"{running.url}/v1/jobs/job_nope/results")
+    assert response.headers["content-type"].startswith("application/x-ndjson")
+    records = [json.loads(line) for line in response.text.splitlines()]
+    assert [r["audio"] for r in records] == [item.audio for item in items]  # across pages of 1000
+    assert records[1]["text"] == "done" and records[1500]["status"] == "failed"
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "job_not_found"
+
+
 def test_path_inputs_only_under_the_input_roots(redis_server, model, parity_audio, expected, tmp_path):
     roots = tmp_path / "inputs"
     roots.mkdir()
