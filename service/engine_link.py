@@ -116,6 +116,9 @@ class EngineLink:
     def count_job(self, status: str) -> None:
         self._send(MetricCall("count_job", (status,)))
 
+    def count_webhook(self, outcome: str) -> None:
+        self._send(MetricCall("count_webhook", (outcome,)))
+
     async def scrape(self) -> bytes:
         """The engine process's metrics, this front end's event-loop CPU reported first."""
         if self._lost is not None:

@@ -51,6 +51,8 @@ class JobMetrics(Protocol):
 
     def count_job(self, status: str) -> None: ...
 
+    def count_webhook(self, outcome: str) -> None: ...
+
 
 @dataclass(frozen=True)
 class ConsumerOptions:
@@ -78,7 +80,7 @@ class JobConsumer:
         self.options = options
         self.decode_pool = decode_pool
         self.webhooks = webhooks
-        self.webhook_deliveries = WebhookWorker(store, webhooks, options.name)
+        self.webhook_deliveries = WebhookWorker(store, webhooks, options.name, metrics)
         self._in_flight: set[asyncio.Task] = set()
         self.audio = AudioBudget(options.max_audio_s, options.first_item_s, options.max_reading)
         self._last_reclaim = 0.0

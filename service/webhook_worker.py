@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import math
+from typing import Protocol
 
 from .jobs import GROUP, REDIS_ERRORS, WEBHOOK_STREAM, JobNotFound, JobStore
 from .webhooks import Delivery, WebhookSender
@@ -26,15 +27,21 @@ MAX_BACKOFF_S = 30.0
 NO_SECRET = "the worker that took the delivery cannot sign webhooks (it has no BATCHASR_WEBHOOK_SECRET)"
 
 
+class WebhookMetrics(Protocol):
+    def count_webhook(self, outcome: str) -> None: ...
+
+
 class WebhookWorker:
     """One consumer's share of the webhook stream. ``sender`` None: deliveries are recorded as failed, with why."""
 
-    def __init__(self, store: JobStore, sender: WebhookSender | None, name: str, in_flight: int = IN_FLIGHT,
+    def __init__(self, store: JobStore, sender: WebhookSender | None, name: str, metrics: WebhookMetrics,
+                 in_flight: int = IN_FLIGHT,
                  claim_idle_s: float = CLAIM_IDLE_S, reclaim_interval_s: float = 5.0,
                  stop_grace_s: float = STOP_GRACE_S):
         self.store = store
         self.sender = sender
         self.name = name
+        self.metrics = metrics
         self.in_flight = in_flight
         self.claim_idle_s = claim_idle_s
         self.reclaim_interval_s = reclaim_interval_s
@@ -106,6 +113,7 @@ class WebhookWorker:
                 return
             delivery = Delivery(False, 0, NO_SECRET) if self.sender is None else await self.sender.job_finished(job)
             await self.store.record_webhook(job.id, message_id, delivery.delivered, delivery.attempts, delivery.error)
+            self.metrics.count_webhook("delivered" if delivery.delivered else "failed")
         except REDIS_ERRORS as exc:  # unacknowledged: reclaimed after the claim timeout
             log.warning("redis error delivering the webhook of %s (%s); it will be retried", job_id, exc)
 
@@ -118,6 +126,7 @@ class WebhookWorker:
             task.cancel()
         await asyncio.gather(*running, return_exceptions=True)
         for message_id, job_id in handed:
+            self.metrics.count_webhook("handed_back")
             try:
                 await self.store.requeue_webhook(message_id, job_id)
             except REDIS_ERRORS as exc:  # still pending: reclaimed after the claim timeout

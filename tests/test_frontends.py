@@ -33,8 +33,11 @@ from service.config import Settings
 from service.engine import Engine
 from service.engine_link import EngineLink
 from service.engine_server import EngineServer
+from service.job_worker import JobMetrics
+from service.metrics import JOB_METRIC_CALLS, Metrics
 from service.runtime import build_stack
 from service.transcriber import Transcriber
+from service.webhook_worker import WebhookMetrics
 from service.wire import EngineUnavailable, FrameProtocol, ItemsFailed, send_frame, split_samples
 from tests.conftest import long_recording
 from tests.redis_server import RedisServer
@@ -308,3 +311,11 @@ def test_frames_arrive_whole_however_the_socket_cuts_them(sizes, words, chunks):
     assert [m for m, _ in received] == [m for m, _ in sent]
     for (_, payload), (_, samples) in zip(received, sent, strict=True):
         assert np.array_equal(np.frombuffer(payload, dtype=np.float32), samples)
+
+
+def test_every_count_a_consumer_makes_crosses_the_link():
+    """A consumer process counts through its link, which the engine's process takes only for these names."""
+    calls = {name for protocol in (JobMetrics, WebhookMetrics) for name in vars(protocol)
+             if not name.startswith("_")}
+    assert calls and calls <= set(JOB_METRIC_CALLS)
+    assert all(callable(getattr(EngineLink, name)) and callable(getattr(Metrics, name)) for name in calls)

@@ -22,6 +22,7 @@ import pytest
 from models import load_model
 from service.config import Settings
 from service.jobs import GROUP, ITEM_STREAM, WEBHOOK_STREAM, ItemInput, Job, JobStatus, JobStore
+from service.metrics import Metrics
 from service.url_rules import NoPublicAddress, PublicAddressResolver, UrlRefused
 from service.webhook_worker import WebhookWorker
 from service.webhooks import WebhookSender, check_webhook_url
@@ -277,10 +278,17 @@ async def _finished_job_with_webhook(store: JobStore, url: str) -> str:
     return job.id
 
 
+def _count(metrics: Metrics, outcome: str) -> float:
+    return metrics.registry.get_sample_value("batchasr_webhooks_total", {"outcome": outcome}) or 0.0
+
+
 async def _deliver_the_rest(store: JobStore, hook: Receiver, job_id: str, **options: float) -> Job:
-    """Deliver what is queued with a fresh worker; the job after (the store is closed)."""
+    """Deliver what is queued with a fresh worker, which must count one delivery; the job after (the store is
+    closed)."""
     sender = WebhookSender(SECRET, url_prefixes=[hook.prefix()])
-    await WebhookWorker(store, sender, "next", **options).drain()
+    metrics = Metrics()
+    await WebhookWorker(store, sender, "next", metrics, **options).drain()
+    assert _count(metrics, "delivered") == 1
     await sender.close()
     job = await store.get(job_id)
     await store.close()
@@ -309,7 +317,7 @@ def test_a_delivery_whose_worker_died_is_reclaimed_by_another(redis_server, rece
         store = JobStore.from_url(redis_server.url)
         await store.ensure_group()
         job_id = await _finished_job_with_webhook(store, hook.url())
-        doomed = WebhookWorker(store, WebhookSender(SECRET, url_prefixes=[hook.prefix()]), "doomed")
+        doomed = WebhookWorker(store, WebhookSender(SECRET, url_prefixes=[hook.prefix()]), "doomed", Metrics())
         assert await doomed.step(block_ms=100) == 1
         await asyncio.to_thread(_wait_for, lambda: hook.received, 10, "the first delivery never arrived")
         for task in list(doomed._deliveries):  # killed: no acknowledgement, no hand-back
@@ -333,13 +341,15 @@ def test_a_stopping_worker_hands_its_deliveries_back_at_once(redis_server, recei
         await store.ensure_group()
         job_id = await _finished_job_with_webhook(store, hook.url())
         stop = asyncio.Event()
-        stopping = WebhookWorker(store, WebhookSender(SECRET, url_prefixes=[hook.prefix()]), "stopping",
+        metrics = Metrics()
+        stopping = WebhookWorker(store, WebhookSender(SECRET, url_prefixes=[hook.prefix()]), "stopping", metrics,
                                  stop_grace_s=0.2)
         running = asyncio.create_task(stopping.run(stop, block_ms=100))
         await asyncio.to_thread(_wait_for, lambda: hook.received, 10, "the first delivery never arrived")
         stop.set()
         await running
         assert redis_server.client().xpending(WEBHOOK_STREAM, GROUP)["pending"] == 0  # handed back, not held
+        assert _count(metrics, "handed_back") == 1
         await stopping.sender.close()
         return await _deliver_the_rest(store, hook, job_id)  # at once: no claim timeout to wait for
 
