@@ -269,7 +269,9 @@ def start_server(model: str, port: int, redis_url: str | None, frontends: int, m
                  args: argparse.Namespace) -> subprocess.Popen:
     env = {**os.environ, "BATCHASR_MAX_BATCH_SIZE": str(args.batch_size), "BATCHASR_MAX_QUEUE": "100000",
            "BATCHASR_MAX_BATCH_AUDIO_S": str(args.batch_size * 36.0),  # room for full batches of the longest clips
-           "BATCHASR_MAX_UPLOAD_BYTES": str(max_upload_bytes)}
+           # the bulk job is one submission of every clip: its uploads may total as much as one upload
+           "BATCHASR_MAX_UPLOAD_BYTES": str(max_upload_bytes), "BATCHASR_MAX_JOB_UPLOAD_BYTES": str(max_upload_bytes),
+           "BATCHASR_MAX_INTAKE_BYTES": str(max(2 << 30, max_upload_bytes))}
     command = [sys.executable, "-m", "service.cli", "serve", "--model", model, "--port", str(port),
                "--device", args.device, "--dtype", args.dtype, "--attention-kernel", args.attention_kernel]
     if redis_url:
