@@ -22,7 +22,18 @@ from models import load_model
 from service import url_inputs
 from service.batcher import POOL_FACTOR
 from service.config import Settings
-from service.jobs import DEAD_LETTER_STREAM, GROUP, ITEM_STREAM, RESULTS_KEY, ItemInput, Job, JobInputError, JobStore
+from service.jobs import (
+    DEAD_LETTER_STREAM,
+    GROUP,
+    ITEM_STREAM,
+    RESULTS_KEY,
+    WEBHOOK_STREAM,
+    ItemInput,
+    Job,
+    JobInputError,
+    JobStore,
+    item_record,
+)
 from service.jobs_cli import parse_size, split_into_jobs
 from service.runtime import READING_SHARE, build_stack
 from service.url_inputs import check_input_url
@@ -368,6 +379,28 @@ def test_cancel_stops_unstarted_items(redis_server, model, parity_audio):
     client = redis_server.client()
     assert client.xpending(ITEM_STREAM, GROUP)["pending"] == 0  # the consumer acknowledged without working
     assert not client.keys("batchasr:upload:*")  # inputs of a finished job are dropped
+
+
+def test_cancelling_a_large_job_spares_the_item_in_progress(redis_server):
+    items = [ItemInput(audio=f"https://media.example/{i}.wav", url=f"https://media.example/{i}.wav")
+             for i in range(2500)]
+
+    async def scenario() -> None:
+        store = JobStore.from_url(redis_server.url)
+        job, _ = await store.submit(items, webhook_url="https://hooks.example.com/x")
+        await store.start_item(job.id, 1234)
+        cancelled = await store.cancel(job.id)  # across three pages of items
+        assert cancelled.status.value == "in_progress"
+        assert cancelled.counts == {"queued": 0, "in_progress": 1, "completed": 0, "failed": 0, "cancelled": 2499}
+        records = await store.results(job.id)
+        assert records[0] == item_record(items[0].audio, "cancelled") and records[1234]["status"] == "in_progress"
+        assert (await store.cancel(job.id)).counts["cancelled"] == 2499  # again: nothing more to cancel
+        assert await store.finish_item(job.id, 1234, "completed", item_record(items[1234].audio, "completed")) == 2
+        assert (await store.get(job.id)).status.value == "cancelled"
+        assert await store.redis.xlen(WEBHOOK_STREAM) == 1  # its webhook, queued as the job ended
+        await store.close()
+
+    asyncio.run(scenario())
 
 
 def test_results_expire_after_the_job(redis_server, model, parity_audio):
