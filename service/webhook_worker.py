@@ -15,6 +15,8 @@ import logging
 import math
 from typing import Protocol
 
+import redis.asyncio as aioredis
+
 from .jobs import GROUP, REDIS_ERRORS, WEBHOOK_STREAM, JobNotFound, JobStore
 from .webhooks import Delivery, WebhookSender
 
@@ -48,6 +50,7 @@ class WebhookWorker:
         self.stop_grace_s = stop_grace_s
         self._deliveries: dict[asyncio.Task, tuple[bytes, str]] = {}  # task -> (stream entry, job id)
         self._last_reclaim = -math.inf
+        self._group_ready = False
 
     async def run(self, stop: asyncio.Event, block_ms: int = 1000) -> None:
         """Deliver until ``stop`` is set; then give deliveries in progress ``stop_grace_s`` and hand back the rest."""
@@ -56,11 +59,15 @@ class WebhookWorker:
             try:
                 await self.step(block_ms)
                 backoff = 1.0
+                continue
             except REDIS_ERRORS as exc:
                 log.warning("redis unreachable for webhooks (%s); retrying in %.0f s", exc, backoff)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), backoff)
-                backoff = min(MAX_BACKOFF_S, backoff * 2)
+            except aioredis.ResponseError as exc:  # NOGROUP: a Redis that lost the group; anything else, logged
+                self._group_ready = False
+                log.warning("webhook stream: %s; retrying in %.0f s", exc, backoff)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), backoff)
+            backoff = min(MAX_BACKOFF_S, backoff * 2)
         await self._hand_back()
 
     async def drain(self) -> None:
@@ -70,6 +77,9 @@ class WebhookWorker:
 
     async def step(self, block_ms: int) -> int:
         """Start the deliveries there is room for (reclaiming stalled ones first); returns how many started."""
+        if not self._group_ready:  # the job consumer beside this may not have made it yet
+            await self.store.ensure_group()
+            self._group_ready = True
         room = self.in_flight - len(self._deliveries)
         if room <= 0:
             await asyncio.wait(self._deliveries, timeout=block_ms / 1000, return_when=asyncio.FIRST_COMPLETED)

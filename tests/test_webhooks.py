@@ -356,3 +356,17 @@ def test_a_stopping_worker_hands_its_deliveries_back_at_once(redis_server, recei
     job = asyncio.run(scenario())
     assert (job.webhook_status, job.webhook_attempts) == ("delivered", 1)
     assert len(hook.received) == 2
+
+
+def test_the_webhook_worker_makes_its_group_on_a_fresh_redis(redis_server):
+    """It starts beside the job consumer, which may not have made the consumer group yet (that race left a
+    server without webhooks now and then)."""
+    async def scenario() -> int:
+        store = JobStore.from_url(redis_server.url)
+        try:
+            return await WebhookWorker(store, None, "first", Metrics()).step(block_ms=10)
+        finally:
+            await store.close()
+
+    assert asyncio.run(scenario()) == 0
+    assert redis_server.client().xinfo_groups(WEBHOOK_STREAM)[0]["name"] == GROUP.encode()
