@@ -117,6 +117,8 @@ async def create_job(request: Request, service: ServiceDep,
         items, webhook = await _json_items(request)
         return await _submit(store, service.settings, items, webhook, idempotency_key)
     uploads, webhook = await _form_uploads(request, service)
+    if webhook:  # before the uploads are read
+        _check_webhook(webhook, service.settings)
     # read into memory only in turn (service.intake), until Redis has them
     async with service.intake.hold(sum(upload.size or 0 for upload in uploads)):
         items = await _read_uploads(uploads, service)
