@@ -4,8 +4,8 @@ results, cancel."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
-from typing import Annotated, Any
+from collections.abc import AsyncIterator, Awaitable
+from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -18,6 +18,8 @@ from .jobs import REDIS_ERRORS, REDIS_FULL, ItemInput, JobInputError, JobNotFoun
 from .url_inputs import check_input_url
 from .url_rules import UrlRefused
 from .webhooks import check_webhook_url
+
+T = TypeVar("T")
 
 router = APIRouter(prefix="/v1/jobs", dependencies=[Depends(require_api_key)], tags=["jobs"])
 
@@ -96,8 +98,10 @@ def _check_inputs(items: list[ItemInput], settings: Settings) -> None:
             check_input_url(item.url, settings.input_url_prefixes)
 
 
-def _check_webhook(url: str, settings: Settings) -> None:
+def _check_webhook(url: str | None, settings: Settings) -> None:
     """Refuse a webhook the workers could not sign or would not post to."""
+    if url is None:
+        return
     if not settings.webhook_secret:
         raise ApiError(400, "webhooks are disabled: the server has no webhook secret (BATCHASR_WEBHOOK_SECRET)",
                        param="webhook_url", code="webhooks_disabled")
@@ -115,10 +119,10 @@ async def create_job(request: Request, service: ServiceDep,
     store = _store(service)
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
         items, webhook = await _json_items(request)
+        _check_webhook(webhook, service.settings)
         return await _submit(store, service.settings, items, webhook, idempotency_key)
     uploads, webhook = await _form_uploads(request, service)
-    if webhook:  # before the uploads are read
-        _check_webhook(webhook, service.settings)
+    _check_webhook(webhook, service.settings)  # before the uploads are read
     # read into memory only in turn (service.intake), until Redis has them
     async with service.intake.hold(sum(upload.size or 0 for upload in uploads)):
         items = await _read_uploads(uploads, service)
@@ -127,8 +131,6 @@ async def create_job(request: Request, service: ServiceDep,
 
 async def _submit(store: JobStore, settings: Settings, items: list[ItemInput], webhook: str | None,
                   idempotency_key: str | None) -> JSONResponse:
-    if webhook:
-        _check_webhook(webhook, settings)
     try:
         _check_inputs(items, settings)
         job, created = await store.submit(items, idempotency_key, webhook)
@@ -144,22 +146,17 @@ async def _submit(store: JobStore, settings: Settings, items: list[ItemInput], w
 
 @router.get("/{job_id}")
 async def get_job(job_id: str, service: ServiceDep) -> dict[str, Any]:
-    return (await _load(service, job_id, "get")).to_dict()
+    return (await _from_store(job_id, _store(service).get(job_id))).to_dict()
 
 
 @router.get("/{job_id}/results")
 async def job_results(job_id: str, service: ServiceDep) -> Response:
     """One JSON line per item, in submission order, streamed a page of items at a time."""
-    store = _store(service)
-    records = store.iter_results(job_id)
-    try:
-        first = await anext(records)  # the job's absence (404) or Redis's (503) still answers with a status
-    except StopAsyncIteration:
+    records = _store(service).iter_results(job_id)
+    # the job's absence (404) or Redis's (503) still answer with a status: they come before the first record
+    first = await _from_store(job_id, anext(records, None))
+    if first is None:
         return Response("", media_type="application/x-ndjson")
-    except JobNotFound as exc:
-        raise ApiError(404, f"no job `{job_id}` (it may have expired)", param="job_id", code="job_not_found") from exc
-    except REDIS_ERRORS as exc:
-        raise _redis_down(exc) from exc
 
     async def lines() -> AsyncIterator[bytes]:
         yield _line(first)
@@ -176,14 +173,13 @@ def _line(record: dict[str, Any]) -> bytes:
 @router.delete("/{job_id}")
 async def cancel_job(job_id: str, service: ServiceDep) -> dict[str, Any]:
     """Cancel: items not started are dropped; items in progress finish."""
-    job = await _load(service, job_id, "cancel")
-    return job.to_dict()
+    return (await _from_store(job_id, _store(service).cancel(job_id))).to_dict()
 
 
-async def _load(service: ServiceState, job_id: str, action: str) -> Any:
-    store = _store(service)
+async def _from_store(job_id: str, work: Awaitable[T]) -> T:
+    """``work`` on one job in the store, its failures as the API words them."""
     try:
-        return await getattr(store, action)(job_id)
+        return await work
     except JobNotFound as exc:
         raise ApiError(404, f"no job `{job_id}` (it may have expired)", param="job_id", code="job_not_found") from exc
     except REDIS_ERRORS as exc:

@@ -10,7 +10,6 @@ waited out with backoff; nothing is lost because nothing is acknowledged before 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import os
@@ -23,15 +22,22 @@ from .audio import AudioLimits, AudioRequestError, decode_audio, decode_audio_fi
 from .audio_budget import AudioBudget, AudioClaim
 from .batcher import Priority, QueueFull
 from .formats import to_record
-from .jobs import GROUP, ITEM_STREAM, REDIS_ERRORS, JobInputError, JobStore, item_record, resolve_input_path
+from .jobs import (
+    GROUP,
+    ITEM_STREAM,
+    REDIS_ERRORS,
+    JobInputError,
+    JobStore,
+    item_record,
+    resolve_input_path,
+    wait_before_retry,
+)
 from .transcriber import Transcriber
 from .url_inputs import UrlFetcher
 from .webhook_worker import WebhookWorker
 from .webhooks import WebhookSender
 
 log = logging.getLogger(__name__)
-
-MAX_BACKOFF_S = 30.0
 
 
 def default_consumer_name() -> str:
@@ -79,7 +85,6 @@ class JobConsumer:
         self.metrics = metrics
         self.options = options
         self.decode_pool = decode_pool
-        self.webhooks = webhooks
         self.webhook_deliveries = WebhookWorker(store, webhooks, options.name, metrics)
         self._in_flight: set[asyncio.Task] = set()
         self.audio = AudioBudget(options.max_audio_s, options.first_item_s, options.max_reading)
@@ -100,18 +105,16 @@ class JobConsumer:
             except REDIS_ERRORS as exc:
                 self.connected = False
                 log.warning("redis unreachable (%s); retrying in %.0f s", exc, backoff)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), backoff)
-                backoff = min(MAX_BACKOFF_S, backoff * 2)
+                backoff = await wait_before_retry(stop, backoff)
         await self._finish_in_flight()
         await webhooks
         await self.close()
 
     async def close(self) -> None:
         """Release the URL fetcher's and the webhook sender's connections (``run`` does this when it returns)."""
-        for client in (self.urls, self.webhooks):
-            if client is not None:
-                await client.close()
+        if self.urls is not None:
+            await self.urls.close()
+        await self.webhook_deliveries.close()
 
     async def drain(self, idle_rounds: int = 2) -> None:
         """Burst mode (tests, one-off runs): consume until the stream has nothing left for this group."""
@@ -152,15 +155,11 @@ class JobConsumer:
         return len(messages)
 
     async def _reclaim(self, count: int) -> list[tuple[bytes, dict]]:
-        idle_ms = int(self.options.visibility_timeout_s * 1000)
-        reply = await self.store.redis.xautoclaim(ITEM_STREAM, GROUP, self.options.name, idle_ms, "0-0", count=count)
-        claimed = [(mid, fields) for mid, fields in reply[1] if fields]
-        deleted = reply[2] if len(reply) > 2 else []
+        claimed = await self.store.claim_stalled(ITEM_STREAM, self.options.name, self.options.visibility_timeout_s,
+                                                 count)
         if claimed:
             log.info("reclaimed %d items from stalled consumers", len(claimed))
             self.metrics.count_job_items_reclaimed(len(claimed))
-        for message_id in deleted:
-            await self.store.redis.xack(ITEM_STREAM, GROUP, message_id)
         return claimed
 
     async def _finish_in_flight(self) -> None:

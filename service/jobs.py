@@ -10,6 +10,8 @@ attempts, errors, results. Uploaded audio lives in its own keys with a TTL.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import secrets
 import time
@@ -41,6 +43,7 @@ UPLOAD_KEY = PREFIX + ":upload:{job_id}:{index}"  # audio bytes, with the input 
 IDEMPOTENCY_KEY = PREFIX + ":idempotency:{key}"  # -> job id
 REDIS_ERRORS = (aioredis.ConnectionError, aioredis.TimeoutError, ConnectionError, OSError)
 REDIS_FULL = OutOfMemoryError  # Redis at its maxmemory (with noeviction, as a job store must be) refused a write
+MAX_BACKOFF_S = 30.0  # the longest a consumer waits before trying an unreachable Redis again
 JOB_KEYS = (JOB_KEY, INPUTS_KEY, STATES_KEY, ATTEMPTS_KEY, ERRORS_KEY, RESULTS_KEY)
 
 
@@ -151,6 +154,14 @@ _HSET_IF_EXISTS = """
 if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], unpack(ARGV)) return 1 end
 return 0
 """
+
+
+async def wait_before_retry(stop: asyncio.Event, backoff_s: float) -> float:
+    """A consumer's pause after Redis failed it: ``backoff_s``, or less if ``stop`` is set meanwhile. Returns the
+    next pause, doubled, at most ``MAX_BACKOFF_S``."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), backoff_s)
+    return min(MAX_BACKOFF_S, backoff_s * 2)
 
 
 def _now() -> str:
@@ -387,9 +398,8 @@ class JobStore:
                 if result is not None:
                     yield json.loads(result)
                     continue
-                yield {"audio": json.loads(inputs[i])["audio"] if inputs[i] else None,
-                       "status": (states[i] or b"queued").decode(), "text": None, "tokens": None, "words": None,
-                       "duration_s": None, "error": errors[i].decode() if errors[i] else None}
+                yield item_record(json.loads(inputs[i])["audio"] if inputs[i] else None,
+                                  (states[i] or b"queued").decode(), error=errors[i].decode() if errors[i] else None)
 
     # --- item transitions (used by the consumer) -----------------------------------------------------------
 
@@ -466,27 +476,35 @@ class JobStore:
         Without this the item stream keeps an entry for every item ever submitted: 48 bytes each, about 0.5 GB
         of Redis memory per 10 M items. (Another consumer group on these streams would lose entries.)"""
         for stream in (ITEM_STREAM, WEBHOOK_STREAM):
-            try:
-                pending = await self.redis.xpending(stream, GROUP)
-                if pending["pending"]:
-                    keep_from = pending["min"]
-                else:  # all acknowledged: keep from the last one delivered (what comes after is not delivered yet)
-                    groups = await self.redis.xinfo_groups(stream)
-                    keep_from = next(g["last-delivered-id"] for g in groups if g["name"] in (GROUP, GROUP.encode()))
-            except (aioredis.ResponseError, StopIteration):  # no stream or no group yet
+            group = await self._group(stream)
+            if group is None:
                 continue
+            if group["pending"]:
+                keep_from = (await self.redis.xpending(stream, GROUP))["min"]
+            else:  # all acknowledged: keep from the last one delivered (what comes after is not delivered yet)
+                keep_from = group["last-delivered-id"]
             await self.redis.xtrim(stream, minid=keep_from, approximate=False)
 
     async def stream_lag(self) -> int:
         """Items not yet delivered to a consumer plus those delivered and not acknowledged."""
+        group = await self._group(ITEM_STREAM)
+        return 0 if group is None else int(group.get("lag") or 0) + int(group.get("pending") or 0)
+
+    async def _group(self, stream: str) -> dict[str, Any] | None:
+        """The workers' group on ``stream`` as XINFO GROUPS describes it; None before there is one."""
         try:
-            groups = await self.redis.xinfo_groups(ITEM_STREAM)
-        except aioredis.ResponseError:
-            return 0
-        for group in groups:
-            if group["name"] in (GROUP, GROUP.encode()):
-                return int(group.get("lag") or 0) + int(group.get("pending") or 0)
-        return 0
+            groups = await self.redis.xinfo_groups(stream)
+        except aioredis.ResponseError:  # no stream yet
+            return None
+        return next((g for g in groups if g["name"] in (GROUP, GROUP.encode())), None)
+
+    async def claim_stalled(self, stream: str, consumer: str, idle_s: float, count: int) -> list[tuple[bytes, dict]]:
+        """Up to ``count`` of ``stream``'s deliveries left unacknowledged ``idle_s`` or longer, now ``consumer``'s.
+        Entries trimmed away while pending are acknowledged (nothing is left to deliver)."""
+        reply = await self.redis.xautoclaim(stream, GROUP, consumer, int(idle_s * 1000), "0-0", count=count)
+        for message_id in reply[2] if len(reply) > 2 else []:
+            await self.redis.xack(stream, GROUP, message_id)
+        return [(message_id, fields) for message_id, fields in reply[1] if fields]
 
     async def ping(self) -> bool:
         try:

@@ -10,14 +10,13 @@ stopping worker had in hand is queued again at once. A receiver may therefore ge
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 from typing import Protocol
 
 import redis.asyncio as aioredis
 
-from .jobs import GROUP, REDIS_ERRORS, WEBHOOK_STREAM, JobNotFound, JobStore
+from .jobs import GROUP, REDIS_ERRORS, WEBHOOK_STREAM, JobNotFound, JobStore, wait_before_retry
 from .webhooks import Delivery, WebhookSender
 
 log = logging.getLogger(__name__)
@@ -25,7 +24,6 @@ log = logging.getLogger(__name__)
 CLAIM_IDLE_S = 300.0  # longer than one delivery can take: 6 attempts of at most 10 s each, and 48 s of pauses
 STOP_GRACE_S = 5.0  # a stopping worker lets deliveries run this long, then hands the rest back
 IN_FLIGHT = 32  # deliveries at once, per worker
-MAX_BACKOFF_S = 30.0
 NO_SECRET = "the worker that took the delivery cannot sign webhooks (it has no BATCHASR_WEBHOOK_SECRET)"
 
 
@@ -65,10 +63,13 @@ class WebhookWorker:
             except aioredis.ResponseError as exc:  # NOGROUP: a Redis that lost the group; anything else, logged
                 self._group_ready = False
                 log.warning("webhook stream: %s; retrying in %.0f s", exc, backoff)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), backoff)
-            backoff = min(MAX_BACKOFF_S, backoff * 2)
+            backoff = await wait_before_retry(stop, backoff)
         await self._hand_back()
+
+    async def close(self) -> None:
+        """Release the sender's connections (after ``run`` or ``drain``)."""
+        if self.sender is not None:
+            await self.sender.close()
 
     async def drain(self) -> None:
         """Burst mode (tests, one-off runs): deliver until the stream has nothing left for this consumer."""
@@ -102,13 +103,9 @@ class WebhookWorker:
         return len(entries)
 
     async def _reclaim(self, count: int) -> list[tuple[bytes, dict]]:
-        reply = await self.store.redis.xautoclaim(WEBHOOK_STREAM, GROUP, self.name, int(self.claim_idle_s * 1000),
-                                                  "0-0", count=count)
-        claimed = [(message_id, fields) for message_id, fields in reply[1] if fields]
+        claimed = await self.store.claim_stalled(WEBHOOK_STREAM, self.name, self.claim_idle_s, count)
         if claimed:
             log.info("reclaimed %d webhook deliveries from stalled consumers", len(claimed))
-        for message_id in reply[2] if len(reply) > 2 else []:  # entries trimmed away while pending
-            await self.store.ack_webhook(message_id)
         return claimed
 
     async def _deliver(self, message_id: bytes, job_id: str) -> None:
