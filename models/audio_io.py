@@ -1,4 +1,5 @@
-"""Audio files -> mono float32 waveforms at the model's rate (soundfile + soxr, imported when first needed).
+"""Audio files -> mono float32 waveforms at the model's rate (soundfile, or PyAV for media containers, and
+soxr; imported when first needed).
 
 ``models`` must run where only torch, numpy and sentencepiece exist (the GPU image): the audio libraries
 are imported here, lazily, so arrays can always be transcribed and files only when they are installed.
@@ -13,7 +14,12 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-AUDIO_SUFFIXES = {".wav", ".flac", ".ogg", ".oga", ".opus", ".mp3", ".aif", ".aiff", ".au", ".w64", ".caf"}
+from .containers import HEAD_BYTES, ContainerAudio, UnreadableContainer, container_format
+
+SOUNDFILE_SUFFIXES = {".wav", ".flac", ".ogg", ".oga", ".opus", ".mp3", ".aif", ".aiff", ".au", ".w64", ".caf"}
+CONTAINER_SUFFIXES = {".m4a", ".m4b", ".mp4", ".mov", ".3gp", ".3g2", ".webm", ".mkv", ".mka", ".ts", ".aac",
+                      ".amr"}
+AUDIO_SUFFIXES = SOUNDFILE_SUFFIXES | CONTAINER_SUFFIXES
 
 
 def find_audio_files(paths: Iterable[str | Path]) -> list[Path]:
@@ -39,6 +45,23 @@ def _soundfile():
     except ImportError as exc:  # pragma: no cover - depends on the machine
         raise ImportError("reading audio files needs the `soundfile` package (pip install soundfile)") from exc
     return soundfile
+
+
+def open_audio(source: str | Path | BinaryIO) -> Any:
+    """An audio file opened for reading in blocks (``samplerate``, ``frames``, ``read(n)``, a context manager):
+    media containers (MP4, M4A, WebM, ...) through FFmpeg, recognised by their first bytes; the rest through
+    libsndfile. Raises ``UnreadableContainer`` or libsndfile's errors."""
+    if isinstance(source, (str, Path)):
+        with open(source, "rb") as f:
+            head = f.read(HEAD_BYTES)
+    else:
+        start = source.tell()
+        head = source.read(HEAD_BYTES)
+        source.seek(start)
+    format_name = container_format(head)
+    if format_name is not None:
+        return ContainerAudio(source, format_name)
+    return _soundfile().SoundFile(source)
 
 
 def to_mono(samples: np.ndarray) -> np.ndarray:
@@ -76,9 +99,9 @@ class ResampleStream:
 
 
 def decode_blocks(f: Any, to_rate: int, block_frames: int = 1 << 20) -> Iterator[tuple[int, np.ndarray]]:
-    """(frames read, that block mixed to mono and resampled to ``to_rate``) for each block of an open
-    ``soundfile.SoundFile``, read until the end of its data, then the resampler's tail (0 frames). Joined, the
-    blocks equal resampling the whole file at once; the file is never held at its own rate."""
+    """(frames read, that block mixed to mono and resampled to ``to_rate``) for each block of a file from
+    ``open_audio``, read until the end of its data, then the resampler's tail (0 frames). Joined, the blocks
+    equal resampling the whole file at once; the file is never held at its own rate."""
     stream = ResampleStream(f.samplerate, to_rate)
     while True:
         block = f.read(block_frames, dtype="float32", always_2d=True)
@@ -99,15 +122,15 @@ def check_waveform(samples: np.ndarray, name: str) -> np.ndarray:
 
 
 def read_audio(source: str | Path | bytes | BinaryIO, sample_rate: int = 16000) -> np.ndarray:
-    """Decode a file (path, bytes or file object) with libsndfile, mix to mono, resample to ``sample_rate``."""
+    """Decode a file (path, bytes or file object), mix to mono, resample to ``sample_rate``."""
     sf = _soundfile()
     name = str(source) if isinstance(source, (str, Path)) else "audio"
     if isinstance(source, (str, Path)) and not Path(source).is_file():
         raise FileNotFoundError(f"{source}: no such audio file")
     handle = io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else source
     try:
-        with sf.SoundFile(handle) as f:
+        with open_audio(handle) as f:
             blocks = [block for _, block in decode_blocks(f, sample_rate)]
-    except (sf.LibsndfileError, RuntimeError, TypeError) as exc:
+    except (sf.LibsndfileError, UnreadableContainer, RuntimeError, TypeError) as exc:
         raise AudioError(f"{name}: cannot decode audio ({exc})") from exc
     return check_waveform(np.concatenate(blocks), name)

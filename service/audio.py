@@ -17,13 +17,14 @@ from pathlib import Path
 import numpy as np
 import soundfile as sf
 
-from models.audio_io import check_waveform, decode_blocks
+from models.audio_io import check_waveform, decode_blocks, open_audio
+from models.containers import UnreadableContainer
 
 BLOCK_FRAMES = 1 << 20  # decode in blocks of about a minute of 16 kHz audio
 HEADER_BYTES = 1 << 16  # of a file on disk, read to check a WAV header's claims before decoding
 ACCEPTED_MEDIA_PREFIXES = ("audio/", "video/")
 STREAMED_WAV_SIZES = {0, 0xFFFFFFFF}  # data sizes written by tools that stream WAV without seeking back
-ACCEPTED_MEDIA_TYPES = {"", "application/octet-stream", "application/ogg", "multipart/form-data"}
+ACCEPTED_MEDIA_TYPES = {"", "application/octet-stream", "application/ogg", "application/mp4", "multipart/form-data"}
 
 
 class AudioRequestError(ValueError):
@@ -55,11 +56,13 @@ def check_media_type(content_type: str | None) -> None:
     media = (content_type or "").split(";")[0].strip().lower()
     if media in ACCEPTED_MEDIA_TYPES or media.startswith(ACCEPTED_MEDIA_PREFIXES):
         return
-    raise UnsupportedMediaType(f"unsupported media type {media!r}: send audio (WAV, FLAC, OGG/Opus, MP3)")
+    raise UnsupportedMediaType(f"unsupported media type {media!r}: send audio (WAV, FLAC, OGG/Opus, MP3, M4A, MP4, "
+                               "WebM)")
 
 
 def decode_audio(data: bytes, limits: AudioLimits) -> np.ndarray:
-    """Decode an upload with libsndfile; mono, resampled to ``limits.sample_rate``, float32."""
+    """Decode an upload (libsndfile's formats, or a media container through FFmpeg); mono, resampled to
+    ``limits.sample_rate``, float32."""
     if len(data) == 0:
         raise AudioRequestError("the uploaded file is empty")
     if len(data) > limits.max_bytes:
@@ -81,7 +84,7 @@ def decode_audio_file(path: Path, limits: AudioLimits) -> np.ndarray:
 
 def _decode(source: io.BytesIO | Path, limits: AudioLimits) -> np.ndarray:
     try:
-        with sf.SoundFile(source) as f:
+        with open_audio(source) as f:
             claimed_s = f.frames / f.samplerate if f.frames > 0 else 0.0
             if claimed_s > limits.max_duration_s:
                 raise AudioTooLarge(f"audio is {claimed_s:.1f} s long (per its header); the limit is "
@@ -89,7 +92,7 @@ def _decode(source: io.BytesIO | Path, limits: AudioLimits) -> np.ndarray:
             samples = _read_resampled(f, limits)
     except sf.LibsndfileError as exc:
         raise AudioRequestError(f"cannot decode audio: {exc.error_string or exc}") from exc
-    except (RuntimeError, TypeError) as exc:
+    except (UnreadableContainer, RuntimeError, TypeError) as exc:
         raise AudioRequestError(f"cannot decode audio: {exc}") from exc
     if samples.size == 0:
         raise AudioRequestError("the audio has no samples")

@@ -1,0 +1,176 @@
+"""Audio in media containers, decoded by FFmpeg through PyAV and read the way a ``soundfile.SoundFile`` is.
+
+libsndfile reads WAV, FLAC, OGG and MP3, but not the containers much recorded audio comes in: phones' M4A
+and 3GP (AAC, AMR), browsers' WebM (Opus), and the sound tracks of video files (MP4, MOV, MKV, broadcast
+MPEG-TS). Those are recognised here by their first bytes, and FFmpeg is told which demuxer to use. It is never
+left to guess: some of its demuxers (HLS playlists, concat lists) open the other files and URLs an input names,
+and an upload must not make the server read its own files. Nested opens are refused as well.
+
+PyAV is imported when a container is first opened, so ``models`` still runs where it is not installed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+
+HEAD_BYTES = 512  # what ``container_format`` needs to see of a file
+ISO_BOX_TYPES = {b"ftyp", b"moov", b"mdat", b"wide", b"free", b"skip"}  # a first box of MP4/M4A/MOV/3GP
+EBML_MAGIC = b"\x1a\x45\xdf\xa3"  # Matroska and WebM
+TS_PACKET = 188
+# Formats whose stated duration is exact (sample tables, a muxer's Duration); the others' are estimates from
+# the bit rate, not to be held against the audio
+EXACT_DURATION_FORMATS = {"mov", "matroska"}
+FORMAT_NAMES = {"mov": "MP4/M4A/MOV", "matroska": "Matroska/WebM", "mpegts": "MPEG-TS", "aac": "AAC (ADTS)",
+                "amr": "AMR"}
+TRUNCATION_TOLERANCE_S = 0.5  # decoders may drop a partial frame or a codec's priming at the end
+
+
+class UnreadableContainer(ValueError):
+    """A container FFmpeg cannot read, or one without audio; the message says which and why."""
+
+
+def container_format(head: bytes) -> str | None:
+    """FFmpeg's demuxer for a file that starts with ``head`` (its first ``HEAD_BYTES``), or None for anything
+    that is not one of the containers read here (libsndfile's formats, and whatever else)."""
+    if len(head) >= 8 and head[4:8] in ISO_BOX_TYPES:
+        return "mov"
+    if head.startswith(EBML_MAGIC):
+        return "matroska"
+    if head.startswith(b"#!AMR"):  # "#!AMR\n" and "#!AMR-WB\n"
+        return "amr"
+    if len(head) >= 2 and head[0] == 0xFF and head[1] & 0xF6 == 0xF0:  # ADTS sync word, layer 0 (MP3 is not 0)
+        return "aac"
+    if len(head) > 2 * TS_PACKET and head[0] == head[TS_PACKET] == head[2 * TS_PACKET] == 0x47:
+        return "mpegts"
+    return None
+
+
+def _av():
+    try:
+        import av
+    except ImportError as exc:  # pragma: no cover - depends on the machine
+        raise ImportError("reading MP4, M4A, WebM and other containers needs the `av` package (pip install av)"
+                          ) from exc
+    return av
+
+
+def _reason(exc: Exception) -> str:
+    """FFmpeg's words for an error, without PyAV's errno and the name of the call that failed."""
+    return getattr(exc, "strerror", None) or str(exc)
+
+
+def _refuse_nested_open(url: str, flags: int, options: dict) -> Any:
+    raise PermissionError(f"the container refers to another file or URL ({url!r}); that is not read")
+
+
+class ContainerAudio:
+    """The first audio stream of a container, read in blocks of frames like a ``soundfile.SoundFile``:
+    ``samplerate``, ``channels``, ``frames`` (from the container's duration where it is exact; 0 otherwise)
+    and ``read(n)`` -> (at most n, channels) float32 at the stream's own rate, empty at the end.
+
+    Samples are converted to float by FFmpeg (its sample-format conversion; no resampling). A file that ends
+    well before the duration its container states is refused as truncated rather than read as shorter audio.
+    """
+
+    def __init__(self, source: str | Path | BinaryIO, format_name: str):
+        av = _av()
+        self.format_name = format_name
+        self._file = open(source, "rb") if isinstance(source, (str, Path)) else None  # noqa: SIM115 - closed in close()
+        try:
+            self._container = av.open(self._file or source, format=format_name, metadata_errors="replace",
+                                      io_open=_refuse_nested_open)
+        except (av.FFmpegError, PermissionError, UnicodeError) as exc:
+            self._close_file()
+            raise UnreadableContainer(f"not a readable {FORMAT_NAMES[format_name]} file: {_reason(exc)}") from exc
+        try:
+            self._stream = self._audio_stream()
+        except UnreadableContainer:
+            self.close()
+            raise
+        self.samplerate: int = self._stream.codec_context.sample_rate
+        self.channels: int = self._stream.codec_context.channels
+        self.frames = self._stated_frames(format_name)
+        self._blocks = self._decoded_blocks()
+        self._pending: list[np.ndarray] = []
+        self._buffered = 0
+        self._decoded = 0
+
+    def _audio_stream(self):
+        streams = self._container.streams.audio
+        if not streams:
+            raise UnreadableContainer(f"the {FORMAT_NAMES[self.format_name]} file has no audio stream")
+        stream = streams[0]
+        if stream.codec_context.sample_rate <= 0 or stream.codec_context.channels <= 0:
+            raise UnreadableContainer("the audio stream states no sample rate or no channels")
+        return stream
+
+    def _stated_frames(self, format_name: str) -> int:
+        if format_name not in EXACT_DURATION_FORMATS:
+            return 0
+        if self._stream.duration is not None and self._stream.time_base is not None:
+            seconds = float(self._stream.duration * self._stream.time_base)
+        elif self._container.duration is not None:
+            seconds = self._container.duration / 1_000_000  # AV_TIME_BASE
+        else:
+            return 0
+        return max(0, round(seconds * self.samplerate))
+
+    def _decoded_blocks(self) -> Iterator[np.ndarray]:
+        av = _av()
+        to_float = av.AudioResampler(format="fltp")  # the sample format only: rate and channels stay as they are
+        try:
+            for packet in self._container.demux(self._stream):
+                for frame in packet.decode():
+                    if frame.sample_rate != self.samplerate:
+                        raise UnreadableContainer(f"the sample rate changes mid-stream ({self.samplerate} Hz, then "
+                                                  f"{frame.sample_rate} Hz)")
+                    for converted in to_float.resample(frame):
+                        yield converted.to_ndarray().T  # (channels, n) planar -> (n, channels)
+        except (av.FFmpegError, ValueError) as exc:  # ValueError: the channel layout changed mid-stream
+            if isinstance(exc, UnreadableContainer):
+                raise
+            raise UnreadableContainer(f"the {FORMAT_NAMES[self.format_name]} audio stops decoding: {_reason(exc)}"
+                                      ) from exc
+
+    def read(self, frames: int, dtype: str = "float32", always_2d: bool = True) -> np.ndarray:
+        """Up to ``frames`` frames as (n, channels) float32 (the arguments soundfile takes, in the only form used)."""
+        assert dtype == "float32" and always_2d, "containers are read as 2-D float32"
+        while self._buffered < frames:
+            block = next(self._blocks, None)
+            if block is None:
+                self._check_complete()
+                break
+            self._pending.append(block)
+            self._buffered += len(block)
+        if not self._pending:
+            return np.zeros((0, self.channels), dtype=np.float32)
+        joined = self._pending[0] if len(self._pending) == 1 else np.concatenate(self._pending)
+        out, rest = joined[:frames], joined[frames:]
+        self._pending = [rest] if len(rest) else []
+        self._buffered = len(rest)
+        self._decoded += len(out)
+        return out
+
+    def _check_complete(self) -> None:
+        stated_s, held_s = self.frames / self.samplerate, (self._decoded + self._buffered) / self.samplerate
+        if self.frames and stated_s - held_s > TRUNCATION_TOLERANCE_S:
+            raise UnreadableContainer(f"the audio is truncated: its container states {stated_s:.1f} s, the file "
+                                      f"holds {held_s:.1f} s")
+
+    def close(self) -> None:
+        self._container.close()
+        self._close_file()
+
+    def _close_file(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+    def __enter__(self) -> ContainerAudio:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()

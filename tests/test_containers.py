@@ -1,0 +1,198 @@
+"""Audio in media containers (M4A, MP4 with video, WebM, Matroska, ADTS AAC, MPEG-TS, AMR, 3GP): decoded through
+FFmpeg, recognised by their first bytes, within the same limits and with errors as clear as libsndfile's."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import soundfile as sf
+
+from models import load_model
+from models.audio_io import AudioError, find_audio_files, read_audio
+from models.containers import EBML_MAGIC, EXACT_DURATION_FORMATS, container_format
+from service import audio
+from service.audio import AudioLimits, AudioRequestError, AudioTooLarge, decode_audio, decode_audio_file
+from service.config import Settings
+from tests.media import CONTAINERS, encode, video_only_mp4
+from tests.servers import run_server
+
+DATA = Path(__file__).parent / "data" / "default_model"
+LIMITS = AudioLimits(max_bytes=50 * 1024 * 1024, max_duration_s=60.0)
+# what an encoder may add: a codec's priming or padding frames (AAC's 1024 samples at each end; AMR's 20 ms
+# frames; MP2's 1152-sample frames)
+PADDING_S = 0.15
+
+
+@pytest.fixture(scope="module")
+def speech() -> np.ndarray:
+    return sf.read(DATA / "voice_000142.wav", dtype="float32")[0]
+
+
+@pytest.mark.parametrize("name", sorted(CONTAINERS))
+def test_each_container_decodes_to_16k_mono_of_its_length(speech, name):
+    data = encode(speech, name)
+    decoded = decode_audio(data, LIMITS)
+    assert decoded.dtype == np.float32 and decoded.ndim == 1
+    assert len(speech) / 16000 <= len(decoded) / 16000 + 0.01 <= len(speech) / 16000 + PADDING_S, name
+    np.testing.assert_array_equal(decoded, read_audio(data))  # the service and the Python API read alike
+
+
+@pytest.mark.parametrize("name", ["m4a", "webm", "mkv", "alac"])
+def test_containers_with_edit_lists_or_lossless_audio_line_up_with_the_original(speech, name):
+    decoded = decode_audio(encode(speech, name, channels=2), LIMITS)[: len(speech)]
+    assert np.corrcoef(decoded, speech)[0, 1] > 0.99  # no priming delay: the same samples at the same times
+    if name in ("mkv", "alac"):  # FLAC and ALAC: the 16-bit original, exactly
+        np.testing.assert_array_equal(decoded, speech)
+
+
+def test_the_sound_track_of_a_video_is_transcribed(speech):
+    data = encode(speech, "m4a", channels=2, video=True)
+    assert container_format(data[:512]) == "mov"
+    decoded = decode_audio(data, LIMITS)
+    assert np.corrcoef(decoded[: len(speech)], speech)[0, 1] > 0.99
+
+
+@pytest.mark.parametrize(("head", "expected"), [
+    (b"\x00\x00\x00\x1cftypM4A " + bytes(500), "mov"),
+    (b"\x1a\x45\xdf\xa3" + bytes(500), "matroska"),
+    (b"#!AMR-WB\n" + bytes(500), "amr"),
+    (b"\xff\xf1\x50\x80" + bytes(500), "aac"),
+    (b"\xff\xfb\x90\x64" + bytes(500), None),  # an MP3 frame: libsndfile's
+    (b"ID3\x04" + bytes(500), None),
+    (b"RIFF\x00\x00\x00\x00WAVE" + bytes(500), None),
+    (b"fLaC" + bytes(500), None),
+    (b"OggS" + bytes(500), None),
+    (b"#EXTM3U\n#EXTINF:1,\nfile:///etc/passwd\n", None),  # an HLS playlist: never handed to FFmpeg to probe
+    (b"ffconcat version 1.0\nfile /etc/passwd\n", None),
+    ((b"\x47" + bytes(187)) * 3, "mpegts"),
+    (b"", None),
+])
+def test_containers_are_recognised_by_their_first_bytes(head, expected):
+    assert container_format(head) == expected
+
+
+def test_a_playlist_naming_a_local_file_is_refused_without_reading_it(tmp_path, speech):
+    """FFmpeg's HLS and concat demuxers open what a playlist names; an upload must not reach the server's files."""
+    target = tmp_path / "secret.wav"
+    sf.write(target, speech, 16000)
+    for playlist in (f"#EXTM3U\n#EXT-X-TARGETDURATION:10\n#EXTINF:3.0,\n{target}\n#EXT-X-ENDLIST\n",
+                     f"ffconcat version 1.0\nfile '{target}'\n"):
+        with pytest.raises(AudioRequestError, match="cannot decode audio"):
+            decode_audio(playlist.encode(), LIMITS)
+
+
+@pytest.mark.parametrize("name", sorted(EXACT_DURATION_FORMATS))
+def test_a_container_stating_more_than_the_limit_is_refused_before_decoding(monkeypatch, speech, name):
+    data = encode(np.tile(speech, 4), {"mov": "m4a", "matroska": "mkv"}[name])
+    blocks_read = []
+    monkeypatch.setattr(audio, "decode_blocks", lambda *a, **k: blocks_read.append(1) or iter(()))
+    with pytest.raises(AudioTooLarge, match="per its header"):
+        decode_audio(data, AudioLimits(max_bytes=LIMITS.max_bytes, max_duration_s=5.0))
+    assert not blocks_read
+
+
+@pytest.mark.parametrize("name", ["aac", "ts", "amr"])
+def test_containers_with_estimated_durations_are_held_to_the_limit_as_they_decode(monkeypatch, speech, name):
+    monkeypatch.setattr(audio, "BLOCK_FRAMES", 4000)
+    data = encode(np.tile(speech, 4), name)
+    with pytest.raises(AudioTooLarge, match="longer than the limit"):
+        decode_audio(data, AudioLimits(max_bytes=LIMITS.max_bytes, max_duration_s=5.0))
+
+
+def _first_half(data: bytes) -> bytes:
+    return data[: len(data) // 2]
+
+
+BAD_CONTAINERS = {  # what is wrong -> (the file, given 10 s of speech and a folder; what the error says)
+    "an M4A cut before its index": (lambda long, tmp: encode(long, "m4a")[:20_000], "not a readable MP4/M4A/MOV file"),
+    "an M4A cut in its samples": (lambda long, tmp: _first_half(encode(
+        long, "m4a", path=tmp / "a.m4a", options={"movflags": "faststart"})), "MP4/M4A/MOV audio stops decoding"),
+    "a WebM cut in half": (lambda long, tmp: _first_half(encode(long, "webm")), "truncated"),
+    "a Matroska file cut in half": (lambda long, tmp: _first_half(encode(long, "mkv")), "truncated"),
+    "a video without sound": (lambda long, tmp: video_only_mp4(), "has no audio stream"),
+    "random bytes behind an MP4 box": (lambda long, tmp: b"\x00\x00\x00\x18ftypmp42" + bytes(range(256)) * 20,
+                                       "not a readable MP4/M4A/MOV file"),
+    "an EBML header and nothing else": (lambda long, tmp: EBML_MAGIC, "not a readable Matroska/WebM file"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CONTAINERS))
+def test_bad_containers_get_clear_errors(tmp_path, speech, case):
+    make, message = BAD_CONTAINERS[case]
+    data = make(np.tile(speech, 4), tmp_path)
+    with pytest.raises(AudioRequestError, match=message):
+        decode_audio(data, LIMITS)
+    path = tmp_path / "in.bin"
+    path.write_bytes(data)
+    with pytest.raises(AudioRequestError, match=message):  # a job's path input: the same answer
+        decode_audio_file(path, LIMITS)
+    with pytest.raises(AudioError, match=message):  # and the Python API's
+        read_audio(data)
+
+
+def test_files_on_disk_decode_as_their_bytes_do(tmp_path, speech):
+    for name in ("m4a", "webm", "ts"):
+        path = tmp_path / f"a.{name}"
+        data = encode(speech, name, path=path)
+        np.testing.assert_array_equal(decode_audio_file(path, LIMITS), decode_audio(data, LIMITS))
+        np.testing.assert_array_equal(read_audio(path), decode_audio(data, LIMITS))
+
+
+def test_directories_are_walked_for_container_files(tmp_path, speech):
+    for name in ("a.m4a", "b.webm", "c.mp4", "d.MKV", "e.txt"):
+        (tmp_path / name).write_bytes(b"x")
+    assert [p.name for p in find_audio_files([tmp_path])] == ["a.m4a", "b.webm", "c.mp4", "d.MKV"]
+
+
+# --- over HTTP, on the embedded model (real recognition: lossy codecs must not change its text) --------------
+
+
+@pytest.fixture(scope="module")
+def server():
+    with run_server(Settings(max_wait_ms=20), load_model(device="cpu")) as running:
+        yield running
+
+
+@pytest.mark.parametrize(("name", "content_type", "video"), [
+    ("m4a", "audio/mp4", False), ("webm", "audio/webm", False), ("mp4", "video/mp4", True),
+    ("aac", "audio/aac", False), ("mkv", "application/octet-stream", False),
+])
+def test_uploads_in_containers_give_the_wav_text(server, name, content_type, video):
+    for path in sorted(DATA.glob("*.wav")):
+        wav = path.read_bytes()
+        data = encode(sf.read(io.BytesIO(wav), dtype="float32")[0], "m4a" if video else name, channels=2, video=video)
+        texts = [httpx.post(f"{server.url}/v1/audio/transcriptions", files={"file": (f"x.{name}", body, kind)},
+                            data={"response_format": "text"}, timeout=60)
+                 for body, kind in ((wav, "audio/wav"), (data, content_type))]
+        assert [t.status_code for t in texts] == [200, 200], texts[1].text
+        assert texts[1].text == texts[0].text, (name, path.name)
+
+
+def test_a_bad_container_upload_is_a_400_and_the_server_stays_healthy(server, speech):
+    for data, message in ((video_only_mp4(), "has no audio stream"),
+                          (encode(speech, "m4a")[:5000], "not a readable MP4/M4A/MOV file")):
+        response = httpx.post(f"{server.url}/v1/transcribe", files={"file": ("x.mp4", data, "video/mp4")}, timeout=60)
+        assert response.status_code == 400, response.text
+        assert message in response.json()["error"]["message"]
+    assert httpx.get(f"{server.url}/healthz").status_code == 200
+
+
+def test_the_command_line_transcribes_a_folder_of_phone_and_browser_recordings(tmp_path, capsys):
+    """``batchasr transcribe`` on the embedded model: an M4A, a WebM and an MP4 video give the WAV's text."""
+    from service.cli import main
+
+    wav = DATA / "sentences_000028.wav"
+    speech = sf.read(wav, dtype="float32")[0]
+    for name, video in (("memo.m4a", False), ("browser.webm", False), ("clip.mp4", True)):
+        encode(speech, "m4a" if video else name.split(".")[1], channels=2, video=video, path=tmp_path / name)
+    assert main(["transcribe", "--format", "text", str(wav)]) == 0
+    expected = capsys.readouterr().out.strip()
+    assert main(["transcribe", "--format", "jsonl", str(tmp_path)]) == 0
+    results = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [Path(r["audio"]).name for r in results] == ["browser.webm", "clip.mp4", "memo.m4a"]
+    assert [r["text"] for r in results] == [expected] * 3
