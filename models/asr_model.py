@@ -219,16 +219,18 @@ class ASRModel(nn.Module):
                    cuda_graphs: str = "auto", max_segment_s: float | None = None) -> list[Transcript]:
         """Transcribe waveforms (mono float32 at ``sample_rate``) or audio files, in input order.
 
-        All inputs are grouped into batches of similar length (less padding); results do not depend on the
-        grouping. ``decoder_algorithm`` and ``cuda_graphs`` are as in ``decode``. Inputs are taken whole, as
-        NeMo's transcribe takes them; ``max_segment_s`` (30 in the service) cuts longer ones at quiet points
-        and stitches them back, so that long audio costs what its pieces cost. Many inputs, or files: see
-        ``transcribe_iter``.
+        Inputs are grouped into batches of similar length (less padding); results do not depend on the
+        grouping. Waveforms, already in memory, are sorted all together; files are read a window of 16 batches
+        at a time (``transcribe_iter``), so a list of thousands of paths never holds all their audio at once.
+        ``decoder_algorithm`` and ``cuda_graphs`` are as in ``decode``. Inputs are taken whole, as NeMo's
+        transcribe takes them; ``max_segment_s`` (30 in the service) cuts longer ones at quiet points and
+        stitches them back, so that long audio costs what its pieces cost.
         """
         if isinstance(audio, (np.ndarray, str, Path)):
             audio = [audio]
+        files = any(isinstance(item, (str, Path)) for item in audio)
         options = self._offline_options(batch_size, decoder, decoder_algorithm, cuda_graphs, max_segment_s,
-                                        window=max(1, len(audio)))  # one window: every input sorted together
+                                        window=None if files else max(1, len(audio)))
         return list(transcribe_stream(self, audio, options))
 
     def transcribe_iter(self, audio: Iterable[AudioInput], batch_size: int = 16, decoder: str = "auto",

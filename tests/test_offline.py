@@ -73,6 +73,24 @@ def test_inputs_are_read_a_window_at_a_time(model, parity_audio):
     assert [t.tokens for t in [first, *rest]] == [t.tokens for t in whole]  # windows change nothing
 
 
+def test_a_list_of_files_is_read_a_window_at_a_time(model, parity_audio, monkeypatch):
+    """``transcribe`` of paths holds a window of their audio, not all of it; waveforms are sorted together."""
+    from models import offline
+
+    monkeypatch.setattr(offline, "WINDOW_BATCHES", 2)
+    read, read_by_first_batch = [], []
+    load_audio, encode = model.load_audio, model.encode
+    monkeypatch.setattr(model, "load_audio", lambda item, index=0: read.append(index) or load_audio(item, index))
+    monkeypatch.setattr(model, "encode", lambda waves: read_by_first_batch.append(len(read)) or encode(waves))
+    paths = [parity_audio[i % len(parity_audio)] for i in range(40)]
+    results = model.transcribe(paths, batch_size=2)
+    assert len(read) == 40 and read_by_first_batch[0] <= 8  # this window of 2 batches and the next
+    waves = [sf.read(p, dtype="float32")[0] for p in paths]
+    read.clear(), read_by_first_batch.clear()
+    assert [t.tokens for t in results] == [t.tokens for t in model.transcribe(waves, batch_size=2)]
+    assert read_by_first_batch[0] == 40  # arrays: one window, every input sorted together
+
+
 def test_an_unreadable_input_comes_out_in_its_place_or_raises(model, parity_audio, tmp_path):
     bad = tmp_path / "bad.wav"
     bad.write_bytes(b"not audio" * 50)
