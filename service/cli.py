@@ -252,6 +252,8 @@ def _submit_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output", type=Path, help="write result lines here instead of stdout")
     p.add_argument("--idempotency-key", help="resubmitting with the same key returns the same job")
     p.add_argument("--webhook-url", help="POSTed to (signed) when the job finishes; the server must allow it")
+    p.add_argument("--priority", choices=["high", "normal", "low"], default="normal",
+                   help="workers take high jobs' items before normal ones', and normal before low (default normal)")
     p.add_argument("--job-bytes", default="256M", metavar="SIZE",
                    help="uploads a job holds at most (e.g. 256M, 1G); more audio goes as several jobs, in order "
                         "(default 256M; a server takes at most BATCHASR_MAX_JOB_UPLOAD_BYTES a job)")
@@ -262,6 +264,7 @@ def _submit_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
+    from .jobs import JobPriority
     from .jobs_cli import collect_audio, parse_size, run_submit
 
     try:
@@ -275,7 +278,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
         return 2
     with open(args.output, "w", encoding="utf-8") if args.output else contextlib.nullcontext(sys.stdout) as out:
         return asyncio.run(run_submit(inputs, args.redis_url, args.server, args.api_key, args.wait, out,
-                                      args.idempotency_key, webhook_url=args.webhook_url, job_bytes=job_bytes))
+                                      args.idempotency_key, webhook_url=args.webhook_url, job_bytes=job_bytes,
+                                      priority=JobPriority(args.priority)))
 
 
 def build_parser() -> argparse.ArgumentParser:

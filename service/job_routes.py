@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
 from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Depends, Header, Request
@@ -14,7 +15,16 @@ from starlette.datastructures import UploadFile as StarletteUpload
 
 from .config import Settings
 from .http import ApiError, ServiceDep, ServiceState, read_upload, require_api_key
-from .jobs import REDIS_ERRORS, REDIS_FULL, ItemInput, JobInputError, JobNotFound, JobStore, resolve_input_path
+from .jobs import (
+    REDIS_ERRORS,
+    REDIS_FULL,
+    ItemInput,
+    JobInputError,
+    JobNotFound,
+    JobPriority,
+    JobStore,
+    resolve_input_path,
+)
 from .url_inputs import check_input_url
 from .url_rules import UrlRefused
 from .webhooks import check_webhook_url
@@ -43,6 +53,15 @@ class JobCreate(BaseModel):
     items: list[JobItem] = Field(min_length=1)
     # POSTed to when the job finishes (service.webhooks): under the server's webhook URL prefixes, or public
     webhook_url: str | None = None
+    priority: JobPriority = JobPriority.NORMAL  # workers take high before normal, normal before low
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    """What a submission asks for besides its items."""
+
+    webhook_url: str | None = None
+    priority: JobPriority = JobPriority.NORMAL
 
 
 def _store(service: ServiceState) -> JobStore:
@@ -57,8 +76,8 @@ def job_too_large_message(limit: int) -> str:
             "as several jobs, or as paths or URLs")
 
 
-async def _form_uploads(request: Request, service: ServiceState) -> tuple[list[StarletteUpload], str | None]:
-    """The uploads of a multipart submission (parsed: each in its temporary file), and its webhook URL."""
+async def _form_uploads(request: Request, service: ServiceState) -> tuple[list[StarletteUpload], JobRequest]:
+    """The uploads of a multipart submission (parsed: each in its temporary file), and its other fields."""
     # the body is limited as it arrives (service.body_limit): the files, their boundaries and the other fields
     form = await request.form(max_files=100_000)
     uploads = [f for key in ("files", "file", "files[]") for f in form.getlist(key) if isinstance(f, StarletteUpload)]
@@ -67,8 +86,13 @@ async def _form_uploads(request: Request, service: ServiceState) -> tuple[list[S
     limit = service.settings.max_job_upload_bytes
     if sum(upload.size or 0 for upload in uploads) > limit:  # the audio alone, exactly
         raise ApiError(413, job_too_large_message(limit), param="files", code="job_too_large")
-    webhook = form.get("webhook_url")
-    return uploads, webhook if isinstance(webhook, str) else None
+    webhook, priority = form.get("webhook_url"), form.get("priority") or JobPriority.NORMAL.value
+    try:
+        priority = JobPriority(priority)
+    except ValueError as exc:
+        raise ApiError(400, f"priority must be one of {', '.join(p.value for p in JobPriority)}", param="priority",
+                       code="invalid_priority") from exc
+    return uploads, JobRequest(webhook if isinstance(webhook, str) else None, priority)
 
 
 async def _read_uploads(uploads: list[StarletteUpload], service: ServiceState) -> list[ItemInput]:
@@ -79,14 +103,14 @@ async def _read_uploads(uploads: list[StarletteUpload], service: ServiceState) -
     return items
 
 
-async def _json_items(request: Request) -> tuple[list[ItemInput], str | None]:
+async def _json_items(request: Request) -> tuple[list[ItemInput], JobRequest]:
     try:
         body = JobCreate.model_validate_json(await request.body())
     except ValueError as exc:
         raise ApiError(400, f"invalid job: {exc}", code="invalid_job") from exc
     items = [ItemInput(audio=item.path, path=item.path) if item.path is not None
              else ItemInput(audio=str(item.url), url=item.url) for item in body.items]
-    return items, body.webhook_url
+    return items, JobRequest(body.webhook_url, body.priority)
 
 
 def _check_inputs(items: list[ItemInput], settings: Settings) -> None:
@@ -118,22 +142,22 @@ async def create_job(request: Request, service: ServiceDep,
     server reads itself."""
     store = _store(service)
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
-        items, webhook = await _json_items(request)
-        _check_webhook(webhook, service.settings)
-        return await _submit(store, service.settings, items, webhook, idempotency_key)
-    uploads, webhook = await _form_uploads(request, service)
-    _check_webhook(webhook, service.settings)  # before the uploads are read
+        items, job_request = await _json_items(request)
+        _check_webhook(job_request.webhook_url, service.settings)
+        return await _submit(store, service.settings, items, job_request, idempotency_key)
+    uploads, job_request = await _form_uploads(request, service)
+    _check_webhook(job_request.webhook_url, service.settings)  # before the uploads are read
     # read into memory only in turn (service.intake), until Redis has them
     async with service.intake.hold(sum(upload.size or 0 for upload in uploads)):
         items = await _read_uploads(uploads, service)
-        return await _submit(store, service.settings, items, webhook, idempotency_key)
+        return await _submit(store, service.settings, items, job_request, idempotency_key)
 
 
-async def _submit(store: JobStore, settings: Settings, items: list[ItemInput], webhook: str | None,
+async def _submit(store: JobStore, settings: Settings, items: list[ItemInput], job_request: JobRequest,
                   idempotency_key: str | None) -> JSONResponse:
     try:
         _check_inputs(items, settings)
-        job, created = await store.submit(items, idempotency_key, webhook)
+        job, created = await store.submit(items, idempotency_key, job_request.webhook_url, job_request.priority)
     except JobInputError as exc:
         raise ApiError(400, str(exc), param="items", code="invalid_input") from exc
     except REDIS_ERRORS as exc:

@@ -1,5 +1,5 @@
-"""The job consumer: reads items from the stream, feeds them to the batcher at bulk priority, writes each
-result once, then acknowledges.
+"""The job consumer: reads items from the streams (a job's priority picks its stream; higher ones are read
+first), feeds them to the batcher at bulk priority, writes each result once, then acknowledges.
 
 Failure handling: bad audio or a refused input fails its item at once (dead-lettered); any other error
 leaves the delivery unacknowledged, so it is reclaimed (XAUTOCLAIM) after the visibility timeout, and an
@@ -23,8 +23,7 @@ from .audio_budget import AudioBudget, AudioClaim
 from .batcher import Priority, QueueFull
 from .formats import to_record
 from .jobs import (
-    GROUP,
-    ITEM_STREAM,
+    ITEM_STREAMS,
     REDIS_ERRORS,
     JobInputError,
     JobStore,
@@ -130,7 +129,7 @@ class JobConsumer:
         await self.store.ensure_group()
         self.connected = True
         room = self.audio.room(self.options.prefetch - len(self._in_flight))
-        messages: list[tuple[bytes, dict]] = []
+        messages: list[tuple[str, bytes, dict]] = []  # (stream, message id, fields)
         loop = asyncio.get_running_loop()
         if room > 0 and loop.time() - self._last_reclaim >= self.options.reclaim_interval_s:
             self._last_reclaim = loop.time()
@@ -141,22 +140,23 @@ class JobConsumer:
             wait = self.options.block_ms if block_ms is None else block_ms
             if self._in_flight:  # work in hand: look for more often, not for long
                 wait = min(wait, 100)
-            reply = await self.store.redis.xreadgroup(GROUP, self.options.name, {ITEM_STREAM: ">"}, count=room,
-                                                      block=wait)
-            for _, entries in reply or []:
-                messages += entries
+            messages += await self.store.read_items(self.options.name, room, wait)
         elif self._in_flight:
             await self.audio.changed()  # an item was read or finished: there may be room now
-        for message_id, fields in messages:
-            task = asyncio.create_task(self._handle(message_id, fields, self.audio.claim()))
+        for stream, message_id, fields in messages:
+            task = asyncio.create_task(self._handle(stream, message_id, fields, self.audio.claim()))
             self._in_flight.add(task)
             task.add_done_callback(self._in_flight.discard)
         self.metrics.observe_job_stream_lag(await self.store.stream_lag())
         return len(messages)
 
-    async def _reclaim(self, count: int) -> list[tuple[bytes, dict]]:
-        claimed = await self.store.claim_stalled(ITEM_STREAM, self.options.name, self.options.visibility_timeout_s,
-                                                 count)
+    async def _reclaim(self, count: int) -> list[tuple[str, bytes, dict]]:
+        claimed = []
+        for stream in ITEM_STREAMS.values():  # the higher priorities' first
+            if len(claimed) < count:
+                stalled = await self.store.claim_stalled(stream, self.options.name, self.options.visibility_timeout_s,
+                                                         count - len(claimed))
+                claimed += [(stream, message_id, fields) for message_id, fields in stalled]
         if claimed:
             log.info("reclaimed %d items from stalled consumers", len(claimed))
             self.metrics.count_job_items_reclaimed(len(claimed))
@@ -168,16 +168,16 @@ class JobConsumer:
 
     # --- one item --------------------------------------------------------------------------------------
 
-    async def _handle(self, message_id: bytes, fields: dict, share: AudioClaim) -> None:
+    async def _handle(self, stream: str, message_id: bytes, fields: dict, share: AudioClaim) -> None:
         try:
             job_id, index = fields[b"job"].decode(), int(fields[b"index"])
         except (KeyError, ValueError, UnicodeDecodeError):  # not ours (another writer, another version)
             share.release()
-            await self._discard(message_id, fields)
+            await self._discard(stream, message_id, fields)
             return
         try:
             await self._process(job_id, index, share)
-            await self.store.redis.xack(ITEM_STREAM, GROUP, message_id)
+            await self.store.ack_item(stream, message_id)
         except REDIS_ERRORS as exc:  # unacknowledged: it comes back after the visibility timeout
             log.warning("redis error on %s/%d (%s); it will be retried", job_id, index, exc)
         except Exception as exc:  # likewise retried, until max_attempts
@@ -186,13 +186,13 @@ class JobConsumer:
         finally:
             share.release()
 
-    async def _discard(self, message_id: bytes, fields: dict) -> None:
+    async def _discard(self, stream: str, message_id: bytes, fields: dict) -> None:
         """A stream entry that names no job item: dead-letter and acknowledge it once, rather than fail it
         on every redelivery."""
         error = f"not a job item (fields: {', '.join(sorted(k.decode(errors='replace') for k in fields))})"
         log.warning("stream entry %s discarded: %s", message_id.decode(), error)
         try:
-            await self.store.discard_entry(message_id, error)
+            await self.store.discard_entry(stream, message_id, error)
             self.metrics.count_job_item_dead_lettered()
         except REDIS_ERRORS as exc:
             log.warning("redis error discarding %s (%s); it will come back", message_id.decode(), exc)

@@ -1,8 +1,8 @@
 """Bulk jobs on Redis Streams: the key schema, submission, atomic item state changes, results, cancel.
 
-Delivery is at-least-once (a consumer group on one stream; stuck deliveries are reclaimed), and every
-state change of an item runs as one Lua script, so an item redelivered after a crash can never write a
-second result or be counted twice.
+Delivery is at-least-once (a consumer group on each priority's stream; stuck deliveries are reclaimed), and
+every state change of an item runs as one Lua script, so an item redelivered after a crash can never write a
+second result or be counted twice. Workers take a higher priority's items before any of a lower one.
 
 Per job: a hash (status, times, counters), and per-item hashes keyed by the item's index: inputs, states,
 attempts, errors, results. Uploaded audio lives in its own keys with a TTL.
@@ -26,7 +26,7 @@ from redis.exceptions import OutOfMemoryError
 
 # --- the key schema, in one place ----------------------------------------------------------------------------
 PREFIX = "batchasr"
-ITEM_STREAM = f"{PREFIX}:items"  # XADD job=<id> index=<i>; consumer group GROUP
+ITEM_STREAM = f"{PREFIX}:items"  # XADD job=<id> index=<i>; consumer group GROUP (normal priority's items)
 DEAD_LETTER_STREAM = f"{PREFIX}:items:dead"  # items that failed for good, with their last error
 # XADD job=<id> in the same script that finishes a job with a webhook; consumer group GROUP delivers it
 WEBHOOK_STREAM = f"{PREFIX}:webhooks"
@@ -45,6 +45,20 @@ REDIS_ERRORS = (aioredis.ConnectionError, aioredis.TimeoutError, ConnectionError
 REDIS_FULL = OutOfMemoryError  # Redis at its maxmemory (with noeviction, as a job store must be) refused a write
 MAX_BACKOFF_S = 30.0  # the longest a consumer waits before trying an unreachable Redis again
 JOB_KEYS = (JOB_KEY, INPUTS_KEY, STATES_KEY, ATTEMPTS_KEY, ERRORS_KEY, RESULTS_KEY)
+
+
+class JobPriority(str, Enum):
+    """Which stream a job's items go on. Workers read the high stream first, then normal, then low: a small
+    urgent job is not queued behind a backfill of thousands of hours."""
+
+    HIGH = "high"
+    NORMAL = "normal"
+    LOW = "low"
+
+
+# each priority's item stream, in the order workers read them
+ITEM_STREAMS = {JobPriority.HIGH: f"{PREFIX}:items:high", JobPriority.NORMAL: ITEM_STREAM,
+                JobPriority.LOW: f"{PREFIX}:items:low"}
 
 
 class JobStatus(str, Enum):
@@ -203,6 +217,7 @@ class Job:
     finished_at: float | None
     audio_s: float
     compute_s: float
+    priority: JobPriority = JobPriority.NORMAL
     webhook_url: str | None = None
     webhook_status: str | None = None  # pending | delivered | failed, when the job has a webhook
     webhook_attempts: int = 0
@@ -219,7 +234,8 @@ class Job:
 
     def to_dict(self) -> dict[str, Any]:
         return {"id": self.id, "object": "transcription.job", "status": self.status.value,
-                "total_items": self.total_items, "counts": self.counts, "created_at": self.created_at,
+                "priority": self.priority.value, "total_items": self.total_items, "counts": self.counts,
+                "created_at": self.created_at,
                 "started_at": self.started_at, "finished_at": self.finished_at, "audio_s": round(self.audio_s, 3),
                 "compute_s": round(self.compute_s, 3), "rtfx": round(self.rtfx, 2), **self._webhook_dict()}
 
@@ -271,7 +287,7 @@ class JobStore:
         """The consumer group on the item and webhook streams (again after a Redis that lost them), in one round
         trip."""
         pipe = self.redis.pipeline(transaction=False)
-        for stream in (ITEM_STREAM, WEBHOOK_STREAM):
+        for stream in (*ITEM_STREAMS.values(), WEBHOOK_STREAM):
             pipe.xgroup_create(stream, GROUP, id="0", mkstream=True)
         for reply in await pipe.execute(raise_on_error=False):
             if isinstance(reply, Exception) and "BUSYGROUP" not in str(reply):
@@ -280,9 +296,9 @@ class JobStore:
     # --- submission --------------------------------------------------------------------------------------
 
     async def submit(self, items: list[ItemInput], idempotency_key: str | None = None,
-                     webhook_url: str | None = None) -> tuple[Job, bool]:
-        """Create a job and queue its items; returns (job, created). A repeated idempotency key returns the
-        job the first request created."""
+                     webhook_url: str | None = None, priority: JobPriority = JobPriority.NORMAL) -> tuple[Job, bool]:
+        """Create a job and queue its items on its priority's stream; returns (job, created). A repeated
+        idempotency key returns the job the first request created."""
         if not items:
             raise JobInputError("a job needs at least one item")
         for item in items:
@@ -304,14 +320,15 @@ class JobStore:
                     pipe.multi()
                     if key is not None:  # set with the job, in one transaction: never a key naming no job
                         pipe.set(key, job_id, ex=self.result_ttl_s)
-                    self._queue_job(pipe, job_id, items, webhook_url)
+                    self._queue_job(pipe, job_id, items, webhook_url, JobPriority(priority))
                     await pipe.execute()
                     break
                 except aioredis.WatchError:  # another request with this key got there first: take its job
                     continue
         return await self.get(job_id), True
 
-    def _queue_job(self, pipe: Any, job_id: str, items: list[ItemInput], webhook_url: str | None) -> None:
+    def _queue_job(self, pipe: Any, job_id: str, items: list[ItemInput], webhook_url: str | None,
+                   priority: JobPriority) -> None:
         """The writes that create a job and queue its items, added to ``pipe`` (a transaction)."""
         inputs, states = {}, {}
         for index, item in enumerate(items):
@@ -329,11 +346,12 @@ class JobStore:
         pipe.hset(JOB_KEY.format(job_id=job_id), mapping={
             "status": JobStatus.QUEUED.value, "created_at": _now(), "total": len(items), "n_queued": len(items),
             "n_in_progress": 0, "n_completed": 0, "n_failed": 0, "n_cancelled": 0, "audio_s": 0, "compute_s": 0,
-            "webhook_url": webhook_url or "", "webhook_status": "pending" if webhook_url else ""})
+            "webhook_url": webhook_url or "", "webhook_status": "pending" if webhook_url else "",
+            "priority": priority.value})
         pipe.hset(INPUTS_KEY.format(job_id=job_id), mapping=inputs)
         pipe.hset(STATES_KEY.format(job_id=job_id), mapping=states)
         for index in range(len(items)):
-            pipe.xadd(ITEM_STREAM, {"job": job_id, "index": index})
+            pipe.xadd(ITEM_STREAMS[priority], {"job": job_id, "index": index})
         for template in JOB_KEYS:
             pipe.expire(template.format(job_id=job_id), self.input_ttl_s + self.result_ttl_s)
 
@@ -351,7 +369,8 @@ class JobStore:
         return Job(id=job_id, status=JobStatus(h["status"]), total_items=int(h["total"]),
                    counts={s: int(h.get(f"n_{s}", 0)) for s in ITEM_STATES}, created_at=float(h["created_at"]),
                    started_at=opt("started_at"), finished_at=opt("finished_at"), audio_s=float(h["audio_s"]),
-                   compute_s=float(h["compute_s"]), webhook_url=h.get("webhook_url") or None,
+                   compute_s=float(h["compute_s"]), priority=JobPriority(h.get("priority") or "normal"),
+                   webhook_url=h.get("webhook_url") or None,
                    webhook_status=h.get("webhook_status") or None, webhook_attempts=int(h.get("webhook_attempts", 0)),
                    webhook_error=h.get("webhook_error") or None)
 
@@ -401,6 +420,28 @@ class JobStore:
                 yield item_record(json.loads(inputs[i])["audio"] if inputs[i] else None,
                                   (states[i] or b"queued").decode(), error=errors[i].decode() if errors[i] else None)
 
+    # --- item deliveries and transitions (used by the consumer) -----------------------------------------------
+
+    async def read_items(self, consumer: str, count: int, block_ms: int) -> list[tuple[str, bytes, dict]]:
+        """Up to about ``count`` new deliveries for ``consumer``, as (stream, message id, fields): the high
+        stream's first, then normal's, then low's. With none waiting on any, waits up to ``block_ms`` for the
+        first to come on any stream (taking up to count // 3 from each, at least one: at most two over ``count``
+        when it is below three)."""
+        taken: list[tuple[str, bytes, dict]] = []
+        for stream in ITEM_STREAMS.values():
+            if len(taken) >= count:
+                break
+            reply = await self.redis.xreadgroup(GROUP, consumer, {stream: ">"}, count=count - len(taken))
+            taken += _deliveries(reply)
+        if taken or block_ms <= 0:
+            return taken
+        per_stream = max(1, count // len(ITEM_STREAMS))
+        return _deliveries(await self.redis.xreadgroup(GROUP, consumer, dict.fromkeys(ITEM_STREAMS.values(), ">"),
+                                                       count=per_stream, block=block_ms))
+
+    async def ack_item(self, stream: str, message_id: bytes) -> None:
+        await self.redis.xack(stream, GROUP, message_id)
+
     # --- item transitions (used by the consumer) -----------------------------------------------------------
 
     async def start_item(self, job_id: str, index: int) -> ItemStart:
@@ -433,11 +474,11 @@ class JobStore:
         raw = await self.redis.hget(ERRORS_KEY.format(job_id=job_id), index)
         return raw.decode() if raw else None
 
-    async def discard_entry(self, message_id: bytes, error: str) -> None:
+    async def discard_entry(self, stream: str, message_id: bytes, error: str) -> None:
         """Dead-letter and acknowledge a stream entry that names no job item."""
         pipe = self.redis.pipeline(transaction=True)
-        pipe.xadd(DEAD_LETTER_STREAM, {"message": message_id, "error": error, "at": _now()})
-        pipe.xack(ITEM_STREAM, GROUP, message_id)
+        pipe.xadd(DEAD_LETTER_STREAM, {"stream": stream, "message": message_id, "error": error, "at": _now()})
+        pipe.xack(stream, GROUP, message_id)
         await pipe.execute()
 
     async def dead_letter(self, job_id: str, index: int, error: str) -> None:
@@ -475,7 +516,7 @@ class JobStore:
         """Drop the item and webhook streams' entries before the oldest one the workers have not acknowledged.
         Without this the item stream keeps an entry for every item ever submitted: 48 bytes each, about 0.5 GB
         of Redis memory per 10 M items. (Another consumer group on these streams would lose entries.)"""
-        for stream in (ITEM_STREAM, WEBHOOK_STREAM):
+        for stream in (*ITEM_STREAMS.values(), WEBHOOK_STREAM):
             group = await self._group(stream)
             if group is None:
                 continue
@@ -486,17 +527,23 @@ class JobStore:
             await self.redis.xtrim(stream, minid=keep_from, approximate=False)
 
     async def stream_lag(self) -> int:
-        """Items not yet delivered to a consumer plus those delivered and not acknowledged."""
-        group = await self._group(ITEM_STREAM)
-        return 0 if group is None else int(group.get("lag") or 0) + int(group.get("pending") or 0)
+        """Items not yet delivered to a consumer plus those delivered and not acknowledged, over every priority
+        (one round trip)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for stream in ITEM_STREAMS.values():
+            pipe.xinfo_groups(stream)
+        lag = 0
+        for groups in await pipe.execute(raise_on_error=False):
+            group = _workers_group(groups)
+            lag += 0 if group is None else int(group.get("lag") or 0) + int(group.get("pending") or 0)
+        return lag
 
     async def _group(self, stream: str) -> dict[str, Any] | None:
         """The workers' group on ``stream`` as XINFO GROUPS describes it; None before there is one."""
         try:
-            groups = await self.redis.xinfo_groups(stream)
+            return _workers_group(await self.redis.xinfo_groups(stream))
         except aioredis.ResponseError:  # no stream yet
             return None
-        return next((g for g in groups if g["name"] in (GROUP, GROUP.encode())), None)
 
     async def claim_stalled(self, stream: str, consumer: str, idle_s: float, count: int) -> list[tuple[bytes, dict]]:
         """Up to ``count`` of ``stream``'s deliveries left unacknowledged ``idle_s`` or longer, now ``consumer``'s.
@@ -514,6 +561,19 @@ class JobStore:
 
     async def close(self) -> None:
         await self.redis.aclose()
+
+
+def _workers_group(groups: list[dict[str, Any]] | Exception) -> dict[str, Any] | None:
+    """The workers' group among XINFO GROUPS' reply (an error: no stream yet)."""
+    if isinstance(groups, Exception):
+        return None
+    return next((g for g in groups if g["name"] in (GROUP, GROUP.encode())), None)
+
+
+def _deliveries(reply: Any) -> list[tuple[str, bytes, dict]]:
+    """XREADGROUP's reply as (stream, message id, fields) tuples."""
+    return [(stream.decode() if isinstance(stream, bytes) else stream, message_id, fields)
+            for stream, entries in reply or [] for message_id, fields in entries]
 
 
 def item_record(audio: str | None, status: str, text: str | None = None, tokens: list[int] | None = None,

@@ -18,7 +18,7 @@ import httpx
 from models.audio_io import find_audio_files
 
 from .config import Settings
-from .jobs import REDIS_ERRORS, REDIS_FULL, ItemInput, JobStore
+from .jobs import REDIS_ERRORS, REDIS_FULL, ItemInput, JobPriority, JobStore
 
 log = logging.getLogger(__name__)
 
@@ -139,19 +139,19 @@ class _ServerClient:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, timeout=300)
 
-    async def submit(self, inputs: list[Input], idempotency_key: str | None, webhook_url: str | None
-                     ) -> dict[str, Any]:
+    async def submit(self, inputs: list[Input], idempotency_key: str | None, webhook_url: str | None,
+                     priority: JobPriority) -> dict[str, Any]:
         """Files as multipart uploads; URLs as a JSON job (the server fetches them)."""
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
         urls = [source for source in inputs if isinstance(source, str)]
         if urls:  # split_into_jobs keeps files and URLs apart
-            body = {"items": [{"url": url} for url in urls], "webhook_url": webhook_url}
+            body = {"items": [{"url": url} for url in urls], "webhook_url": webhook_url, "priority": priority.value}
             response = await self.http.post("/v1/jobs", json=body, headers=headers)
         else:
             with contextlib.ExitStack() as files:  # streamed from disk, not read into memory first
                 parts = [("files", (p.name, files.enter_context(open(p, "rb")), "application/octet-stream"))
                          for p in inputs if isinstance(p, Path)]
-                form = {"webhook_url": webhook_url} if webhook_url else None
+                form = {"priority": priority.value, **({"webhook_url": webhook_url} if webhook_url else {})}
                 response = await self.http.post("/v1/jobs", files=parts, data=form, headers=headers)
         if response.is_client_error:  # the server's reason (a URL it does not take, ...), not just the status
             raise ValueError(f"the server refused the job: {response.json()['error']['message']}")
@@ -176,10 +176,11 @@ class _RedisClient:
     def __init__(self, url: str):
         self.store = JobStore.from_url(url)
 
-    async def submit(self, inputs: list[Input], idempotency_key: str | None, webhook_url: str | None
-                     ) -> dict[str, Any]:
+    async def submit(self, inputs: list[Input], idempotency_key: str | None, webhook_url: str | None,
+                     priority: JobPriority) -> dict[str, Any]:
         # the workers check the webhook URL against their own settings when they post (and record a refusal)
-        job, _ = await self.store.submit([item_input(source) for source in inputs], idempotency_key, webhook_url)
+        job, _ = await self.store.submit([item_input(source) for source in inputs], idempotency_key, webhook_url,
+                                         priority)
         return job.to_dict()
 
     async def get(self, job_id: str) -> dict[str, Any]:
@@ -195,7 +196,7 @@ class _RedisClient:
 async def run_submit(inputs: list[Input], redis_url: str | None, server: str | None, api_key: str | None, wait: bool,
                      output: TextIO, idempotency_key: str | None = None, poll_s: float = 1.0,
                      progress: Callable[[], Progress] = Progress, webhook_url: str | None = None,
-                     job_bytes: int = JOB_BYTES) -> int:
+                     job_bytes: int = JOB_BYTES, priority: JobPriority = JobPriority.NORMAL) -> int:
     """Submit ``inputs`` as one job, or as several of at most ``job_bytes`` of uploads each (in input order; with
     an idempotency key, the n-th job's key is ``KEY.n``); with ``wait``, follow them and write every result in
     input order."""
@@ -205,7 +206,7 @@ async def run_submit(inputs: list[Input], redis_url: str | None, server: str | N
         jobs = []
         for number, part in enumerate(parts, start=1):
             key = f"{idempotency_key}.{number}" if idempotency_key and len(parts) > 1 else idempotency_key
-            jobs.append(await client.submit(part, key, webhook_url))
+            jobs.append(await client.submit(part, key, webhook_url, priority))
             print(f"job {jobs[-1]['id']}: {jobs[-1]['total_items']} items", file=sys.stderr)
         if not wait:
             output.writelines(json.dumps(job) + "\n" for job in jobs)

@@ -22,6 +22,7 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from service.config import Settings
+from service.jobs import GROUP, ITEM_STREAMS
 from service.metrics import Metrics
 
 REPO = Path(__file__).resolve().parent.parent
@@ -30,7 +31,7 @@ K8S = DEPLOY / "k8s"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "batchasr.json"
 # The jobs issue's metric names (registered by service/metrics.py): the dashboard and autoscalers read them.
 JOB_METRIC_NAMES = {"batchasr_jobs_total", "batchasr_job_items_total", "batchasr_job_stream_lag"}
-STREAM, CONSUMER_GROUP = "batchasr:items", "workers"
+CONSUMER_GROUP = GROUP
 SAMPLE_SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count"),
                    "summary": ("", "_sum", "_count"), "info": ("_info",)}
 
@@ -325,15 +326,17 @@ def test_k8s_worker_scales_on_stream_lag_with_keda():
     scaled = objects["ScaledObject", "batchasr-worker"]
     assert scaled["apiVersion"] == "keda.sh/v1alpha1"
     assert scaled["spec"]["scaleTargetRef"]["name"] == "batchasr-worker"
-    (trigger,) = scaled["spec"]["triggers"]
-    meta = trigger["metadata"]
-    assert trigger["type"] == "redis-streams"
-    assert (meta["stream"], meta["consumerGroup"]) == (STREAM, CONSUMER_GROUP)
-    assert int(meta["lagCount"]) > 0 and "activationLagCount" in meta
-    assert all(isinstance(v, str) for v in meta.values()), "KEDA trigger metadata values are strings"
-    host, port = meta["address"].split(":")
+    triggers = scaled["spec"]["triggers"]
+    assert sorted(t["metadata"]["stream"] for t in triggers) == sorted(ITEM_STREAMS.values())  # every priority's
     redis_url = objects["ConfigMap", "batchasr-config"]["data"]["BATCHASR_REDIS_URL"]
-    assert redis_url.startswith(f"redis://{host}:{port}/{meta.get('databaseIndex', '0')}")
+    for trigger in triggers:
+        meta = trigger["metadata"]
+        assert trigger["type"] == "redis-streams"
+        assert meta["consumerGroup"] == CONSUMER_GROUP
+        assert int(meta["lagCount"]) > 0 and "activationLagCount" in meta
+        assert all(isinstance(v, str) for v in meta.values()), "KEDA trigger metadata values are strings"
+        host, port = meta["address"].split(":")
+        assert redis_url.startswith(f"redis://{host}:{port}/{meta.get('databaseIndex', '0')}")
     assert int(port) in {p["port"] for p in objects["Service", host]["spec"]["ports"]}
 
 

@@ -1,0 +1,123 @@
+"""Job priorities against a real redis-server: workers take high jobs' items before normal ones', normal before
+low, whatever order they were submitted in; every stream is reclaimed, trimmed and counted in the lag."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from models import load_model
+from service.config import Settings
+from service.jobs import GROUP, ITEM_STREAM, ITEM_STREAMS, ItemInput, JobPriority, JobStore
+from service.runtime import build_stack
+from tests.servers import drain_jobs, run_server
+
+
+@pytest.fixture(scope="module")
+def model(parity_dir):
+    return load_model(parity_dir / "tdt.nemo", device="cpu", dtype="float32")
+
+
+def _uploads(parity_audio: list[str], n: int) -> list[ItemInput]:
+    return [ItemInput(audio=Path(parity_audio[i % len(parity_audio)]).name,
+                      upload=Path(parity_audio[i % len(parity_audio)]).read_bytes()) for i in range(n)]
+
+
+def test_higher_priorities_are_taken_first_whatever_the_order_submitted(redis_server, model, parity_audio):
+    """A backfill (low) and a normal job are queued before an urgent (high) one: with room for two items at a
+    time, the urgent job finishes first, then the normal one, then the backfill."""
+    jobs = {}
+
+    async def body(store: JobStore) -> None:
+        for priority in (JobPriority.LOW, JobPriority.NORMAL, JobPriority.HIGH):
+            jobs[priority], _ = await store.submit(_uploads(parity_audio, 6), priority=priority)
+
+    settings = Settings(redis_url=redis_server.url, job_prefetch=2, max_batch_size=2, max_wait_ms=1)
+    asyncio.run(drain_jobs(settings, model, body))
+
+    async def read_back() -> dict:
+        store = JobStore.from_url(redis_server.url)
+        try:
+            return {priority: await store.get(job.id) for priority, job in jobs.items()}
+        finally:
+            await store.close()
+
+    done = asyncio.run(read_back())
+    assert all(job.status.value == "completed" and job.priority == priority for priority, job in done.items())
+    high, normal, low = done[JobPriority.HIGH], done[JobPriority.NORMAL], done[JobPriority.LOW]
+    assert high.finished_at < normal.finished_at < low.finished_at
+    assert low.started_at >= normal.started_at >= high.started_at
+    assert low.started_at > high.finished_at  # the backfill waited for the urgent job
+    client = redis_server.client()
+    for stream in ITEM_STREAMS.values():  # every delivery acknowledged, on every stream
+        assert client.xpending(stream, GROUP)["pending"] == 0
+
+
+def test_each_priority_has_its_stream_and_all_count_in_the_lag(redis_server, parity_audio):
+    async def scenario() -> None:
+        store = JobStore.from_url(redis_server.url)
+        for priority, n in ((JobPriority.HIGH, 2), (JobPriority.NORMAL, 3), (JobPriority.LOW, 4)):
+            await store.submit(_uploads(parity_audio, n), priority=priority)
+        assert [await store.redis.xlen(ITEM_STREAMS[p]) for p in JobPriority] == [2, 3, 4]
+        assert ITEM_STREAMS[JobPriority.NORMAL] == ITEM_STREAM  # jobs queued before priorities existed
+        assert await store.stream_lag() == 9
+        taken = await store.read_items("c", 4, block_ms=0)  # the high stream's two, then two of normal's
+        assert [stream for stream, _, _ in taken] == [ITEM_STREAMS[JobPriority.HIGH]] * 2 + [ITEM_STREAM] * 2
+        for stream, message_id, _ in taken:
+            await store.ack_item(stream, message_id)
+        await store.trim_acknowledged()
+        # each stream kept from its last delivered entry (XTRIM MINID keeps that one) and what was not delivered
+        assert [await store.redis.xlen(ITEM_STREAMS[p]) for p in JobPriority] == [1, 2, 4]
+        assert await store.stream_lag() == 5
+        await store.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_stalled_delivery_is_reclaimed_on_its_own_stream(redis_server, model, parity_audio):
+    """An item of a high job delivered to a worker that died is taken back by another after the visibility
+    timeout, and acknowledged on the stream it came from."""
+    state = {}
+
+    async def scenario() -> None:
+        settings = Settings(redis_url=redis_server.url, job_visibility_timeout_s=1)
+        stack = build_stack(settings, model)
+        assert await asyncio.to_thread(stack.engine.wait_ready, 30)
+        try:
+            state["job"], _ = await stack.jobs.submit(_uploads(parity_audio, 3), priority=JobPriority.HIGH)
+            assert len(await stack.jobs.read_items("dead-worker", 3, block_ms=0)) == 3  # never acknowledged
+            await asyncio.sleep(1.2)
+            await stack.make_consumer().drain()
+            state["done"] = await stack.jobs.get(state["job"].id)
+        finally:
+            await stack.stop()
+
+    asyncio.run(scenario())
+    assert state["done"].status.value == "completed" and state["done"].counts["completed"] == 3
+    assert redis_server.client().xpending(ITEM_STREAMS[JobPriority.HIGH], GROUP)["pending"] == 0
+
+
+def test_priority_over_http_and_from_the_command_line(redis_server, model, parity_audio, tmp_path):
+    with run_server(Settings(redis_url=redis_server.url), model) as running:
+        files = [("files", ("a.wav", Path(parity_audio[0]).read_bytes(), "audio/wav"))]
+        job = httpx.post(f"{running.url}/v1/jobs", files=files, data={"priority": "high"}, timeout=60).json()
+        assert job["priority"] == "high"
+        assert httpx.get(f"{running.url}/v1/jobs/{job['id']}").json()["priority"] == "high"
+        default = httpx.post(f"{running.url}/v1/jobs", files=files, timeout=60).json()
+        assert default["priority"] == "normal"
+        refused = httpx.post(f"{running.url}/v1/jobs", files=files, data={"priority": "urgent"}, timeout=60)
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_priority"
+        as_json = httpx.post(f"{running.url}/v1/jobs", json={"items": [{"url": "https://example.com/a.wav"}],
+                                                             "priority": "urgent"}, timeout=60)
+        assert as_json.status_code == 400 and "priority" in as_json.json()["error"]["message"]
+        result = subprocess.run([sys.executable, "-m", "service.cli", "submit", "--server", running.url,
+                                 "--priority", "low", parity_audio[1]], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        assert json.loads(result.stdout)["priority"] == "low"
+    assert redis_server.client().xlen(ITEM_STREAMS[JobPriority.LOW]) >= 1
