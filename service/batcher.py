@@ -28,7 +28,9 @@ POOL_FACTOR = 16
 
 class Priority(IntEnum):
     INTERACTIVE = 0  # HTTP requests: someone is waiting
-    BULK = 1  # job items: fill whatever room interactive work leaves
+    BULK_HIGH = 1  # job items (high-priority jobs'): fill whatever room interactive work leaves
+    BULK = 2  # normal jobs' items
+    BULK_LOW = 3  # low-priority jobs' items (backfills): what room is left
 
 
 class QueueFull(Exception):

@@ -26,6 +26,7 @@ from .jobs import (
     ITEM_STREAMS,
     REDIS_ERRORS,
     JobInputError,
+    JobPriority,
     JobStore,
     item_record,
     resolve_input_path,
@@ -37,6 +38,11 @@ from .webhook_worker import WebhookWorker
 from .webhooks import WebhookSender
 
 log = logging.getLogger(__name__)
+
+# an item's place in the batcher, by the stream it came from: a high job's items go ahead of the normal and low
+# items a worker already holds, not just ahead of those still in Redis
+BATCHER_PRIORITY = {ITEM_STREAMS[JobPriority.HIGH]: Priority.BULK_HIGH, ITEM_STREAMS[JobPriority.NORMAL]: Priority.BULK,
+                    ITEM_STREAMS[JobPriority.LOW]: Priority.BULK_LOW}
 
 
 def default_consumer_name() -> str:
@@ -176,7 +182,7 @@ class JobConsumer:
             await self._discard(stream, message_id, fields)
             return
         try:
-            await self._process(job_id, index, share)
+            await self._process(job_id, index, share, BATCHER_PRIORITY[stream])
             await self.store.ack_item(stream, message_id)
         except REDIS_ERRORS as exc:  # unacknowledged: it comes back after the visibility timeout
             log.warning("redis error on %s/%d (%s); it will be retried", job_id, index, exc)
@@ -197,8 +203,9 @@ class JobConsumer:
         except REDIS_ERRORS as exc:
             log.warning("redis error discarding %s (%s); it will come back", message_id.decode(), exc)
 
-    async def _process(self, job_id: str, index: int, share: AudioClaim) -> None:
-        """``share``: the item's part of the consumer's audio budget, told its length once decoded."""
+    async def _process(self, job_id: str, index: int, share: AudioClaim, priority: Priority) -> None:
+        """``share``: the item's part of the consumer's audio budget, told its length once decoded; ``priority``:
+        its place in the batcher."""
         start = await self.store.start_item(job_id, index)
         if start.state != "in_progress":
             return  # finished, cancelled or expired meanwhile: just acknowledge
@@ -216,7 +223,7 @@ class JobConsumer:
         share.decoded(len(waveform) / self.limits.sample_rate)
         while True:
             try:
-                result = await self.transcriber.transcribe(waveform, Priority.BULK)
+                result = await self.transcriber.transcribe(waveform, priority)
                 break
             except QueueFull:  # HTTP traffic holds the queue; bulk work waits its turn
                 await asyncio.sleep(0.2)

@@ -50,6 +50,19 @@ def test_interactive_first_then_bulk_fills_the_room():
     assert batch[:2] == interactive and len(batch) == 4 and batch[2] in bulk
 
 
+def test_job_items_go_by_their_jobs_priority_whatever_was_queued_first():
+    b = _batcher()
+    low = [_item(5, Priority.BULK_LOW) for _ in range(4)]
+    normal = [_item(5, Priority.BULK) for _ in range(3)]
+    high = [_item(5, Priority.BULK_HIGH) for _ in range(2)]
+    for items in (low, normal, high):  # a backfill held first, an urgent job's items last
+        b.submit(items)
+    first = b.next_batch().items
+    assert first[:2] == high and set(map(id, first[2:])) <= set(map(id, normal))
+    second = b.next_batch().items
+    assert normal[2] in second and set(map(id, second)) - {id(normal[2])} <= set(map(id, low))
+
+
 def test_batch_waits_for_max_wait_unless_full():
     b = _batcher(max_wait_ms=200)
     b.submit([_item(1)])
