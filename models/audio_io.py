@@ -14,7 +14,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from .containers import HEAD_BYTES, ContainerAudio, UnreadableContainer, container_format
+from .containers import HEAD_BYTES, ContainerAudio, UnreadableContainer, container_format, id3_tag_bytes
 
 SOUNDFILE_SUFFIXES = {".wav", ".flac", ".ogg", ".oga", ".opus", ".mp3", ".aif", ".aiff", ".au", ".w64", ".caf"}
 CONTAINER_SUFFIXES = {".m4a", ".m4b", ".mp4", ".mov", ".3gp", ".3g2", ".webm", ".mkv", ".mka", ".ts", ".aac",
@@ -51,17 +51,26 @@ def open_audio(source: str | Path | BinaryIO) -> Any:
     """An audio file opened for reading in blocks (``samplerate``, ``frames``, ``read(n)``, a context manager):
     media containers (MP4, M4A, WebM, ...) through FFmpeg, recognised by their first bytes; the rest through
     libsndfile. Raises ``UnreadableContainer`` or libsndfile's errors."""
-    if isinstance(source, (str, Path)):
-        with open(source, "rb") as f:
-            head = f.read(HEAD_BYTES)
-    else:
-        start = source.tell()
-        head = source.read(HEAD_BYTES)
-        source.seek(start)
-    format_name = container_format(head)
+    head = _read_at(source, 0)
+    format_name, tag_bytes = container_format(head), id3_tag_bytes(head)
+    if tag_bytes:  # behind an ID3 tag: ADTS AAC is FFmpeg's (which skips the tag), MP3 libsndfile's
+        format_name = "aac" if container_format(_read_at(source, tag_bytes)) == "aac" else None
     if format_name is not None:
         return ContainerAudio(source, format_name)
     return _soundfile().SoundFile(source)
+
+
+def _read_at(source: str | Path | BinaryIO, offset: int) -> bytes:
+    """``HEAD_BYTES`` of a file from ``offset``, leaving a file object where it was."""
+    if isinstance(source, (str, Path)):
+        with open(source, "rb") as f:
+            f.seek(offset)
+            return f.read(HEAD_BYTES)
+    start = source.tell()
+    source.seek(start + offset)
+    head = source.read(HEAD_BYTES)
+    source.seek(start)
+    return head
 
 
 def to_mono(samples: np.ndarray) -> np.ndarray:

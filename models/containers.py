@@ -33,6 +33,15 @@ class UnreadableContainer(ValueError):
     """A container FFmpeg cannot read, or one without audio; the message says which and why."""
 
 
+def id3_tag_bytes(head: bytes) -> int:
+    """How many bytes an ID3v2 tag at the start of a file takes (0: none). Taggers put them in front of ADTS
+    AAC as in front of MP3."""
+    if len(head) < 10 or not head.startswith(b"ID3"):
+        return 0
+    size = (head[6] & 0x7F) << 21 | (head[7] & 0x7F) << 14 | (head[8] & 0x7F) << 7 | (head[9] & 0x7F)  # syncsafe
+    return 10 + size + (10 if head[5] & 0x10 else 0)  # header, tag, footer
+
+
 def container_format(head: bytes) -> str | None:
     """FFmpeg's demuxer for a file that starts with ``head`` (its first ``HEAD_BYTES``), or None for anything
     that is not one of the containers read here (libsndfile's formats, and whatever else)."""

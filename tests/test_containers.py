@@ -76,6 +76,26 @@ def test_containers_are_recognised_by_their_first_bytes(head, expected):
     assert container_format(head) == expected
 
 
+def _id3_tagged(audio: bytes) -> bytes:
+    """``audio`` behind an ID3v2.4 tag with a title and 2 kB of padding, as taggers write it."""
+    frames = b"TIT2" + (6).to_bytes(4, "big") + b"\x00\x00" + b"\x03title" + bytes(2048)
+    size = len(frames)
+    syncsafe = bytes([(size >> 21) & 0x7F, (size >> 14) & 0x7F, (size >> 7) & 0x7F, size & 0x7F])
+    return b"ID3\x04\x00\x00" + syncsafe + frames + audio
+
+
+def test_adts_aac_behind_an_id3_tag_is_ffmpegs_and_mp3_behind_one_libsndfiles(speech, tmp_path):
+    adts = encode(speech, "aac")
+    np.testing.assert_array_equal(decode_audio(_id3_tagged(adts), LIMITS), decode_audio(adts, LIMITS))
+    path = tmp_path / "tagged.aac"
+    path.write_bytes(_id3_tagged(adts))
+    np.testing.assert_array_equal(decode_audio_file(path, LIMITS), decode_audio(adts, LIMITS))
+    mp3 = io.BytesIO()
+    sf.write(mp3, speech, 16000, format="MP3")
+    np.testing.assert_array_equal(decode_audio(_id3_tagged(mp3.getvalue()), LIMITS),
+                                  decode_audio(mp3.getvalue(), LIMITS))
+
+
 def test_a_playlist_naming_a_local_file_is_refused_without_reading_it(tmp_path, speech):
     """FFmpeg's HLS and concat demuxers open what a playlist names; an upload must not reach the server's files."""
     target = tmp_path / "secret.wav"
