@@ -11,6 +11,7 @@ import contextlib
 import json
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 FORMATS = ("text", "json", "jsonl", "srt", "vtt")
@@ -59,10 +60,11 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     thousands of files keeps what it has done); a file that cannot be read is reported and skipped."""
     from models import load_model
 
-    from .formats import to_record, to_srt, to_vtt
+    from .formats import render, to_record
+    from .output_files import output_names, write_whole
 
     try:
-        named = _named_inputs(args.audio, f".{args.format}")
+        named = output_names(args.audio, f".{args.format}")
     except (FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -82,13 +84,6 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     outcomes = model.transcribe_iter(files, batch_size=args.batch_size, decoder=args.decoder,
                                      decoder_algorithm=args.decoder_algorithm, cuda_graphs=args.cuda_graphs,
                                      max_segment_s=args.max_segment_s or None, return_errors=True)
-    render = {
-        "text": lambda t, a: t.text + "\n",
-        "jsonl": lambda t, a: json.dumps(to_record(t, a), ensure_ascii=False) + "\n",
-        "json": lambda t, a: json.dumps(to_record(t, a), ensure_ascii=False, indent=2) + "\n",
-        "srt": lambda t, a: to_srt(t),
-        "vtt": lambda t, a: to_vtt(t),
-    }[args.format]
     if args.output_dir is not None:
         args.output_dir.mkdir(parents=True, exist_ok=True)
     records, failed = [], 0
@@ -97,44 +92,17 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
             failed += 1
             print(f"error: {outcome}", file=sys.stderr)
         elif args.output_dir is not None:
-            _write_whole(args.output_dir / named[path], render(outcome, str(path)))
+            write_whole(args.output_dir / named[path], render(outcome, str(path), args.format))
         elif args.format == "json":  # one array: written at the end
             records.append(to_record(outcome, str(path)))
         else:
-            sys.stdout.write(render(outcome, str(path)))
+            sys.stdout.write(render(outcome, str(path), args.format))
             sys.stdout.flush()
     if args.format == "json" and args.output_dir is None:
         sys.stdout.write(json.dumps(records, ensure_ascii=False, indent=2) + "\n")
     if failed:
         print(f"{failed} of {len(files)} files could not be read", file=sys.stderr)
     return 1 if failed else 0
-
-
-def _named_inputs(arguments: list[str], suffix: str) -> dict[Path, Path]:
-    """Each audio file to transcribe, and the name of its result under an output directory: a file given by name
-    as <stem><suffix>, a file found under a directory at its path inside it. ValueError if two would share one."""
-    from models.audio_io import find_audio_files
-
-    named: dict[Path, Path] = {}
-    for argument in arguments:
-        root = Path(argument)
-        for path in find_audio_files([argument]):
-            named[path] = (path.relative_to(root) if root.is_dir() else Path(path.name)).with_suffix(suffix)
-    seen: dict[Path, Path] = {}
-    for path, name in named.items():
-        if name in seen:
-            raise ValueError(f"{seen[name]} and {path} would both be written as {name}: give them in separate runs")
-        seen[name] = path
-    return named
-
-
-def _write_whole(path: Path, text: str) -> None:
-    """Written under a temporary name and renamed: a run cut short leaves no half-written result behind (which
-    --skip-existing would take for a finished one)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(text, encoding="utf-8")
-    partial.replace(path)
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -254,6 +222,11 @@ def _submit_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--webhook-url", help="POSTed to (signed) when the job finishes; the server must allow it")
     p.add_argument("--priority", choices=["high", "normal", "low"], default="normal",
                    help="workers take high jobs' items before normal ones', and normal before low (default normal)")
+    p.add_argument("--output-dir", type=Path,
+                   help="with --wait: write one <name>.<format> per input here (named as transcribe --output-dir "
+                        "names them; a URL by its path's last part) instead of result lines")
+    p.add_argument("--format", default="json", choices=("text", "json", "srt", "vtt"),
+                   help="with --output-dir: each file's format (default: json, the item's result record)")
     p.add_argument("--job-bytes", default="256M", metavar="SIZE",
                    help="uploads a job holds at most (e.g. 256M, 1G); more audio goes as several jobs, in order "
                         "(default 256M; a server takes at most BATCHASR_MAX_JOB_UPLOAD_BYTES a job)")
@@ -276,10 +249,42 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if not inputs:
         print("error: no audio files or URLs found", file=sys.stderr)
         return 2
+    write_result = None
+    if args.output_dir is not None:
+        if not args.wait:
+            print("error: --output-dir writes the results, so it needs --wait", file=sys.stderr)
+            return 2
+        try:
+            write_result = _result_files(args, inputs)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     with open(args.output, "w", encoding="utf-8") if args.output else contextlib.nullcontext(sys.stdout) as out:
         return asyncio.run(run_submit(inputs, args.redis_url, args.server, args.api_key, args.wait, out,
                                       args.idempotency_key, webhook_url=args.webhook_url, job_bytes=job_bytes,
-                                      priority=JobPriority(args.priority)))
+                                      priority=JobPriority(args.priority), write_result=write_result))
+
+
+def _result_files(args: argparse.Namespace, inputs: list) -> Callable[[Path | str, dict], None]:
+    """``submit --output-dir``: each completed item's result written to its own file, whole; a failed item's error
+    on stderr. ValueError if two inputs would share a file."""
+    from .formats import from_record, render
+    from .output_files import is_url, output_names, write_whole
+
+    suffix = f".{args.format}"
+    names = output_names([*(a for a in args.paths if not is_url(a)), *(i for i in inputs if isinstance(i, str))],
+                         suffix)
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+
+    def write(source: Path | str, record: dict) -> None:
+        if record["status"] != "completed":
+            print(f"error: {source}: {record['status']}: {record.get('error') or ''}", file=sys.stderr)
+        elif args.format == "json":
+            write_whole(args.output_dir / names[source], json.dumps(record, ensure_ascii=False, indent=2) + "\n")
+        else:
+            write_whole(args.output_dir / names[source], render(from_record(record), str(source), args.format))
+
+    return write
 
 
 def build_parser() -> argparse.ArgumentParser:

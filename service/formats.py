@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,3 +66,19 @@ def to_record(transcript: Transcript, audio: str | None = None) -> dict[str, Any
         words=[{"word": w.word, "start": w.start_s, "end": w.end_s} for w in transcript.words],
     )
     return record
+
+
+def render(transcript: Transcript, audio: str, format: str) -> str:
+    """One transcript as the command line writes it: ``text``, ``jsonl`` (one line), ``json``, ``srt`` or ``vtt``."""
+    if format == "text":
+        return transcript.text + "\n"
+    if format in ("srt", "vtt"):
+        return to_srt(transcript) if format == "srt" else to_vtt(transcript)
+    return json.dumps(to_record(transcript, audio), ensure_ascii=False, indent=2 if format == "json" else None) + "\n"
+
+
+def from_record(record: dict[str, Any]) -> Transcript:
+    """A job item's result (its text, tokens, words and duration) as a transcript, to render as ``render`` does."""
+    words = [Word(w["word"], w["start"], w["end"]) for w in record.get("words") or []]
+    return Transcript(text=record["text"], tokens=record.get("tokens") or [], token_frames=[],
+                      duration_s=record.get("duration_s") or 0.0, words=words)

@@ -19,6 +19,7 @@ from models.audio_io import find_audio_files
 
 from .config import Settings
 from .jobs import REDIS_ERRORS, REDIS_FULL, ItemInput, JobPriority, JobStore
+from .output_files import is_url
 
 log = logging.getLogger(__name__)
 
@@ -61,10 +62,6 @@ async def run_worker(settings: Settings, metrics_port: int | None) -> int:
 
 
 Input = Path | str  # a local file, or an http(s) URL the workers fetch
-
-
-def is_url(text: str) -> bool:
-    return text.startswith(("http://", "https://"))
 
 
 def collect_audio(paths: list[str], url_lists: Sequence[str] = ()) -> list[Input]:
@@ -196,10 +193,15 @@ class _RedisClient:
 async def run_submit(inputs: list[Input], redis_url: str | None, server: str | None, api_key: str | None, wait: bool,
                      output: TextIO, idempotency_key: str | None = None, poll_s: float = 1.0,
                      progress: Callable[[], Progress] = Progress, webhook_url: str | None = None,
-                     job_bytes: int = JOB_BYTES, priority: JobPriority = JobPriority.NORMAL) -> int:
+                     job_bytes: int = JOB_BYTES, priority: JobPriority = JobPriority.NORMAL,
+                     write_result: Callable[[Input, dict[str, Any]], None] | None = None) -> int:
     """Submit ``inputs`` as one job, or as several of at most ``job_bytes`` of uploads each (in input order; with
     an idempotency key, the n-th job's key is ``KEY.n``); with ``wait``, follow them and write every result in
-    input order."""
+    input order: a JSON line each to ``output``, or as ``write_result(input, record)`` does."""
+    if write_result is None:
+        def write_result(source: Input, record: dict[str, Any]) -> None:
+            output.write(json.dumps(record, ensure_ascii=False) + "\n")
+
     client = _ServerClient(server, api_key) if server else _RedisClient(redis_url or "")
     parts = split_into_jobs(inputs, job_bytes)
     try:
@@ -221,7 +223,7 @@ async def run_submit(inputs: list[Input], redis_url: str | None, server: str | N
         bar.close()
         for part, job in zip(parts, jobs, strict=True):
             for source, record in zip(part, await client.results(job["id"]), strict=True):
-                output.write(json.dumps({**record, "audio": str(source)}, ensure_ascii=False) + "\n")
+                write_result(source, {**record, "audio": str(source)})
             print(f"job {job['id']}: {job['status']}, RTFx {job['rtfx']}", file=sys.stderr)
         return 0 if all(job["status"] == "completed" for job in jobs) else 1
     except (httpx.HTTPError, *REDIS_ERRORS) as exc:

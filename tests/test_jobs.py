@@ -622,6 +622,39 @@ def test_submit_cli_waits_and_writes_results(redis_server, model, parity_audio, 
     assert all(r["text"] == expected[Path(r["audio"]).name] for r in lines)
 
 
+def test_submit_cli_writes_a_subtitle_file_per_input_mirroring_directories(redis_server, model, parity_audio,
+                                                                          expected, tmp_path):
+    """`submit --wait --output-dir DIR --format srt`: one file per input, named as `transcribe --output-dir` names
+    them; an item that fails is reported on stderr and gets no file."""
+    source = tmp_path / "calls"
+    for day, clips in (("day1", parity_audio[:2]), ("day2", parity_audio[2:4])):
+        (source / day).mkdir(parents=True)
+        for clip in clips:
+            (source / day / Path(clip).name).write_bytes(Path(clip).read_bytes())
+    (source / "day2" / "broken.wav").write_bytes(b"RIFF....not audio at all")
+    out = tmp_path / "subtitles"
+    command = [sys.executable, "-m", "service.cli", "submit", "--redis-url", redis_server.url, "--wait"]
+    with run_server(Settings(redis_url=redis_server.url), model):  # its job consumer works the job
+        result = subprocess.run([*command, "--output-dir", str(out), "--format", "srt", str(source)],
+                                capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "broken.wav: failed: cannot decode audio" in result.stderr
+    written = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+    assert written == ["day1", *sorted(f"day1/{Path(c).stem}.srt" for c in parity_audio[:2]),
+                       "day2", *sorted(f"day2/{Path(c).stem}.srt" for c in parity_audio[2:4])]
+    for clip in parity_audio[:4]:
+        day = "day1" if clip in parity_audio[:2] else "day2"
+        cues = (out / day / f"{Path(clip).stem}.srt").read_text().split("\n\n")
+        assert " ".join(cue.split("\n", 2)[2].strip() for cue in cues if cue.strip()) == expected[Path(clip).name]
+    for extra, message in ((["--output-dir", str(out)], "needs --wait"),):
+        refused = subprocess.run([*command[:-1], *extra, str(source)], capture_output=True, text=True, timeout=60)
+        assert refused.returncode == 2 and message in refused.stderr
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / Path(parity_audio[0]).name).write_bytes(Path(parity_audio[0]).read_bytes())
+    clash = subprocess.run([*command, "--output-dir", str(out), str(source / "day1" / Path(parity_audio[0]).name),
+                            str(tmp_path / "other")], capture_output=True, text=True, timeout=60)
+    assert clash.returncode == 2 and "would both be written as" in clash.stderr
+
+
 # --- URL inputs ----------------------------------------------------------------------------------------------------
 
 

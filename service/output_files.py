@@ -1,0 +1,43 @@
+"""Results written one file per input under an output directory (`batchasr transcribe` and `batchasr submit`
+with ``--output-dir``): how each is named, and writing each whole."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path, PurePosixPath
+from urllib.parse import unquote, urlsplit
+
+from models.audio_io import find_audio_files
+
+
+def is_url(text: str) -> bool:
+    return text.startswith(("http://", "https://"))
+
+
+def output_names(arguments: Iterable[str], suffix: str) -> dict[Path | str, Path]:
+    """Each input the arguments name, and the name of its result: a file given by name as <stem><suffix>, a file
+    found under a directory at its path inside it, a URL by the last part of its path. ValueError if two would
+    share one."""
+    named: dict[Path | str, Path] = {}
+    for argument in arguments:
+        if is_url(argument):
+            named[argument] = Path(PurePosixPath(unquote(urlsplit(argument).path)).name or "index").with_suffix(suffix)
+            continue
+        root = Path(argument)
+        for path in find_audio_files([argument]):
+            named[path] = (path.relative_to(root) if root.is_dir() else Path(path.name)).with_suffix(suffix)
+    seen: dict[Path, Path | str] = {}
+    for source, name in named.items():
+        if name in seen:
+            raise ValueError(f"{seen[name]} and {source} would both be written as {name}: give them in separate runs")
+        seen[name] = source
+    return named
+
+
+def write_whole(path: Path, text: str) -> None:
+    """Written under a temporary name and renamed: a run cut short leaves no half-written result behind (which
+    --skip-existing would take for a finished one)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text, encoding="utf-8")
+    partial.replace(path)
