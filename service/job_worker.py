@@ -1,5 +1,6 @@
 """The job consumer: reads items from the streams (a job's priority picks its stream; higher ones are read
-first), feeds them to the batcher at bulk priority, writes each result once, then acknowledges.
+first), feeds them to the batcher behind HTTP requests and in their job's priority, writes each result once,
+then acknowledges.
 
 Failure handling: bad audio or a refused input fails its item at once (dead-lettered); any other error
 leaves the delivery unacknowledged, so it is reclaimed (XAUTOCLAIM) after the visibility timeout, and an
