@@ -50,8 +50,8 @@ def _transcribe_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-segment-s", type=float, default=30.0,
                    help="cut longer audio at quiet points into pieces this long, as the service does, and stitch "
                         "them back (default: 30; 0: take every file whole, as NeMo does)")
-    p.add_argument("audio", nargs="+", help="audio files (WAV, FLAC, OGG, MP3: whatever libsndfile reads) and "
-                                            "directories of them")
+    p.add_argument("audio", nargs="+", help="audio files (WAV, FLAC, OGG, MP3, M4A, MP4, WebM, ...: see the README) "
+                                            "and directories of them")
     p.set_defaults(func=cmd_transcribe)
 
 
