@@ -21,9 +21,10 @@ from decoding.cuda_graphs import CUDA_GRAPH_OPTIONS, LabelLoopingDecoder
 from decoding.frame_looping import frame_looping_greedy
 from decoding.types import Hypothesis
 
-from .audio_io import AudioError, check_waveform, read_audio
+from .audio_io import AudioError, check_channels, check_waveform, read_audio
 from .checkpoint import Checkpoint, open_checkpoint
 from .config import ModelConfig
+from .conversation import Conversation
 from .errors import CheckpointError
 from .fastconformer import FastConformerEncoder, resolve_attention_kernel
 from .features import LogMelFeatures
@@ -216,7 +217,8 @@ class ASRModel(nn.Module):
 
     def transcribe(self, audio: Sequence[AudioInput] | AudioInput, batch_size: int = 16,
                    decoder: str = "auto", decoder_algorithm: str = "label_looping",
-                   cuda_graphs: str = "auto", max_segment_s: float | None = None) -> list[Transcript]:
+                   cuda_graphs: str = "auto", max_segment_s: float | None = None,
+                   multichannel: bool = False) -> list[Transcript] | list[Conversation]:
         """Transcribe waveforms (mono float32 at ``sample_rate``) or audio files, in input order.
 
         Inputs are grouped into batches of similar length (less padding); results do not depend on the
@@ -224,28 +226,33 @@ class ASRModel(nn.Module):
         at a time (``transcribe_iter``), so a list of thousands of paths never holds all their audio at once.
         ``decoder_algorithm`` and ``cuda_graphs`` are as in ``decode``. Inputs are taken whole, as NeMo's
         transcribe takes them; ``max_segment_s`` (30 in the service) cuts longer ones at quiet points and
-        stitches them back, so that long audio costs what its pieces cost.
+        stitches them back, so that long audio costs what its pieces cost. With ``multichannel`` each channel of
+        a file (each row of a (channels, samples) array) is transcribed apart and each input gives a
+        ``Conversation``: a stereo call's agent and customer, and who said what when.
         """
         if isinstance(audio, (np.ndarray, str, Path)):
             audio = [audio]
         files = any(isinstance(item, (str, Path)) for item in audio)
         options = self._offline_options(batch_size, decoder, decoder_algorithm, cuda_graphs, max_segment_s,
-                                        window=None if files else max(1, len(audio)))
+                                        window=None if files else max(1, len(audio)), multichannel=multichannel)
         return list(transcribe_stream(self, audio, options))
 
     def transcribe_iter(self, audio: Iterable[AudioInput], batch_size: int = 16, decoder: str = "auto",
                         decoder_algorithm: str = "label_looping", cuda_graphs: str = "auto",
                         max_segment_s: float | None = None, window: int | None = None,
-                        return_errors: bool = False) -> Iterator[Transcript | AudioError | OSError]:
+                        return_errors: bool = False, multichannel: bool = False
+                        ) -> Iterator[Transcript | Conversation | AudioError | OSError]:
         """``transcribe`` over any number of inputs in bounded memory: read ``window`` at a time (default 16
         batches; files by a few threads, the next window while one is transcribed), transcripts yielded in input
         order as each window finishes. An input that cannot be read raises, or with ``return_errors`` is
-        yielded as its error in its place (models.offline)."""
-        options = self._offline_options(batch_size, decoder, decoder_algorithm, cuda_graphs, max_segment_s, window)
+        yielded as its error in its place (models.offline); ``multichannel`` as in ``transcribe``."""
+        options = self._offline_options(batch_size, decoder, decoder_algorithm, cuda_graphs, max_segment_s, window,
+                                        multichannel)
         return transcribe_stream(self, audio, options, return_errors)
 
     def _offline_options(self, batch_size: int, decoder: str, decoder_algorithm: str, cuda_graphs: str,
-                         max_segment_s: float | None, window: int | None) -> OfflineOptions:
+                         max_segment_s: float | None, window: int | None, multichannel: bool = False
+                         ) -> OfflineOptions:
         if batch_size < 1:
             raise ValueError("batch_size must be >= 1")
         if max_segment_s is not None and max_segment_s <= 2 * OfflineOptions.segment_overlap_s:
@@ -253,15 +260,18 @@ class ASRModel(nn.Module):
         _check_decoding_options(decoder_algorithm, cuda_graphs)
         return OfflineOptions(batch_size=batch_size, decoder=self.resolve_decoder(decoder),
                               decoder_algorithm=decoder_algorithm, cuda_graphs=cuda_graphs,
-                              max_segment_s=max_segment_s, window=window)
+                              max_segment_s=max_segment_s, window=window, multichannel=multichannel)
 
-    def load_audio(self, item: AudioInput, index: int = 0) -> np.ndarray:
-        """A waveform as given (checked), or a file read at the model's rate."""
+    def load_audio(self, item: AudioInput, index: int = 0, multichannel: bool = False) -> np.ndarray:
+        """A waveform as given (checked), or a file read at the model's rate; with ``multichannel``, (channels,
+        samples): a file's channels apart, an array's rows (a 1-D array is one channel)."""
         if isinstance(item, (str, Path)):
-            return read_audio(item, self.sample_rate)
+            return read_audio(item, self.sample_rate, mix=not multichannel)
         if not isinstance(item, np.ndarray):
             raise TypeError(f"audio[{index}]: expected a numpy array or a path, got {type(item).__name__}")
-        return check_waveform(np.asarray(item, dtype=np.float32), f"audio[{index}]")
+        samples = np.asarray(item, dtype=np.float32)
+        return check_channels(samples, f"audio[{index}]") if multichannel else check_waveform(samples,
+                                                                                             f"audio[{index}]")
 
 
 def _check_decoding_options(decoder_algorithm: str, cuda_graphs: str) -> None:

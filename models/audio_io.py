@@ -89,34 +89,38 @@ def resample(samples: np.ndarray, from_rate: int, to_rate: int) -> np.ndarray:
 
 class ResampleStream:
     """``resample`` a block at a time, for audio too long to hold at its own rate: the blocks' outputs, then
-    ``flush()``, joined, equal ``resample`` of the whole (soxr's stream and one-shot share one filter)."""
+    ``flush()``, joined, equal ``resample`` of the whole (soxr's stream and one-shot share one filter). Blocks are
+    (n,), or (n, channels) when ``channels`` > 1."""
 
-    def __init__(self, from_rate: int, to_rate: int):
+    def __init__(self, from_rate: int, to_rate: int, channels: int = 1):
         self._stream = None
+        self._empty = np.zeros((0, channels) if channels > 1 else 0, dtype=np.float32)
         if from_rate != to_rate:
             import soxr
 
-            self._stream = soxr.ResampleStream(from_rate, to_rate, 1, dtype="float32", quality="HQ")
+            self._stream = soxr.ResampleStream(from_rate, to_rate, channels, dtype="float32", quality="HQ")
 
     def resample(self, block: np.ndarray) -> np.ndarray:
         return block if self._stream is None else self._stream.resample_chunk(block)
 
     def flush(self) -> np.ndarray:
         """What the filter still holds, once the last block is in."""
-        empty = np.zeros(0, dtype=np.float32)
-        return empty if self._stream is None else self._stream.resample_chunk(empty, last=True)
+        return self._empty if self._stream is None else self._stream.resample_chunk(self._empty, last=True)
 
 
-def decode_blocks(f: Any, to_rate: int, block_frames: int = 1 << 20) -> Iterator[tuple[int, np.ndarray]]:
-    """(frames read, that block mixed to mono and resampled to ``to_rate``) for each block of a file from
-    ``open_audio``, read until the end of its data, then the resampler's tail (0 frames). Joined, the blocks
-    equal resampling the whole file at once; the file is never held at its own rate."""
-    stream = ResampleStream(f.samplerate, to_rate)
+def decode_blocks(f: Any, to_rate: int, block_frames: int = 1 << 20, mix: bool = True
+                  ) -> Iterator[tuple[int, np.ndarray]]:
+    """(frames read, that block resampled to ``to_rate``) for each block of a file from ``open_audio``, read until
+    the end of its data, then the resampler's tail (0 frames). Blocks are mixed to mono (n,), or with ``mix=False``
+    keep their channels (n, channels). Joined, the blocks equal resampling the whole file at once; the file is
+    never held at its own rate."""
+    channels = 1 if mix else f.channels
+    stream = ResampleStream(f.samplerate, to_rate, channels)
     while True:
         block = f.read(block_frames, dtype="float32", always_2d=True)
         if len(block) == 0:
             break
-        yield len(block), stream.resample(to_mono(block))
+        yield len(block), stream.resample(to_mono(block) if channels == 1 else block)
     yield 0, stream.flush()
 
 
@@ -130,8 +134,9 @@ def check_waveform(samples: np.ndarray, name: str) -> np.ndarray:
     return samples
 
 
-def read_audio(source: str | Path | bytes | BinaryIO, sample_rate: int = 16000) -> np.ndarray:
-    """Decode a file (path, bytes or file object), mix to mono, resample to ``sample_rate``."""
+def read_audio(source: str | Path | bytes | BinaryIO, sample_rate: int = 16000, mix: bool = True) -> np.ndarray:
+    """Decode a file (path, bytes or file object), resampled to ``sample_rate``: mixed to mono (samples,), or with
+    ``mix=False`` each channel apart (channels, samples)."""
     sf = _soundfile()
     name = str(source) if isinstance(source, (str, Path)) else "audio"
     if isinstance(source, (str, Path)) and not Path(source).is_file():
@@ -139,7 +144,20 @@ def read_audio(source: str | Path | bytes | BinaryIO, sample_rate: int = 16000) 
     handle = io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else source
     try:
         with open_audio(handle) as f:
-            blocks = [block for _, block in decode_blocks(f, sample_rate)]
+            blocks = [block for _, block in decode_blocks(f, sample_rate, mix=mix)]
     except (sf.LibsndfileError, UnreadableContainer, RuntimeError, TypeError) as exc:
         raise AudioError(f"{name}: cannot decode audio ({exc})") from exc
-    return check_waveform(np.concatenate(blocks), name)
+    samples = np.concatenate(blocks)
+    if mix:
+        return check_waveform(samples, name)
+    return check_channels(np.ascontiguousarray(samples.reshape(len(samples), -1).T), name)
+
+
+def check_channels(channels: np.ndarray, name: str) -> np.ndarray:
+    """A (channels, samples) array, each row a waveform ``check_waveform`` accepts; a 1-D waveform is one row."""
+    channels = channels[None] if channels.ndim == 1 else channels
+    if channels.ndim != 2:
+        raise AudioError(f"{name}: expected (channels, samples), got shape {channels.shape}")
+    for i, row in enumerate(channels):
+        check_waveform(row, f"{name} channel {i}")
+    return channels

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .audio_io import AudioError
+from .conversation import Conversation
 from .segmenter import NO_CUT, Segment, plan_segments, stitch
 from .transcript import Transcript, build_transcript
 
@@ -39,22 +40,26 @@ class OfflineOptions:
     segment_overlap_s: float = 2.0
     window: int | None = None  # inputs read at once (None: WINDOW_BATCHES batches)
     readers: int = READERS
+    multichannel: bool = False  # each channel transcribed apart: a Conversation per input
 
 
 Loaded = np.ndarray | AudioError | OSError
 
 
+Outcome = Transcript | Conversation | AudioError | OSError
+
+
 def transcribe_stream(model: ASRModel, audio: Iterable[AudioInput], options: OfflineOptions,
-                      return_errors: bool = False) -> Iterator[Transcript | AudioError | OSError]:
+                      return_errors: bool = False) -> Iterator[Outcome]:
     """Transcripts in input order (see the module's description). An input that cannot be read raises its error
     there, or with ``return_errors`` comes out as it."""
     window = options.window or WINDOW_BATCHES * options.batch_size
     inputs = enumerate(audio)
     with ThreadPoolExecutor(options.readers, thread_name_prefix="batchasr-read") as readers:
-        reading = _read_window(model, readers, inputs, window)
+        reading = _read_window(model, readers, inputs, window, options.multichannel)
         while reading:
             loaded = [future.result() for future in reading]
-            reading = _read_window(model, readers, inputs, window)  # the next window, while this one runs
+            reading = _read_window(model, readers, inputs, window, options.multichannel)  # the next, meanwhile
             for outcome in _transcribe_window(model, loaded, options):
                 if isinstance(outcome, Exception) and not return_errors:
                     raise outcome
@@ -62,27 +67,34 @@ def transcribe_stream(model: ASRModel, audio: Iterable[AudioInput], options: Off
 
 
 def _read_window(model: ASRModel, readers: ThreadPoolExecutor, inputs: Iterator[tuple[int, AudioInput]],
-                 window: int) -> list[Future[Loaded]]:
-    return [readers.submit(_read, model, item, index) for index, item in itertools.islice(inputs, window)]
+                 window: int, multichannel: bool) -> list[Future[Loaded]]:
+    return [readers.submit(_read, model, item, index, multichannel)
+            for index, item in itertools.islice(inputs, window)]
 
 
-def _read(model: ASRModel, item: AudioInput, index: int) -> Loaded:
+def _read(model: ASRModel, item: AudioInput, index: int, multichannel: bool) -> Loaded:
     try:
-        return model.load_audio(item, index)
+        return model.load_audio(item, index, multichannel)
     except (AudioError, OSError) as exc:
         return exc
 
 
-def _transcribe_window(model: ASRModel, loaded: list[Loaded], options: OfflineOptions
-                       ) -> list[Transcript | AudioError | OSError]:
-    """Every readable input of the window cut into pieces, the pieces decoded in batches of like lengths, and
-    each input's pieces stitched back; errors in their inputs' places."""
+def _channels(wave: np.ndarray) -> list[np.ndarray]:
+    """A loaded input's waveforms: itself, or (channels kept apart) each row."""
+    return list(wave) if wave.ndim == 2 else [wave]
+
+
+def _transcribe_window(model: ASRModel, loaded: list[Loaded], options: OfflineOptions) -> list[Outcome]:
+    """Every readable input of the window (each of its channels, when they are kept apart) cut into pieces, the
+    pieces decoded in batches of like lengths, and each input's pieces stitched back; errors in their inputs'
+    places."""
     frame_samples = model.config.frame_samples
-    pieces: list[tuple[int, Segment, np.ndarray]] = []  # (position in the window, segment, its samples)
+    pieces: list[tuple[tuple[int, int], Segment, np.ndarray]] = []  # ((position in the window, channel), ...)
     for position, wave in enumerate(loaded):
         if isinstance(wave, np.ndarray):
-            for segment in _plan(model, wave, options):
-                pieces.append((position, segment, wave[segment.start : segment.end]))
+            for channel, samples in enumerate(_channels(wave)):
+                for segment in _plan(model, samples, options):
+                    pieces.append(((position, channel), segment, samples[segment.start : segment.end]))
     hypotheses = [None] * len(pieces)
     order = sorted(range(len(pieces)), key=lambda i: len(pieces[i][2]), reverse=True)
     for start in range(0, len(order), options.batch_size):
@@ -91,16 +103,18 @@ def _transcribe_window(model: ASRModel, loaded: list[Loaded], options: OfflineOp
         decoded = model.decode(batch, options.decoder, options.decoder_algorithm, options.cuda_graphs)
         for i, hypothesis in zip(chunk, decoded, strict=True):
             hypotheses[i] = hypothesis
-    by_input: dict[int, list] = {}
-    for (position, segment, _), hypothesis in zip(pieces, hypotheses, strict=True):
-        by_input.setdefault(position, []).append((segment, hypothesis))
-    out: list[Transcript | AudioError | OSError] = []
+    by_input: dict[tuple[int, int], list] = {}
+    for (key, segment, _), hypothesis in zip(pieces, hypotheses, strict=True):
+        by_input.setdefault(key, []).append((segment, hypothesis))
+    out: list[Outcome] = []
     for position, wave in enumerate(loaded):
         if not isinstance(wave, np.ndarray):
             out.append(wave)
             continue
-        hypothesis = stitch(by_input[position], model.tokenizer, frame_samples)
-        out.append(build_transcript(hypothesis, model.tokenizer, model.config.frame_s, len(wave) / model.sample_rate))
+        transcripts = [build_transcript(stitch(by_input[position, channel], model.tokenizer, frame_samples),
+                                        model.tokenizer, model.config.frame_s, len(samples) / model.sample_rate)
+                       for channel, samples in enumerate(_channels(wave))]
+        out.append(Conversation(transcripts) if wave.ndim == 2 else transcripts[0])
     return out
 
 

@@ -19,10 +19,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import numpy as np
-from fastapi import APIRouter, Depends, FastAPI, Form, Request, UploadFile
+from fastapi import APIRouter, Depends, FastAPI, Form, Query, Request, UploadFile
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.datastructures import UploadFile as StarletteUpload
+
+from models.transcript import Word
 
 from .audio import AudioRequestError, check_media_type, decode_audio
 from .batcher import Priority, QueueFull
@@ -30,23 +32,25 @@ from .body_limit import FORM_OVERHEAD_BYTES, BodyLimitMiddleware, BodyTooLarge
 from .config import Settings
 from .engine_link import EngineLink
 from .formats import cues, to_srt, to_vtt
-from .http import ApiError, ServiceDep, ServiceState, install_error_handlers, read_upload, require_api_key
+from .http import ApiError, ServiceDep, ServiceState, flag, install_error_handlers, read_upload, require_api_key
 from .job_routes import job_too_large_message
 from .job_routes import router as jobs_router
 from .logs import log_fields
 from .metrics import Metrics
 from .runtime import build_frontend_stack, build_stack
 from .schemas import (
+    ChannelTranscription,
     ModelCard,
     ModelList,
     NativeTranscription,
     Segment,
     TranscriptionJSON,
     Usage,
+    UtteranceTiming,
     VerboseTranscription,
     WordTiming,
 )
-from .transcriber import QueuedRequest, RequestResult
+from .transcriber import ConversationResult, QueuedRequest, RequestResult
 from .wire import EngineUnavailable
 
 if TYPE_CHECKING:  # front-end processes serve these routes without the model (or torch)
@@ -75,8 +79,10 @@ async def _read_body(request: Request, service: ServiceState) -> bytes:
     return b"".join(chunks)
 
 
-async def _decode(service: ServiceState, data: bytes, content_type: str | None) -> np.ndarray:
-    """An upload's waveform, decoded off the event loop, once the service takes requests."""
+async def _decode(service: ServiceState, data: bytes, content_type: str | None, multichannel: bool = False
+                  ) -> np.ndarray:
+    """An upload's waveform (or, with ``multichannel``, one per channel), decoded off the event loop, once the
+    service takes requests."""
     stack = service.stack
     if not service.accepting or stack is None or not stack.engine.ready:
         raise ApiError(503, "the service is not ready", type="server_error", code="not_ready",
@@ -84,26 +90,27 @@ async def _decode(service: ServiceState, data: bytes, content_type: str | None) 
     try:
         check_media_type(content_type)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(stack.decode_pool, decode_audio, data, stack.limits)
+        return await loop.run_in_executor(stack.decode_pool, decode_audio, data, stack.limits, multichannel)
     except AudioRequestError as exc:
         raise ApiError(exc.status, str(exc), param="file", code=exc.code) from exc
 
 
-async def _decoded_upload(service: ServiceState, upload: StarletteUpload | None) -> np.ndarray:
+async def _decoded_upload(service: ServiceState, upload: StarletteUpload | None, multichannel: bool = False
+                          ) -> np.ndarray:
     """A multipart upload, read and decoded within the process's intake budget (service.intake)."""
     size = 0 if upload is None else service.settings.max_upload_bytes if upload.size is None else upload.size
     async with service.intake.hold(size):
         data, content_type = await read_upload(upload, service)
-        return await _decode(service, data, content_type)
+        return await _decode(service, data, content_type, multichannel)
 
 
-async def _decoded_body(request: Request, service: ServiceState) -> np.ndarray:
+async def _decoded_body(request: Request, service: ServiceState, multichannel: bool = False) -> np.ndarray:
     """The raw audio body, read and decoded within the intake budget; until there is room, it waits unread."""
     declared = request.headers.get("content-length", "")
     size = int(declared) if declared.isdigit() else service.settings.max_upload_bytes
     async with service.intake.hold(size):
         data = await _read_body(request, service)
-        return await _decode(service, data, request.headers.get("content-type"))
+        return await _decode(service, data, request.headers.get("content-type"), multichannel)
 
 
 async def _transcribe(request: Request, service: ServiceState, waveform: np.ndarray) -> RequestResult:
@@ -195,8 +202,8 @@ def _check_model(service: ServiceState, requested: str | None) -> None:
                        param="model", code="model_not_found")
 
 
-def _words(result: RequestResult) -> list[WordTiming]:
-    return [WordTiming(word=w.word, start=w.start_s, end=w.end_s) for w in result.transcript.words]
+def _words(words: list[Word], channel: int | None = None) -> list[WordTiming]:
+    return [WordTiming(word=w.word, start=w.start_s, end=w.end_s, channel=channel) for w in words]
 
 
 def _segments(result: RequestResult, frame_s: float) -> list[Segment]:
@@ -267,27 +274,50 @@ async def openai_transcriptions(
     body = VerboseTranscription(
         language=language or "en", duration=round(transcript.duration_s, 3), text=transcript.text, usage=usage,
         segments=_segments(result, service.stack.transcriber.config.frame_s) if "segment" in wants else None,
-        words=_words(result) if "word" in wants else None,
+        words=_words(transcript.words) if "word" in wants else None,
     )
     return JSONResponse(body.model_dump(exclude_none=True))
 
 
-@v1.post("/transcribe", response_model=NativeTranscription)
-async def native_transcribe(request: Request, service: ServiceDep) -> NativeTranscription:
-    """Native transcription: a multipart `file` or the raw audio as the body; full timing detail."""
+@v1.post("/transcribe", response_model=NativeTranscription, response_model_exclude_none=True)
+async def native_transcribe(request: Request, service: ServiceDep,
+                            multichannel: Annotated[str | None, Query()] = None) -> NativeTranscription:
+    """Native transcription: a multipart `file` or the raw audio as the body; full timing detail. With
+    `multichannel=true` (query or form field) each channel is transcribed apart (a call's agent and customer) and
+    the answer is the conversation: utterances in time order, each naming its channel."""
     content_type = request.headers.get("content-type", "")
     if content_type.startswith("multipart/form-data"):
         form = await request.form()
         upload = form.get("file")
-        waveform = await _decoded_upload(service, upload if isinstance(upload, StarletteUpload) else None)
+        apart = flag(multichannel if multichannel is not None else form.get("multichannel", ""), "multichannel")
+        waveform = await _decoded_upload(service, upload if isinstance(upload, StarletteUpload) else None, apart)
     else:
-        waveform = await _decoded_body(request, service)
+        apart = flag(multichannel or "", "multichannel")
+        waveform = await _decoded_body(request, service, apart)
+    if apart:
+        assert service.stack is not None
+        channels = service.stack.transcriber.transcribe_channels(waveform, Priority.INTERACTIVE)
+        return _native_conversation(service, await _while_client_waits(request, channels))
     result = await _transcribe(request, service, waveform)
     t = result.transcript
     return NativeTranscription(
-        model=service.model_id, text=t.text, tokens=t.tokens, token_frames=t.token_frames, words=_words(result),
+        model=service.model_id, text=t.text, tokens=t.tokens, token_frames=t.token_frames, words=_words(t.words),
         duration_s=round(t.duration_s, 6), queue_s=round(result.queue_s, 6), compute_s=round(result.compute_s, 6),
         rtfx=round(result.rtfx, 3), segments=result.n_segments,
+    )
+
+
+def _native_conversation(service: ServiceState, result: ConversationResult) -> NativeTranscription:
+    conversation = result.conversation
+    return NativeTranscription(
+        model=service.model_id, text=conversation.text,
+        words=[w for channel, word in conversation.timed_words() for w in _words([word], channel)],
+        duration_s=round(conversation.duration_s, 6), queue_s=round(result.queue_s, 6),
+        compute_s=round(result.compute_s, 6), rtfx=round(result.rtfx, 3), segments=result.n_segments,
+        utterances=[UtteranceTiming(channel=u.channel, start=u.start_s, end=u.end_s, text=u.text)
+                    for u in conversation.utterances()],
+        channels=[ChannelTranscription(channel=i, text=t.text, tokens=t.tokens, token_frames=t.token_frames,
+                                       words=_words(t.words)) for i, t in enumerate(conversation.channels)],
     )
 
 

@@ -5,6 +5,10 @@ then the decoded length block by block, so a header that lies about its length c
 allocate more than the limit allows. Blocks are mixed down and resampled as they are read: the file's own rate
 and channels are never held whole (a 4-hour 48 kHz stereo upload would be 5.5 GB of float32 samples at its
 rate; at 16 kHz mono it is 0.9 GB).
+
+A multichannel request (a call centre's stereo call: agent on one side, customer on the other) keeps each
+channel as a waveform of its own. The duration limit then counts every channel's seconds, so such a request holds
+and costs no more than the longest mono one.
 """
 
 from __future__ import annotations
@@ -44,11 +48,16 @@ class UnsupportedMediaType(AudioRequestError):
     code = "unsupported_media_type"
 
 
+class TooManyChannels(AudioRequestError):
+    code = "too_many_channels"
+
+
 @dataclass(frozen=True)
 class AudioLimits:
     max_bytes: int
-    max_duration_s: float
+    max_duration_s: float  # of mono audio; of all channels together when they are kept apart
     sample_rate: int = 16000
+    max_channels: int = 8  # channels a multichannel request may keep apart
 
 
 def check_media_type(content_type: str | None) -> None:
@@ -60,18 +69,19 @@ def check_media_type(content_type: str | None) -> None:
                                "WebM)")
 
 
-def decode_audio(data: bytes, limits: AudioLimits) -> np.ndarray:
-    """Decode an upload (libsndfile's formats, or a media container through FFmpeg); mono, resampled to
-    ``limits.sample_rate``, float32."""
+def decode_audio(data: bytes, limits: AudioLimits, multichannel: bool = False) -> np.ndarray:
+    """Decode an upload (libsndfile's formats, or a media container through FFmpeg), resampled to
+    ``limits.sample_rate``, float32: mono (samples,), or with ``multichannel`` each channel apart
+    (channels, samples)."""
     if len(data) == 0:
         raise AudioRequestError("the uploaded file is empty")
     if len(data) > limits.max_bytes:
         raise AudioTooLarge(f"upload of {len(data)} bytes exceeds the limit of {limits.max_bytes} bytes")
     _check_wav_header(data, len(data), limits)
-    return _decode(io.BytesIO(data), limits)
+    return _decode(io.BytesIO(data), limits, multichannel)
 
 
-def decode_audio_file(path: Path, limits: AudioLimits) -> np.ndarray:
+def decode_audio_file(path: Path, limits: AudioLimits, multichannel: bool = False) -> np.ndarray:
     """Decode a file on disk as it is read, never holding its bytes: only the duration limit applies (a job's path
     inputs are how recordings larger than an upload may come in)."""
     size = path.stat().st_size
@@ -79,24 +89,36 @@ def decode_audio_file(path: Path, limits: AudioLimits) -> np.ndarray:
         raise AudioRequestError(f"{path.name}: the file is empty")
     with open(path, "rb") as f:
         _check_wav_header(f.read(HEADER_BYTES), size, limits)
-    return _decode(path, limits)
+    return _decode(path, limits, multichannel)
 
 
-def _decode(source: io.BytesIO | Path, limits: AudioLimits) -> np.ndarray:
+def _decode(source: io.BytesIO | Path, limits: AudioLimits, multichannel: bool) -> np.ndarray:
     try:
         with open_audio(source) as f:
+            channels = f.channels if multichannel else 1
+            if channels > limits.max_channels:
+                raise TooManyChannels(f"the audio has {channels} channels; at most {limits.max_channels} can be "
+                                      "transcribed apart")
+            max_s = limits.max_duration_s / channels
             claimed_s = f.frames / f.samplerate if f.frames > 0 else 0.0
-            if claimed_s > limits.max_duration_s:
-                raise AudioTooLarge(f"audio is {claimed_s:.1f} s long (per its header); the limit is "
-                                    f"{limits.max_duration_s:.0f} s")
-            samples = _read_resampled(f, limits)
+            if claimed_s > max_s:
+                raise AudioTooLarge(f"audio is {claimed_s:.1f} s long (per its header); {_limit_text(max_s, channels)}")
+            samples = _read_resampled(f, limits, max_s, channels)
     except sf.LibsndfileError as exc:
         raise AudioRequestError(f"cannot decode audio: {exc.error_string or exc}") from exc
     except (UnreadableContainer, RuntimeError, TypeError) as exc:
         raise AudioRequestError(f"cannot decode audio: {exc}") from exc
     if samples.size == 0:
         raise AudioRequestError("the audio has no samples")
-    return check_waveform(samples, "upload")
+    if not multichannel:
+        return check_waveform(samples, "upload")
+    return np.ascontiguousarray(samples.reshape(len(samples), -1).T)  # (channels, samples): one row a waveform
+
+
+def _limit_text(max_s: float, channels: int) -> str:
+    if channels == 1:
+        return f"the limit is {max_s:.0f} s"
+    return f"the limit for {channels} channels transcribed apart is {max_s:.0f} s (their seconds count together)"
 
 
 def _check_wav_header(data: bytes, total_bytes: int, limits: AudioLimits) -> None:
@@ -127,16 +149,16 @@ def _check_wav_header(data: bytes, total_bytes: int, limits: AudioLimits) -> Non
         offset += 8 + size + (size & 1)  # chunks are padded to even sizes
 
 
-def _read_resampled(f: sf.SoundFile, limits: AudioLimits) -> np.ndarray:
-    """Mono blocks resampled as they are read, until the end of the data (not the header's claim); refused past
-    the duration limit, or once a block holds a sample that is not finite (NaN or infinity in spreads through
-    the resampler's filter, so none is missed)."""
-    max_frames = int(limits.max_duration_s * f.samplerate) + 1
+def _read_resampled(f: sf.SoundFile, limits: AudioLimits, max_s: float, channels: int) -> np.ndarray:
+    """Blocks resampled as they are read (mono, or ``channels`` apart), until the end of the data (not the
+    header's claim); refused past ``max_s`` seconds, or once a block holds a sample that is not finite (NaN or
+    infinity in spreads through the resampler's filter, so none is missed)."""
+    max_frames = int(max_s * f.samplerate) + 1
     blocks, total = [], 0
-    for n_frames, block in decode_blocks(f, limits.sample_rate, BLOCK_FRAMES):
+    for n_frames, block in decode_blocks(f, limits.sample_rate, BLOCK_FRAMES, mix=channels == 1):
         total += n_frames
         if total > max_frames:
-            raise AudioTooLarge(f"audio is longer than the limit of {limits.max_duration_s:.0f} s")
+            raise AudioTooLarge(f"audio is longer than allowed: {_limit_text(max_s, channels)}")
         if not np.isfinite(block).all():
             raise AudioRequestError("the audio contains NaN or infinite samples")
         blocks.append(block)

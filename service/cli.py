@@ -15,6 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 FORMATS = ("text", "json", "jsonl", "srt", "vtt")
+MULTICHANNEL_HELP = ("transcribe each channel apart (a call's agent and customer) and give each file as a "
+                     "conversation: utterances in time order, each naming its channel")
 
 
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
@@ -43,6 +45,7 @@ def _transcribe_parser(sub: argparse._SubParsersAction) -> None:
                    help="which head decodes (hybrids have two; default: the transducer)")
     _add_decoding_options(p)
     p.add_argument("--format", default="text", choices=FORMATS, help="output format (default: text)")
+    p.add_argument("--multichannel", action="store_true", help=MULTICHANNEL_HELP)
     p.add_argument("--output-dir", type=Path,
                    help="write one <name>.<format> per input here instead of printing to stdout")
     p.add_argument("--skip-existing", action="store_true",
@@ -83,7 +86,8 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
                        attention_kernel=args.attention_kernel or "auto")
     outcomes = model.transcribe_iter(files, batch_size=args.batch_size, decoder=args.decoder,
                                      decoder_algorithm=args.decoder_algorithm, cuda_graphs=args.cuda_graphs,
-                                     max_segment_s=args.max_segment_s or None, return_errors=True)
+                                     max_segment_s=args.max_segment_s or None, return_errors=True,
+                                     multichannel=args.multichannel)
     if args.output_dir is not None:
         args.output_dir.mkdir(parents=True, exist_ok=True)
     records, failed = [], 0
@@ -222,6 +226,7 @@ def _submit_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--webhook-url", help="POSTed to (signed) when the job finishes; the server must allow it")
     p.add_argument("--priority", choices=["high", "normal", "low"], default="normal",
                    help="workers take high jobs' items before normal ones', and normal before low (default normal)")
+    p.add_argument("--multichannel", action="store_true", help=MULTICHANNEL_HELP)
     p.add_argument("--output-dir", type=Path,
                    help="with --wait: write one <name>.<format> per input here (named as transcribe --output-dir "
                         "names them; a URL by its path's last part) instead of result lines")
@@ -237,7 +242,7 @@ def _submit_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from .jobs import JobPriority
+    from .jobs import JobOptions, JobPriority
     from .jobs_cli import collect_audio, parse_size, run_submit
 
     try:
@@ -261,8 +266,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
             return 2
     with open(args.output, "w", encoding="utf-8") if args.output else contextlib.nullcontext(sys.stdout) as out:
         return asyncio.run(run_submit(inputs, args.redis_url, args.server, args.api_key, args.wait, out,
-                                      args.idempotency_key, webhook_url=args.webhook_url, job_bytes=job_bytes,
-                                      priority=JobPriority(args.priority), write_result=write_result))
+                                      args.idempotency_key, job_bytes=job_bytes,
+                                      options=JobOptions(args.webhook_url, JobPriority(args.priority),
+                                                         args.multichannel), write_result=write_result))
 
 
 def _result_files(args: argparse.Namespace, inputs: list) -> Callable[[Path | str, dict], None]:

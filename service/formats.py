@@ -1,4 +1,8 @@
-"""Render transcripts as subtitles (SRT, WebVTT) and JSON-ready dicts; shared by the CLI and the HTTP API."""
+"""Render transcripts as subtitles (SRT, WebVTT) and JSON-ready dicts; shared by the CLI and the HTTP API.
+
+A ``Conversation`` (channels transcribed apart) renders as its utterances in time order, each saying its channel:
+a subtitle cue per piece of an utterance, the speaker in front (WebVTT's voice tag).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from models.conversation import Conversation, Utterance, speaker_label
 from models.transcript import Transcript, Word
 
 MAX_CUE_S = 6.0  # a subtitle cue spans at most this long
@@ -17,6 +22,7 @@ class Cue:
     start_s: float
     end_s: float
     text: str
+    channel: int | None = None  # whose words, in a conversation
 
 
 def cues(words: list[Word], max_s: float = MAX_CUE_S, max_chars: int = MAX_CUE_CHARS) -> list[Cue]:
@@ -43,32 +49,57 @@ def _timestamp(seconds: float, decimal: str) -> str:
     return f"{h:02d}:{m:02d}:{s:02d}{decimal}{ms:03d}"
 
 
-def to_srt(transcript: Transcript) -> str:
-    blocks = [f"{i}\n{_timestamp(c.start_s, ',')} --> {_timestamp(c.end_s, ',')}\n{c.text}\n"
-              for i, c in enumerate(cues(transcript.words), start=1)]
+def _cues_of(transcript: Transcript | Conversation) -> list[Cue]:
+    if isinstance(transcript, Transcript):
+        return cues(transcript.words)
+    return [Cue(c.start_s, c.end_s, c.text, u.channel) for u in transcript.utterances() for c in cues(u.words)]
+
+
+def to_srt(transcript: Transcript | Conversation) -> str:
+    def text(c: Cue) -> str:
+        return c.text if c.channel is None else f"{speaker_label(c.channel)} {c.text}"
+
+    blocks = [f"{i}\n{_timestamp(c.start_s, ',')} --> {_timestamp(c.end_s, ',')}\n{text(c)}\n"
+              for i, c in enumerate(_cues_of(transcript), start=1)]
     return "\n".join(blocks)
 
 
-def to_vtt(transcript: Transcript) -> str:
-    blocks = [f"{_timestamp(c.start_s, '.')} --> {_timestamp(c.end_s, '.')}\n{c.text}\n"
-              for c in cues(transcript.words)]
+def to_vtt(transcript: Transcript | Conversation) -> str:
+    def text(c: Cue) -> str:
+        return c.text if c.channel is None else f"<v channel {c.channel}>{c.text}"
+
+    blocks = [f"{_timestamp(c.start_s, '.')} --> {_timestamp(c.end_s, '.')}\n{text(c)}\n"
+              for c in _cues_of(transcript)]
     return "WEBVTT\n\n" + "\n".join(blocks)
 
 
-def to_record(transcript: Transcript, audio: str | None = None) -> dict[str, Any]:
-    """The JSON object for one transcript (the CLI's jsonl line)."""
+def word_dicts(words: list[Word]) -> list[dict[str, Any]]:
+    return [{"word": w.word, "start": w.start_s, "end": w.end_s} for w in words]
+
+
+def utterance_dict(u: Utterance) -> dict[str, Any]:
+    return {"channel": u.channel, "start": u.start_s, "end": u.end_s, "text": u.text}
+
+
+def to_record(transcript: Transcript | Conversation, audio: str | None = None) -> dict[str, Any]:
+    """The JSON object for one transcript (the CLI's jsonl line). A conversation's has its labelled text, every
+    word in time order with its channel, the utterances, and each channel's own transcript; its ``tokens`` and
+    ``token_frames`` are each channel's."""
     record: dict[str, Any] = {} if audio is None else {"audio": audio}
+    if isinstance(transcript, Transcript):
+        record.update(text=transcript.text, tokens=transcript.tokens, token_frames=transcript.token_frames,
+                      duration_s=round(transcript.duration_s, 6), words=word_dicts(transcript.words))
+        return record
     record.update(
-        text=transcript.text,
-        tokens=transcript.tokens,
-        token_frames=transcript.token_frames,
-        duration_s=round(transcript.duration_s, 6),
-        words=[{"word": w.word, "start": w.start_s, "end": w.end_s} for w in transcript.words],
+        text=transcript.text, tokens=None, token_frames=None, duration_s=round(transcript.duration_s, 6),
+        words=[{**word_dicts([w])[0], "channel": c} for c, w in transcript.timed_words()],
+        utterances=[utterance_dict(u) for u in transcript.utterances()],
+        channels=[{"channel": i, **to_record(t)} for i, t in enumerate(transcript.channels)],
     )
     return record
 
 
-def render(transcript: Transcript, audio: str, format: str) -> str:
+def render(transcript: Transcript | Conversation, audio: str, format: str) -> str:
     """One transcript as the command line writes it: ``text``, ``jsonl`` (one line), ``json``, ``srt`` or ``vtt``."""
     if format == "text":
         return transcript.text + "\n"
@@ -77,8 +108,15 @@ def render(transcript: Transcript, audio: str, format: str) -> str:
     return json.dumps(to_record(transcript, audio), ensure_ascii=False, indent=2 if format == "json" else None) + "\n"
 
 
-def from_record(record: dict[str, Any]) -> Transcript:
-    """A job item's result (its text, tokens, words and duration) as a transcript, to render as ``render`` does."""
+def from_record(record: dict[str, Any]) -> Transcript | Conversation:
+    """A job item's result (its text, tokens, words and duration; or its channels') as a transcript, to render as
+    ``render`` does."""
+    if record.get("channels") is not None:
+        return Conversation([_transcript_from(channel) for channel in record["channels"]])
+    return _transcript_from(record)
+
+
+def _transcript_from(record: dict[str, Any]) -> Transcript:
     words = [Word(w["word"], w["start"], w["end"]) for w in record.get("words") or []]
-    return Transcript(text=record["text"], tokens=record.get("tokens") or [], token_frames=[],
-                      duration_s=record.get("duration_s") or 0.0, words=words)
+    return Transcript(text=record["text"], tokens=record.get("tokens") or [], token_frames=record.get("token_frames")
+                      or [], duration_s=record.get("duration_s") or 0.0, words=words)

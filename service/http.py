@@ -109,6 +109,17 @@ async def require_api_key(request: Request, service: ServiceDep) -> None:
 
 # --- shared request handling -------------------------------------------------------------------------------
 
+TRUE_WORDS, FALSE_WORDS = {"true", "1", "yes", "on"}, {"false", "0", "no", "off", ""}
+
+
+def flag(value: object, param: str) -> bool:
+    """A form field or query parameter that is true or false (as FastAPI reads booleans); else 400."""
+    word = value.strip().lower() if isinstance(value, str) else None
+    if word in TRUE_WORDS or word in FALSE_WORDS:
+        return word in TRUE_WORDS
+    raise ApiError(400, f"`{param}` must be true or false", param=param, code="invalid_parameter")
+
+
 
 async def read_upload(upload: StarletteUpload | None, service: ServiceState, param: str = "file"
                       ) -> tuple[bytes, str | None]:

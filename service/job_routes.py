@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
 from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Depends, Header, Request
@@ -14,13 +13,14 @@ from pydantic import BaseModel, Field, model_validator
 from starlette.datastructures import UploadFile as StarletteUpload
 
 from .config import Settings
-from .http import ApiError, ServiceDep, ServiceState, read_upload, require_api_key
+from .http import ApiError, ServiceDep, ServiceState, flag, read_upload, require_api_key
 from .jobs import (
     REDIS_ERRORS,
     REDIS_FULL,
     ItemInput,
     JobInputError,
     JobNotFound,
+    JobOptions,
     JobPriority,
     JobStore,
     resolve_input_path,
@@ -54,14 +54,7 @@ class JobCreate(BaseModel):
     # POSTed to when the job finishes (service.webhooks): under the server's webhook URL prefixes, or public
     webhook_url: str | None = None
     priority: JobPriority = JobPriority.NORMAL  # workers take high before normal, normal before low
-
-
-@dataclass(frozen=True)
-class JobRequest:
-    """What a submission asks for besides its items."""
-
-    webhook_url: str | None = None
-    priority: JobPriority = JobPriority.NORMAL
+    multichannel: bool = False  # each channel transcribed apart: every item's result is a conversation
 
 
 def _store(service: ServiceState) -> JobStore:
@@ -76,7 +69,7 @@ def job_too_large_message(limit: int) -> str:
             "as several jobs, or as paths or URLs")
 
 
-async def _form_uploads(request: Request, service: ServiceState) -> tuple[list[StarletteUpload], JobRequest]:
+async def _form_uploads(request: Request, service: ServiceState) -> tuple[list[StarletteUpload], JobOptions]:
     """The uploads of a multipart submission (parsed: each in its temporary file), and its other fields."""
     # the body is limited as it arrives (service.body_limit): the files, their boundaries and the other fields
     form = await request.form(max_files=100_000)
@@ -92,7 +85,8 @@ async def _form_uploads(request: Request, service: ServiceState) -> tuple[list[S
     except ValueError as exc:
         raise ApiError(400, f"priority must be one of {', '.join(p.value for p in JobPriority)}", param="priority",
                        code="invalid_priority") from exc
-    return uploads, JobRequest(webhook if isinstance(webhook, str) else None, priority)
+    multichannel = flag(form.get("multichannel", ""), "multichannel")
+    return uploads, JobOptions(webhook if isinstance(webhook, str) else None, priority, multichannel)
 
 
 async def _read_uploads(uploads: list[StarletteUpload], service: ServiceState) -> list[ItemInput]:
@@ -103,14 +97,14 @@ async def _read_uploads(uploads: list[StarletteUpload], service: ServiceState) -
     return items
 
 
-async def _json_items(request: Request) -> tuple[list[ItemInput], JobRequest]:
+async def _json_items(request: Request) -> tuple[list[ItemInput], JobOptions]:
     try:
         body = JobCreate.model_validate_json(await request.body())
     except ValueError as exc:
         raise ApiError(400, f"invalid job: {exc}", code="invalid_job") from exc
     items = [ItemInput(audio=item.path, path=item.path) if item.path is not None
              else ItemInput(audio=str(item.url), url=item.url) for item in body.items]
-    return items, JobRequest(body.webhook_url, body.priority)
+    return items, JobOptions(body.webhook_url, body.priority, body.multichannel)
 
 
 def _check_inputs(items: list[ItemInput], settings: Settings) -> None:
@@ -142,22 +136,23 @@ async def create_job(request: Request, service: ServiceDep,
     server reads itself."""
     store = _store(service)
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
-        items, job_request = await _json_items(request)
-        _check_webhook(job_request.webhook_url, service.settings)
-        return await _submit(store, service.settings, items, job_request, idempotency_key)
-    uploads, job_request = await _form_uploads(request, service)
-    _check_webhook(job_request.webhook_url, service.settings)  # before the uploads are read
+        items, options = await _json_items(request)
+        _check_webhook(options.webhook_url, service.settings)
+        return await _submit(store, service.settings, items, options, idempotency_key)
+    uploads, options = await _form_uploads(request, service)
+    _check_webhook(options.webhook_url, service.settings)  # before the uploads are read
     # read into memory only in turn (service.intake), until Redis has them
     async with service.intake.hold(sum(upload.size or 0 for upload in uploads)):
         items = await _read_uploads(uploads, service)
-        return await _submit(store, service.settings, items, job_request, idempotency_key)
+        return await _submit(store, service.settings, items, options, idempotency_key)
 
 
-async def _submit(store: JobStore, settings: Settings, items: list[ItemInput], job_request: JobRequest,
+async def _submit(store: JobStore, settings: Settings, items: list[ItemInput], options: JobOptions,
                   idempotency_key: str | None) -> JSONResponse:
     try:
         _check_inputs(items, settings)
-        job, created = await store.submit(items, idempotency_key, job_request.webhook_url, job_request.priority)
+        job, created = await store.submit(items, idempotency_key, options.webhook_url, options.priority,
+                                          options.multichannel)
     except JobInputError as exc:
         raise ApiError(400, str(exc), param="items", code="invalid_input") from exc
     except REDIS_ERRORS as exc:

@@ -40,6 +40,8 @@ from .webhooks import WebhookSender
 
 log = logging.getLogger(__name__)
 
+# what an item's result keeps of formats.to_record (a multichannel item's adds its utterances and channels)
+RESULT_KEYS = ("text", "tokens", "words", "duration_s", "utterances", "channels")
 # an item's place in the batcher, by the stream it came from: a high job's items go ahead of the normal and low
 # items a worker already holds, not just ahead of those still in Redis
 BATCHER_PRIORITY = {ITEM_STREAMS[JobPriority.HIGH]: Priority.BULK_HIGH, ITEM_STREAMS[JobPriority.NORMAL]: Priority.BULK,
@@ -216,32 +218,37 @@ class JobConsumer:
             last = await self.store.last_error(job_id, index) or "the worker died while processing it"
             await self._fail(job_id, index, audio, f"gave up after {attempts - 1} attempts: {last}")
             return
+        multichannel = bool(record.get("multichannel"))
         try:
-            waveform = await self._load(record, upload)
+            waveform = await self._load(record, upload, multichannel)
         except (AudioRequestError, JobInputError, OSError) as exc:
             await self._fail(job_id, index, audio, str(exc))
             return
-        share.decoded(len(waveform) / self.limits.sample_rate)
+        share.decoded(waveform.size / self.limits.sample_rate)  # every channel's samples
         while True:
             try:
-                result = await self.transcriber.transcribe(waveform, priority)
+                if multichannel:
+                    result = await self.transcriber.transcribe_channels(waveform, priority)
+                    transcript = result.conversation
+                else:
+                    result = await self.transcriber.transcribe(waveform, priority)
+                    transcript = result.transcript
                 break
             except QueueFull:  # HTTP traffic holds the queue; bulk work waits its turn
                 await asyncio.sleep(0.2)
-        t = result.transcript
-        record_out = item_record(audio, "completed", **{k: v for k, v in to_record(t).items()
-                                                       if k in ("text", "tokens", "words", "duration_s")})
-        outcome = await self.store.finish_item(job_id, index, "completed", record_out, audio_s=t.duration_s,
+        record_out = item_record(audio, "completed", **{k: v for k, v in to_record(transcript).items()
+                                                       if k in RESULT_KEYS})
+        outcome = await self.store.finish_item(job_id, index, "completed", record_out, audio_s=result.audio_s,
                                                compute_s=result.compute_s)
         await self._after_finish(job_id, "completed", outcome)
 
-    async def _load(self, record: dict, upload: bytes | None):
-        """The item's waveform: a file decoded straight from disk, whatever its size (only its duration is
-        limited); uploaded or fetched bytes decoded from memory."""
+    async def _load(self, record: dict, upload: bytes | None, multichannel: bool):
+        """The item's waveform (or its channels'): a file decoded straight from disk, whatever its size (only its
+        duration is limited); uploaded or fetched bytes decoded from memory."""
         loop = asyncio.get_running_loop()
         if "path" in record:
             path = resolve_input_path(record["path"], self.input_roots)
-            return await loop.run_in_executor(self.decode_pool, decode_audio_file, path, self.limits)
+            return await loop.run_in_executor(self.decode_pool, decode_audio_file, path, self.limits, multichannel)
         if "url" in record:
             if self.urls is None:
                 raise JobInputError(f"{record['url']}: URL inputs are disabled on this worker "
@@ -251,7 +258,7 @@ class JobConsumer:
             raise JobInputError("the uploaded audio expired before it was processed")
         else:
             data = upload
-        return await loop.run_in_executor(self.decode_pool, decode_audio, data, self.limits)
+        return await loop.run_in_executor(self.decode_pool, decode_audio, data, self.limits, multichannel)
 
     async def _fail(self, job_id: str, index: int, audio: str | None, error: str) -> None:
         outcome = await self.store.finish_item(job_id, index, "failed", item_record(audio, "failed", error=error),

@@ -197,6 +197,15 @@ class ItemInput:
 
 
 @dataclass(frozen=True)
+class JobOptions:
+    """What a submission asks for besides its items."""
+
+    webhook_url: str | None = None  # POSTed to when the job finishes (service.webhooks)
+    priority: JobPriority = JobPriority.NORMAL  # workers take high before normal, normal before low
+    multichannel: bool = False  # each channel of every item transcribed apart (models.conversation)
+
+
+@dataclass(frozen=True)
 class ItemStart:
     """What a consumer learns when it starts an item: its state, deliveries so far, and (in progress) its input
     record and uploaded audio (None once expired, or for a path input)."""
@@ -218,6 +227,7 @@ class Job:
     audio_s: float
     compute_s: float
     priority: JobPriority = JobPriority.NORMAL
+    multichannel: bool = False
     webhook_url: str | None = None
     webhook_status: str | None = None  # pending | delivered | failed, when the job has a webhook
     webhook_attempts: int = 0
@@ -234,7 +244,8 @@ class Job:
 
     def to_dict(self) -> dict[str, Any]:
         return {"id": self.id, "object": "transcription.job", "status": self.status.value,
-                "priority": self.priority.value, "total_items": self.total_items, "counts": self.counts,
+                "priority": self.priority.value, "multichannel": self.multichannel, "total_items": self.total_items,
+                "counts": self.counts,
                 "created_at": self.created_at,
                 "started_at": self.started_at, "finished_at": self.finished_at, "audio_s": round(self.audio_s, 3),
                 "compute_s": round(self.compute_s, 3), "rtfx": round(self.rtfx, 2), **self._webhook_dict()}
@@ -296,7 +307,8 @@ class JobStore:
     # --- submission --------------------------------------------------------------------------------------
 
     async def submit(self, items: list[ItemInput], idempotency_key: str | None = None,
-                     webhook_url: str | None = None, priority: JobPriority = JobPriority.NORMAL) -> tuple[Job, bool]:
+                     webhook_url: str | None = None, priority: JobPriority = JobPriority.NORMAL,
+                     multichannel: bool = False) -> tuple[Job, bool]:
         """Create a job and queue its items on its priority's stream; returns (job, created). A repeated
         idempotency key returns the job the first request created."""
         if not items:
@@ -320,19 +332,20 @@ class JobStore:
                     pipe.multi()
                     if key is not None:  # set with the job, in one transaction: never a key naming no job
                         pipe.set(key, job_id, ex=self.result_ttl_s)
-                    self._queue_job(pipe, job_id, items, webhook_url, JobPriority(priority))
+                    self._queue_job(pipe, job_id, items, JobOptions(webhook_url, JobPriority(priority), multichannel))
                     await pipe.execute()
                     break
                 except aioredis.WatchError:  # another request with this key got there first: take its job
                     continue
         return await self.get(job_id), True
 
-    def _queue_job(self, pipe: Any, job_id: str, items: list[ItemInput], webhook_url: str | None,
-                   priority: JobPriority) -> None:
+    def _queue_job(self, pipe: Any, job_id: str, items: list[ItemInput], options: JobOptions) -> None:
         """The writes that create a job and queue its items, added to ``pipe`` (a transaction)."""
         inputs, states = {}, {}
         for index, item in enumerate(items):
             record: dict[str, Any] = {"audio": item.audio}
+            if options.multichannel:  # the worker reads it from the item's own record
+                record["multichannel"] = True
             if item.upload is not None:
                 upload_key = UPLOAD_KEY.format(job_id=job_id, index=index)
                 pipe.set(upload_key, item.upload, ex=self.input_ttl_s)
@@ -346,12 +359,12 @@ class JobStore:
         pipe.hset(JOB_KEY.format(job_id=job_id), mapping={
             "status": JobStatus.QUEUED.value, "created_at": _now(), "total": len(items), "n_queued": len(items),
             "n_in_progress": 0, "n_completed": 0, "n_failed": 0, "n_cancelled": 0, "audio_s": 0, "compute_s": 0,
-            "webhook_url": webhook_url or "", "webhook_status": "pending" if webhook_url else "",
-            "priority": priority.value})
+            "webhook_url": options.webhook_url or "", "webhook_status": "pending" if options.webhook_url else "",
+            "priority": options.priority.value, "multichannel": int(options.multichannel)})
         pipe.hset(INPUTS_KEY.format(job_id=job_id), mapping=inputs)
         pipe.hset(STATES_KEY.format(job_id=job_id), mapping=states)
         for index in range(len(items)):
-            pipe.xadd(ITEM_STREAMS[priority], {"job": job_id, "index": index})
+            pipe.xadd(ITEM_STREAMS[options.priority], {"job": job_id, "index": index})
         for template in JOB_KEYS:
             pipe.expire(template.format(job_id=job_id), self.input_ttl_s + self.result_ttl_s)
 
@@ -370,6 +383,7 @@ class JobStore:
                    counts={s: int(h.get(f"n_{s}", 0)) for s in ITEM_STATES}, created_at=float(h["created_at"]),
                    started_at=opt("started_at"), finished_at=opt("finished_at"), audio_s=float(h["audio_s"]),
                    compute_s=float(h["compute_s"]), priority=JobPriority(h.get("priority") or "normal"),
+                   multichannel=h.get("multichannel") == "1",
                    webhook_url=h.get("webhook_url") or None,
                    webhook_status=h.get("webhook_status") or None, webhook_attempts=int(h.get("webhook_attempts", 0)),
                    webhook_error=h.get("webhook_error") or None)
@@ -578,7 +592,8 @@ def _deliveries(reply: Any) -> list[tuple[str, bytes, dict]]:
 
 def item_record(audio: str | None, status: str, text: str | None = None, tokens: list[int] | None = None,
                 words: list[dict[str, Any]] | None = None, duration_s: float | None = None,
-                error: str | None = None) -> dict[str, Any]:
-    """One line of a job's results (the same keys whatever the outcome)."""
+                error: str | None = None, **conversation: Any) -> dict[str, Any]:
+    """One line of a job's results (the same keys whatever the outcome; a multichannel item's result adds its
+    ``utterances`` and ``channels``, as ``formats.to_record`` writes them)."""
     return {"audio": audio, "status": status, "text": text, "tokens": tokens, "words": words,
-            "duration_s": duration_s, "error": error}
+            "duration_s": duration_s, "error": error, **conversation}

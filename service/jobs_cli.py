@@ -18,7 +18,7 @@ import httpx
 from models.audio_io import find_audio_files
 
 from .config import Settings
-from .jobs import REDIS_ERRORS, REDIS_FULL, ItemInput, JobPriority, JobStore
+from .jobs import REDIS_ERRORS, REDIS_FULL, ItemInput, JobOptions, JobStore
 from .output_files import is_url
 
 log = logging.getLogger(__name__)
@@ -136,19 +136,20 @@ class _ServerClient:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, timeout=300)
 
-    async def submit(self, inputs: list[Input], idempotency_key: str | None, webhook_url: str | None,
-                     priority: JobPriority) -> dict[str, Any]:
+    async def submit(self, inputs: list[Input], idempotency_key: str | None, options: JobOptions) -> dict[str, Any]:
         """Files as multipart uploads; URLs as a JSON job (the server fetches them)."""
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
         urls = [source for source in inputs if isinstance(source, str)]
+        fields = {"webhook_url": options.webhook_url, "priority": options.priority.value,
+                  "multichannel": options.multichannel}
         if urls:  # split_into_jobs keeps files and URLs apart
-            body = {"items": [{"url": url} for url in urls], "webhook_url": webhook_url, "priority": priority.value}
+            body = {"items": [{"url": url} for url in urls], **fields}
             response = await self.http.post("/v1/jobs", json=body, headers=headers)
         else:
             with contextlib.ExitStack() as files:  # streamed from disk, not read into memory first
                 parts = [("files", (p.name, files.enter_context(open(p, "rb")), "application/octet-stream"))
                          for p in inputs if isinstance(p, Path)]
-                form = {"priority": priority.value, **({"webhook_url": webhook_url} if webhook_url else {})}
+                form = {name: str(value).lower() for name, value in fields.items() if value is not None}
                 response = await self.http.post("/v1/jobs", files=parts, data=form, headers=headers)
         if response.is_client_error:  # the server's reason (a URL it does not take, ...), not just the status
             raise ValueError(f"the server refused the job: {response.json()['error']['message']}")
@@ -173,11 +174,10 @@ class _RedisClient:
     def __init__(self, url: str):
         self.store = JobStore.from_url(url)
 
-    async def submit(self, inputs: list[Input], idempotency_key: str | None, webhook_url: str | None,
-                     priority: JobPriority) -> dict[str, Any]:
+    async def submit(self, inputs: list[Input], idempotency_key: str | None, options: JobOptions) -> dict[str, Any]:
         # the workers check the webhook URL against their own settings when they post (and record a refusal)
-        job, _ = await self.store.submit([item_input(source) for source in inputs], idempotency_key, webhook_url,
-                                         priority)
+        job, _ = await self.store.submit([item_input(source) for source in inputs], idempotency_key,
+                                         options.webhook_url, options.priority, options.multichannel)
         return job.to_dict()
 
     async def get(self, job_id: str) -> dict[str, Any]:
@@ -192,8 +192,8 @@ class _RedisClient:
 
 async def run_submit(inputs: list[Input], redis_url: str | None, server: str | None, api_key: str | None, wait: bool,
                      output: TextIO, idempotency_key: str | None = None, poll_s: float = 1.0,
-                     progress: Callable[[], Progress] = Progress, webhook_url: str | None = None,
-                     job_bytes: int = JOB_BYTES, priority: JobPriority = JobPriority.NORMAL,
+                     progress: Callable[[], Progress] = Progress, job_bytes: int = JOB_BYTES,
+                     options: JobOptions | None = None,
                      write_result: Callable[[Input, dict[str, Any]], None] | None = None) -> int:
     """Submit ``inputs`` as one job, or as several of at most ``job_bytes`` of uploads each (in input order; with
     an idempotency key, the n-th job's key is ``KEY.n``); with ``wait``, follow them and write every result in
@@ -202,13 +202,14 @@ async def run_submit(inputs: list[Input], redis_url: str | None, server: str | N
         def write_result(source: Input, record: dict[str, Any]) -> None:
             output.write(json.dumps(record, ensure_ascii=False) + "\n")
 
+    options = options or JobOptions()
     client = _ServerClient(server, api_key) if server else _RedisClient(redis_url or "")
     parts = split_into_jobs(inputs, job_bytes)
     try:
         jobs = []
         for number, part in enumerate(parts, start=1):
             key = f"{idempotency_key}.{number}" if idempotency_key and len(parts) > 1 else idempotency_key
-            jobs.append(await client.submit(part, key, webhook_url, priority))
+            jobs.append(await client.submit(part, key, options))
             print(f"job {jobs[-1]['id']}: {jobs[-1]['total_items']} items", file=sys.stderr)
         if not wait:
             output.writelines(json.dumps(job) + "\n" for job in jobs)

@@ -117,6 +117,10 @@ def _job_store(s: Settings) -> JobStore | None:
                              result_ttl_s=s.job_result_ttl_s, max_upload_bytes=s.max_upload_bytes)
 
 
+def _limits(s: Settings, sample_rate: int) -> AudioLimits:
+    return AudioLimits(s.max_upload_bytes, s.max_duration_s, sample_rate, s.max_channels)
+
+
 def _decode_pool(s: Settings) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(s.decode_threads, thread_name_prefix="batchasr-decode")
 
@@ -127,8 +131,7 @@ def build_frontend_stack(settings: Settings, link: EngineLink) -> FrontendStack:
     transcriber = Transcriber(link, link.config, link.tokenizer, s.max_segment_s, s.segment_overlap_s,
                               s.request_timeout_s)
     return FrontendStack(settings=s, engine=link, transcriber=transcriber, decode_pool=_decode_pool(s),
-                         limits=AudioLimits(s.max_upload_bytes, s.max_duration_s, link.config.features.sample_rate),
-                         jobs=_job_store(s))
+                         limits=_limits(s, link.config.features.sample_rate), jobs=_job_store(s))
 
 
 def build_stack(settings: Settings, model: ASRModel, metrics: Metrics | None = None) -> Stack:
@@ -146,5 +149,4 @@ def build_stack(settings: Settings, model: ASRModel, metrics: Metrics | None = N
                               s.request_timeout_s)
     engine.start()
     return Stack(settings=s, model=model, metrics=metrics, batcher=batcher, engine=engine, transcriber=transcriber,
-                 decode_pool=_decode_pool(s), limits=AudioLimits(s.max_upload_bytes, s.max_duration_s,
-                                                                 model.sample_rate), jobs=_job_store(s))
+                 decode_pool=_decode_pool(s), limits=_limits(s, model.sample_rate), jobs=_job_store(s))

@@ -22,6 +22,7 @@ class WordTiming(BaseModel):
     word: str
     start: float  # seconds
     end: float
+    channel: int | None = None  # whose word, when the channels were transcribed apart
 
 
 class Usage(BaseModel):
@@ -57,17 +58,39 @@ class VerboseTranscription(BaseModel):
     usage: Usage
 
 
-class NativeTranscription(BaseModel):
-    model: str
+class UtteranceTiming(BaseModel):
+    """A speaker's words up to a pause or until another channel speaks."""
+
+    channel: int
+    start: float
+    end: float
+    text: str
+
+
+class ChannelTranscription(BaseModel):
+    channel: int  # 0-based, in the file's order
     text: str
     tokens: list[int]
     token_frames: list[int]
     words: list[WordTiming]
+
+
+class NativeTranscription(BaseModel):
+    """With ``multichannel``: ``text`` is the utterances in time order, a line each naming its channel; ``words``
+    carry their channel; ``utterances`` and ``channels`` are set, and the tokens are in ``channels``."""
+
+    model: str
+    text: str
+    tokens: list[int] | None = None
+    token_frames: list[int] | None = None
+    words: list[WordTiming]
     duration_s: float
     queue_s: float  # waiting for the engine
     compute_s: float  # engine time spent on this request
-    rtfx: float  # duration_s / compute_s
+    rtfx: float  # audio seconds (every channel's) / compute_s
     segments: int  # pieces long audio was split into
+    utterances: list[UtteranceTiming] | None = None
+    channels: list[ChannelTranscription] | None = None
 
 
 class ModelCard(BaseModel):

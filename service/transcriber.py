@@ -13,6 +13,7 @@ from typing import Protocol
 import numpy as np
 
 from models.config import ModelConfig
+from models.conversation import Conversation
 from models.segmenter import Segment, plan_segments, stitch
 from models.tokenizer import Tokenizer
 from models.transcript import Transcript, build_transcript
@@ -28,8 +29,31 @@ class RequestResult:
     n_segments: int
 
     @property
+    def audio_s(self) -> float:
+        return self.transcript.duration_s
+
+    @property
     def rtfx(self) -> float:
-        return self.transcript.duration_s / self.compute_s if self.compute_s > 0 else 0.0
+        return self.audio_s / self.compute_s if self.compute_s > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class ConversationResult:
+    """A recording's channels, transcribed apart."""
+
+    conversation: Conversation
+    queue_s: float
+    compute_s: float
+    n_segments: int
+
+    @property
+    def audio_s(self) -> float:
+        """Every channel's seconds: what was transcribed."""
+        return sum(t.duration_s for t in self.conversation.channels)
+
+    @property
+    def rtfx(self) -> float:
+        return self.audio_s / self.compute_s if self.compute_s > 0 else 0.0
 
 
 class WorkQueue(Protocol):
@@ -71,6 +95,23 @@ class Transcriber:
             return await request.result()
         finally:
             request.cancel()
+
+    async def transcribe_channels(self, channels: np.ndarray, priority: Priority = Priority.INTERACTIVE
+                                  ) -> ConversationResult:
+        """Each row of ``channels`` (channels, samples) transcribed apart, their pieces queued together so they
+        share batches; all are queued or none (``QueueFull``), and cancelling this cancels them all."""
+        requests: list[QueuedRequest] = []
+        try:
+            for waveform in channels:
+                requests.append(self.submit(waveform, priority))
+            results = [await request.result() for request in requests]
+        finally:
+            for request in requests:
+                request.cancel()
+        return ConversationResult(Conversation([r.transcript for r in results]),
+                                  queue_s=max(r.queue_s for r in results),
+                                  compute_s=sum(r.compute_s for r in results),
+                                  n_segments=sum(r.n_segments for r in results))
 
 
 class QueuedRequest:

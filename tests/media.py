@@ -27,17 +27,19 @@ CONTAINERS = {
 def encode(samples: np.ndarray, name: str, rate: int = 16000, channels: int = 1, video: bool = False,
            path: Path | None = None, options: dict | None = None) -> bytes:
     """Mono ``samples`` at ``rate`` as a file of kind ``name`` (CONTAINERS), optionally with ``channels`` copies
-    and a small video track (then an MP4 with AAC, whatever ``name``); written to ``path`` when given (options
-    such as ``movflags=faststart`` need a file), and returned."""
+    (or (2, n) ``samples``: a stereo file of those two channels) and a small video track (then an MP4 with AAC,
+    whatever ``name``); written to ``path`` when given (options such as ``movflags=faststart`` need a file), and
+    returned."""
     muxer, codec, codec_rate = ("mp4", "aac", None) if video else CONTAINERS[name]
+    planes = samples if samples.ndim == 2 else np.tile(samples[None, :], (channels, 1))
     if codec_rate and codec_rate != rate:
-        samples, rate = soxr.resample(samples, rate, codec_rate), codec_rate
+        planes, rate = soxr.resample(planes.T, rate, codec_rate).T, codec_rate
+    planes = np.ascontiguousarray(planes, dtype=np.float32)
     target = str(path) if path else io.BytesIO()
     with av.open(target, "w", format=muxer, options=options or {}) as out:
-        audio = out.add_stream(codec, rate=rate, layout="mono" if channels == 1 else "stereo")
+        audio = out.add_stream(codec, rate=rate, layout="mono" if len(planes) == 1 else "stereo")
         if video:
-            _add_video(out, seconds=len(samples) / rate)
-        planes = np.ascontiguousarray(np.tile(samples[None, :], (channels, 1)), dtype=np.float32)
+            _add_video(out, seconds=planes.shape[1] / rate)
         for start in range(0, planes.shape[1], 4096):
             frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(planes[:, start : start + 4096]), format="fltp",
                                                layout=audio.layout.name)

@@ -80,7 +80,8 @@ def test_a_list_of_files_is_read_a_window_at_a_time(model, parity_audio, monkeyp
     monkeypatch.setattr(offline, "WINDOW_BATCHES", 2)
     read, read_by_first_batch = [], []
     load_audio, encode = model.load_audio, model.encode
-    monkeypatch.setattr(model, "load_audio", lambda item, index=0: read.append(index) or load_audio(item, index))
+    monkeypatch.setattr(model, "load_audio",
+                        lambda item, index=0, *rest: read.append(index) or load_audio(item, index, *rest))
     monkeypatch.setattr(model, "encode", lambda waves: read_by_first_batch.append(len(read)) or encode(waves))
     paths = [parity_audio[i % len(parity_audio)] for i in range(40)]
     results = model.transcribe(paths, batch_size=2)

@@ -1,0 +1,280 @@
+"""Multichannel recordings (a call centre's stereo calls): each channel transcribed apart, read back as one
+conversation. Through the Python API, the CLI, HTTP and bulk jobs, on the embedded default model (real speech)."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import soundfile as sf
+
+from models import load_model
+from models.conversation import Conversation
+from models.transcript import Transcript, Word
+from service.audio import AudioLimits, AudioRequestError, AudioTooLarge, TooManyChannels, decode_audio
+from service.config import Settings
+from service.formats import from_record, render, to_record
+from tests.media import encode
+from tests.servers import run_server
+
+DATA = Path(__file__).parent / "data" / "default_model"
+EXPECTED = json.loads((DATA / "expected.json").read_text())
+RATE = 16000
+CALL_S = 9.0
+# (channel, start in seconds, clip): the agent speaks, the customer answers, and the agent talks over the end of it
+TURNS = ((0, 0.3, "sentences_000028.wav"), (1, 3.9, "sentences_000110.wav"), (0, 5.2, "voice_000142.wav"))
+LIMITS = AudioLimits(max_bytes=10 << 20, max_duration_s=3600, sample_rate=RATE, max_channels=2)
+
+
+def _call(seconds: float = CALL_S, channels: int = 2) -> np.ndarray:
+    """(channels, samples): the turns over a faint line noise, each channel on its own (cut at ``seconds``)."""
+    call = (np.random.default_rng(0).standard_normal((channels, int(seconds * RATE))) * 0.002).astype(np.float32)
+    for channel, start_s, name in TURNS:
+        start = int(start_s * RATE)
+        clip = sf.read(DATA / name, dtype="float32")[0][: max(0, call.shape[1] - start)]
+        call[channel, start : start + len(clip)] += clip
+    return call
+
+
+def _flac(call: np.ndarray, rate: int = RATE) -> bytes:
+    buffer = io.BytesIO()
+    sf.write(buffer, call.T if call.ndim == 2 else call, rate, format="FLAC")
+    return buffer.getvalue()
+
+
+def _words(*timed: tuple[str, float, float]) -> list[Word]:
+    return [Word(word, start, end) for word, start, end in timed]
+
+
+def _transcript(*timed: tuple[str, float, float]) -> Transcript:
+    words = _words(*timed)
+    return Transcript(text=" ".join(w.word for w in words), tokens=[], token_frames=[], duration_s=10.0, words=words)
+
+
+# --- the conversation --------------------------------------------------------------------------------------------
+
+
+def test_utterances_end_at_a_pause_or_where_another_channel_speaks():
+    agent = _transcript(("hello", 0.0, 0.4), ("there", 0.5, 0.9), ("how", 3.0, 3.2), ("can", 3.3, 3.5),
+                        ("i", 4.1, 4.2), ("help", 4.3, 4.6))
+    customer = _transcript(("hi", 1.0, 1.2), ("mhm", 3.6, 3.9))
+    conversation = Conversation([agent, customer])
+    utterances = conversation.utterances()
+    assert [(u.channel, u.text) for u in utterances] == [
+        (0, "hello there"), (1, "hi"),  # the customer answers: a turn
+        (0, "how can"), (1, "mhm"), (0, "i help"),  # talked over: the agent's sentence is cut around it
+    ]
+    assert [(u.start_s, u.end_s) for u in utterances][:2] == [(0.0, 0.9), (1.0, 1.2)]
+    assert conversation.text.splitlines() == ["[channel 0] hello there", "[channel 1] hi", "[channel 0] how can",
+                                              "[channel 1] mhm", "[channel 0] i help"]
+    alone = Conversation([_transcript(("one", 0.0, 0.2), ("two", 0.5, 0.7), ("three", 1.8, 2.0))])
+    assert [u.text for u in alone.utterances()] == ["one two", "three"]  # a pause over a second
+    tie = Conversation([_transcript(("a", 1.0, 1.1)), _transcript(("b", 1.0, 1.1))])
+    assert [u.channel for u in tie.utterances()] == [0, 1]
+    assert Conversation([_transcript(), _transcript()]).utterances() == []
+
+
+def test_a_conversation_renders_with_its_speakers_and_comes_back_from_its_record():
+    conversation = Conversation([_transcript(("hello", 0.0, 0.4), ("there", 0.5, 0.9)), _transcript(("hi", 1.0, 1.2))])
+    srt = render(conversation, "call.wav", "srt")
+    assert srt.split("\n\n")[0] == "1\n00:00:00,000 --> 00:00:00,900\n[channel 0] hello there"
+    vtt = render(conversation, "call.wav", "vtt")
+    assert vtt.startswith("WEBVTT\n\n") and "00:00:01.000 --> 00:00:01.200\n<v channel 1>hi\n" in vtt
+    record = to_record(conversation, "call.wav")
+    assert record["words"][-1] == {"word": "hi", "start": 1.0, "end": 1.2, "channel": 1}
+    assert record["utterances"] == [{"channel": 0, "start": 0.0, "end": 0.9, "text": "hello there"},
+                                    {"channel": 1, "start": 1.0, "end": 1.2, "text": "hi"}]
+    assert [c["text"] for c in record["channels"]] == ["hello there", "hi"]
+    back = from_record(json.loads(json.dumps(record)))
+    for fmt in ("text", "srt", "vtt"):
+        assert render(back, "call.wav", fmt) == render(conversation, "call.wav", fmt)
+
+
+# --- decoding ------------------------------------------------------------------------------------------------------
+
+
+def test_each_channel_decodes_as_that_channel_alone_would():
+    call = _call()
+    channels = decode_audio(_flac(call), LIMITS, multichannel=True)
+    assert channels.shape == (2, call.shape[1]) and channels.dtype == np.float32
+    for i in range(2):
+        np.testing.assert_array_equal(channels[i], decode_audio(_flac(call[i]), LIMITS))
+    # resampled channel by channel: as each channel's own file at 48 kHz would be
+    import soxr
+
+    call_48k = soxr.resample(call.T, RATE, 48000).T
+    channels_48k = decode_audio(_flac(call_48k, 48000), LIMITS, multichannel=True)
+    for i in range(2):
+        np.testing.assert_array_equal(channels_48k[i], decode_audio(_flac(call_48k[i], 48000), LIMITS))
+    mono = decode_audio(_flac(call[0]), LIMITS, multichannel=True)
+    assert mono.shape == (1, call.shape[1])
+    # a lossless stereo file in a media container (FLAC in Matroska, through FFmpeg) reads the same
+    mkv = decode_audio(encode(call, "mkv"), LIMITS, multichannel=True)
+    np.testing.assert_array_equal(mkv, channels)
+
+
+def test_multichannel_limits_count_every_channels_seconds():
+    limits = AudioLimits(max_bytes=10 << 20, max_duration_s=10.0, sample_rate=RATE, max_channels=2)
+    call = _call(seconds=6.0)
+    assert decode_audio(_flac(call), limits).shape == (call.shape[1],)  # mixed: 6 s
+    with pytest.raises(AudioTooLarge, match="2 channels transcribed apart is 5 s"):
+        decode_audio(_flac(call), limits, multichannel=True)  # apart: 12 s
+    with pytest.raises(TooManyChannels, match="3 channels; at most 2"):
+        decode_audio(_flac(_call(seconds=2.0, channels=3)), limits, multichannel=True)
+    broken = _call(seconds=2.0)
+    broken[1, 100] = np.nan
+    buffer = io.BytesIO()
+    sf.write(buffer, broken.T, RATE, format="WAV", subtype="FLOAT")
+    with pytest.raises(AudioRequestError, match="NaN"):
+        decode_audio(buffer.getvalue(), limits, multichannel=True)
+
+
+# --- the model, the CLI ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(device="cpu")
+
+
+@pytest.fixture(scope="module")
+def alone(model) -> list[Transcript]:
+    """Each channel of the call transcribed on its own."""
+    return model.transcribe(list(_call()))
+
+
+def test_each_channel_reads_as_it_does_alone_and_recovers_the_speech_mixing_loses(model, alone, tmp_path):
+    call = _call()
+    path = tmp_path / "call.flac"
+    path.write_bytes(_flac(call))
+    for conversation in (model.transcribe(path, multichannel=True)[0],
+                         model.transcribe(call, multichannel=True)[0]):
+        assert isinstance(conversation, Conversation)
+        assert [t.tokens for t in conversation.channels] == [t.tokens for t in alone]
+        assert [t.words for t in conversation.channels] == [t.words for t in alone]
+    agent = f"{EXPECTED['sentences_000028.wav']} {EXPECTED['voice_000142.wav']}"
+    assert alone[0].text == agent
+    assert alone[1].text.endswith(EXPECTED["sentences_000110.wav"])
+    utterances = conversation.utterances()
+    assert [u.start_s for u in utterances] == sorted(u.start_s for u in utterances)
+    assert {u.channel for u in utterances} == {0, 1}
+    # mixed down, the overlap garbles both speakers: the reason to keep them apart
+    mixed = model.transcribe(call.mean(axis=0))[0].text.split()
+    assert not set(agent.split() + EXPECTED["sentences_000110.wav"].split()) <= set(mixed)
+
+
+def test_cli_transcribes_a_folder_of_calls_as_conversations(alone, tmp_path):
+    (tmp_path / "calls").mkdir()
+    (tmp_path / "calls" / "call.flac").write_bytes(_flac(_call()))
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "service.cli", "transcribe", "--multichannel"]
+    result = subprocess.run([*command, "--format", "json", str(tmp_path / "calls")], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    record = json.loads(result.stdout)[0]
+    assert [c["text"] for c in record["channels"]] == [t.text for t in alone]
+    assert record["text"].splitlines()[0].startswith("[channel ")
+    result = subprocess.run([*command, "--format", "vtt", "--output-dir", str(out), str(tmp_path / "calls")],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    vtt = (out / "call.vtt").read_text()
+    assert "<v channel 0>" in vtt and "<v channel 1>" in vtt
+
+
+# --- HTTP and jobs -------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(model, tmp_path_factory):
+    from tests.redis_server import RedisServer
+
+    redis = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    settings = Settings(max_wait_ms=20, max_duration_s=2 * CALL_S + 2, max_channels=2, redis_url=redis.url)
+    try:
+        with run_server(settings, model) as running:
+            yield running
+    finally:
+        redis.stop()
+
+
+def _check_conversation(body: dict, alone: list[Transcript]) -> None:
+    assert [c["text"] for c in body["channels"]] == [t.text for t in alone]
+    assert [c["tokens"] for c in body["channels"]] == [t.tokens for t in alone]
+    starts = [u["start"] for u in body["utterances"]]
+    assert starts == sorted(starts) and {u["channel"] for u in body["utterances"]} == {0, 1}
+    assert body["text"].splitlines() == [f"[channel {u['channel']}] {u['text']}" for u in body["utterances"]]
+    word_starts = [w["start"] for w in body["words"]]
+    assert word_starts == sorted(word_starts) and all(w["channel"] in (0, 1) for w in body["words"])
+
+
+def test_http_transcribes_the_channels_apart(server, alone):
+    data = _flac(_call())
+    raw = httpx.post(f"{server.url}/v1/transcribe?multichannel=true", content=data,
+                     headers={"content-type": "audio/flac"}, timeout=120)
+    assert raw.status_code == 200, raw.text
+    body = raw.json()
+    _check_conversation(body, alone)
+    assert "tokens" not in body and body["segments"] == 2 and body["rtfx"] > 0
+    assert body["duration_s"] == pytest.approx(CALL_S)
+    form = httpx.post(f"{server.url}/v1/transcribe", files={"file": ("call.flac", data, "audio/flac")},
+                      data={"multichannel": "true"}, timeout=120)
+    assert form.status_code == 200 and form.json()["channels"] == body["channels"]
+    mixed = httpx.post(f"{server.url}/v1/transcribe", content=data, timeout=120).json()
+    assert "channels" not in mixed and "utterances" not in mixed and mixed["tokens"]
+
+
+@pytest.mark.parametrize(("query", "data", "status", "code"), [
+    ("multichannel=perhaps", "call", 400, "invalid_parameter"),
+    ("multichannel=true", "three_channels", 400, "too_many_channels"),
+    ("multichannel=true", "long_call", 413, "audio_too_large"),  # 2 x 11 s: over the 20 s limit
+    ("multichannel=false", "long_call", 200, None),  # mixed down: 11 s
+])
+def test_http_multichannel_refusals(server, query, data, status, code):
+    audio = {"call": _flac(_call()), "three_channels": _flac(_call(seconds=2.0, channels=3)),
+             "long_call": _flac(_call(seconds=CALL_S + 2))}[data]
+    response = httpx.post(f"{server.url}/v1/transcribe?{query}", content=audio, timeout=120)
+    assert response.status_code == status, response.text
+    if code:
+        assert response.json()["error"]["code"] == code
+    assert httpx.get(f"{server.url}/readyz").status_code == 200
+
+
+def _wait_job(url: str, job_id: str) -> dict:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        job = httpx.get(f"{url}/v1/jobs/{job_id}").json()
+        if job["status"] not in ("queued", "in_progress"):
+            return job
+        time.sleep(0.2)
+    raise AssertionError("the job did not finish")
+
+
+def test_a_bulk_job_of_calls_gives_conversations(server, alone, tmp_path):
+    data = _flac(_call())
+    submitted = httpx.post(f"{server.url}/v1/jobs", files=[("files", ("call.flac", data, "audio/flac"))],
+                           data={"multichannel": "true"}, timeout=60)
+    assert submitted.status_code == 202, submitted.text
+    assert submitted.json()["multichannel"] is True
+    job = _wait_job(server.url, submitted.json()["id"])
+    assert job["status"] == "completed" and job["audio_s"] == pytest.approx(2 * CALL_S)
+    (record,) = [json.loads(line) for line in httpx.get(f"{server.url}/v1/jobs/{job['id']}/results").text.splitlines()]
+    _check_conversation(record, alone)
+    refused = httpx.post(f"{server.url}/v1/jobs", files=[("files", ("call.flac", data, "audio/flac"))],
+                         data={"multichannel": "sometimes"}, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "multichannel"
+    # the CLI: a folder of calls, a WebVTT file each with its speakers
+    (tmp_path / "calls").mkdir()
+    (tmp_path / "calls" / "call.flac").write_bytes(data)
+    out = tmp_path / "subtitles"
+    result = subprocess.run([sys.executable, "-m", "service.cli", "submit", "--server", server.url, "--multichannel",
+                             "--wait", "--output-dir", str(out), "--format", "vtt", str(tmp_path / "calls")],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert (out / "call.vtt").read_text() == render(from_record(record), "call.flac", "vtt")
