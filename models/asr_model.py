@@ -218,7 +218,7 @@ class ASRModel(nn.Module):
     def transcribe(self, audio: Sequence[AudioInput] | AudioInput, batch_size: int = 16,
                    decoder: str = "auto", decoder_algorithm: str = "label_looping",
                    cuda_graphs: str = "auto", max_segment_s: float | None = None,
-                   multichannel: bool = False) -> list[Transcript] | list[Conversation]:
+                   multichannel: bool = False, skip_silence: bool = False) -> list[Transcript] | list[Conversation]:
         """Transcribe waveforms (mono float32 at ``sample_rate``) or audio files, in input order.
 
         Inputs are grouped into batches of similar length (less padding); results do not depend on the
@@ -228,31 +228,34 @@ class ASRModel(nn.Module):
         transcribe takes them; ``max_segment_s`` (30 in the service) cuts longer ones at quiet points and
         stitches them back, so that long audio costs what its pieces cost. With ``multichannel`` each channel of
         a file (each row of a (channels, samples) array) is transcribed apart and each input gives a
-        ``Conversation``: a stereo call's agent and customer, and who said what when.
+        ``Conversation``: a stereo call's agent and customer, and who said what when. ``skip_silence`` leaves
+        long quiet stretches out (models.silence): a call's channel is quiet half the time.
         """
         if isinstance(audio, (np.ndarray, str, Path)):
             audio = [audio]
         files = any(isinstance(item, (str, Path)) for item in audio)
         options = self._offline_options(batch_size, decoder, decoder_algorithm, cuda_graphs, max_segment_s,
-                                        window=None if files else max(1, len(audio)), multichannel=multichannel)
+                                        window=None if files else max(1, len(audio)), multichannel=multichannel,
+                                        skip_silence=skip_silence)
         return list(transcribe_stream(self, audio, options))
 
     def transcribe_iter(self, audio: Iterable[AudioInput], batch_size: int = 16, decoder: str = "auto",
                         decoder_algorithm: str = "label_looping", cuda_graphs: str = "auto",
                         max_segment_s: float | None = None, window: int | None = None,
-                        return_errors: bool = False, multichannel: bool = False
+                        return_errors: bool = False, multichannel: bool = False, skip_silence: bool = False
                         ) -> Iterator[Transcript | Conversation | AudioError | OSError]:
         """``transcribe`` over any number of inputs in bounded memory: read ``window`` at a time (default 16
         batches; files by a few threads, the next window while one is transcribed), transcripts yielded in input
         order as each window finishes. An input that cannot be read raises, or with ``return_errors`` is
-        yielded as its error in its place (models.offline); ``multichannel`` as in ``transcribe``."""
+        yielded as its error in its place (models.offline); ``multichannel`` and ``skip_silence`` as in
+        ``transcribe``."""
         options = self._offline_options(batch_size, decoder, decoder_algorithm, cuda_graphs, max_segment_s, window,
-                                        multichannel)
+                                        multichannel, skip_silence)
         return transcribe_stream(self, audio, options, return_errors)
 
     def _offline_options(self, batch_size: int, decoder: str, decoder_algorithm: str, cuda_graphs: str,
-                         max_segment_s: float | None, window: int | None, multichannel: bool = False
-                         ) -> OfflineOptions:
+                         max_segment_s: float | None, window: int | None, multichannel: bool = False,
+                         skip_silence: bool = False) -> OfflineOptions:
         if batch_size < 1:
             raise ValueError("batch_size must be >= 1")
         if max_segment_s is not None and max_segment_s <= 2 * OfflineOptions.segment_overlap_s:
@@ -260,7 +263,8 @@ class ASRModel(nn.Module):
         _check_decoding_options(decoder_algorithm, cuda_graphs)
         return OfflineOptions(batch_size=batch_size, decoder=self.resolve_decoder(decoder),
                               decoder_algorithm=decoder_algorithm, cuda_graphs=cuda_graphs,
-                              max_segment_s=max_segment_s, window=window, multichannel=multichannel)
+                              max_segment_s=max_segment_s, window=window, multichannel=multichannel,
+                              skip_silence=skip_silence)
 
     def load_audio(self, item: AudioInput, index: int = 0, multichannel: bool = False) -> np.ndarray:
         """A waveform as given (checked), or a file read at the model's rate; with ``multichannel``, (channels,

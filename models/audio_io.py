@@ -148,9 +148,13 @@ def read_audio(source: str | Path | bytes | BinaryIO, sample_rate: int = 16000, 
     except (sf.LibsndfileError, UnreadableContainer, RuntimeError, TypeError) as exc:
         raise AudioError(f"{name}: cannot decode audio ({exc})") from exc
     samples = np.concatenate(blocks)
-    if mix:
-        return check_waveform(samples, name)
-    return check_channels(np.ascontiguousarray(samples.reshape(len(samples), -1).T), name)
+    return check_waveform(samples, name) if mix else check_channels(channels_first(samples), name)
+
+
+def channels_first(samples: np.ndarray) -> np.ndarray:
+    """``decode_blocks``' joined blocks with their channels kept, (samples,) or (samples, channels), as one
+    contiguous waveform a row: (channels, samples)."""
+    return np.ascontiguousarray(samples.reshape(len(samples), -1).T)
 
 
 def check_channels(channels: np.ndarray, name: str) -> np.ndarray:

@@ -20,7 +20,7 @@ import numpy as np
 
 from .audio_io import AudioError
 from .conversation import Conversation
-from .segmenter import NO_CUT, Segment, plan_segments, stitch
+from .segmenter import Segment, plan_pieces, stitch
 from .transcript import Transcript, build_transcript
 
 if TYPE_CHECKING:
@@ -41,6 +41,7 @@ class OfflineOptions:
     window: int | None = None  # inputs read at once (None: WINDOW_BATCHES batches)
     readers: int = READERS
     multichannel: bool = False  # each channel transcribed apart: a Conversation per input
+    skip_silence: bool = False  # long quiet stretches left out (models.silence)
 
 
 Loaded = np.ndarray | AudioError | OSError
@@ -111,7 +112,7 @@ def _transcribe_window(model: ASRModel, loaded: list[Loaded], options: OfflineOp
         if not isinstance(wave, np.ndarray):
             out.append(wave)
             continue
-        transcripts = [build_transcript(stitch(by_input[position, channel], model.tokenizer, frame_samples),
+        transcripts = [build_transcript(stitch(by_input.get((position, channel), []), model.tokenizer, frame_samples),
                                         model.tokenizer, model.config.frame_s, len(samples) / model.sample_rate)
                        for channel, samples in enumerate(_channels(wave))]
         out.append(Conversation(transcripts) if wave.ndim == 2 else transcripts[0])
@@ -119,7 +120,5 @@ def _transcribe_window(model: ASRModel, loaded: list[Loaded], options: OfflineOp
 
 
 def _plan(model: ASRModel, wave: np.ndarray, options: OfflineOptions) -> list[Segment]:
-    if options.max_segment_s is None:
-        return [Segment(0, len(wave), 0, NO_CUT)]
-    return plan_segments(len(wave), wave, model.sample_rate, options.max_segment_s, options.segment_overlap_s,
-                         model.config.frame_samples)
+    return plan_pieces(wave, model.sample_rate, options.max_segment_s, options.segment_overlap_s,
+                       model.config.frame_samples, options.skip_silence)

@@ -14,6 +14,7 @@ import numpy as np
 
 from decoding.types import Hypothesis
 
+from .silence import speech_regions
 from .tokenizer import Tokenizer
 
 ENERGY_WINDOW_S = 0.1  # length of the window whose energy picks a cut point
@@ -53,6 +54,31 @@ def plan_segments(n_samples: int, waveform: np.ndarray, sample_rate: int, max_se
         seg_end = n_samples if i == len(bounds) - 2 else bounds[i + 1] + half_overlap
         cut_after = NO_CUT if i == len(bounds) - 2 else bounds[i + 1]
         segments.append(Segment(seg_start, seg_end, bounds[i], cut_after))
+    return segments
+
+
+def plan_pieces(waveform: np.ndarray, sample_rate: int, max_segment_s: float | None, overlap_s: float,
+                frame_samples: int, skip_silence: bool = False) -> list[Segment]:
+    """Where a recording is cut for transcription: at quiet points every <= ``max_segment_s`` (None: whole), and
+    with ``skip_silence`` around its long quiet stretches, which are left out (none at all for a silent one)."""
+    n = len(waveform)
+    regions = speech_regions(waveform, sample_rate, frame_samples) if skip_silence else [(0, n)]
+    longest_s = max_segment_s if max_segment_s is not None else n / sample_rate + 1
+    return plan_regions(waveform, regions, sample_rate, longest_s, overlap_s, frame_samples)
+
+
+def plan_regions(waveform: np.ndarray, regions: list[tuple[int, int]], sample_rate: int, max_segment_s: float,
+                 overlap_s: float, frame_samples: int) -> list[Segment]:
+    """``plan_segments`` within each (start, end) region of ``waveform`` (starts on the frame grid), and nothing
+    between them: the audio between two regions is not transcribed (models.silence)."""
+    segments = []
+    for i, (start, end) in enumerate(regions):
+        # a region's last piece keeps its words up to the next region's start (nothing lies between)
+        region_end = NO_CUT if i == len(regions) - 1 else regions[i + 1][0]
+        for piece in plan_segments(end - start, waveform[start:end], sample_rate, max_segment_s, overlap_s,
+                                   frame_samples):
+            cut_after = region_end if piece.cut_after == NO_CUT else start + piece.cut_after
+            segments.append(Segment(start + piece.start, start + piece.end, start + piece.cut_before, cut_after))
     return segments
 
 

@@ -22,6 +22,7 @@ import numpy as np
 from fastapi import APIRouter, Depends, FastAPI, Form, Query, Request, UploadFile
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.datastructures import FormData
 from starlette.datastructures import UploadFile as StarletteUpload
 
 from models.transcript import Word
@@ -113,10 +114,12 @@ async def _decoded_body(request: Request, service: ServiceState, multichannel: b
         return await _decode(service, data, request.headers.get("content-type"), multichannel)
 
 
-async def _transcribe(request: Request, service: ServiceState, waveform: np.ndarray) -> RequestResult:
+async def _transcribe(request: Request, service: ServiceState, waveform: np.ndarray, skip_silence: bool = False
+                      ) -> RequestResult:
     """Queue, and await the result; drop the work if the client goes away."""
     assert service.stack is not None
-    return await _while_client_waits(request, service.stack.transcriber.transcribe(waveform, Priority.INTERACTIVE))
+    transcriber = service.stack.transcriber
+    return await _while_client_waits(request, transcriber.transcribe(waveform, Priority.INTERACTIVE, skip_silence))
 
 
 async def _while_client_waits(request: Request, work: Awaitable[T]) -> T:
@@ -149,13 +152,14 @@ def _engine_error(exc: QueueFull | TimeoutError | EngineUnavailable) -> ApiError
     return ApiError(503, str(exc), type="server_error", code="engine_unavailable", headers={"Retry-After": "5"})
 
 
-async def _stream_transcription(request: Request, service: ServiceState, waveform: np.ndarray) -> StreamingResponse:
+async def _stream_transcription(request: Request, service: ServiceState, waveform: np.ndarray, skip_silence: bool
+                                ) -> StreamingResponse:
     """OpenAI's transcription stream (server-sent events): ``transcript.text.delta`` as the leading pieces of the
     audio finish, then ``transcript.text.done`` with the whole text. Failures before the first event answer
     with their status codes, as without streaming; a later one ends the stream with an ``error`` event."""
     assert service.stack is not None
     try:
-        queued = service.stack.transcriber.submit(waveform, Priority.INTERACTIVE)
+        queued = service.stack.transcriber.submit(waveform, Priority.INTERACTIVE, skip_silence)
     except QueueFull as exc:
         raise _engine_error(exc) from exc
     deltas = queued.text_deltas()
@@ -243,8 +247,10 @@ async def openai_transcriptions(
     response_format: Annotated[str, Form()] = "json",
     temperature: Annotated[float, Form()] = 0.0,  # greedy decoding: accepted and ignored
     stream: Annotated[bool, Form()] = False,
+    skip_silence: Annotated[bool, Form()] = False,  # ours: leave long quiet stretches out (models.silence)
 ) -> Response:
-    """OpenAI-compatible transcription (multipart)."""
+    """OpenAI-compatible transcription (multipart); `skip_silence` (ours, e.g. the SDK's `extra_body`) leaves long
+    quiet stretches out."""
     _check_model(service, model)
     if response_format not in RESPONSE_FORMATS:
         raise ApiError(400, f"response_format must be one of {', '.join(RESPONSE_FORMATS)}", param="response_format")
@@ -258,8 +264,8 @@ async def openai_transcriptions(
                        param="timestamp_granularities[]")
     waveform = await _decoded_upload(service, file)
     if stream:
-        return await _stream_transcription(request, service, waveform)
-    result = await _transcribe(request, service, waveform)
+        return await _stream_transcription(request, service, waveform, skip_silence)
+    result = await _transcribe(request, service, waveform, skip_silence)
     transcript = result.transcript
     usage = Usage(seconds=round(transcript.duration_s, 3))
     if response_format == "text":
@@ -281,30 +287,37 @@ async def openai_transcriptions(
 
 @v1.post("/transcribe", response_model=NativeTranscription, response_model_exclude_none=True)
 async def native_transcribe(request: Request, service: ServiceDep,
-                            multichannel: Annotated[str | None, Query()] = None) -> NativeTranscription:
+                            multichannel: Annotated[str | None, Query()] = None,
+                            skip_silence: Annotated[str | None, Query()] = None) -> NativeTranscription:
     """Native transcription: a multipart `file` or the raw audio as the body; full timing detail. With
     `multichannel=true` (query or form field) each channel is transcribed apart (a call's agent and customer) and
-    the answer is the conversation: utterances in time order, each naming its channel."""
+    the answer is the conversation: utterances in time order, each naming its channel. `skip_silence=true` leaves
+    long quiet stretches out (no words can come from them; they cost nothing)."""
     content_type = request.headers.get("content-type", "")
-    if content_type.startswith("multipart/form-data"):
-        form = await request.form()
+    form = await request.form() if content_type.startswith("multipart/form-data") else None
+    apart, skip = _option("multichannel", multichannel, form), _option("skip_silence", skip_silence, form)
+    if form is not None:
         upload = form.get("file")
-        apart = flag(multichannel if multichannel is not None else form.get("multichannel", ""), "multichannel")
         waveform = await _decoded_upload(service, upload if isinstance(upload, StarletteUpload) else None, apart)
     else:
-        apart = flag(multichannel or "", "multichannel")
         waveform = await _decoded_body(request, service, apart)
     if apart:
         assert service.stack is not None
-        channels = service.stack.transcriber.transcribe_channels(waveform, Priority.INTERACTIVE)
+        channels = service.stack.transcriber.transcribe_channels(waveform, Priority.INTERACTIVE, skip)
         return _native_conversation(service, await _while_client_waits(request, channels))
-    result = await _transcribe(request, service, waveform)
+    result = await _transcribe(request, service, waveform, skip)
     t = result.transcript
     return NativeTranscription(
         model=service.model_id, text=t.text, tokens=t.tokens, token_frames=t.token_frames, words=_words(t.words),
         duration_s=round(t.duration_s, 6), queue_s=round(result.queue_s, 6), compute_s=round(result.compute_s, 6),
         rtfx=round(result.rtfx, 3), segments=result.n_segments,
     )
+
+
+def _option(name: str, query_value: str | None, form: FormData | None) -> bool:
+    """A true/false option from the query string, else from the multipart form; absent: false."""
+    value = form.get(name) if query_value is None and form is not None else query_value
+    return flag(value or "", name)
 
 
 def _native_conversation(service: ServiceState, result: ConversationResult) -> NativeTranscription:

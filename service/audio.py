@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import soundfile as sf
 
-from models.audio_io import check_waveform, decode_blocks, open_audio
+from models.audio_io import channels_first, check_waveform, decode_blocks, open_audio
 from models.containers import UnreadableContainer
 
 BLOCK_FRAMES = 1 << 20  # decode in blocks of about a minute of 16 kHz audio
@@ -110,9 +110,7 @@ def _decode(source: io.BytesIO | Path, limits: AudioLimits, multichannel: bool) 
         raise AudioRequestError(f"cannot decode audio: {exc}") from exc
     if samples.size == 0:
         raise AudioRequestError("the audio has no samples")
-    if not multichannel:
-        return check_waveform(samples, "upload")
-    return np.ascontiguousarray(samples.reshape(len(samples), -1).T)  # (channels, samples): one row a waveform
+    return channels_first(samples) if multichannel else check_waveform(samples, "upload")
 
 
 def _limit_text(max_s: float, channels: int) -> str:

@@ -17,6 +17,8 @@ from pathlib import Path
 FORMATS = ("text", "json", "jsonl", "srt", "vtt")
 MULTICHANNEL_HELP = ("transcribe each channel apart (a call's agent and customer) and give each file as a "
                      "conversation: utterances in time order, each naming its channel")
+SKIP_SILENCE_HELP = ("leave out quiet stretches of 2 s or more (near the recording's noise floor): they cost nothing "
+                     "and give no words")
 
 
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
@@ -46,6 +48,7 @@ def _transcribe_parser(sub: argparse._SubParsersAction) -> None:
     _add_decoding_options(p)
     p.add_argument("--format", default="text", choices=FORMATS, help="output format (default: text)")
     p.add_argument("--multichannel", action="store_true", help=MULTICHANNEL_HELP)
+    p.add_argument("--skip-silence", action="store_true", help=SKIP_SILENCE_HELP)
     p.add_argument("--output-dir", type=Path,
                    help="write one <name>.<format> per input here instead of printing to stdout")
     p.add_argument("--skip-existing", action="store_true",
@@ -87,7 +90,7 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     outcomes = model.transcribe_iter(files, batch_size=args.batch_size, decoder=args.decoder,
                                      decoder_algorithm=args.decoder_algorithm, cuda_graphs=args.cuda_graphs,
                                      max_segment_s=args.max_segment_s or None, return_errors=True,
-                                     multichannel=args.multichannel)
+                                     multichannel=args.multichannel, skip_silence=args.skip_silence)
     if args.output_dir is not None:
         args.output_dir.mkdir(parents=True, exist_ok=True)
     records, failed = [], 0
@@ -227,6 +230,7 @@ def _submit_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--priority", choices=["high", "normal", "low"], default="normal",
                    help="workers take high jobs' items before normal ones', and normal before low (default normal)")
     p.add_argument("--multichannel", action="store_true", help=MULTICHANNEL_HELP)
+    p.add_argument("--skip-silence", action="store_true", help=SKIP_SILENCE_HELP)
     p.add_argument("--output-dir", type=Path,
                    help="with --wait: write one <name>.<format> per input here (named as transcribe --output-dir "
                         "names them; a URL by its path's last part) instead of result lines")
@@ -268,7 +272,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
         return asyncio.run(run_submit(inputs, args.redis_url, args.server, args.api_key, args.wait, out,
                                       args.idempotency_key, job_bytes=job_bytes,
                                       options=JobOptions(args.webhook_url, JobPriority(args.priority),
-                                                         args.multichannel), write_result=write_result))
+                                                         args.multichannel, args.skip_silence),
+                                      write_result=write_result))
 
 
 def _result_files(args: argparse.Namespace, inputs: list) -> Callable[[Path | str, dict], None]:

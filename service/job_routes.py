@@ -55,6 +55,7 @@ class JobCreate(BaseModel):
     webhook_url: str | None = None
     priority: JobPriority = JobPriority.NORMAL  # workers take high before normal, normal before low
     multichannel: bool = False  # each channel transcribed apart: every item's result is a conversation
+    skip_silence: bool = False  # long quiet stretches left out (models.silence)
 
 
 def _store(service: ServiceState) -> JobStore:
@@ -85,8 +86,8 @@ async def _form_uploads(request: Request, service: ServiceState) -> tuple[list[S
     except ValueError as exc:
         raise ApiError(400, f"priority must be one of {', '.join(p.value for p in JobPriority)}", param="priority",
                        code="invalid_priority") from exc
-    multichannel = flag(form.get("multichannel", ""), "multichannel")
-    return uploads, JobOptions(webhook if isinstance(webhook, str) else None, priority, multichannel)
+    multichannel, skip_silence = (flag(form.get(name, ""), name) for name in ("multichannel", "skip_silence"))
+    return uploads, JobOptions(webhook if isinstance(webhook, str) else None, priority, multichannel, skip_silence)
 
 
 async def _read_uploads(uploads: list[StarletteUpload], service: ServiceState) -> list[ItemInput]:
@@ -104,7 +105,7 @@ async def _json_items(request: Request) -> tuple[list[ItemInput], JobOptions]:
         raise ApiError(400, f"invalid job: {exc}", code="invalid_job") from exc
     items = [ItemInput(audio=item.path, path=item.path) if item.path is not None
              else ItemInput(audio=str(item.url), url=item.url) for item in body.items]
-    return items, JobOptions(body.webhook_url, body.priority, body.multichannel)
+    return items, JobOptions(body.webhook_url, body.priority, body.multichannel, body.skip_silence)
 
 
 def _check_inputs(items: list[ItemInput], settings: Settings) -> None:
@@ -152,7 +153,7 @@ async def _submit(store: JobStore, settings: Settings, items: list[ItemInput], o
     try:
         _check_inputs(items, settings)
         job, created = await store.submit(items, idempotency_key, options.webhook_url, options.priority,
-                                          options.multichannel)
+                                          options.multichannel, options.skip_silence)
     except JobInputError as exc:
         raise ApiError(400, str(exc), param="items", code="invalid_input") from exc
     except REDIS_ERRORS as exc:

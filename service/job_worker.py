@@ -218,7 +218,7 @@ class JobConsumer:
             last = await self.store.last_error(job_id, index) or "the worker died while processing it"
             await self._fail(job_id, index, audio, f"gave up after {attempts - 1} attempts: {last}")
             return
-        multichannel = bool(record.get("multichannel"))
+        multichannel, skip_silence = bool(record.get("multichannel")), bool(record.get("skip_silence"))
         try:
             waveform = await self._load(record, upload, multichannel)
         except (AudioRequestError, JobInputError, OSError) as exc:
@@ -228,10 +228,10 @@ class JobConsumer:
         while True:
             try:
                 if multichannel:
-                    result = await self.transcriber.transcribe_channels(waveform, priority)
+                    result = await self.transcriber.transcribe_channels(waveform, priority, skip_silence)
                     transcript = result.conversation
                 else:
-                    result = await self.transcriber.transcribe(waveform, priority)
+                    result = await self.transcriber.transcribe(waveform, priority, skip_silence)
                     transcript = result.transcript
                 break
             except QueueFull:  # HTTP traffic holds the queue; bulk work waits its turn

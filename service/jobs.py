@@ -203,6 +203,7 @@ class JobOptions:
     webhook_url: str | None = None  # POSTed to when the job finishes (service.webhooks)
     priority: JobPriority = JobPriority.NORMAL  # workers take high before normal, normal before low
     multichannel: bool = False  # each channel of every item transcribed apart (models.conversation)
+    skip_silence: bool = False  # long quiet stretches left out (models.silence)
 
 
 @dataclass(frozen=True)
@@ -228,6 +229,7 @@ class Job:
     compute_s: float
     priority: JobPriority = JobPriority.NORMAL
     multichannel: bool = False
+    skip_silence: bool = False
     webhook_url: str | None = None
     webhook_status: str | None = None  # pending | delivered | failed, when the job has a webhook
     webhook_attempts: int = 0
@@ -244,8 +246,8 @@ class Job:
 
     def to_dict(self) -> dict[str, Any]:
         return {"id": self.id, "object": "transcription.job", "status": self.status.value,
-                "priority": self.priority.value, "multichannel": self.multichannel, "total_items": self.total_items,
-                "counts": self.counts,
+                "priority": self.priority.value, "multichannel": self.multichannel,
+                "skip_silence": self.skip_silence, "total_items": self.total_items, "counts": self.counts,
                 "created_at": self.created_at,
                 "started_at": self.started_at, "finished_at": self.finished_at, "audio_s": round(self.audio_s, 3),
                 "compute_s": round(self.compute_s, 3), "rtfx": round(self.rtfx, 2), **self._webhook_dict()}
@@ -308,7 +310,7 @@ class JobStore:
 
     async def submit(self, items: list[ItemInput], idempotency_key: str | None = None,
                      webhook_url: str | None = None, priority: JobPriority = JobPriority.NORMAL,
-                     multichannel: bool = False) -> tuple[Job, bool]:
+                     multichannel: bool = False, skip_silence: bool = False) -> tuple[Job, bool]:
         """Create a job and queue its items on its priority's stream; returns (job, created). A repeated
         idempotency key returns the job the first request created."""
         if not items:
@@ -332,7 +334,8 @@ class JobStore:
                     pipe.multi()
                     if key is not None:  # set with the job, in one transaction: never a key naming no job
                         pipe.set(key, job_id, ex=self.result_ttl_s)
-                    self._queue_job(pipe, job_id, items, JobOptions(webhook_url, JobPriority(priority), multichannel))
+                    options = JobOptions(webhook_url, JobPriority(priority), multichannel, skip_silence)
+                    self._queue_job(pipe, job_id, items, options)
                     await pipe.execute()
                     break
                 except aioredis.WatchError:  # another request with this key got there first: take its job
@@ -344,8 +347,9 @@ class JobStore:
         inputs, states = {}, {}
         for index, item in enumerate(items):
             record: dict[str, Any] = {"audio": item.audio}
-            if options.multichannel:  # the worker reads it from the item's own record
-                record["multichannel"] = True
+            for name in ("multichannel", "skip_silence"):  # the worker reads them from the item's own record
+                if getattr(options, name):
+                    record[name] = True
             if item.upload is not None:
                 upload_key = UPLOAD_KEY.format(job_id=job_id, index=index)
                 pipe.set(upload_key, item.upload, ex=self.input_ttl_s)
@@ -360,7 +364,8 @@ class JobStore:
             "status": JobStatus.QUEUED.value, "created_at": _now(), "total": len(items), "n_queued": len(items),
             "n_in_progress": 0, "n_completed": 0, "n_failed": 0, "n_cancelled": 0, "audio_s": 0, "compute_s": 0,
             "webhook_url": options.webhook_url or "", "webhook_status": "pending" if options.webhook_url else "",
-            "priority": options.priority.value, "multichannel": int(options.multichannel)})
+            "priority": options.priority.value, "multichannel": int(options.multichannel),
+            "skip_silence": int(options.skip_silence)})
         pipe.hset(INPUTS_KEY.format(job_id=job_id), mapping=inputs)
         pipe.hset(STATES_KEY.format(job_id=job_id), mapping=states)
         for index in range(len(items)):
@@ -383,7 +388,7 @@ class JobStore:
                    counts={s: int(h.get(f"n_{s}", 0)) for s in ITEM_STATES}, created_at=float(h["created_at"]),
                    started_at=opt("started_at"), finished_at=opt("finished_at"), audio_s=float(h["audio_s"]),
                    compute_s=float(h["compute_s"]), priority=JobPriority(h.get("priority") or "normal"),
-                   multichannel=h.get("multichannel") == "1",
+                   multichannel=h.get("multichannel") == "1", skip_silence=h.get("skip_silence") == "1",
                    webhook_url=h.get("webhook_url") or None,
                    webhook_status=h.get("webhook_status") or None, webhook_attempts=int(h.get("webhook_attempts", 0)),
                    webhook_error=h.get("webhook_error") or None)

@@ -141,7 +141,7 @@ class _ServerClient:
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
         urls = [source for source in inputs if isinstance(source, str)]
         fields = {"webhook_url": options.webhook_url, "priority": options.priority.value,
-                  "multichannel": options.multichannel}
+                  "multichannel": options.multichannel, "skip_silence": options.skip_silence}
         if urls:  # split_into_jobs keeps files and URLs apart
             body = {"items": [{"url": url} for url in urls], **fields}
             response = await self.http.post("/v1/jobs", json=body, headers=headers)
@@ -177,7 +177,8 @@ class _RedisClient:
     async def submit(self, inputs: list[Input], idempotency_key: str | None, options: JobOptions) -> dict[str, Any]:
         # the workers check the webhook URL against their own settings when they post (and record a refusal)
         job, _ = await self.store.submit([item_input(source) for source in inputs], idempotency_key,
-                                         options.webhook_url, options.priority, options.multichannel)
+                                         options.webhook_url, options.priority, options.multichannel,
+                                         options.skip_silence)
         return job.to_dict()
 
     async def get(self, job_id: str) -> dict[str, Any]:

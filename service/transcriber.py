@@ -14,7 +14,7 @@ import numpy as np
 
 from models.config import ModelConfig
 from models.conversation import Conversation
-from models.segmenter import Segment, plan_segments, stitch
+from models.segmenter import Segment, plan_pieces, stitch
 from models.tokenizer import Tokenizer
 from models.transcript import Transcript, build_transcript
 
@@ -75,35 +75,39 @@ class Transcriber:
         self.sample_rate = config.features.sample_rate
         self.frame_samples = config.frame_samples
 
-    def plan(self, waveform: np.ndarray) -> list[Segment]:
-        """Where ``transcribe`` cuts ``waveform`` into pieces."""
-        return plan_segments(len(waveform), waveform, self.sample_rate, self.max_segment_s, self.segment_overlap_s,
-                             self.frame_samples)
+    def plan(self, waveform: np.ndarray, skip_silence: bool = False) -> list[Segment]:
+        """Where ``transcribe`` cuts ``waveform`` into pieces (leaving out its long quiet stretches with
+        ``skip_silence``: models.silence)."""
+        return plan_pieces(waveform, self.sample_rate, self.max_segment_s, self.segment_overlap_s, self.frame_samples,
+                           skip_silence)
 
-    def submit(self, waveform: np.ndarray, priority: Priority = Priority.INTERACTIVE) -> QueuedRequest:
+    def submit(self, waveform: np.ndarray, priority: Priority = Priority.INTERACTIVE, skip_silence: bool = False
+               ) -> QueuedRequest:
         """Cut ``waveform`` and queue its pieces (raises ``QueueFull``). The caller must ``cancel`` the request
         when it is done with it: that drops pieces still queued."""
-        segments = self.plan(waveform)
+        segments = self.plan(waveform, skip_silence)
         items = [WorkItem(waveform[s.start : s.end], priority, self.timeout_s) for s in segments]
-        self.queue.submit(items)
+        if items:  # none for a silent recording whose silence is skipped
+            self.queue.submit(items)
         return QueuedRequest(self, len(waveform), segments, items, asyncio.get_running_loop().time() + self.timeout_s)
 
-    async def transcribe(self, waveform: np.ndarray, priority: Priority = Priority.INTERACTIVE) -> RequestResult:
+    async def transcribe(self, waveform: np.ndarray, priority: Priority = Priority.INTERACTIVE,
+                         skip_silence: bool = False) -> RequestResult:
         """Queue (raises ``QueueFull``), await every piece, stitch. Cancelling this cancels queued pieces."""
-        request = self.submit(waveform, priority)
+        request = self.submit(waveform, priority, skip_silence)
         try:
             return await request.result()
         finally:
             request.cancel()
 
-    async def transcribe_channels(self, channels: np.ndarray, priority: Priority = Priority.INTERACTIVE
-                                  ) -> ConversationResult:
+    async def transcribe_channels(self, channels: np.ndarray, priority: Priority = Priority.INTERACTIVE,
+                                  skip_silence: bool = False) -> ConversationResult:
         """Each row of ``channels`` (channels, samples) transcribed apart, their pieces queued together so they
         share batches; all are queued or none (``QueueFull``), and cancelling this cancels them all."""
         requests: list[QueuedRequest] = []
         try:
             for waveform in channels:
-                requests.append(self.submit(waveform, priority))
+                requests.append(self.submit(waveform, priority, skip_silence))
             results = [await request.result() for request in requests]
         finally:
             for request in requests:
@@ -135,7 +139,7 @@ class QueuedRequest:
         hyp = stitch(list(zip(self._segments, (r.hypothesis for r in results), strict=True)), t.tokenizer,
                      t.frame_samples)
         transcript = build_transcript(hyp, t.tokenizer, t.config.frame_s, self._n_samples / t.sample_rate)
-        return RequestResult(transcript=transcript, queue_s=max(r.queue_s for r in results),
+        return RequestResult(transcript=transcript, queue_s=max((r.queue_s for r in results), default=0.0),
                              compute_s=sum(r.compute_s for r in results), n_segments=len(self._segments))
 
     async def text_deltas(self) -> AsyncIterator[str]:

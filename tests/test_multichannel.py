@@ -278,3 +278,39 @@ def test_a_bulk_job_of_calls_gives_conversations(server, alone, tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert (out / "call.vtt").read_text() == render(from_record(record), "call.flac", "vtt")
+
+
+# --- skip_silence --------------------------------------------------------------------------------------------------
+
+
+def test_skip_silence_over_http_and_in_jobs_leaves_the_quiet_out(server, model):
+    """The customer's channel starts after 3.9 s of line noise: skipped, it is not transcribed (the engine counts
+    fewer audio seconds) and gives no stray word; every route gives what the Python API gives."""
+    call = _call()
+    data = _flac(call)
+    offline = model.transcribe(call, multichannel=True, skip_silence=True)[0]
+    assert offline.channels[1].text == EXPECTED["sentences_000110.wav"]
+    audio_s = server.metric("batchasr_audio_seconds_total")
+    whole = httpx.post(f"{server.url}/v1/transcribe?multichannel=true", content=data, timeout=120)
+    whole_s = server.metric("batchasr_audio_seconds_total") - audio_s
+    skipped = httpx.post(f"{server.url}/v1/transcribe?multichannel=true&skip_silence=true", content=data, timeout=120)
+    skipped_s = server.metric("batchasr_audio_seconds_total") - audio_s - whole_s
+    assert whole.status_code == skipped.status_code == 200
+    assert whole_s == pytest.approx(2 * CALL_S, abs=0.01) and skipped_s < 2 * CALL_S - 3
+    assert [c["text"] for c in skipped.json()["channels"]] == [t.text for t in offline.channels]
+    form = httpx.post(f"{server.url}/v1/transcribe", files={"file": ("call.flac", data, "audio/flac")},
+                      data={"multichannel": "true", "skip_silence": "true"}, timeout=120)
+    assert form.status_code == 200 and form.json()["channels"] == skipped.json()["channels"]
+    customer = _flac(call[1])
+    openai = httpx.post(f"{server.url}/v1/audio/transcriptions", files={"file": ("c.flac", customer, "audio/flac")},
+                        data={"skip_silence": "true"}, timeout=120)
+    assert openai.status_code == 200 and openai.json()["text"] == EXPECTED["sentences_000110.wav"]
+    silent = httpx.post(f"{server.url}/v1/transcribe?skip_silence=true", content=_flac(np.zeros(5 * RATE)),
+                        timeout=120)
+    assert silent.status_code == 200 and silent.json()["text"] == "" and silent.json()["segments"] == 0
+    submitted = httpx.post(f"{server.url}/v1/jobs", files=[("files", ("call.flac", data, "audio/flac"))],
+                           data={"multichannel": "true", "skip_silence": "true"}, timeout=60)
+    assert submitted.status_code == 202 and submitted.json()["skip_silence"] is True
+    job = _wait_job(server.url, submitted.json()["id"])
+    (record,) = [json.loads(line) for line in httpx.get(f"{server.url}/v1/jobs/{job['id']}/results").text.splitlines()]
+    assert record["channels"] == to_record(offline)["channels"]
