@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from service.jobs import ItemInput, JobPriority, JobStore
+from service.jobs import ItemInput, JobOptions, JobPriority, JobStore
 from tests.redis_server import RedisServer
 
 AUDIO = Path(__file__).resolve().parent.parent / "tests" / "data" / "default_model"
@@ -39,8 +39,8 @@ async def wait_done(store: JobStore, job_id: str) -> float:
 
 async def one_run(redis_url: str, args: argparse.Namespace, urgent_priority: JobPriority) -> dict[str, float]:
     store = JobStore.from_url(redis_url)
-    backfill, _ = await store.submit(uploads(args.backlog), priority=JobPriority.LOW if urgent_priority ==
-                                     JobPriority.HIGH else JobPriority.NORMAL)
+    backfill_priority = JobPriority.LOW if urgent_priority == JobPriority.HIGH else JobPriority.NORMAL
+    backfill, _ = await store.submit(uploads(args.backlog), options=JobOptions(priority=backfill_priority))
     model = ["--model", args.model] if args.model else []
     worker = subprocess.Popen([sys.executable, "-m", "service.cli", "worker", *model, "--redis-url", redis_url,
                                "--name", "w"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -50,7 +50,7 @@ async def one_run(redis_url: str, args: argparse.Namespace, urgent_priority: Job
             await asyncio.sleep(0.1)
         await asyncio.sleep(args.delay_s)
         submitted = time.time()
-        urgent, _ = await store.submit(uploads(args.urgent), priority=urgent_priority)
+        urgent, _ = await store.submit(uploads(args.urgent), options=JobOptions(priority=urgent_priority))
         urgent_done = await wait_done(store, urgent.id)
         backfill_done = await wait_done(store, backfill.id)
         started = (await store.get(backfill.id)).started_at

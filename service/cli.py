@@ -298,6 +298,30 @@ def _result_files(args: argparse.Namespace, inputs: list) -> Callable[[Path | st
     return write
 
 
+def _jobs_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("jobs", help="list bulk jobs, newest first")
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--server", help="a batchasr server's /v1/jobs: the jobs of --api-key (or, on a server "
+                                         "without keys, every job)")
+    target.add_argument("--redis-url", help="straight from Redis: the jobs submitted without an API key")
+    p.add_argument("--api-key", help="Bearer key for --server")
+    p.add_argument("--status", choices=["queued", "in_progress", "completed", "completed_with_errors", "failed",
+                                        "cancelled"], help="only jobs in this state")
+    p.add_argument("--limit", type=int, default=20, help="at most this many (default 20)")
+    p.add_argument("--json", action="store_true", help="one JSON object a line, as GET /v1/jobs/{id} gives it")
+    p.set_defaults(func=cmd_jobs)
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    from .jobs_cli import run_list
+
+    if args.limit < 1:
+        print("error: --limit must be at least 1", file=sys.stderr)
+        return 2
+    return asyncio.run(run_list(args.redis_url, args.server, args.api_key, args.limit, args.status, args.json,
+                                sys.stdout))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="batchasr", description="High-throughput batch transcription.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
@@ -306,6 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     _serve_parser(sub)
     _worker_parser(sub)
     _submit_parser(sub)
+    _jobs_parser(sub)
     _bench_parser(sub)
     return parser
 

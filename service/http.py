@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Protocol
@@ -14,7 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .config import Settings
 from .intake import IntakeBudget
-from .jobs import JobStore
+from .jobs import ANONYMOUS, JobStore
 from .runtime import FrontendStack, Stack
 from .schemas import ErrorResponse
 
@@ -98,6 +99,8 @@ ServiceDep = Annotated[ServiceState, Depends(_service)]
 
 
 async def require_api_key(request: Request, service: ServiceDep) -> None:
+    """With API keys set, a request needs one (401); its key says whose jobs it sees (``request.state.owner``)."""
+    request.state.owner = ANONYMOUS
     keys = service.settings.api_keys
     if not keys:
         return
@@ -105,6 +108,17 @@ async def require_api_key(request: Request, service: ServiceDep) -> None:
     if scheme.lower() != "bearer" or token.strip() not in keys:
         raise ApiError(401, "a valid API key is required (Authorization: Bearer <key>)", type="authentication_error",
                        code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+    request.state.owner = owner_of(token.strip())
+
+
+def owner_of(api_key: str) -> str:
+    """The owner a key's jobs are kept under: a hash of the key, so Redis never holds the key itself."""
+    return hashlib.sha256(api_key.encode()).hexdigest()[:24]
+
+
+def request_owner(request: Request) -> str:
+    """Whose jobs this request may see and change (set by ``require_api_key``)."""
+    return getattr(request.state, "owner", ANONYMOUS)
 
 
 # --- shared request handling -------------------------------------------------------------------------------

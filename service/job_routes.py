@@ -1,19 +1,24 @@
-"""Bulk job routes: submit (uploads, paths under the input roots, URLs under the input URL prefixes), status,
-results, cancel."""
+"""Bulk job routes: submit (uploads, paths under the input roots, URLs under the input URL prefixes), list, status,
+results, cancel.
+
+A job belongs to the API key that submitted it: only requests with that key see it, list it or cancel it (another
+key gets 404, as for a job that does not exist). Without API keys every client is one owner.
+"""
 
 from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Awaitable
+from dataclasses import replace
 from typing import Annotated, Any, TypeVar
 
-from fastapi import APIRouter, Depends, Header, Request
+from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field, model_validator
 from starlette.datastructures import UploadFile as StarletteUpload
 
 from .config import Settings
-from .http import ApiError, ServiceDep, ServiceState, flag, read_upload, require_api_key
+from .http import ApiError, ServiceDep, ServiceState, flag, read_upload, request_owner, require_api_key
 from .jobs import (
     REDIS_ERRORS,
     REDIS_FULL,
@@ -22,6 +27,7 @@ from .jobs import (
     JobNotFound,
     JobOptions,
     JobPriority,
+    JobStatus,
     JobStore,
     resolve_input_path,
 )
@@ -139,8 +145,10 @@ async def create_job(request: Request, service: ServiceDep,
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
         items, options = await _json_items(request)
         _check_webhook(options.webhook_url, service.settings)
-        return await _submit(store, service.settings, items, options, idempotency_key)
+        return await _submit(store, service.settings, items, replace(options, owner=request_owner(request)),
+                             idempotency_key)
     uploads, options = await _form_uploads(request, service)
+    options = replace(options, owner=request_owner(request))
     _check_webhook(options.webhook_url, service.settings)  # before the uploads are read
     # read into memory only in turn (service.intake), until Redis has them
     async with service.intake.hold(sum(upload.size or 0 for upload in uploads)):
@@ -152,8 +160,7 @@ async def _submit(store: JobStore, settings: Settings, items: list[ItemInput], o
                   idempotency_key: str | None) -> JSONResponse:
     try:
         _check_inputs(items, settings)
-        job, created = await store.submit(items, idempotency_key, options.webhook_url, options.priority,
-                                          options.multichannel, options.skip_silence)
+        job, created = await store.submit(items, idempotency_key, options)
     except JobInputError as exc:
         raise ApiError(400, str(exc), param="items", code="invalid_input") from exc
     except REDIS_ERRORS as exc:
@@ -164,15 +171,35 @@ async def _submit(store: JobStore, settings: Settings, items: list[ItemInput], o
     return JSONResponse(job.to_dict(), status_code=202 if created else 200)
 
 
+@router.get("")
+async def list_jobs(request: Request, service: ServiceDep, limit: Annotated[int, Query(ge=1, le=100)] = 20,
+                    after: str | None = None, status: JobStatus | None = None) -> dict[str, Any]:
+    """Your jobs, newest first, `limit` at a time (of one `status`, if given): pass the page's `last_id` as `after`
+    for the next page, while `has_more`."""
+    store = _store(service)
+    try:
+        jobs, more = await store.list_jobs(request_owner(request), limit, after, status)
+    except JobNotFound as exc:
+        raise ApiError(400, f"`after` names no job in your list: `{after}` (it may have expired)", param="after",
+                       code="invalid_cursor") from exc
+    except REDIS_ERRORS as exc:
+        raise _redis_down(exc) from exc
+    data = [job.to_dict() for job in jobs]
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": more}
+
+
 @router.get("/{job_id}")
-async def get_job(job_id: str, service: ServiceDep) -> dict[str, Any]:
-    return (await _from_store(job_id, _store(service).get(job_id))).to_dict()
+async def get_job(job_id: str, request: Request, service: ServiceDep) -> dict[str, Any]:
+    return (await _from_store(job_id, _store(service).get(job_id, request_owner(request)))).to_dict()
 
 
 @router.get("/{job_id}/results")
-async def job_results(job_id: str, service: ServiceDep) -> Response:
+async def job_results(job_id: str, request: Request, service: ServiceDep) -> Response:
     """One JSON line per item, in submission order, streamed a page of items at a time."""
-    records = _store(service).iter_results(job_id)
+    store = _store(service)
+    await _from_store(job_id, store.get(job_id, request_owner(request)))
+    records = store.iter_results(job_id)
     # the job's absence (404) or Redis's (503) still answer with a status: they come before the first record
     first = await _from_store(job_id, anext(records, None))
     if first is None:
@@ -191,9 +218,11 @@ def _line(record: dict[str, Any]) -> bytes:
 
 
 @router.delete("/{job_id}")
-async def cancel_job(job_id: str, service: ServiceDep) -> dict[str, Any]:
+async def cancel_job(job_id: str, request: Request, service: ServiceDep) -> dict[str, Any]:
     """Cancel: items not started are dropped; items in progress finish."""
-    return (await _from_store(job_id, _store(service).cancel(job_id))).to_dict()
+    store = _store(service)
+    await _from_store(job_id, store.get(job_id, request_owner(request)))
+    return (await _from_store(job_id, store.cancel(job_id))).to_dict()
 
 
 async def _from_store(job_id: str, work: Awaitable[T]) -> T:

@@ -40,7 +40,10 @@ ATTEMPTS_KEY = PREFIX + ":job:{job_id}:attempts"  # hash index -> deliveries sta
 ERRORS_KEY = PREFIX + ":job:{job_id}:errors"  # hash index -> last error
 RESULTS_KEY = PREFIX + ":job:{job_id}:results"  # hash index -> result JSON, written once (HSETNX)
 UPLOAD_KEY = PREFIX + ":upload:{job_id}:{index}"  # audio bytes, with the input TTL
-IDEMPOTENCY_KEY = PREFIX + ":idempotency:{key}"  # -> job id
+IDEMPOTENCY_KEY = PREFIX + ":idempotency:{key}"  # -> job id (the key prefixed with its owner, but for ANONYMOUS)
+OWNER_JOBS_KEY = PREFIX + ":owner:{owner}:jobs"  # sorted set: the owner's job ids, scored by creation time
+ANONYMOUS = "anonymous"  # the owner of jobs submitted without an API key (no keys set, or straight into Redis)
+LIST_PAGE = 100  # job ids read per round trip when listing
 REDIS_ERRORS = (aioredis.ConnectionError, aioredis.TimeoutError, ConnectionError, OSError)
 REDIS_FULL = OutOfMemoryError  # Redis at its maxmemory (with noeviction, as a job store must be) refused a write
 MAX_BACKOFF_S = 30.0  # the longest a consumer waits before trying an unreachable Redis again
@@ -204,6 +207,7 @@ class JobOptions:
     priority: JobPriority = JobPriority.NORMAL  # workers take high before normal, normal before low
     multichannel: bool = False  # each channel of every item transcribed apart (models.conversation)
     skip_silence: bool = False  # long quiet stretches left out (models.silence)
+    owner: str = ANONYMOUS  # who may see the job (service.http.owner_of: a hash of the submitter's API key)
 
 
 @dataclass(frozen=True)
@@ -230,6 +234,7 @@ class Job:
     priority: JobPriority = JobPriority.NORMAL
     multichannel: bool = False
     skip_silence: bool = False
+    owner: str = ANONYMOUS
     webhook_url: str | None = None
     webhook_status: str | None = None  # pending | delivered | failed, when the job has a webhook
     webhook_attempts: int = 0
@@ -309,10 +314,10 @@ class JobStore:
     # --- submission --------------------------------------------------------------------------------------
 
     async def submit(self, items: list[ItemInput], idempotency_key: str | None = None,
-                     webhook_url: str | None = None, priority: JobPriority = JobPriority.NORMAL,
-                     multichannel: bool = False, skip_silence: bool = False) -> tuple[Job, bool]:
+                     options: JobOptions | None = None) -> tuple[Job, bool]:
         """Create a job and queue its items on its priority's stream; returns (job, created). A repeated
-        idempotency key returns the job the first request created."""
+        idempotency key (of the same owner) returns the job the first request created."""
+        options = options or JobOptions()
         if not items:
             raise JobInputError("a job needs at least one item")
         for item in items:
@@ -321,7 +326,10 @@ class JobStore:
                                     f"of {self.max_upload_bytes}")
         job_id = "job_" + secrets.token_urlsafe(18)  # random and unguessable
         await self.ensure_group()
-        key = IDEMPOTENCY_KEY.format(key=idempotency_key) if idempotency_key else None
+        key = None
+        if idempotency_key:  # one owner's key never names another's job
+            owned = idempotency_key if options.owner == ANONYMOUS else f"{options.owner}:{idempotency_key}"
+            key = IDEMPOTENCY_KEY.format(key=owned)
         async with self.redis.pipeline(transaction=True) as pipe:
             while True:
                 try:
@@ -334,7 +342,6 @@ class JobStore:
                     pipe.multi()
                     if key is not None:  # set with the job, in one transaction: never a key naming no job
                         pipe.set(key, job_id, ex=self.result_ttl_s)
-                    options = JobOptions(webhook_url, JobPriority(priority), multichannel, skip_silence)
                     self._queue_job(pipe, job_id, items, options)
                     await pipe.execute()
                     break
@@ -360,8 +367,10 @@ class JobStore:
                 record["path"] = item.path
             inputs[index] = json.dumps(record)
             states[index] = "queued"
+        created_at, kept_s = _now(), self.input_ttl_s + self.result_ttl_s
         pipe.hset(JOB_KEY.format(job_id=job_id), mapping={
-            "status": JobStatus.QUEUED.value, "created_at": _now(), "total": len(items), "n_queued": len(items),
+            "status": JobStatus.QUEUED.value, "created_at": created_at, "owner": options.owner, "total": len(items),
+            "n_queued": len(items),
             "n_in_progress": 0, "n_completed": 0, "n_failed": 0, "n_cancelled": 0, "audio_s": 0, "compute_s": 0,
             "webhook_url": options.webhook_url or "", "webhook_status": "pending" if options.webhook_url else "",
             "priority": options.priority.value, "multichannel": int(options.multichannel),
@@ -371,27 +380,55 @@ class JobStore:
         for index in range(len(items)):
             pipe.xadd(ITEM_STREAMS[options.priority], {"job": job_id, "index": index})
         for template in JOB_KEYS:
-            pipe.expire(template.format(job_id=job_id), self.input_ttl_s + self.result_ttl_s)
+            pipe.expire(template.format(job_id=job_id), kept_s)
+        # the owner's list: ids of jobs long expired are dropped here, those expired early (finished) when listed
+        owned = OWNER_JOBS_KEY.format(owner=options.owner)
+        pipe.zadd(owned, {job_id: float(created_at)})
+        pipe.zremrangebyscore(owned, 0, float(created_at) - kept_s)
+        pipe.expire(owned, kept_s)
 
     # --- reading -----------------------------------------------------------------------------------------
 
-    async def get(self, job_id: str) -> Job:
+    async def get(self, job_id: str, owner: str | None = None) -> Job:
+        """The job; ``JobNotFound`` if there is none, or (``owner`` given) it is another owner's."""
         raw = await self.redis.hgetall(JOB_KEY.format(job_id=job_id))
-        if not raw:
+        job = _job(job_id, raw) if raw else None
+        if job is None or (owner is not None and job.owner != owner):
             raise JobNotFound(job_id)
-        h = {k.decode(): v.decode() for k, v in raw.items()}
+        return job
 
-        def opt(name: str) -> float | None:
-            return float(h[name]) if h.get(name) else None
+    async def list_jobs(self, owner: str, limit: int = 20, after: str | None = None,
+                        status: JobStatus | None = None) -> tuple[list[Job], bool]:
+        """The owner's jobs, newest first: at most ``limit`` of them (of ``status`` only, when given), from the
+        one after job ``after`` (``JobNotFound`` if that is not in the list); and whether there are more."""
+        owned = OWNER_JOBS_KEY.format(owner=owner)
+        start = 0
+        if after is not None:
+            rank = await self.redis.zrevrank(owned, after)
+            if rank is None:
+                raise JobNotFound(after)
+            start = rank + 1
+        jobs: list[Job] = []
+        expired: list[bytes] = []
+        while len(jobs) <= limit:  # one more than asked for says whether there are more
+            ids = await self.redis.zrevrange(owned, start, start + LIST_PAGE - 1)
+            if not ids:
+                break
+            start += len(ids)
+            pipe = self.redis.pipeline(transaction=False)
+            for job_id in ids:
+                pipe.hgetall(JOB_KEY.format(job_id=job_id.decode()))
+            for job_id, raw in zip(ids, await pipe.execute(), strict=True):
+                if not raw:
+                    expired.append(job_id)
+                    continue
+                job = _job(job_id.decode(), raw)
+                if status is None or job.status == status:
+                    jobs.append(job)
+        if expired:
+            await self.redis.zrem(owned, *expired)
+        return jobs[:limit], len(jobs) > limit
 
-        return Job(id=job_id, status=JobStatus(h["status"]), total_items=int(h["total"]),
-                   counts={s: int(h.get(f"n_{s}", 0)) for s in ITEM_STATES}, created_at=float(h["created_at"]),
-                   started_at=opt("started_at"), finished_at=opt("finished_at"), audio_s=float(h["audio_s"]),
-                   compute_s=float(h["compute_s"]), priority=JobPriority(h.get("priority") or "normal"),
-                   multichannel=h.get("multichannel") == "1", skip_silence=h.get("skip_silence") == "1",
-                   webhook_url=h.get("webhook_url") or None,
-                   webhook_status=h.get("webhook_status") or None, webhook_attempts=int(h.get("webhook_attempts", 0)),
-                   webhook_error=h.get("webhook_error") or None)
 
     # --- webhook deliveries (used by service.webhook_worker) ---------------------------------------------------
 
@@ -580,6 +617,23 @@ class JobStore:
 
     async def close(self) -> None:
         await self.redis.aclose()
+
+
+def _job(job_id: str, raw: dict[bytes, bytes]) -> Job:
+    """A job from its hash."""
+    h = {k.decode(): v.decode() for k, v in raw.items()}
+
+    def opt(name: str) -> float | None:
+        return float(h[name]) if h.get(name) else None
+
+    return Job(id=job_id, status=JobStatus(h["status"]), total_items=int(h["total"]),
+               counts={s: int(h.get(f"n_{s}", 0)) for s in ITEM_STATES}, created_at=float(h["created_at"]),
+               started_at=opt("started_at"), finished_at=opt("finished_at"), audio_s=float(h["audio_s"]),
+               compute_s=float(h["compute_s"]), priority=JobPriority(h.get("priority") or "normal"),
+               multichannel=h.get("multichannel") == "1", skip_silence=h.get("skip_silence") == "1",
+               owner=h.get("owner") or ANONYMOUS, webhook_url=h.get("webhook_url") or None,
+               webhook_status=h.get("webhook_status") or None, webhook_attempts=int(h.get("webhook_attempts", 0)),
+               webhook_error=h.get("webhook_error") or None)
 
 
 def _workers_group(groups: list[dict[str, Any]] | Exception) -> dict[str, Any] | None:

@@ -18,7 +18,7 @@ import httpx
 from models.audio_io import find_audio_files
 
 from .config import Settings
-from .jobs import REDIS_ERRORS, REDIS_FULL, ItemInput, JobOptions, JobStore
+from .jobs import ANONYMOUS, REDIS_ERRORS, REDIS_FULL, ItemInput, JobNotFound, JobOptions, JobStatus, JobStore
 from .output_files import is_url
 
 log = logging.getLogger(__name__)
@@ -166,6 +166,15 @@ class _ServerClient:
         response.raise_for_status()
         return [json.loads(line) for line in response.text.splitlines() if line]
 
+    async def list_jobs(self, limit: int, after: str | None, status: str | None) -> tuple[list[dict[str, Any]], bool]:
+        params = {"limit": limit, **({"after": after} if after else {}), **({"status": status} if status else {})}
+        response = await self.http.get("/v1/jobs", params=params)
+        if response.is_client_error:
+            raise ValueError(response.json()["error"]["message"])
+        response.raise_for_status()
+        page = response.json()
+        return page["data"], page["has_more"]
+
     async def close(self) -> None:
         await self.http.aclose()
 
@@ -176,9 +185,7 @@ class _RedisClient:
 
     async def submit(self, inputs: list[Input], idempotency_key: str | None, options: JobOptions) -> dict[str, Any]:
         # the workers check the webhook URL against their own settings when they post (and record a refusal)
-        job, _ = await self.store.submit([item_input(source) for source in inputs], idempotency_key,
-                                         options.webhook_url, options.priority, options.multichannel,
-                                         options.skip_silence)
+        job, _ = await self.store.submit([item_input(source) for source in inputs], idempotency_key, options)
         return job.to_dict()
 
     async def get(self, job_id: str) -> dict[str, Any]:
@@ -186,6 +193,13 @@ class _RedisClient:
 
     async def results(self, job_id: str) -> list[dict[str, Any]]:
         return await self.store.results(job_id)
+
+    async def list_jobs(self, limit: int, after: str | None, status: str | None) -> tuple[list[dict[str, Any]], bool]:
+        try:  # straight from Redis: the jobs submitted without an API key
+            jobs, more = await self.store.list_jobs(ANONYMOUS, limit, after, JobStatus(status) if status else None)
+        except JobNotFound as exc:
+            raise ValueError(f"no job {after} in the list") from exc
+        return [job.to_dict() for job in jobs], more
 
     async def close(self) -> None:
         await self.store.close()
@@ -246,3 +260,50 @@ def _overall(jobs: list[dict[str, Any]]) -> dict[str, Any]:
     """The jobs' progress as one job's, for the progress bar."""
     counts = {state: sum(job["counts"][state] for job in jobs) for state in ("completed", "failed", "cancelled")}
     return {"total_items": sum(job["total_items"] for job in jobs), "counts": counts}
+
+
+# --- list ---------------------------------------------------------------------------------------------------
+
+LIST_PAGE = 100
+
+
+async def run_list(redis_url: str | None, server: str | None, api_key: str | None, limit: int, status: str | None,
+                   as_json: bool, output: TextIO) -> int:
+    """The newest ``limit`` jobs (the API key's, through a server; those submitted without a key, through Redis),
+    as a table or JSON lines."""
+    client = _ServerClient(server, api_key) if server else _RedisClient(redis_url or "")
+    jobs: list[dict[str, Any]] = []
+    try:
+        more, after = True, None
+        while more and len(jobs) < limit:
+            page, more = await client.list_jobs(min(LIST_PAGE, limit - len(jobs)), after, status)
+            jobs += page
+            after = page[-1]["id"] if page else None
+            more = more and after is not None
+    except (httpx.HTTPError, *REDIS_ERRORS) as exc:
+        print(f"error: cannot reach {'the server' if server else 'Redis'}: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        await client.close()
+    if as_json:
+        output.writelines(json.dumps(job) + "\n" for job in jobs)
+    else:
+        output.write(format_jobs(jobs))
+    return 0
+
+
+def format_jobs(jobs: list[dict[str, Any]]) -> str:
+    """A table: id, status, priority, items done of total, failed, created (UTC), audio seconds, RTFx."""
+    rows = [("ID", "STATUS", "PRIORITY", "DONE", "FAILED", "CREATED (UTC)", "AUDIO_S", "RTFX")]
+    for job in jobs:
+        counts = job["counts"]
+        done = counts["completed"] + counts["failed"] + counts["cancelled"]
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(job["created_at"]))
+        rows.append((job["id"], job["status"], job["priority"], f"{done}/{job['total_items']}", str(counts["failed"]),
+                     created, f"{job['audio_s']:.1f}", f"{job['rtfx']:.1f}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() + "\n"
+                   for row in rows)

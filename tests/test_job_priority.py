@@ -14,7 +14,7 @@ import pytest
 
 from models import load_model
 from service.config import Settings
-from service.jobs import GROUP, ITEM_STREAM, ITEM_STREAMS, ItemInput, JobPriority, JobStore
+from service.jobs import GROUP, ITEM_STREAM, ITEM_STREAMS, ItemInput, JobOptions, JobPriority, JobStore
 from service.runtime import build_stack
 from tests.servers import drain_jobs, run_server
 
@@ -36,7 +36,7 @@ def test_higher_priorities_are_taken_first_whatever_the_order_submitted(redis_se
 
     async def body(store: JobStore) -> None:
         for priority in (JobPriority.LOW, JobPriority.NORMAL, JobPriority.HIGH):
-            jobs[priority], _ = await store.submit(_uploads(parity_audio, 6), priority=priority)
+            jobs[priority], _ = await store.submit(_uploads(parity_audio, 6), options=JobOptions(priority=priority))
 
     settings = Settings(redis_url=redis_server.url, job_prefetch=2, max_batch_size=2, max_wait_ms=1)
     asyncio.run(drain_jobs(settings, model, body))
@@ -63,7 +63,7 @@ def test_each_priority_has_its_stream_and_all_count_in_the_lag(redis_server, par
     async def scenario() -> None:
         store = JobStore.from_url(redis_server.url)
         for priority, n in ((JobPriority.HIGH, 2), (JobPriority.NORMAL, 3), (JobPriority.LOW, 4)):
-            await store.submit(_uploads(parity_audio, n), priority=priority)
+            await store.submit(_uploads(parity_audio, n), options=JobOptions(priority=priority))
         assert [await store.redis.xlen(ITEM_STREAMS[p]) for p in JobPriority] == [2, 3, 4]
         assert ITEM_STREAMS[JobPriority.NORMAL] == ITEM_STREAM  # jobs queued before priorities existed
         assert await store.stream_lag() == 9
@@ -90,7 +90,8 @@ def test_a_stalled_delivery_is_reclaimed_on_its_own_stream(redis_server, model, 
         stack = build_stack(settings, model)
         assert await asyncio.to_thread(stack.engine.wait_ready, 30)
         try:
-            state["job"], _ = await stack.jobs.submit(_uploads(parity_audio, 3), priority=JobPriority.HIGH)
+            state["job"], _ = await stack.jobs.submit(_uploads(parity_audio, 3),
+                                                        options=JobOptions(priority=JobPriority.HIGH))
             assert len(await stack.jobs.read_items("dead-worker", 3, block_ms=0)) == 3  # never acknowledged
             await asyncio.sleep(1.2)
             await stack.make_consumer().drain()

@@ -31,6 +31,7 @@ from service.jobs import (
     ItemInput,
     Job,
     JobInputError,
+    JobOptions,
     JobStore,
     item_record,
 )
@@ -387,7 +388,7 @@ def test_cancelling_a_large_job_spares_the_item_in_progress(redis_server):
 
     async def scenario() -> None:
         store = JobStore.from_url(redis_server.url)
-        job, _ = await store.submit(items, webhook_url="https://hooks.example.com/x")
+        job, _ = await store.submit(items, options=JobOptions(webhook_url="https://hooks.example.com/x"))
         await store.start_item(job.id, 1234)
         cancelled = await store.cancel(job.id)  # across three pages of items
         assert cancelled.status.value == "in_progress"

@@ -21,7 +21,7 @@ import pytest
 
 from models import load_model
 from service.config import Settings
-from service.jobs import GROUP, ITEM_STREAM, WEBHOOK_STREAM, ItemInput, Job, JobStatus, JobStore
+from service.jobs import GROUP, ITEM_STREAM, WEBHOOK_STREAM, ItemInput, Job, JobOptions, JobStatus, JobStore
 from service.metrics import Metrics
 from service.url_rules import NoPublicAddress, PublicAddressResolver, UrlRefused
 from service.webhook_worker import WebhookWorker
@@ -228,7 +228,7 @@ def test_each_delivery_outcome_is_recorded_on_the_job(redis_server, model, parit
 
     async def submit(store: JobStore) -> None:
         item = ItemInput(audio="a.wav", upload=Path(parity_audio[0]).read_bytes())
-        jobs.append((await store.submit([item], webhook_url=hook.url()))[0])
+        jobs.append((await store.submit([item], options=JobOptions(webhook_url=hook.url())))[0])
 
     asyncio.run(drain_jobs(settings, model, submit))  # stopping waits for deliveries in progress
     job = asyncio.run(JobStore.from_url(redis_server.url).get(jobs[0].id))
@@ -242,7 +242,7 @@ def test_a_worker_that_cannot_sign_records_why_no_webhook_came(redis_server, mod
 
     async def submit(store: JobStore) -> None:  # straight to Redis: the API would have refused it
         jobs.append((await store.submit([ItemInput(audio="a.wav", upload=Path(parity_audio[0]).read_bytes())],
-                                        webhook_url="https://hooks.example.com/x"))[0])
+                                        options=JobOptions(webhook_url="https://hooks.example.com/x")))[0])
 
     asyncio.run(drain_jobs(Settings(redis_url=redis_server.url), model, submit))
     job = asyncio.run(JobStore.from_url(redis_server.url).get(jobs[0].id))
@@ -273,7 +273,7 @@ def test_submit_cli_asks_for_a_webhook(redis_server, model, parity_audio, receiv
 
 async def _finished_job_with_webhook(store: JobStore, url: str) -> str:
     """A job ended by cancelling its one queued item: the script that ends it queues the webhook."""
-    job, _ = await store.submit([ItemInput(audio="a.wav", upload=b"RIFF")], webhook_url=url)
+    job, _ = await store.submit([ItemInput(audio="a.wav", upload=b"RIFF")], options=JobOptions(webhook_url=url))
     await store.cancel(job.id)
     return job.id
 

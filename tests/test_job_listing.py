@@ -1,0 +1,136 @@
+"""`GET /v1/jobs`: each API key's own jobs, newest first, a page at a time; one key cannot see, read or cancel
+another's jobs. Against a real redis-server and a real server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from models import load_model
+from service.config import Settings
+from service.http import owner_of
+from service.jobs import JOB_KEY, OWNER_JOBS_KEY, ItemInput, JobStore
+from tests.servers import run_server
+
+KEYS = ("key-of-team-a", "key-of-team-b")
+
+
+@pytest.fixture(scope="module")
+def model(parity_dir):
+    return load_model(parity_dir / "tdt.nemo", device="cpu", dtype="float32")
+
+
+def _auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def _submit(url: str, key: str | None, audio: bytes, **headers: str) -> dict:
+    response = httpx.post(f"{url}/v1/jobs", files=[("files", ("a.wav", audio, "audio/wav"))],
+                          headers={**(_auth(key) if key else {}), **headers}, timeout=60)
+    assert response.status_code in (200, 202), response.text
+    return response.json()
+
+
+def _list(url: str, key: str | None, **params) -> httpx.Response:
+    return httpx.get(f"{url}/v1/jobs", params=params, headers=_auth(key) if key else {}, timeout=30)
+
+
+def _wait_finished(url: str, key: str, job_ids: list[str]) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if all(httpx.get(f"{url}/v1/jobs/{j}", headers=_auth(key)).json()["finished_at"] for j in job_ids):
+            return
+        time.sleep(0.1)
+    raise AssertionError("the jobs did not finish")
+
+
+def test_each_key_lists_and_reaches_only_its_own_jobs(redis_server, model, parity_audio):
+    audio = Path(parity_audio[0]).read_bytes()
+    with run_server(Settings(redis_url=redis_server.url, api_keys=list(KEYS)), model) as running:
+        url = running.url
+        a_jobs = [_submit(url, KEYS[0], audio)["id"] for _ in range(5)]
+        b_job = _submit(url, KEYS[1], audio)["id"]
+        listed = _list(url, KEYS[0]).json()
+        assert listed["object"] == "list" and listed["has_more"] is False
+        assert [j["id"] for j in listed["data"]] == a_jobs[::-1]  # newest first
+        assert (listed["first_id"], listed["last_id"]) == (a_jobs[-1], a_jobs[0])
+        assert [j["id"] for j in _list(url, KEYS[1]).json()["data"]] == [b_job]
+        # another key's job is not there for it: not to read, not for its results, not to cancel
+        for method, path in (("GET", ""), ("GET", "/results"), ("DELETE", "")):
+            response = httpx.request(method, f"{url}/v1/jobs/{a_jobs[0]}{path}", headers=_auth(KEYS[1]))
+            assert response.status_code == 404 and response.json()["error"]["code"] == "job_not_found"
+        assert httpx.get(f"{url}/v1/jobs/{a_jobs[0]}", headers=_auth(KEYS[0])).status_code == 200
+        assert _list(url, None).status_code == 401
+        # pages: `after` the last id of one page gives the next
+        first = _list(url, KEYS[0], limit=2).json()
+        second = _list(url, KEYS[0], limit=2, after=first["last_id"]).json()
+        third = _list(url, KEYS[0], limit=2, after=second["last_id"]).json()
+        assert first["has_more"] and second["has_more"] and not third["has_more"]
+        assert [j["id"] for page in (first, second, third) for j in page["data"]] == a_jobs[::-1]
+        # by status, once the worker has done them all
+        _wait_finished(url, KEYS[0], a_jobs)
+        assert len(_list(url, KEYS[0], status="completed").json()["data"]) == 5
+        assert _list(url, KEYS[0], status="queued").json()["data"] == []
+        # the command line: a table, or JSON lines, paged through
+        command = [sys.executable, "-m", "service.cli", "jobs", "--server", url, "--api-key", KEYS[0]]
+        table = subprocess.run([*command, "--limit", "3"], capture_output=True, text=True, timeout=60)
+        assert table.returncode == 0, table.stderr
+        header, *rows = table.stdout.splitlines()
+        assert header.split()[:3] == ["ID", "STATUS", "PRIORITY"]
+        assert [row.split()[:4] for row in rows] == [[j, "completed", "normal", "1/1"] for j in a_jobs[:-4:-1]]
+        lines = subprocess.run([*command, "--json", "--limit", "150"], capture_output=True, text=True, timeout=60)
+        assert [json.loads(line)["id"] for line in lines.stdout.splitlines()] == a_jobs[::-1]
+        # one idempotency key, two owners: two jobs
+        again_a = _submit(url, KEYS[0], audio, **{"Idempotency-Key": "nightly-batch"})
+        again_b = _submit(url, KEYS[1], audio, **{"Idempotency-Key": "nightly-batch"})
+        assert again_a["id"] != again_b["id"]
+        assert _submit(url, KEYS[1], audio, **{"Idempotency-Key": "nightly-batch"})["id"] == again_b["id"]
+        # what the list refuses
+        for params, param in (({"limit": 0}, "limit"), ({"limit": 101}, "limit"), ({"status": "sleeping"}, "status"),
+                              ({"after": "job_nothing"}, "after"), ({"after": b_job}, "after")):
+            response = _list(url, KEYS[0], **params)
+            assert response.status_code == 400, (params, response.text)
+            assert param in (response.json()["error"]["param"] or response.json()["error"]["message"])
+    # jobs are kept under a hash of the key: Redis never holds a key itself
+    client = redis.Redis.from_url(redis_server.url)
+    assert client.zcard(OWNER_JOBS_KEY.format(owner=owner_of(KEYS[0]))) == 6
+    assert not [k for k in client.keys("*") if any(key.encode() in k for key in KEYS)]
+    job = client.hgetall(JOB_KEY.format(job_id=a_jobs[0]))
+    assert job[b"owner"] == owner_of(KEYS[0]).encode() and not any(KEYS[0].encode() in v for v in job.values())
+
+
+def test_without_keys_every_client_is_one_owner_and_expired_jobs_leave_the_list(redis_server, model, parity_audio):
+    audio = Path(parity_audio[0]).read_bytes()
+    with run_server(Settings(redis_url=redis_server.url), model) as running:
+        jobs = [_submit(running.url, None, audio)["id"] for _ in range(3)]
+        straight, _ = asyncio.run(JobStore.from_url(redis_server.url).submit([ItemInput(audio="b.wav",
+                                                                                        upload=audio)]))
+        listed = _list(running.url, None).json()
+        assert [j["id"] for j in listed["data"]] == [straight.id, *jobs[::-1]]  # `batchasr submit --redis-url` too
+        client = redis.Redis.from_url(redis_server.url)
+        client.delete(JOB_KEY.format(job_id=jobs[1]))  # as if it had expired
+        assert [j["id"] for j in _list(running.url, None).json()["data"]] == [straight.id, jobs[2], jobs[0]]
+        owned = OWNER_JOBS_KEY.format(owner="anonymous")
+        assert client.zscore(owned, jobs[1]) is None  # pruned as it was listed
+        assert client.ttl(owned) > 0
+        listed = subprocess.run([sys.executable, "-m", "service.cli", "jobs", "--redis-url", redis_server.url,
+                                 "--json"], capture_output=True, text=True, timeout=60)
+        assert [json.loads(line)["id"] for line in listed.stdout.splitlines()] == [straight.id, jobs[2], jobs[0]]
+
+
+def test_listing_while_redis_is_down_is_a_503(tmp_path, model):
+    from tests.redis_server import RedisServer
+
+    server = RedisServer(tmp_path).start()
+    with run_server(Settings(redis_url=server.url), model) as running:
+        server.stop()
+        response = _list(running.url, None)
+        assert response.status_code == 503 and response.json()["error"]["code"] == "redis_unavailable"
