@@ -218,9 +218,13 @@ def _line(record: dict[str, Any]) -> bytes:
 
 
 @router.delete("/{job_id}")
-async def cancel_job(job_id: str, request: Request, service: ServiceDep) -> dict[str, Any]:
-    """Cancel: items not started are dropped; items in progress finish."""
+async def cancel_job(job_id: str, request: Request, service: ServiceDep, purge: bool = False) -> dict[str, Any]:
+    """Cancel: items not started are dropped; items in progress finish. With `purge=true`, delete the job now:
+    its records, results and uploaded audio (items in progress finish, and their results are dropped)."""
     store = _store(service)
+    if purge:
+        await _from_store(job_id, store.delete(job_id, request_owner(request)))
+        return {"id": job_id, "object": "transcription.job.deleted", "deleted": True}
     await _from_store(job_id, store.get(job_id, request_owner(request)))
     return (await _from_store(job_id, store.cancel(job_id))).to_dict()
 

@@ -88,14 +88,24 @@ class JobInputError(ValueError):
 
 # --- atomic item transitions ---------------------------------------------------------------------------------
 
+# Keys written after submission (attempts, errors, results) expire with the job: an EXPIRE at submission does
+# nothing to a key that does not exist yet, and a job that never finished would leave them behind for ever.
+_EXPIRE_WITH_JOB = """
+local function expire_with_job(job_key, key)
+  local ttl = redis.call('PTTL', job_key)
+  if ttl > 0 then redis.call('PEXPIRE', key, ttl) end
+end
+"""
+
 # KEYS: job, states, attempts, inputs, upload. ARGV: index, now.
 # Returns {state, attempts[, input JSON, upload]}: the caller processes the item only if state is "in_progress",
 # and then gets its input in the same round trip (a missing one comes back as nil).
-_START_ITEM = """
+_START_ITEM = _EXPIRE_WITH_JOB + """
 local state = redis.call('HGET', KEYS[2], ARGV[1])
 if state == false then return {'missing', 0} end
 if state == 'completed' or state == 'failed' or state == 'cancelled' then return {state, 0} end
 local attempts = redis.call('HINCRBY', KEYS[3], ARGV[1], 1)
+expire_with_job(KEYS[1], KEYS[3])
 if state == 'queued' then
   redis.call('HSET', KEYS[2], ARGV[1], 'in_progress')
   redis.call('HINCRBY', KEYS[1], 'n_queued', -1)
@@ -127,15 +137,20 @@ end
 """
 
 # KEYS: job, states, results, errors, webhook stream. ARGV: index, final state, result JSON, error, now, audio_s,
-# compute_s, job id. Writes the result only if none exists; returns 0 (already finished), 1 (finished), 2 (finished
-# the job).
-_FINISH_ITEM = _END_JOB_IF_DONE + """
+# compute_s, job id. Writes the result only if none exists, and only while the job does (not once it has expired
+# or been deleted); returns 0 (already finished, or no job), 1 (finished), 2 (finished the job).
+_FINISH_ITEM = _END_JOB_IF_DONE + _EXPIRE_WITH_JOB + """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 if redis.call('HSETNX', KEYS[3], ARGV[1], ARGV[3]) == 0 then return 0 end
+expire_with_job(KEYS[1], KEYS[3])
 local previous = redis.call('HGET', KEYS[2], ARGV[1])
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
 redis.call('HINCRBY', KEYS[1], 'n_' .. previous, -1)
 redis.call('HINCRBY', KEYS[1], 'n_' .. ARGV[2], 1)
-if ARGV[4] ~= '' then redis.call('HSET', KEYS[4], ARGV[1], ARGV[4]) end
+if ARGV[4] ~= '' then
+  redis.call('HSET', KEYS[4], ARGV[1], ARGV[4])
+  expire_with_job(KEYS[1], KEYS[4])
+end
 redis.call('HINCRBYFLOAT', KEYS[1], 'audio_s', ARGV[6])
 redis.call('HINCRBYFLOAT', KEYS[1], 'compute_s', ARGV[7])
 return end_job_if_done(KEYS[1], KEYS[5], ARGV[5], ARGV[8])
@@ -170,6 +185,14 @@ return end_job_if_done(KEYS[1], KEYS[5], ARGV[1], ARGV[2])
 _HSET_IF_EXISTS = """
 if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], unpack(ARGV)) return 1 end
 return 0
+"""
+
+# KEYS: job, errors. ARGV: index, error. An item's last error, kept while the job is, and as long.
+_RECORD_ERROR = _EXPIRE_WITH_JOB + """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+expire_with_job(KEYS[1], KEYS[2])
+return 1
 """
 
 
@@ -290,6 +313,7 @@ class JobStore:
         self._finish = client.register_script(_FINISH_ITEM)
         self._update_existing = client.register_script(_HSET_IF_EXISTS)
         self._cancel_queued = client.register_script(_CANCEL_QUEUED)
+        self._record_error = client.register_script(_RECORD_ERROR)
 
     @classmethod
     def from_url(cls, url: str, max_connections: int = 128, **kwargs: Any) -> JobStore:
@@ -336,20 +360,22 @@ class JobStore:
                     if key is not None:
                         await pipe.watch(key)
                         existing = await pipe.get(key)
-                        if existing is not None:
+                        job = await self._get_or_none(existing.decode()) if existing is not None else None
+                        if job is not None:
                             await pipe.reset()
-                            return await self.get(existing.decode()), False
+                            return job, False
                     pipe.multi()
-                    if key is not None:  # set with the job, in one transaction: never a key naming no job
+                    if key is not None:  # set with the job, in one transaction (over a key whose job is gone)
                         pipe.set(key, job_id, ex=self.result_ttl_s)
-                    self._queue_job(pipe, job_id, items, options)
+                    self._queue_job(pipe, job_id, items, options, key)
                     await pipe.execute()
                     break
                 except aioredis.WatchError:  # another request with this key got there first: take its job
                     continue
         return await self.get(job_id), True
 
-    def _queue_job(self, pipe: Any, job_id: str, items: list[ItemInput], options: JobOptions) -> None:
+    def _queue_job(self, pipe: Any, job_id: str, items: list[ItemInput], options: JobOptions,
+                   idempotency_key: str | None) -> None:
         """The writes that create a job and queue its items, added to ``pipe`` (a transaction)."""
         inputs, states = {}, {}
         for index, item in enumerate(items):
@@ -370,7 +396,7 @@ class JobStore:
         created_at, kept_s = _now(), self.input_ttl_s + self.result_ttl_s
         pipe.hset(JOB_KEY.format(job_id=job_id), mapping={
             "status": JobStatus.QUEUED.value, "created_at": created_at, "owner": options.owner, "total": len(items),
-            "n_queued": len(items),
+            "idempotency_key": idempotency_key or "", "n_queued": len(items),
             "n_in_progress": 0, "n_completed": 0, "n_failed": 0, "n_cancelled": 0, "audio_s": 0, "compute_s": 0,
             "webhook_url": options.webhook_url or "", "webhook_status": "pending" if options.webhook_url else "",
             "priority": options.priority.value, "multichannel": int(options.multichannel),
@@ -391,11 +417,14 @@ class JobStore:
 
     async def get(self, job_id: str, owner: str | None = None) -> Job:
         """The job; ``JobNotFound`` if there is none, or (``owner`` given) it is another owner's."""
-        raw = await self.redis.hgetall(JOB_KEY.format(job_id=job_id))
-        job = _job(job_id, raw) if raw else None
+        job = await self._get_or_none(job_id)
         if job is None or (owner is not None and job.owner != owner):
             raise JobNotFound(job_id)
         return job
+
+    async def _get_or_none(self, job_id: str) -> Job | None:
+        raw = await self.redis.hgetall(JOB_KEY.format(job_id=job_id))
+        return _job(job_id, raw) if raw else None
 
     async def list_jobs(self, owner: str, limit: int = 20, after: str | None = None,
                         status: JobStatus | None = None) -> tuple[list[Job], bool]:
@@ -524,7 +553,8 @@ class JobStore:
         return outcome
 
     async def record_error(self, job_id: str, index: int, error: str) -> None:
-        await self.redis.hset(ERRORS_KEY.format(job_id=job_id), index, error)
+        await self._record_error(keys=[JOB_KEY.format(job_id=job_id), ERRORS_KEY.format(job_id=job_id)],
+                                 args=[index, error])
 
     async def last_error(self, job_id: str, index: int) -> str | None:
         raw = await self.redis.hget(ERRORS_KEY.format(job_id=job_id), index)
@@ -567,6 +597,23 @@ class JobStore:
         if ended:
             await self._expire_finished(job_id)
         return await self.get(job_id)
+
+    async def delete(self, job_id: str, owner: str | None = None) -> None:
+        """Everything of the job, at once: its records and results, its uploaded audio, its place in its owner's
+        list and its idempotency key (``JobNotFound`` as ``get``). Items not started never start; an item in
+        progress finishes, and its result is dropped (``finish_item`` writes nothing for a job that is gone)."""
+        job = await self.get(job_id, owner)
+        job_key = JOB_KEY.format(job_id=job_id)
+        idempotency_key = await self.redis.hget(job_key, "idempotency_key")
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.delete(*(template.format(job_id=job_id) for template in JOB_KEYS))
+        for first in range(0, job.total_items, RESULTS_PAGE):
+            last = min(first + RESULTS_PAGE, job.total_items)
+            pipe.delete(*(UPLOAD_KEY.format(job_id=job_id, index=i) for i in range(first, last)))
+        if idempotency_key:
+            pipe.delete(idempotency_key)
+        pipe.zrem(OWNER_JOBS_KEY.format(owner=job.owner), job_id)
+        await pipe.execute()
 
     async def trim_acknowledged(self) -> None:
         """Drop the item and webhook streams' entries before the oldest one the workers have not acknowledged.

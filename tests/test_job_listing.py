@@ -134,3 +134,63 @@ def test_listing_while_redis_is_down_is_a_503(tmp_path, model):
         server.stop()
         response = _list(running.url, None)
         assert response.status_code == 503 and response.json()["error"]["code"] == "redis_unavailable"
+
+
+# --- deleting a job ------------------------------------------------------------------------------------------------
+
+
+def test_purge_deletes_everything_of_a_job_at_once(redis_server, model, parity_audio):
+    """`DELETE /v1/jobs/{id}?purge=true` (a caller's data deleted on request): nothing of the job is left in Redis,
+    its idempotency key is free again, and another key cannot purge it."""
+    audio = Path(parity_audio[0]).read_bytes()
+    client = redis.Redis.from_url(redis_server.url)
+    with run_server(Settings(redis_url=redis_server.url, api_keys=list(KEYS)), model) as running:
+        url = running.url
+        job = _submit(url, KEYS[0], audio, **{"Idempotency-Key": "call-1234"})
+        _wait_finished(url, KEYS[0], [job["id"]])
+        assert client.keys(f"*{job['id']}*")
+        refused = httpx.delete(f"{url}/v1/jobs/{job['id']}", params={"purge": "true"}, headers=_auth(KEYS[1]))
+        assert refused.status_code == 404
+        deleted = httpx.delete(f"{url}/v1/jobs/{job['id']}", params={"purge": "true"}, headers=_auth(KEYS[0]))
+        assert deleted.status_code == 200
+        assert deleted.json() == {"id": job["id"], "object": "transcription.job.deleted", "deleted": True}
+        assert not client.keys(f"*{job['id']}*")
+        assert httpx.get(f"{url}/v1/jobs/{job['id']}", headers=_auth(KEYS[0])).status_code == 404
+        assert _list(url, KEYS[0]).json()["data"] == []
+        assert _submit(url, KEYS[0], audio, **{"Idempotency-Key": "call-1234"})["id"] != job["id"]
+
+
+def test_an_item_in_progress_when_its_job_is_deleted_leaves_nothing_behind(redis_server):
+    store = JobStore.from_url(redis_server.url)
+    client = redis.Redis.from_url(redis_server.url)
+
+    async def run() -> tuple[int, str, str]:
+        job, _ = await store.submit([ItemInput(audio=f"{i}.wav", upload=b"RIFF") for i in range(3)])
+        await store.start_item(job.id, 0)  # a worker has it
+        await store.delete(job.id)
+        await store.record_error(job.id, 0, "decoder fell over")  # the worker, late
+        outcome = await store.finish_item(job.id, 0, "completed", {"text": "hello"}, audio_s=1.0, compute_s=0.1)
+        return outcome, (await store.start_item(job.id, 1)).state, job.id
+
+    outcome, later_state, job_id = asyncio.run(run())
+    assert outcome == 0 and later_state == "missing"
+    assert not client.keys(f"*{job_id}*")
+
+
+def test_keys_written_after_submission_expire_with_their_job(redis_server):
+    """Attempts, errors and results are written as items run; each expires with its job, even a job that never
+    finishes."""
+    store = JobStore.from_url(redis_server.url, input_ttl_s=600, result_ttl_s=600)
+    client = redis.Redis.from_url(redis_server.url)
+
+    async def run() -> str:
+        job, _ = await store.submit([ItemInput(audio=f"{i}.wav", upload=b"RIFF") for i in range(2)])
+        await store.start_item(job.id, 0)
+        await store.record_error(job.id, 0, "a first try failed")
+        await store.finish_item(job.id, 0, "failed", {"error": "no"}, error="no")
+        return job.id
+
+    job_id = asyncio.run(run())
+    for template in ("batchasr:job:{job_id}:attempts", "batchasr:job:{job_id}:errors",
+                     "batchasr:job:{job_id}:results"):
+        assert 0 < client.ttl(template.format(job_id=job_id)) <= 1200, template
