@@ -5,7 +5,9 @@
 
 Users:
 - ``TranscribeUser``: short and long files on both routes (``/v1/audio/transcriptions``, also streamed, and
-  ``/v1/transcribe``); every response is checked (status, JSON shape, reported duration; a stream's events).
+  ``/v1/transcribe``), and stereo calls (two clips, one a channel, with the quiet between skipped) to
+  ``/v1/transcribe?multichannel=true&skip_silence=true``; every response is checked (status, JSON shape, reported
+  duration; a stream's events; a call's two channels and utterances in time order).
 - ``JobsUser``: submits a job of several files (sometimes twice with one ``Idempotency-Key``), polls it to a
   final status, fetches its NDJSON results and checks one row per item in submission order. The job's
   end-to-end time is reported as request type ``JOB``.
@@ -38,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import numpy as np
 from locust import HttpUser, between, events, task
 from locust.exception import StopUser
 
@@ -48,6 +51,7 @@ AUDIO_SUFFIXES = {".wav": "audio/wav", ".flac": "audio/flac", ".ogg": "audio/ogg
 LONG_S = float(os.environ.get("LOADTEST_LONG_S", "15"))
 LONG_SHARE = float(os.environ.get("LOADTEST_LONG_SHARE", "0.2"))
 JOINED_LONG_S = 45.0  # longer than the service's 30 s segments, so long clips exercise the split and stitch
+CALL_PAUSE_S = 2.5  # the quiet between a call's two turns: long enough to be skipped
 JOB_ITEMS = int(os.environ.get("LOADTEST_JOB_ITEMS", "4"))
 JOB_TIMEOUT_S = float(os.environ.get("LOADTEST_JOB_TIMEOUT_S", "300"))
 JOB_POLL_S = 0.5
@@ -128,6 +132,39 @@ def _join_wavs(clips: list[Clip], target_s: float, name: str) -> Clip | None:
         w.setparams(params)
         w.writeframes(b"".join(frames))
     return Clip(name, out.getvalue(), "audio/wav", _wav_duration_s(out.getvalue()))
+
+
+def _stereo_call(first: Clip, second: Clip, name: str) -> Clip | None:
+    """Two 16-bit mono WAVs of one rate as a stereo call: the first speaker on the left, then, after
+    ``CALL_PAUSE_S``, the second on the right."""
+    turns = []
+    for clip in (first, second):
+        with wave.open(io.BytesIO(clip.data)) as w:
+            if w.getnchannels() != 1 or w.getsampwidth() != 2:
+                return None
+            turns.append((w.getframerate(), np.frombuffer(w.readframes(w.getnframes()), dtype="<i2")))
+    (rate, left), (second_rate, right) = turns
+    if rate != second_rate:
+        return None
+    start = len(left) + int(CALL_PAUSE_S * rate)
+    call = np.zeros((start + len(right), 2), dtype="<i2")
+    call[: len(left), 0], call[start:, 1] = left, right
+    out = io.BytesIO()
+    with wave.open(out, "wb") as w:
+        w.setnchannels(2)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(call.tobytes())
+    return Clip(name, out.getvalue(), "audio/wav", _wav_duration_s(out.getvalue()))
+
+
+@functools.cache
+def call_pool() -> list[Clip]:
+    """Stereo calls made of the short clips (none if they are not 16-bit mono WAV)."""
+    short, _ = audio_pool()
+    pairs = [(a, b) for a in short for b in short if a is not b][:8]
+    calls = [_stereo_call(a, b, f"call{i}.wav") for i, (a, b) in enumerate(pairs)]
+    return [c for c in calls if c is not None]
 
 
 def load_audio() -> list[Clip]:
@@ -301,6 +338,24 @@ class TranscribeUser(_LoopbackUser):
             body = _json_or_fail(r, 200, {"text", "tokens", "words", "duration_s", "queue_s", "compute_s", "rtfx"})
             if body is not None:
                 _check_duration(r, body, "duration_s", clip)
+
+
+    @task
+    def stereo_call(self) -> None:
+        calls = call_pool()
+        if not calls:
+            return
+        clip = random.choice(calls)
+        with self.client.post("/v1/transcribe?multichannel=true&skip_silence=true", data=clip.data,
+                              headers={"Content-Type": clip.content_type}, name="/v1/transcribe [call]",
+                              catch_response=True) as r:
+            body = _json_or_fail(r, 200, {"text", "utterances", "channels", "words", "duration_s"})
+            if body is None:
+                return
+            _check_duration(r, body, "duration_s", clip)
+            starts = [u["start"] for u in body["utterances"]]
+            if len(body["channels"]) != 2 or starts != sorted(starts):
+                r.failure(f"expected 2 channels and utterances in time order: {json.dumps(body)[:200]}")
 
 
 class JobsUser(_LoopbackUser):

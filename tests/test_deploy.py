@@ -392,6 +392,7 @@ users = {name: [t.__name__ for t in cls.tasks] for name, cls in vars(module).ite
          if isinstance(cls, type) and issubclass(cls, HttpUser) and not cls.__dict__.get("abstract")}
 short, long = module.audio_pool()
 print(json.dumps({"users": users, "short": len(short), "long": [c.duration_s for c in long],
+                  "calls": [c.duration_s for c in module.call_pool()],
                   "loopback": [module.is_loopback(u) for u in sys.argv[2:]]}))
 """
 
@@ -415,9 +416,10 @@ def test_locustfile_defines_http_and_jobs_users(tmp_path):
     assert result.returncode == 0, result.stderr
     probe = json.loads(result.stdout.strip().splitlines()[-1])
     assert probe["users"] == {"TranscribeUser": ["openai_transcriptions", "streamed_transcription",
-                                                 "native_transcribe"],
+                                                 "native_transcribe", "stereo_call"],
                               "JobsUser": ["bulk_job"]}
     assert probe["short"] == 2 and probe["long"] and min(probe["long"]) >= 30  # joined from the short clips
+    assert sorted(probe["calls"]) == [1.0 + 2.5 + 2.0] * 2  # one clip a side, 2.5 s apart
     assert probe["loopback"] == [True, True, True, False, False]
 
 

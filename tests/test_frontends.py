@@ -121,6 +121,25 @@ def test_a_long_stream_through_a_front_end_says_what_one_request_does(server, pa
     assert "".join(d["delta"] for d in deltas) == done["text"] == whole["text"]
 
 
+def test_a_stereo_call_through_a_front_end_is_transcribed_apart_with_its_quiet_skipped(server, parity_dir,
+                                                                                     parity_audio):
+    """Multichannel and skip_silence through a front end: each channel as the model here reads it."""
+    model = load_model(parity_dir / MODEL, device="cpu", dtype="float32")
+    clips = [sf.read(p, dtype="float32")[0] for p in parity_audio[:2]]
+    call = np.zeros((2, int(12 * 16000)), np.float32)
+    call[0, : len(clips[0])] = clips[0]
+    call[1, 8 * 16000 : 8 * 16000 + len(clips[1])] = clips[1]  # the second speaker after 8 s of quiet
+    buffer = io.BytesIO()
+    sf.write(buffer, call.T, 16000, format="FLAC")
+    response = httpx.post(f"{server.url}/v1/transcribe", params={"multichannel": "true", "skip_silence": "true"},
+                          content=buffer.getvalue(), headers={"content-type": "audio/flac"}, timeout=120)
+    assert response.status_code == 200, response.text
+    expected = model.transcribe(call, multichannel=True, skip_silence=True)[0]
+    assert [c["tokens"] for c in response.json()["channels"]] == [t.tokens for t in expected.channels]
+    assert [c["token_frames"] for c in response.json()["channels"]] == [t.token_frames for t in expected.channels]
+    assert response.json()["text"] == expected.text
+
+
 def test_every_front_ends_requests_and_event_loop_show_in_one_exposition(server, parity_audio):
     route = '{code="200",route="/v1/transcribe"}'
     first = server.metric("batchasr_requests_total", route)
