@@ -206,8 +206,8 @@ def _check_model(service: ServiceState, requested: str | None) -> None:
                        param="model", code="model_not_found")
 
 
-def _words(words: list[Word], channel: int | None = None) -> list[WordTiming]:
-    return [WordTiming(word=w.word, start=w.start_s, end=w.end_s, channel=channel) for w in words]
+def _words(words: list[Word]) -> list[WordTiming]:
+    return [WordTiming(word=w.word, start=w.start_s, end=w.end_s) for w in words]
 
 
 def _segments(result: RequestResult, frame_s: float) -> list[Segment]:
@@ -324,7 +324,8 @@ def _native_conversation(service: ServiceState, result: ConversationResult) -> N
     conversation = result.conversation
     return NativeTranscription(
         model=service.model_id, text=conversation.text,
-        words=[w for channel, word in conversation.timed_words() for w in _words([word], channel)],
+        words=[WordTiming(word=w.word, start=w.start_s, end=w.end_s, channel=channel)
+               for channel, w in conversation.timed_words()],
         duration_s=round(conversation.duration_s, 6), queue_s=round(result.queue_s, 6),
         compute_s=round(result.compute_s, 6), rtfx=round(result.rtfx, 3), segments=result.n_segments,
         utterances=[UtteranceTiming(channel=u.channel, start=u.start_s, end=u.end_s, text=u.text)

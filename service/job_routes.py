@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import replace
 from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Depends, Header, Query, Request
@@ -93,7 +92,8 @@ async def _form_uploads(request: Request, service: ServiceState) -> tuple[list[S
         raise ApiError(400, f"priority must be one of {', '.join(p.value for p in JobPriority)}", param="priority",
                        code="invalid_priority") from exc
     multichannel, skip_silence = (flag(form.get(name, ""), name) for name in ("multichannel", "skip_silence"))
-    return uploads, JobOptions(webhook if isinstance(webhook, str) else None, priority, multichannel, skip_silence)
+    return uploads, JobOptions(webhook if isinstance(webhook, str) else None, priority, multichannel, skip_silence,
+                               owner=request_owner(request))
 
 
 async def _read_uploads(uploads: list[StarletteUpload], service: ServiceState) -> list[ItemInput]:
@@ -111,7 +111,8 @@ async def _json_items(request: Request) -> tuple[list[ItemInput], JobOptions]:
         raise ApiError(400, f"invalid job: {exc}", code="invalid_job") from exc
     items = [ItemInput(audio=item.path, path=item.path) if item.path is not None
              else ItemInput(audio=str(item.url), url=item.url) for item in body.items]
-    return items, JobOptions(body.webhook_url, body.priority, body.multichannel, body.skip_silence)
+    return items, JobOptions(body.webhook_url, body.priority, body.multichannel, body.skip_silence,
+                             owner=request_owner(request))
 
 
 def _check_inputs(items: list[ItemInput], settings: Settings) -> None:
@@ -145,10 +146,8 @@ async def create_job(request: Request, service: ServiceDep,
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
         items, options = await _json_items(request)
         _check_webhook(options.webhook_url, service.settings)
-        return await _submit(store, service.settings, items, replace(options, owner=request_owner(request)),
-                             idempotency_key)
+        return await _submit(store, service.settings, items, options, idempotency_key)
     uploads, options = await _form_uploads(request, service)
-    options = replace(options, owner=request_owner(request))
     _check_webhook(options.webhook_url, service.settings)  # before the uploads are read
     # read into memory only in turn (service.intake), until Redis has them
     async with service.intake.hold(sum(upload.size or 0 for upload in uploads)):

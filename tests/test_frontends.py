@@ -126,7 +126,7 @@ def test_a_stereo_call_through_a_front_end_is_transcribed_apart_with_its_quiet_s
     """Multichannel and skip_silence through a front end: each channel as the model here reads it."""
     model = load_model(parity_dir / MODEL, device="cpu", dtype="float32")
     clips = [sf.read(p, dtype="float32")[0] for p in parity_audio[:2]]
-    call = np.zeros((2, int(12 * 16000)), np.float32)
+    call = np.zeros((2, 12 * 16000), np.float32)
     call[0, : len(clips[0])] = clips[0]
     call[1, 8 * 16000 : 8 * 16000 + len(clips[1])] = clips[1]  # the second speaker after 8 s of quiet
     buffer = io.BytesIO()
