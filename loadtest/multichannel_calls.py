@@ -40,7 +40,8 @@ class Call:
     said_in_order: list[str]  # every turn's words, by start
 
 
-def make_call(rng: np.random.Generator, clips: list[tuple[np.ndarray, str]], turns: int, overlap_s: float) -> Call:
+def make_call(rng: np.random.Generator, clips: list[tuple[np.ndarray, str]], turns: int, overlap_s: float,
+              bleed_db: float | None = None, second_db: float = 0.0) -> Call:
     placed, start = [], 0.3
     for turn in range(turns):
         clip, text = clips[rng.integers(len(clips))]
@@ -50,7 +51,10 @@ def make_call(rng: np.random.Generator, clips: list[tuple[np.ndarray, str]], tur
     audio = (rng.standard_normal((2, length)) * 0.002).astype(np.float32)
     said: list[list[str]] = [[], []]
     for channel, s, clip, text in placed:
+        clip = clip * 10 ** (second_db / 20) if channel == 1 else clip
         audio[channel, s : s + len(clip)] += clip
+        if bleed_db is not None:  # the line's echo: each speaker heard faintly on the other channel too
+            audio[1 - channel, s : s + len(clip)] += clip * 10 ** (bleed_db / 20)
         said[channel] += text.split()
     return Call(audio, said, [w for _, _, _, text in sorted(placed, key=lambda p: p[1]) for w in text.split()])
 
@@ -101,11 +105,15 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--server", help="send the calls to this batchasr server instead (all at once)")
+    parser.add_argument("--bleed-db", type=float, help="each speaker also on the other channel, this many dB down "
+                                                        "(echo on the line; e.g. -30)")
+    parser.add_argument("--second-db", type=float, default=0.0,
+                        help="the second speaker's level against the first's (e.g. -12: a quieter line)")
     args = parser.parse_args()
     expected = json.loads((DATA / "expected.json").read_text())
     clips = [(sf.read(DATA / name, dtype="float32")[0], text) for name, text in sorted(expected.items())]
     rng = np.random.default_rng(args.seed)
-    calls = [make_call(rng, clips, args.turns, args.overlap) for _ in range(args.calls)]
+    calls = [make_call(rng, clips, args.turns, args.overlap, args.bleed_db, args.second_db) for _ in range(args.calls)]
     if args.server:
         def run(multichannel: bool, skip_silence: bool) -> list[list[str]]:
             return asyncio.run(transcribe_http(args.server, calls, multichannel, skip_silence))

@@ -20,6 +20,7 @@ import numpy as np
 
 from .audio_io import AudioError
 from .conversation import Conversation
+from .crosstalk import drop_crosstalk
 from .segmenter import Segment, plan_pieces, stitch
 from .transcript import Transcript, build_transcript
 
@@ -112,9 +113,13 @@ def _transcribe_window(model: ASRModel, loaded: list[Loaded], options: OfflineOp
         if not isinstance(wave, np.ndarray):
             out.append(wave)
             continue
-        transcripts = [build_transcript(stitch(by_input.get((position, channel), []), model.tokenizer, frame_samples),
-                                        model.tokenizer, model.config.frame_s, len(samples) / model.sample_rate)
-                       for channel, samples in enumerate(_channels(wave))]
+        channels = _channels(wave)
+        hypotheses = [stitch(by_input.get((position, channel), []), model.tokenizer, frame_samples)
+                      for channel in range(len(channels))]
+        if wave.ndim == 2:  # words a channel heard from another are dropped (models.crosstalk)
+            hypotheses = drop_crosstalk(hypotheses, channels, model.tokenizer, frame_samples, model.sample_rate)
+        transcripts = [build_transcript(hyp, model.tokenizer, model.config.frame_s, len(samples) / model.sample_rate)
+                       for hyp, samples in zip(hypotheses, channels, strict=True)]
         out.append(Conversation(transcripts) if wave.ndim == 2 else transcripts[0])
     return out
 

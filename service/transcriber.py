@@ -12,8 +12,10 @@ from typing import Protocol
 
 import numpy as np
 
+from decoding.types import Hypothesis
 from models.config import ModelConfig
 from models.conversation import Conversation
+from models.crosstalk import drop_crosstalk
 from models.segmenter import Segment, plan_pieces, stitch
 from models.tokenizer import Tokenizer
 from models.transcript import Transcript, build_transcript
@@ -103,15 +105,20 @@ class Transcriber:
     async def transcribe_channels(self, channels: np.ndarray, priority: Priority = Priority.INTERACTIVE,
                                   skip_silence: bool = False) -> ConversationResult:
         """Each row of ``channels`` (channels, samples) transcribed apart, their pieces queued together so they
-        share batches; all are queued or none (``QueueFull``), and cancelling this cancels them all."""
+        share batches; all are queued or none (``QueueFull``), and cancelling this cancels them all. Words a
+        channel heard from another are dropped (models.crosstalk)."""
         requests: list[QueuedRequest] = []
         try:
             for waveform in channels:
                 requests.append(self.submit(waveform, priority, skip_silence))
-            results = [await request.result() for request in requests]
+            stitched = [await request.stitched() for request in requests]
         finally:
             for request in requests:
                 request.cancel()
+        hypotheses = drop_crosstalk([hyp for hyp, _ in stitched], channels, self.tokenizer, self.frame_samples,
+                                    self.sample_rate)
+        results = [request.finish(hyp, pieces)
+                   for request, hyp, (_, pieces) in zip(requests, hypotheses, stitched, strict=True)]
         return ConversationResult(Conversation([r.transcript for r in results]),
                                   queue_s=max(r.queue_s for r in results),
                                   compute_s=sum(r.compute_s for r in results),
@@ -132,12 +139,21 @@ class QueuedRequest:
 
     async def result(self) -> RequestResult:
         """Every piece's hypothesis, stitched into the request's transcript."""
+        return self.finish(*await self.stitched())
+
+    async def stitched(self) -> tuple[Hypothesis, list[ItemResult]]:
+        """Every piece's result, and their hypotheses stitched into one in the recording's frames."""
         gathered = asyncio.gather(*(asyncio.wrap_future(item.future) for item in self._items))
         gathered.add_done_callback(lambda f: f.cancelled() or f.exception())  # a drop is not an error to log
         results: list[ItemResult] = await asyncio.wait_for(gathered, self._remaining_s())
         t = self._transcriber
         hyp = stitch(list(zip(self._segments, (r.hypothesis for r in results), strict=True)), t.tokenizer,
                      t.frame_samples)
+        return hyp, results
+
+    def finish(self, hyp: Hypothesis, results: list[ItemResult]) -> RequestResult:
+        """The request's transcript of its stitched hypothesis, and the pieces' times."""
+        t = self._transcriber
         transcript = build_transcript(hyp, t.tokenizer, t.config.frame_s, self._n_samples / t.sample_rate)
         return RequestResult(transcript=transcript, queue_s=max((r.queue_s for r in results), default=0.0),
                              compute_s=sum(r.compute_s for r in results), n_segments=len(self._segments))

@@ -170,6 +170,41 @@ def test_each_channel_reads_as_it_does_alone_and_recovers_the_speech_mixing_lose
     assert not set(agent.split() + EXPECTED["sentences_000110.wav"].split()) <= set(mixed)
 
 
+def _is_subsequence(words: list[str], of: list[str]) -> bool:
+    remaining = iter(of)
+    return all(word in remaining for word in words)
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 0.1])
+def test_an_echo_of_the_other_speaker_is_not_transcribed_twice(model, delay_s):
+    """Each speaker also heard 30 dB down on the other channel (echo on the line, at once or 100 ms later):
+    alone, the customer's channel repeats the agent's words; in the conversation they are dropped (all, or all but
+    a word or two), and each speaker's own words stay."""
+    call = _call()
+    delay = int(delay_s * RATE)
+    echo = np.zeros_like(call)
+    echo[:, delay:] = call[::-1, : call.shape[1] - delay] * 10 ** (-30 / 20)
+    own = model.transcribe(list(call + echo))
+    customer = EXPECTED["sentences_000110.wav"].split()
+    assert len(own[1].text.split()) >= len(customer) + 5  # the agent's words, heard on the customer's side
+    conversation = model.transcribe(call + echo, multichannel=True)[0]
+    heard = conversation.channels[1].text.split()
+    assert heard[-len(customer):] == customer and len(heard) <= len(customer) + (0 if delay_s == 0 else 2)
+    agent = f"{EXPECTED['sentences_000028.wav']} {EXPECTED['voice_000142.wav']}".split()
+    assert _is_subsequence(agent, conversation.channels[0].text.split())
+
+
+def test_a_quieter_line_talking_over_the_other_keeps_every_word(model):
+    """The customer 12 dB quieter than the agent, talking over them: not an echo (their loudness does not follow
+    the agent's), so nothing is dropped: each channel reads as it does alone."""
+    call = _call()
+    call[1] *= 10 ** (-12 / 20)
+    own = model.transcribe(list(call))
+    conversation = model.transcribe(call, multichannel=True)[0]
+    assert [t.tokens for t in conversation.channels] == [t.tokens for t in own]
+    assert own[1].text.endswith(EXPECTED["sentences_000110.wav"])
+
+
 def test_cli_transcribes_a_folder_of_calls_as_conversations(alone, tmp_path):
     (tmp_path / "calls").mkdir()
     (tmp_path / "calls" / "call.flac").write_bytes(_flac(_call()))
