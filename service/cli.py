@@ -299,7 +299,7 @@ def _result_files(args: argparse.Namespace, inputs: list) -> Callable[[Path | st
 
 
 def _jobs_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("jobs", help="list bulk jobs, newest first")
+    p = sub.add_parser("jobs", help="list bulk jobs, newest first; or cancel or purge some")
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument("--server", help="a batchasr server's /v1/jobs: the jobs of --api-key (or, on a server "
                                          "without keys, every job)")
@@ -309,12 +309,20 @@ def _jobs_parser(sub: argparse._SubParsersAction) -> None:
                                         "cancelled"], help="only jobs in this state")
     p.add_argument("--limit", type=int, default=20, help="at most this many (default 20)")
     p.add_argument("--json", action="store_true", help="one JSON object a line, as GET /v1/jobs/{id} gives it")
+    action = p.add_mutually_exclusive_group()
+    action.add_argument("--cancel", nargs="+", metavar="JOB_ID", help="cancel these jobs instead of listing: items "
+                                                                        "not started are dropped")
+    action.add_argument("--purge", nargs="+", metavar="JOB_ID", help="delete these jobs at once instead of "
+                                                                       "listing: records, results, uploaded audio")
     p.set_defaults(func=cmd_jobs)
 
 
 def cmd_jobs(args: argparse.Namespace) -> int:
-    from .jobs_cli import run_list
+    from .jobs_cli import run_end, run_list
 
+    if args.cancel or args.purge:
+        return asyncio.run(run_end(args.redis_url, args.server, args.api_key, args.cancel or args.purge,
+                                   bool(args.purge), sys.stdout))
     if args.limit < 1:
         print("error: --limit must be at least 1", file=sys.stderr)
         return 2

@@ -9,7 +9,7 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -161,6 +161,13 @@ class _ServerClient:
         response.raise_for_status()
         return response.json()
 
+    async def end(self, job_id: str, purge: bool) -> dict[str, Any]:
+        response = await self.http.delete(f"/v1/jobs/{job_id}", params={"purge": "true"} if purge else {})
+        if response.is_client_error:
+            raise ValueError(f"{job_id}: {response.json()['error']['message']}")
+        response.raise_for_status()
+        return response.json()
+
     async def results(self, job_id: str) -> list[dict[str, Any]]:
         response = await self.http.get(f"/v1/jobs/{job_id}/results")
         response.raise_for_status()
@@ -190,6 +197,16 @@ class _RedisClient:
 
     async def get(self, job_id: str) -> dict[str, Any]:
         return (await self.store.get(job_id)).to_dict()
+
+    async def end(self, job_id: str, purge: bool) -> dict[str, Any]:
+        # straight in Redis, any job: whoever reaches Redis runs the store
+        try:
+            if purge:
+                await self.store.delete(job_id)
+                return {"id": job_id, "object": "transcription.job.deleted", "deleted": True}
+            return (await self.store.cancel(job_id)).to_dict()
+        except JobNotFound as exc:
+            raise ValueError(f"{job_id}: no such job (it may have expired)") from exc
 
     async def results(self, job_id: str) -> list[dict[str, Any]]:
         return await self.store.results(job_id)
@@ -271,15 +288,36 @@ async def run_list(redis_url: str | None, server: str | None, api_key: str | Non
                    as_json: bool, output: TextIO) -> int:
     """The newest ``limit`` jobs (the API key's, through a server; those submitted without a key, through Redis),
     as a table or JSON lines."""
-    client = _ServerClient(server, api_key) if server else _RedisClient(redis_url or "")
-    jobs: list[dict[str, Any]] = []
-    try:
+    async def newest(client: _ServerClient | _RedisClient) -> None:
+        jobs: list[dict[str, Any]] = []
         more, after = True, None
         while more and len(jobs) < limit:
             page, more = await client.list_jobs(min(LIST_PAGE, limit - len(jobs)), after, status)
             jobs += page
             after = page[-1]["id"] if page else None
             more = more and after is not None
+        output.write("".join(json.dumps(job) + "\n" for job in jobs) if as_json else format_jobs(jobs))
+
+    return await _with_client(redis_url, server, api_key, newest)
+
+
+async def run_end(redis_url: str | None, server: str | None, api_key: str | None, job_ids: list[str], purge: bool,
+                  output: TextIO) -> int:
+    """Cancel each job (items not started are dropped), or with ``purge`` delete it at once; a JSON line each."""
+    async def end_all(client: _ServerClient | _RedisClient) -> None:
+        for job_id in job_ids:
+            output.write(json.dumps(await client.end(job_id, purge)) + "\n")
+
+    return await _with_client(redis_url, server, api_key, end_all)
+
+
+async def _with_client(redis_url: str | None, server: str | None, api_key: str | None,
+                       work: Callable[[_ServerClient | _RedisClient], Awaitable[None]]) -> int:
+    """``work`` with a client of the server or of Redis; its failures as an exit status, said on stderr."""
+    client = _ServerClient(server, api_key) if server else _RedisClient(redis_url or "")
+    try:
+        await work(client)
+        return 0
     except (httpx.HTTPError, *REDIS_ERRORS) as exc:
         print(f"error: cannot reach {'the server' if server else 'Redis'}: {exc}", file=sys.stderr)
         return 2
@@ -288,11 +326,6 @@ async def run_list(redis_url: str | None, server: str | None, api_key: str | Non
         return 2
     finally:
         await client.close()
-    if as_json:
-        output.writelines(json.dumps(job) + "\n" for job in jobs)
-    else:
-        output.write(format_jobs(jobs))
-    return 0
 
 
 def format_jobs(jobs: list[dict[str, Any]]) -> str:

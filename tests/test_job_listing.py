@@ -121,9 +121,13 @@ def test_without_keys_every_client_is_one_owner_and_expired_jobs_leave_the_list(
         owned = OWNER_JOBS_KEY.format(owner="anonymous")
         assert client.zscore(owned, jobs[1]) is None  # pruned as it was listed
         assert client.ttl(owned) > 0
-        listed = subprocess.run([sys.executable, "-m", "service.cli", "jobs", "--redis-url", redis_server.url,
-                                 "--json"], capture_output=True, text=True, timeout=60)
+        command = [sys.executable, "-m", "service.cli", "jobs", "--redis-url", redis_server.url]
+        listed = subprocess.run([*command, "--json"], capture_output=True, text=True, timeout=60)
         assert [json.loads(line)["id"] for line in listed.stdout.splitlines()] == [straight.id, jobs[2], jobs[0]]
+        cancelled = subprocess.run([*command, "--cancel", jobs[2], "job_gone"], capture_output=True, text=True,
+                                   timeout=60)
+        assert cancelled.returncode == 2 and "job_gone: no such job" in cancelled.stderr
+        assert json.loads(cancelled.stdout)["id"] == jobs[2]  # the first, before the one that is not there
 
 
 def test_listing_while_redis_is_down_is_a_503(tmp_path, model):
@@ -157,7 +161,17 @@ def test_purge_deletes_everything_of_a_job_at_once(redis_server, model, parity_a
         assert not client.keys(f"*{job['id']}*")
         assert httpx.get(f"{url}/v1/jobs/{job['id']}", headers=_auth(KEYS[0])).status_code == 404
         assert _list(url, KEYS[0]).json()["data"] == []
-        assert _submit(url, KEYS[0], audio, **{"Idempotency-Key": "call-1234"})["id"] != job["id"]
+        again = _submit(url, KEYS[0], audio, **{"Idempotency-Key": "call-1234"})["id"]
+        assert again != job["id"]
+        # the command line: another key's job is refused, one's own is purged
+        command = [sys.executable, "-m", "service.cli", "jobs", "--server", url]
+        refused = subprocess.run([*command, "--api-key", KEYS[1], "--purge", again], capture_output=True, text=True,
+                                 timeout=60)
+        assert refused.returncode == 2 and f"{again}: no job" in refused.stderr
+        purged = subprocess.run([*command, "--api-key", KEYS[0], "--purge", again], capture_output=True, text=True,
+                                timeout=60)
+        assert purged.returncode == 0 and json.loads(purged.stdout)["deleted"] is True
+        assert not client.keys(f"*{again}*")
 
 
 def test_an_item_in_progress_when_its_job_is_deleted_leaves_nothing_behind(redis_server):
