@@ -100,6 +100,9 @@ class EngineLink:
     def observe_request(self, route: str, code: int, duration_s: float) -> None:
         self._send(RequestObserved(route, code, duration_s))
 
+    def observe_intake_wait(self, seconds: float) -> None:
+        self._send(MetricCall("observe_intake_wait", (seconds,)))
+
     # a job consumer's counts (``job_worker.JobMetrics``), kept in the engine process
     def observe_job_stream_lag(self, lag: int) -> None:
         self._send(MetricCall("observe_job_stream_lag", (lag,)))

@@ -16,7 +16,7 @@ from typing import Any
 
 from .batcher import BatcherClosed, Priority, QueueFull, WorkItem
 from .engine import EngineState
-from .metrics import JOB_METRIC_CALLS
+from .metrics import FORWARDED_METRIC_CALLS
 from .runtime import Stack
 from .wire import (
     Cancel,
@@ -130,7 +130,7 @@ class EngineServer:
             metrics.observe_request(message.route, message.code, message.duration_s)
         elif isinstance(message, LoopCpu):
             metrics.add_event_loop_cpu(message.seconds)
-        elif isinstance(message, MetricCall) and message.method in JOB_METRIC_CALLS:
+        elif isinstance(message, MetricCall) and message.method in FORWARDED_METRIC_CALLS:
             getattr(metrics, message.method)(*message.args)
         elif isinstance(message, Scrape):
             self._spawn(self._scrape(front_end, message.scrape_id))

@@ -40,6 +40,8 @@ class MetricsSink(Protocol):
 
     def observe_request(self, route: str, code: int, duration_s: float) -> None: ...
 
+    def observe_intake_wait(self, seconds: float) -> None: ...
+
     async def scrape(self) -> bytes: ...
 
 
@@ -55,7 +57,11 @@ class ServiceState:
     intake: IntakeBudget = field(init=False)  # upload bytes read and not yet decoded, this process
 
     def __post_init__(self) -> None:
-        self.intake = IntakeBudget(self.settings.max_intake_bytes)
+        self.intake = IntakeBudget(self.settings.max_intake_bytes, self._observe_intake_wait)
+
+    def _observe_intake_wait(self, seconds: float) -> None:
+        if self.metrics is not None:  # a front end's arrives with its engine link
+            self.metrics.observe_intake_wait(seconds)
 
     @property
     def jobs(self) -> JobStore | None:

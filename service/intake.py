@@ -11,16 +11,18 @@ upload is not passed over for ever by smaller ones; one larger than the whole bu
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 
 class IntakeBudget:
-    def __init__(self, limit_bytes: int):
+    def __init__(self, limit_bytes: int, on_admit: Callable[[float], None] | None = None):
         self.limit = limit_bytes
         self.held = 0
         self.peak = 0  # the most held at once (tests and benchmarks read it)
+        self.on_admit = on_admit  # told how long each request waited for room (batchasr_intake_wait_seconds)
         self._waiting: deque[tuple[int, asyncio.Future[None]]] = deque()
 
     @asynccontextmanager
@@ -30,6 +32,7 @@ class IntakeBudget:
         admitted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiting.append((n, admitted))
         self._admit()
+        started = time.perf_counter()
         try:
             await admitted
         except asyncio.CancelledError:
@@ -38,6 +41,8 @@ class IntakeBudget:
             else:  # it may have been first in line: those behind it may fit now
                 self._admit()
             raise
+        if self.on_admit is not None:
+            self.on_admit(time.perf_counter() - started)
         try:
             yield
         finally:

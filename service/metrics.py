@@ -17,8 +17,10 @@ disable_created_metrics()  # the *_created series only add cardinality for our d
 
 RTFX_WINDOW_S = 60.0
 # what a job consumer may count (``JobMetrics``); a consumer process's link calls these by name
-JOB_METRIC_CALLS = ("observe_job_stream_lag", "count_job_items_reclaimed", "count_job_item_dead_lettered",
-                    "count_job_item", "count_job", "count_webhook")
+# what a front-end or consumer process may have the engine's process count for it (service.engine_link)
+FORWARDED_METRIC_CALLS = ("observe_job_stream_lag", "count_job_items_reclaimed", "count_job_item_dead_lettered",
+                    "count_job_item", "count_job", "count_webhook", "observe_intake_wait")
+INTAKE_WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -60,6 +62,9 @@ class Metrics:
                                                registry=r)
         self.webhooks = Counter("batchasr_webhooks", "Job-completion webhook deliveries by outcome (delivered, "
                                 "failed, handed_back by a stopping worker)", ["outcome"], registry=r)
+        self.intake_wait_seconds = Histogram(
+            "batchasr_intake_wait_seconds", "Time uploads waited for room in their process's intake budget "
+            "(MAX_INTAKE_BYTES) before being read", buckets=INTAKE_WAIT_BUCKETS, registry=r)
         self.gpu_memory_bytes = Gauge("batchasr_gpu_memory_bytes", "GPU memory held by the engine", registry=r)
         self.dropped_items = Counter("batchasr_dropped_items", "Queued items dropped before the engine",
                                      ["reason"], registry=r)
@@ -115,6 +120,9 @@ class Metrics:
 
     def count_webhook(self, outcome: str) -> None:
         self.webhooks.labels(outcome).inc()
+
+    def observe_intake_wait(self, seconds: float) -> None:
+        self.intake_wait_seconds.observe(seconds)
 
     def observe_request(self, route: str, code: int, duration_s: float) -> None:
         self.requests.labels(route, str(code)).inc()

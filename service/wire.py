@@ -121,7 +121,7 @@ class LoopCpu:
 
 @dataclass(frozen=True)
 class MetricCall:
-    """A job consumer's count, made in the engine process (one of ``metrics.JOB_METRIC_CALLS``)."""
+    """A front end's or job consumer's count, made in the engine process (one of ``metrics.FORWARDED_METRIC_CALLS``)."""
 
     method: str
     args: tuple

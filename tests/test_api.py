@@ -228,6 +228,10 @@ def test_uploads_wait_their_turn_within_the_intake_budget(hybrid, parity_audio):
             assert response.status_code == 200, response.text
             assert response.json()["text"] == expected[path]
         intake = running.app.state.service.intake
+        # every upload's wait for room is counted; some had to wait
+        assert running.metric("batchasr_intake_wait_seconds_count") == 24
+        assert running.metric("batchasr_intake_wait_seconds_sum") > 0
+        assert running.metric("batchasr_intake_wait_seconds_bucket", '{le="0.001"}') < 24
     assert intake.held == 0
     assert largest < intake.peak <= settings.max_intake_bytes  # used concurrently, never past the budget
 

@@ -34,7 +34,7 @@ from service.engine import Engine
 from service.engine_link import EngineLink
 from service.engine_server import EngineServer
 from service.job_worker import JobMetrics
-from service.metrics import JOB_METRIC_CALLS, Metrics
+from service.metrics import FORWARDED_METRIC_CALLS, Metrics
 from service.runtime import build_stack
 from service.transcriber import Transcriber
 from service.webhook_worker import WebhookMetrics
@@ -148,6 +148,7 @@ def test_every_front_ends_requests_and_event_loop_show_in_one_exposition(server,
     with ThreadPoolExecutor(8) as pool:  # new connections: the kernel spreads them over both front ends
         assert all(r.status_code == 200 for r in pool.map(lambda _: _transcribe(server.url, data), range(24)))
     assert _eventually(lambda: server.metric("batchasr_requests_total", route) - first == 24)
+    assert server.metric("batchasr_intake_wait_seconds_count") >= 24  # counted in the front ends, shown here
     assert server.metric("batchasr_event_loop_cpu_seconds_total") > loop_first
     assert server.metric("batchasr_audio_seconds_total") > 0 and server.metric("batchasr_rtfx") > 0
 
@@ -333,8 +334,9 @@ def test_frames_arrive_whole_however_the_socket_cuts_them(sizes, words, chunks):
 
 
 def test_every_count_a_consumer_makes_crosses_the_link():
-    """A consumer process counts through its link, which the engine's process takes only for these names."""
+    """A consumer or front-end process counts through its link, which the engine's process takes only for these
+    names."""
     calls = {name for protocol in (JobMetrics, WebhookMetrics) for name in vars(protocol)
-             if not name.startswith("_")}
-    assert calls and calls <= set(JOB_METRIC_CALLS)
+             if not name.startswith("_")} | {"observe_intake_wait"}
+    assert calls and calls <= set(FORWARDED_METRIC_CALLS)
     assert all(callable(getattr(EngineLink, name)) and callable(getattr(Metrics, name)) for name in calls)
