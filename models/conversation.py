@@ -8,11 +8,14 @@ into utterances: a speaker's words up to a pause or until someone else speaks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from .transcript import Transcript, Word
 
 UTTERANCE_GAP_S = 1.0  # a pause this long ends an utterance even when nobody else speaks in it
+SAME_BELOW_DB = 40.0  # a channel whose difference from an earlier one is this far below it repeats that one
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,8 @@ class Utterance:
 @dataclass
 class Conversation:
     channels: list[Transcript]  # one per channel, in the file's order
+    # channel -> the earlier channel it repeats (a mono recording stored as stereo): not transcribed, left empty
+    duplicates: dict[int, int] = field(default_factory=dict)
 
     @property
     def duration_s(self) -> float:
@@ -58,3 +63,27 @@ class Conversation:
 
 def speaker_label(channel: int) -> str:
     return f"[channel {channel}]"
+
+
+def duplicate_channels(channels: np.ndarray) -> dict[int, int]:
+    """Each channel that repeats an earlier one (the same signal, to within ``SAME_BELOW_DB``: "stereo" files that
+    are mono twice over are common), and the first channel it repeats."""
+    duplicates: dict[int, int] = {}
+    for i in range(1, len(channels)):
+        power = _power(channels[i])
+        for j in range(i):
+            if j not in duplicates and _power(channels[i], channels[j]) <= power * 10 ** (-SAME_BELOW_DB / 10):
+                duplicates[i] = j
+                break
+    return duplicates
+
+
+def _power(samples: np.ndarray, minus: np.ndarray | None = None, block: int = 1 << 20) -> float:
+    """Mean square of ``samples`` (less ``minus``), a block at a time: hours of audio make no copy of their size."""
+    total = 0.0
+    for start in range(0, len(samples), block):
+        piece = samples[start : start + block].astype(np.float64)
+        if minus is not None:
+            piece -= minus[start : start + block]
+        total += float(np.dot(piece, piece))
+    return total / len(samples) if len(samples) else 0.0

@@ -18,8 +18,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from decoding.types import Hypothesis
+
 from .audio_io import AudioError
-from .conversation import Conversation
+from .conversation import Conversation, duplicate_channels
 from .crosstalk import drop_crosstalk
 from .segmenter import Segment, plan_pieces, stitch
 from .transcript import Transcript, build_transcript
@@ -90,13 +92,15 @@ def _transcribe_window(model: ASRModel, loaded: list[Loaded], options: OfflineOp
     """Every readable input of the window (each of its channels, when they are kept apart) cut into pieces, the
     pieces decoded in batches of like lengths, and each input's pieces stitched back; errors in their inputs'
     places."""
-    frame_samples = model.config.frame_samples
     pieces: list[tuple[tuple[int, int], Segment, np.ndarray]] = []  # ((position in the window, channel), ...)
+    repeats: dict[int, dict[int, int]] = {}  # position -> its channels that repeat an earlier one (not transcribed)
     for position, wave in enumerate(loaded):
         if isinstance(wave, np.ndarray):
+            repeats[position] = duplicate_channels(wave) if wave.ndim == 2 else {}
             for channel, samples in enumerate(_channels(wave)):
-                for segment in _plan(model, samples, options):
-                    pieces.append(((position, channel), segment, samples[segment.start : segment.end]))
+                if channel not in repeats[position]:
+                    pieces += [((position, channel), segment, samples[segment.start : segment.end])
+                               for segment in _plan(model, samples, options)]
     hypotheses = [None] * len(pieces)
     order = sorted(range(len(pieces)), key=lambda i: len(pieces[i][2]), reverse=True)
     for start in range(0, len(order), options.batch_size):
@@ -108,20 +112,25 @@ def _transcribe_window(model: ASRModel, loaded: list[Loaded], options: OfflineOp
     by_input: dict[tuple[int, int], list] = {}
     for (key, segment, _), hypothesis in zip(pieces, hypotheses, strict=True):
         by_input.setdefault(key, []).append((segment, hypothesis))
-    out: list[Outcome] = []
-    for position, wave in enumerate(loaded):
-        if not isinstance(wave, np.ndarray):
-            out.append(wave)
-            continue
-        channels = _channels(wave)
-        hypotheses = [stitch(by_input.get((position, channel), []), model.tokenizer, frame_samples)
-                      for channel in range(len(channels))]
-        if wave.ndim == 2:  # words a channel heard from another are dropped (models.crosstalk)
-            hypotheses = drop_crosstalk(hypotheses, channels, model.tokenizer, frame_samples, model.sample_rate)
-        transcripts = [build_transcript(hyp, model.tokenizer, model.config.frame_s, len(samples) / model.sample_rate)
-                       for hyp, samples in zip(hypotheses, channels, strict=True)]
-        out.append(Conversation(transcripts) if wave.ndim == 2 else transcripts[0])
-    return out
+    return [_outcome(model, wave, {c: by_input.get((position, c), []) for c in range(len(_channels(wave)))},
+                     repeats[position]) if isinstance(wave, np.ndarray) else wave
+            for position, wave in enumerate(loaded)]
+
+
+def _outcome(model: ASRModel, wave: np.ndarray, pieces: dict[int, list], repeats: dict[int, int]
+             ) -> Transcript | Conversation:
+    """One input's transcript from its channels' decoded pieces; a conversation when its channels were kept apart
+    (words a channel heard from another dropped: models.crosstalk; a channel repeating another left empty)."""
+    channels = _channels(wave)
+    apart = [c for c in range(len(channels)) if c not in repeats]
+    stitched = [stitch(pieces[c], model.tokenizer, model.config.frame_samples) for c in apart]
+    if wave.ndim == 2:
+        stitched = drop_crosstalk(stitched, [channels[c] for c in apart], model.tokenizer,
+                                  model.config.frame_samples, model.sample_rate)
+    hypotheses = dict(zip(apart, stitched, strict=True))
+    transcripts = [build_transcript(hypotheses.get(c, Hypothesis()), model.tokenizer, model.config.frame_s,
+                                    len(samples) / model.sample_rate) for c, samples in enumerate(channels)]
+    return Conversation(transcripts, repeats) if wave.ndim == 2 else transcripts[0]
 
 
 def _plan(model: ASRModel, wave: np.ndarray, options: OfflineOptions) -> list[Segment]:

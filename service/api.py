@@ -331,7 +331,8 @@ def _native_conversation(service: ServiceState, result: ConversationResult) -> N
         utterances=[UtteranceTiming(channel=u.channel, start=u.start_s, end=u.end_s, text=u.text)
                     for u in conversation.utterances()],
         channels=[ChannelTranscription(channel=i, text=t.text, tokens=t.tokens, token_frames=t.token_frames,
-                                       words=_words(t.words)) for i, t in enumerate(conversation.channels)],
+                                       words=_words(t.words), duplicate_of=conversation.duplicates.get(i))
+                  for i, t in enumerate(conversation.channels)],
     )
 
 

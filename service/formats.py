@@ -94,9 +94,14 @@ def to_record(transcript: Transcript | Conversation, audio: str | None = None) -
         text=transcript.text, tokens=None, token_frames=None, duration_s=round(transcript.duration_s, 6),
         words=[{**word_dicts([w])[0], "channel": c} for c, w in transcript.timed_words()],
         utterances=[utterance_dict(u) for u in transcript.utterances()],
-        channels=[{"channel": i, **to_record(t)} for i, t in enumerate(transcript.channels)],
+        channels=[{"channel": i, **to_record(t), **_repeats(transcript, i)} for i, t in enumerate(transcript.channels)],
     )
     return record
+
+
+def _repeats(conversation: Conversation, channel: int) -> dict[str, int]:
+    """``duplicate_of`` for a channel that repeats an earlier one (and was not transcribed)."""
+    return {"duplicate_of": conversation.duplicates[channel]} if channel in conversation.duplicates else {}
 
 
 def render(transcript: Transcript | Conversation, audio: str, format: str) -> str:
@@ -112,7 +117,8 @@ def from_record(record: dict[str, Any]) -> Transcript | Conversation:
     """A job item's result (its text, tokens, words and duration; or its channels') as a transcript, to render as
     ``render`` does."""
     if record.get("channels") is not None:
-        return Conversation([_transcript_from(channel) for channel in record["channels"]])
+        return Conversation([_transcript_from(channel) for channel in record["channels"]],
+                            {c["channel"]: c["duplicate_of"] for c in record["channels"] if "duplicate_of" in c})
     return _transcript_from(record)
 
 

@@ -73,6 +73,7 @@ class ChannelTranscription(BaseModel):
     tokens: list[int]
     token_frames: list[int]
     words: list[WordTiming]
+    duplicate_of: int | None = None  # the earlier channel this one repeats (not transcribed: left empty)
 
 
 class NativeTranscription(BaseModel):

@@ -14,7 +14,7 @@ import numpy as np
 
 from decoding.types import Hypothesis
 from models.config import ModelConfig
-from models.conversation import Conversation
+from models.conversation import Conversation, duplicate_channels
 from models.crosstalk import drop_crosstalk
 from models.segmenter import Segment, plan_pieces, stitch
 from models.tokenizer import Tokenizer
@@ -50,8 +50,9 @@ class ConversationResult:
 
     @property
     def audio_s(self) -> float:
-        """Every channel's seconds: what was transcribed."""
-        return sum(t.duration_s for t in self.conversation.channels)
+        """Every channel's seconds that was transcribed (not those repeating another)."""
+        conversation = self.conversation
+        return sum(t.duration_s for c, t in enumerate(conversation.channels) if c not in conversation.duplicates)
 
     @property
     def rtfx(self) -> float:
@@ -106,23 +107,30 @@ class Transcriber:
                                   skip_silence: bool = False) -> ConversationResult:
         """Each row of ``channels`` (channels, samples) transcribed apart, their pieces queued together so they
         share batches; all are queued or none (``QueueFull``), and cancelling this cancels them all. Words a
-        channel heard from another are dropped (models.crosstalk)."""
+        channel heard from another are dropped (models.crosstalk); a channel that repeats another is not
+        transcribed, and is left empty."""
+        repeats = await asyncio.to_thread(duplicate_channels, channels)  # reads every sample: off the event loop
+        apart = [c for c in range(len(channels)) if c not in repeats]
         requests: list[QueuedRequest] = []
         try:
-            for waveform in channels:
-                requests.append(self.submit(waveform, priority, skip_silence))
+            for channel in apart:
+                requests.append(self.submit(channels[channel], priority, skip_silence))
             stitched = [await request.stitched() for request in requests]
         finally:
             for request in requests:
                 request.cancel()
-        hypotheses = drop_crosstalk([hyp for hyp, _ in stitched], channels, self.tokenizer, self.frame_samples,
-                                    self.sample_rate)
-        results = [request.finish(hyp, pieces)
-                   for request, hyp, (_, pieces) in zip(requests, hypotheses, stitched, strict=True)]
-        return ConversationResult(Conversation([r.transcript for r in results]),
-                                  queue_s=max(r.queue_s for r in results),
-                                  compute_s=sum(r.compute_s for r in results),
-                                  n_segments=sum(r.n_segments for r in results))
+        hypotheses = drop_crosstalk([hyp for hyp, _ in stitched], [channels[c] for c in apart], self.tokenizer,
+                                    self.frame_samples, self.sample_rate)
+        results = {channel: request.finish(hyp, pieces)
+                   for channel, request, hyp, (_, pieces) in zip(apart, requests, hypotheses, stitched, strict=True)}
+        duration_s = channels.shape[1] / self.sample_rate
+        transcripts = [results[c].transcript if c in results else
+                       build_transcript(Hypothesis(), self.tokenizer, self.config.frame_s, duration_s)
+                       for c in range(len(channels))]
+        return ConversationResult(Conversation(transcripts, repeats),
+                                  queue_s=max(r.queue_s for r in results.values()),
+                                  compute_s=sum(r.compute_s for r in results.values()),
+                                  n_segments=sum(r.n_segments for r in results.values()))
 
 
 class QueuedRequest:

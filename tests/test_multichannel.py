@@ -349,3 +349,24 @@ def test_skip_silence_over_http_and_in_jobs_leaves_the_quiet_out(server, model):
     job = _wait_job(server.url, submitted.json()["id"])
     (record,) = [json.loads(line) for line in httpx.get(f"{server.url}/v1/jobs/{job['id']}/results").text.splitlines()]
     assert record["channels"] == to_record(offline)["channels"]
+
+
+def test_a_mono_recording_stored_as_stereo_is_transcribed_once(server, model):
+    """Both channels the same signal (to within a little dither): the second repeats the first, is not
+    transcribed, and is said to be a duplicate; the conversation is the mono transcript, once."""
+    mono = _call()[0]
+    dual = np.stack([mono, mono + np.random.default_rng(2).standard_normal(len(mono)).astype(np.float32) * 1e-5])
+    (alone,) = model.transcribe([mono])
+    conversation = model.transcribe(dual, multichannel=True)[0]
+    assert conversation.duplicates == {1: 0}
+    assert conversation.channels[0].tokens == alone.tokens and conversation.channels[1].tokens == []
+    assert [u.channel for u in conversation.utterances()] == [0] * len(conversation.utterances())
+    audio_s = server.metric("batchasr_audio_seconds_total")
+    response = httpx.post(f"{server.url}/v1/transcribe?multichannel=true", content=_flac(dual), timeout=120)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert server.metric("batchasr_audio_seconds_total") - audio_s == pytest.approx(CALL_S, abs=0.01)  # once
+    assert body["channels"][1]["duplicate_of"] == 0 and "duplicate_of" not in body["channels"][0]
+    assert body["channels"][0]["tokens"] == alone.tokens and body["channels"][1]["text"] == ""
+    record = to_record(conversation)
+    assert from_record(json.loads(json.dumps(record))).duplicates == {1: 0}
