@@ -119,8 +119,9 @@ class Transcriber:
         finally:
             for request in requests:
                 request.cancel()
-        hypotheses = drop_crosstalk([hyp for hyp, _ in stitched], [channels[c] for c in apart], self.tokenizer,
-                                    self.frame_samples, self.sample_rate)
+        hypotheses = await asyncio.to_thread(  # a level and an envelope per word: off the event loop
+            drop_crosstalk, [hyp for hyp, _ in stitched], [channels[c] for c in apart], self.tokenizer,
+            self.frame_samples, self.sample_rate)
         results = {channel: request.finish(hyp, pieces)
                    for channel, request, hyp, (_, pieces) in zip(apart, requests, hypotheses, stitched, strict=True)}
         duration_s = channels.shape[1] / self.sample_rate
