@@ -11,6 +11,9 @@ Transcribed apart, such a channel repeats the other's words (on the embedded mod
 
 The last keeps two people who talk over each other, each on their own channel: their envelopes do not follow
 each other, whatever their levels (a customer's line 12 dB quieter than the agent's keeps every word).
+
+``heard_elsewhere`` puts the same test to every moment of a channel, before it is transcribed, so that with
+``skip_silence`` the echo is skipped like silence rather than transcribed and dropped.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import numpy as np
 
 from decoding.types import Hypothesis
 
+from .silence import Elsewhere
 from .tokenizer import Tokenizer
 
 ECHO_BELOW_DB = 10.0
@@ -92,6 +96,56 @@ def _is_echo(heard: np.ndarray, source: np.ndarray, span: WordSpan, step: int, m
     lagged = (source_envelope[before - delay : before - delay + len(envelope)] for delay in range(before + 1))
     return any(len(s) == len(envelope) and s.std() > 0 and np.corrcoef(envelope, s)[0, 1] >= ECHO_CORRELATION
                for s in lagged)
+
+
+def heard_elsewhere(channels: Sequence[np.ndarray], x: int, sample_rate: int) -> Elsewhere:
+    """For each ``ENVELOPE_S`` step of channel ``x``: whether its sound there is another channel's, heard faintly,
+    as ``drop_crosstalk`` judges a word over the ``MIN_SPAN_S`` centred on the step. Vectorised over the steps,
+    a delay at a time (an hour of a call: a fraction of a second)."""
+    step, block = int(ENVELOPE_S * sample_rate), int(MIN_SPAN_S / ENVELOPE_S)
+    ours = _step_power(channels[x], step)
+    flags = np.zeros(len(ours), dtype=bool)
+    if len(ours) < block:
+        return Elsewhere(flags, step)
+    ours_db = _centred_db(ours)
+    for y, other in enumerate(channels):
+        if y == x:
+            continue
+        theirs = _step_power(other, step)[: len(ours)]
+        louder = _rolling_sum(theirs, block) >= _rolling_sum(ours, block) * 10 ** (ECHO_BELOW_DB / 10)
+        theirs_db = _centred_db(theirs)
+        best = np.full(len(louder), -1.0)
+        for delay in range(int(MAX_ECHO_DELAY_S / ENVELOPE_S) + 1):  # ours follows theirs, ``delay`` steps later
+            lagged = np.concatenate([np.full(delay, theirs_db[0]), theirs_db[: len(theirs_db) - delay]])
+            best = np.maximum(best, _rolling_correlation(ours_db, lagged, block))
+        echo = louder & (best >= ECHO_CORRELATION)  # of the block starting at each step
+        flags[block // 2 : block // 2 + len(echo)] |= echo
+    return Elsewhere(flags, step)
+
+
+def _step_power(samples: np.ndarray, step: int) -> np.ndarray:
+    n = len(samples) // step
+    return np.square(samples[: n * step].astype(np.float64)).reshape(n, step).mean(axis=1)
+
+
+def _centred_db(power: np.ndarray) -> np.ndarray:
+    """Levels in dB, floored at -120 and centred: rolling sums of their squares stay exact over hours."""
+    level = np.maximum(10 * np.log10(power + 1e-20), -120.0)
+    return level - level.mean()
+
+
+def _rolling_sum(values: np.ndarray, width: int) -> np.ndarray:
+    total = np.concatenate([[0.0], np.cumsum(values)])
+    return total[width:] - total[:-width]
+
+
+def _rolling_correlation(a: np.ndarray, b: np.ndarray, width: int) -> np.ndarray:
+    """Pearson correlation of ``a`` and ``b`` over each window of ``width`` (-1 where either is flat)."""
+    mean_a, mean_b = _rolling_sum(a, width) / width, _rolling_sum(b, width) / width
+    covariance = _rolling_sum(a * b, width) / width - mean_a * mean_b
+    variance = (_rolling_sum(a * a, width) / width - mean_a**2) * (_rolling_sum(b * b, width) / width - mean_b**2)
+    flat = variance <= 1e-9
+    return np.where(flat, -1.0, covariance / np.sqrt(np.where(flat, 1.0, variance)))
 
 
 def _power_db(samples: np.ndarray) -> float:

@@ -22,8 +22,9 @@ from decoding.types import Hypothesis
 
 from .audio_io import AudioError
 from .conversation import Conversation, duplicate_channels
-from .crosstalk import drop_crosstalk
+from .crosstalk import drop_crosstalk, heard_elsewhere
 from .segmenter import Segment, plan_pieces, stitch
+from .silence import Elsewhere
 from .transcript import Transcript, build_transcript
 
 if TYPE_CHECKING:
@@ -97,10 +98,12 @@ def _transcribe_window(model: ASRModel, loaded: list[Loaded], options: OfflineOp
     for position, wave in enumerate(loaded):
         if isinstance(wave, np.ndarray):
             repeats[position] = duplicate_channels(wave) if wave.ndim == 2 else {}
-            for channel, samples in enumerate(_channels(wave)):
-                if channel not in repeats[position]:
-                    pieces += [((position, channel), segment, samples[segment.start : segment.end])
-                               for segment in _plan(model, samples, options)]
+            apart = [c for c in range(len(_channels(wave))) if c not in repeats[position]]
+            for channel in apart:
+                samples = wave[channel] if wave.ndim == 2 else wave
+                echo = _heard_elsewhere(model, wave, apart, channel) if options.skip_silence else None
+                pieces += [((position, channel), segment, samples[segment.start : segment.end])
+                           for segment in _plan(model, samples, options, echo)]
     hypotheses = [None] * len(pieces)
     order = sorted(range(len(pieces)), key=lambda i: len(pieces[i][2]), reverse=True)
     for start in range(0, len(order), options.batch_size):
@@ -133,6 +136,14 @@ def _outcome(model: ASRModel, wave: np.ndarray, pieces: dict[int, list], repeats
     return Conversation(transcripts, repeats) if wave.ndim == 2 else transcripts[0]
 
 
-def _plan(model: ASRModel, wave: np.ndarray, options: OfflineOptions) -> list[Segment]:
+def _heard_elsewhere(model: ASRModel, wave: np.ndarray, apart: list[int], channel: int) -> Elsewhere | None:
+    """Where a channel kept apart from others carries their sound (models.crosstalk): skipped like silence."""
+    if wave.ndim != 2 or len(apart) < 2:
+        return None
+    return heard_elsewhere([wave[c] for c in apart], apart.index(channel), model.sample_rate)
+
+
+def _plan(model: ASRModel, wave: np.ndarray, options: OfflineOptions, elsewhere: Elsewhere | None = None
+          ) -> list[Segment]:
     return plan_pieces(wave, model.sample_rate, options.max_segment_s, options.segment_overlap_s,
-                       model.config.frame_samples, options.skip_silence)
+                       model.config.frame_samples, options.skip_silence, elsewhere)

@@ -14,7 +14,7 @@ import numpy as np
 
 from decoding.types import Hypothesis
 
-from .silence import speech_regions
+from .silence import Elsewhere, speech_regions
 from .tokenizer import Tokenizer
 
 ENERGY_WINDOW_S = 0.1  # length of the window whose energy picks a cut point
@@ -58,11 +58,12 @@ def plan_segments(n_samples: int, waveform: np.ndarray, sample_rate: int, max_se
 
 
 def plan_pieces(waveform: np.ndarray, sample_rate: int, max_segment_s: float | None, overlap_s: float,
-                frame_samples: int, skip_silence: bool = False) -> list[Segment]:
+                frame_samples: int, skip_silence: bool = False, elsewhere: Elsewhere | None = None) -> list[Segment]:
     """Where a recording is cut for transcription: at quiet points every <= ``max_segment_s`` (None: whole), and
-    with ``skip_silence`` around its long quiet stretches, which are left out (none at all for a silent one)."""
+    with ``skip_silence`` around its long quiet stretches, which are left out (none at all for a silent one;
+    ``elsewhere``: what of it is another channel's, which counts as quiet)."""
     n = len(waveform)
-    regions = speech_regions(waveform, sample_rate, frame_samples) if skip_silence else [(0, n)]
+    regions = speech_regions(waveform, sample_rate, frame_samples, elsewhere) if skip_silence else [(0, n)]
     longest_s = max_segment_s if max_segment_s is not None else n / sample_rate + 1
     return plan_regions(waveform, regions, sample_rate, longest_s, overlap_s, frame_samples)
 

@@ -8,9 +8,14 @@ window of it lies close to the recording's own noise floor (``ABOVE_FLOOR_DB``);
 
 The floor is the recording's tenth-percentile window level, so the test is relative: a loud line's hiss and a
 digital silence are both the floor, and speech that stands out from the floor, however quiet, is kept.
+
+A channel of a call may also carry the other speaker faintly (echo on the line). Where it is known to
+(``Elsewhere``, from models.crosstalk), that sound counts as quiet too: it is the other channel's to transcribe.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -22,10 +27,28 @@ FLOOR_PERCENTILE = 10
 LEVEL_EPS = 1e-10  # rms added before the logarithm: digital silence is -200 dB, not -inf
 
 
-def speech_regions(waveform: np.ndarray, sample_rate: int, frame_samples: int) -> list[tuple[int, int]]:
+@dataclass(frozen=True)
+class Elsewhere:
+    """Where a recording's sound is another channel's, heard faintly: a flag for each step of ``step`` samples."""
+
+    flags: np.ndarray
+    step: int
+
+    def windows(self, window: int, n_windows: int) -> np.ndarray:
+        """A flag for each window of ``window`` samples: set when every step in it is."""
+        per_window = max(1, window // self.step)
+        flags = np.zeros(n_windows * per_window, dtype=bool)
+        known = self.flags[: len(flags)]
+        flags[: len(known)] = known
+        return flags.reshape(n_windows, per_window).all(axis=1)
+
+
+def speech_regions(waveform: np.ndarray, sample_rate: int, frame_samples: int, elsewhere: Elsewhere | None = None
+                   ) -> list[tuple[int, int]]:
     """(start, end) sample ranges of ``waveform`` to transcribe, in order, on the encoder's frame grid (starts
-    whole frames from the beginning): everything but the long quiet stretches. ``[(0, len)]`` when none is found;
-    ``[]`` when the whole recording is quiet (all of it at the floor: digital silence or bare noise is not).
+    whole frames from the beginning): everything but the long quiet stretches (counting as quiet what
+    ``elsewhere`` flags). ``[(0, len)]`` when none is found; ``[]`` when the whole recording is quiet (all of it at
+    the floor: digital silence or bare noise is not).
     """
     n = len(waveform)
     window = max(1, int(WINDOW_S * sample_rate))
@@ -36,6 +59,8 @@ def speech_regions(waveform: np.ndarray, sample_rate: int, frame_samples: int) -
     level_db = 20 * np.log10(np.sqrt(power) + LEVEL_EPS)
     floor_db = np.percentile(level_db, FLOOR_PERCENTILE)
     loud = level_db > floor_db + ABOVE_FLOOR_DB
+    if elsewhere is not None:
+        loud &= ~elsewhere.windows(window, n_windows)
     if not loud.any():
         # nothing stands out from the floor: digital silence is skipped, anything else is noise or steady
         # sound (a tone, music) and is transcribed whole, since there is no floor to tell speech from

@@ -15,8 +15,9 @@ import numpy as np
 from decoding.types import Hypothesis
 from models.config import ModelConfig
 from models.conversation import Conversation, duplicate_channels
-from models.crosstalk import drop_crosstalk
+from models.crosstalk import drop_crosstalk, heard_elsewhere
 from models.segmenter import Segment, plan_pieces, stitch
+from models.silence import Elsewhere
 from models.tokenizer import Tokenizer
 from models.transcript import Transcript, build_transcript
 
@@ -78,17 +79,18 @@ class Transcriber:
         self.sample_rate = config.features.sample_rate
         self.frame_samples = config.frame_samples
 
-    def plan(self, waveform: np.ndarray, skip_silence: bool = False) -> list[Segment]:
+    def plan(self, waveform: np.ndarray, skip_silence: bool = False, elsewhere: Elsewhere | None = None
+             ) -> list[Segment]:
         """Where ``transcribe`` cuts ``waveform`` into pieces (leaving out its long quiet stretches with
-        ``skip_silence``: models.silence)."""
+        ``skip_silence``, and what ``elsewhere`` says is another channel's: models.silence)."""
         return plan_pieces(waveform, self.sample_rate, self.max_segment_s, self.segment_overlap_s, self.frame_samples,
-                           skip_silence)
+                           skip_silence, elsewhere)
 
-    def submit(self, waveform: np.ndarray, priority: Priority = Priority.INTERACTIVE, skip_silence: bool = False
-               ) -> QueuedRequest:
+    def submit(self, waveform: np.ndarray, priority: Priority = Priority.INTERACTIVE, skip_silence: bool = False,
+               elsewhere: Elsewhere | None = None) -> QueuedRequest:
         """Cut ``waveform`` and queue its pieces (raises ``QueueFull``). The caller must ``cancel`` the request
         when it is done with it: that drops pieces still queued."""
-        segments = self.plan(waveform, skip_silence)
+        segments = self.plan(waveform, skip_silence, elsewhere)
         items = [WorkItem(waveform[s.start : s.end], priority, self.timeout_s) for s in segments]
         if items:  # none for a silent recording whose silence is skipped
             self.queue.submit(items)
@@ -111,10 +113,14 @@ class Transcriber:
         transcribed, and is left empty."""
         repeats = await asyncio.to_thread(duplicate_channels, channels)  # reads every sample: off the event loop
         apart = [c for c in range(len(channels)) if c not in repeats]
+        echoes: list[Elsewhere | None] = [None] * len(apart)
+        if skip_silence and len(apart) > 1:  # each channel's echo of the others is skipped like silence
+            echoes = await asyncio.to_thread(lambda: [heard_elsewhere([channels[c] for c in apart], i, self.sample_rate)
+                                                      for i in range(len(apart))])
         requests: list[QueuedRequest] = []
         try:
-            for channel in apart:
-                requests.append(self.submit(channels[channel], priority, skip_silence))
+            for channel, echo in zip(apart, echoes, strict=True):
+                requests.append(self.submit(channels[channel], priority, skip_silence, echo))
             stitched = [await request.stitched() for request in requests]
         finally:
             for request in requests:

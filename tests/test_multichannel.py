@@ -17,6 +17,8 @@ import soundfile as sf
 
 from models import load_model
 from models.conversation import Conversation
+from models.crosstalk import heard_elsewhere
+from models.segmenter import plan_pieces
 from models.transcript import Transcript, Word
 from service.audio import AudioLimits, AudioRequestError, AudioTooLarge, TooManyChannels, decode_audio
 from service.config import Settings
@@ -203,6 +205,24 @@ def test_a_quieter_line_talking_over_the_other_keeps_every_word(model):
     conversation = model.transcribe(call, multichannel=True)[0]
     assert [t.tokens for t in conversation.channels] == [t.tokens for t in own]
     assert own[1].text.endswith(EXPECTED["sentences_000110.wav"])
+
+
+def test_with_skip_silence_an_echo_is_skipped_like_silence(model):
+    """An echo 30 dB down keeps the customer's channel above its floor; with skip_silence what is flagged as the
+    agent's is skipped too, so only the customer's turn is transcribed. A quieter line talking over the agent is
+    not flagged anywhere."""
+    call = _call()
+    echoed = call + call[::-1] * 10 ** (-30 / 20)
+    echo = heard_elsewhere(list(echoed), 1, RATE)
+    pieces = plan_pieces(echoed[1], RATE, 30.0, 2.0, model.config.frame_samples, True, echo)
+    assert plan_pieces(echoed[1], RATE, 30.0, 2.0, model.config.frame_samples, True)[0].end == len(echoed[1])
+    assert [(p.start, p.end) for p in pieces] == [(int(3.36 * RATE), int(6.85 * RATE))]  # its turn, padded
+    conversation = model.transcribe(echoed, multichannel=True, skip_silence=True)[0]
+    assert conversation.channels[1].text == EXPECTED["sentences_000110.wav"]
+    quieter = call.copy()
+    quieter[1] *= 10 ** (-12 / 20)
+    assert not heard_elsewhere(list(quieter), 1, RATE).flags.any()
+    assert not heard_elsewhere(list(call), 0, RATE).flags.any()
 
 
 def test_cli_transcribes_a_folder_of_calls_as_conversations(alone, tmp_path):
