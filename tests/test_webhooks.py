@@ -310,6 +310,28 @@ def test_a_job_cancelled_before_any_worker_took_it_still_gets_its_webhook(redis_
     assert redis_server.client().xpending(WEBHOOK_STREAM, GROUP)["pending"] == 0
 
 
+def test_a_purged_job_is_not_announced(redis_server, receiver):
+    """A job deleted (purge) after it ended, before its webhook went out: the delivery is dropped, nothing is
+    posted, and nothing of the job comes back."""
+    hook = receiver(200)
+
+    async def scenario() -> str:
+        store = JobStore.from_url(redis_server.url)
+        await store.ensure_group()
+        job_id = await _finished_job_with_webhook(store, hook.url())
+        await store.delete(job_id)
+        sender = WebhookSender(SECRET, url_prefixes=[hook.prefix()])
+        await WebhookWorker(store, sender, "next", Metrics()).drain()
+        await sender.close()
+        await store.close()
+        return job_id
+
+    job_id = asyncio.run(scenario())
+    assert hook.received == []
+    assert redis_server.client().xpending(WEBHOOK_STREAM, GROUP)["pending"] == 0
+    assert not redis_server.client().keys(f"*{job_id}*")
+
+
 def test_a_delivery_whose_worker_died_is_reclaimed_by_another(redis_server, receiver):
     hook = receiver(None, 200)  # the first delivery hangs: its worker dies meanwhile
 
