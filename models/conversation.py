@@ -8,6 +8,7 @@ into utterances: a speaker's words up to a pause or until someone else speaks.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -16,6 +17,7 @@ from .transcript import Transcript, Word
 
 UTTERANCE_GAP_S = 1.0  # a pause this long ends an utterance even when nobody else speaks in it
 SAME_BELOW_DB = 40.0  # a channel whose difference from an earlier one is this far below it repeats that one
+SPEAKER_NAME = re.compile(r"[\w][\w .'-]{0,39}")  # "agent", "Customer 2", "o'brien": no brackets or markup
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,11 @@ class Conversation:
     channels: list[Transcript]  # one per channel, in the file's order
     # channel -> the earlier channel it repeats (a mono recording stored as stereo): not transcribed, left empty
     duplicates: dict[int, int] = field(default_factory=dict)
+    names: list[str] = field(default_factory=list)  # the speakers by channel ("agent", "customer"); may be fewer
+
+    def speaker(self, channel: int) -> str:
+        """Who speaks on ``channel``: its name, else "channel N"."""
+        return self.names[channel] if channel < len(self.names) else f"channel {channel}"
 
     @property
     def duration_s(self) -> float:
@@ -39,8 +46,8 @@ class Conversation:
 
     @property
     def text(self) -> str:
-        """One line per utterance, in time order, each saying its channel."""
-        return "\n".join(f"{speaker_label(u.channel)} {u.text}" for u in self.utterances())
+        """One line per utterance, in time order, each saying who speaks: ``[agent] how can i help``."""
+        return "\n".join(f"[{self.speaker(u.channel)}] {u.text}" for u in self.utterances())
 
     def utterances(self, max_gap_s: float = UTTERANCE_GAP_S) -> list[Utterance]:
         """Every channel's words merged by start time (a tie goes to the lower channel) and grouped: an utterance
@@ -61,8 +68,15 @@ class Conversation:
         return [(u.channel, w) for u in self.utterances() for w in u.words]
 
 
-def speaker_label(channel: int) -> str:
-    return f"[channel {channel}]"
+def parse_names(text: str) -> list[str]:
+    """Speaker names in channel order from ``agent,customer``; ValueError for an empty one or one with other
+    characters than letters, digits, spaces and ``.'-_`` (names go into subtitles and WebVTT voice tags)."""
+    names = [name.strip() for name in text.split(",")]
+    for name in names:
+        if not SPEAKER_NAME.fullmatch(name):
+            raise ValueError(f"{name!r} is not a speaker name: 1 to 40 letters, digits, spaces or .'-_, one a channel "
+                             "in order, comma-separated")
+    return names
 
 
 def duplicate_channels(channels: np.ndarray) -> dict[int, int]:

@@ -33,7 +33,16 @@ from .body_limit import FORM_OVERHEAD_BYTES, BodyLimitMiddleware, BodyTooLarge
 from .config import Settings
 from .engine_link import EngineLink
 from .formats import cues, to_srt, to_vtt
-from .http import ApiError, ServiceDep, ServiceState, flag, install_error_handlers, read_upload, require_api_key
+from .http import (
+    ApiError,
+    ServiceDep,
+    ServiceState,
+    flag,
+    install_error_handlers,
+    read_upload,
+    require_api_key,
+    speaker_names,
+)
 from .job_routes import job_too_large_message
 from .job_routes import router as jobs_router
 from .logs import log_fields
@@ -288,14 +297,18 @@ async def openai_transcriptions(
 @v1.post("/transcribe", response_model=NativeTranscription, response_model_exclude_none=True)
 async def native_transcribe(request: Request, service: ServiceDep,
                             multichannel: Annotated[str | None, Query()] = None,
-                            skip_silence: Annotated[str | None, Query()] = None) -> NativeTranscription:
+                            skip_silence: Annotated[str | None, Query()] = None,
+                            channel_names: Annotated[str | None, Query()] = None) -> NativeTranscription:
     """Native transcription: a multipart `file` or the raw audio as the body; full timing detail. With
     `multichannel=true` (query or form field) each channel is transcribed apart (a call's agent and customer) and
-    the answer is the conversation: utterances in time order, each naming its channel. `skip_silence=true` leaves
-    long quiet stretches out (no words can come from them; they cost nothing)."""
+    the answer is the conversation: utterances in time order, each naming its channel (or its speaker, from
+    `channel_names=agent,customer`). `skip_silence=true` leaves long quiet stretches out (no words can come from
+    them; they cost nothing)."""
     content_type = request.headers.get("content-type", "")
     form = await request.form() if content_type.startswith("multipart/form-data") else None
     apart, skip = _option("multichannel", multichannel, form), _option("skip_silence", skip_silence, form)
+    names = speaker_names(form.get("channel_names") if channel_names is None and form is not None else channel_names,
+                          apart)
     if form is not None:
         upload = form.get("file")
         waveform = await _decoded_upload(service, upload if isinstance(upload, StarletteUpload) else None, apart)
@@ -304,7 +317,9 @@ async def native_transcribe(request: Request, service: ServiceDep,
     if apart:
         assert service.stack is not None
         channels = service.stack.transcriber.transcribe_channels(waveform, Priority.INTERACTIVE, skip)
-        return _native_conversation(service, await _while_client_waits(request, channels))
+        result = await _while_client_waits(request, channels)
+        result.conversation.names = names
+        return _native_conversation(service, result)
     result = await _transcribe(request, service, waveform, skip)
     t = result.transcript
     return NativeTranscription(
@@ -328,9 +343,10 @@ def _native_conversation(service: ServiceState, result: ConversationResult) -> N
                for channel, w in conversation.timed_words()],
         duration_s=round(conversation.duration_s, 6), queue_s=round(result.queue_s, 6),
         compute_s=round(result.compute_s, 6), rtfx=round(result.rtfx, 3), segments=result.n_segments,
-        utterances=[UtteranceTiming(channel=u.channel, start=u.start_s, end=u.end_s, text=u.text)
-                    for u in conversation.utterances()],
-        channels=[ChannelTranscription(channel=i, text=t.text, tokens=t.tokens, token_frames=t.token_frames,
+        utterances=[UtteranceTiming(channel=u.channel, speaker=conversation.speaker(u.channel), start=u.start_s,
+                                    end=u.end_s, text=u.text) for u in conversation.utterances()],
+        channels=[ChannelTranscription(channel=i, name=conversation.names[i] if i < len(conversation.names) else None,
+                                       text=t.text, tokens=t.tokens, token_frames=t.token_frames,
                                        words=_words(t.words), duplicate_of=conversation.duplicates.get(i))
                   for i, t in enumerate(conversation.channels)],
     )

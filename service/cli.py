@@ -17,8 +17,18 @@ from pathlib import Path
 FORMATS = ("text", "json", "jsonl", "srt", "vtt")
 MULTICHANNEL_HELP = ("transcribe each channel apart (a call's agent and customer) and give each file as a "
                      "conversation: utterances in time order, each naming its channel")
+CHANNEL_NAMES_HELP = "with --multichannel: the speakers, one a channel in order (e.g. agent,customer)"
 SKIP_SILENCE_HELP = ("leave out quiet stretches of 2 s or more (near the recording's noise floor): they cost nothing "
                      "and give no words")
+
+
+def _names(text: str) -> list[str]:
+    from models.conversation import parse_names
+
+    try:
+        return parse_names(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
@@ -48,6 +58,7 @@ def _transcribe_parser(sub: argparse._SubParsersAction) -> None:
     _add_decoding_options(p)
     p.add_argument("--format", default="text", choices=FORMATS, help="output format (default: text)")
     p.add_argument("--multichannel", action="store_true", help=MULTICHANNEL_HELP)
+    p.add_argument("--channel-names", type=_names, default=[], metavar="NAMES", help=CHANNEL_NAMES_HELP)
     p.add_argument("--skip-silence", action="store_true", help=SKIP_SILENCE_HELP)
     p.add_argument("--output-dir", type=Path,
                    help="write one <name>.<format> per input here instead of printing to stdout")
@@ -65,6 +76,7 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     """Files (and directories of them) transcribed in bounded memory, each result written as it comes (a run over
     thousands of files keeps what it has done); a file that cannot be read is reported and skipped."""
     from models import load_model
+    from models.conversation import Conversation
 
     from .formats import render, to_record
     from .output_files import output_names, write_whole
@@ -79,6 +91,9 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
         return 2
     if args.format in ("srt", "vtt") and len(named) > 1 and args.output_dir is None:
         print(f"error: --format {args.format} prints one file; use --output-dir for several", file=sys.stderr)
+        return 2
+    if args.channel_names and not args.multichannel:
+        print("error: --channel-names names the channels of --multichannel", file=sys.stderr)
         return 2
     if args.output_dir is not None and args.skip_existing:
         done = [path for path, name in named.items() if (args.output_dir / name).is_file()]
@@ -95,6 +110,8 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
         args.output_dir.mkdir(parents=True, exist_ok=True)
     records, failed = [], 0
     for path, outcome in zip(files, outcomes, strict=True):
+        if isinstance(outcome, Conversation):
+            outcome.names = args.channel_names
         if isinstance(outcome, Exception):
             failed += 1
             print(f"error: {outcome}", file=sys.stderr)
@@ -230,6 +247,7 @@ def _submit_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--priority", choices=["high", "normal", "low"], default="normal",
                    help="workers take high jobs' items before normal ones', and normal before low (default normal)")
     p.add_argument("--multichannel", action="store_true", help=MULTICHANNEL_HELP)
+    p.add_argument("--channel-names", type=_names, default=[], metavar="NAMES", help=CHANNEL_NAMES_HELP)
     p.add_argument("--skip-silence", action="store_true", help=SKIP_SILENCE_HELP)
     p.add_argument("--output-dir", type=Path,
                    help="with --wait: write one <name>.<format> per input here (named as transcribe --output-dir "
@@ -258,6 +276,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if not inputs:
         print("error: no audio files or URLs found", file=sys.stderr)
         return 2
+    if args.channel_names and not args.multichannel:
+        print("error: --channel-names names the channels of --multichannel", file=sys.stderr)
+        return 2
     write_result = None
     if args.output_dir is not None:
         if not args.wait:
@@ -272,7 +293,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
         return asyncio.run(run_submit(inputs, args.redis_url, args.server, args.api_key, args.wait, out,
                                       args.idempotency_key, job_bytes=job_bytes,
                                       options=JobOptions(args.webhook_url, JobPriority(args.priority),
-                                                         args.multichannel, args.skip_silence),
+                                                         args.multichannel, args.skip_silence,
+                                                         channel_names=tuple(args.channel_names)),
                                       write_result=write_result))
 
 

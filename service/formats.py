@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from models.conversation import Conversation, Utterance, speaker_label
+from models.conversation import Conversation, Utterance
 from models.transcript import Transcript, Word
 
 MAX_CUE_S = 6.0  # a subtitle cue spans at most this long
@@ -22,7 +22,7 @@ class Cue:
     start_s: float
     end_s: float
     text: str
-    channel: int | None = None  # whose words, in a conversation
+    speaker: str | None = None  # whose words, in a conversation
 
 
 def cues(words: list[Word], max_s: float = MAX_CUE_S, max_chars: int = MAX_CUE_CHARS) -> list[Cue]:
@@ -52,12 +52,13 @@ def _timestamp(seconds: float, decimal: str) -> str:
 def _cues_of(transcript: Transcript | Conversation) -> list[Cue]:
     if isinstance(transcript, Transcript):
         return cues(transcript.words)
-    return [Cue(c.start_s, c.end_s, c.text, u.channel) for u in transcript.utterances() for c in cues(u.words)]
+    return [Cue(c.start_s, c.end_s, c.text, transcript.speaker(u.channel))
+            for u in transcript.utterances() for c in cues(u.words)]
 
 
 def to_srt(transcript: Transcript | Conversation) -> str:
     def text(c: Cue) -> str:
-        return c.text if c.channel is None else f"{speaker_label(c.channel)} {c.text}"
+        return c.text if c.speaker is None else f"[{c.speaker}] {c.text}"
 
     blocks = [f"{i}\n{_timestamp(c.start_s, ',')} --> {_timestamp(c.end_s, ',')}\n{text(c)}\n"
               for i, c in enumerate(_cues_of(transcript), start=1)]
@@ -66,7 +67,7 @@ def to_srt(transcript: Transcript | Conversation) -> str:
 
 def to_vtt(transcript: Transcript | Conversation) -> str:
     def text(c: Cue) -> str:
-        return c.text if c.channel is None else f"<v channel {c.channel}>{c.text}"
+        return c.text if c.speaker is None else f"<v {c.speaker}>{c.text}"
 
     blocks = [f"{_timestamp(c.start_s, '.')} --> {_timestamp(c.end_s, '.')}\n{text(c)}\n"
               for c in _cues_of(transcript)]
@@ -77,8 +78,8 @@ def word_dicts(words: list[Word]) -> list[dict[str, Any]]:
     return [{"word": w.word, "start": w.start_s, "end": w.end_s} for w in words]
 
 
-def utterance_dict(u: Utterance) -> dict[str, Any]:
-    return {"channel": u.channel, "start": u.start_s, "end": u.end_s, "text": u.text}
+def utterance_dict(u: Utterance, speaker: str) -> dict[str, Any]:
+    return {"channel": u.channel, "speaker": speaker, "start": u.start_s, "end": u.end_s, "text": u.text}
 
 
 def to_record(transcript: Transcript | Conversation, audio: str | None = None) -> dict[str, Any]:
@@ -93,10 +94,15 @@ def to_record(transcript: Transcript | Conversation, audio: str | None = None) -
     record.update(
         text=transcript.text, tokens=None, token_frames=None, duration_s=round(transcript.duration_s, 6),
         words=[{**word_dicts([w])[0], "channel": c} for c, w in transcript.timed_words()],
-        utterances=[utterance_dict(u) for u in transcript.utterances()],
-        channels=[{"channel": i, **to_record(t), **_repeats(transcript, i)} for i, t in enumerate(transcript.channels)],
+        utterances=[utterance_dict(u, transcript.speaker(u.channel)) for u in transcript.utterances()],
+        channels=[{"channel": i, **_name(transcript, i), **to_record(t), **_repeats(transcript, i)}
+                  for i, t in enumerate(transcript.channels)],
     )
     return record
+
+
+def _name(conversation: Conversation, channel: int) -> dict[str, str]:
+    return {"name": conversation.names[channel]} if channel < len(conversation.names) else {}
 
 
 def _repeats(conversation: Conversation, channel: int) -> dict[str, int]:
@@ -117,8 +123,10 @@ def from_record(record: dict[str, Any]) -> Transcript | Conversation:
     """A job item's result (its text, tokens, words and duration; or its channels') as a transcript, to render as
     ``render`` does."""
     if record.get("channels") is not None:
-        return Conversation([_transcript_from(channel) for channel in record["channels"]],
-                            {c["channel"]: c["duplicate_of"] for c in record["channels"] if "duplicate_of" in c})
+        channels = record["channels"]
+        named = [c["name"] for c in channels if "name" in c]
+        return Conversation([_transcript_from(c) for c in channels],
+                            {c["channel"]: c["duplicate_of"] for c in channels if "duplicate_of" in c}, named)
     return _transcript_from(record)
 
 

@@ -13,6 +13,8 @@ from fastapi.responses import JSONResponse
 from starlette.datastructures import UploadFile as StarletteUpload
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from models.conversation import parse_names
+
 from .config import Settings
 from .intake import IntakeBudget
 from .jobs import ANONYMOUS, JobStore
@@ -130,6 +132,20 @@ def request_owner(request: Request) -> str:
 # --- shared request handling -------------------------------------------------------------------------------
 
 TRUE_WORDS, FALSE_WORDS = {"true", "1", "yes", "on"}, {"false", "0", "no", "off", ""}
+
+
+def speaker_names(value: object, multichannel: bool, param: str = "channel_names") -> list[str]:
+    """Speaker names, one a channel in order (``agent,customer``); none when absent. 400 for a bad name, or for
+    names without ``multichannel``."""
+    if not value:
+        return []
+    if not multichannel:
+        raise ApiError(400, f"`{param}` names the channels of a multichannel request: add multichannel=true",
+                       param=param, code="invalid_parameter")
+    try:
+        return parse_names(value if isinstance(value, str) else ",".join(value))
+    except (ValueError, TypeError) as exc:
+        raise ApiError(400, f"`{param}`: {exc}", param=param, code="invalid_parameter") from exc
 
 
 def flag(value: object, param: str) -> bool:

@@ -17,7 +17,16 @@ from pydantic import BaseModel, Field, model_validator
 from starlette.datastructures import UploadFile as StarletteUpload
 
 from .config import Settings
-from .http import ApiError, ServiceDep, ServiceState, flag, read_upload, request_owner, require_api_key
+from .http import (
+    ApiError,
+    ServiceDep,
+    ServiceState,
+    flag,
+    read_upload,
+    request_owner,
+    require_api_key,
+    speaker_names,
+)
 from .jobs import (
     REDIS_ERRORS,
     REDIS_FULL,
@@ -61,6 +70,7 @@ class JobCreate(BaseModel):
     priority: JobPriority = JobPriority.NORMAL  # workers take high before normal, normal before low
     multichannel: bool = False  # each channel transcribed apart: every item's result is a conversation
     skip_silence: bool = False  # long quiet stretches left out (models.silence)
+    channel_names: list[str] | None = None  # with multichannel: the speakers, one a channel in order
 
 
 def _store(service: ServiceState) -> JobStore:
@@ -92,8 +102,9 @@ async def _form_uploads(request: Request, service: ServiceState) -> tuple[list[S
         raise ApiError(400, f"priority must be one of {', '.join(p.value for p in JobPriority)}", param="priority",
                        code="invalid_priority") from exc
     multichannel, skip_silence = (flag(form.get(name, ""), name) for name in ("multichannel", "skip_silence"))
+    names = speaker_names(form.get("channel_names"), multichannel)
     return uploads, JobOptions(webhook if isinstance(webhook, str) else None, priority, multichannel, skip_silence,
-                               owner=request_owner(request))
+                               owner=request_owner(request), channel_names=tuple(names))
 
 
 async def _read_uploads(uploads: list[StarletteUpload], service: ServiceState) -> list[ItemInput]:
@@ -111,8 +122,9 @@ async def _json_items(request: Request) -> tuple[list[ItemInput], JobOptions]:
         raise ApiError(400, f"invalid job: {exc}", code="invalid_job") from exc
     items = [ItemInput(audio=item.path, path=item.path) if item.path is not None
              else ItemInput(audio=str(item.url), url=item.url) for item in body.items]
+    names = speaker_names(body.channel_names, body.multichannel)
     return items, JobOptions(body.webhook_url, body.priority, body.multichannel, body.skip_silence,
-                             owner=request_owner(request))
+                             owner=request_owner(request), channel_names=tuple(names))
 
 
 def _check_inputs(items: list[ItemInput], settings: Settings) -> None:

@@ -230,6 +230,7 @@ class JobConsumer:
                 if multichannel:
                     result = await self.transcriber.transcribe_channels(waveform, priority, skip_silence)
                     transcript = result.conversation
+                    transcript.names = record.get("channel_names") or []
                 else:
                     result = await self.transcriber.transcribe(waveform, priority, skip_silence)
                     transcript = result.transcript

@@ -231,6 +231,7 @@ class JobOptions:
     multichannel: bool = False  # each channel of every item transcribed apart (models.conversation)
     skip_silence: bool = False  # long quiet stretches left out (models.silence)
     owner: str = ANONYMOUS  # who may see the job (service.http.owner_of: a hash of the submitter's API key)
+    channel_names: tuple[str, ...] = ()  # with multichannel: the speakers, one a channel in order
 
 
 @dataclass(frozen=True)
@@ -258,6 +259,7 @@ class Job:
     multichannel: bool = False
     skip_silence: bool = False
     owner: str = ANONYMOUS
+    channel_names: tuple[str, ...] = ()
     webhook_url: str | None = None
     webhook_status: str | None = None  # pending | delivered | failed, when the job has a webhook
     webhook_attempts: int = 0
@@ -275,7 +277,9 @@ class Job:
     def to_dict(self) -> dict[str, Any]:
         return {"id": self.id, "object": "transcription.job", "status": self.status.value,
                 "priority": self.priority.value, "multichannel": self.multichannel,
-                "skip_silence": self.skip_silence, "total_items": self.total_items, "counts": self.counts,
+                "skip_silence": self.skip_silence, **({"channel_names": list(self.channel_names)}
+                                                      if self.channel_names else {}),
+                "total_items": self.total_items, "counts": self.counts,
                 "created_at": self.created_at,
                 "started_at": self.started_at, "finished_at": self.finished_at, "audio_s": round(self.audio_s, 3),
                 "compute_s": round(self.compute_s, 3), "rtfx": round(self.rtfx, 2), **self._webhook_dict()}
@@ -383,6 +387,8 @@ class JobStore:
             for name in ("multichannel", "skip_silence"):  # the worker reads them from the item's own record
                 if getattr(options, name):
                     record[name] = True
+            if options.channel_names:
+                record["channel_names"] = list(options.channel_names)
             if item.upload is not None:
                 upload_key = UPLOAD_KEY.format(job_id=job_id, index=index)
                 pipe.set(upload_key, item.upload, ex=self.input_ttl_s)
@@ -400,7 +406,7 @@ class JobStore:
             "n_in_progress": 0, "n_completed": 0, "n_failed": 0, "n_cancelled": 0, "audio_s": 0, "compute_s": 0,
             "webhook_url": options.webhook_url or "", "webhook_status": "pending" if options.webhook_url else "",
             "priority": options.priority.value, "multichannel": int(options.multichannel),
-            "skip_silence": int(options.skip_silence)})
+            "skip_silence": int(options.skip_silence), "channel_names": json.dumps(list(options.channel_names))})
         pipe.hset(INPUTS_KEY.format(job_id=job_id), mapping=inputs)
         pipe.hset(STATES_KEY.format(job_id=job_id), mapping=states)
         for index in range(len(items)):
@@ -678,7 +684,8 @@ def _job(job_id: str, raw: dict[bytes, bytes]) -> Job:
                started_at=opt("started_at"), finished_at=opt("finished_at"), audio_s=float(h["audio_s"]),
                compute_s=float(h["compute_s"]), priority=JobPriority(h.get("priority") or "normal"),
                multichannel=h.get("multichannel") == "1", skip_silence=h.get("skip_silence") == "1",
-               owner=h.get("owner") or ANONYMOUS, webhook_url=h.get("webhook_url") or None,
+               owner=h.get("owner") or ANONYMOUS, channel_names=tuple(json.loads(h.get("channel_names") or "[]")),
+               webhook_url=h.get("webhook_url") or None,
                webhook_status=h.get("webhook_status") or None, webhook_attempts=int(h.get("webhook_attempts", 0)),
                webhook_error=h.get("webhook_error") or None)
 

@@ -62,6 +62,7 @@ class UtteranceTiming(BaseModel):
     """A speaker's words up to a pause or until another channel speaks."""
 
     channel: int
+    speaker: str  # its name from channel_names, else "channel N"
     start: float
     end: float
     text: str
@@ -69,6 +70,7 @@ class UtteranceTiming(BaseModel):
 
 class ChannelTranscription(BaseModel):
     channel: int  # 0-based, in the file's order
+    name: str | None = None  # the speaker's, from channel_names
     text: str
     tokens: list[int]
     token_frames: list[int]

@@ -91,12 +91,25 @@ def test_a_conversation_renders_with_its_speakers_and_comes_back_from_its_record
     assert vtt.startswith("WEBVTT\n\n") and "00:00:01.000 --> 00:00:01.200\n<v channel 1>hi\n" in vtt
     record = to_record(conversation, "call.wav")
     assert record["words"][-1] == {"word": "hi", "start": 1.0, "end": 1.2, "channel": 1}
-    assert record["utterances"] == [{"channel": 0, "start": 0.0, "end": 0.9, "text": "hello there"},
-                                    {"channel": 1, "start": 1.0, "end": 1.2, "text": "hi"}]
+    assert record["utterances"] == [
+        {"channel": 0, "speaker": "channel 0", "start": 0.0, "end": 0.9, "text": "hello there"},
+        {"channel": 1, "speaker": "channel 1", "start": 1.0, "end": 1.2, "text": "hi"}]
     assert [c["text"] for c in record["channels"]] == ["hello there", "hi"]
     back = from_record(json.loads(json.dumps(record)))
     for fmt in ("text", "srt", "vtt"):
         assert render(back, "call.wav", fmt) == render(conversation, "call.wav", fmt)
+    # named speakers, in every rendering and back from the record
+    conversation.names = ["agent", "customer"]
+    assert render(conversation, "call.wav", "text") == "[agent] hello there\n[customer] hi\n"
+    assert "[agent] hello there" in render(conversation, "call.wav", "srt")
+    assert "<v customer>hi" in render(conversation, "call.wav", "vtt")
+    record = to_record(conversation, "call.wav")
+    assert [u["speaker"] for u in record["utterances"]] == ["agent", "customer"]
+    assert [c["name"] for c in record["channels"]] == ["agent", "customer"]
+    back = from_record(json.loads(json.dumps(record)))
+    assert back.names == ["agent", "customer"]
+    assert render(back, "call.wav", "vtt") == render(conversation, "call.wav", "vtt")
+    assert Conversation(conversation.channels, names=["agent"]).text.splitlines()[1] == "[channel 1] hi"
 
 
 # --- decoding ------------------------------------------------------------------------------------------------------
@@ -241,6 +254,13 @@ def test_cli_transcribes_a_folder_of_calls_as_conversations(alone, tmp_path):
     assert result.returncode == 0, result.stderr
     vtt = (out / "call.vtt").read_text()
     assert "<v channel 0>" in vtt and "<v channel 1>" in vtt
+    result = subprocess.run([*command, "--channel-names", "agent,customer", "--format", "text",
+                             str(tmp_path / "calls")], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert {line.split("]")[0] for line in result.stdout.splitlines()} == {"[agent", "[customer"}
+    refused = subprocess.run([*command[:-1], "--channel-names", "agent,customer", str(tmp_path / "calls")],
+                             capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "--multichannel" in refused.stderr
 
 
 # --- HTTP and jobs -------------------------------------------------------------------------------------------------
@@ -283,6 +303,11 @@ def test_http_transcribes_the_channels_apart(server, alone):
     assert form.status_code == 200 and form.json()["channels"] == body["channels"]
     mixed = httpx.post(f"{server.url}/v1/transcribe", content=data, timeout=120).json()
     assert "channels" not in mixed and "utterances" not in mixed and mixed["tokens"]
+    named = httpx.post(f"{server.url}/v1/transcribe", content=data, timeout=120,
+                       params={"multichannel": "true", "channel_names": "agent,customer"}).json()
+    assert [c["name"] for c in named["channels"]] == ["agent", "customer"]
+    assert {u["speaker"] for u in named["utterances"]} == {"agent", "customer"}
+    assert named["text"].splitlines()[0].startswith(("[agent] ", "[customer] "))
 
 
 @pytest.mark.parametrize(("query", "data", "status", "code"), [
@@ -290,6 +315,8 @@ def test_http_transcribes_the_channels_apart(server, alone):
     ("multichannel=true", "three_channels", 400, "too_many_channels"),
     ("multichannel=true", "long_call", 413, "audio_too_large"),  # 2 x 11 s: over the 20 s limit
     ("multichannel=false", "long_call", 200, None),  # mixed down: 11 s
+    ("channel_names=agent,customer", "call", 400, "invalid_parameter"),  # names without multichannel
+    ("multichannel=true&channel_names=agent,<b>boss</b>", "call", 400, "invalid_parameter"),
 ])
 def test_http_multichannel_refusals(server, query, data, status, code):
     audio = {"call": _flac(_call()), "three_channels": _flac(_call(seconds=2.0, channels=3)),
@@ -333,6 +360,17 @@ def test_a_bulk_job_of_calls_gives_conversations(server, alone, tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert (out / "call.vtt").read_text() == render(from_record(record), "call.flac", "vtt")
+    # the speakers named: in the job, its results and the files
+    named = subprocess.run([sys.executable, "-m", "service.cli", "submit", "--server", server.url, "--multichannel",
+                            "--channel-names", "agent,customer", "--wait", "--output-dir", str(tmp_path / "named"),
+                            "--format", "vtt", str(tmp_path / "calls")], capture_output=True, text=True, timeout=120)
+    assert named.returncode == 0, named.stderr
+    vtt = (tmp_path / "named" / "call.vtt").read_text()
+    assert "<v agent>" in vtt and "<v customer>" in vtt and "<v channel" not in vtt
+    unnamed = subprocess.run([sys.executable, "-m", "service.cli", "submit", "--server", server.url,
+                              "--channel-names", "agent,customer", str(tmp_path / "calls")], capture_output=True,
+                             text=True, timeout=60)
+    assert unnamed.returncode == 2 and "--multichannel" in unnamed.stderr
 
 
 # --- skip_silence --------------------------------------------------------------------------------------------------
