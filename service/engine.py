@@ -148,9 +148,10 @@ class Engine:
         compute_s = sum(stage_s.values())
         rate = self.model.sample_rate
         audio_s = batch.n_samples / rate
-        for item, hyp in zip(batch.items, hyps, strict=True):
-            share = compute_s * item.n_samples / batch.n_samples
-            item.future.set_result(ItemResult(hyp, started - item.enqueued_at, share, len(batch.items)))
+        # counted before the results go out: whoever has a result and scrapes sees its batch
         self.batcher.record_throughput(audio_s, compute_s)
         self.metrics.observe_batch(len(batch.items), audio_s, batch.padded_samples / rate, compute_s, stage_s,
                                    [started - item.enqueued_at for item in batch.items])
+        for item, hyp in zip(batch.items, hyps, strict=True):
+            share = compute_s * item.n_samples / batch.n_samples
+            item.future.set_result(ItemResult(hyp, started - item.enqueued_at, share, len(batch.items)))
