@@ -26,7 +26,7 @@ import numpy as np
 
 from decoding.types import Hypothesis
 
-from .silence import Elsewhere
+from .silence import Elsewhere, step_power
 from .tokenizer import Tokenizer
 
 ECHO_BELOW_DB = 10.0
@@ -103,7 +103,7 @@ def heard_elsewhere(channels: Sequence[np.ndarray], x: int, sample_rate: int) ->
     as ``drop_crosstalk`` judges a word over the ``MIN_SPAN_S`` centred on the step. Vectorised over the steps,
     a delay at a time (an hour of a call: a fraction of a second)."""
     step, block = int(ENVELOPE_S * sample_rate), int(MIN_SPAN_S / ENVELOPE_S)
-    ours = _step_power(channels[x], step)
+    ours = step_power(channels[x], step)
     flags = np.zeros(len(ours), dtype=bool)
     if len(ours) < block:
         return Elsewhere(flags, step)
@@ -111,7 +111,7 @@ def heard_elsewhere(channels: Sequence[np.ndarray], x: int, sample_rate: int) ->
     for y, other in enumerate(channels):
         if y == x:
             continue
-        theirs = _step_power(other, step)[: len(ours)]
+        theirs = step_power(other, step)[: len(ours)]
         louder = _rolling_sum(theirs, block) >= _rolling_sum(ours, block) * 10 ** (ECHO_BELOW_DB / 10)
         theirs_db = _centred_db(theirs)
         best = np.full(len(louder), -1.0)
@@ -121,11 +121,6 @@ def heard_elsewhere(channels: Sequence[np.ndarray], x: int, sample_rate: int) ->
         echo = louder & (best >= ECHO_CORRELATION)  # of the block starting at each step
         flags[block // 2 : block // 2 + len(echo)] |= echo
     return Elsewhere(flags, step)
-
-
-def _step_power(samples: np.ndarray, step: int) -> np.ndarray:
-    n = len(samples) // step
-    return np.square(samples[: n * step].astype(np.float64)).reshape(n, step).mean(axis=1)
 
 
 def _centred_db(power: np.ndarray) -> np.ndarray:
@@ -153,9 +148,7 @@ def _power_db(samples: np.ndarray) -> float:
 
 
 def _envelope_db(samples: np.ndarray, step: int) -> np.ndarray:
-    n = len(samples) // step
-    power = np.square(samples[: n * step].astype(np.float64)).reshape(n, step).mean(axis=1)
-    return 10 * np.log10(power + 1e-20)
+    return 10 * np.log10(step_power(samples, step) + 1e-20)
 
 
 def _keep(hyp: Hypothesis, words: list[WordSpan]) -> Hypothesis:

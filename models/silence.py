@@ -55,8 +55,7 @@ def speech_regions(waveform: np.ndarray, sample_rate: int, frame_samples: int, e
     n_windows = n // window
     if n_windows == 0 or n < MIN_SILENCE_S * sample_rate:
         return [(0, n)] if n else []
-    power = np.square(waveform[: n_windows * window].astype(np.float64)).reshape(n_windows, window).mean(axis=1)
-    level_db = 20 * np.log10(np.sqrt(power) + LEVEL_EPS)
+    level_db = 20 * np.log10(np.sqrt(step_power(waveform, window)) + LEVEL_EPS)
     floor_db = np.percentile(level_db, FLOOR_PERCENTILE)
     loud = level_db > floor_db + ABOVE_FLOOR_DB
     if elsewhere is not None:
@@ -78,6 +77,12 @@ def speech_regions(waveform: np.ndarray, sample_rate: int, frame_samples: int, e
     if n - regions[-1][1] < min_quiet:
         regions[-1] = (regions[-1][0], n)
     return [(start // frame_samples * frame_samples, end) for start, end in regions]
+
+
+def step_power(samples: np.ndarray, step: int) -> np.ndarray:
+    """Mean square of each whole step of ``step`` samples (a trailing part step is left out)."""
+    n = len(samples) // step
+    return np.square(samples[: n * step].astype(np.float64)).reshape(n, step).mean(axis=1)
 
 
 def _runs(mask: np.ndarray) -> list[tuple[int, int]]:

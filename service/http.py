@@ -156,7 +156,6 @@ def flag(value: object, param: str) -> bool:
     raise ApiError(400, f"`{param}` must be true or false", param=param, code="invalid_parameter")
 
 
-
 async def read_upload(upload: StarletteUpload | None, service: ServiceState, param: str = "file"
                       ) -> tuple[bytes, str | None]:
     """An uploaded file's bytes, refused (413) past the upload limit whether or not it declared its size."""
