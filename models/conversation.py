@@ -9,11 +9,17 @@ into utterances: a speaker's words up to a pause or until someone else speaks.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from .transcript import Transcript, Word
+from decoding.types import Hypothesis
+
+from .config import ModelConfig
+from .crosstalk import drop_crosstalk
+from .tokenizer import Tokenizer
+from .transcript import Transcript, Word, build_transcript
 
 UTTERANCE_GAP_S = 1.0  # a pause this long ends an utterance even when nobody else speaks in it
 SAME_BELOW_DB = 40.0  # a channel whose difference from an earlier one is this far below it repeats that one
@@ -66,6 +72,19 @@ class Conversation:
     def timed_words(self) -> list[tuple[int, Word]]:
         """(channel, word) for every word, in time order."""
         return [(u.channel, w) for u in self.utterances() for w in u.words]
+
+
+def assemble(hypotheses: dict[int, Hypothesis], channels: Sequence[np.ndarray], duplicates: dict[int, int],
+             tokenizer: Tokenizer | None, config: ModelConfig) -> Conversation:
+    """A recording's conversation from the stitched hypotheses of the channels transcribed (``hypotheses``, by
+    channel; the others repeat an earlier channel and are left empty), less the words a channel heard from
+    another (models.crosstalk). Shared by the Python API and the service."""
+    apart = sorted(hypotheses)
+    kept = dict(zip(apart, drop_crosstalk([hypotheses[c] for c in apart], [channels[c] for c in apart], tokenizer,
+                                          config.frame_samples, config.features.sample_rate), strict=True))
+    return Conversation([build_transcript(kept.get(c, Hypothesis()), tokenizer, config.frame_s,
+                                          len(samples) / config.features.sample_rate)
+                         for c, samples in enumerate(channels)], duplicates)
 
 
 def parse_names(text: str) -> list[str]:

@@ -98,29 +98,35 @@ def _is_echo(heard: np.ndarray, source: np.ndarray, span: WordSpan, step: int, m
                for s in lagged)
 
 
-def heard_elsewhere(channels: Sequence[np.ndarray], x: int, sample_rate: int) -> Elsewhere:
-    """For each ``ENVELOPE_S`` step of channel ``x``: whether its sound there is another channel's, heard faintly,
-    as ``drop_crosstalk`` judges a word over the ``MIN_SPAN_S`` centred on the step. Vectorised over the steps,
-    a delay at a time (an hour of a call: a fraction of a second)."""
+def heard_elsewhere(channels: Sequence[np.ndarray], sample_rate: int) -> list[Elsewhere]:
+    """For each channel, for each ``ENVELOPE_S`` step: whether its sound there is another channel's, heard
+    faintly, as ``drop_crosstalk`` judges a word over the ``MIN_SPAN_S`` centred on the step. Vectorised over the
+    steps, a delay at a time (an hour of a call: a fraction of a second); each channel's levels are measured once.
+    """
     step, block = int(ENVELOPE_S * sample_rate), int(MIN_SPAN_S / ENVELOPE_S)
-    ours = step_power(channels[x], step)
+    powers = [step_power(channel, step) for channel in channels]
+    levels = [_centred_db(power) for power in powers]
+    return [Elsewhere(_echo_flags(powers, levels, x, block), step) for x in range(len(channels))]
+
+
+def _echo_flags(powers: list[np.ndarray], levels: list[np.ndarray], x: int, block: int) -> np.ndarray:
+    """Channel ``x``'s flags for ``heard_elsewhere``, from every channel's step powers and centred levels."""
+    ours, ours_db = powers[x], levels[x]
     flags = np.zeros(len(ours), dtype=bool)
     if len(ours) < block:
-        return Elsewhere(flags, step)
-    ours_db = _centred_db(ours)
-    for y, other in enumerate(channels):
+        return flags
+    for y in range(len(powers)):
         if y == x:
             continue
-        theirs = step_power(other, step)[: len(ours)]
+        theirs, theirs_db = powers[y][: len(ours)], levels[y][: len(ours)]
         louder = _rolling_sum(theirs, block) >= _rolling_sum(ours, block) * 10 ** (ECHO_BELOW_DB / 10)
-        theirs_db = _centred_db(theirs)
         best = np.full(len(louder), -1.0)
         for delay in range(int(MAX_ECHO_DELAY_S / ENVELOPE_S) + 1):  # ours follows theirs, ``delay`` steps later
             lagged = np.concatenate([np.full(delay, theirs_db[0]), theirs_db[: len(theirs_db) - delay]])
             best = np.maximum(best, _rolling_correlation(ours_db, lagged, block))
         echo = louder & (best >= ECHO_CORRELATION)  # of the block starting at each step
         flags[block // 2 : block // 2 + len(echo)] |= echo
-    return Elsewhere(flags, step)
+    return flags
 
 
 def _centred_db(power: np.ndarray) -> np.ndarray:

@@ -18,11 +18,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from decoding.types import Hypothesis
-
 from .audio_io import AudioError
-from .conversation import Conversation, duplicate_channels
-from .crosstalk import drop_crosstalk, heard_elsewhere
+from .conversation import Conversation, assemble, duplicate_channels
+from .crosstalk import heard_elsewhere
 from .segmenter import Segment, plan_pieces, stitch
 from .silence import Elsewhere
 from .transcript import Transcript, build_transcript
@@ -99,9 +97,9 @@ def _transcribe_window(model: ASRModel, loaded: list[Loaded], options: OfflineOp
         if isinstance(wave, np.ndarray):
             repeats[position] = duplicate_channels(wave) if wave.ndim == 2 else {}
             apart = [c for c in range(len(_channels(wave))) if c not in repeats[position]]
-            for channel in apart:
+            echoes = _heard_elsewhere(model, wave, apart) if options.skip_silence else [None] * len(apart)
+            for channel, echo in zip(apart, echoes, strict=True):
                 samples = wave[channel] if wave.ndim == 2 else wave
-                echo = _heard_elsewhere(model, wave, apart, channel) if options.skip_silence else None
                 pieces += [((position, channel), segment, samples[segment.start : segment.end])
                            for segment in _plan(model, samples, options, echo)]
     hypotheses = [None] * len(pieces)
@@ -124,23 +122,17 @@ def _outcome(model: ASRModel, wave: np.ndarray, pieces: dict[int, list], repeats
              ) -> Transcript | Conversation:
     """One input's transcript from its channels' decoded pieces; a conversation when its channels were kept apart
     (words a channel heard from another dropped: models.crosstalk; a channel repeating another left empty)."""
-    channels = _channels(wave)
-    apart = [c for c in range(len(channels)) if c not in repeats]
-    stitched = [stitch(pieces[c], model.tokenizer, model.config.frame_samples) for c in apart]
+    stitched = {c: stitch(pieces[c], model.tokenizer, model.config.frame_samples) for c in pieces if c not in repeats}
     if wave.ndim == 2:
-        stitched = drop_crosstalk(stitched, [channels[c] for c in apart], model.tokenizer,
-                                  model.config.frame_samples, model.sample_rate)
-    hypotheses = dict(zip(apart, stitched, strict=True))
-    transcripts = [build_transcript(hypotheses.get(c, Hypothesis()), model.tokenizer, model.config.frame_s,
-                                    len(samples) / model.sample_rate) for c, samples in enumerate(channels)]
-    return Conversation(transcripts, repeats) if wave.ndim == 2 else transcripts[0]
+        return assemble(stitched, wave, repeats, model.tokenizer, model.config)
+    return build_transcript(stitched[0], model.tokenizer, model.config.frame_s, len(wave) / model.sample_rate)
 
 
-def _heard_elsewhere(model: ASRModel, wave: np.ndarray, apart: list[int], channel: int) -> Elsewhere | None:
-    """Where a channel kept apart from others carries their sound (models.crosstalk): skipped like silence."""
+def _heard_elsewhere(model: ASRModel, wave: np.ndarray, apart: list[int]) -> list[Elsewhere | None]:
+    """Where each channel transcribed carries the others' sound (models.crosstalk): skipped like silence."""
     if wave.ndim != 2 or len(apart) < 2:
-        return None
-    return heard_elsewhere([wave[c] for c in apart], apart.index(channel), model.sample_rate)
+        return [None] * len(apart)
+    return list(heard_elsewhere([wave[c] for c in apart], model.sample_rate))
 
 
 def _plan(model: ASRModel, wave: np.ndarray, options: OfflineOptions, elsewhere: Elsewhere | None = None

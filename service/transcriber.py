@@ -14,8 +14,8 @@ import numpy as np
 
 from decoding.types import Hypothesis
 from models.config import ModelConfig
-from models.conversation import Conversation, duplicate_channels
-from models.crosstalk import drop_crosstalk, heard_elsewhere
+from models.conversation import Conversation, assemble, duplicate_channels
+from models.crosstalk import heard_elsewhere
 from models.segmenter import Segment, plan_pieces, stitch
 from models.silence import Elsewhere
 from models.tokenizer import Tokenizer
@@ -115,8 +115,7 @@ class Transcriber:
         apart = [c for c in range(len(channels)) if c not in repeats]
         echoes: list[Elsewhere | None] = [None] * len(apart)
         if skip_silence and len(apart) > 1:  # each channel's echo of the others is skipped like silence
-            echoes = await asyncio.to_thread(lambda: [heard_elsewhere([channels[c] for c in apart], i, self.sample_rate)
-                                                      for i in range(len(apart))])
+            echoes = list(await asyncio.to_thread(heard_elsewhere, [channels[c] for c in apart], self.sample_rate))
         requests: list[QueuedRequest] = []
         try:
             for channel, echo in zip(apart, echoes, strict=True):
@@ -125,19 +124,12 @@ class Transcriber:
         finally:
             for request in requests:
                 request.cancel()
-        hypotheses = await asyncio.to_thread(  # a level and an envelope per word: off the event loop
-            drop_crosstalk, [hyp for hyp, _ in stitched], [channels[c] for c in apart], self.tokenizer,
-            self.frame_samples, self.sample_rate)
-        results = {channel: request.finish(hyp, pieces)
-                   for channel, request, hyp, (_, pieces) in zip(apart, requests, hypotheses, stitched, strict=True)}
-        duration_s = channels.shape[1] / self.sample_rate
-        transcripts = [results[c].transcript if c in results else
-                       build_transcript(Hypothesis(), self.tokenizer, self.config.frame_s, duration_s)
-                       for c in range(len(channels))]
-        return ConversationResult(Conversation(transcripts, repeats),
-                                  queue_s=max(r.queue_s for r in results.values()),
-                                  compute_s=sum(r.compute_s for r in results.values()),
-                                  n_segments=sum(r.n_segments for r in results.values()))
+        conversation = await asyncio.to_thread(  # a level and an envelope per word: off the event loop
+            assemble, {c: hyp for c, (hyp, _) in zip(apart, stitched, strict=True)}, channels, repeats,
+            self.tokenizer, self.config)
+        pieces = [piece for _, channel_pieces in stitched for piece in channel_pieces]
+        return ConversationResult(conversation, queue_s=max((p.queue_s for p in pieces), default=0.0),
+                                  compute_s=sum(p.compute_s for p in pieces), n_segments=len(pieces))
 
 
 class QueuedRequest:

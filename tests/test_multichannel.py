@@ -226,7 +226,7 @@ def test_with_skip_silence_an_echo_is_skipped_like_silence(model):
     not flagged anywhere."""
     call = _call()
     echoed = call + call[::-1] * 10 ** (-30 / 20)
-    echo = heard_elsewhere(list(echoed), 1, RATE)
+    echo = heard_elsewhere(list(echoed), RATE)[1]
     pieces = plan_pieces(echoed[1], RATE, 30.0, 2.0, model.config.frame_samples, True, echo)
     assert plan_pieces(echoed[1], RATE, 30.0, 2.0, model.config.frame_samples, True)[0].end == len(echoed[1])
     assert [(p.start, p.end) for p in pieces] == [(int(3.36 * RATE), int(6.85 * RATE))]  # its turn, padded
@@ -234,8 +234,8 @@ def test_with_skip_silence_an_echo_is_skipped_like_silence(model):
     assert conversation.channels[1].text == EXPECTED["sentences_000110.wav"]
     quieter = call.copy()
     quieter[1] *= 10 ** (-12 / 20)
-    assert not heard_elsewhere(list(quieter), 1, RATE).flags.any()
-    assert not heard_elsewhere(list(call), 0, RATE).flags.any()
+    assert not heard_elsewhere(list(quieter), RATE)[1].flags.any()
+    assert not heard_elsewhere(list(call), RATE)[0].flags.any()
 
 
 def test_cli_transcribes_a_folder_of_calls_as_conversations(alone, tmp_path):
