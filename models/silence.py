@@ -58,12 +58,14 @@ def speech_regions(waveform: np.ndarray, sample_rate: int, frame_samples: int, e
     level_db = 20 * np.log10(np.sqrt(step_power(waveform, window)) + LEVEL_EPS)
     floor_db = np.percentile(level_db, FLOOR_PERCENTILE)
     loud = level_db > floor_db + ABOVE_FLOOR_DB
-    if elsewhere is not None:
-        loud &= ~elsewhere.windows(window, n_windows)
     if not loud.any():
         # nothing stands out from the floor: digital silence is skipped, anything else is noise or steady
         # sound (a tone, music) and is transcribed whole, since there is no floor to tell speech from
         return [] if np.max(level_db) <= 20 * np.log10(LEVEL_EPS) + ABOVE_FLOOR_DB else [(0, n)]
+    if elsewhere is not None:
+        loud &= ~elsewhere.windows(window, n_windows)
+        if not loud.any():
+            return []  # all that stands out is another channel's: nothing of this one's to transcribe
     pad, min_quiet = int(PAD_S * sample_rate), int(MIN_SILENCE_S * sample_rate)
     regions: list[tuple[int, int]] = []
     for first, last in _runs(loud):

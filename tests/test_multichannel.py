@@ -235,6 +235,13 @@ def test_with_skip_silence_an_echo_is_skipped_like_silence(model):
     quieter = call.copy()
     quieter[1] *= 10 ** (-12 / 20)
     assert not heard_elsewhere(list(quieter), RATE)[1].flags.any()
+    # a customer who says nothing, the agent's echo all that stands out on their side: nothing to transcribe
+    silent = call.copy()
+    silent[1] = np.random.default_rng(5).standard_normal(silent.shape[1]).astype(np.float32) * 0.002
+    silent[1] += silent[0] * 10 ** (-30 / 20)
+    only_echo = heard_elsewhere(list(silent), RATE)[1]
+    assert only_echo.flags.any()
+    assert plan_pieces(silent[1], RATE, 30.0, 2.0, model.config.frame_samples, True, only_echo) == []
     assert not heard_elsewhere(list(call), RATE)[0].flags.any()
 
 
