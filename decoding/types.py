@@ -16,6 +16,16 @@ class Hypothesis:
     tokens: list[int] = field(default_factory=list)  # label ids, blanks removed
     frames: list[int] = field(default_factory=list)  # encoder frame where each token was emitted
     durations: list[int] | None = None  # frames each token covers (TDT durations, CTC run lengths)
+    logprobs: list[float] | None = None  # each token's log-probability where it was emitted (decoding.scores)
+
+    def take(self, indices: list[int]) -> Hypothesis:
+        """The tokens at ``indices``, with everything known of each."""
+        def pick(values: list) -> list:
+            return [values[i] for i in indices]
+
+        return Hypothesis(tokens=pick(self.tokens), frames=pick(self.frames),
+                          durations=None if self.durations is None else pick(self.durations),
+                          logprobs=None if self.logprobs is None else pick(self.logprobs))
 
 
 class PredictionNet(Protocol):
@@ -28,6 +38,8 @@ class PredictionNet(Protocol):
     def step(self, labels: Tensor, state: Any) -> tuple[Tensor, Any]: ...
 
     def select_state(self, mask: Tensor, new: Any, old: Any) -> Any: ...
+
+    def sequence(self, labels: Tensor) -> Tensor: ...
 
 
 class JointNet(Protocol):

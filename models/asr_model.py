@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from decoding.ctc import ctc_greedy
 from decoding.cuda_graphs import CUDA_GRAPH_OPTIONS, LabelLoopingDecoder
 from decoding.frame_looping import frame_looping_greedy
+from decoding.scores import ctc_logprobs, transducer_logprobs
 from decoding.types import Hypothesis
 
 from .audio_io import AudioError, check_channels, check_waveform, read_audio
@@ -188,21 +189,27 @@ class ASRModel(nn.Module):
 
     @torch.inference_mode()
     def decode(self, batch: EncodedBatch, decoder: str = "auto", decoder_algorithm: str = "label_looping",
-               cuda_graphs: str = "auto") -> list[Hypothesis]:
+               cuda_graphs: str = "auto", scores: bool = True) -> list[Hypothesis]:
         """Greedy search. Transducers: ``decoder_algorithm`` label_looping (default) | frame_looping (the
-        reference); ``cuda_graphs`` auto | conditional | no_while | off picks how label looping runs on CUDA."""
+        reference); ``cuda_graphs`` auto | conditional | no_while | off picks how label looping runs on CUDA.
+        ``scores`` gives each token its log-probability (``Hypothesis.logprobs``, decoding.scores)."""
         decoder = self.resolve_decoder(decoder)
         if decoder == "ctc":
             head = self.ctc_head
             assert head is not None
-            return ctc_greedy(head(batch.encoded), batch.lengths, head.blank_id)
+            log_probs = head(batch.encoded)
+            hyps = ctc_greedy(log_probs, batch.lengths, head.blank_id)
+            return _with_logprobs(hyps, ctc_logprobs(log_probs, hyps) if scores else None)
         transducer = self.config.transducer
         assert transducer is not None
         _check_decoding_options(decoder_algorithm, cuda_graphs)
         if decoder_algorithm == "frame_looping":
-            return frame_looping_greedy(batch.encoded, batch.lengths, self.decoder, self.joint,
+            hyps = frame_looping_greedy(batch.encoded, batch.lengths, self.decoder, self.joint,
                                         durations=transducer.durations, max_symbols=transducer.max_symbols)
-        return self.label_looper(cuda_graphs)(batch.encoded, batch.lengths)
+        else:
+            hyps = self.label_looper(cuda_graphs)(batch.encoded, batch.lengths)
+        return _with_logprobs(hyps, transducer_logprobs(batch.encoded, hyps, self.decoder, self.joint)
+                              if scores else None)
 
     def label_looper(self, cuda_graphs: str = "auto") -> LabelLoopingDecoder:
         """This model's label-looping decoder for a ``cuda_graphs`` setting, kept with its buffers and graphs."""
@@ -276,6 +283,13 @@ class ASRModel(nn.Module):
         samples = np.asarray(item, dtype=np.float32)
         return check_channels(samples, f"audio[{index}]") if multichannel else check_waveform(samples,
                                                                                              f"audio[{index}]")
+
+
+def _with_logprobs(hyps: list[Hypothesis], logprobs: list[list[float]] | None) -> list[Hypothesis]:
+    if logprobs is not None:
+        for hyp, scores in zip(hyps, logprobs, strict=True):
+            hyp.logprobs = scores
+    return hyps
 
 
 def _check_decoding_options(decoder_algorithm: str, cuda_graphs: str) -> None:

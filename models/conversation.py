@@ -19,7 +19,7 @@ from decoding.types import Hypothesis
 from .config import ModelConfig
 from .crosstalk import drop_crosstalk
 from .tokenizer import Tokenizer
-from .transcript import Transcript, Word, build_transcript
+from .transcript import Transcript, Word, build_transcript, rounded
 
 UTTERANCE_GAP_S = 1.0  # a pause this long ends an utterance even when nobody else speaks in it
 SAME_BELOW_DB = 40.0  # a channel whose difference from an earlier one is this far below it repeats that one
@@ -49,6 +49,12 @@ class Conversation:
     @property
     def duration_s(self) -> float:
         return max((t.duration_s for t in self.channels), default=0.0)
+
+    @property
+    def avg_logprob(self) -> float | None:
+        """The mean log-probability of every channel's tokens: None without tokens or scores."""
+        scores = [x for t in self.channels for x in t.token_logprobs or []]
+        return rounded(sum(scores) / len(scores)) if scores else None
 
     @property
     def text(self) -> str:

@@ -159,5 +159,4 @@ def _envelope_db(samples: np.ndarray, step: int) -> np.ndarray:
 
 def _keep(hyp: Hypothesis, words: list[WordSpan]) -> Hypothesis:
     indices = [i for w in words for i in range(w.first, w.last + 1)]
-    return Hypothesis(tokens=[hyp.tokens[i] for i in indices], frames=[hyp.frames[i] for i in indices],
-                      durations=None if hyp.durations is None else [hyp.durations[i] for i in indices])
+    return hyp.take(indices)

@@ -82,6 +82,12 @@ class PredictionNetwork(nn.Module):
             cs.append(c)
         return x, PredictionState(h=torch.stack(hs), c=torch.stack(cs))
 
+    def sequence(self, labels: Tensor) -> Tensor:
+        """Teacher-forced from the initial state: (B, U) labels, each row's inputs in order (blank = start) ->
+        (B, U, H) outputs, one LSTM call over the whole sequence."""
+        out, _ = self.prediction.dec_rnn.lstm(self.prediction.embed(labels).transpose(0, 1))  # time-major, as NeMo
+        return out.transpose(0, 1)
+
     @staticmethod
     def select_state(mask: Tensor, new: PredictionState, old: PredictionState) -> PredictionState:
         """Per row: ``new`` where mask (B,) is true, else ``old``."""

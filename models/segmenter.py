@@ -102,7 +102,8 @@ def stitch(pieces: list[tuple[Segment, Hypothesis]], tokenizer: Tokenizer | None
     """One hypothesis in the original's frames from pieces decoded separately."""
     if len(pieces) == 1 and pieces[0][0].start == 0 and pieces[0][0].cut_after == NO_CUT:
         return pieces[0][1]  # audio that was not cut: its hypothesis as decoded, every token kept
-    out = Hypothesis(durations=[] if any(h.durations is not None for _, h in pieces) else None)
+    out = Hypothesis(durations=[] if any(h.durations is not None for _, h in pieces) else None,
+                     logprobs=[] if all(h.logprobs is not None for _, h in pieces) else None)
     for segment, hyp in pieces:
         offset = segment.start // frame_samples
         if tokenizer is not None:
@@ -122,4 +123,6 @@ def stitch(pieces: list[tuple[Segment, Hypothesis]], tokenizer: Tokenizer | None
             if out.durations is not None:
                 covered = hyp.durations[first : last + 1] if hyp.durations else [1] * (last - first + 1)
                 out.durations.extend(covered)
+            if out.logprobs is not None:
+                out.logprobs.extend(hyp.logprobs[first : last + 1])
     return out

@@ -84,6 +84,17 @@ class Tokenizer:
                 words.append(WordSpan(text=text, first=first, last=last))
         return words
 
+    def token_texts(self, ids: list[int]) -> list[str]:
+        """Each token as text, its word boundary as a leading space (none before the first): what OpenAI's
+        ``logprobs`` list. A piece only SentencePiece renders (a byte, unknown) is given as the piece itself."""
+        texts = []
+        for i in ids:
+            surface = self._surfaces[i] if self._surfaces is not None else None
+            texts.append(surface if surface is not None else self.pieces[i].replace(WORD_BOUNDARY, " "))
+        if texts:
+            texts[0] = texts[0].lstrip(" ")
+        return texts
+
     def _word_text(self, ids: list[int]) -> str:
         if self._surfaces is not None:
             parts = [self._surfaces[i] for i in ids]

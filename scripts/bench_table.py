@@ -1,8 +1,9 @@
 """The GPU bench table for docs/benchmarks.md (run by scripts/gpu_check.sh).
 
 Each architecture is built (random weights, calibrated blank) and its audio synthesised once, then measured
-at every batch size with every decoder algorithm and graph mode (and, in conditional mode, with the encoder's
-fused-attention option), as ``batchasr bench`` measures one setting.
+at every batch size with every decoder algorithm and graph mode, as ``batchasr bench`` measures one setting. The
+algorithms are compared on the greedy search alone; the conditional mode is measured again with the tokens'
+log-probabilities the service also computes (decoding.scores), and with the encoder's fused-attention option.
 
     PYTHONPATH=. python scripts/bench_table.py --out DIR [--models M ...] [--batch-sizes 1 16 128] [--dtype bfloat16]
 
@@ -25,27 +26,29 @@ import torch
 from service.bench import BenchResult, measure, prepare
 
 MODELS = ("parakeet-tdt-0.6b-v2", "parakeet-rnnt-1.1b")
-SETTINGS = (  # (decoder algorithm, cuda graphs, attention kernel): the baseline first
-    ("frame_looping", "off", "reference"),
-    ("label_looping", "off", "reference"),
-    ("label_looping", "no_while", "reference"),
-    ("label_looping", "conditional", "reference"),
-    ("label_looping", "conditional", "sdpa"),  # the encoder's fused-attention option, against the row above
+SETTINGS = (  # (decoder algorithm, cuda graphs, attention kernel, token scores): the baseline first
+    ("frame_looping", "off", "reference", False),
+    ("label_looping", "off", "reference", False),
+    ("label_looping", "no_while", "reference", False),
+    ("label_looping", "conditional", "reference", False),
+    ("label_looping", "conditional", "reference", True),  # what the service runs: the search and the scores
+    ("label_looping", "conditional", "sdpa", True),  # the encoder's fused-attention option, against the row above
 )
 UTTERANCES = {1: 48}  # batch 1 is slow with eager frame looping: fewer utterances; others get --n-utterances
 
 
 def table_row(r: BenchResult, baseline_decoder_s: float | None) -> str:
     speedup = f"{baseline_decoder_s / r.stage_s['decoder']:.1f}x" if baseline_decoder_s else ""
-    return (f"| {r.model} | {r.batch_size} | {r.decoder_algorithm} | {r.mode} | {r.attention_kernel} | "
+    return (f"| {r.model} | {r.batch_size} | {r.decoder_algorithm} | {r.mode} | {'yes' if r.scores else 'no'} | "
+            f"{r.attention_kernel} | "
             f"{r.rtfx:.0f} | {r.audio_s / r.stage_s['encoder']:.0f} | "
             f"{r.audio_s / r.stage_s['decoder']:.0f} | {r.decoder_share:.1%} | {speedup} | "
             f"{r.tokens_per_frame:.2f} | {r.tokens_sha1[:8]} |")
 
 
-HEADER = ("| model | batch | algorithm | mode | attention | RTFx | encoder RTFx | decoder RTFx | decoder share | "
-          "decoder speed-up vs frame looping eager | tokens/frame | tokens_sha1 |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|---|")
+HEADER = ("| model | batch | algorithm | mode | token scores | attention | RTFx | encoder RTFx | decoder RTFx | "
+          "decoder share | decoder speed-up vs frame looping eager | tokens/frame | tokens_sha1 |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def bench_model(name: str, args: argparse.Namespace, jsonl, rows: list[str]) -> None:
@@ -56,14 +59,14 @@ def bench_model(name: str, args: argparse.Namespace, jsonl, rows: list[str]) -> 
         n_utterances = UTTERANCES.get(batch_size, len(work.waveforms))
         subset = dataclasses.replace(work, waveforms=work.waveforms[:n_utterances])
         baseline = None
-        for algorithm, graphs, kernel in SETTINGS:
+        for algorithm, graphs, kernel, scores in SETTINGS:
             work.model.encoder.set_attention_kernel(kernel)
             try:
-                result = measure(subset, batch_size, args.repeat, algorithm, graphs)
+                result = measure(subset, batch_size, args.repeat, algorithm, graphs, scores)
             except Exception as exc:  # one failing setting must not lose the rest of the table
                 traceback.print_exc()
                 jsonl.write(json.dumps({"model": name, "batch_size": batch_size, "decoder_algorithm": algorithm,
-                                        "cuda_graphs": graphs, "attention_kernel": kernel,
+                                        "cuda_graphs": graphs, "attention_kernel": kernel, "scores": scores,
                                         "error": repr(exc)}) + "\n")
                 continue
             jsonl.write(json.dumps(dataclasses.asdict(result)) + "\n")

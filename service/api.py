@@ -25,7 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.datastructures import FormData
 from starlette.datastructures import UploadFile as StarletteUpload
 
-from models.transcript import Word
+from models.transcript import Transcript, Word, rounded
 
 from .audio import AudioRequestError, check_media_type, decode_audio
 from .batcher import Priority, QueueFull
@@ -53,7 +53,9 @@ from .schemas import (
     ModelCard,
     ModelList,
     NativeTranscription,
+    OpenAIWord,
     Segment,
+    TokenLogprob,
     TranscriptionJSON,
     Usage,
     UtteranceTiming,
@@ -65,12 +67,15 @@ from .wire import EngineUnavailable
 
 if TYPE_CHECKING:  # front-end processes serve these routes without the model (or torch)
     from models.asr_model import ASRModel
+    from models.tokenizer import Tokenizer
 
 log = logging.getLogger("batchasr.api")
 
 RESPONSE_FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
 STREAM_FORMATS = ("json", "text")  # as OpenAI's: the stream's events carry text only
 GRANULARITIES = ("word", "segment")
+INCLUDES = ("logprobs",)
+LOGPROB_FORMATS = ("json", "verbose_json")  # OpenAI gives logprobs in JSON only (and in the stream's events)
 
 T = TypeVar("T")
 
@@ -161,11 +166,12 @@ def _engine_error(exc: QueueFull | TimeoutError | EngineUnavailable) -> ApiError
     return ApiError(503, str(exc), type="server_error", code="engine_unavailable", headers={"Retry-After": "5"})
 
 
-async def _stream_transcription(request: Request, service: ServiceState, waveform: np.ndarray, skip_silence: bool
-                                ) -> StreamingResponse:
+async def _stream_transcription(request: Request, service: ServiceState, waveform: np.ndarray, skip_silence: bool,
+                                logprobs: bool = False) -> StreamingResponse:
     """OpenAI's transcription stream (server-sent events): ``transcript.text.delta`` as the leading pieces of the
-    audio finish, then ``transcript.text.done`` with the whole text. Failures before the first event answer
-    with their status codes, as without streaming; a later one ends the stream with an ``error`` event."""
+    audio finish, then ``transcript.text.done`` with the whole text (and, with ``logprobs``, every token's).
+    Failures before the first event answer with their status codes, as without streaming; a later one ends the
+    stream with an ``error`` event."""
     assert service.stack is not None
     try:
         queued = service.stack.transcriber.submit(waveform, Priority.INTERACTIVE, skip_silence)
@@ -177,12 +183,13 @@ async def _stream_transcription(request: Request, service: ServiceState, wavefor
     except BaseException:
         queued.cancel()
         raise
-    return StreamingResponse(_transcription_events(queued, deltas, first), media_type="text/event-stream",
+    tokenizer = service.stack.transcriber.tokenizer if logprobs else None
+    return StreamingResponse(_transcription_events(queued, deltas, first, tokenizer), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})
 
 
-async def _transcription_events(queued: QueuedRequest, deltas: AsyncIterator[str], first: str | None
-                                ) -> AsyncIterator[bytes]:
+async def _transcription_events(queued: QueuedRequest, deltas: AsyncIterator[str], first: str | None,
+                                logprobs_from: Tokenizer | None = None) -> AsyncIterator[bytes]:
     """The stream's events. A client that goes away cancels this (Starlette listens for it), which drops the
     pieces still queued."""
     try:
@@ -191,7 +198,10 @@ async def _transcription_events(queued: QueuedRequest, deltas: AsyncIterator[str
             yield _event({"type": "transcript.text.delta", "delta": delta})
             delta = await anext(deltas, None)
         result = await queued.result()  # every piece is done by now
-        yield _event({"type": "transcript.text.done", "text": result.transcript.text})
+        done: dict[str, Any] = {"type": "transcript.text.done", "text": result.transcript.text}
+        if logprobs_from is not None:
+            done["logprobs"] = [p.model_dump() for p in _token_logprobs(result.transcript, logprobs_from)]
+        yield _event(done)
     except (QueueFull, TimeoutError, EngineUnavailable) as exc:
         yield _event({"type": "error", **_engine_error(exc).body()})
     finally:
@@ -215,21 +225,44 @@ def _check_model(service: ServiceState, requested: str | None) -> None:
                        param="model", code="model_not_found")
 
 
-def _words(words: list[Word]) -> list[WordTiming]:
-    return [WordTiming(word=w.word, start=w.start_s, end=w.end_s) for w in words]
+def _words(words: list[Word], channel: int | None = None) -> list[WordTiming]:
+    return [WordTiming(word=w.word, start=w.start_s, end=w.end_s, confidence=w.confidence, channel=channel)
+            for w in words]
 
 
-def _segments(result: RequestResult, frame_s: float) -> list[Segment]:
+def _openai_words(words: list[Word]) -> list[OpenAIWord]:
+    return [OpenAIWord(word=w.word, start=w.start_s, end=w.end_s, probability=w.confidence) for w in words]
+
+
+def _segments(transcript: Transcript, frame_s: float) -> list[Segment]:
     """Subtitle-sized segments; each token goes to the last segment starting at or before its time."""
-    transcript = result.transcript
     groups = cues(transcript.words)
     starts = [cue.start_s for cue in groups]
     tokens: list[list[int]] = [[] for _ in groups]
-    for token, frame in zip(transcript.tokens, transcript.token_frames, strict=True):
+    scores: list[list[float]] = [[] for _ in groups]
+    logprobs = transcript.token_logprobs or [0.0] * len(transcript.tokens)
+    for token, frame, logprob in zip(transcript.tokens, transcript.token_frames, logprobs, strict=True):
         if groups:
-            tokens[max(0, bisect.bisect_right(starts, round(frame * frame_s, 3)) - 1)].append(token)
-    return [Segment(id=i, seek=0, start=c.start_s, end=c.end_s, text=c.text, tokens=tokens[i])
+            group = max(0, bisect.bisect_right(starts, round(frame * frame_s, 3)) - 1)
+            tokens[group].append(token)
+            scores[group].append(logprob)
+    return [Segment(id=i, seek=0, start=c.start_s, end=c.end_s, text=c.text, tokens=tokens[i],
+                    avg_logprob=rounded(sum(scores[i]) / len(scores[i])) if scores[i] else 0.0)
             for i, c in enumerate(groups)]
+
+
+def _token_logprobs(transcript: Transcript, tokenizer: Tokenizer | None) -> list[TokenLogprob]:
+    """OpenAI's ``logprobs``: each token's text, log-probability and UTF-8 bytes."""
+    if tokenizer is None or transcript.token_logprobs is None:
+        return []
+    texts = tokenizer.token_texts(transcript.tokens)
+    return [TokenLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+            for text, logprob in zip(texts, transcript.token_logprobs, strict=True)]
+
+
+def _form_list(form: FormData, name: str) -> list[str]:
+    """A repeated form field, sent as ``name[]`` (OpenAI's SDKs) or plain ``name``."""
+    return [str(value) for key in (f"{name}[]", name) for value in form.getlist(key)]
 
 
 # --- routes ------------------------------------------------------------------------------------------------
@@ -266,17 +299,29 @@ async def openai_transcriptions(
     if stream and response_format not in STREAM_FORMATS:
         raise ApiError(400, f"stream=true needs response_format {' or '.join(STREAM_FORMATS)}", param="stream")
     form = await request.form()
-    granularities = [str(g) for key in ("timestamp_granularities[]", "timestamp_granularities")
-                     for g in form.getlist(key)]
+    granularities = _form_list(form, "timestamp_granularities")
     if bad := [g for g in granularities if g not in GRANULARITIES]:
         raise ApiError(400, f"timestamp_granularities[] must be word or segment, not {bad[0]!r}",
                        param="timestamp_granularities[]")
+    include = _form_list(form, "include")
+    if bad := [item for item in include if item not in INCLUDES]:
+        raise ApiError(400, f"include[] takes {' or '.join(INCLUDES)}, not {bad[0]!r}", param="include[]")
+    logprobs = "logprobs" in include
+    if logprobs and response_format not in LOGPROB_FORMATS:
+        raise ApiError(400, f"include[]=logprobs needs response_format {' or '.join(LOGPROB_FORMATS)}",
+                       param="include[]")
+    if logprobs and not service.settings.token_scores:
+        raise ApiError(400, "this server does not score tokens (BATCHASR_TOKEN_SCORES is off): no logprobs",
+                       param="include[]", code="logprobs_unavailable")
     waveform = await _decoded_upload(service, file)
+    assert service.stack is not None
+    tokenizer = service.stack.transcriber.tokenizer
     if stream:
-        return await _stream_transcription(request, service, waveform, skip_silence)
+        return await _stream_transcription(request, service, waveform, skip_silence, logprobs)
     result = await _transcribe(request, service, waveform, skip_silence)
     transcript = result.transcript
     usage = Usage(seconds=round(transcript.duration_s, 3))
+    token_logprobs = _token_logprobs(transcript, tokenizer) if logprobs else None
     if response_format == "text":
         return PlainTextResponse(transcript.text + "\n")
     if response_format == "srt":
@@ -284,12 +329,13 @@ async def openai_transcriptions(
     if response_format == "vtt":
         return PlainTextResponse(to_vtt(transcript), media_type="text/vtt")
     if response_format == "json":
-        return JSONResponse(TranscriptionJSON(text=transcript.text, usage=usage).model_dump())
+        return JSONResponse(TranscriptionJSON(text=transcript.text, logprobs=token_logprobs, usage=usage)
+                            .model_dump(exclude_none=True))
     wants = set(granularities) or {"segment"}
     body = VerboseTranscription(
         language=language or "en", duration=round(transcript.duration_s, 3), text=transcript.text, usage=usage,
-        segments=_segments(result, service.stack.transcriber.config.frame_s) if "segment" in wants else None,
-        words=_words(transcript.words) if "word" in wants else None,
+        segments=_segments(transcript, service.stack.transcriber.config.frame_s) if "segment" in wants else None,
+        words=_openai_words(transcript.words) if "word" in wants else None, logprobs=token_logprobs,
     )
     return JSONResponse(body.model_dump(exclude_none=True))
 
@@ -323,7 +369,8 @@ async def native_transcribe(request: Request, service: ServiceDep,
     result = await _transcribe(request, service, waveform, skip)
     t = result.transcript
     return NativeTranscription(
-        model=service.model_id, text=t.text, tokens=t.tokens, token_frames=t.token_frames, words=_words(t.words),
+        model=service.model_id, text=t.text, tokens=t.tokens, token_frames=t.token_frames,
+        token_logprobs=t.token_logprobs, avg_logprob=t.avg_logprob, words=_words(t.words),
         duration_s=round(t.duration_s, 6), queue_s=round(result.queue_s, 6), compute_s=round(result.compute_s, 6),
         rtfx=round(result.rtfx, 3), segments=result.n_segments,
     )
@@ -338,15 +385,15 @@ def _option(name: str, query_value: str | None, form: FormData | None) -> bool:
 def _native_conversation(service: ServiceState, result: ConversationResult) -> NativeTranscription:
     conversation = result.conversation
     return NativeTranscription(
-        model=service.model_id, text=conversation.text,
-        words=[WordTiming(word=w.word, start=w.start_s, end=w.end_s, channel=channel)
-               for channel, w in conversation.timed_words()],
+        model=service.model_id, text=conversation.text, avg_logprob=conversation.avg_logprob,
+        words=[word for channel, w in conversation.timed_words() for word in _words([w], channel)],
         duration_s=round(conversation.duration_s, 6), queue_s=round(result.queue_s, 6),
         compute_s=round(result.compute_s, 6), rtfx=round(result.rtfx, 3), segments=result.n_segments,
         utterances=[UtteranceTiming(channel=u.channel, speaker=conversation.speaker(u.channel), start=u.start_s,
                                     end=u.end_s, text=u.text) for u in conversation.utterances()],
         channels=[ChannelTranscription(channel=i, name=conversation.names[i] if i < len(conversation.names) else None,
                                        text=t.text, tokens=t.tokens, token_frames=t.token_frames,
+                                       token_logprobs=t.token_logprobs, avg_logprob=t.avg_logprob,
                                        words=_words(t.words), duplicate_of=conversation.duplicates.get(i))
                   for i, t in enumerate(conversation.channels)],
     )

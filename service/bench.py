@@ -63,6 +63,7 @@ class BenchResult:
     tokens_sha1: str  # all token ids in input order: equal hashes, equal transcripts
     blank_bias: float | None  # calibrated blank-logit offset (built-in architectures only)
     attention_kernel: str = "reference"
+    scores: bool = True  # the decoder stage includes the tokens' log-probabilities (decoding.scores)
     torch: str = field(default_factory=lambda: torch.__version__)
     gpu: str | None = None
 
@@ -124,7 +125,7 @@ def _blank_bias_param(model: ASRModel, decoder: str) -> tuple[torch.Tensor, int]
 
 
 def _token_rate(model: ASRModel, batch: EncodedBatch, decoder: str) -> float:
-    hyps = model.decode(batch, decoder, "label_looping", "off")
+    hyps = model.decode(batch, decoder, "label_looping", "off", scores=False)
     return sum(len(h.tokens) for h in hyps) / max(int(batch.lengths.sum()), 1)
 
 
@@ -229,8 +230,8 @@ class PassOutput:
 
 
 def run_batches(model: ASRModel, waveforms: list[np.ndarray], batches: list[list[int]], decoder: str,
-                decoder_algorithm: str, cuda_graphs: str, clock: StageClock | None) -> PassOutput:
-    """One pass: features, encoder, decoder per batch."""
+                decoder_algorithm: str, cuda_graphs: str, scores: bool, clock: StageClock | None) -> PassOutput:
+    """One pass: features, encoder, decoder (with ``scores``, the tokens' log-probabilities too) per batch."""
     out = PassOutput()
     for chunk in batches:
         marks = [clock.mark()] if clock else []
@@ -240,7 +241,7 @@ def run_batches(model: ASRModel, waveforms: list[np.ndarray], batches: list[list
         encoded, lengths = model.run_encoder(features, n_frames)
         marks += [clock.mark()] if clock else []
         batch = EncodedBatch(encoded, lengths, [len(w) / SAMPLE_RATE for w in waves])
-        hyps = model.decode(batch, decoder, decoder_algorithm, cuda_graphs)
+        hyps = model.decode(batch, decoder, decoder_algorithm, cuda_graphs, scores)
         if clock:
             clock.marks.append([*marks, clock.mark()])
         out.tokens.update((i, h.tokens) for i, h in zip(chunk, hyps, strict=True))
@@ -280,15 +281,16 @@ def prepare(name: str | None, device: str = "auto", dtype: str = "auto", seed: i
 
 
 def measure(work: Workload, batch_size: int = 16, repeat: int = 1, decoder_algorithm: str = "label_looping",
-            cuda_graphs: str = "auto") -> BenchResult:
-    """One untimed warm-up batch, then ``repeat`` timed passes over all inputs."""
+            cuda_graphs: str = "auto", scores: bool = True) -> BenchResult:
+    """One untimed warm-up batch, then ``repeat`` timed passes over all inputs. ``scores``: the decoder stage also
+    gives each token its log-probability, as the service's does; without, it is the greedy search alone."""
     if batch_size < 1 or repeat < 1:
         raise ValueError("batch size and repeat must be >= 1")
     model, waveforms = work.model, work.waveforms
     # longest first, as ``transcribe`` does: the first batch sizes the decoder's buffers and graphs
     order = sorted(range(len(waveforms)), key=lambda i: len(waveforms[i]), reverse=True)
     batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
-    settings = (work.decoder, decoder_algorithm, cuda_graphs)
+    settings = (work.decoder, decoder_algorithm, cuda_graphs, scores)
     run_batches(model, waveforms, batches[:1], *settings, None)
     clock = StageClock(model.device)
     synchronize(model.device)
@@ -297,10 +299,10 @@ def measure(work: Workload, batch_size: int = 16, repeat: int = 1, decoder_algor
         output = run_batches(model, waveforms, batches, *settings, clock)
     synchronize(model.device)
     wall_s = time.perf_counter() - start
-    return _result(work, batch_size, repeat, decoder_algorithm, cuda_graphs, output, wall_s, clock)
+    return _result(work, batch_size, repeat, decoder_algorithm, cuda_graphs, scores, output, wall_s, clock)
 
 
-def _result(work: Workload, batch_size: int, repeat: int, decoder_algorithm: str, cuda_graphs: str,
+def _result(work: Workload, batch_size: int, repeat: int, decoder_algorithm: str, cuda_graphs: str, scores: bool,
             output: PassOutput, wall_s: float, clock: StageClock) -> BenchResult:
     stage_s = clock.stage_seconds()
     stage_cpu_s = None if clock.cuda else {k: round(v, 4) for k, v in clock.stage_seconds(cpu_time=True).items()}
@@ -320,7 +322,7 @@ def _result(work: Workload, batch_size: int, repeat: int, decoder_algorithm: str
         frames=output.frames, tokens_per_frame=round(n_tokens / max(output.frames, 1), 4),
         tokens_sha1=tokens_sha1(output.tokens),
         blank_bias=None if work.blank_bias is None else round(work.blank_bias, 3),
-        attention_kernel=model.encoder.attention_kernel,
+        attention_kernel=model.encoder.attention_kernel, scores=scores,
         gpu=torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else None)
 
 
@@ -329,7 +331,7 @@ def run_bench(args: argparse.Namespace) -> BenchResult:
         raise ValueError("--batch-size and --repeat must be >= 1")
     work = prepare(args.model, args.device, args.dtype, args.seed, args.audio, args.n_utterances,
                    args.attention_kernel or "auto")
-    return measure(work, args.batch_size, args.repeat, args.decoder_algorithm, args.cuda_graphs)
+    return measure(work, args.batch_size, args.repeat, args.decoder_algorithm, args.cuda_graphs, not args.no_scores)
 
 
 # --- output ---------------------------------------------------------------------------------------------------
@@ -339,8 +341,8 @@ def format_report(r: BenchResult) -> str:
     cpu = r.stage_cpu_s is not None
     lines = [
         f"model {r.model} ({weights}) on {r.gpu or r.device}, {r.dtype}, batch {r.batch_size}",
-        f"decoder {r.decoder}: {r.decoder_algorithm}, cuda graphs {r.cuda_graphs} -> mode {r.mode}; "
-        f"{r.attention_kernel} attention",
+        f"decoder {r.decoder}: {r.decoder_algorithm}{' with token scores' if r.scores else ''}, cuda graphs "
+        f"{r.cuda_graphs} -> mode {r.mode}; {r.attention_kernel} attention",
         f"{r.n_utterances} utterances x {r.repeat}: {r.audio_s:.1f} s of audio in {r.wall_s:.3f} s, "
         f"RTFx {r.rtfx:.1f}",
         f"{'stage':<10}{'seconds':>10}{'share':>9}{'RTFx':>11}" + (f"{'CPU s':>10}" if cpu else ""),

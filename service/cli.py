@@ -195,6 +195,8 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--n-utterances", type=int, default=128,
                    help="synthetic utterances when no --audio is given (default: 128, about 16 min)")
     p.add_argument("--seed", type=int, default=0, help="synthetic audio and random weights (default: 0)")
+    p.add_argument("--no-scores", action="store_true",
+                   help="time the greedy search alone, without the tokens' log-probabilities the service gives")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(func=cmd_bench)
 

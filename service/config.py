@@ -22,6 +22,9 @@ class Settings(BaseSettings):
     dtype: str = "auto"
     decoder: str = "auto"
     attention_kernel: str = "auto"  # reference | sdpa (torch's fused attention) | auto (models.fastconformer)
+    # each token's log-probability (decoding.scores): word confidences, avg_logprob, include[]=logprobs. Off, the
+    # engine does the greedy search alone, and answers carry no scores
+    token_scores: bool = True
 
     # HTTP
     host: str = "127.0.0.1"

@@ -55,11 +55,13 @@ class EngineState(str, Enum):
 
 class Engine:
     def __init__(self, model: ASRModel, batcher: Batcher, metrics: Metrics, decoder: str = "auto",
-                 warmup_shapes: list[tuple[int, float]] | None = None, stage_ahead: bool | None = None):
+                 warmup_shapes: list[tuple[int, float]] | None = None, stage_ahead: bool | None = None,
+                 scores: bool = True):
         self.model = model
         self.batcher = batcher
         self.metrics = metrics
         self.decoder = model.resolve_decoder(decoder)
+        self.scores = scores  # each token's log-probability, after the search (decoding.scores)
         self.warmup_shapes = warmup_shapes or list(LIGHT_WARMUP)  # (rows, seconds) run before ready
         self.state = EngineState.STARTING
         self.error: str | None = None
@@ -110,7 +112,7 @@ class Engine:
         started = time.perf_counter()
         for rows, seconds in self.warmup_shapes:
             wave = (rng.standard_normal(int(seconds * self.model.sample_rate)) * 0.01).astype(np.float32)
-            self.model.decode(self.model.encode([wave] * rows), self.decoder)
+            self.model.decode(self.model.encode([wave] * rows), self.decoder, scores=self.scores)
         shapes = ", ".join(f"{rows} x {seconds:g} s" for rows, seconds in self.warmup_shapes)
         log.info("engine warm: %s on %s (%s), batches of %s, %.2f s", self.decoder, self.model.device,
                  self.model.dtype, shapes, time.perf_counter() - started)
@@ -128,7 +130,7 @@ class Engine:
         encoded, lengths = self.model.run_encoder(feats, n_frames)
         marks.append(clock.mark())
         duration_s = [n / self.model.sample_rate for n in n_samples]
-        hyps = self.model.decode(EncodedBatch(encoded, lengths, duration_s), self.decoder)
+        hyps = self.model.decode(EncodedBatch(encoded, lengths, duration_s), self.decoder, scores=self.scores)
         clock.marks.append([*marks, clock.mark()])
         return hyps, clock.stage_seconds()
 

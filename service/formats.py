@@ -75,7 +75,11 @@ def to_vtt(transcript: Transcript | Conversation) -> str:
 
 
 def word_dicts(words: list[Word]) -> list[dict[str, Any]]:
-    return [{"word": w.word, "start": w.start_s, "end": w.end_s} for w in words]
+    return [{"word": w.word, "start": w.start_s, "end": w.end_s, **_confidence(w)} for w in words]
+
+
+def _confidence(word: Word) -> dict[str, float]:
+    return {} if word.confidence is None else {"confidence": word.confidence}
 
 
 def utterance_dict(u: Utterance, speaker: str) -> dict[str, Any]:
@@ -89,10 +93,12 @@ def to_record(transcript: Transcript | Conversation, audio: str | None = None) -
     record: dict[str, Any] = {} if audio is None else {"audio": audio}
     if isinstance(transcript, Transcript):
         record.update(text=transcript.text, tokens=transcript.tokens, token_frames=transcript.token_frames,
+                      token_logprobs=transcript.token_logprobs, avg_logprob=transcript.avg_logprob,
                       duration_s=round(transcript.duration_s, 6), words=word_dicts(transcript.words))
         return record
     record.update(
-        text=transcript.text, tokens=None, token_frames=None, duration_s=round(transcript.duration_s, 6),
+        text=transcript.text, tokens=None, token_frames=None, token_logprobs=None, avg_logprob=transcript.avg_logprob,
+        duration_s=round(transcript.duration_s, 6),
         words=[{**word_dicts([w])[0], "channel": c} for c, w in transcript.timed_words()],
         utterances=[utterance_dict(u, transcript.speaker(u.channel)) for u in transcript.utterances()],
         channels=[{"channel": i, **_name(transcript, i), **to_record(t), **_repeats(transcript, i)}
@@ -131,6 +137,7 @@ def from_record(record: dict[str, Any]) -> Transcript | Conversation:
 
 
 def _transcript_from(record: dict[str, Any]) -> Transcript:
-    words = [Word(w["word"], w["start"], w["end"]) for w in record.get("words") or []]
+    words = [Word(w["word"], w["start"], w["end"], w.get("confidence")) for w in record.get("words") or []]
     return Transcript(text=record["text"], tokens=record.get("tokens") or [], token_frames=record.get("token_frames")
-                      or [], duration_s=record.get("duration_s") or 0.0, words=words)
+                      or [], duration_s=record.get("duration_s") or 0.0, words=words,
+                      token_logprobs=record.get("token_logprobs"))

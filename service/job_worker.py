@@ -41,7 +41,7 @@ from .webhooks import WebhookSender
 log = logging.getLogger(__name__)
 
 # what an item's result keeps of formats.to_record (a multichannel item's adds its utterances and channels)
-RESULT_KEYS = ("text", "tokens", "words", "duration_s", "utterances", "channels")
+RESULT_KEYS = ("text", "tokens", "token_logprobs", "avg_logprob", "words", "duration_s", "utterances", "channels")
 # an item's place in the batcher, by the stream it came from: a high job's items go ahead of the normal and low
 # items a worker already holds, not just ahead of those still in Redis
 BATCHER_PRIORITY = {ITEM_STREAMS[JobPriority.HIGH]: Priority.BULK_HIGH, ITEM_STREAMS[JobPriority.NORMAL]: Priority.BULK,

@@ -157,18 +157,18 @@ return end_job_if_done(KEYS[1], KEYS[5], ARGV[5], ARGV[8])
 """
 
 # KEYS: job, states, results, inputs, webhook stream. ARGV: now, job id, then item indices. Cancels those still
-# queued (a result record each, as item_record writes it); returns 0 (none), 1 (some) or 2 (and the job ended).
+# queued (a result record each: ARGV[3], item_record's for a cancelled item, with its audio set); returns 0 (none),
+# 1 (some) or 2 (and the job ended).
 _CANCEL_QUEUED = _END_JOB_IF_DONE + """
 local n = 0
-for i = 3, #ARGV do
+local record = cjson.decode(ARGV[3])
+for i = 4, #ARGV do
   local index = ARGV[i]
   if redis.call('HGET', KEYS[2], index) == 'queued' then
     local input = redis.call('HGET', KEYS[4], index)
-    local audio = cjson.null
-    if input then audio = cjson.decode(input)['audio'] end
-    local record = cjson.encode({audio = audio, status = 'cancelled', text = cjson.null, tokens = cjson.null,
-                                 words = cjson.null, duration_s = cjson.null, error = cjson.null})
-    if redis.call('HSETNX', KEYS[3], index, record) == 1 then
+    record['audio'] = cjson.null
+    if input then record['audio'] = cjson.decode(input)['audio'] end
+    if redis.call('HSETNX', KEYS[3], index, cjson.encode(record)) == 1 then
       redis.call('HSET', KEYS[2], index, 'cancelled')
       n = n + 1
     end
@@ -597,9 +597,10 @@ class JobStore:
         job = await self.get(job_id)
         keys = [*(t.format(job_id=job_id) for t in (JOB_KEY, STATES_KEY, RESULTS_KEY, INPUTS_KEY)), WEBHOOK_STREAM]
         ended = False
+        cancelled = json.dumps(item_record(None, "cancelled"))
         for first in range(0, job.total_items, RESULTS_PAGE):
             indices = range(first, min(first + RESULTS_PAGE, job.total_items))
-            ended |= int(await self._cancel_queued(keys=keys, args=[_now(), job_id, *indices])) == 2
+            ended |= int(await self._cancel_queued(keys=keys, args=[_now(), job_id, cancelled, *indices])) == 2
         if ended:
             await self._expire_finished(job_id)
         return await self.get(job_id)
@@ -705,8 +706,9 @@ def _deliveries(reply: Any) -> list[tuple[str, bytes, dict]]:
 
 def item_record(audio: str | None, status: str, text: str | None = None, tokens: list[int] | None = None,
                 words: list[dict[str, Any]] | None = None, duration_s: float | None = None,
-                error: str | None = None, **conversation: Any) -> dict[str, Any]:
+                error: str | None = None, token_logprobs: list[float] | None = None,
+                avg_logprob: float | None = None, **conversation: Any) -> dict[str, Any]:
     """One line of a job's results (the same keys whatever the outcome; a multichannel item's result adds its
     ``utterances`` and ``channels``, as ``formats.to_record`` writes them)."""
-    return {"audio": audio, "status": status, "text": text, "tokens": tokens, "words": words,
-            "duration_s": duration_s, "error": error, **conversation}
+    return {"audio": audio, "status": status, "text": text, "tokens": tokens, "token_logprobs": token_logprobs,
+            "avg_logprob": avg_logprob, "words": words, "duration_s": duration_s, "error": error, **conversation}

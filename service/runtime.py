@@ -142,7 +142,7 @@ def build_stack(settings: Settings, model: ASRModel, metrics: Metrics | None = N
     s = settings
     batcher = Batcher(s.max_batch_size, s.batch_audio_limit_s, s.max_wait_ms, s.max_queue, model.sample_rate,
                       on_drop=lambda reason: metrics.dropped_items.labels(reason).inc())
-    engine = Engine(model, batcher, metrics, decoder=s.decoder,
+    engine = Engine(model, batcher, metrics, decoder=s.decoder, scores=s.token_scores,
                     warmup_shapes=warmup_shapes(model.device, s.max_batch_size, s.max_segment_s,
                                                 s.batch_audio_limit_s))
     transcriber = Transcriber(batcher, model.config, model.tokenizer, s.max_segment_s, s.segment_overlap_s,

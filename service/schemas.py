@@ -22,7 +22,25 @@ class WordTiming(BaseModel):
     word: str
     start: float  # seconds
     end: float
+    confidence: float | None = None  # 0..1: the probability of the word's least sure token
     channel: int | None = None  # whose word, when the channels were transcribed apart
+
+
+class OpenAIWord(BaseModel):
+    """A word of ``verbose_json``; ``probability`` as Whisper-based servers name it (our native ``confidence``)."""
+
+    word: str
+    start: float
+    end: float
+    probability: float | None = None
+
+
+class TokenLogprob(BaseModel):
+    """One entry of OpenAI's ``logprobs`` (``include[]=logprobs``)."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
 
 
 class Usage(BaseModel):
@@ -32,6 +50,7 @@ class Usage(BaseModel):
 
 class TranscriptionJSON(BaseModel):
     text: str
+    logprobs: list[TokenLogprob] | None = None  # with include[]=logprobs
     usage: Usage
 
 
@@ -43,7 +62,7 @@ class Segment(BaseModel):
     text: str
     tokens: list[int]
     temperature: float = 0.0
-    avg_logprob: float = 0.0
+    avg_logprob: float = 0.0  # the mean log-probability of its tokens
     compression_ratio: float = 1.0
     no_speech_prob: float = 0.0
 
@@ -54,7 +73,8 @@ class VerboseTranscription(BaseModel):
     duration: float
     text: str
     segments: list[Segment] | None = None
-    words: list[WordTiming] | None = None
+    words: list[OpenAIWord] | None = None
+    logprobs: list[TokenLogprob] | None = None  # with include[]=logprobs
     usage: Usage
 
 
@@ -74,6 +94,8 @@ class ChannelTranscription(BaseModel):
     text: str
     tokens: list[int]
     token_frames: list[int]
+    token_logprobs: list[float] | None = None
+    avg_logprob: float | None = None
     words: list[WordTiming]
     duplicate_of: int | None = None  # the earlier channel this one repeats (not transcribed: left empty)
 
@@ -86,6 +108,8 @@ class NativeTranscription(BaseModel):
     text: str
     tokens: list[int] | None = None
     token_frames: list[int] | None = None
+    token_logprobs: list[float] | None = None  # natural log-probability of each token
+    avg_logprob: float | None = None  # their mean (every channel's, with multichannel)
     words: list[WordTiming]
     duration_s: float
     queue_s: float  # waiting for the engine

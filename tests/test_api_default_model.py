@@ -50,6 +50,16 @@ def _text(server, data: bytes) -> dict:
     return response.json()
 
 
+def test_the_native_answer_scores_every_token_and_word(server):
+    wave, _ = sf.read(DATA / "sentences_000110.wav", dtype="float32")
+    answer = _text(server, _flac(wave, RATE))
+    offline = load_model(device="cpu").transcribe([sf.read(io.BytesIO(_flac(wave, RATE)), dtype="float32")[0]])[0]
+    assert answer["tokens"] == offline.tokens
+    assert answer["token_logprobs"] == pytest.approx(offline.token_logprobs, abs=1e-3)
+    assert answer["avg_logprob"] == pytest.approx(offline.avg_logprob, abs=1e-3) and answer["avg_logprob"] > -0.05
+    assert [w["confidence"] for w in answer["words"]] == pytest.approx([w.confidence for w in offline.words], abs=1e-3)
+
+
 @pytest.mark.parametrize("name", sorted(p.name for p in DATA.glob("*.wav")))
 def test_48k_stereo_and_8k_inputs_give_the_16k_text(server, name):
     wave, rate = sf.read(DATA / name, dtype="float32")

@@ -21,7 +21,10 @@ def test_console_script_runs(parity_dir, parity_audio):
     command = [exe] if exe else [sys.executable, "-m", "service.cli"]
     out = subprocess.run([*command, "transcribe", "--model", str(parity_dir / "tdt.nemo"), "--format", "jsonl",
                           parity_audio[0]], capture_output=True, text=True, check=True, timeout=120)
-    assert json.loads(out.stdout)["audio"] == parity_audio[0]
+    record = json.loads(out.stdout)
+    assert record["audio"] == parity_audio[0]
+    assert len(record["token_logprobs"]) == len(record["tokens"]) > 0 and record["avg_logprob"] < 0
+    assert all(0 <= w["confidence"] <= 1 for w in record["words"])
 
 
 def test_resampled_stereo_input_transcribes_like_the_original(parity_dir, parity_audio, tmp_path, capsys):

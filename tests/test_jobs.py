@@ -435,7 +435,10 @@ def test_http_jobs_submit_idempotent_poll_results(redis_server, model, parity_au
         assert results.headers["content-type"].startswith("application/x-ndjson")
         lines = [json.loads(line) for line in results.text.splitlines()]
         assert [r["text"] for r in lines] == [expected[Path(p).name] for p in parity_audio]
-        assert all(set(r) == {"audio", "status", "text", "tokens", "words", "duration_s", "error"} for r in lines)
+        assert all(set(r) == {"audio", "status", "text", "tokens", "token_logprobs", "avg_logprob", "words",
+                              "duration_s", "error"} for r in lines)
+        assert all(len(r["token_logprobs"]) == len(r["tokens"]) and all(x <= 0 for x in r["token_logprobs"])
+                   and all(0 <= w["confidence"] <= 1 for w in r["words"]) for r in lines)
         assert httpx.get(f"{running.url}/v1/jobs/job_doesnotexist").status_code == 404
         assert running.metric("batchasr_job_items_total", '{status="completed"}') == 10
 

@@ -24,6 +24,7 @@ from service.audio import AudioLimits, AudioRequestError, AudioTooLarge, TooMany
 from service.config import Settings
 from service.formats import from_record, render, to_record
 from tests.media import encode
+from tests.scores import assert_same_but_scores
 from tests.servers import run_server
 
 DATA = Path(__file__).parent / "data" / "default_model"
@@ -173,7 +174,7 @@ def test_each_channel_reads_as_it_does_alone_and_recovers_the_speech_mixing_lose
                          model.transcribe(call, multichannel=True)[0]):
         assert isinstance(conversation, Conversation)
         assert [t.tokens for t in conversation.channels] == [t.tokens for t in alone]
-        assert [t.words for t in conversation.channels] == [t.words for t in alone]
+        assert_same_but_scores([t.words for t in conversation.channels], [t.words for t in alone])
     agent = f"{EXPECTED['sentences_000028.wav']} {EXPECTED['voice_000142.wav']}"
     assert alone[0].text == agent
     assert alone[1].text.endswith(EXPECTED["sentences_000110.wav"])
@@ -413,7 +414,7 @@ def test_skip_silence_over_http_and_in_jobs_leaves_the_quiet_out(server, model):
     assert submitted.status_code == 202 and submitted.json()["skip_silence"] is True
     job = _wait_job(server.url, submitted.json()["id"])
     (record,) = [json.loads(line) for line in httpx.get(f"{server.url}/v1/jobs/{job['id']}/results").text.splitlines()]
-    assert record["channels"] == to_record(offline)["channels"]
+    assert_same_but_scores(record["channels"], to_record(offline)["channels"])
 
 
 def test_a_mono_recording_stored_as_stereo_is_transcribed_once(server, model):

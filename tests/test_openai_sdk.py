@@ -7,6 +7,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 import soundfile as sf
@@ -73,6 +74,54 @@ def test_the_clients_stream_yields_deltas_then_done(server, parity_audio, tmp_pa
     assert len(deltas) > 1 and all(isinstance(e, TranscriptionTextDeltaEvent) for e in deltas)
     assert isinstance(done, TranscriptionTextDoneEvent) and done.text == whole
     assert "".join(e.delta for e in deltas) == whole
+
+
+def test_logprobs_and_word_probabilities_parse_into_the_clients_types(server, hybrid, parity_audio, tmp_path):
+    """``include[]=logprobs`` gives each token's text and log-probability (json, verbose_json and the stream's done
+    event); verbose_json's words carry their probability and its segments their tokens' mean log-probability."""
+    recording, _ = long_recording(parity_audio, 12)  # pieces of at most 5 s, subtitles of at most 6 s
+    audio = tmp_path / "long.wav"
+    sf.write(audio, recording, 16000)
+    client = _client(server.url)
+    expected = hybrid.transcribe([str(audio)], max_segment_s=5)[0]
+    as_json = client.audio.transcriptions.create(file=audio, model=MODEL_ID, include=["logprobs"])
+    assert [p.logprob for p in as_json.logprobs] == pytest.approx(expected.token_logprobs, abs=1e-3)
+    assert "".join(p.token for p in as_json.logprobs) == expected.text
+    assert all(p.bytes == list(p.token.encode()) for p in as_json.logprobs)
+    assert client.audio.transcriptions.create(file=audio, model=MODEL_ID).logprobs is None  # only when asked
+    verbose = client.audio.transcriptions.create(file=audio, model=MODEL_ID, response_format="verbose_json",
+                                                 timestamp_granularities=["word", "segment"])
+    probabilities = [w.model_extra["probability"] for w in verbose.words]
+    assert probabilities == pytest.approx([w.confidence for w in expected.words], abs=1e-3)
+    by_segment = [s.avg_logprob for s in verbose.segments]
+    assert len(by_segment) > 1 and all(score < 0 for score in by_segment)
+    weights = [len(s.tokens) for s in verbose.segments]
+    assert sum(weights) == len(expected.tokens)
+    assert sum(w * score for w, score in zip(weights, by_segment, strict=True)) / sum(weights) == pytest.approx(
+        expected.avg_logprob, abs=1e-3)
+    *_, done = client.audio.transcriptions.create(file=audio, model=MODEL_ID, stream=True, include=["logprobs"])
+    assert [p.logprob for p in done.logprobs] == [p.logprob for p in as_json.logprobs]
+    with pytest.raises(openai.BadRequestError, match="needs response_format") as bad:
+        client.audio.transcriptions.create(file=audio, model=MODEL_ID, response_format="srt", include=["logprobs"])
+    assert bad.value.param == "include[]"
+    with pytest.raises(openai.BadRequestError, match="not 'segments'"):
+        client.audio.transcriptions.create(file=audio, model=MODEL_ID, include=["segments"])
+
+
+def test_a_server_told_not_to_score_tokens_answers_without_scores(hybrid, parity_audio):
+    audio = Path(parity_audio[4])
+    with run_server(Settings(model_name=MODEL_ID, token_scores=False, max_wait_ms=10), hybrid) as running:
+        client = _client(running.url)
+        verbose = client.audio.transcriptions.create(file=audio, model=MODEL_ID, response_format="verbose_json",
+                                                     timestamp_granularities=["word"])
+        assert verbose.words and all("probability" not in w.model_extra for w in verbose.words)
+        with pytest.raises(openai.BadRequestError, match="does not score tokens") as refused:
+            client.audio.transcriptions.create(file=audio, model=MODEL_ID, include=["logprobs"])
+        assert refused.value.code == "logprobs_unavailable"
+        native = httpx.post(f"{running.url}/v1/transcribe", content=audio.read_bytes(), timeout=60).json()
+    assert native["tokens"] == hybrid.transcribe([str(audio)])[0].tokens
+    assert "token_logprobs" not in native and "avg_logprob" not in native
+    assert native["words"] and all("confidence" not in w for w in native["words"])
 
 
 def test_refusals_raise_the_clients_exceptions(server, hybrid, parity_audio):

@@ -223,11 +223,7 @@ def train_tokenizer(text_file: Path, vocab_size: int) -> bytes:
 
 def prediction_sequence(model: ASRModel, targets: Tensor) -> Tensor:
     """Prediction network over [start, y1 .. yU] at once: (B, U) -> (B, U+1, H). Start = blank (zeros)."""
-    pred = model.decoder.prediction
-    blank = model.decoder.blank_id
-    labels = F.pad(targets, (1, 0), value=blank)
-    out, _ = pred.dec_rnn.lstm(pred.embed(labels).transpose(0, 1))  # time-major, as NeMo's LSTM
-    return out.transpose(0, 1)
+    return model.decoder.sequence(F.pad(targets, (1, 0), value=model.decoder.blank_id))
 
 
 @dataclass
