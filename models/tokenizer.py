@@ -84,14 +84,15 @@ class Tokenizer:
                 words.append(WordSpan(text=text, first=first, last=last))
         return words
 
-    def token_texts(self, ids: list[int]) -> list[str]:
-        """Each token as text, its word boundary as a leading space (none before the first): what OpenAI's
-        ``logprobs`` list. A piece only SentencePiece renders (a byte, unknown) is given as the piece itself."""
+    def token_texts(self, ids: list[int], starts_text: bool = True) -> list[str]:
+        """Each token as text, its word boundary as a leading space (none before the first, when ``ids`` start
+        the text): what OpenAI's ``logprobs`` list. A piece only SentencePiece renders (a byte, unknown) is given
+        as the piece itself."""
         texts = []
         for i in ids:
             surface = self._surfaces[i] if self._surfaces is not None else None
             texts.append(surface if surface is not None else self.pieces[i].replace(WORD_BOUNDARY, " "))
-        if texts:
+        if texts and starts_text:
             texts[0] = texts[0].lstrip(" ")
         return texts
 

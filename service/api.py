@@ -13,6 +13,7 @@ import json
 import logging
 import time
 import uuid
+import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -62,7 +63,7 @@ from .schemas import (
     VerboseTranscription,
     WordTiming,
 )
-from .transcriber import ConversationResult, QueuedRequest, RequestResult
+from .transcriber import ConversationResult, QueuedRequest, RequestResult, TextDelta
 from .wire import EngineUnavailable
 
 if TYPE_CHECKING:  # front-end processes serve these routes without the model (or torch)
@@ -188,24 +189,33 @@ async def _stream_transcription(request: Request, service: ServiceState, wavefor
                              headers={"Cache-Control": "no-cache"})
 
 
-async def _transcription_events(queued: QueuedRequest, deltas: AsyncIterator[str], first: str | None,
+async def _transcription_events(queued: QueuedRequest, deltas: AsyncIterator[TextDelta], first: TextDelta | None,
                                 logprobs_from: Tokenizer | None = None) -> AsyncIterator[bytes]:
-    """The stream's events. A client that goes away cancels this (Starlette listens for it), which drops the
-    pieces still queued."""
+    """The stream's events (with ``logprobs_from``, each carrying its tokens' logprobs). A client that goes away
+    cancels this (Starlette listens for it), which drops the pieces still queued."""
     try:
         delta = first
         while delta is not None:
-            yield _event({"type": "transcript.text.delta", "delta": delta})
+            event: dict[str, Any] = {"type": "transcript.text.delta", "delta": delta.text}
+            if logprobs_from is not None:
+                event["logprobs"] = _dumped(_token_logprobs(delta.tokens, delta.logprobs, logprobs_from,
+                                                            starts_text=delta.first_token == 0))
+            yield _event(event)
             delta = await anext(deltas, None)
         result = await queued.result()  # every piece is done by now
-        done: dict[str, Any] = {"type": "transcript.text.done", "text": result.transcript.text}
+        transcript = result.transcript
+        done: dict[str, Any] = {"type": "transcript.text.done", "text": transcript.text}
         if logprobs_from is not None:
-            done["logprobs"] = [p.model_dump() for p in _token_logprobs(result.transcript, logprobs_from)]
+            done["logprobs"] = _dumped(_token_logprobs(transcript.tokens, transcript.token_logprobs, logprobs_from))
         yield _event(done)
     except (QueueFull, TimeoutError, EngineUnavailable) as exc:
         yield _event({"type": "error", **_engine_error(exc).body()})
     finally:
         queued.cancel()
+
+
+def _dumped(logprobs: list[TokenLogprob]) -> list[dict[str, Any]]:
+    return [p.model_dump() for p in logprobs]
 
 
 def _event(data: dict[str, Any]) -> bytes:
@@ -247,17 +257,26 @@ def _segments(transcript: Transcript, frame_s: float) -> list[Segment]:
             tokens[group].append(token)
             scores[group].append(logprob)
     return [Segment(id=i, seek=0, start=c.start_s, end=c.end_s, text=c.text, tokens=tokens[i],
-                    avg_logprob=rounded(sum(scores[i]) / len(scores[i])) if scores[i] else 0.0)
+                    avg_logprob=rounded(sum(scores[i]) / len(scores[i])) if scores[i] else 0.0,
+                    compression_ratio=compression_ratio(c.text))
             for i, c in enumerate(groups)]
 
 
-def _token_logprobs(transcript: Transcript, tokenizer: Tokenizer | None) -> list[TokenLogprob]:
+def compression_ratio(text: str) -> float:
+    """Whisper's repetition check: the text's UTF-8 bytes over their zlib-compressed size. A model stuck repeating
+    itself compresses well (Whisper takes above 2.4 as a failure); ordinary sentences stay near 1."""
+    data = text.encode()
+    return round(len(data) / len(zlib.compress(data)), 3) if data else 0.0
+
+
+def _token_logprobs(tokens: list[int], logprobs: list[float] | None, tokenizer: Tokenizer | None,
+                    starts_text: bool = True) -> list[TokenLogprob]:
     """OpenAI's ``logprobs``: each token's text, log-probability and UTF-8 bytes."""
-    if tokenizer is None or transcript.token_logprobs is None:
+    if tokenizer is None or logprobs is None:
         return []
-    texts = tokenizer.token_texts(transcript.tokens)
+    texts = tokenizer.token_texts(tokens, starts_text)
     return [TokenLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
-            for text, logprob in zip(texts, transcript.token_logprobs, strict=True)]
+            for text, logprob in zip(texts, logprobs, strict=True)]
 
 
 def _form_list(form: FormData, name: str) -> list[str]:
@@ -321,7 +340,7 @@ async def openai_transcriptions(
     result = await _transcribe(request, service, waveform, skip_silence)
     transcript = result.transcript
     usage = Usage(seconds=round(transcript.duration_s, 3))
-    token_logprobs = _token_logprobs(transcript, tokenizer) if logprobs else None
+    token_logprobs = _token_logprobs(transcript.tokens, transcript.token_logprobs, tokenizer) if logprobs else None
     if response_format == "text":
         return PlainTextResponse(transcript.text + "\n")
     if response_format == "srt":

@@ -6,6 +6,7 @@ same ratio over the last ``RTFX_WINDOW_S`` seconds, for dashboards without PromQ
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
@@ -22,6 +23,8 @@ FORWARDED_METRIC_CALLS = ("observe_job_stream_lag", "count_job_items_reclaimed",
                     "count_job_item", "count_job", "count_webhook", "observe_intake_wait")
 INTAKE_WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+UNSURE_BELOW = 0.5  # a token less likely than this is counted unsure
+UNSURE_LOGPROB = math.log(UNSURE_BELOW)
 SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
@@ -73,6 +76,15 @@ class Metrics:
             "CPU time of the event loops that take requests and job items in, summed over the engine's process and "
             "its front-end and consumer processes: one loop's rate near 1 means it, not the model, limits "
             "throughput", registry=r)
+        # what the model makes of the audio, without references: a falling mean log-probability or a rising share of
+        # unsure tokens says the audio (or the model's fit to it) got worse: a new codec, a noisy line
+        self.tokens = Counter("batchasr_tokens", "Scored tokens the engine emitted (none with TOKEN_SCORES off)",
+                              registry=r)
+        self.token_neg_logprob = Counter(
+            "batchasr_token_neg_logprob", "Sum of the emitted tokens' negative log-probabilities, in nats; over "
+            "batchasr_tokens_total, minus the mean token log-probability (avg_logprob)", registry=r)
+        self.unsure_tokens = Counter("batchasr_unsure_tokens",
+                                     f"Emitted tokens with a probability below {UNSURE_BELOW}", registry=r)
         self._event_loop_cpu_seen = 0.0
         self._window: deque[tuple[float, float, float]] = deque()  # (time, audio_s, compute_s)
         self._lock = threading.Lock()
@@ -101,6 +113,13 @@ class Metrics:
                 self._window.popleft()
             compute = sum(c for _, _, c in self._window)
             self.rtfx.set(sum(a for _, a, _ in self._window) / compute if compute > 0 else 0.0)
+
+    def observe_tokens(self, logprobs: list[list[float] | None]) -> None:
+        """A batch's token scores (a hypothesis's list each; None where tokens were not scored)."""
+        scored = [x for scores in logprobs if scores is not None for x in scores]
+        self.tokens.inc(len(scored))
+        self.token_neg_logprob.inc(-sum(scored))
+        self.unsure_tokens.inc(sum(x < UNSURE_LOGPROB for x in scored))
 
     # the job consumer's counts: method calls, so that a consumer in another process can make them over its link
     def observe_job_stream_lag(self, lag: int) -> None:

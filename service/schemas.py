@@ -63,8 +63,8 @@ class Segment(BaseModel):
     tokens: list[int]
     temperature: float = 0.0
     avg_logprob: float = 0.0  # the mean log-probability of its tokens
-    compression_ratio: float = 1.0
-    no_speech_prob: float = 0.0
+    compression_ratio: float = 1.0  # its text's bytes over their zlib size: high for a repetition loop
+    no_speech_prob: float = 0.0  # a transducer has no no-speech token: always 0 (its avg_logprob tells doubt)
 
 
 class VerboseTranscription(BaseModel):

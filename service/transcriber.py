@@ -19,7 +19,7 @@ from models.crosstalk import heard_elsewhere
 from models.segmenter import Segment, plan_pieces, stitch
 from models.silence import Elsewhere
 from models.tokenizer import Tokenizer
-from models.transcript import Transcript, build_transcript
+from models.transcript import Transcript, build_transcript, rounded
 
 from .batcher import ItemResult, Priority, WorkItem
 
@@ -38,6 +38,16 @@ class RequestResult:
     @property
     def rtfx(self) -> float:
         return self.audio_s / self.compute_s if self.compute_s > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """What a stream says next: the text the transcript grew by, and the tokens that made it."""
+
+    text: str
+    tokens: list[int]
+    logprobs: list[float] | None  # theirs, as the transcript keeps them (None without scores)
+    first_token: int  # where its tokens start in the transcript's
 
 
 @dataclass(frozen=True)
@@ -165,25 +175,29 @@ class QueuedRequest:
         return RequestResult(transcript=transcript, queue_s=max((r.queue_s for r in results), default=0.0),
                              compute_s=sum(r.compute_s for r in results), n_segments=len(self._segments))
 
-    async def text_deltas(self) -> AsyncIterator[str]:
+    async def text_deltas(self) -> AsyncIterator[TextDelta]:
         """The transcript's text in order, a delta each time the pieces finished so far from the start lengthen
-        it; together the deltas are the text ``result`` returns, which is ready once they end.
+        it; together the deltas are the text (and tokens) ``result`` returns, which is ready once they end.
 
         A piece's words are known when it finishes (stitching keeps a word in the piece its middle falls in),
         and the text of a run of whole words starts the text of any longer run, so nothing said is retracted.
         """
         t = self._transcriber
         tokens: list[int] = []
-        shown = ""
+        shown, told = "", 0  # the text said so far, and how many tokens it holds
+        logprobs: list[float] | None = []
         for segment, item in zip(self._segments, self._items, strict=True):
             result: ItemResult = await asyncio.wait_for(asyncio.wrap_future(item.future), self._remaining_s())
             if t.tokenizer is None:
                 continue  # no vocabulary: no text
-            tokens += stitch([(segment, result.hypothesis)], t.tokenizer, t.frame_samples).tokens  # its words
+            words = stitch([(segment, result.hypothesis)], t.tokenizer, t.frame_samples)  # its words
+            tokens += words.tokens
+            logprobs = None if logprobs is None or words.logprobs is None else logprobs + words.logprobs
             text = t.tokenizer.ids_to_text(tokens)
             if len(text) > len(shown) and text.startswith(shown):
-                yield text[len(shown) :]
-                shown = text
+                yield TextDelta(text[len(shown) :], tokens[told:], None if logprobs is None else
+                                [rounded(x) for x in logprobs[told:]], first_token=told)
+                shown, told = text, len(tokens)
 
     def cancel(self) -> None:
         """Drop the pieces still queued (a no-op for those done)."""

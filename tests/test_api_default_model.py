@@ -4,6 +4,7 @@ whose stitched transcript agrees with its pieces transcribed alone."""
 from __future__ import annotations
 
 import io
+import math
 from pathlib import Path
 
 import httpx
@@ -22,6 +23,7 @@ GAP_S = 0.5
 RATE = 16000
 NEAR_CUT_S = 1.5  # a cut lies in a pause between sentences; this reaches two or three words either side
 TIMING_SLACK_S = 0.25
+METRICS = ("batchasr_tokens_total", "batchasr_token_neg_logprob_total", "batchasr_unsure_tokens_total")
 
 
 @pytest.fixture(scope="module")
@@ -51,12 +53,21 @@ def _text(server, data: bytes) -> dict:
 
 
 def test_the_native_answer_scores_every_token_and_word(server):
-    wave, _ = sf.read(DATA / "sentences_000110.wav", dtype="float32")
+    """... and the engine counts them: the dashboard's mean token log-probability and share of unsure tokens."""
+    clip, _ = sf.read(DATA / "sentences_000110.wav", dtype="float32")
+    wave = (np.random.default_rng(1).standard_normal(9 * RATE) * 0.002).astype(np.float32)  # a line's noise
+    wave[int(3.9 * RATE) : int(3.9 * RATE) + len(clip)] += clip  # the model reads a word into the noise before
+    counted = [server.metric(name) for name in METRICS]
     answer = _text(server, _flac(wave, RATE))
+    tokens, neg_logprob, unsure = (server.metric(name) - before for name, before in zip(METRICS, counted, strict=True))
+    assert tokens == len(answer["tokens"])  # one piece: nothing stitched away
+    assert neg_logprob == pytest.approx(-sum(answer["token_logprobs"]), abs=1e-3 * tokens)
+    assert unsure == sum(x < math.log(0.5) for x in answer["token_logprobs"]) >= 1
+    assert answer["words"][0]["confidence"] < 0.5 < min(w["confidence"] for w in answer["words"][2:])
     offline = load_model(device="cpu").transcribe([sf.read(io.BytesIO(_flac(wave, RATE)), dtype="float32")[0]])[0]
     assert answer["tokens"] == offline.tokens
     assert answer["token_logprobs"] == pytest.approx(offline.token_logprobs, abs=1e-3)
-    assert answer["avg_logprob"] == pytest.approx(offline.avg_logprob, abs=1e-3) and answer["avg_logprob"] > -0.05
+    assert answer["avg_logprob"] == pytest.approx(offline.avg_logprob, abs=1e-3)
     assert [w["confidence"] for w in answer["words"]] == pytest.approx([w.confidence for w in offline.words], abs=1e-3)
 
 

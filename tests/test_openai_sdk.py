@@ -19,6 +19,7 @@ from openai.types.audio import (
 )
 
 from models import load_model
+from service.api import compression_ratio
 from service.config import Settings
 from tests.conftest import long_recording
 from tests.servers import run_server
@@ -95,12 +96,18 @@ def test_logprobs_and_word_probabilities_parse_into_the_clients_types(server, hy
     assert probabilities == pytest.approx([w.confidence for w in expected.words], abs=1e-3)
     by_segment = [s.avg_logprob for s in verbose.segments]
     assert len(by_segment) > 1 and all(score < 0 for score in by_segment)
+    assert [s.compression_ratio for s in verbose.segments] == [compression_ratio(s.text) for s in verbose.segments]
+    assert all(0 < s.compression_ratio < 2.4 for s in verbose.segments)  # no repetition loop
+    assert compression_ratio(" ".join(["uh huh"] * 20)) > 2.4 and compression_ratio("") == 0.0
     weights = [len(s.tokens) for s in verbose.segments]
     assert sum(weights) == len(expected.tokens)
     assert sum(w * score for w, score in zip(weights, by_segment, strict=True)) / sum(weights) == pytest.approx(
         expected.avg_logprob, abs=1e-3)
-    *_, done = client.audio.transcriptions.create(file=audio, model=MODEL_ID, stream=True, include=["logprobs"])
+    *deltas, done = client.audio.transcriptions.create(file=audio, model=MODEL_ID, stream=True, include=["logprobs"])
     assert [p.logprob for p in done.logprobs] == [p.logprob for p in as_json.logprobs]
+    said = [(p.token, p.logprob, p.bytes) for d in deltas for p in d.logprobs]  # each delta's tokens'
+    assert len(deltas) > 1 and said == [(p.token, p.logprob, p.bytes) for p in done.logprobs]
+    assert all("".join(p.token for p in d.logprobs) == d.delta for d in deltas)
     with pytest.raises(openai.BadRequestError, match="needs response_format") as bad:
         client.audio.transcriptions.create(file=audio, model=MODEL_ID, response_format="srt", include=["logprobs"])
     assert bad.value.param == "include[]"

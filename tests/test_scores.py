@@ -100,11 +100,12 @@ def test_fixtures_and_the_default_model_score_what_they_emit(parity_dir, parity_
     if decoder == "ctc":
         with torch.inference_mode():
             log_probs = model.ctc_head(batch.encoded)
-        for row, hyp in enumerate(hyps):
-            for token, frame, score in zip(hyp.tokens, hyp.frames, hyp.logprobs, strict=True):
-                assert int(log_probs[row, frame].argmax()) == token
-                assert score == pytest.approx(float(log_probs[row, frame, token]), abs=1e-5)
+        for row, hyp in enumerate(hyps):  # the token's peak over its run, each of whose frames chose it
+            for token, frame, run, score in zip(hyp.tokens, hyp.frames, hyp.durations, hyp.logprobs, strict=True):
+                assert all(int(log_probs[row, f].argmax()) == token for f in range(frame, frame + run))
+                assert score == pytest.approx(float(log_probs[row, frame : frame + run, token].max()), abs=1e-6)
         assert ctc_logprobs(log_probs, hyps) == logprobs
+        assert any(run > 1 for h in hyps for run in h.durations)  # runs of several frames were met
         return
     with torch.inference_mode():
         assert_scores_are_the_searchs(batch.encoded, hyps, logprobs, model.decoder, model.joint)

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from models import load_model
+from models.transcript import Transcript
 from service.api import _transcription_events
 from service.batcher import Batcher, ItemResult, WorkItem
-from service.transcriber import Transcriber
+from service.transcriber import TextDelta, Transcriber
 from tests.conftest import long_recording
 from tests.servers import parse_event
 
@@ -44,7 +45,7 @@ def _finish(model, item: WorkItem) -> None:
 
 
 def test_text_comes_in_order_as_the_leading_pieces_finish(model, recording):
-    async def run() -> tuple[list[str], str, int]:
+    async def run() -> tuple[list[TextDelta], Transcript, int]:
         _, queued, items = _queued_pieces(model, recording)
         deltas = queued.text_deltas()
         first = asyncio.ensure_future(anext(deltas, None))
@@ -55,11 +56,15 @@ def test_text_comes_in_order_as_the_leading_pieces_finish(model, recording):
         _finish(model, items[0])
         said = [await first]
         said += [delta async for delta in deltas]
-        return said, (await queued.result()).transcript.text, len(items)
+        return said, (await queued.result()).transcript, len(items)
 
-    said, text, n_pieces = asyncio.run(run())
-    assert len(said) > 1 and all(said)
-    assert "".join(said) == text and len(text.split()) > n_pieces  # real words, every one said once
+    said, transcript, n_pieces = asyncio.run(run())
+    text = transcript.text
+    assert len(said) > 1 and all(d.text for d in said)
+    assert "".join(d.text for d in said) == text and len(text.split()) > n_pieces  # real words, every one said once
+    assert [t for d in said for t in d.tokens] == transcript.tokens  # and the tokens that make them, with scores
+    assert [x for d in said for x in d.logprobs] == transcript.token_logprobs
+    assert [d.first_token for d in said] == [sum(len(d.tokens) for d in said[:i]) for i in range(len(said))]
 
 
 def test_a_piece_that_fails_mid_stream_ends_it_with_an_error_event_and_drops_the_rest(model, recording):
