@@ -45,8 +45,10 @@ def transducer_logprobs(encoded: Tensor, hyps: list[Hypothesis], prediction: Pre
     inputs = torch.full((len(hyps), longest), blank, dtype=torch.long)
     fed = steps + 1 < longest
     inputs[rows[fed], steps[fed] + 1] = tokens[fed]
-    outputs = prediction.sequence(inputs.to(device))  # (B, U, H)
-    rows, steps, tokens, frames = (x.to(device) for x in (rows, steps, tokens, frames))
+    # to the device in one copy (on a GPU each is a wait): the inputs, then each token's row, step, id and frame
+    packed = torch.cat([inputs.flatten(), rows, steps, tokens, frames]).to(device)
+    inputs, rows, steps, tokens, frames = packed.split([inputs.numel()] + [len(rows)] * 4)
+    outputs = prediction.sequence(inputs.view(len(hyps), longest))  # (B, U, H)
     scores = torch.empty(len(tokens), dtype=torch.float32, device=device)
     for start in range(0, len(tokens), JOINT_ROWS):
         part = slice(start, start + JOINT_ROWS)
@@ -76,9 +78,10 @@ def ctc_logprobs(log_probs: Tensor, hyps: list[Hypothesis]) -> list[list[float]]
     offsets = torch.arange(len(token_of_frame)) - torch.repeat_interleave(torch.cumsum(runs, 0) - runs, runs)
     frames = starts[token_of_frame] + offsets
     tokens = torch.tensor([t for h in hyps for t in h.tokens])[token_of_frame]
-    values = log_probs[rows.to(device), frames.to(device), tokens.to(device)].float()  # (M,) already log-softmax
+    rows, frames, tokens, token_of_frame = torch.stack([rows, frames, tokens, token_of_frame]).to(device)  # one copy
+    values = log_probs[rows, frames, tokens].float()  # (M,), the head's output is already a log-softmax
     peaks = torch.full((len(runs),), -torch.inf, device=device)
-    peaks.scatter_reduce_(0, token_of_frame.to(device), values, reduce="amax")
+    peaks.scatter_reduce_(0, token_of_frame, values, reduce="amax")
     return _split(peaks, counts)
 
 
