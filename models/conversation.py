@@ -51,9 +51,14 @@ class Conversation:
         return max((t.duration_s for t in self.channels), default=0.0)
 
     @property
+    def token_logprobs(self) -> list[float]:
+        """Every channel's token scores, channel by channel (empty without scores)."""
+        return [x for t in self.channels for x in t.token_logprobs or []]
+
+    @property
     def avg_logprob(self) -> float | None:
         """The mean log-probability of every channel's tokens: None without tokens or scores."""
-        scores = [x for t in self.channels for x in t.token_logprobs or []]
+        scores = self.token_logprobs
         return rounded(sum(scores) / len(scores)) if scores else None
 
     @property

@@ -240,7 +240,7 @@ class JobConsumer:
         record_out = item_record(audio, "completed", **{k: v for k, v in to_record(transcript).items()
                                                        if k in RESULT_KEYS})
         outcome = await self.store.finish_item(job_id, index, "completed", record_out, audio_s=result.audio_s,
-                                               compute_s=result.compute_s)
+                                               compute_s=result.compute_s, logprobs=transcript.token_logprobs)
         await self._after_finish(job_id, "completed", outcome)
 
     async def _load(self, record: dict, upload: bytes | None, multichannel: bool):

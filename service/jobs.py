@@ -24,6 +24,8 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import OutOfMemoryError
 
+from models.transcript import rounded
+
 # --- the key schema, in one place ----------------------------------------------------------------------------
 PREFIX = "batchasr"
 ITEM_STREAM = f"{PREFIX}:items"  # XADD job=<id> index=<i>; consumer group GROUP (normal priority's items)
@@ -137,8 +139,9 @@ end
 """
 
 # KEYS: job, states, results, errors, webhook stream. ARGV: index, final state, result JSON, error, now, audio_s,
-# compute_s, job id. Writes the result only if none exists, and only while the job does (not once it has expired
-# or been deleted); returns 0 (already finished, or no job), 1 (finished), 2 (finished the job).
+# compute_s, job id, scored tokens, the sum of their log-probabilities. Writes the result only if none exists, and
+# only while the job does (not once it has expired or been deleted); returns 0 (already finished, or no job), 1
+# (finished), 2 (finished the job).
 _FINISH_ITEM = _END_JOB_IF_DONE + _EXPIRE_WITH_JOB + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 if redis.call('HSETNX', KEYS[3], ARGV[1], ARGV[3]) == 0 then return 0 end
@@ -153,6 +156,10 @@ if ARGV[4] ~= '' then
 end
 redis.call('HINCRBYFLOAT', KEYS[1], 'audio_s', ARGV[6])
 redis.call('HINCRBYFLOAT', KEYS[1], 'compute_s', ARGV[7])
+if tonumber(ARGV[9]) > 0 then
+  redis.call('HINCRBY', KEYS[1], 'tokens', ARGV[9])
+  redis.call('HINCRBYFLOAT', KEYS[1], 'logprob_sum', ARGV[10])
+end
 return end_job_if_done(KEYS[1], KEYS[5], ARGV[5], ARGV[8])
 """
 
@@ -256,6 +263,8 @@ class Job:
     audio_s: float
     compute_s: float
     priority: JobPriority = JobPriority.NORMAL
+    tokens: int = 0  # scored tokens of the items completed
+    logprob_sum: float = 0.0  # the sum of their log-probabilities
     multichannel: bool = False
     skip_silence: bool = False
     owner: str = ANONYMOUS
@@ -271,6 +280,12 @@ class Job:
         return self.audio_s / self.compute_s if self.compute_s > 0 else 0.0
 
     @property
+    def avg_logprob(self) -> float | None:
+        """The mean token log-probability over the items completed so far: a falling one while a job runs says its
+        audio is harder than expected (noisy, another language) before anyone reads a result."""
+        return rounded(self.logprob_sum / self.tokens) if self.tokens else None
+
+    @property
     def finished(self) -> bool:
         return self.finished_at is not None
 
@@ -282,7 +297,8 @@ class Job:
                 "total_items": self.total_items, "counts": self.counts,
                 "created_at": self.created_at,
                 "started_at": self.started_at, "finished_at": self.finished_at, "audio_s": round(self.audio_s, 3),
-                "compute_s": round(self.compute_s, 3), "rtfx": round(self.rtfx, 2), **self._webhook_dict()}
+                "compute_s": round(self.compute_s, 3), "rtfx": round(self.rtfx, 2), "avg_logprob": self.avg_logprob,
+                **self._webhook_dict()}
 
     def _webhook_dict(self) -> dict[str, Any]:
         if not self.webhook_url:
@@ -549,11 +565,13 @@ class JobStore:
         return ItemStart(state, int(attempts), json.loads(raw_input), upload)
 
     async def finish_item(self, job_id: str, index: int, state: str, result: dict[str, Any], error: str = "",
-                          audio_s: float = 0.0, compute_s: float = 0.0) -> int:
-        """Write the item's one result; 0: it had one already, 1: written, 2: written and the job finished."""
+                          audio_s: float = 0.0, compute_s: float = 0.0, logprobs: list[float] | None = None) -> int:
+        """Write the item's one result (``logprobs``: its tokens' scores, which the job's ``avg_logprob`` counts);
+        0: it had one already, 1: written, 2: written and the job finished."""
         keys = [*(t.format(job_id=job_id) for t in (JOB_KEY, STATES_KEY, RESULTS_KEY, ERRORS_KEY)), WEBHOOK_STREAM]
+        scores = logprobs or []
         outcome = int(await self._finish(keys=keys, args=[index, state, json.dumps(result), error, _now(),
-                                                          audio_s, compute_s, job_id]))
+                                                          audio_s, compute_s, job_id, len(scores), sum(scores)]))
         if outcome == 2:
             await self._expire_finished(job_id)
         return outcome
@@ -684,6 +702,7 @@ def _job(job_id: str, raw: dict[bytes, bytes]) -> Job:
                counts={s: int(h.get(f"n_{s}", 0)) for s in ITEM_STATES}, created_at=float(h["created_at"]),
                started_at=opt("started_at"), finished_at=opt("finished_at"), audio_s=float(h["audio_s"]),
                compute_s=float(h["compute_s"]), priority=JobPriority(h.get("priority") or "normal"),
+               tokens=int(h.get("tokens", 0)), logprob_sum=float(h.get("logprob_sum", 0)),
                multichannel=h.get("multichannel") == "1", skip_silence=h.get("skip_silence") == "1",
                owner=h.get("owner") or ANONYMOUS, channel_names=tuple(json.loads(h.get("channel_names") or "[]")),
                webhook_url=h.get("webhook_url") or None,

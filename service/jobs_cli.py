@@ -331,14 +331,16 @@ async def _with_client(redis_url: str | None, server: str | None, api_key: str |
 
 
 def format_jobs(jobs: list[dict[str, Any]]) -> str:
-    """A table: id, status, priority, items done of total, failed, created (UTC), audio seconds, RTFx."""
-    rows = [("ID", "STATUS", "PRIORITY", "DONE", "FAILED", "CREATED (UTC)", "AUDIO_S", "RTFX")]
+    """A table: id, status, priority, items done of total, failed, created (UTC), audio seconds, RTFx, and the mean
+    token log-probability of the items done (a falling one: harder audio than expected)."""
+    rows = [("ID", "STATUS", "PRIORITY", "DONE", "FAILED", "CREATED (UTC)", "AUDIO_S", "RTFX", "AVG_LOGPROB")]
     for job in jobs:
         counts = job["counts"]
         done = counts["completed"] + counts["failed"] + counts["cancelled"]
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(job["created_at"]))
         rows.append((job["id"], job["status"], job["priority"], f"{done}/{job['total_items']}", str(counts["failed"]),
-                     created, f"{job['audio_s']:.1f}", f"{job['rtfx']:.1f}"))
+                     created, f"{job['audio_s']:.1f}", f"{job['rtfx']:.1f}",
+                     "-" if job.get("avg_logprob") is None else f"{job['avg_logprob']:.3f}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() + "\n"
                    for row in rows)

@@ -86,6 +86,7 @@ def test_each_key_lists_and_reaches_only_its_own_jobs(redis_server, model, parit
         header, *rows = table.stdout.splitlines()
         assert header.split()[:3] == ["ID", "STATUS", "PRIORITY"]
         assert [row.split()[:4] for row in rows] == [[j, "completed", "normal", "1/1"] for j in a_jobs[:-4:-1]]
+        assert header.split()[-1] == "AVG_LOGPROB" and all(float(row.split()[-1]) < 0 for row in rows)
         lines = subprocess.run([*command, "--json", "--limit", "150"], capture_output=True, text=True, timeout=60)
         assert [json.loads(line)["id"] for line in lines.stdout.splitlines()] == a_jobs[::-1]
         # one idempotency key, two owners: two jobs

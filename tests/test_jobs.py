@@ -439,6 +439,8 @@ def test_http_jobs_submit_idempotent_poll_results(redis_server, model, parity_au
                               "duration_s", "error"} for r in lines)
         assert all(len(r["token_logprobs"]) == len(r["tokens"]) and all(x <= 0 for x in r["token_logprobs"])
                    and all(0 <= w["confidence"] <= 1 for w in r["words"]) for r in lines)
+        scores = [x for r in lines for x in r["token_logprobs"]]  # the job's own: over every item's tokens
+        assert job["avg_logprob"] == pytest.approx(sum(scores) / len(scores), abs=1e-4)
         assert httpx.get(f"{running.url}/v1/jobs/job_doesnotexist").status_code == 404
         assert running.metric("batchasr_job_items_total", '{status="completed"}') == 10
 

@@ -415,6 +415,8 @@ def test_skip_silence_over_http_and_in_jobs_leaves_the_quiet_out(server, model):
     job = _wait_job(server.url, submitted.json()["id"])
     (record,) = [json.loads(line) for line in httpx.get(f"{server.url}/v1/jobs/{job['id']}/results").text.splitlines()]
     assert_same_but_scores(record["channels"], to_record(offline)["channels"])
+    scores = [x for channel in record["channels"] for x in channel["token_logprobs"]]
+    assert job["avg_logprob"] == pytest.approx(sum(scores) / len(scores), abs=1e-4) == record["avg_logprob"]
 
 
 def test_a_mono_recording_stored_as_stereo_is_transcribed_once(server, model):
