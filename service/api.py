@@ -33,7 +33,7 @@ from .batcher import Priority, QueueFull
 from .body_limit import FORM_OVERHEAD_BYTES, BodyLimitMiddleware, BodyTooLarge
 from .config import Settings
 from .engine_link import EngineLink
-from .formats import cues, to_srt, to_vtt
+from .formats import SubtitleLayout, cues, to_srt, to_vtt
 from .http import (
     ApiError,
     ServiceDep,
@@ -309,10 +309,16 @@ async def openai_transcriptions(
     temperature: Annotated[float, Form()] = 0.0,  # greedy decoding: accepted and ignored
     stream: Annotated[bool, Form()] = False,
     skip_silence: Annotated[bool, Form()] = False,  # ours: leave long quiet stretches out (models.silence)
+    max_line_width: Annotated[int, Form()] = SubtitleLayout.max_line_width,  # srt, vtt: Whisper's layout options
+    max_line_count: Annotated[int, Form()] = SubtitleLayout.max_line_count,
 ) -> Response:
     """OpenAI-compatible transcription (multipart); `skip_silence` (ours, e.g. the SDK's `extra_body`) leaves long
-    quiet stretches out."""
+    quiet stretches out; `max_line_width` and `max_line_count` (Whisper's names) lay out srt and vtt cues."""
     _check_model(service, model)
+    try:
+        layout = SubtitleLayout(max_line_width, max_line_count)
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param=str(exc).split()[0]) from exc
     if response_format not in RESPONSE_FORMATS:
         raise ApiError(400, f"response_format must be one of {', '.join(RESPONSE_FORMATS)}", param="response_format")
     if stream and response_format not in STREAM_FORMATS:
@@ -344,9 +350,9 @@ async def openai_transcriptions(
     if response_format == "text":
         return PlainTextResponse(transcript.text + "\n")
     if response_format == "srt":
-        return PlainTextResponse(to_srt(transcript), media_type="application/x-subrip")
+        return PlainTextResponse(to_srt(transcript, layout), media_type="application/x-subrip")
     if response_format == "vtt":
-        return PlainTextResponse(to_vtt(transcript), media_type="text/vtt")
+        return PlainTextResponse(to_vtt(transcript, layout), media_type="text/vtt")
     if response_format == "json":
         return JSONResponse(TranscriptionJSON(text=transcript.text, logprobs=token_logprobs, usage=usage)
                             .model_dump(exclude_none=True))

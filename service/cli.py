@@ -13,6 +13,10 @@ import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .formats import SubtitleLayout
 
 FORMATS = ("text", "json", "jsonl", "srt", "vtt")
 MULTICHANNEL_HELP = ("transcribe each channel apart (a call's agent and customer) and give each file as a "
@@ -64,12 +68,28 @@ def _transcribe_parser(sub: argparse._SubParsersAction) -> None:
                    help="write one <name>.<format> per input here instead of printing to stdout")
     p.add_argument("--skip-existing", action="store_true",
                    help="with --output-dir: leave out files whose result is already there (to resume a run)")
+    _add_layout_options(p)
     p.add_argument("--max-segment-s", type=float, default=30.0,
                    help="cut longer audio at quiet points into pieces this long, as the service does, and stitch "
                         "them back (default: 30; 0: take every file whole, as NeMo does)")
     p.add_argument("audio", nargs="+", help="audio files (WAV, FLAC, OGG, MP3, M4A, MP4, WebM, ...: see the README) "
                                             "and directories of them")
     p.set_defaults(func=cmd_transcribe)
+
+
+def _add_layout_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-line-width", type=int, metavar="CHARS",
+                   help="srt, vtt: characters a subtitle line holds at most (default 42)")
+    p.add_argument("--max-line-count", type=int, metavar="LINES",
+                   help="srt, vtt: lines a subtitle cue holds at most (default 2)")
+
+
+def _layout(args: argparse.Namespace) -> SubtitleLayout:
+    """The subtitle layout the options ask for; ValueError for one out of range."""
+    from .formats import SubtitleLayout
+
+    given = {"max_line_width": args.max_line_width, "max_line_count": args.max_line_count}
+    return SubtitleLayout(**{name: value for name, value in given.items() if value is not None})
 
 
 def cmd_transcribe(args: argparse.Namespace) -> int:
@@ -83,6 +103,7 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
 
     try:
         named = output_names(args.audio, f".{args.format}")
+        layout = _layout(args)
     except (FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -116,11 +137,11 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
             failed += 1
             print(f"error: {outcome}", file=sys.stderr)
         elif args.output_dir is not None:
-            write_whole(args.output_dir / named[path], render(outcome, str(path), args.format))
+            write_whole(args.output_dir / named[path], render(outcome, str(path), args.format, layout))
         elif args.format == "json":  # one array: written at the end
             records.append(to_record(outcome, str(path)))
         else:
-            sys.stdout.write(render(outcome, str(path), args.format))
+            sys.stdout.write(render(outcome, str(path), args.format, layout))
             sys.stdout.flush()
     if args.format == "json" and args.output_dir is None:
         sys.stdout.write(json.dumps(records, ensure_ascii=False, indent=2) + "\n")
@@ -256,6 +277,7 @@ def _submit_parser(sub: argparse._SubParsersAction) -> None:
                         "names them; a URL by its path's last part) instead of result lines")
     p.add_argument("--format", default="json", choices=("text", "json", "srt", "vtt"),
                    help="with --output-dir: each file's format (default: json, the item's result record)")
+    _add_layout_options(p)
     p.add_argument("--job-bytes", default="256M", metavar="SIZE",
                    help="uploads a job holds at most (e.g. 256M, 1G); more audio goes as several jobs, in order "
                         "(default 256M; a server takes at most BATCHASR_MAX_JOB_UPLOAD_BYTES a job)")
@@ -307,6 +329,7 @@ def _result_files(args: argparse.Namespace, inputs: list) -> Callable[[Path | st
     from .output_files import is_url, output_names, write_whole
 
     suffix = f".{args.format}"
+    layout = _layout(args)
     names = output_names([*(a for a in args.paths if not is_url(a)), *(i for i in inputs if isinstance(i, str))],
                          suffix)
     args.output_dir.mkdir(parents=True, exist_ok=True)
@@ -317,7 +340,8 @@ def _result_files(args: argparse.Namespace, inputs: list) -> Callable[[Path | st
         elif args.format == "json":
             write_whole(args.output_dir / names[source], json.dumps(record, ensure_ascii=False, indent=2) + "\n")
         else:
-            write_whole(args.output_dir / names[source], render(from_record(record), str(source), args.format))
+            write_whole(args.output_dir / names[source], render(from_record(record), str(source), args.format,
+                                                                layout))
 
     return write
 

@@ -6,7 +6,9 @@ a subtitle cue per piece of an utterance, the speaker in front (WebVTT's voice t
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,31 +16,99 @@ from models.conversation import Conversation, Utterance
 from models.transcript import Transcript, Word
 
 MAX_CUE_S = 6.0  # a subtitle cue spans at most this long
-MAX_CUE_CHARS = 84  # two lines of 42 characters, the usual broadcast limit
+
+
+@dataclass(frozen=True)
+class SubtitleLayout:
+    """How cues are cut and laid out (Whisper's option names). The defaults are the usual broadcast limits: two
+    lines of 42 characters, on screen at most 6 s."""
+
+    max_line_width: int = 42
+    max_line_count: int = 2
+    max_cue_s: float = MAX_CUE_S
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_line_width <= 1000:
+            raise ValueError("max_line_width must be 1 to 1000 characters")
+        if not 1 <= self.max_line_count <= 10:
+            raise ValueError("max_line_count must be 1 to 10")
 
 
 @dataclass(frozen=True)
 class Cue:
     start_s: float
     end_s: float
-    text: str
+    text: str  # on one line
     speaker: str | None = None  # whose words, in a conversation
+    lines: tuple[str, ...] = ()  # as shown: the text broken into the layout's lines
 
 
-def cues(words: list[Word], max_s: float = MAX_CUE_S, max_chars: int = MAX_CUE_CHARS) -> list[Cue]:
-    """Group words into subtitle cues that stay within ``max_s`` seconds and ``max_chars`` characters."""
+def cues(words: list[Word], layout: SubtitleLayout = SubtitleLayout(), lead: int = 0) -> list[Cue]:
+    """Group words into subtitle cues: each within ``layout.max_cue_s`` and laid out in at most
+    ``max_line_count`` lines of ``max_line_width`` characters (a word longer than a line gets one of its own);
+    ``lead`` characters shown before the first line (a speaker's label) count toward it."""
     out: list[Cue] = []
-    group: list[Word] = []
-    for word in words:
-        if group:
-            text = " ".join(w.word for w in [*group, word])
-            if word.end_s - group[0].start_s > max_s or len(text) > max_chars:
-                out.append(Cue(group[0].start_s, group[-1].end_s, " ".join(w.word for w in group)))
-                group = []
-        group.append(word)
-    if group:
-        out.append(Cue(group[0].start_s, group[-1].end_s, " ".join(w.word for w in group)))
+    start, fill = 0, _Fill(layout.max_line_width, lead)
+    for i, word in enumerate(words):
+        if i > start and (word.end_s - words[start].start_s > layout.max_cue_s
+                          or fill.after(word.word) > layout.max_line_count):
+            out.append(_cue(words[start:i], layout, lead))
+            start, fill = i, _Fill(layout.max_line_width, lead)
+        fill.add(word.word)
+    if start < len(words):
+        out.append(_cue(words[start:], layout, lead))
     return out
+
+
+@dataclass
+class _Fill:
+    """Words laid into lines of ``width`` one after another, each line filled before the next (the fewest lines
+    any layout can use)."""
+
+    width: int
+    used: int  # characters on the last line
+    lines: int = 0
+
+    def after(self, word: str) -> int:
+        """Lines used once ``word`` is added."""
+        return self.lines + (0 if self.lines and self.used + 1 + len(word) <= self.width else 1)
+
+    def add(self, word: str) -> None:
+        if self.lines and self.used + 1 + len(word) <= self.width:
+            self.used += 1 + len(word)
+        else:
+            self.used = (self.used if not self.lines else 0) + len(word)  # the first line starts after the lead
+            self.lines += 1
+
+
+def _cue(words: list[Word], layout: SubtitleLayout, lead: int) -> Cue:
+    texts = [w.word for w in words]
+    return Cue(words[0].start_s, words[-1].end_s, " ".join(texts), lines=_balanced(texts, layout.max_line_width, lead))
+
+
+def _lines(words: list[str], width: int, lead: int) -> list[list[str]]:
+    fill, lines = _Fill(width, lead), []
+    for word in words:
+        if fill.after(word) > fill.lines:
+            lines.append([])
+        fill.add(word)
+        lines[-1].append(word)
+    return lines
+
+
+def _balanced(words: list[str], width: int, lead: int) -> tuple[str, ...]:
+    """``words`` in as few lines of ``width`` as they fill, with the longest line as short as can be: a two-line
+    cue reads as two lines of like length, not a full line and a word. (The narrowest width that needs no more
+    lines, found by bisection, then filled line by line.)"""
+    n_lines = len(_lines(words, width, lead))
+    narrow, wide = max(lead + len(words[0]), *map(len, words)), max(width, lead + len(" ".join(words)))
+    while narrow < wide:
+        middle = (narrow + wide) // 2
+        if len(_lines(words, middle, lead)) <= n_lines:
+            wide = middle
+        else:
+            narrow = middle + 1
+    return tuple(" ".join(line) for line in _lines(words, narrow, lead))
 
 
 def _timestamp(seconds: float, decimal: str) -> str:
@@ -49,28 +119,40 @@ def _timestamp(seconds: float, decimal: str) -> str:
     return f"{h:02d}:{m:02d}:{s:02d}{decimal}{ms:03d}"
 
 
-def _cues_of(transcript: Transcript | Conversation) -> list[Cue]:
+def _cues_of(transcript: Transcript | Conversation, layout: SubtitleLayout, label: Callable[[str], str]
+             ) -> list[Cue]:
+    """The transcript's cues; a conversation's by utterance, each with its speaker, whose ``label`` (as shown
+    before the first line) counts toward that line's width."""
     if isinstance(transcript, Transcript):
-        return cues(transcript.words)
-    return [Cue(c.start_s, c.end_s, c.text, transcript.speaker(u.channel))
-            for u in transcript.utterances() for c in cues(u.words)]
+        return cues(transcript.words, layout)
+    out = []
+    for u in transcript.utterances():
+        speaker = transcript.speaker(u.channel)
+        out += [dataclasses.replace(c, speaker=speaker) for c in cues(u.words, layout, len(label(speaker)))]
+    return out
 
 
-def to_srt(transcript: Transcript | Conversation) -> str:
+def _srt_label(speaker: str) -> str:
+    return f"[{speaker}] "
+
+
+def to_srt(transcript: Transcript | Conversation, layout: SubtitleLayout = SubtitleLayout()) -> str:
     def text(c: Cue) -> str:
-        return c.text if c.speaker is None else f"[{c.speaker}] {c.text}"
+        shown = "\n".join(c.lines)
+        return shown if c.speaker is None else _srt_label(c.speaker) + shown
 
     blocks = [f"{i}\n{_timestamp(c.start_s, ',')} --> {_timestamp(c.end_s, ',')}\n{text(c)}\n"
-              for i, c in enumerate(_cues_of(transcript), start=1)]
+              for i, c in enumerate(_cues_of(transcript, layout, _srt_label), start=1)]
     return "\n".join(blocks)
 
 
-def to_vtt(transcript: Transcript | Conversation) -> str:
-    def text(c: Cue) -> str:
-        return c.text if c.speaker is None else f"<v {c.speaker}>{c.text}"
+def to_vtt(transcript: Transcript | Conversation, layout: SubtitleLayout = SubtitleLayout()) -> str:
+    def text(c: Cue) -> str:  # a voice tag is not shown: it takes no room on the line
+        shown = "\n".join(c.lines)
+        return shown if c.speaker is None else f"<v {c.speaker}>{shown}"
 
     blocks = [f"{_timestamp(c.start_s, '.')} --> {_timestamp(c.end_s, '.')}\n{text(c)}\n"
-              for c in _cues_of(transcript)]
+              for c in _cues_of(transcript, layout, lambda speaker: "")]
     return "WEBVTT\n\n" + "\n".join(blocks)
 
 
@@ -116,12 +198,14 @@ def _repeats(conversation: Conversation, channel: int) -> dict[str, int]:
     return {"duplicate_of": conversation.duplicates[channel]} if channel in conversation.duplicates else {}
 
 
-def render(transcript: Transcript | Conversation, audio: str, format: str) -> str:
-    """One transcript as the command line writes it: ``text``, ``jsonl`` (one line), ``json``, ``srt`` or ``vtt``."""
+def render(transcript: Transcript | Conversation, audio: str, format: str,
+           layout: SubtitleLayout = SubtitleLayout()) -> str:
+    """One transcript as the command line writes it: ``text``, ``jsonl`` (one line), ``json``, ``srt`` or ``vtt``
+    (cut and laid out by ``layout``)."""
     if format == "text":
         return transcript.text + "\n"
     if format in ("srt", "vtt"):
-        return to_srt(transcript) if format == "srt" else to_vtt(transcript)
+        return to_srt(transcript, layout) if format == "srt" else to_vtt(transcript, layout)
     return json.dumps(to_record(transcript, audio), ensure_ascii=False, indent=2 if format == "json" else None) + "\n"
 
 

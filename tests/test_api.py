@@ -64,14 +64,23 @@ def test_each_response_format(server, hybrid, parity_audio):
     assert srt.headers["content-type"].startswith("application/x-subrip")
     blocks = [b.splitlines() for b in srt.text.strip().split("\n\n")]
     assert [b[0] for b in blocks] == [str(i + 1) for i in range(len(blocks))]
-    assert " ".join(b[2] for b in blocks) == expected.text
+    assert " ".join(line for b in blocks for line in b[2:]) == expected.text
+    assert all(len(b[2:]) <= 2 and all(len(line) <= 42 for line in b[2:]) for b in blocks)  # two lines of 42
     for block in blocks:
         start, end = (_stamp_s(x) for x in block[1].split(" --> "))
         assert 0 <= start <= end <= expected.duration_s + 1e-3
     vtt = _post(server.url, data, response_format="vtt")
     assert vtt.headers["content-type"].startswith("text/vtt") and vtt.text.startswith("WEBVTT\n\n")
     cues = [c.splitlines() for c in vtt.text.split("\n\n")[1:] if c.strip()]
-    assert " ".join(c[1] for c in cues) == expected.text
+    assert " ".join(line for c in cues for line in c[1:]) == expected.text
+    narrow = _post(server.url, data, response_format="srt", max_line_width="16", max_line_count="1")
+    lines = [b.splitlines()[2:] for b in narrow.text.strip().split("\n\n")]
+    assert len(lines) > len(blocks) and all(len(cue) == 1 for cue in lines)
+    assert all(len(cue[0]) <= 16 or " " not in cue[0] for cue in lines)  # a longer word has its line to itself
+    assert " ".join(cue[0] for cue in lines) == expected.text
+    for field, value in (("max_line_width", "0"), ("max_line_count", "11"), ("max_line_count", "two")):
+        refused = _post(server.url, data, response_format="srt", **{field: value})
+        assert refused.status_code in (400, 422) and field in refused.text, (field, value, refused.text)
 
 
 @pytest.mark.parametrize("field", ["timestamp_granularities[]", "timestamp_granularities"])

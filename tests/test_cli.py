@@ -37,6 +37,19 @@ def test_resampled_stereo_input_transcribes_like_the_original(parity_dir, parity
     assert capsys.readouterr().out == original
 
 
+def test_subtitle_lines_follow_the_layout_options(parity_dir, parity_audio, capsys):
+    model = str(parity_dir / "tdt.nemo")
+    assert main(["transcribe", "--model", model, "--format", "srt", parity_audio[2]]) == 0
+    default = [block.splitlines()[2:] for block in capsys.readouterr().out.strip().split("\n\n")]
+    assert main(["transcribe", "--model", model, "--format", "srt", "--max-line-width", "16", "--max-line-count", "1",
+                 parity_audio[2]]) == 0
+    narrow = [block.splitlines()[2:] for block in capsys.readouterr().out.strip().split("\n\n")]
+    assert len(narrow) > len(default) and all(len(cue) == 1 for cue in narrow)
+    assert " ".join(cue[0] for cue in narrow) == " ".join(line for cue in default for line in cue)
+    assert main(["transcribe", "--model", model, "--format", "srt", "--max-line-count", "0", parity_audio[2]]) == 2
+    assert "max_line_count must be 1 to 10" in capsys.readouterr().err
+
+
 def test_output_dir_writes_one_file_per_input(parity_dir, parity_audio, tmp_path):
     out = tmp_path / "out"
     assert main(["transcribe", "--model", str(parity_dir / "tdt.nemo"), "--format", "vtt", "--output-dir",

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 
 import pytest
 
 from decoding.types import Hypothesis
 from models import load_model
-from models.transcript import Word, build_transcript
-from service.formats import cues, to_srt, to_vtt
+from models.conversation import Conversation
+from models.transcript import Transcript, Word, build_transcript
+from service.formats import SubtitleLayout, cues, to_srt, to_vtt
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +49,63 @@ def test_word_end_never_passes_the_next_word_or_the_audio(hybrid):
 
 def test_cues_split_on_duration_and_length():
     words = [Word(f"w{i}", i * 1.0, i * 1.0 + 0.5) for i in range(10)]
-    groups = cues(words, max_s=3.0)
+    groups = cues(words, SubtitleLayout(max_cue_s=3.0))
     assert [c.text for c in groups] == ["w0 w1 w2", "w3 w4 w5", "w6 w7 w8", "w9"]
     assert all(c.end_s - c.start_s <= 3.0 for c in groups)
+
+
+SENTENCE = ["the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog", "and", "then", "it", "runs", "far",
+            "away", "into", "the", "deep", "dark", "forest", "of", "southwestern", "north", "america"]
+
+
+def _words(texts: list[str]) -> list[Word]:
+    return [Word(text, i * 0.2, i * 0.2 + 0.15) for i, text in enumerate(texts)]
+
+
+@pytest.mark.parametrize("width,count", [(42, 2), (20, 1), (30, 3), (12, 2)])
+def test_cues_are_laid_out_in_lines_of_like_length_within_the_layout(width, count):
+    layout = SubtitleLayout(max_line_width=width, max_line_count=count)
+    groups = cues(_words(SENTENCE), layout)
+    assert " ".join(line for c in groups for line in c.lines) == " ".join(SENTENCE)  # every word once, in order
+    for c in groups:
+        assert " ".join(c.lines) == c.text and 1 <= len(c.lines) <= count
+        assert all(len(line) <= width or " " not in line for line in c.lines)
+    # each cue is as full as the layout allows: its next word would not have fitted
+    for c, following in itertools.pairwise(groups):
+        wider = cues(_words([*c.text.split(), following.text.split()[0]]), layout)
+        assert len(wider) == 2
+
+
+def test_a_two_line_cue_reads_as_two_lines_of_like_length():
+    (cue,) = cues(_words(SENTENCE[-7:]))  # deep dark forest of southwestern north america
+    assert cue.lines == ("deep dark forest of", "southwestern north america")  # not 39 characters and 7
+    first, _ = cues(_words(SENTENCE))
+    assert first.lines == ("the quick brown fox jumps over the lazy", "dog and then it runs far away into the")
+
+
+def test_a_speakers_label_counts_toward_the_first_line_and_a_long_word_gets_a_line():
+    for c in cues(_words(SENTENCE), lead=len("[customer] ")):
+        assert len("[customer] ") + len(c.lines[0]) <= 42 and all(len(line) <= 42 for line in c.lines)
+    long = "pneumonoultramicroscopicsilicovolcanoconiosis"  # 45 characters
+    assert [c.lines for c in cues(_words(["a", long, "b"]))] == [("a", long), ("b",)]
+
+
+def test_a_conversations_srt_counts_the_speakers_label_and_its_vtt_does_not():
+    channel = Transcript(text=" ".join(SENTENCE), tokens=[], token_frames=[], duration_s=10.0, words=_words(SENTENCE))
+    conversation = Conversation([channel], names=["customer"])
+    srt_cues = [block.splitlines()[2:] for block in to_srt(conversation).strip().split("\n\n")]
+    assert all(cue[0].startswith("[customer] ") for cue in srt_cues)
+    assert all(len(line) <= 42 for cue in srt_cues for line in cue)
+    vtt_cues = [block.splitlines()[1:] for block in to_vtt(conversation).split("\n\n")[1:] if block.strip()]
+    assert all(cue[0].startswith("<v customer>") for cue in vtt_cues)
+    shown = [line.removeprefix("<v customer>") for cue in vtt_cues for line in cue]
+    assert all(len(line) <= 42 for line in shown) and max(len(line) for line in shown) > 42 - len("[customer] ")
+
+
+def test_a_layout_out_of_range_is_refused():
+    for options in ({"max_line_width": 0}, {"max_line_width": 1001}, {"max_line_count": 0}, {"max_line_count": 11}):
+        with pytest.raises(ValueError, match=next(iter(options))):
+            SubtitleLayout(**options)
 
 
 def test_srt_and_vtt_parse_back(hybrid, parity_audio):
@@ -57,7 +113,7 @@ def test_srt_and_vtt_parse_back(hybrid, parity_audio):
     stamp = r"(\d\d):(\d\d):(\d\d)[,.](\d\d\d)"
     srt_blocks = to_srt(t).strip().split("\n\n")
     assert [b.splitlines()[0] for b in srt_blocks] == [str(i) for i in range(1, len(srt_blocks) + 1)]
-    assert " ".join(b.splitlines()[2] for b in srt_blocks) == t.text
+    assert " ".join(line for b in srt_blocks for line in b.splitlines()[2:]) == t.text
     vtt = to_vtt(t)
     assert vtt.startswith("WEBVTT\n\n")
     times = [m.groups() for m in re.finditer(stamp, vtt)]
