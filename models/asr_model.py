@@ -137,10 +137,7 @@ class ASRModel(nn.Module):
 
     @property
     def default_decoder(self) -> str:
-        transducer = self.config.transducer
-        if transducer is None:
-            return "ctc"
-        return "tdt" if transducer.is_tdt else "rnnt"
+        return self.config.default_decoder
 
     def resolve_decoder(self, decoder: str) -> str:
         if decoder not in DECODERS:

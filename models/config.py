@@ -101,6 +101,13 @@ class ModelConfig:
         assert head is not None
         return head.vocab_size
 
+    @property
+    def default_decoder(self) -> str:
+        """The head that decodes unless another is asked for: the transducer's (tdt | rnnt), else ctc."""
+        if self.transducer is None:
+            return "ctc"
+        return "tdt" if self.transducer.is_tdt else "rnnt"
+
 
 # ---------------------------------------------------------------------------------------------------------
 # Parsing

@@ -426,7 +426,24 @@ def _native_conversation(service: ServiceState, result: ConversationResult) -> N
 
 @v1.get("/models", response_model=ModelList)
 async def list_models(service: ServiceDep) -> ModelList:
-    return ModelList(data=[ModelCard(id=service.model_id)])
+    return ModelList(data=[_model_card(service)])
+
+
+@v1.get("/models/{model}", response_model=ModelCard)
+async def retrieve_model(model: str, service: ServiceDep) -> ModelCard:
+    """The served model (OpenAI's retrieve), by its id or one of its aliases; 404 for any other."""
+    _check_model(service, model)
+    return _model_card(service)
+
+
+def _model_card(service: ServiceState) -> ModelCard:
+    assert service.stack is not None
+    config, settings = service.stack.transcriber.config, service.settings
+    return ModelCard(id=service.model_id, created=int(service.started_at), aliases=list(settings.model_aliases),
+                     architecture=config.kind,
+                     decoder=config.default_decoder if settings.decoder == "auto" else settings.decoder,
+                     sample_rate=config.features.sample_rate, vocab_size=config.vocab_size,
+                     token_scores=settings.token_scores, max_segment_s=settings.max_segment_s)
 
 
 ops = APIRouter(tags=["operations"])

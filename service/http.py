@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Protocol
 
@@ -56,6 +57,7 @@ class ServiceState:
     metrics: MetricsSink | None = None  # a front end's arrives with its engine link
     stack: Stack | FrontendStack | None = None
     accepting: bool = True
+    started_at: float = field(default_factory=time.time)  # when this process began serving (the model's `created`)
     intake: IntakeBudget = field(init=False)  # upload bytes read and not yet decoded, this process
 
     def __post_init__(self) -> None:

@@ -121,9 +121,19 @@ class NativeTranscription(BaseModel):
 
 
 class ModelCard(BaseModel):
+    """OpenAI's model object, and what a client may want to know of the model served."""
+
     id: str
     object: str = "model"
+    created: int  # when this server started serving it (Unix seconds)
     owned_by: str = "batchasr"
+    aliases: list[str]  # other names it answers to as `model`
+    architecture: str  # ctc | transducer | hybrid (NeMo's FastConformer families)
+    decoder: str  # the head that decodes: ctc | rnnt | tdt
+    sample_rate: int  # audio is resampled to this
+    vocab_size: int
+    token_scores: bool  # whether answers carry token log-probabilities and word confidences
+    max_segment_s: float  # longer audio is cut near here at quiet points and stitched back
 
 
 class ModelList(BaseModel):

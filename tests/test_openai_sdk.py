@@ -4,6 +4,7 @@ client's exceptions with our messages."""
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -62,6 +63,19 @@ def test_each_response_format_parses_into_the_clients_types(server, hybrid, pari
     assert [(w.start, w.end) for w in verbose.words] == [(w.start_s, w.end_s) for w in expected.words]
     assert " ".join(s.text for s in verbose.segments) == expected.text
     assert [m.id for m in client.models.list()] == [MODEL_ID]
+
+
+def test_the_served_model_is_retrieved_by_its_id_or_an_alias(server, hybrid):
+    client = _client(server.url)
+    card = client.models.retrieve(MODEL_ID)
+    assert card.id == MODEL_ID and card.object == "model" and 0 < card.created <= time.time()
+    assert card.model_extra == {"aliases": ["whisper-1", "default"], "architecture": "hybrid", "decoder": "tdt",
+                                "sample_rate": 16000, "vocab_size": hybrid.config.vocab_size, "token_scores": True,
+                                "max_segment_s": 5.0}
+    assert client.models.retrieve("whisper-1") == card == client.models.list().data[0]
+    with pytest.raises(openai.NotFoundError) as unknown:
+        client.models.retrieve("gpt-4o-transcribe")
+    assert unknown.value.code == "model_not_found"
 
 
 def test_the_clients_stream_yields_deltas_then_done(server, parity_audio, tmp_path):
