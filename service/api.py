@@ -235,6 +235,19 @@ def _check_model(service: ServiceState, requested: str | None) -> None:
                        param="model", code="model_not_found")
 
 
+def _check_language(service: ServiceState, requested: str | None) -> str:
+    """The language the answer is in: the one asked for (its primary subtag: ``en-US`` is ``en``) if the model
+    transcribes it, else 400; none asked for: the model's first."""
+    languages = service.settings.languages
+    if not requested:
+        return languages[0] if languages else "en"
+    code = requested.split("-")[0].split("_")[0].lower()
+    if languages and code not in languages:
+        raise ApiError(400, f"this model transcribes {', '.join(languages)}, not {requested!r}", param="language",
+                       code="unsupported_language")
+    return code
+
+
 def _words(words: list[Word], channel: int | None = None) -> list[WordTiming]:
     return [WordTiming(word=w.word, start=w.start_s, end=w.end_s, confidence=w.confidence, channel=channel)
             for w in words]
@@ -315,6 +328,7 @@ async def openai_transcriptions(
     """OpenAI-compatible transcription (multipart); `skip_silence` (ours, e.g. the SDK's `extra_body`) leaves long
     quiet stretches out; `max_line_width` and `max_line_count` (Whisper's names) lay out srt and vtt cues."""
     _check_model(service, model)
+    spoken = _check_language(service, language)
     try:
         layout = SubtitleLayout(max_line_width, max_line_count)
     except ValueError as exc:
@@ -358,7 +372,7 @@ async def openai_transcriptions(
                             .model_dump(exclude_none=True))
     wants = set(granularities) or {"segment"}
     body = VerboseTranscription(
-        language=language or "en", duration=round(transcript.duration_s, 3), text=transcript.text, usage=usage,
+        language=spoken, duration=round(transcript.duration_s, 3), text=transcript.text, usage=usage,
         segments=_segments(transcript, service.stack.transcriber.config.frame_s) if "segment" in wants else None,
         words=_openai_words(transcript.words) if "word" in wants else None, logprobs=token_logprobs,
     )
@@ -440,7 +454,7 @@ def _model_card(service: ServiceState) -> ModelCard:
     assert service.stack is not None
     config, settings = service.stack.transcriber.config, service.settings
     return ModelCard(id=service.model_id, created=int(service.started_at), aliases=list(settings.model_aliases),
-                     architecture=config.kind,
+                     architecture=config.kind, languages=list(settings.languages),
                      decoder=config.default_decoder if settings.decoder == "auto" else settings.decoder,
                      sample_rate=config.features.sample_rate, vocab_size=config.vocab_size,
                      token_scores=settings.token_scores, max_segment_s=settings.max_segment_s)

@@ -18,6 +18,9 @@ class Settings(BaseSettings):
     model: str | None = None  # a .nemo path; None: the embedded default model
     model_name: str | None = None  # the id clients see (default: the model file's stem)
     model_aliases: Annotated[list[str], NoDecode] = Field(default_factory=lambda: ["whisper-1", "default"])
+    # the languages the model transcribes (ISO 639-1): a request for another is refused rather than answered in
+    # the wrong one; none: any is taken
+    languages: Annotated[list[str], NoDecode] = Field(default_factory=lambda: ["en"])
     device: str = "auto"
     dtype: str = "auto"
     decoder: str = "auto"
@@ -70,8 +73,8 @@ class Settings(BaseSettings):
     # engine's process consumes. serve needs front ends for them.
     job_consumers: int = 0
 
-    @field_validator("api_keys", "model_aliases", "input_roots", "input_url_prefixes", "webhook_url_prefixes",
-                     mode="before")
+    @field_validator("api_keys", "model_aliases", "languages", "input_roots", "input_url_prefixes",
+                     "webhook_url_prefixes", mode="before")
     @classmethod
     def _split_commas(cls, value: object) -> object:
         """Accept ``a,b`` as well as a JSON list from the environment."""
@@ -80,6 +83,14 @@ class Settings(BaseSettings):
                 return json.loads(value)
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
+
+    @field_validator("languages")
+    @classmethod
+    def _language_codes(cls, value: list[str]) -> list[str]:
+        codes = [code.lower() for code in value]
+        if bad := [code for code in codes if not (len(code) in (2, 3) and code.isalpha())]:
+            raise ValueError(f"languages are ISO 639-1 codes such as en or de, not {bad[0]!r}")
+        return codes
 
     @field_validator("input_url_prefixes", "webhook_url_prefixes")
     @classmethod

@@ -129,6 +129,7 @@ class ModelCard(BaseModel):
     owned_by: str = "batchasr"
     aliases: list[str]  # other names it answers to as `model`
     architecture: str  # ctc | transducer | hybrid (NeMo's FastConformer families)
+    languages: list[str]  # what it transcribes (ISO 639-1; empty: not stated)
     decoder: str  # the head that decodes: ctc | rnnt | tdt
     sample_rate: int  # audio is resampled to this
     vocab_size: int

@@ -452,3 +452,19 @@ def test_stream_latency_script_measures_a_stream_against_one_request(server, par
     report = json.loads(line)
     assert report["same_text"] is True and report["deltas"] == 2 and report["audio_s"] >= 40
     assert 0 < report["first_delta_s"] <= report["done_s"] and report["without_stream_s"] > 0
+
+
+def test_languages_setting_takes_codes_and_none_takes_any(monkeypatch, hybrid, parity_audio):
+    from pydantic import ValidationError
+
+    from service.config import get_settings
+
+    monkeypatch.setenv("BATCHASR_LANGUAGES", "EN,de")
+    assert get_settings().languages == ["en", "de"]
+    with pytest.raises(ValidationError, match="not 'english'"):
+        Settings(languages=["english"])
+    data = Path(parity_audio[0]).read_bytes()
+    with run_server(Settings(languages=[]), hybrid) as running:
+        answer = _post(running.url, data, response_format="verbose_json", language="de")
+        card = httpx.get(f"{running.url}/v1/models").json()["data"][0]
+    assert answer.status_code == 200 and answer.json()["language"] == "de" and card["languages"] == []

@@ -69,7 +69,8 @@ def test_the_served_model_is_retrieved_by_its_id_or_an_alias(server, hybrid):
     client = _client(server.url)
     card = client.models.retrieve(MODEL_ID)
     assert card.id == MODEL_ID and card.object == "model" and 0 < card.created <= time.time()
-    assert card.model_extra == {"aliases": ["whisper-1", "default"], "architecture": "hybrid", "decoder": "tdt",
+    assert card.model_extra == {"aliases": ["whisper-1", "default"], "architecture": "hybrid", "languages": ["en"],
+                                "decoder": "tdt",
                                 "sample_rate": 16000, "vocab_size": hybrid.config.vocab_size, "token_scores": True,
                                 "max_segment_s": 5.0}
     assert client.models.retrieve("whisper-1") == card == client.models.list().data[0]
@@ -156,6 +157,12 @@ def test_refusals_raise_the_clients_exceptions(server, hybrid, parity_audio):
     with pytest.raises(openai.BadRequestError, match="cannot decode audio") as bad_audio:
         client.audio.transcriptions.create(file=("a.wav", b"RIFF" + b"\x00" * 64, "audio/wav"), model=MODEL_ID)
     assert bad_audio.value.param == "file"
+    with pytest.raises(openai.BadRequestError, match="transcribes en, not 'de'") as other_language:
+        client.audio.transcriptions.create(file=audio, model=MODEL_ID, language="de")
+    assert other_language.value.code == "unsupported_language" and other_language.value.param == "language"
+    verbose = client.audio.transcriptions.create(file=audio, model=MODEL_ID, language="en-US",
+                                                 response_format="verbose_json")
+    assert verbose.language == "en"
     with pytest.raises(openai.BadRequestError) as bad_stream:
         client.audio.transcriptions.create(file=audio, model=MODEL_ID, response_format="srt", stream=True)
     assert bad_stream.value.param == "stream"
