@@ -100,6 +100,7 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
 
     from .formats import render, to_record
     from .output_files import output_names, write_whole
+    from .run_summary import RunSummary
 
     try:
         named = output_names(args.audio, f".{args.format}")
@@ -129,14 +130,16 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
                                      multichannel=args.multichannel, skip_silence=args.skip_silence)
     if args.output_dir is not None:
         args.output_dir.mkdir(parents=True, exist_ok=True)
-    records, failed = [], 0
+    records, failed, summary = [], 0, RunSummary()
     for path, outcome in zip(files, outcomes, strict=True):
         if isinstance(outcome, Conversation):
             outcome.names = args.channel_names
         if isinstance(outcome, Exception):
             failed += 1
             print(f"error: {outcome}", file=sys.stderr)
-        elif args.output_dir is not None:
+            continue
+        summary.add(str(path), outcome)
+        if args.output_dir is not None:
             write_whole(args.output_dir / named[path], render(outcome, str(path), args.format, layout))
         elif args.format == "json":  # one array: written at the end
             records.append(to_record(outcome, str(path)))
@@ -147,6 +150,8 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
         sys.stdout.write(json.dumps(records, ensure_ascii=False, indent=2) + "\n")
     if failed:
         print(f"{failed} of {len(files)} files could not be read", file=sys.stderr)
+    if len(files) > 1:
+        sys.stderr.write(summary.report())
     return 1 if failed else 0
 
 

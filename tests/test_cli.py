@@ -37,6 +37,18 @@ def test_resampled_stereo_input_transcribes_like_the_original(parity_dir, parity
     assert capsys.readouterr().out == original
 
 
+def test_a_run_over_many_files_ends_with_a_summary_naming_the_least_sure(parity_dir, parity_audio, capsys):
+    assert main(["transcribe", "--model", str(parity_dir / "tdt.nemo"), "--format", "jsonl", *parity_audio[:4]]) == 0
+    out, err = capsys.readouterr()
+    records = [json.loads(line) for line in out.splitlines()]
+    seconds = sum(r["duration_s"] for r in records)
+    assert f"4 files, {seconds / 3600:.2f} h of audio in" in err
+    least_sure = min(records, key=lambda r: r["avg_logprob"])
+    assert f"least sure files (avg_logprob): {least_sure['audio']} ({least_sure['avg_logprob']:.3f})" in err
+    scores = [x for r in records for x in r["token_logprobs"]]
+    assert f"mean token log-probability {sum(scores) / len(scores):.4f}" in err
+
+
 def test_subtitle_lines_follow_the_layout_options(parity_dir, parity_audio, capsys):
     model = str(parity_dir / "tdt.nemo")
     assert main(["transcribe", "--model", model, "--format", "srt", parity_audio[2]]) == 0

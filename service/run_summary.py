@@ -1,0 +1,45 @@
+"""What ``batchasr transcribe`` says when a run over many files ends: how much it did, how fast, and which
+transcripts the model was least sure of (the ones a dataset builder should listen to first)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from models.conversation import Conversation
+from models.transcript import Transcript
+
+LEAST_SURE_SHOWN = 5
+
+
+@dataclass
+class RunSummary:
+    started: float = field(default_factory=time.perf_counter)
+    files: int = 0
+    audio_s: float = 0.0
+    tokens: int = 0
+    logprob_sum: float = 0.0
+    by_file: list[tuple[float, str]] = field(default_factory=list)  # (avg_logprob, file), scored files only
+
+    def add(self, name: str, transcript: Transcript | Conversation) -> None:
+        self.files += 1
+        if isinstance(transcript, Conversation):  # every channel transcribed counts, as in RTFx everywhere
+            self.audio_s += sum(t.duration_s for i, t in enumerate(transcript.channels)
+                                if i not in transcript.duplicates)
+        else:
+            self.audio_s += transcript.duration_s
+        scores = transcript.token_logprobs or []
+        self.tokens += len(scores)
+        self.logprob_sum += sum(scores)
+        if transcript.avg_logprob is not None:
+            self.by_file.append((transcript.avg_logprob, name))
+
+    def report(self) -> str:
+        elapsed = time.perf_counter() - self.started
+        lines = [f"{self.files} files, {self.audio_s / 3600:.2f} h of audio in {elapsed:.1f} s "
+                 f"(RTFx {self.audio_s / max(elapsed, 1e-9):.0f}, reading and writing included)"]
+        if self.tokens:
+            lines.append(f"mean token log-probability {self.logprob_sum / self.tokens:.4f}; least sure files "
+                         "(avg_logprob): " + ", ".join(f"{name} ({score:.3f})" for score, name in
+                                                      sorted(self.by_file)[:LEAST_SURE_SHOWN]))
+        return "\n".join(lines) + "\n"
