@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .boosting import BoostTable
 from .cuda_conditional import ConditionalGraphBuilder, CudaPythonError, conditional_support, load_condition_kernel
 from .label_looping import LabelLooper, LabelLoopState
 from .types import Hypothesis, JointNet, PredictionNet
@@ -172,23 +173,25 @@ class LabelLoopingDecoder:
         return (self._state.batch_capacity, self._state.frame_capacity)
 
     @torch.inference_mode()
-    def __call__(self, encoded: Tensor, lengths: Tensor) -> list[Hypothesis]:
-        """(B, T, d) encoder output and (B,) lengths -> one hypothesis per row."""
+    def __call__(self, encoded: Tensor, lengths: Tensor, boost: BoostTable | None = None) -> list[Hypothesis]:
+        """(B, T, d) encoder output and (B,) lengths -> one hypothesis per row. A batch with hotwords (``boost``)
+        runs eagerly on the same buffers: the graphs hold the search without them."""
         with self._lock:
-            return self._decode(encoded, lengths)
+            return self._decode(encoded, lengths, boost)
 
-    def _decode(self, encoded: Tensor, lengths: Tensor) -> list[Hypothesis]:
+    def _decode(self, encoded: Tensor, lengths: Tensor, boost: BoostTable | None) -> list[Hypothesis]:
         enc_proj = self.looper.project(encoded)  # (B, T, J), once per batch
         batch, n_frames, hidden = enc_proj.shape
         self._choose_mode(enc_proj.device)
         state = self._state
         if state is None or not state.fits(batch, n_frames, enc_proj.device, enc_proj.dtype):
             state = self._grow(batch, n_frames, hidden, enc_proj.device, enc_proj.dtype)
-        self.looper.load(state, enc_proj, lengths)
-        if self._graphs is None:
+        self.looper.load(state, enc_proj, lengths, boost)
+        if self._graphs is None or boost is not None:
             self.looper.run_eager(state)
         else:
             self._graphs.run()
+        state.boost, state.node = None, None
         return self.looper.results(state, batch)
 
     def _choose_mode(self, device: torch.device) -> None:

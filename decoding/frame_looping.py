@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .boosting import BoostTable
 from .types import Hypothesis, JointNet, PredictionNet
 
 
@@ -38,12 +39,14 @@ def frame_looping_greedy(
     joint: JointNet,
     durations: tuple[int, ...] = (),
     max_symbols: int = 10,
+    boost: BoostTable | None = None,
 ) -> list[Hypothesis]:
     """
     Args:
         encoded: (B, T, d) encoder output.
         lengths: (B,) valid encoder frames.
         durations: TDT duration choices (empty for RNN-T).
+        boost: the rows' hotwords (decoding.boosting), or None.
     """
     batch, n_frames, _ = encoded.shape
     device = encoded.device
@@ -55,14 +58,19 @@ def frame_looping_greedy(
     pred_proj = joint.project_prediction(pred_out)  # (B, J)
     next_frame = torch.zeros(batch, dtype=torch.long, device=device)  # where each row waits
     hyps = [Hypothesis(durations=[] if durations else None) for _ in range(batch)]
+    node = boost.roots.clone() if boost is not None else None  # each row's place in its hotwords' tree
     for t in range(n_frames):
         # invariant: rows with next_frame == t (and t inside them) still have to be decoded at frame t
         at_frame = (next_frame == t) & (t < lengths)
         emitted_here = torch.zeros(batch, dtype=torch.long, device=device)
         while bool(at_frame.any()):
             logits = joint.joint_after_projection(enc_proj[:, t], pred_proj)
+            if boost is not None:
+                logits[:, : blank + 1] += boost.bonus(node, blank + 1)
             labels, advance = split_logits(logits, joint, duration_table)
             emit = at_frame & (labels != blank)
+            if boost is not None:
+                node = torch.where(emit, boost.advance(node, labels), node)
             _record(hyps, emit, labels, advance if durations else None, t)
             if bool(emit.any()):
                 new_out, new_state = prediction.step(torch.where(emit, labels, blank), state)

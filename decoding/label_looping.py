@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .boosting import BoostTable
 from .types import Hypothesis, JointNet, PredictionNet
 
 WhileLoop = Callable[[Tensor, Callable[[], None]], None]  # while_loop(flag, body)
@@ -83,6 +84,9 @@ class LabelLoopState:
     # --- max_symbols bookkeeping
     last_frame: Tensor  # (B,) long, frame of the last emitted label (-1: none yet)
     n_at_frame: Tensor  # (B,) long, labels emitted at last_frame
+    # --- hotwords (decoding.boosting), for one eager run: never captured into a graph
+    boost: BoostTable | None = None
+    node: Tensor | None = None  # (B,) long, each row's place in its hotwords' tree
 
     @property
     def batch_capacity(self) -> int:
@@ -178,17 +182,22 @@ class LabelLooper:
         """(b, t, d) encoder output -> (b, t, J): the encoder half of the joint, once per batch."""
         return self.joint.project_encoder(encoded)
 
-    def load(self, s: LabelLoopState, enc_proj: Tensor, lengths: Tensor) -> None:
+    def load(self, s: LabelLoopState, enc_proj: Tensor, lengths: Tensor, boost: BoostTable | None = None) -> None:
         """Copy a projected batch into the state; rows past it get length 0.
 
         Args:
             enc_proj: (b, t, J) from ``project``, b and t within the state's capacity.
             lengths: (b,) valid frames.
+            boost: the rows' hotwords, or None. A boosted run is eager (``run_eager``).
         """
         batch, n_frames, _ = enc_proj.shape
         s.lengths.zero_()
         s.lengths[:batch].copy_(lengths.clamp(max=n_frames))  # frame looping never reads past t either
         s.enc_proj[:batch, :n_frames].copy_(enc_proj)
+        s.boost, s.node = boost, None
+        if boost is not None:
+            s.node = torch.zeros_like(s.lengths)  # rows past the batch: the null node
+            s.node[:batch].copy_(boost.roots)
 
     def results(self, s: LabelLoopState, batch: int) -> list[Hypothesis]:
         """Copy the first ``batch`` rows' hypotheses to the host: the counts, then tokens, frames and (TDT)
@@ -258,6 +267,8 @@ class LabelLooper:
         if self.is_tdt:
             s.token_steps.scatter_(1, column, s.step.unsqueeze(1))
         s.n_labels.add_(s.found)
+        if s.boost is not None:  # rows that found nothing are finished: their node no longer matters
+            s.node = s.boost.advance(s.node, s.labels)
         self._count_at_frame(s)
         self._predict(s)
         self._force_after_max_symbols(s)
@@ -293,7 +304,10 @@ class LabelLooper:
         """(B, V+1+D) joint logits at each row's safe frame."""
         torch.add(s.row_start, s.safe_t, out=s.flat_t)
         torch.index_select(s.enc_proj.view(-1, s.enc_proj.shape[-1]), 0, s.flat_t, out=s.enc_frame)
-        return self.joint.joint_after_projection(s.enc_frame, s.pred_proj)
+        logits = self.joint.joint_after_projection(s.enc_frame, s.pred_proj)
+        if s.boost is not None:
+            logits[:, : self.n_labels] += s.boost.bonus(s.node, self.n_labels)
+        return logits
 
     def _choose(self, s: LabelLoopState, logits: Tensor, labels: Tensor, step: Tensor,
                 is_blank: Tensor) -> None:
@@ -345,6 +359,7 @@ def label_looping_greedy(
     joint: JointNet,
     durations: tuple[int, ...] = (),
     max_symbols: int = 10,
+    boost: BoostTable | None = None,
 ) -> list[Hypothesis]:
     """Eager label looping with a state sized for this batch (same arguments as ``frame_looping_greedy``).
 
@@ -357,6 +372,6 @@ def label_looping_greedy(
     enc_proj = looper.project(encoded)  # (B, T, J)
     batch, n_frames, joint_hidden = enc_proj.shape
     state = looper.allocate(batch, n_frames, joint_hidden, enc_proj.device, enc_proj.dtype)
-    looper.load(state, enc_proj, lengths)
+    looper.load(state, enc_proj, lengths, boost)
     looper.run_eager(state)
     return looper.results(state, batch)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+HOTWORD_BOOST = 2.0  # the logit bonus of a token that continues a hotword (decoding.boosting; docs/benchmarks.md)
+
 if TYPE_CHECKING:  # the types alone need no torch: the service's front ends import them
     from torch import Tensor
 

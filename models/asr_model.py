@@ -16,11 +16,12 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from decoding.boosting import BoostTable
 from decoding.ctc import ctc_greedy
 from decoding.cuda_graphs import CUDA_GRAPH_OPTIONS, LabelLoopingDecoder
 from decoding.frame_looping import frame_looping_greedy
 from decoding.scores import ctc_logprobs, transducer_logprobs
-from decoding.types import Hypothesis
+from decoding.types import HOTWORD_BOOST, Hypothesis
 
 from .audio_io import AudioError, check_channels, check_waveform, read_audio
 from .checkpoint import Checkpoint, open_checkpoint
@@ -186,11 +187,14 @@ class ASRModel(nn.Module):
 
     @torch.inference_mode()
     def decode(self, batch: EncodedBatch, decoder: str = "auto", decoder_algorithm: str = "label_looping",
-               cuda_graphs: str = "auto", scores: bool = True) -> list[Hypothesis]:
+               cuda_graphs: str = "auto", scores: bool = True, boost: BoostTable | None = None) -> list[Hypothesis]:
         """Greedy search. Transducers: ``decoder_algorithm`` label_looping (default) | frame_looping (the
         reference); ``cuda_graphs`` auto | conditional | no_while | off picks how label looping runs on CUDA.
-        ``scores`` gives each token its log-probability (``Hypothesis.logprobs``, decoding.scores)."""
+        ``scores`` gives each token its log-probability (``Hypothesis.logprobs``, decoding.scores). ``boost``: the
+        rows' hotwords (decoding.boosting; transducers only)."""
         decoder = self.resolve_decoder(decoder)
+        if boost is not None and decoder == "ctc":
+            raise ValueError("hotwords need a transducer decoder (tdt or rnnt), not ctc")
         if decoder == "ctc":
             head = self.ctc_head
             assert head is not None
@@ -202,11 +206,18 @@ class ASRModel(nn.Module):
         _check_decoding_options(decoder_algorithm, cuda_graphs)
         if decoder_algorithm == "frame_looping":
             hyps = frame_looping_greedy(batch.encoded, batch.lengths, self.decoder, self.joint,
-                                        durations=transducer.durations, max_symbols=transducer.max_symbols)
+                                        durations=transducer.durations, max_symbols=transducer.max_symbols,
+                                        boost=boost)
         else:
-            hyps = self.label_looper(cuda_graphs)(batch.encoded, batch.lengths)
+            hyps = self.label_looper(cuda_graphs)(batch.encoded, batch.lengths, boost)
         return _with_logprobs(hyps, transducer_logprobs(batch.encoded, hyps, self.decoder, self.joint)
                               if scores else None)
+
+    def hotword_tokens(self, phrases: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+        """Hotwords as the model's tokens (``Tokenizer.hotwords``); ValueError for a model without a vocabulary."""
+        if self.tokenizer is None:
+            raise ValueError("hotwords need a model with a vocabulary")
+        return self.tokenizer.hotwords(phrases)
 
     def label_looper(self, cuda_graphs: str = "auto") -> LabelLoopingDecoder:
         """This model's label-looping decoder for a ``cuda_graphs`` setting, kept with its buffers and graphs."""
@@ -222,7 +233,8 @@ class ASRModel(nn.Module):
     def transcribe(self, audio: Sequence[AudioInput] | AudioInput, batch_size: int = 16,
                    decoder: str = "auto", decoder_algorithm: str = "label_looping",
                    cuda_graphs: str = "auto", max_segment_s: float | None = None,
-                   multichannel: bool = False, skip_silence: bool = False) -> list[Transcript] | list[Conversation]:
+                   multichannel: bool = False, skip_silence: bool = False, hotwords: Sequence[str] = (),
+                   hotword_boost: float = HOTWORD_BOOST) -> list[Transcript] | list[Conversation]:
         """Transcribe waveforms (mono float32 at ``sample_rate``) or audio files, in input order.
 
         Inputs are grouped into batches of similar length (less padding); results do not depend on the
@@ -233,42 +245,50 @@ class ASRModel(nn.Module):
         stitches them back, so that long audio costs what its pieces cost. With ``multichannel`` each channel of
         a file (each row of a (channels, samples) array) is transcribed apart and each input gives a
         ``Conversation``: a stereo call's agent and customer, and who said what when. ``skip_silence`` leaves
-        long quiet stretches out (models.silence): a call's channel is quiet half the time.
+        long quiet stretches out (models.silence): a call's channel is quiet half the time. ``hotwords`` (words or
+        phrases, as the model writes them) are made likelier by ``hotword_boost`` on their tokens' logits
+        (decoding.boosting; transducer decoders).
         """
         if isinstance(audio, (np.ndarray, str, Path)):
             audio = [audio]
         files = any(isinstance(item, (str, Path)) for item in audio)
         options = self._offline_options(batch_size, decoder, decoder_algorithm, cuda_graphs, max_segment_s,
                                         window=None if files else max(1, len(audio)), multichannel=multichannel,
-                                        skip_silence=skip_silence)
+                                        skip_silence=skip_silence, hotwords=hotwords, hotword_boost=hotword_boost)
         return list(transcribe_stream(self, audio, options))
 
     def transcribe_iter(self, audio: Iterable[AudioInput], batch_size: int = 16, decoder: str = "auto",
                         decoder_algorithm: str = "label_looping", cuda_graphs: str = "auto",
                         max_segment_s: float | None = None, window: int | None = None,
-                        return_errors: bool = False, multichannel: bool = False, skip_silence: bool = False
+                        return_errors: bool = False, multichannel: bool = False, skip_silence: bool = False,
+                        hotwords: Sequence[str] = (), hotword_boost: float = HOTWORD_BOOST
                         ) -> Iterator[Transcript | Conversation | AudioError | OSError]:
         """``transcribe`` over any number of inputs in bounded memory: read ``window`` at a time (default 16
         batches; files by a few threads, the next window while one is transcribed), transcripts yielded in input
         order as each window finishes. An input that cannot be read raises, or with ``return_errors`` is
-        yielded as its error in its place (models.offline); ``multichannel`` and ``skip_silence`` as in
-        ``transcribe``."""
+        yielded as its error in its place (models.offline); ``multichannel``, ``skip_silence`` and ``hotwords`` as
+        in ``transcribe``."""
         options = self._offline_options(batch_size, decoder, decoder_algorithm, cuda_graphs, max_segment_s, window,
-                                        multichannel, skip_silence)
+                                        multichannel, skip_silence, hotwords, hotword_boost)
         return transcribe_stream(self, audio, options, return_errors)
 
     def _offline_options(self, batch_size: int, decoder: str, decoder_algorithm: str, cuda_graphs: str,
                          max_segment_s: float | None, window: int | None, multichannel: bool = False,
-                         skip_silence: bool = False) -> OfflineOptions:
+                         skip_silence: bool = False, hotwords: Sequence[str] = (),
+                         hotword_boost: float = HOTWORD_BOOST) -> OfflineOptions:
         if batch_size < 1:
             raise ValueError("batch_size must be >= 1")
         if max_segment_s is not None and max_segment_s <= 2 * OfflineOptions.segment_overlap_s:
             raise ValueError(f"max_segment_s must be more than {2 * OfflineOptions.segment_overlap_s:g} s")
         _check_decoding_options(decoder_algorithm, cuda_graphs)
-        return OfflineOptions(batch_size=batch_size, decoder=self.resolve_decoder(decoder),
+        decoder = self.resolve_decoder(decoder)
+        boosted = self.hotword_tokens(hotwords) if hotwords else ()
+        if boosted and decoder == "ctc":
+            raise ValueError("hotwords need a transducer decoder (tdt or rnnt), not ctc")
+        return OfflineOptions(batch_size=batch_size, decoder=decoder,
                               decoder_algorithm=decoder_algorithm, cuda_graphs=cuda_graphs,
                               max_segment_s=max_segment_s, window=window, multichannel=multichannel,
-                              skip_silence=skip_silence)
+                              skip_silence=skip_silence, hotwords=boosted, hotword_boost=hotword_boost)
 
     def load_audio(self, item: AudioInput, index: int = 0, multichannel: bool = False) -> np.ndarray:
         """A waveform as given (checked), or a file read at the model's rate; with ``multichannel``, (channels,

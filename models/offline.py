@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from decoding.boosting import build_boost_table
+
 from .audio_io import AudioError
 from .conversation import Conversation, assemble, duplicate_channels
 from .crosstalk import heard_elsewhere
@@ -44,6 +46,8 @@ class OfflineOptions:
     readers: int = READERS
     multichannel: bool = False  # each channel transcribed apart: a Conversation per input
     skip_silence: bool = False  # long quiet stretches left out (models.silence)
+    hotwords: tuple[tuple[int, ...], ...] = ()  # phrases made likelier, as tokens (decoding.boosting)
+    hotword_boost: float = 0.0
 
 
 Loaded = np.ndarray | AudioError | OSError
@@ -107,7 +111,8 @@ def _transcribe_window(model: ASRModel, loaded: list[Loaded], options: OfflineOp
     for start in range(0, len(order), options.batch_size):
         chunk = order[start : start + options.batch_size]
         batch = model.encode([pieces[i][2] for i in chunk])
-        decoded = model.decode(batch, options.decoder, options.decoder_algorithm, options.cuda_graphs)
+        boost = build_boost_table([options.hotwords] * len(chunk), options.hotword_boost, model.device)
+        decoded = model.decode(batch, options.decoder, options.decoder_algorithm, options.cuda_graphs, boost=boost)
         for i, hypothesis in zip(chunk, decoded, strict=True):
             hypotheses[i] = hypothesis
     by_input: dict[tuple[int, int], list] = {}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import unicodedata
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import sentencepiece as spm
@@ -11,6 +12,8 @@ import sentencepiece as spm
 from .errors import CheckpointError
 
 WORD_BOUNDARY = "▁"  # SentencePiece's marker at the start of a word
+MAX_HOTWORDS = 100  # phrases a request may boost (decoding.boosting)
+MAX_HOTWORD_CHARS = 64
 _SPECIAL_PIECE = re.compile(r"^\[.*\]$|^<.*>$|^##|^▁|^\s*$")
 
 
@@ -83,6 +86,23 @@ class Tokenizer:
             if text:
                 words.append(WordSpan(text=text, first=first, last=last))
         return words
+
+    def encode(self, text: str) -> list[int]:
+        """``text`` as the model's tokens (SentencePiece's segmentation, as the model was trained on)."""
+        return list(self._sp.encode(text))
+
+    def hotwords(self, phrases: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+        """Hotwords (words or phrases, written as the model writes them) as tokens, each once; ValueError for
+        too many, or an empty or over-long one."""
+        if len(phrases) > MAX_HOTWORDS:
+            raise ValueError(f"at most {MAX_HOTWORDS} hotwords, not {len(phrases)}")
+        out = []
+        for phrase in phrases:
+            tokens = self.encode(phrase.strip()) if phrase.strip() else []
+            if not tokens or len(phrase) > MAX_HOTWORD_CHARS:
+                raise ValueError(f"a hotword is 1 to {MAX_HOTWORD_CHARS} characters, not {phrase!r}")
+            out.append(tuple(tokens))
+        return tuple(dict.fromkeys(out))
 
     def token_texts(self, ids: list[int], starts_text: bool = True) -> list[str]:
         """Each token as text, its word boundary as a leading space (none before the first, when ``ids`` start

@@ -34,6 +34,7 @@ from .body_limit import FORM_OVERHEAD_BYTES, BodyLimitMiddleware, BodyTooLarge
 from .config import Settings
 from .engine_link import EngineLink
 from .formats import SubtitleLayout, cues, to_srt, to_vtt
+from .hotwords import served_decoder, split_hotwords
 from .http import (
     ApiError,
     ServiceDep,
@@ -41,6 +42,7 @@ from .http import (
     flag,
     install_error_handlers,
     read_upload,
+    request_hotwords,
     require_api_key,
     speaker_names,
 )
@@ -129,12 +131,18 @@ async def _decoded_body(request: Request, service: ServiceState, multichannel: b
         return await _decode(service, data, request.headers.get("content-type"), multichannel)
 
 
-async def _transcribe(request: Request, service: ServiceState, waveform: np.ndarray, skip_silence: bool = False
-                      ) -> RequestResult:
+async def _transcribe(request: Request, service: ServiceState, waveform: np.ndarray, skip_silence: bool = False,
+                      hotwords: tuple[tuple[int, ...], ...] = ()) -> RequestResult:
     """Queue, and await the result; drop the work if the client goes away."""
     assert service.stack is not None
     transcriber = service.stack.transcriber
-    return await _while_client_waits(request, transcriber.transcribe(waveform, Priority.INTERACTIVE, skip_silence))
+    return await _while_client_waits(request, transcriber.transcribe(waveform, Priority.INTERACTIVE, skip_silence,
+                                                                     hotwords))
+
+
+def _hotwords(service: ServiceState, values: list[str]) -> tuple[tuple[int, ...], ...]:
+    """A request's hotwords (comma-separated, or the field repeated) as tokens; 400 where they cannot be had."""
+    return request_hotwords(service, split_hotwords(values))
 
 
 async def _while_client_waits(request: Request, work: Awaitable[T]) -> T:
@@ -168,14 +176,15 @@ def _engine_error(exc: QueueFull | TimeoutError | EngineUnavailable) -> ApiError
 
 
 async def _stream_transcription(request: Request, service: ServiceState, waveform: np.ndarray, skip_silence: bool,
-                                logprobs: bool = False) -> StreamingResponse:
+                                logprobs: bool = False, hotwords: tuple[tuple[int, ...], ...] = ()
+                                ) -> StreamingResponse:
     """OpenAI's transcription stream (server-sent events): ``transcript.text.delta`` as the leading pieces of the
     audio finish, then ``transcript.text.done`` with the whole text (and, with ``logprobs``, every token's).
     Failures before the first event answer with their status codes, as without streaming; a later one ends the
     stream with an ``error`` event."""
     assert service.stack is not None
     try:
-        queued = service.stack.transcriber.submit(waveform, Priority.INTERACTIVE, skip_silence)
+        queued = service.stack.transcriber.submit(waveform, Priority.INTERACTIVE, skip_silence, hotwords=hotwords)
     except QueueFull as exc:
         raise _engine_error(exc) from exc
     deltas = queued.text_deltas()
@@ -352,12 +361,13 @@ async def openai_transcriptions(
     if logprobs and not service.settings.token_scores:
         raise ApiError(400, "this server does not score tokens (BATCHASR_TOKEN_SCORES is off): no logprobs",
                        param="include[]", code="logprobs_unavailable")
+    hotwords = _hotwords(service, _form_list(form, "hotwords"))
     waveform = await _decoded_upload(service, file)
     assert service.stack is not None
     tokenizer = service.stack.transcriber.tokenizer
     if stream:
-        return await _stream_transcription(request, service, waveform, skip_silence, logprobs)
-    result = await _transcribe(request, service, waveform, skip_silence)
+        return await _stream_transcription(request, service, waveform, skip_silence, logprobs, hotwords)
+    result = await _transcribe(request, service, waveform, skip_silence, hotwords)
     transcript = result.transcript
     usage = Usage(seconds=round(transcript.duration_s, 3))
     token_logprobs = _token_logprobs(transcript.tokens, transcript.token_logprobs, tokenizer) if logprobs else None
@@ -383,17 +393,21 @@ async def openai_transcriptions(
 async def native_transcribe(request: Request, service: ServiceDep,
                             multichannel: Annotated[str | None, Query()] = None,
                             skip_silence: Annotated[str | None, Query()] = None,
-                            channel_names: Annotated[str | None, Query()] = None) -> NativeTranscription:
+                            channel_names: Annotated[str | None, Query()] = None,
+                            hotwords: Annotated[str | None, Query()] = None) -> NativeTranscription:
     """Native transcription: a multipart `file` or the raw audio as the body; full timing detail. With
     `multichannel=true` (query or form field) each channel is transcribed apart (a call's agent and customer) and
     the answer is the conversation: utterances in time order, each naming its channel (or its speaker, from
     `channel_names=agent,customer`). `skip_silence=true` leaves long quiet stretches out (no words can come from
-    them; they cost nothing)."""
+    them; they cost nothing). `hotwords=acme,widget pro` (query or form field) makes those words and phrases
+    likelier where the audio leaves room for them."""
     content_type = request.headers.get("content-type", "")
     form = await request.form() if content_type.startswith("multipart/form-data") else None
     apart, skip = _option("multichannel", multichannel, form), _option("skip_silence", skip_silence, form)
     names = speaker_names(form.get("channel_names") if channel_names is None and form is not None else channel_names,
                           apart)
+    boosted = _hotwords(service, [hotwords] if hotwords is not None else
+                        [str(v) for v in form.getlist("hotwords")] if form is not None else [])
     if form is not None:
         upload = form.get("file")
         waveform = await _decoded_upload(service, upload if isinstance(upload, StarletteUpload) else None, apart)
@@ -401,11 +415,11 @@ async def native_transcribe(request: Request, service: ServiceDep,
         waveform = await _decoded_body(request, service, apart)
     if apart:
         assert service.stack is not None
-        channels = service.stack.transcriber.transcribe_channels(waveform, Priority.INTERACTIVE, skip)
+        channels = service.stack.transcriber.transcribe_channels(waveform, Priority.INTERACTIVE, skip, boosted)
         result = await _while_client_waits(request, channels)
         result.conversation.names = names
         return _native_conversation(service, result)
-    result = await _transcribe(request, service, waveform, skip)
+    result = await _transcribe(request, service, waveform, skip, boosted)
     t = result.transcript
     return NativeTranscription(
         model=service.model_id, text=t.text, tokens=t.tokens, token_frames=t.token_frames,
@@ -455,7 +469,7 @@ def _model_card(service: ServiceState) -> ModelCard:
     config, settings = service.stack.transcriber.config, service.settings
     return ModelCard(id=service.model_id, created=int(service.started_at), aliases=list(settings.model_aliases),
                      architecture=config.kind, languages=list(settings.languages),
-                     decoder=config.default_decoder if settings.decoder == "auto" else settings.decoder,
+                     decoder=served_decoder(settings, config),
                      sample_rate=config.features.sample_rate, vocab_size=config.vocab_size,
                      token_scores=settings.token_scores, max_segment_s=settings.max_segment_s)
 

@@ -60,6 +60,7 @@ class WorkItem:
     waveform: np.ndarray  # mono float32 at the model's rate
     priority: Priority = Priority.INTERACTIVE
     timeout_s: float = 600.0
+    hotwords: tuple[tuple[int, ...], ...] = ()  # phrases its request boosts, as tokens (decoding.boosting)
     future: Future = field(default_factory=Future)  # resolves to the engine's result for this item
     enqueued_at: float = field(default_factory=time.monotonic)
     n_samples: int = field(init=False)  # an attribute, not a property: batch forming reads it thousands of times

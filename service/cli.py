@@ -24,6 +24,12 @@ MULTICHANNEL_HELP = ("transcribe each channel apart (a call's agent and customer
 CHANNEL_NAMES_HELP = "with --multichannel: the speakers, one a channel in order (e.g. agent,customer)"
 SKIP_SILENCE_HELP = ("leave out quiet stretches of 2 s or more (near the recording's noise floor): they cost nothing "
                      "and give no words")
+HOTWORDS_HELP = ("comma-separated words or phrases to make likelier, as the model writes them (product names, "
+                 "people; transducer decoders)")
+
+
+def _phrases(text: str) -> list[str]:
+    return [phrase.strip() for phrase in text.split(",") if phrase.strip()]
 
 
 def _names(text: str) -> list[str]:
@@ -64,6 +70,7 @@ def _transcribe_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--multichannel", action="store_true", help=MULTICHANNEL_HELP)
     p.add_argument("--channel-names", type=_names, default=[], metavar="NAMES", help=CHANNEL_NAMES_HELP)
     p.add_argument("--skip-silence", action="store_true", help=SKIP_SILENCE_HELP)
+    p.add_argument("--hotwords", type=_phrases, default=[], metavar="PHRASES", help=HOTWORDS_HELP)
     p.add_argument("--output-dir", type=Path,
                    help="write one <name>.<format> per input here instead of printing to stdout")
     p.add_argument("--skip-existing", action="store_true",
@@ -124,10 +131,15 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     files = list(named)
     model = load_model(args.model, device=args.device, dtype=args.dtype,
                        attention_kernel=args.attention_kernel or "auto")
-    outcomes = model.transcribe_iter(files, batch_size=args.batch_size, decoder=args.decoder,
-                                     decoder_algorithm=args.decoder_algorithm, cuda_graphs=args.cuda_graphs,
-                                     max_segment_s=args.max_segment_s or None, return_errors=True,
-                                     multichannel=args.multichannel, skip_silence=args.skip_silence)
+    try:
+        outcomes = model.transcribe_iter(files, batch_size=args.batch_size, decoder=args.decoder,
+                                         decoder_algorithm=args.decoder_algorithm, cuda_graphs=args.cuda_graphs,
+                                         max_segment_s=args.max_segment_s or None, return_errors=True,
+                                         multichannel=args.multichannel, skip_silence=args.skip_silence,
+                                         hotwords=args.hotwords)
+    except ValueError as exc:  # hotwords this model cannot boost, or bad options
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if args.output_dir is not None:
         args.output_dir.mkdir(parents=True, exist_ok=True)
     records, failed, summary = [], 0, RunSummary()
@@ -277,6 +289,7 @@ def _submit_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--multichannel", action="store_true", help=MULTICHANNEL_HELP)
     p.add_argument("--channel-names", type=_names, default=[], metavar="NAMES", help=CHANNEL_NAMES_HELP)
     p.add_argument("--skip-silence", action="store_true", help=SKIP_SILENCE_HELP)
+    p.add_argument("--hotwords", type=_phrases, default=[], metavar="PHRASES", help=HOTWORDS_HELP)
     p.add_argument("--output-dir", type=Path,
                    help="with --wait: write one <name>.<format> per input here (named as transcribe --output-dir "
                         "names them; a URL by its path's last part) instead of result lines")
@@ -323,7 +336,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
                                       args.idempotency_key, job_bytes=job_bytes,
                                       options=JobOptions(args.webhook_url, JobPriority(args.priority),
                                                          args.multichannel, args.skip_silence,
-                                                         channel_names=tuple(args.channel_names)),
+                                                         channel_names=tuple(args.channel_names),
+                                                         hotwords=tuple(args.hotwords)),
                                       write_result=write_result))
 
 

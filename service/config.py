@@ -8,6 +8,8 @@ from typing import Annotated
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from decoding.types import HOTWORD_BOOST
+
 from .batcher import POOL_FACTOR
 
 
@@ -28,6 +30,8 @@ class Settings(BaseSettings):
     # each token's log-probability (decoding.scores): word confidences, avg_logprob, include[]=logprobs. Off, the
     # engine does the greedy search alone, and answers carry no scores
     token_scores: bool = True
+    # the logit bonus of a token that continues one of a request's hotwords (decoding.boosting)
+    hotword_boost: float = HOTWORD_BOOST
 
     # HTTP
     host: str = "127.0.0.1"

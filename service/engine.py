@@ -17,7 +17,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from decoding.types import Hypothesis
+from decoding.boosting import build_boost_table
+from decoding.types import HOTWORD_BOOST, Hypothesis
 from models.asr_model import ASRModel, EncodedBatch
 
 from .batcher import Batcher, ItemResult
@@ -56,12 +57,13 @@ class EngineState(str, Enum):
 class Engine:
     def __init__(self, model: ASRModel, batcher: Batcher, metrics: Metrics, decoder: str = "auto",
                  warmup_shapes: list[tuple[int, float]] | None = None, stage_ahead: bool | None = None,
-                 scores: bool = True):
+                 scores: bool = True, hotword_boost: float = HOTWORD_BOOST):
         self.model = model
         self.batcher = batcher
         self.metrics = metrics
         self.decoder = model.resolve_decoder(decoder)
         self.scores = scores  # each token's log-probability, after the search (decoding.scores)
+        self.hotword_boost = hotword_boost  # the logit bonus of a token that continues a request's hotword
         self.warmup_shapes = warmup_shapes or list(LIGHT_WARMUP)  # (rows, seconds) run before ready
         self.state = EngineState.STARTING
         self.error: str | None = None
@@ -119,10 +121,12 @@ class Engine:
 
     def run(self, waveforms: list[np.ndarray]) -> tuple[list[Hypothesis], dict[str, float]]:
         """Features, encoder, decoder for one batch of waveforms; hypotheses and seconds per stage."""
-        return self._compute(lambda: self.model.featurize(waveforms), [len(w) for w in waveforms])
+        return self._compute(lambda: self.model.featurize(waveforms), [len(w) for w in waveforms],
+                             [()] * len(waveforms))
 
-    def _compute(self, features: Callable[[], tuple[Tensor, Tensor]], n_samples: list[int]
-                 ) -> tuple[list[Hypothesis], dict[str, float]]:
+    def _compute(self, features: Callable[[], tuple[Tensor, Tensor]], n_samples: list[int],
+                 hotwords: list[tuple[tuple[int, ...], ...]]) -> tuple[list[Hypothesis], dict[str, float]]:
+        """``hotwords``: each row's (decoding.boosting); a batch with any decodes them, eagerly."""
         clock = StageClock(self.model.device)
         marks = [clock.mark()]
         feats, n_frames = features()
@@ -130,7 +134,9 @@ class Engine:
         encoded, lengths = self.model.run_encoder(feats, n_frames)
         marks.append(clock.mark())
         duration_s = [n / self.model.sample_rate for n in n_samples]
-        hyps = self.model.decode(EncodedBatch(encoded, lengths, duration_s), self.decoder, scores=self.scores)
+        boost = build_boost_table(hotwords, self.hotword_boost, self.model.device)
+        hyps = self.model.decode(EncodedBatch(encoded, lengths, duration_s), self.decoder, scores=self.scores,
+                                 boost=boost)
         clock.marks.append([*marks, clock.mark()])
         return hyps, clock.stage_seconds()
 
@@ -141,7 +147,8 @@ class Engine:
             if staged.error is not None:
                 raise staged.error
             hyps, stage_s = self._compute(lambda: self.model.features(*staged.on_current_stream()),
-                                          [item.n_samples for item in batch.items])
+                                          [item.n_samples for item in batch.items],
+                                          [item.hotwords for item in batch.items])
         except Exception as exc:
             log.exception("batch of %d failed", len(batch.items))
             for item in batch.items:

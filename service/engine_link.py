@@ -94,8 +94,8 @@ class EngineLink:
         for item_id, item in zip(ids, items, strict=True):
             self._pending[item_id] = item.future
             item.future.add_done_callback(lambda f, i=item_id: self._maybe_cancelled(i, f))
-        self._send(Submit(ids, tuple(item.n_samples for item in items), int(items[0].priority), items[0].timeout_s),
-                   [item.waveform for item in items])
+        self._send(Submit(ids, tuple(item.n_samples for item in items), int(items[0].priority), items[0].timeout_s,
+                          items[0].hotwords), [item.waveform for item in items])
 
     def observe_request(self, route: str, code: int, duration_s: float) -> None:
         self._send(RequestObserved(route, code, duration_s))

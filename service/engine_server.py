@@ -143,7 +143,7 @@ class EngineServer:
 
     def _submit(self, front_end: _FrontEnd, message: Submit, payload: bytearray) -> None:
         pieces = split_samples(payload, message.lengths)
-        items = [WorkItem(piece, Priority(message.priority), message.timeout_s) for piece in pieces]
+        items = [WorkItem(piece, Priority(message.priority), message.timeout_s, message.hotwords) for piece in pieces]
         try:
             self.stack.batcher.submit(items)
         except (QueueFull, BatcherClosed) as exc:

@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from models.conversation import parse_names
 
 from .config import Settings
+from .hotwords import HotwordsUnavailable, hotword_tokens, served_decoder
 from .intake import IntakeBudget
 from .jobs import ANONYMOUS, JobStore
 from .runtime import FrontendStack, Stack
@@ -46,6 +47,19 @@ class MetricsSink(Protocol):
     def observe_intake_wait(self, seconds: float) -> None: ...
 
     async def scrape(self) -> bytes: ...
+
+
+def request_hotwords(service: ServiceState, phrases: list[str]) -> tuple[tuple[int, ...], ...]:
+    """A request's or a job's hotwords as the model's tokens: 400 where this server cannot boost them (CTC, no
+    vocabulary) or they are refused (too many, too long)."""
+    assert service.stack is not None
+    transcriber = service.stack.transcriber
+    try:
+        return hotword_tokens(phrases, transcriber.tokenizer, served_decoder(service.settings, transcriber.config))
+    except HotwordsUnavailable as exc:
+        raise ApiError(400, str(exc), param="hotwords", code="hotwords_unavailable") from exc
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param="hotwords") from exc
 
 
 @dataclass

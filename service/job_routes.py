@@ -17,12 +17,14 @@ from pydantic import BaseModel, Field, model_validator
 from starlette.datastructures import UploadFile as StarletteUpload
 
 from .config import Settings
+from .hotwords import split_hotwords
 from .http import (
     ApiError,
     ServiceDep,
     ServiceState,
     flag,
     read_upload,
+    request_hotwords,
     request_owner,
     require_api_key,
     speaker_names,
@@ -71,6 +73,7 @@ class JobCreate(BaseModel):
     multichannel: bool = False  # each channel transcribed apart: every item's result is a conversation
     skip_silence: bool = False  # long quiet stretches left out (models.silence)
     channel_names: list[str] | None = None  # with multichannel: the speakers, one a channel in order
+    hotwords: list[str] | None = None  # words and phrases made likelier (decoding.boosting)
 
 
 def _store(service: ServiceState) -> JobStore:
@@ -103,8 +106,9 @@ async def _form_uploads(request: Request, service: ServiceState) -> tuple[list[S
                        code="invalid_priority") from exc
     multichannel, skip_silence = (flag(form.get(name, ""), name) for name in ("multichannel", "skip_silence"))
     names = speaker_names(form.get("channel_names"), multichannel)
+    hotwords = _job_hotwords(service, [str(value) for value in form.getlist("hotwords")])
     return uploads, JobOptions(webhook if isinstance(webhook, str) else None, priority, multichannel, skip_silence,
-                               owner=request_owner(request), channel_names=tuple(names))
+                               owner=request_owner(request), channel_names=tuple(names), hotwords=hotwords)
 
 
 async def _read_uploads(uploads: list[StarletteUpload], service: ServiceState) -> list[ItemInput]:
@@ -115,7 +119,14 @@ async def _read_uploads(uploads: list[StarletteUpload], service: ServiceState) -
     return items
 
 
-async def _json_items(request: Request) -> tuple[list[ItemInput], JobOptions]:
+def _job_hotwords(service: ServiceState, values: list[str]) -> tuple[str, ...]:
+    """A job's hotwords, checked now (400) so that no item fails on them later; kept as text."""
+    phrases = split_hotwords(values)
+    request_hotwords(service, phrases)
+    return tuple(phrases)
+
+
+async def _json_items(request: Request, service: ServiceState) -> tuple[list[ItemInput], JobOptions]:
     try:
         body = JobCreate.model_validate_json(await request.body())
     except ValueError as exc:
@@ -123,8 +134,9 @@ async def _json_items(request: Request) -> tuple[list[ItemInput], JobOptions]:
     items = [ItemInput(audio=item.path, path=item.path) if item.path is not None
              else ItemInput(audio=str(item.url), url=item.url) for item in body.items]
     names = speaker_names(body.channel_names, body.multichannel)
+    hotwords = _job_hotwords(service, body.hotwords or [])
     return items, JobOptions(body.webhook_url, body.priority, body.multichannel, body.skip_silence,
-                             owner=request_owner(request), channel_names=tuple(names))
+                             owner=request_owner(request), channel_names=tuple(names), hotwords=hotwords)
 
 
 def _check_inputs(items: list[ItemInput], settings: Settings) -> None:
@@ -156,7 +168,7 @@ async def create_job(request: Request, service: ServiceDep,
     server reads itself."""
     store = _store(service)
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
-        items, options = await _json_items(request)
+        items, options = await _json_items(request, service)
         _check_webhook(options.webhook_url, service.settings)
         return await _submit(store, service.settings, items, options, idempotency_key)
     uploads, options = await _form_uploads(request, service)

@@ -23,6 +23,7 @@ from .audio import AudioLimits, AudioRequestError, decode_audio, decode_audio_fi
 from .audio_budget import AudioBudget, AudioClaim
 from .batcher import Priority, QueueFull
 from .formats import to_record
+from .hotwords import hotword_tokens
 from .jobs import (
     ITEM_STREAMS,
     REDIS_ERRORS,
@@ -79,6 +80,7 @@ class ConsumerOptions:
     max_audio_s: float = math.inf  # decoded job audio held at once (service.audio_budget)
     first_item_s: float = 30.0  # the length items are expected to have until some are seen
     max_reading: int = 64  # items fetched and decoded at once
+    decoder: str = "auto"  # the engine's (service.hotwords.served_decoder): ctc cannot boost hotwords
 
 
 class JobConsumer:
@@ -219,20 +221,21 @@ class JobConsumer:
             await self._fail(job_id, index, audio, f"gave up after {attempts - 1} attempts: {last}")
             return
         multichannel, skip_silence = bool(record.get("multichannel")), bool(record.get("skip_silence"))
-        try:
+        try:  # checked at submission through HTTP; a job written straight into Redis is checked here
+            hotwords = hotword_tokens(record.get("hotwords") or [], self.transcriber.tokenizer, self.options.decoder)
             waveform = await self._load(record, upload, multichannel)
-        except (AudioRequestError, JobInputError, OSError) as exc:
+        except (AudioRequestError, JobInputError, OSError, ValueError) as exc:
             await self._fail(job_id, index, audio, str(exc))
             return
         share.decoded(waveform.size / self.limits.sample_rate)  # every channel's samples
         while True:
             try:
                 if multichannel:
-                    result = await self.transcriber.transcribe_channels(waveform, priority, skip_silence)
+                    result = await self.transcriber.transcribe_channels(waveform, priority, skip_silence, hotwords)
                     transcript = result.conversation
                     transcript.names = record.get("channel_names") or []
                 else:
-                    result = await self.transcriber.transcribe(waveform, priority, skip_silence)
+                    result = await self.transcriber.transcribe(waveform, priority, skip_silence, hotwords)
                     transcript = result.transcript
                 break
             except QueueFull:  # HTTP traffic holds the queue; bulk work waits its turn

@@ -239,6 +239,7 @@ class JobOptions:
     skip_silence: bool = False  # long quiet stretches left out (models.silence)
     owner: str = ANONYMOUS  # who may see the job (service.http.owner_of: a hash of the submitter's API key)
     channel_names: tuple[str, ...] = ()  # with multichannel: the speakers, one a channel in order
+    hotwords: tuple[str, ...] = ()  # words and phrases made likelier (decoding.boosting)
 
 
 @dataclass(frozen=True)
@@ -269,6 +270,7 @@ class Job:
     skip_silence: bool = False
     owner: str = ANONYMOUS
     channel_names: tuple[str, ...] = ()
+    hotwords: tuple[str, ...] = ()
     webhook_url: str | None = None
     webhook_status: str | None = None  # pending | delivered | failed, when the job has a webhook
     webhook_attempts: int = 0
@@ -294,6 +296,7 @@ class Job:
                 "priority": self.priority.value, "multichannel": self.multichannel,
                 "skip_silence": self.skip_silence, **({"channel_names": list(self.channel_names)}
                                                       if self.channel_names else {}),
+                **({"hotwords": list(self.hotwords)} if self.hotwords else {}),
                 "total_items": self.total_items, "counts": self.counts,
                 "created_at": self.created_at,
                 "started_at": self.started_at, "finished_at": self.finished_at, "audio_s": round(self.audio_s, 3),
@@ -405,6 +408,8 @@ class JobStore:
                     record[name] = True
             if options.channel_names:
                 record["channel_names"] = list(options.channel_names)
+            if options.hotwords:
+                record["hotwords"] = list(options.hotwords)
             if item.upload is not None:
                 upload_key = UPLOAD_KEY.format(job_id=job_id, index=index)
                 pipe.set(upload_key, item.upload, ex=self.input_ttl_s)
@@ -422,7 +427,8 @@ class JobStore:
             "n_in_progress": 0, "n_completed": 0, "n_failed": 0, "n_cancelled": 0, "audio_s": 0, "compute_s": 0,
             "webhook_url": options.webhook_url or "", "webhook_status": "pending" if options.webhook_url else "",
             "priority": options.priority.value, "multichannel": int(options.multichannel),
-            "skip_silence": int(options.skip_silence), "channel_names": json.dumps(list(options.channel_names))})
+            "skip_silence": int(options.skip_silence), "channel_names": json.dumps(list(options.channel_names)),
+            "hotwords": json.dumps(list(options.hotwords))})
         pipe.hset(INPUTS_KEY.format(job_id=job_id), mapping=inputs)
         pipe.hset(STATES_KEY.format(job_id=job_id), mapping=states)
         for index in range(len(items)):
@@ -705,6 +711,7 @@ def _job(job_id: str, raw: dict[bytes, bytes]) -> Job:
                tokens=int(h.get("tokens", 0)), logprob_sum=float(h.get("logprob_sum", 0)),
                multichannel=h.get("multichannel") == "1", skip_silence=h.get("skip_silence") == "1",
                owner=h.get("owner") or ANONYMOUS, channel_names=tuple(json.loads(h.get("channel_names") or "[]")),
+               hotwords=tuple(json.loads(h.get("hotwords") or "[]")),
                webhook_url=h.get("webhook_url") or None,
                webhook_status=h.get("webhook_status") or None, webhook_attempts=int(h.get("webhook_attempts", 0)),
                webhook_error=h.get("webhook_error") or None)

@@ -143,7 +143,8 @@ class _ServerClient:
         fields = {"webhook_url": options.webhook_url, "priority": options.priority.value,
                   "multichannel": options.multichannel, "skip_silence": options.skip_silence}
         if urls:  # split_into_jobs keeps files and URLs apart
-            body = {"items": [{"url": url} for url in urls], **fields, "channel_names": list(options.channel_names)}
+            body = {"items": [{"url": url} for url in urls], **fields, "channel_names": list(options.channel_names),
+                    "hotwords": list(options.hotwords)}
             response = await self.http.post("/v1/jobs", json=body, headers=headers)
         else:
             with contextlib.ExitStack() as files:  # streamed from disk, not read into memory first
@@ -152,6 +153,8 @@ class _ServerClient:
                 form = {name: str(value).lower() for name, value in fields.items() if value is not None}
                 if options.channel_names:
                     form["channel_names"] = ",".join(options.channel_names)
+                if options.hotwords:
+                    form["hotwords"] = ",".join(options.hotwords)
                 response = await self.http.post("/v1/jobs", files=parts, data=form, headers=headers)
         if response.is_client_error:  # the server's reason (a URL it does not take, ...), not just the status
             raise ValueError(f"the server refused the job: {response.json()['error']['message']}")

@@ -15,6 +15,7 @@ from .audio import AudioLimits
 from .batcher import Batcher
 from .config import Settings
 from .engine_link import EngineLink
+from .hotwords import served_decoder
 from .job_worker import ConsumerOptions, JobConsumer, JobMetrics, default_consumer_name
 from .jobs import JobStore
 from .metrics import Metrics
@@ -104,7 +105,8 @@ def make_consumer(s: Settings, jobs: JobStore, transcriber: Transcriber, limits:
     # (service.audio_budget)
     options = ConsumerOptions(name=name, prefetch=prefetch, visibility_timeout_s=s.job_visibility_timeout_s,
                               max_attempts=s.job_max_attempts, max_audio_s=prefetch * s.max_segment_s,
-                              first_item_s=s.max_segment_s, max_reading=max(1, prefetch // READING_SHARE))
+                              first_item_s=s.max_segment_s, max_reading=max(1, prefetch // READING_SHARE),
+                              decoder=served_decoder(s, transcriber.config))
     webhooks = WebhookSender(s.webhook_secret, s.webhook_url_prefixes) if s.webhook_secret else None
     urls = UrlFetcher(s.input_url_prefixes, s.max_upload_bytes, s.job_url_timeout_s) if s.input_url_prefixes else None
     return JobConsumer(jobs, transcriber, limits, s.input_roots, metrics, options, decode_pool, webhooks, urls)
@@ -142,7 +144,7 @@ def build_stack(settings: Settings, model: ASRModel, metrics: Metrics | None = N
     s = settings
     batcher = Batcher(s.max_batch_size, s.batch_audio_limit_s, s.max_wait_ms, s.max_queue, model.sample_rate,
                       on_drop=lambda reason: metrics.dropped_items.labels(reason).inc())
-    engine = Engine(model, batcher, metrics, decoder=s.decoder, scores=s.token_scores,
+    engine = Engine(model, batcher, metrics, decoder=s.decoder, scores=s.token_scores, hotword_boost=s.hotword_boost,
                     warmup_shapes=warmup_shapes(model.device, s.max_batch_size, s.max_segment_s,
                                                 s.batch_audio_limit_s))
     transcriber = Transcriber(batcher, model.config, model.tokenizer, s.max_segment_s, s.segment_overlap_s,

@@ -97,26 +97,27 @@ class Transcriber:
                            skip_silence, elsewhere)
 
     def submit(self, waveform: np.ndarray, priority: Priority = Priority.INTERACTIVE, skip_silence: bool = False,
-               elsewhere: Elsewhere | None = None) -> QueuedRequest:
-        """Cut ``waveform`` and queue its pieces (raises ``QueueFull``). The caller must ``cancel`` the request
-        when it is done with it: that drops pieces still queued."""
+               elsewhere: Elsewhere | None = None, hotwords: tuple[tuple[int, ...], ...] = ()) -> QueuedRequest:
+        """Cut ``waveform`` and queue its pieces (raises ``QueueFull``), each boosting ``hotwords`` (as tokens).
+        The caller must ``cancel`` the request when it is done with it: that drops pieces still queued."""
         segments = self.plan(waveform, skip_silence, elsewhere)
-        items = [WorkItem(waveform[s.start : s.end], priority, self.timeout_s) for s in segments]
+        items = [WorkItem(waveform[s.start : s.end], priority, self.timeout_s, hotwords) for s in segments]
         if items:  # none for a silent recording whose silence is skipped
             self.queue.submit(items)
         return QueuedRequest(self, len(waveform), segments, items, asyncio.get_running_loop().time() + self.timeout_s)
 
     async def transcribe(self, waveform: np.ndarray, priority: Priority = Priority.INTERACTIVE,
-                         skip_silence: bool = False) -> RequestResult:
+                         skip_silence: bool = False, hotwords: tuple[tuple[int, ...], ...] = ()) -> RequestResult:
         """Queue (raises ``QueueFull``), await every piece, stitch. Cancelling this cancels queued pieces."""
-        request = self.submit(waveform, priority, skip_silence)
+        request = self.submit(waveform, priority, skip_silence, hotwords=hotwords)
         try:
             return await request.result()
         finally:
             request.cancel()
 
     async def transcribe_channels(self, channels: np.ndarray, priority: Priority = Priority.INTERACTIVE,
-                                  skip_silence: bool = False) -> ConversationResult:
+                                  skip_silence: bool = False, hotwords: tuple[tuple[int, ...], ...] = ()
+                                  ) -> ConversationResult:
         """Each row of ``channels`` (channels, samples) transcribed apart, their pieces queued together so they
         share batches; all are queued or none (``QueueFull``), and cancelling this cancels them all. Words a
         channel heard from another are dropped (models.crosstalk); a channel that repeats another is not
@@ -129,7 +130,7 @@ class Transcriber:
         requests: list[QueuedRequest] = []
         try:
             for channel, echo in zip(apart, echoes, strict=True):
-                requests.append(self.submit(channels[channel], priority, skip_silence, echo))
+                requests.append(self.submit(channels[channel], priority, skip_silence, echo, hotwords))
             stitched = [await request.stitched() for request in requests]
         finally:
             for request in requests:

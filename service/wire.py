@@ -100,6 +100,7 @@ class Submit:
     lengths: tuple[int, ...]  # samples per piece
     priority: int
     timeout_s: float
+    hotwords: tuple[tuple[int, ...], ...] = ()  # the request's, as tokens
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,17 @@ def metric(url: str, name: str, labels: str = "") -> float:
     return 0.0
 
 
+def wait_job(url: str, job_id: str, timeout_s: float = 120) -> dict:
+    """The job, once it has finished (its status no longer queued or in progress)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        job = httpx.get(f"{url}/v1/jobs/{job_id}").json()
+        if job["status"] not in ("queued", "in_progress"):
+            return job
+        time.sleep(0.2)
+    raise AssertionError("the job did not finish")
+
+
 def stream_transcription(url: str, audio: bytes, **form: str) -> list[dict]:
     """POST audio to the OpenAI route with stream=true: the server-sent events, each checked to name its type on
     its `event:` line."""

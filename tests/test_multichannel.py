@@ -7,7 +7,6 @@ import io
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -25,7 +24,7 @@ from service.config import Settings
 from service.formats import from_record, render, to_record
 from tests.media import encode
 from tests.scores import assert_same_but_scores
-from tests.servers import run_server
+from tests.servers import run_server, wait_job
 
 DATA = Path(__file__).parent / "data" / "default_model"
 EXPECTED = json.loads((DATA / "expected.json").read_text())
@@ -336,23 +335,13 @@ def test_http_multichannel_refusals(server, query, data, status, code):
     assert httpx.get(f"{server.url}/readyz").status_code == 200
 
 
-def _wait_job(url: str, job_id: str) -> dict:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        job = httpx.get(f"{url}/v1/jobs/{job_id}").json()
-        if job["status"] not in ("queued", "in_progress"):
-            return job
-        time.sleep(0.2)
-    raise AssertionError("the job did not finish")
-
-
 def test_a_bulk_job_of_calls_gives_conversations(server, alone, tmp_path):
     data = _flac(_call())
     submitted = httpx.post(f"{server.url}/v1/jobs", files=[("files", ("call.flac", data, "audio/flac"))],
                            data={"multichannel": "true"}, timeout=60)
     assert submitted.status_code == 202, submitted.text
     assert submitted.json()["multichannel"] is True
-    job = _wait_job(server.url, submitted.json()["id"])
+    job = wait_job(server.url, submitted.json()["id"])
     assert job["status"] == "completed" and job["audio_s"] == pytest.approx(2 * CALL_S)
     (record,) = [json.loads(line) for line in httpx.get(f"{server.url}/v1/jobs/{job['id']}/results").text.splitlines()]
     _check_conversation(record, alone)
@@ -412,7 +401,7 @@ def test_skip_silence_over_http_and_in_jobs_leaves_the_quiet_out(server, model):
     submitted = httpx.post(f"{server.url}/v1/jobs", files=[("files", ("call.flac", data, "audio/flac"))],
                            data={"multichannel": "true", "skip_silence": "true"}, timeout=60)
     assert submitted.status_code == 202 and submitted.json()["skip_silence"] is True
-    job = _wait_job(server.url, submitted.json()["id"])
+    job = wait_job(server.url, submitted.json()["id"])
     (record,) = [json.loads(line) for line in httpx.get(f"{server.url}/v1/jobs/{job['id']}/results").text.splitlines()]
     assert_same_but_scores(record["channels"], to_record(offline)["channels"])
     scores = [x for channel in record["channels"] for x in channel["token_logprobs"]]

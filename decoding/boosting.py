@@ -1,0 +1,88 @@
+"""Hotwords: phrases a request expects (product names, people, jargon) made likelier during greedy search.
+
+Each row of a batch may bring its own phrases, as token sequences. They are kept as prefix trees in one table:
+a node's children are the tokens that continue a phrase from it. While a row's last labels spell a phrase's
+beginning, the tokens that continue it get ``weight`` added to their joint logits, so greedy search takes them
+where the audio leaves it in doubt, and leaves them where it does not. Emitting a token moves the row down the
+tree; a token that continues nothing starts over from the row's root (the token itself may begin a phrase).
+
+Rows without phrases sit on node 0, which has no children: nothing changes for them. The search's scores
+(decoding.scores) are the model's own, without the bonus.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+NULL_NODE = 0  # no phrases: no children, and every token leads back to it
+
+
+@dataclass
+class BoostTable:
+    """Prefix trees of a batch's phrases, as tensors on the decoding device. N nodes, K children at most."""
+
+    child_token: Tensor  # (N, K) long: the tokens that continue a phrase from each node (-1: none)
+    child_node: Tensor  # (N, K) long: where each leads
+    root_of: Tensor  # (N,) long: the root of the node's tree (a row starts over there)
+    roots: Tensor  # (B,) long: each row's root (NULL_NODE for rows without phrases)
+    weight: float  # added to the logits of the tokens that continue a phrase
+
+    def bonus(self, node: Tensor, n_classes: int) -> Tensor:
+        """(B,) current nodes -> (B, n_classes) logit bonus: ``weight`` on each token that continues a phrase."""
+        tokens = self.child_token.index_select(0, node)  # (B, K)
+        out = torch.zeros(len(node), n_classes, device=node.device)
+        return out.scatter_add_(1, tokens.clamp(min=0), (tokens >= 0).float() * self.weight)
+
+    def advance(self, node: Tensor, label: Tensor) -> Tensor:
+        """(B,) nodes and the labels just emitted -> the nodes after them: the label's child if it continues a
+        phrase, else the root's child for it (it may begin one), else the root."""
+        found, child = self._child(node, label)
+        root = self.root_of.index_select(0, node)
+        root_found, root_child = self._child(root, label)
+        return torch.where(found, child, torch.where(root_found, root_child, root))
+
+    def _child(self, node: Tensor, label: Tensor) -> tuple[Tensor, Tensor]:
+        """Whether each node has a child for its row's label, and which (meaningless where it has none)."""
+        match = self.child_token.index_select(0, node) == label.unsqueeze(1)  # (B, K)
+        child = self.child_node.index_select(0, node).gather(1, match.long().argmax(1, keepdim=True)).squeeze(1)
+        return match.any(1), child
+
+
+def build_boost_table(phrases_by_row: list[tuple[tuple[int, ...], ...]], weight: float, device: torch.device
+                      ) -> BoostTable | None:
+    """The table for a batch: ``phrases_by_row[b]`` is row b's phrases as token ids (empty: none). Rows with the
+    same phrases share one tree. None when no row has any (decode as without)."""
+    if not any(phrases_by_row):
+        return None
+    children: list[dict[int, int]] = [{}]  # node -> {token: child}; node 0 is NULL_NODE
+    root_of = [NULL_NODE]
+    trees: dict[tuple[tuple[int, ...], ...], int] = {}
+    roots = []
+    for phrases in phrases_by_row:
+        if not phrases:
+            roots.append(NULL_NODE)
+            continue
+        if phrases not in trees:
+            root = trees[phrases] = len(children)
+            children.append({})
+            root_of.append(root)
+            for phrase in phrases:
+                node = root
+                for token in phrase:
+                    if token not in children[node]:
+                        children[node][token] = len(children)
+                        children.append({})
+                        root_of.append(root)
+                    node = children[node][token]
+        roots.append(trees[phrases])
+    width = max(1, max(len(c) for c in children))
+    child_token = torch.full((len(children), width), -1, dtype=torch.long)
+    child_node = torch.zeros((len(children), width), dtype=torch.long)
+    for node, kids in enumerate(children):
+        for k, (token, child) in enumerate(kids.items()):
+            child_token[node, k], child_node[node, k] = token, child
+    return BoostTable(child_token.to(device), child_node.to(device), torch.tensor(root_of, device=device),
+                      torch.tensor(roots, device=device), weight)

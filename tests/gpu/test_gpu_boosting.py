@@ -1,0 +1,30 @@
+"""Hotwords on a GPU: a boosted batch runs eagerly on the graph decoder's buffers and equals frame looping; the
+graphs that run next, unboosted, are unharmed. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from decoding.boosting import build_boost_table
+from decoding.cuda_graphs import LabelLoopingDecoder
+from decoding.frame_looping import frame_looping_greedy
+from models import load_model
+
+
+@pytest.mark.parametrize("name", ["rnnt", "tdt"])
+def test_a_boosted_batch_between_graph_runs(parity_dir, name):
+    model = load_model(parity_dir / f"{name}.nemo", device="cuda", dtype="float32")
+    t = model.config.transducer
+    generator = torch.Generator().manual_seed(0)
+    encoded = torch.randn(6, 80, model.config.encoder.d_model, generator=generator).cuda()
+    lengths = torch.tensor([80, 33, 0, 80, 5, 61], device="cuda")
+    boost = build_boost_table([((1, 2), (3,)), (), ((4, 5, 6),), (), ((1, 2),), ((7,),)], 2.0, encoded.device)
+    decoder = LabelLoopingDecoder(model.decoder, model.joint, t.durations, t.max_symbols, cuda_graphs="auto")
+    plain = decoder(encoded, lengths)  # captures
+    boosted = decoder(encoded, lengths, boost)
+    with torch.inference_mode():
+        assert boosted == frame_looping_greedy(encoded, lengths, model.decoder, model.joint, t.durations,
+                                               t.max_symbols, boost)
+    assert decoder(encoded, lengths) == plain  # the graphs again, as before
+    assert decoder.n_captures == 1

@@ -1,0 +1,162 @@
+"""Hotwords (decoding.boosting): both decoders boost alike; rows without hotwords decode as before; on the embedded
+model a boosted phrase is heard where the audio leaves room for it, and words not said stay out; over HTTP each
+request's hotwords are its own, in the engine's process or through a front end."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import shutil
+import subprocess
+
+import httpx
+import numpy as np
+import pytest
+import soundfile as sf
+import soxr
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from decoding.boosting import NULL_NODE, build_boost_table
+from decoding.frame_looping import frame_looping_greedy
+from decoding.label_looping import label_looping_greedy
+from models import load_model
+from models.tokenizer import MAX_HOTWORDS
+from service.cli import main
+from service.config import Settings
+from tests.servers import run_server, wait_job
+from tests.test_label_looping import decoding_cases, random_batch, tiny_transducer
+
+CPU = torch.device("cpu")
+SAID = "having a snout that is shorter than average"  # the embedded model hears "... that is sure to than average"
+HOTWORD = "shorter"
+DECOYS = ["kappa", "zebra", "quantum", "violin"]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(decoding_cases(), st.data())
+def test_label_looping_boosts_as_frame_looping_does(case, data):
+    model = tiny_transducer(case["seed"], case["vocab"], case["durations"], case["max_symbols"],
+                            case["blank_bias"], case["pred_layers"])
+    encoded, lengths = random_batch(case["seed"], case["lengths"], case["n_frames"])
+    phrase = st.lists(st.integers(0, case["vocab"] - 1), min_size=1, max_size=3).map(tuple)
+    phrases = [data.draw(st.lists(phrase, max_size=3).map(tuple)) for _ in lengths]  # a row's: none to three
+    boost = build_boost_table(phrases, data.draw(st.floats(0.5, 8.0)), CPU)
+    args = (encoded, lengths, model.prediction, model.joint, model.durations, model.max_symbols)
+    with torch.inference_mode():
+        boosted = label_looping_greedy(*args, boost=boost)
+        assert boosted == frame_looping_greedy(*args, boost=boost)
+        plain = label_looping_greedy(*args)
+    for row, row_phrases in enumerate(phrases):
+        if not row_phrases:  # a row without hotwords decodes as it would alone
+            assert boosted[row] == plain[row]
+
+
+def test_the_table_shares_trees_starts_over_and_leaves_rows_without_phrases_alone():
+    assert build_boost_table([(), ()], 3.0, CPU) is None
+    table = build_boost_table([((5, 6, 7), (5, 8)), (), ((5, 6, 7), (5, 8)), ((9,),)], 2.0, CPU)
+    assert table.roots[1] == NULL_NODE and table.roots[0] == table.roots[2] != table.roots[3]  # one tree each
+    bonus = table.bonus(table.roots, 10)
+    assert bonus[0].nonzero().flatten().tolist() == [5] and bonus[0, 5] == 2.0
+    assert bonus[1].abs().sum() == 0 and bonus[3].nonzero().flatten().tolist() == [9]
+    root = table.roots[:1]
+    after_5 = table.advance(root, torch.tensor([5]))
+    assert table.bonus(after_5, 10)[0].nonzero().flatten().tolist() == [6, 8]  # both phrases go on from "5"
+    assert table.advance(after_5, torch.tensor([9])) == root  # continues nothing: back to the root
+    assert table.advance(after_5, torch.tensor([5])) == after_5  # continues nothing, but starts a phrase again
+    after_7 = table.advance(table.advance(after_5, torch.tensor([6])), torch.tensor([7]))
+    assert table.bonus(after_7, 10).abs().sum() == 0  # a whole phrase: nothing more to boost there
+    assert table.advance(table.roots[1:2], torch.tensor([5])) == NULL_NODE
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(device="cpu")
+
+
+def _espeak(text: str) -> np.ndarray:
+    if shutil.which("espeak-ng") is None:
+        pytest.skip("espeak-ng not installed")
+    wav = subprocess.run(["espeak-ng", "--stdout", text], capture_output=True, check=True, timeout=30).stdout
+    samples, rate = sf.read(io.BytesIO(wav), dtype="float32")
+    return soxr.resample(samples, rate, 16000).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def spoken() -> np.ndarray:
+    return _espeak(SAID)
+
+
+def test_a_boosted_phrase_is_heard_and_words_not_said_stay_out(model, spoken):
+    plain = model.transcribe([spoken])[0]
+    boosted = model.transcribe([spoken], hotwords=[HOTWORD])[0]
+    assert boosted.text == SAID
+    assert model.transcribe([spoken], hotwords=[HOTWORD], decoder_algorithm="frame_looping")[0].text == SAID
+    assert model.transcribe([spoken], hotwords=DECOYS)[0].tokens == plain.tokens
+    # the scores stay the model's own: the boosted word is the doubt it was
+    assert next(w.confidence for w in boosted.words if w.word == HOTWORD) < 0.9
+    # a phrase, boosted harder: "exchange or by bib for money" is heard as said
+    said = "exchange or buy back for money"
+    assert model.transcribe([_espeak(said)], hotwords=["buy back"], hotword_boost=3.0)[0].text == said
+    with pytest.raises(ValueError, match="transducer"):
+        model.transcribe([spoken], hotwords=[HOTWORD], decoder="ctc")
+    with pytest.raises(ValueError, match="1 to 64 characters"):
+        model.transcribe([spoken], hotwords=[" "])
+    with pytest.raises(ValueError, match=f"at most {MAX_HOTWORDS}"):
+        model.transcribe([spoken], hotwords=[f"w{i}" for i in range(MAX_HOTWORDS + 1)])
+
+
+def _flac(samples: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    sf.write(buffer, samples, 16000, format="FLAC")
+    return buffer.getvalue()
+
+
+def test_each_request_over_http_boosts_its_own_hotwords(model, spoken):
+    data = _flac(spoken)
+    with run_server(Settings(max_wait_ms=300, max_batch_size=8), model) as running:
+        async def send() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=120) as client:
+                native = client.post(f"{running.url}/v1/transcribe?hotwords={HOTWORD},kappa", content=data,
+                                     headers={"content-type": "audio/flac"})
+                plain = client.post(f"{running.url}/v1/transcribe", content=data,
+                                    headers={"content-type": "audio/flac"})
+                openai = client.post(f"{running.url}/v1/audio/transcriptions", data={"hotwords": HOTWORD},
+                                     files={"file": ("a.flac", data, "audio/flac")})
+                return list(await asyncio.gather(native, plain, openai))
+
+        native, plain, openai = asyncio.run(send())  # one batch: the boosted and the plain request together
+        too_many = httpx.post(f"{running.url}/v1/transcribe", params={"hotwords": ",".join(DECOYS * 30)},
+                              content=data, headers={"content-type": "audio/flac"})
+    assert native.json()["text"] == openai.json()["text"] == SAID
+    assert plain.json()["text"] == model.transcribe([spoken])[0].text != SAID
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "hotwords"
+    with run_server(Settings(decoder="ctc"), model) as running:
+        refused = httpx.post(f"{running.url}/v1/transcribe?hotwords=buy", content=data,
+                             headers={"content-type": "audio/flac"})
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "hotwords_unavailable"
+
+
+def test_a_jobs_hotwords_reach_every_item_and_bad_ones_are_refused_at_submission(model, spoken, redis_server):
+    data = _flac(spoken)
+    with run_server(Settings(redis_url=redis_server.url, max_wait_ms=20), model) as running:
+        files = [("files", (name, data, "audio/flac")) for name in ("a.flac", "b.flac")]
+        submitted = httpx.post(f"{running.url}/v1/jobs", data={"hotwords": HOTWORD}, files=files, timeout=60)
+        assert submitted.status_code == 202 and submitted.json()["hotwords"] == [HOTWORD]
+        job = wait_job(running.url, submitted.json()["id"])
+        results = httpx.get(f"{running.url}/v1/jobs/{job['id']}/results", timeout=60).text.splitlines()
+        refused = httpx.post(f"{running.url}/v1/jobs", data={"hotwords": "x" * 65},
+                             files=[("files", ("a.flac", data, "audio/flac"))], timeout=60)
+    assert job["status"] == "completed" and [json.loads(line)["text"] for line in results] == [SAID, SAID]
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "hotwords"
+
+
+def test_the_command_line_boosts_hotwords(spoken, tmp_path, capsys):
+    path = tmp_path / "said.flac"
+    path.write_bytes(_flac(spoken))
+    assert main(["transcribe", "--hotwords", HOTWORD, str(path)]) == 0
+    assert capsys.readouterr().out == SAID + "\n"
+    assert main(["transcribe", "--hotwords", HOTWORD, "--decoder", "ctc", str(path)]) == 2
+    assert "transducer" in capsys.readouterr().err
