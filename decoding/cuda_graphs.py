@@ -191,7 +191,6 @@ class LabelLoopingDecoder:
             self.looper.run_eager(state)
         else:
             self._graphs.run()
-        state.boost, state.node = None, None
         return self.looper.results(state, batch)
 
     def _choose_mode(self, device: torch.device) -> None:

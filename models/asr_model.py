@@ -32,7 +32,7 @@ from .fastconformer import FastConformerEncoder, resolve_attention_kernel
 from .features import LogMelFeatures
 from .heads import CTCHead, Joint, PredictionNetwork
 from .offline import OfflineOptions, transcribe_stream
-from .tokenizer import Tokenizer
+from .tokenizer import Tokenizer, hotword_tokens
 from .transcript import Transcript
 
 log = logging.getLogger(__name__)
@@ -213,12 +213,6 @@ class ASRModel(nn.Module):
         return _with_logprobs(hyps, transducer_logprobs(batch.encoded, hyps, self.decoder, self.joint)
                               if scores else None)
 
-    def hotword_tokens(self, phrases: Sequence[str]) -> tuple[tuple[int, ...], ...]:
-        """Hotwords as the model's tokens (``Tokenizer.hotwords``); ValueError for a model without a vocabulary."""
-        if self.tokenizer is None:
-            raise ValueError("hotwords need a model with a vocabulary")
-        return self.tokenizer.hotwords(phrases)
-
     def label_looper(self, cuda_graphs: str = "auto") -> LabelLoopingDecoder:
         """This model's label-looping decoder for a ``cuda_graphs`` setting, kept with its buffers and graphs."""
         transducer = self.config.transducer
@@ -282,9 +276,7 @@ class ASRModel(nn.Module):
             raise ValueError(f"max_segment_s must be more than {2 * OfflineOptions.segment_overlap_s:g} s")
         _check_decoding_options(decoder_algorithm, cuda_graphs)
         decoder = self.resolve_decoder(decoder)
-        boosted = self.hotword_tokens(hotwords) if hotwords else ()
-        if boosted and decoder == "ctc":
-            raise ValueError("hotwords need a transducer decoder (tdt or rnnt), not ctc")
+        boosted = hotword_tokens(hotwords, self.tokenizer, decoder)
         return OfflineOptions(batch_size=batch_size, decoder=decoder,
                               decoder_algorithm=decoder_algorithm, cuda_graphs=cuda_graphs,
                               max_segment_s=max_segment_s, window=window, multichannel=multichannel,

@@ -19,7 +19,7 @@ from decoding.types import Hypothesis
 from .config import ModelConfig
 from .crosstalk import drop_crosstalk
 from .tokenizer import Tokenizer
-from .transcript import Transcript, Word, build_transcript, rounded
+from .transcript import Transcript, Word, build_transcript, mean_logprob
 
 UTTERANCE_GAP_S = 1.0  # a pause this long ends an utterance even when nobody else speaks in it
 SAME_BELOW_DB = 40.0  # a channel whose difference from an earlier one is this far below it repeats that one
@@ -51,6 +51,11 @@ class Conversation:
         return max((t.duration_s for t in self.channels), default=0.0)
 
     @property
+    def transcribed_s(self) -> float:
+        """Every channel's seconds that was transcribed (not those repeating another): what RTFx counts."""
+        return sum(t.duration_s for c, t in enumerate(self.channels) if c not in self.duplicates)
+
+    @property
     def token_logprobs(self) -> list[float]:
         """Every channel's token scores, channel by channel (empty without scores)."""
         return [x for t in self.channels for x in t.token_logprobs or []]
@@ -58,8 +63,7 @@ class Conversation:
     @property
     def avg_logprob(self) -> float | None:
         """The mean log-probability of every channel's tokens: None without tokens or scores."""
-        scores = self.token_logprobs
-        return rounded(sum(scores) / len(scores)) if scores else None
+        return mean_logprob(self.token_logprobs)
 
     @property
     def text(self) -> str:

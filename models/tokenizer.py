@@ -17,6 +17,20 @@ MAX_HOTWORD_CHARS = 64
 _SPECIAL_PIECE = re.compile(r"^\[.*\]$|^<.*>$|^##|^▁|^\s*$")
 
 
+class HotwordsUnavailable(ValueError):
+    """Hotwords cannot be boosted: the decoder is CTC, or the model has no vocabulary."""
+
+
+def hotword_tokens(phrases: Sequence[str], tokenizer: Tokenizer | None, decoder: str) -> tuple[tuple[int, ...], ...]:
+    """Hotwords as the tokens ``decoder`` boosts (decoding.boosting); HotwordsUnavailable where it cannot, ValueError
+    for bad ones (``Tokenizer.hotwords``). Shared by the Python API, the routes and the job worker."""
+    if not phrases:
+        return ()
+    if decoder == "ctc" or tokenizer is None:
+        raise HotwordsUnavailable(f"hotwords need a transducer decoder and a vocabulary; decoding with {decoder}")
+    return tokenizer.hotwords(phrases)
+
+
 @dataclass(frozen=True)
 class WordSpan:
     """A word and the index range of its tokens: tokens[first:last + 1]."""

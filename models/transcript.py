@@ -35,9 +35,7 @@ class Transcript:
     @property
     def avg_logprob(self) -> float | None:
         """The mean token log-probability (Whisper's ``avg_logprob``): None without tokens or scores."""
-        if not self.token_logprobs:
-            return None
-        return rounded(sum(self.token_logprobs) / len(self.token_logprobs))
+        return mean_logprob(self.token_logprobs or [])
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -73,6 +71,12 @@ def word_confidence(logprobs: list[float]) -> float:
     """A word's tokens' log-probabilities -> the probability of the least sure one. A word is as doubtful as its
     weakest piece: the mean would let a sure ending vouch for a guessed beginning."""
     return rounded(math.exp(min(logprobs)))
+
+
+def mean_logprob(scores: list[float]) -> float | None:
+    """Tokens' mean log-probability, as transcripts keep it (None for no tokens): a transcript's, a
+    conversation's, a subtitle segment's ``avg_logprob``."""
+    return rounded(sum(scores) / len(scores)) if scores else None
 
 
 def rounded(score: float) -> float:

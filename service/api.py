@@ -26,7 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.datastructures import FormData
 from starlette.datastructures import UploadFile as StarletteUpload
 
-from models.transcript import Transcript, Word, rounded
+from models.transcript import Transcript, Word, mean_logprob
 
 from .audio import AudioRequestError, check_media_type, decode_audio
 from .batcher import Priority, QueueFull
@@ -257,9 +257,12 @@ def _check_language(service: ServiceState, requested: str | None) -> str:
     return code
 
 
-def _words(words: list[Word], channel: int | None = None) -> list[WordTiming]:
-    return [WordTiming(word=w.word, start=w.start_s, end=w.end_s, confidence=w.confidence, channel=channel)
-            for w in words]
+def _word(w: Word, channel: int | None = None) -> WordTiming:
+    return WordTiming(word=w.word, start=w.start_s, end=w.end_s, confidence=w.confidence, channel=channel)
+
+
+def _words(words: list[Word]) -> list[WordTiming]:
+    return [_word(w) for w in words]
 
 
 def _openai_words(words: list[Word]) -> list[OpenAIWord]:
@@ -279,7 +282,7 @@ def _segments(transcript: Transcript, frame_s: float) -> list[Segment]:
             tokens[group].append(token)
             scores[group].append(logprob)
     return [Segment(id=i, seek=0, start=c.start_s, end=c.end_s, text=c.text, tokens=tokens[i],
-                    avg_logprob=rounded(sum(scores[i]) / len(scores[i])) if scores[i] else 0.0,
+                    avg_logprob=mean_logprob(scores[i]) or 0.0,
                     compression_ratio=compression_ratio(c.text))
             for i, c in enumerate(groups)]
 
@@ -439,7 +442,7 @@ def _native_conversation(service: ServiceState, result: ConversationResult) -> N
     conversation = result.conversation
     return NativeTranscription(
         model=service.model_id, text=conversation.text, avg_logprob=conversation.avg_logprob,
-        words=[word for channel, w in conversation.timed_words() for word in _words([w], channel)],
+        words=[_word(w, channel) for channel, w in conversation.timed_words()],
         duration_s=round(conversation.duration_s, 6), queue_s=round(result.queue_s, 6),
         compute_s=round(result.compute_s, 6), rtfx=round(result.rtfx, 3), segments=result.n_segments,
         utterances=[UtteranceTiming(channel=u.channel, speaker=conversation.speaker(u.channel), start=u.start_s,

@@ -29,7 +29,9 @@ HOTWORDS_HELP = ("comma-separated words or phrases to make likelier, as the mode
 
 
 def _phrases(text: str) -> list[str]:
-    return [phrase.strip() for phrase in text.split(",") if phrase.strip()]
+    from .hotwords import split_hotwords
+
+    return split_hotwords([text])
 
 
 def _names(text: str) -> list[str]:

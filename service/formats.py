@@ -156,12 +156,14 @@ def to_vtt(transcript: Transcript | Conversation, layout: SubtitleLayout = Subti
     return "WEBVTT\n\n" + "\n".join(blocks)
 
 
-def word_dicts(words: list[Word]) -> list[dict[str, Any]]:
-    return [{"word": w.word, "start": w.start_s, "end": w.end_s, **_confidence(w)} for w in words]
-
-
-def _confidence(word: Word) -> dict[str, float]:
-    return {} if word.confidence is None else {"confidence": word.confidence}
+def word_dict(w: Word, channel: int | None = None) -> dict[str, Any]:
+    """A word as records give it: its confidence when scored, its channel in a conversation."""
+    out: dict[str, Any] = {"word": w.word, "start": w.start_s, "end": w.end_s}
+    if w.confidence is not None:
+        out["confidence"] = w.confidence
+    if channel is not None:
+        out["channel"] = channel
+    return out
 
 
 def utterance_dict(u: Utterance, speaker: str) -> dict[str, Any]:
@@ -176,12 +178,12 @@ def to_record(transcript: Transcript | Conversation, audio: str | None = None) -
     if isinstance(transcript, Transcript):
         record.update(text=transcript.text, tokens=transcript.tokens, token_frames=transcript.token_frames,
                       token_logprobs=transcript.token_logprobs, avg_logprob=transcript.avg_logprob,
-                      duration_s=round(transcript.duration_s, 6), words=word_dicts(transcript.words))
+                      duration_s=round(transcript.duration_s, 6), words=[word_dict(w) for w in transcript.words])
         return record
     record.update(
         text=transcript.text, tokens=None, token_frames=None, token_logprobs=None, avg_logprob=transcript.avg_logprob,
         duration_s=round(transcript.duration_s, 6),
-        words=[{**word_dicts([w])[0], "channel": c} for c, w in transcript.timed_words()],
+        words=[word_dict(w, c) for c, w in transcript.timed_words()],
         utterances=[utterance_dict(u, transcript.speaker(u.channel)) for u in transcript.utterances()],
         channels=[{"channel": i, **_name(transcript, i), **to_record(t), **_repeats(transcript, i)}
                   for i, t in enumerate(transcript.channels)],

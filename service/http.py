@@ -15,9 +15,10 @@ from starlette.datastructures import UploadFile as StarletteUpload
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from models.conversation import parse_names
+from models.tokenizer import HotwordsUnavailable, hotword_tokens
 
 from .config import Settings
-from .hotwords import HotwordsUnavailable, hotword_tokens, served_decoder
+from .hotwords import served_decoder
 from .intake import IntakeBudget
 from .jobs import ANONYMOUS, JobStore
 from .runtime import FrontendStack, Stack

@@ -19,11 +19,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
+from models.tokenizer import hotword_tokens
+
 from .audio import AudioLimits, AudioRequestError, decode_audio, decode_audio_file
 from .audio_budget import AudioBudget, AudioClaim
 from .batcher import Priority, QueueFull
 from .formats import to_record
-from .hotwords import hotword_tokens
 from .jobs import (
     ITEM_STREAMS,
     REDIS_ERRORS,

@@ -23,11 +23,8 @@ class RunSummary:
 
     def add(self, name: str, transcript: Transcript | Conversation) -> None:
         self.files += 1
-        if isinstance(transcript, Conversation):  # every channel transcribed counts, as in RTFx everywhere
-            self.audio_s += sum(t.duration_s for i, t in enumerate(transcript.channels)
-                                if i not in transcript.duplicates)
-        else:
-            self.audio_s += transcript.duration_s
+        # a conversation counts every channel it transcribed, as RTFx does everywhere
+        self.audio_s += transcript.transcribed_s if isinstance(transcript, Conversation) else transcript.duration_s
         scores = transcript.token_logprobs or []
         self.tokens += len(scores)
         self.logprob_sum += sum(scores)

@@ -61,9 +61,7 @@ class ConversationResult:
 
     @property
     def audio_s(self) -> float:
-        """Every channel's seconds that was transcribed (not those repeating another)."""
-        conversation = self.conversation
-        return sum(t.duration_s for c, t in enumerate(conversation.channels) if c not in conversation.duplicates)
+        return self.conversation.transcribed_s
 
     @property
     def rtfx(self) -> float:
@@ -193,7 +191,10 @@ class QueuedRequest:
                 continue  # no vocabulary: no text
             words = stitch([(segment, result.hypothesis)], t.tokenizer, t.frame_samples)  # its words
             tokens += words.tokens
-            logprobs = None if logprobs is None or words.logprobs is None else logprobs + words.logprobs
+            if logprobs is not None and words.logprobs is not None:
+                logprobs += words.logprobs  # in place: a long stream's scores are not copied per piece
+            else:
+                logprobs = None
             text = t.tokenizer.ids_to_text(tokens)
             if len(text) > len(shown) and text.startswith(shown):
                 yield TextDelta(text[len(shown) :], tokens[told:], None if logprobs is None else
