@@ -2,9 +2,12 @@
 
 Each row of a batch may bring its own phrases, as token sequences. They are kept as prefix trees in one table:
 a node's children are the tokens that continue a phrase from it. While a row's last labels spell a phrase's
-beginning, the tokens that continue it get ``weight`` added to their joint logits, so greedy search takes them
-where the audio leaves it in doubt, and leaves them where it does not. Emitting a token moves the row down the
-tree; a token that continues nothing starts over from the row's root (the token itself may begin a phrase).
+beginning, the tokens that continue it get ``weight`` added to their logits, so greedy search takes them where the
+audio leaves it in doubt, and leaves them where it does not. A phrase's first token gets only
+``PHRASE_START_SHARE`` of it: greedy search cannot take a token back, and a phrase begun where it was not said
+pulls the next tokens after it (half the bonus there kept WER as without hotwords, the whole raised it:
+docs/benchmarks.md). Emitting a token moves the row down the tree; a token that continues nothing starts over
+from the row's root (the token itself may begin a phrase).
 
 Rows without phrases sit on node 0, which has no children: nothing changes for them. The search's scores
 (decoding.scores) are the model's own, without the bonus.
@@ -18,6 +21,7 @@ import torch
 from torch import Tensor
 
 NULL_NODE = 0  # no phrases: no children, and every token leads back to it
+PHRASE_START_SHARE = 0.5  # of the bonus, for the token that begins a phrase
 
 
 @dataclass
@@ -28,13 +32,13 @@ class BoostTable:
     child_node: Tensor  # (N, K) long: where each leads
     root_of: Tensor  # (N,) long: the root of the node's tree (a row starts over there)
     roots: Tensor  # (B,) long: each row's root (NULL_NODE for rows without phrases)
-    weight: float  # added to the logits of the tokens that continue a phrase
+    child_bonus: Tensor  # (N,) float: what each node's children get (less at a root: PHRASE_START_SHARE)
 
     def bonus(self, node: Tensor, n_classes: int) -> Tensor:
-        """(B,) current nodes -> (B, n_classes) logit bonus: ``weight`` on each token that continues a phrase."""
+        """(B,) current nodes -> (B, n_classes) logit bonus on each token that continues a phrase."""
         tokens = self.child_token.index_select(0, node)  # (B, K)
-        out = torch.zeros(len(node), n_classes, device=node.device)
-        return out.scatter_add_(1, tokens.clamp(min=0), (tokens >= 0).float() * self.weight)
+        values = (tokens >= 0).float() * self.child_bonus.index_select(0, node).unsqueeze(1)
+        return torch.zeros(len(node), n_classes, device=node.device).scatter_add_(1, tokens.clamp(min=0), values)
 
     def advance(self, node: Tensor, label: Tensor) -> Tensor:
         """(B,) nodes and the labels just emitted -> the nodes after them: the label's child if it continues a
@@ -53,8 +57,9 @@ class BoostTable:
 
 def build_boost_table(phrases_by_row: list[tuple[tuple[int, ...], ...]], weight: float, device: torch.device
                       ) -> BoostTable | None:
-    """The table for a batch: ``phrases_by_row[b]`` is row b's phrases as token ids (empty: none). Rows with the
-    same phrases share one tree. None when no row has any (decode as without)."""
+    """The table for a batch: ``phrases_by_row[b]`` is row b's phrases as token ids (empty: none), ``weight`` the
+    bonus of a token that continues one. Rows with the same phrases share one tree. None when no row has any
+    (decode as without)."""
     if not any(phrases_by_row):
         return None
     children: list[dict[int, int]] = [{}]  # node -> {token: child}; node 0 is NULL_NODE
@@ -84,5 +89,7 @@ def build_boost_table(phrases_by_row: list[tuple[tuple[int, ...], ...]], weight:
     for node, kids in enumerate(children):
         for k, (token, child) in enumerate(kids.items()):
             child_token[node, k], child_node[node, k] = token, child
+    is_root = torch.tensor(root_of) == torch.arange(len(children))
+    child_bonus = torch.where(is_root, weight * PHRASE_START_SHARE, weight)
     return BoostTable(child_token.to(device), child_node.to(device), torch.tensor(root_of, device=device),
-                      torch.tensor(roots, device=device), weight)
+                      torch.tensor(roots, device=device), child_bonus.to(device))

@@ -1,4 +1,5 @@
-"""Batched greedy CTC: one argmax over the batch, one device-to-host copy, collapse on the host."""
+"""Batched greedy CTC: one argmax over the batch, one device-to-host copy, collapse on the host. With hotwords
+(decoding.boosting), a frame loop instead: which token a frame emits depends on the tokens emitted before it."""
 
 from __future__ import annotations
 
@@ -6,29 +7,58 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .boosting import NULL_NODE, BoostTable
 from .types import Hypothesis
 
 
 @torch.inference_mode()
-def ctc_greedy(log_probs: Tensor, lengths: Tensor, blank_id: int) -> list[Hypothesis]:
+def ctc_greedy(log_probs: Tensor, lengths: Tensor, blank_id: int, boost: BoostTable | None = None
+               ) -> list[Hypothesis]:
     """
     Args:
-        log_probs: (B, T, V+1) per-frame scores (any monotonic transform of them gives the same result).
+        log_probs: (B, T, V+1) per-frame log-probabilities (without ``boost``, any monotonic transform of them
+            gives the same result).
         lengths: (B,) valid frames.
         blank_id: index of the blank class.
+        boost: the rows' hotwords, or None (``ctc_boosted_labels``).
     Returns:
         One hypothesis per row: repeats merged, blanks dropped; a token's frame is where its run starts and
         its duration is the run's length in frames.
     """
-    best = log_probs.argmax(dim=-1)  # (B, T)
-    valid = torch.arange(best.shape[1], device=best.device)[None, :] < lengths[:, None]
-    labels = best.masked_fill(~valid, blank_id).cpu().numpy()  # the one device-to-host copy
-    hyps = []
-    for row in labels:
-        prev = np.concatenate(([blank_id], row[:-1]))
-        starts = np.flatnonzero((row != blank_id) & (row != prev))  # first frame of each emitted run
-        run_ends = np.flatnonzero(np.diff(row, append=-1) != 0)  # last frame of every run
-        ends = run_ends[np.searchsorted(run_ends, starts)]
-        hyps.append(Hypothesis(tokens=row[starts].tolist(), frames=starts.tolist(),
-                               durations=(ends - starts + 1).tolist()))
-    return hyps
+    plain = boost is None
+    labels = log_probs.argmax(dim=-1) if plain else ctc_boosted_labels(log_probs, lengths, blank_id, boost)
+    valid = torch.arange(labels.shape[1], device=labels.device)[None, :] < lengths[:, None]
+    return [_collapse(row, blank_id) for row in labels.masked_fill(~valid, blank_id).cpu().numpy()]
+
+
+def ctc_boosted_labels(log_probs: Tensor, lengths: Tensor, blank_id: int, boost: BoostTable) -> Tensor:
+    """(B, T) each frame's label, with hotwords boosted.
+
+    A frame's label is the argmax of its log-probabilities plus the bonus of the tokens that continue a hotword
+    from where the row's emitted tokens leave it. The previous frame's label gets no bonus: taking it again
+    would continue its run, not emit it. Only an emission (a label neither blank nor the previous frame's)
+    moves the row down its tree. Rows without hotwords take the plain argmax, outside the frame loop, which
+    runs over the boosted rows alone and as far as the longest of them.
+    """
+    labels = log_probs.argmax(dim=-1)
+    rows = (boost.roots != NULL_NODE).nonzero().squeeze(1)
+    n_frames = int(lengths.index_select(0, rows).max()) if len(rows) else 0
+    node = boost.roots.index_select(0, rows)
+    row_lengths, row_log_probs = lengths.index_select(0, rows), log_probs.index_select(0, rows)
+    previous = torch.full_like(node, blank_id)
+    for t in range(n_frames):
+        bonus = boost.bonus(node, log_probs.shape[-1]).scatter_(1, previous.unsqueeze(1), 0.0)
+        label = (row_log_probs[:, t].float() + bonus).argmax(dim=-1).masked_fill(row_lengths <= t, blank_id)
+        emitted = (label != blank_id) & (label != previous)
+        node = torch.where(emitted, boost.advance(node, label), node)
+        labels[rows, t] = previous = label
+    return labels
+
+
+def _collapse(row: np.ndarray, blank_id: int) -> Hypothesis:
+    """One row's frame labels -> its hypothesis: a token per run of a non-blank label."""
+    prev = np.concatenate(([blank_id], row[:-1]))
+    starts = np.flatnonzero((row != blank_id) & (row != prev))  # first frame of each emitted run
+    run_ends = np.flatnonzero(np.diff(row, append=-1) != 0)  # last frame of every run
+    ends = run_ends[np.searchsorted(run_ends, starts)]
+    return Hypothesis(tokens=row[starts].tolist(), frames=starts.tolist(), durations=(ends - starts + 1).tolist())

@@ -191,15 +191,13 @@ class ASRModel(nn.Module):
         """Greedy search. Transducers: ``decoder_algorithm`` label_looping (default) | frame_looping (the
         reference); ``cuda_graphs`` auto | conditional | no_while | off picks how label looping runs on CUDA.
         ``scores`` gives each token its log-probability (``Hypothesis.logprobs``, decoding.scores). ``boost``: the
-        rows' hotwords (decoding.boosting; transducers only)."""
+        rows' hotwords (decoding.boosting)."""
         decoder = self.resolve_decoder(decoder)
-        if boost is not None and decoder == "ctc":
-            raise ValueError("hotwords need a transducer decoder (tdt or rnnt), not ctc")
         if decoder == "ctc":
             head = self.ctc_head
             assert head is not None
             log_probs = head(batch.encoded)
-            hyps = ctc_greedy(log_probs, batch.lengths, head.blank_id)
+            hyps = ctc_greedy(log_probs, batch.lengths, head.blank_id, boost)
             return _with_logprobs(hyps, ctc_logprobs(log_probs, hyps) if scores else None)
         transducer = self.config.transducer
         assert transducer is not None
@@ -241,7 +239,7 @@ class ASRModel(nn.Module):
         ``Conversation``: a stereo call's agent and customer, and who said what when. ``skip_silence`` leaves
         long quiet stretches out (models.silence): a call's channel is quiet half the time. ``hotwords`` (words or
         phrases, as the model writes them) are made likelier by ``hotword_boost`` on their tokens' logits
-        (decoding.boosting; transducer decoders).
+        (decoding.boosting; any decoder).
         """
         if isinstance(audio, (np.ndarray, str, Path)):
             audio = [audio]
@@ -276,7 +274,7 @@ class ASRModel(nn.Module):
             raise ValueError(f"max_segment_s must be more than {2 * OfflineOptions.segment_overlap_s:g} s")
         _check_decoding_options(decoder_algorithm, cuda_graphs)
         decoder = self.resolve_decoder(decoder)
-        boosted = hotword_tokens(hotwords, self.tokenizer, decoder)
+        boosted = hotword_tokens(hotwords, self.tokenizer)
         return OfflineOptions(batch_size=batch_size, decoder=decoder,
                               decoder_algorithm=decoder_algorithm, cuda_graphs=cuda_graphs,
                               max_segment_s=max_segment_s, window=window, multichannel=multichannel,

@@ -18,16 +18,16 @@ _SPECIAL_PIECE = re.compile(r"^\[.*\]$|^<.*>$|^##|^▁|^\s*$")
 
 
 class HotwordsUnavailable(ValueError):
-    """Hotwords cannot be boosted: the decoder is CTC, or the model has no vocabulary."""
+    """Hotwords cannot be boosted: the model has no vocabulary to spell them with."""
 
 
-def hotword_tokens(phrases: Sequence[str], tokenizer: Tokenizer | None, decoder: str) -> tuple[tuple[int, ...], ...]:
-    """Hotwords as the tokens ``decoder`` boosts (decoding.boosting); HotwordsUnavailable where it cannot, ValueError
+def hotword_tokens(phrases: Sequence[str], tokenizer: Tokenizer | None) -> tuple[tuple[int, ...], ...]:
+    """Hotwords as the tokens the decoders boost (decoding.boosting); HotwordsUnavailable where it cannot, ValueError
     for bad ones (``Tokenizer.hotwords``). Shared by the Python API, the routes and the job worker."""
     if not phrases:
         return ()
-    if decoder == "ctc" or tokenizer is None:
-        raise HotwordsUnavailable(f"hotwords need a transducer decoder and a vocabulary; decoding with {decoder}")
+    if tokenizer is None:
+        raise HotwordsUnavailable("hotwords need the model's vocabulary, and this model has none")
     return tokenizer.hotwords(phrases)
 
 

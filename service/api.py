@@ -34,7 +34,7 @@ from .body_limit import FORM_OVERHEAD_BYTES, BodyLimitMiddleware, BodyTooLarge
 from .config import Settings
 from .engine_link import EngineLink
 from .formats import SubtitleLayout, cues, to_srt, to_vtt
-from .hotwords import served_decoder, split_hotwords
+from .hotwords import split_hotwords
 from .http import (
     ApiError,
     ServiceDep,
@@ -472,7 +472,7 @@ def _model_card(service: ServiceState) -> ModelCard:
     config, settings = service.stack.transcriber.config, service.settings
     return ModelCard(id=service.model_id, created=int(service.started_at), aliases=list(settings.model_aliases),
                      architecture=config.kind, languages=list(settings.languages),
-                     decoder=served_decoder(settings, config),
+                     decoder=config.default_decoder if settings.decoder == "auto" else settings.decoder,
                      sample_rate=config.features.sample_rate, vocab_size=config.vocab_size,
                      token_scores=settings.token_scores, max_segment_s=settings.max_segment_s)
 

@@ -31,7 +31,7 @@ class Settings(BaseSettings):
     # engine does the greedy search alone, and answers carry no scores
     token_scores: bool = True
     # the logit bonus of a token that continues one of a request's hotwords (decoding.boosting)
-    hotword_boost: float = HOTWORD_BOOST
+    hotword_boost: Annotated[float, Field(ge=0.0)] = HOTWORD_BOOST
 
     # HTTP
     host: str = "127.0.0.1"

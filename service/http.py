@@ -18,7 +18,6 @@ from models.conversation import parse_names
 from models.tokenizer import HotwordsUnavailable, hotword_tokens
 
 from .config import Settings
-from .hotwords import served_decoder
 from .intake import IntakeBudget
 from .jobs import ANONYMOUS, JobStore
 from .runtime import FrontendStack, Stack
@@ -51,12 +50,11 @@ class MetricsSink(Protocol):
 
 
 def request_hotwords(service: ServiceState, phrases: list[str]) -> tuple[tuple[int, ...], ...]:
-    """A request's or a job's hotwords as the model's tokens: 400 where this server cannot boost them (CTC, no
+    """A request's or a job's hotwords as the model's tokens: 400 where this server cannot boost them (no
     vocabulary) or they are refused (too many, too long)."""
     assert service.stack is not None
-    transcriber = service.stack.transcriber
     try:
-        return hotword_tokens(phrases, transcriber.tokenizer, served_decoder(service.settings, transcriber.config))
+        return hotword_tokens(phrases, service.stack.transcriber.tokenizer)
     except HotwordsUnavailable as exc:
         raise ApiError(400, str(exc), param="hotwords", code="hotwords_unavailable") from exc
     except ValueError as exc:

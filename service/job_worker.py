@@ -81,7 +81,6 @@ class ConsumerOptions:
     max_audio_s: float = math.inf  # decoded job audio held at once (service.audio_budget)
     first_item_s: float = 30.0  # the length items are expected to have until some are seen
     max_reading: int = 64  # items fetched and decoded at once
-    decoder: str = "auto"  # the engine's (service.hotwords.served_decoder): ctc cannot boost hotwords
 
 
 class JobConsumer:
@@ -223,7 +222,7 @@ class JobConsumer:
             return
         multichannel, skip_silence = bool(record.get("multichannel")), bool(record.get("skip_silence"))
         try:  # checked at submission through HTTP; a job written straight into Redis is checked here
-            hotwords = hotword_tokens(record.get("hotwords") or [], self.transcriber.tokenizer, self.options.decoder)
+            hotwords = hotword_tokens(record.get("hotwords") or [], self.transcriber.tokenizer)
             waveform = await self._load(record, upload, multichannel)
         except (AudioRequestError, JobInputError, OSError, ValueError) as exc:
             await self._fail(job_id, index, audio, str(exc))

@@ -1,10 +1,12 @@
-"""Hotwords (decoding.boosting): both decoders boost alike; rows without hotwords decode as before; on the embedded
-model a boosted phrase is heard where the audio leaves room for it, and words not said stay out; over HTTP each
-request's hotwords are its own, in the engine's process or through a front end."""
+"""Hotwords (decoding.boosting): both transducer decoders boost alike, and CTC as its frame-by-frame definition says;
+rows without hotwords decode as before; on the embedded model, with either head, a boosted phrase is heard where the
+audio leaves room for it, and words not said stay out; over HTTP each request's hotwords are its own, in the
+engine's process or through a front end."""
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import io
 import json
 import shutil
@@ -18,8 +20,10 @@ import soxr
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
-from decoding.boosting import NULL_NODE, build_boost_table
+from decoding.boosting import NULL_NODE, PHRASE_START_SHARE, build_boost_table
+from decoding.ctc import ctc_greedy
 from decoding.frame_looping import frame_looping_greedy
 from decoding.label_looping import label_looping_greedy
 from models import load_model
@@ -54,16 +58,67 @@ def test_label_looping_boosts_as_frame_looping_does(case, data):
             assert boosted[row] == plain[row]
 
 
+def _ctc_boosted_by_definition(log_probs: torch.Tensor, length: int, blank: int, phrases, weight: float) -> list[int]:
+    """One row's frame labels as the definition reads (decoding.ctc.ctc_boosted_labels), with the phrases' tree
+    as dictionaries: each frame takes the argmax with the bonus of the tokens that continue a phrase from where
+    the row's emissions leave it (a share of it for a phrase's first token), the previous frame's label
+    excepted; only an emission moves the row."""
+    root: dict = {}
+    for phrase in phrases:
+        node = root
+        for token in phrase:
+            node = node.setdefault(token, {})
+    node, previous, labels = root, blank, []
+    for t in range(log_probs.shape[0]):
+        if t >= length:
+            labels.append(blank)
+            continue
+        bonus = torch.zeros(log_probs.shape[1])
+        for token in node:
+            if token != previous:
+                bonus[token] = weight * (PHRASE_START_SHARE if node is root else 1.0)
+        label = int((log_probs[t] + bonus).argmax())
+        if label not in (blank, previous):
+            node = node[label] if label in node else root.get(label, root)
+        labels.append(previous := label)
+    return labels
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_ctc_boosts_as_its_definition_says(data):
+    n_frames, vocab = data.draw(st.integers(0, 14)), data.draw(st.integers(2, 6))
+    lengths = data.draw(st.lists(st.integers(0, n_frames), min_size=1, max_size=6))
+    phrase = st.lists(st.integers(0, vocab - 1), min_size=1, max_size=3).map(tuple)
+    phrases = [data.draw(st.lists(phrase, max_size=3).map(tuple)) for _ in lengths]
+    weight = data.draw(st.floats(0.0, 8.0))
+    generator = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    blank_bias = data.draw(st.floats(-3.0, 3.0))  # from mostly tokens to mostly blank
+    logits = torch.randn(len(lengths), n_frames, vocab + 1, generator=generator) * 2
+    logits[..., vocab] += blank_bias
+    log_probs, lengths_t = logits.log_softmax(-1), torch.tensor(lengths)
+    boost = build_boost_table(phrases, weight, CPU)
+    boosted, plain = ctc_greedy(log_probs, lengths_t, vocab, boost), ctc_greedy(log_probs, lengths_t, vocab)
+    for row, row_phrases in enumerate(phrases):
+        labels = _ctc_boosted_by_definition(log_probs[row], lengths[row], vocab, row_phrases, weight)
+        expected = ctc_greedy(torch.nn.functional.one_hot(torch.tensor([labels], dtype=torch.long), vocab + 1)
+                              .float().reshape(1, n_frames, vocab + 1), lengths_t[row:row + 1], vocab)[0]
+        assert boosted[row] == expected
+        if not row_phrases:  # a row without hotwords decodes as it would alone
+            assert boosted[row] == plain[row]
+
+
 def test_the_table_shares_trees_starts_over_and_leaves_rows_without_phrases_alone():
     assert build_boost_table([(), ()], 3.0, CPU) is None
     table = build_boost_table([((5, 6, 7), (5, 8)), (), ((5, 6, 7), (5, 8)), ((9,),)], 2.0, CPU)
     assert table.roots[1] == NULL_NODE and table.roots[0] == table.roots[2] != table.roots[3]  # one tree each
     bonus = table.bonus(table.roots, 10)
-    assert bonus[0].nonzero().flatten().tolist() == [5] and bonus[0, 5] == 2.0
+    assert bonus[0].nonzero().flatten().tolist() == [5] and bonus[0, 5] == 1.0  # half, for a phrase's start
     assert bonus[1].abs().sum() == 0 and bonus[3].nonzero().flatten().tolist() == [9]
     root = table.roots[:1]
     after_5 = table.advance(root, torch.tensor([5]))
     assert table.bonus(after_5, 10)[0].nonzero().flatten().tolist() == [6, 8]  # both phrases go on from "5"
+    assert table.bonus(after_5, 10)[0, 6] == 2.0  # the whole bonus, once a phrase is begun
     assert table.advance(after_5, torch.tensor([9])) == root  # continues nothing: back to the root
     assert table.advance(after_5, torch.tensor([5])) == after_5  # continues nothing, but starts a phrase again
     after_7 = table.advance(table.advance(after_5, torch.tensor([6])), torch.tensor([7]))
@@ -99,9 +154,13 @@ def test_a_boosted_phrase_is_heard_and_words_not_said_stay_out(model, spoken):
     assert next(w.confidence for w in boosted.words if w.word == HOTWORD) < 0.9
     # a phrase, boosted harder: "exchange or by bib for money" is heard as said
     said = "exchange or buy back for money"
-    assert model.transcribe([_espeak(said)], hotwords=["buy back"], hotword_boost=3.0)[0].text == said
-    with pytest.raises(ValueError, match="transducer"):
-        model.transcribe([spoken], hotwords=[HOTWORD], decoder="ctc")
+    assert model.transcribe([_espeak(said)], hotwords=["buy back"], hotword_boost=5.0)[0].text == said
+    # the CTC head hears "byy back": boosted, the phrase as said; decoys change nothing
+    said_ctc = model.transcribe([_espeak(said)], decoder="ctc")[0]
+    assert said_ctc.text != said
+    assert model.transcribe([_espeak(said)], hotwords=["buy back"], hotword_boost=5.0,
+                            decoder="ctc")[0].text == said
+    assert model.transcribe([_espeak(said)], hotwords=DECOYS, decoder="ctc")[0].tokens == said_ctc.tokens
     with pytest.raises(ValueError, match="1 to 64 characters"):
         model.transcribe([spoken], hotwords=[" "])
     with pytest.raises(ValueError, match=f"at most {MAX_HOTWORDS}"):
@@ -133,10 +192,19 @@ def test_each_request_over_http_boosts_its_own_hotwords(model, spoken):
     assert native.json()["text"] == openai.json()["text"] == SAID
     assert plain.json()["text"] == model.transcribe([spoken])[0].text != SAID
     assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "hotwords"
-    with run_server(Settings(decoder="ctc"), model) as running:
+    said = "exchange or buy back for money"  # the CTC head hears "byy back"
+    with run_server(Settings(decoder="ctc", hotword_boost=5.0), model) as running:
+        boosted_ctc = httpx.post(f"{running.url}/v1/transcribe", params={"hotwords": "buy back,kappa"},
+                                 content=_flac(_espeak(said)), headers={"content-type": "audio/flac"}, timeout=60)
+    assert boosted_ctc.json()["text"] == said
+    without_vocabulary = copy.copy(model)  # a checkpoint without its tokenizer cannot spell hotwords
+    without_vocabulary.tokenizer = None
+    with run_server(Settings(), without_vocabulary) as running:
         refused = httpx.post(f"{running.url}/v1/transcribe?hotwords=buy", content=data,
                              headers={"content-type": "audio/flac"})
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "hotwords_unavailable"
+    with pytest.raises(ValidationError, match="greater than or equal to 0"):  # a bonus, never a penalty
+        Settings(hotword_boost=-1.0)
 
 
 def test_a_jobs_hotwords_reach_every_item_and_bad_ones_are_refused_at_submission(model, spoken, redis_server):
@@ -158,5 +226,7 @@ def test_the_command_line_boosts_hotwords(spoken, tmp_path, capsys):
     path.write_bytes(_flac(spoken))
     assert main(["transcribe", "--hotwords", HOTWORD, str(path)]) == 0
     assert capsys.readouterr().out == SAID + "\n"
-    assert main(["transcribe", "--hotwords", HOTWORD, "--decoder", "ctc", str(path)]) == 2
-    assert "transducer" in capsys.readouterr().err
+    assert main(["transcribe", "--hotwords", HOTWORD, "--decoder", "ctc", str(path)]) == 0
+    assert capsys.readouterr().out == SAID + "\n"
+    assert main(["transcribe", "--hotwords", "x" * 65, str(path)]) == 2
+    assert "1 to 64 characters" in capsys.readouterr().err

@@ -1,5 +1,5 @@
 """Hotwords on a GPU: a boosted batch runs eagerly on the graph decoder's buffers and equals frame looping; the
-graphs that run next, unboosted, are unharmed. Skipped without CUDA."""
+graphs that run next, unboosted, are unharmed; boosted CTC gives what it gives on the CPU. Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from decoding.boosting import build_boost_table
+from decoding.ctc import ctc_greedy
 from decoding.cuda_graphs import LabelLoopingDecoder
 from decoding.frame_looping import frame_looping_greedy
 from models import load_model
@@ -28,3 +29,15 @@ def test_a_boosted_batch_between_graph_runs(parity_dir, name):
                                                t.max_symbols, boost)
     assert decoder(encoded, lengths) == plain  # the graphs again, as before
     assert decoder.n_captures == 1
+
+
+def test_boosted_ctc_on_the_gpu_equals_the_cpu():
+    generator = torch.Generator().manual_seed(1)
+    logits = torch.randn(5, 120, 9, generator=generator) * 2
+    logits[..., 8] += 1.0  # mostly blank, as speech is
+    log_probs, lengths = logits.log_softmax(-1), torch.tensor([120, 0, 64, 1, 97])
+    phrases = [((1, 2, 3),), (), ((4,), (5, 6)), ((1, 2),), ()]
+    on_cpu = ctc_greedy(log_probs, lengths, 8, build_boost_table(phrases, 2.0, torch.device("cpu")))
+    cuda = torch.device("cuda")
+    assert ctc_greedy(log_probs.to(cuda), lengths.to(cuda), 8, build_boost_table(phrases, 2.0, cuda)) == on_cpu
+    assert on_cpu != ctc_greedy(log_probs, lengths, 8)  # the bonus changed something
