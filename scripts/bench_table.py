@@ -3,7 +3,9 @@
 Each architecture is built (random weights, calibrated blank) and its audio synthesised once, then measured
 at every batch size with every decoder algorithm and graph mode, as ``batchasr bench`` measures one setting. The
 algorithms are compared on the greedy search alone; the conditional mode is measured again with the tokens'
-log-probabilities the service also computes (decoding.scores), and with the encoder's fused-attention option.
+log-probabilities the service also computes (decoding.scores), with the encoder's fused-attention option, and with
+20 hotwords in every row (decoding.boosting: a boosted batch runs eagerly). A CTC model is measured plain and
+with the 20 hotwords (its boosted rows decode frame by frame).
 
     PYTHONPATH=. python scripts/bench_table.py --out DIR [--models M ...] [--batch-sizes 1 16 128] [--dtype bfloat16]
 
@@ -25,30 +27,37 @@ import torch
 
 from service.bench import BenchResult, measure, prepare
 
-MODELS = ("parakeet-tdt-0.6b-v2", "parakeet-rnnt-1.1b")
-SETTINGS = (  # (decoder algorithm, cuda graphs, attention kernel, token scores): the baseline first
-    ("frame_looping", "off", "reference", False),
-    ("label_looping", "off", "reference", False),
-    ("label_looping", "no_while", "reference", False),
-    ("label_looping", "conditional", "reference", False),
-    ("label_looping", "conditional", "reference", True),  # what the service runs: the search and the scores
-    ("label_looping", "conditional", "sdpa", True),  # the encoder's fused-attention option, against the row above
+MODELS = ("parakeet-tdt-0.6b-v2", "parakeet-rnnt-1.1b", "parakeet-ctc-1.1b")
+HOTWORDS = 20  # a request's list: a few product names
+TRANSDUCER_SETTINGS = (  # (decoder algorithm, cuda graphs, attention kernel, token scores, hotwords): baseline first
+    ("frame_looping", "off", "reference", False, 0),
+    ("label_looping", "off", "reference", False, 0),
+    ("label_looping", "no_while", "reference", False, 0),
+    ("label_looping", "conditional", "reference", False, 0),
+    ("label_looping", "conditional", "reference", True, 0),  # what the service runs: the search and the scores
+    ("label_looping", "conditional", "sdpa", True, 0),  # the encoder's fused-attention option, against the row above
+    ("label_looping", "conditional", "reference", True, HOTWORDS),  # boosted: eager, against the row two above
+)
+CTC_SETTINGS = (
+    ("label_looping", "off", "reference", True, 0),  # the algorithm and graphs do not apply to CTC
+    ("label_looping", "off", "reference", True, HOTWORDS),
 )
 UTTERANCES = {1: 48}  # batch 1 is slow with eager frame looping: fewer utterances; others get --n-utterances
 
 
 def table_row(r: BenchResult, baseline_decoder_s: float | None) -> str:
     speedup = f"{baseline_decoder_s / r.stage_s['decoder']:.1f}x" if baseline_decoder_s else ""
-    return (f"| {r.model} | {r.batch_size} | {r.decoder_algorithm} | {r.mode} | {'yes' if r.scores else 'no'} | "
-            f"{r.attention_kernel} | "
+    algorithm = "ctc" if r.decoder == "ctc" else r.decoder_algorithm
+    return (f"| {r.model} | {r.batch_size} | {algorithm} | {r.mode} | {'yes' if r.scores else 'no'} | "
+            f"{r.hotwords} | {r.attention_kernel} | "
             f"{r.rtfx:.0f} | {r.audio_s / r.stage_s['encoder']:.0f} | "
             f"{r.audio_s / r.stage_s['decoder']:.0f} | {r.decoder_share:.1%} | {speedup} | "
             f"{r.tokens_per_frame:.2f} | {r.tokens_sha1[:8]} |")
 
 
-HEADER = ("| model | batch | algorithm | mode | token scores | attention | RTFx | encoder RTFx | decoder RTFx | "
-          "decoder share | decoder speed-up vs frame looping eager | tokens/frame | tokens_sha1 |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+HEADER = ("| model | batch | algorithm | mode | token scores | hotwords | attention | RTFx | encoder RTFx | "
+          "decoder RTFx | decoder share | decoder speed-up vs frame looping eager | tokens/frame | tokens_sha1 |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def bench_model(name: str, args: argparse.Namespace, jsonl, rows: list[str]) -> None:
@@ -59,15 +68,16 @@ def bench_model(name: str, args: argparse.Namespace, jsonl, rows: list[str]) -> 
         n_utterances = UTTERANCES.get(batch_size, len(work.waveforms))
         subset = dataclasses.replace(work, waveforms=work.waveforms[:n_utterances])
         baseline = None
-        for algorithm, graphs, kernel, scores in SETTINGS:
+        settings = CTC_SETTINGS if work.decoder == "ctc" else TRANSDUCER_SETTINGS
+        for algorithm, graphs, kernel, scores, hotwords in settings:
             work.model.encoder.set_attention_kernel(kernel)
             try:
-                result = measure(subset, batch_size, args.repeat, algorithm, graphs, scores)
+                result = measure(subset, batch_size, args.repeat, algorithm, graphs, scores, hotwords)
             except Exception as exc:  # one failing setting must not lose the rest of the table
                 traceback.print_exc()
                 jsonl.write(json.dumps({"model": name, "batch_size": batch_size, "decoder_algorithm": algorithm,
                                         "cuda_graphs": graphs, "attention_kernel": kernel, "scores": scores,
-                                        "error": repr(exc)}) + "\n")
+                                        "hotwords": hotwords, "error": repr(exc)}) + "\n")
                 continue
             jsonl.write(json.dumps(dataclasses.asdict(result)) + "\n")
             jsonl.flush()

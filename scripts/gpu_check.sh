@@ -8,7 +8,8 @@
 # stage also writes env.txt (GPU, driver, Python, torch, which graph mode "auto" picks and why).
 #   tests  tests/gpu                                                    gpu_tests.log
 #   bench  scripts/bench_table.py: parakeet-tdt-0.6b-v2 and parakeet-rnnt-1.1b, bf16, batch 1/16/128, every
-#          algorithm and graph mode, both attention kernels in conditional mode
+#          algorithm and graph mode, both attention kernels in conditional mode, 20 hotwords a row (eager);
+#          parakeet-ctc-1.1b plain and with the 20 hotwords
 #                                                                       bench.log, bench.jsonl, bench_table.md
 #   nemo   scripts/nemo_compare.py: the same two, bf16, batch 128, against NeMo 3.0 on the same weights and
 #          audio, batchasr with both attention kernels; tokens compared; each side's stage times; encoder

@@ -25,6 +25,8 @@ import numpy as np
 import sentencepiece as spm
 import torch
 
+from decoding.boosting import build_boost_table
+from decoding.types import HOTWORD_BOOST
 from models.asr_model import ASRModel, EncodedBatch
 from models.audio_io import find_audio_files
 
@@ -37,6 +39,7 @@ DURATION_SHAPE = 2.2  # gamma shape: std about 5 s
 DURATION_RANGE_S = (1.3, 35.0)
 TARGET_TOKENS_PER_FRAME = 1 / 3  # a Parakeet model on English speech emits about one token per 3 frames (240 ms)
 CALIBRATION_UTTERANCES = 4
+HOTWORD_TOKENS = (1, 3)  # a bench hotword's length in tokens: a short word to a short phrase
 
 
 @dataclass
@@ -64,6 +67,7 @@ class BenchResult:
     blank_bias: float | None  # calibrated blank-logit offset (built-in architectures only)
     attention_kernel: str = "reference"
     scores: bool = True  # the decoder stage includes the tokens' log-probabilities (decoding.scores)
+    hotwords: int = 0  # phrases boosted in every row (decoding.boosting): a boosted batch runs label looping eagerly
     torch: str = field(default_factory=lambda: torch.__version__)
     gpu: str | None = None
 
@@ -90,6 +94,17 @@ def synthetic_speech(duration_s: float, rng: np.random.Generator) -> np.ndarray:
 def synthetic_audio(n: int, seed: int) -> list[np.ndarray]:
     rng = np.random.default_rng(seed + 1)
     return [synthetic_speech(d, rng) for d in synthetic_durations(n, seed)]
+
+
+def synthetic_hotwords(n: int, vocab_size: int, seed: int) -> tuple[tuple[int, ...], ...]:
+    """``n`` distinct phrases of random tokens, 1 to 3 each: what the decoder's boosting costs depends on how many
+    phrases and tokens a row has, not on what they spell."""
+    rng = np.random.default_rng(seed + 2)
+    phrases: dict[tuple[int, ...], None] = {}
+    while len(phrases) < n:
+        length = int(rng.integers(HOTWORD_TOKENS[0], HOTWORD_TOKENS[1] + 1))
+        phrases[tuple(int(t) for t in rng.integers(0, vocab_size, size=length))] = None
+    return tuple(phrases)
 
 
 def audio_files(paths: list[str]) -> list[Path]:
@@ -230,8 +245,10 @@ class PassOutput:
 
 
 def run_batches(model: ASRModel, waveforms: list[np.ndarray], batches: list[list[int]], decoder: str,
-                decoder_algorithm: str, cuda_graphs: str, scores: bool, clock: StageClock | None) -> PassOutput:
-    """One pass: features, encoder, decoder (with ``scores``, the tokens' log-probabilities too) per batch."""
+                decoder_algorithm: str, cuda_graphs: str, scores: bool, hotwords: tuple[tuple[int, ...], ...],
+                clock: StageClock | None) -> PassOutput:
+    """One pass: features, encoder, decoder (with ``scores``, the tokens' log-probabilities too; ``hotwords``
+    boosted in every row, the boosting table built in the decoder stage, as the engine builds it) per batch."""
     out = PassOutput()
     for chunk in batches:
         marks = [clock.mark()] if clock else []
@@ -241,7 +258,8 @@ def run_batches(model: ASRModel, waveforms: list[np.ndarray], batches: list[list
         encoded, lengths = model.run_encoder(features, n_frames)
         marks += [clock.mark()] if clock else []
         batch = EncodedBatch(encoded, lengths, [len(w) / SAMPLE_RATE for w in waves])
-        hyps = model.decode(batch, decoder, decoder_algorithm, cuda_graphs, scores)
+        boost = build_boost_table([hotwords] * len(chunk), HOTWORD_BOOST, model.device)
+        hyps = model.decode(batch, decoder, decoder_algorithm, cuda_graphs, scores, boost)
         if clock:
             clock.marks.append([*marks, clock.mark()])
         out.tokens.update((i, h.tokens) for i, h in zip(chunk, hyps, strict=True))
@@ -261,36 +279,40 @@ class Workload:
     name: str
     model: ASRModel
     waveforms: list[np.ndarray]
-    decoder: str  # the model's default head
+    decoder: str  # the head measured: the model's default, or the one asked for (a hybrid has two)
     blank_bias: float | None  # calibrated shift (built-in architectures), None for checkpoints
 
 
 def prepare(name: str | None, device: str = "auto", dtype: str = "auto", seed: int = 0,
             audio: list[str] | None = None, n_utterances: int = 128,
-            attention_kernel: str = "auto") -> Workload:
+            attention_kernel: str = "auto", decoder: str = "auto") -> Workload:
     model, random_weights = load_bench_model(name, device, dtype, seed, attention_kernel)
+    decoder = model.resolve_decoder(decoder)
     if audio:
         from models.audio_io import read_audio
 
         waveforms = [read_audio(path, model.sample_rate) for path in audio_files(audio)]
     else:
         waveforms = synthetic_audio(n_utterances, seed)
-    decoder = model.default_decoder
     shift = calibrate_blank_bias(model, waveforms[:CALIBRATION_UTTERANCES], decoder) if random_weights else None
     return Workload(str(name), model, waveforms, decoder, shift)
 
 
 def measure(work: Workload, batch_size: int = 16, repeat: int = 1, decoder_algorithm: str = "label_looping",
-            cuda_graphs: str = "auto", scores: bool = True) -> BenchResult:
+            cuda_graphs: str = "auto", scores: bool = True, hotwords: int = 0) -> BenchResult:
     """One untimed warm-up batch, then ``repeat`` timed passes over all inputs. ``scores``: the decoder stage also
-    gives each token its log-probability, as the service's does; without, it is the greedy search alone."""
+    gives each token its log-probability, as the service's does; without, it is the greedy search alone.
+    ``hotwords``: that many random phrases boosted in every row (``synthetic_hotwords``)."""
     if batch_size < 1 or repeat < 1:
         raise ValueError("batch size and repeat must be >= 1")
+    if hotwords < 0:
+        raise ValueError("hotwords must be >= 0")
     model, waveforms = work.model, work.waveforms
     # longest first, as ``transcribe`` does: the first batch sizes the decoder's buffers and graphs
     order = sorted(range(len(waveforms)), key=lambda i: len(waveforms[i]), reverse=True)
     batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
-    settings = (work.decoder, decoder_algorithm, cuda_graphs, scores)
+    phrases = synthetic_hotwords(hotwords, work.model.config.vocab_size, seed=0)
+    settings = (work.decoder, decoder_algorithm, cuda_graphs, scores, phrases)
     run_batches(model, waveforms, batches[:1], *settings, None)
     clock = StageClock(model.device)
     synchronize(model.device)
@@ -299,16 +321,17 @@ def measure(work: Workload, batch_size: int = 16, repeat: int = 1, decoder_algor
         output = run_batches(model, waveforms, batches, *settings, clock)
     synchronize(model.device)
     wall_s = time.perf_counter() - start
-    return _result(work, batch_size, repeat, decoder_algorithm, cuda_graphs, scores, output, wall_s, clock)
+    return _result(work, batch_size, repeat, decoder_algorithm, cuda_graphs, scores, hotwords, output, wall_s,
+                   clock)
 
 
 def _result(work: Workload, batch_size: int, repeat: int, decoder_algorithm: str, cuda_graphs: str, scores: bool,
-            output: PassOutput, wall_s: float, clock: StageClock) -> BenchResult:
+            hotwords: int, output: PassOutput, wall_s: float, clock: StageClock) -> BenchResult:
     stage_s = clock.stage_seconds()
     stage_cpu_s = None if clock.cuda else {k: round(v, 4) for k, v in clock.stage_seconds(cpu_time=True).items()}
     model = work.model
-    mode = "eager"
-    if work.decoder != "ctc" and decoder_algorithm == "label_looping":
+    mode = "eager"  # CTC, frame looping, and a boosted batch (label looping without graphs)
+    if work.decoder != "ctc" and decoder_algorithm == "label_looping" and not hotwords:
         mode = model.label_looper(cuda_graphs).mode or "eager"
     audio_s = sum(len(w) for w in work.waveforms) / SAMPLE_RATE * repeat
     n_tokens = sum(len(t) for t in output.tokens.values())
@@ -322,7 +345,7 @@ def _result(work: Workload, batch_size: int, repeat: int, decoder_algorithm: str
         frames=output.frames, tokens_per_frame=round(n_tokens / max(output.frames, 1), 4),
         tokens_sha1=tokens_sha1(output.tokens),
         blank_bias=None if work.blank_bias is None else round(work.blank_bias, 3),
-        attention_kernel=model.encoder.attention_kernel, scores=scores,
+        attention_kernel=model.encoder.attention_kernel, scores=scores, hotwords=hotwords,
         gpu=torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else None)
 
 
@@ -330,8 +353,9 @@ def run_bench(args: argparse.Namespace) -> BenchResult:
     if args.batch_size < 1 or args.repeat < 1:
         raise ValueError("--batch-size and --repeat must be >= 1")
     work = prepare(args.model, args.device, args.dtype, args.seed, args.audio, args.n_utterances,
-                   args.attention_kernel or "auto")
-    return measure(work, args.batch_size, args.repeat, args.decoder_algorithm, args.cuda_graphs, not args.no_scores)
+                   args.attention_kernel or "auto", args.decoder)
+    return measure(work, args.batch_size, args.repeat, args.decoder_algorithm, args.cuda_graphs, not args.no_scores,
+                   args.hotwords)
 
 
 # --- output ---------------------------------------------------------------------------------------------------
@@ -341,8 +365,9 @@ def format_report(r: BenchResult) -> str:
     cpu = r.stage_cpu_s is not None
     lines = [
         f"model {r.model} ({weights}) on {r.gpu or r.device}, {r.dtype}, batch {r.batch_size}",
-        f"decoder {r.decoder}: {r.decoder_algorithm}{' with token scores' if r.scores else ''}, cuda graphs "
-        f"{r.cuda_graphs} -> mode {r.mode}; {r.attention_kernel} attention",
+        f"decoder {r.decoder}: {r.decoder_algorithm}{' with token scores' if r.scores else ''}"
+        f"{f', {r.hotwords} hotwords boosted' if r.hotwords else ''}, cuda graphs {r.cuda_graphs} -> mode {r.mode}; "
+        f"{r.attention_kernel} attention",
         f"{r.n_utterances} utterances x {r.repeat}: {r.audio_s:.1f} s of audio in {r.wall_s:.3f} s, "
         f"RTFx {r.rtfx:.1f}",
         f"{'stage':<10}{'seconds':>10}{'share':>9}{'RTFx':>11}" + (f"{'CPU s':>10}" if cpu else ""),

@@ -25,7 +25,7 @@ CHANNEL_NAMES_HELP = "with --multichannel: the speakers, one a channel in order 
 SKIP_SILENCE_HELP = ("leave out quiet stretches of 2 s or more (near the recording's noise floor): they cost nothing "
                      "and give no words")
 HOTWORDS_HELP = ("comma-separated words or phrases to make likelier, as the model writes them (product names, "
-                 "people; transducer decoders)")
+                 "people)")
 
 
 def _phrases(text: str) -> list[str]:
@@ -54,6 +54,11 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                              "BATCHASR_ATTENTION_KERNEL for serve and worker)")
 
 
+def _add_head_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--decoder", default="auto", choices=("auto", "ctc", "rnnt", "tdt"),
+                        help="which head decodes (hybrids have two; default: the transducer)")
+
+
 def _add_decoding_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decoder-algorithm", default="label_looping", choices=("label_looping", "frame_looping"),
                         help="transducer greedy search (default: label_looping; frame_looping is the reference)")
@@ -65,8 +70,7 @@ def _transcribe_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("transcribe", help="transcribe audio files offline")
     _add_model_options(p)
     p.add_argument("--batch-size", type=int, default=16, help="utterances per batch (default: 16)")
-    p.add_argument("--decoder", default="auto", choices=("auto", "ctc", "rnnt", "tdt"),
-                   help="which head decodes (hybrids have two; default: the transducer)")
+    _add_head_option(p)
     _add_decoding_options(p)
     p.add_argument("--format", default="text", choices=FORMATS, help="output format (default: text)")
     p.add_argument("--multichannel", action="store_true", help=MULTICHANNEL_HELP)
@@ -232,6 +236,9 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=16, help="utterances per batch (default: 16)")
     p.add_argument("--repeat", type=int, default=1, help="timed passes over the audio (default: 1)")
     _add_decoding_options(p)
+    _add_head_option(p)
+    p.add_argument("--hotwords", type=int, default=0, metavar="N",
+                   help="boost N random phrases (1-3 tokens) in every row, as a request's hotwords (default: 0)")
     p.add_argument("--n-utterances", type=int, default=128,
                    help="synthetic utterances when no --audio is given (default: 128, about 16 min)")
     p.add_argument("--seed", type=int, default=0, help="synthetic audio and random weights (default: 0)")

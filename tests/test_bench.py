@@ -24,6 +24,7 @@ from service.bench import (
     tokens_sha1,
 )
 from service.cli import main as cli_main
+from tests.conftest import REPO, load_script
 
 REQUIRED = {"rtfx", "audio_s", "wall_s", "stage_s", "mode", "batch_size", "device", "dtype", "tokens_sha1"}
 
@@ -49,6 +50,38 @@ def test_bench_json_and_equal_hashes_for_both_algorithms(parity_dir, capsys):
     reference = _bench(capsys, *common, "--attention-kernel", "reference")
     assert (label["attention_kernel"], reference["attention_kernel"]) == ("sdpa", "reference")  # auto on CPU: sdpa
     assert reference["tokens_sha1"] == label["tokens_sha1"]
+
+
+def test_bench_boosts_hotwords_alike_in_both_algorithms_and_on_the_ctc_head(parity_dir, capsys):
+    common = ("--model", str(parity_dir / "tdt_ctc_hybrid.nemo"), "--n-utterances", "4", "--batch-size", "2")
+    plain = _bench(capsys, *common)
+    label = _bench(capsys, *common, "--hotwords", "20")
+    frame = _bench(capsys, *common, "--hotwords", "20", "--decoder-algorithm", "frame_looping")
+    assert (plain["hotwords"], label["hotwords"], label["mode"]) == (0, 20, "eager")
+    assert label["tokens_sha1"] == frame["tokens_sha1"] != plain["tokens_sha1"]  # boosted, and alike
+    ctc, ctc_boosted = _bench(capsys, *common, "--decoder", "ctc"), _bench(capsys, *common, "--decoder", "ctc",
+                                                                           "--hotwords", "20")
+    assert ctc["decoder"] == ctc_boosted["decoder"] == "ctc" and ctc["tokens_sha1"] != ctc_boosted["tokens_sha1"]
+    assert cli_main(["bench", "--device", "cpu", *common, "--hotwords", "-1"]) == 2
+    assert "hotwords must be >= 0" in capsys.readouterr().err
+
+
+def test_the_gpu_bench_table_measures_every_setting_and_goes_past_one_that_fails(parity_dir, tmp_path, monkeypatch):
+    """scripts/bench_table.py runs only where a GPU is lent: here, on CPU, the graph modes fail (they need CUDA)
+    and every other setting still gives its row, hotwords included, for a transducer and a CTC model."""
+    table = load_script(REPO / "scripts" / "bench_table.py")
+    monkeypatch.setattr("sys.argv", ["bench_table.py", "--out", str(tmp_path), "--device", "cpu", "--dtype", "float32",
+                                     "--models", str(parity_dir / "tdt.nemo"), str(parity_dir / "ctc.nemo"),
+                                     "--batch-sizes", "2", "--n-utterances", "3"])
+    assert table.main() == 0
+    lines = [json.loads(line) for line in (tmp_path / "bench.jsonl").read_text().splitlines()]
+    failed = [(r["cuda_graphs"], r["hotwords"]) for r in lines if "error" in r]
+    assert failed == [(s[1], s[4]) for s in table.TRANSDUCER_SETTINGS if s[1] in ("no_while", "conditional")]
+    measured = [r for r in lines if "error" not in r]
+    assert [(r["decoder"], r["hotwords"]) for r in measured] == [("tdt", 0), ("tdt", 0), ("ctc", 0), ("ctc", 20)]
+    assert measured[0]["tokens_sha1"] == measured[1]["tokens_sha1"]  # frame looping and label looping
+    rows = (tmp_path / "bench_table.md").read_text().splitlines()
+    assert len(rows) == 2 + len(measured) and all(row.count("|") == rows[0].count("|") for row in rows)
 
 
 def test_bench_reads_audio_files_and_prints_a_table(parity_dir, parity_audio, capsys):
