@@ -1,9 +1,10 @@
 """Hotwords: phrases a request expects (product names, people, jargon) made likelier during greedy search.
 
-Each row of a batch may bring its own phrases, as token sequences. They are kept as prefix trees in one table:
-a node's children are the tokens that continue a phrase from it. While a row's last labels spell a phrase's
-beginning, the tokens that continue it get ``weight`` added to their logits, so greedy search takes them where the
-audio leaves it in doubt, and leaves them where it does not. A phrase's first token gets only
+Each row of a batch may bring its own phrases (``decoding.types.Hotword``: token sequences, each with its own
+bonus or the default). They are kept as prefix trees in one table: a node's children are the tokens that continue
+a phrase from it. While a row's last labels spell a phrase's beginning, the tokens that continue it get the
+phrase's bonus added to their logits (the largest, where phrases share the step), so greedy search takes them
+where the audio leaves it in doubt, and leaves them where it does not. A phrase's first token gets only
 ``PHRASE_START_SHARE`` of it: greedy search cannot take a token back, and a phrase begun where it was not said
 pulls the next tokens after it (half the bonus there kept WER as without hotwords, the whole raised it:
 docs/benchmarks.md). Emitting a token moves the row down the tree; a token that continues nothing starts over
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .types import Hotwords
+
 NULL_NODE = 0  # no phrases: no children, and every token leads back to it
 PHRASE_START_SHARE = 0.5  # of the bonus, for the token that begins a phrase
 
@@ -32,12 +35,12 @@ class BoostTable:
     child_node: Tensor  # (N, K) long: where each leads
     root_of: Tensor  # (N,) long: the root of the node's tree (a row starts over there)
     roots: Tensor  # (B,) long: each row's root (NULL_NODE for rows without phrases)
-    child_bonus: Tensor  # (N,) float: what each node's children get (less at a root: PHRASE_START_SHARE)
+    child_bonus: Tensor  # (N, K) float: what each child gets (0 where none; a share of it from a root)
 
     def bonus(self, node: Tensor, n_classes: int) -> Tensor:
         """(B,) current nodes -> (B, n_classes) logit bonus on each token that continues a phrase."""
         tokens = self.child_token.index_select(0, node)  # (B, K)
-        values = (tokens >= 0).float() * self.child_bonus.index_select(0, node).unsqueeze(1)
+        values = self.child_bonus.index_select(0, node)
         return torch.zeros(len(node), n_classes, device=node.device).scatter_add_(1, tokens.clamp(min=0), values)
 
     def advance(self, node: Tensor, label: Tensor) -> Tensor:
@@ -55,41 +58,45 @@ class BoostTable:
         return match.any(1), child
 
 
-def build_boost_table(phrases_by_row: list[tuple[tuple[int, ...], ...]], weight: float, device: torch.device
-                      ) -> BoostTable | None:
-    """The table for a batch: ``phrases_by_row[b]`` is row b's phrases as token ids (empty: none), ``weight`` the
-    bonus of a token that continues one. Rows with the same phrases share one tree. None when no row has any
-    (decode as without)."""
-    if not any(phrases_by_row):
+def build_boost_table(hotwords_by_row: list[Hotwords], weight: float, device: torch.device) -> BoostTable | None:
+    """The table for a batch: ``hotwords_by_row[b]`` is row b's hotwords (empty: none), ``weight`` the bonus of a
+    token that continues one that brings none of its own. Rows with the same hotwords share one tree. None when no
+    row has any (decode as without)."""
+    if not any(hotwords_by_row):
         return None
     children: list[dict[int, int]] = [{}]  # node -> {token: child}; node 0 is NULL_NODE
+    bonuses: list[dict[int, float]] = [{}]  # node -> {token: the bonus of taking it from there}
     root_of = [NULL_NODE]
-    trees: dict[tuple[tuple[int, ...], ...], int] = {}
+    trees: dict[Hotwords, int] = {}
     roots = []
-    for phrases in phrases_by_row:
-        if not phrases:
+    for hotwords in hotwords_by_row:
+        if not hotwords:
             roots.append(NULL_NODE)
             continue
-        if phrases not in trees:
-            root = trees[phrases] = len(children)
+        if hotwords not in trees:
+            root = trees[hotwords] = len(children)
             children.append({})
+            bonuses.append({})
             root_of.append(root)
-            for phrase in phrases:
+            for phrase in hotwords:
+                bonus = weight if phrase.boost is None else phrase.boost
                 node = root
-                for token in phrase:
+                for token in phrase.tokens:
                     if token not in children[node]:
                         children[node][token] = len(children)
                         children.append({})
+                        bonuses.append({})
                         root_of.append(root)
+                    step = bonus * PHRASE_START_SHARE if node == root else bonus
+                    bonuses[node][token] = max(bonuses[node].get(token, 0.0), step)
                     node = children[node][token]
-        roots.append(trees[phrases])
+        roots.append(trees[hotwords])
     width = max(1, max(len(c) for c in children))
     child_token = torch.full((len(children), width), -1, dtype=torch.long)
     child_node = torch.zeros((len(children), width), dtype=torch.long)
+    child_bonus = torch.zeros((len(children), width))
     for node, kids in enumerate(children):
         for k, (token, child) in enumerate(kids.items()):
-            child_token[node, k], child_node[node, k] = token, child
-    is_root = torch.tensor(root_of) == torch.arange(len(children))
-    child_bonus = torch.where(is_root, weight * PHRASE_START_SHARE, weight)
+            child_token[node, k], child_node[node, k], child_bonus[node, k] = token, child, bonuses[node][token]
     return BoostTable(child_token.to(device), child_node.to(device), torch.tensor(root_of, device=device),
                       torch.tensor(roots, device=device), child_bonus.to(device))

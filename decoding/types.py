@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 HOTWORD_BOOST = 2.0  # the logit bonus of a token that continues a hotword (decoding.boosting; docs/benchmarks.md)
+MAX_HOTWORD_BOOST = 10.0  # a hotword's own bonus, at most: beyond it, the hotword is all the search would hear
 
 if TYPE_CHECKING:  # the types alone need no torch: the service's front ends import them
     from torch import Tensor
+
+
+class Hotword(NamedTuple):
+    """A word or phrase to make likelier (decoding.boosting): the model's tokens, and its own logit bonus (None:
+    the decoder's default). Hashable and picklable: requests share trees by it, front ends send it."""
+
+    tokens: tuple[int, ...]
+    boost: float | None = None
+
+
+Hotwords = tuple[Hotword, ...]  # a request's, each once
 
 
 @dataclass

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from decoding.boosting import build_boost_table
-from decoding.types import HOTWORD_BOOST
+from decoding.types import HOTWORD_BOOST, Hotwords
 
 from .audio_io import AudioError
 from .conversation import Conversation, assemble, duplicate_channels
@@ -47,7 +47,7 @@ class OfflineOptions:
     readers: int = READERS
     multichannel: bool = False  # each channel transcribed apart: a Conversation per input
     skip_silence: bool = False  # long quiet stretches left out (models.silence)
-    hotwords: tuple[tuple[int, ...], ...] = ()  # phrases made likelier, as tokens (decoding.boosting)
+    hotwords: Hotwords = ()  # phrases made likelier, as tokens (decoding.boosting)
     hotword_boost: float = HOTWORD_BOOST
 
 

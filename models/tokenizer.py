@@ -9,19 +9,34 @@ from dataclasses import dataclass
 
 import sentencepiece as spm
 
+from decoding.types import MAX_HOTWORD_BOOST, Hotword, Hotwords
+
 from .errors import CheckpointError
 
 WORD_BOUNDARY = "▁"  # SentencePiece's marker at the start of a word
 MAX_HOTWORDS = 100  # phrases a request may boost (decoding.boosting)
 MAX_HOTWORD_CHARS = 64
 _SPECIAL_PIECE = re.compile(r"^\[.*\]$|^<.*>$|^##|^▁|^\s*$")
+_OWN_BOOST = re.compile(r"^(?P<phrase>.*?)\s*:\s*(?P<boost>[-+]?(?:\d+\.?\d*|\.\d+))\s*$")  # "acme:3", "widget pro:1.5"
+
+
+def split_boost(hotword: str) -> tuple[str, float | None]:
+    """A hotword as given -> (its text, its own bonus or None). ``acme:3`` boosts "acme" by 3 (Deepgram's and
+    Riva's way of writing it); a bonus is more than 0 and at most ``MAX_HOTWORD_BOOST``, else ValueError."""
+    found = _OWN_BOOST.match(hotword)
+    if found is None:
+        return hotword, None
+    boost = float(found["boost"])
+    if not 0 < boost <= MAX_HOTWORD_BOOST:
+        raise ValueError(f"a hotword's own boost is more than 0 and at most {MAX_HOTWORD_BOOST:g}, not {hotword!r}")
+    return found["phrase"], boost
 
 
 class HotwordsUnavailable(ValueError):
     """Hotwords cannot be boosted: the model has no vocabulary to spell them with."""
 
 
-def hotword_tokens(phrases: Sequence[str], tokenizer: Tokenizer | None) -> tuple[tuple[int, ...], ...]:
+def hotword_tokens(phrases: Sequence[str], tokenizer: Tokenizer | None) -> Hotwords:
     """Hotwords as the tokens the decoders boost (decoding.boosting); HotwordsUnavailable where it cannot, ValueError
     for bad ones (``Tokenizer.hotwords``). Shared by the Python API, the routes and the job worker."""
     if not phrases:
@@ -105,18 +120,20 @@ class Tokenizer:
         """``text`` as the model's tokens (SentencePiece's segmentation, as the model was trained on)."""
         return list(self._sp.encode(text))
 
-    def hotwords(self, phrases: Sequence[str]) -> tuple[tuple[int, ...], ...]:
-        """Hotwords (words or phrases, written as the model writes them) as tokens, each once; ValueError for
-        too many, or an empty or over-long one."""
+    def hotwords(self, phrases: Sequence[str]) -> Hotwords:
+        """Hotwords (words or phrases, written as the model writes them, each with its own bonus as ``acme:3`` or
+        the default) as tokens, each once (the last bonus given for it); ValueError for too many, an empty or
+        over-long one, or a bonus out of range (``split_boost``)."""
         if len(phrases) > MAX_HOTWORDS:
             raise ValueError(f"at most {MAX_HOTWORDS} hotwords, not {len(phrases)}")
-        out = []
-        for phrase in phrases:
+        boosts: dict[tuple[int, ...], float | None] = {}
+        for given in phrases:
+            phrase, boost = split_boost(given)
             tokens = self.encode(phrase.strip()) if phrase.strip() else []
             if not tokens or len(phrase) > MAX_HOTWORD_CHARS:
-                raise ValueError(f"a hotword is 1 to {MAX_HOTWORD_CHARS} characters, not {phrase!r}")
-            out.append(tuple(tokens))
-        return tuple(dict.fromkeys(out))
+                raise ValueError(f"a hotword is 1 to {MAX_HOTWORD_CHARS} characters, not {given!r}")
+            boosts[tuple(tokens)] = boost
+        return tuple(Hotword(tokens, boost) for tokens, boost in boosts.items())
 
     def token_texts(self, ids: list[int], starts_text: bool = True) -> list[str]:
         """Each token as text, its word boundary as a leading space (none before the first, when ``ids`` start

@@ -26,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.datastructures import FormData
 from starlette.datastructures import UploadFile as StarletteUpload
 
+from decoding.types import Hotwords
 from models.transcript import Transcript, Word, mean_logprob
 
 from .audio import AudioRequestError, check_media_type, decode_audio
@@ -132,7 +133,7 @@ async def _decoded_body(request: Request, service: ServiceState, multichannel: b
 
 
 async def _transcribe(request: Request, service: ServiceState, waveform: np.ndarray, skip_silence: bool = False,
-                      hotwords: tuple[tuple[int, ...], ...] = ()) -> RequestResult:
+                      hotwords: Hotwords = ()) -> RequestResult:
     """Queue, and await the result; drop the work if the client goes away."""
     assert service.stack is not None
     transcriber = service.stack.transcriber
@@ -140,7 +141,7 @@ async def _transcribe(request: Request, service: ServiceState, waveform: np.ndar
                                                                      hotwords))
 
 
-def _hotwords(service: ServiceState, values: list[str]) -> tuple[tuple[int, ...], ...]:
+def _hotwords(service: ServiceState, values: list[str]) -> Hotwords:
     """A request's hotwords (comma-separated, or the field repeated) as tokens; 400 where they cannot be had."""
     return request_hotwords(service, split_hotwords(values))
 
@@ -176,7 +177,7 @@ def _engine_error(exc: QueueFull | TimeoutError | EngineUnavailable) -> ApiError
 
 
 async def _stream_transcription(request: Request, service: ServiceState, waveform: np.ndarray, skip_silence: bool,
-                                logprobs: bool = False, hotwords: tuple[tuple[int, ...], ...] = ()
+                                logprobs: bool = False, hotwords: Hotwords = ()
                                 ) -> StreamingResponse:
     """OpenAI's transcription stream (server-sent events): ``transcript.text.delta`` as the leading pieces of the
     audio finish, then ``transcript.text.done`` with the whole text (and, with ``logprobs``, every token's).
@@ -402,7 +403,7 @@ async def native_transcribe(request: Request, service: ServiceDep,
     `multichannel=true` (query or form field) each channel is transcribed apart (a call's agent and customer) and
     the answer is the conversation: utterances in time order, each naming its channel (or its speaker, from
     `channel_names=agent,customer`). `skip_silence=true` leaves long quiet stretches out (no words can come from
-    them; they cost nothing). `hotwords=acme,widget pro` (query or form field) makes those words and phrases
+    them; they cost nothing). `hotwords=acme,widget pro:3` (query or form field) makes those words and phrases
     likelier where the audio leaves room for them."""
     content_type = request.headers.get("content-type", "")
     form = await request.form() if content_type.startswith("multipart/form-data") else None

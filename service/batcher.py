@@ -19,7 +19,7 @@ from enum import IntEnum
 
 import numpy as np
 
-from decoding.types import Hypothesis
+from decoding.types import Hotwords, Hypothesis
 
 # Batches are chosen among this many times max_batch_size waiting items. With lengths spread as speech's, a pool
 # of 4 batches left a quarter of each batch's samples padding, 16 leaves 7% (docs/benchmarks.md).
@@ -60,7 +60,7 @@ class WorkItem:
     waveform: np.ndarray  # mono float32 at the model's rate
     priority: Priority = Priority.INTERACTIVE
     timeout_s: float = 600.0
-    hotwords: tuple[tuple[int, ...], ...] = ()  # phrases its request boosts, as tokens (decoding.boosting)
+    hotwords: Hotwords = ()  # phrases its request boosts, as tokens (decoding.boosting)
     future: Future = field(default_factory=Future)  # resolves to the engine's result for this item
     enqueued_at: float = field(default_factory=time.monotonic)
     n_samples: int = field(init=False)  # an attribute, not a property: batch forming reads it thousands of times

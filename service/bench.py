@@ -26,7 +26,7 @@ import sentencepiece as spm
 import torch
 
 from decoding.boosting import build_boost_table
-from decoding.types import HOTWORD_BOOST
+from decoding.types import HOTWORD_BOOST, Hotword, Hotwords
 from models.asr_model import ASRModel, EncodedBatch
 from models.audio_io import find_audio_files
 
@@ -96,15 +96,15 @@ def synthetic_audio(n: int, seed: int) -> list[np.ndarray]:
     return [synthetic_speech(d, rng) for d in synthetic_durations(n, seed)]
 
 
-def synthetic_hotwords(n: int, vocab_size: int, seed: int) -> tuple[tuple[int, ...], ...]:
-    """``n`` distinct phrases of random tokens, 1 to 3 each: what the decoder's boosting costs depends on how many
-    phrases and tokens a row has, not on what they spell."""
+def synthetic_hotwords(n: int, vocab_size: int, seed: int) -> Hotwords:
+    """``n`` distinct phrases of random tokens, 1 to 3 each, with the default bonus: what the decoder's boosting
+    costs depends on how many phrases and tokens a row has, not on what they spell."""
     rng = np.random.default_rng(seed + 2)
     phrases: dict[tuple[int, ...], None] = {}
     while len(phrases) < n:
         length = int(rng.integers(HOTWORD_TOKENS[0], HOTWORD_TOKENS[1] + 1))
         phrases[tuple(int(t) for t in rng.integers(0, vocab_size, size=length))] = None
-    return tuple(phrases)
+    return tuple(Hotword(tokens) for tokens in phrases)
 
 
 def audio_files(paths: list[str]) -> list[Path]:
@@ -245,7 +245,7 @@ class PassOutput:
 
 
 def run_batches(model: ASRModel, waveforms: list[np.ndarray], batches: list[list[int]], decoder: str,
-                decoder_algorithm: str, cuda_graphs: str, scores: bool, hotwords: tuple[tuple[int, ...], ...],
+                decoder_algorithm: str, cuda_graphs: str, scores: bool, hotwords: Hotwords,
                 clock: StageClock | None) -> PassOutput:
     """One pass: features, encoder, decoder (with ``scores``, the tokens' log-probabilities too; ``hotwords``
     boosted in every row, the boosting table built in the decoder stage, as the engine builds it) per batch."""

@@ -25,7 +25,7 @@ CHANNEL_NAMES_HELP = "with --multichannel: the speakers, one a channel in order 
 SKIP_SILENCE_HELP = ("leave out quiet stretches of 2 s or more (near the recording's noise floor): they cost nothing "
                      "and give no words")
 HOTWORDS_HELP = ("comma-separated words or phrases to make likelier, as the model writes them (product names, "
-                 "people)")
+                 "people); 'acme:3' gives one its own bonus (others: 2.0, or a server's BATCHASR_HOTWORD_BOOST)")
 
 
 def _phrases(text: str) -> list[str]:

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from decoding.boosting import build_boost_table
-from decoding.types import HOTWORD_BOOST, Hypothesis
+from decoding.types import HOTWORD_BOOST, Hotwords, Hypothesis
 from models.asr_model import ASRModel, EncodedBatch
 
 from .batcher import Batcher, ItemResult
@@ -125,7 +125,7 @@ class Engine:
                              [()] * len(waveforms))
 
     def _compute(self, features: Callable[[], tuple[Tensor, Tensor]], n_samples: list[int],
-                 hotwords: list[tuple[tuple[int, ...], ...]]) -> tuple[list[Hypothesis], dict[str, float]]:
+                 hotwords: list[Hotwords]) -> tuple[list[Hypothesis], dict[str, float]]:
         """``hotwords``: each row's (decoding.boosting); a batch with any decodes them, eagerly."""
         clock = StageClock(self.model.device)
         marks = [clock.mark()]

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 from starlette.datastructures import UploadFile as StarletteUpload
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from decoding.types import Hotwords
 from models.conversation import parse_names
 from models.tokenizer import HotwordsUnavailable, hotword_tokens
 
@@ -49,7 +50,7 @@ class MetricsSink(Protocol):
     async def scrape(self) -> bytes: ...
 
 
-def request_hotwords(service: ServiceState, phrases: list[str]) -> tuple[tuple[int, ...], ...]:
+def request_hotwords(service: ServiceState, phrases: list[str]) -> Hotwords:
     """A request's or a job's hotwords as the model's tokens: 400 where this server cannot boost them (no
     vocabulary) or they are refused (too many, too long)."""
     assert service.stack is not None

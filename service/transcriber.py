@@ -12,7 +12,7 @@ from typing import Protocol
 
 import numpy as np
 
-from decoding.types import Hypothesis
+from decoding.types import Hotwords, Hypothesis
 from models.config import ModelConfig
 from models.conversation import Conversation, assemble, duplicate_channels
 from models.crosstalk import heard_elsewhere
@@ -95,7 +95,7 @@ class Transcriber:
                            skip_silence, elsewhere)
 
     def submit(self, waveform: np.ndarray, priority: Priority = Priority.INTERACTIVE, skip_silence: bool = False,
-               elsewhere: Elsewhere | None = None, hotwords: tuple[tuple[int, ...], ...] = ()) -> QueuedRequest:
+               elsewhere: Elsewhere | None = None, hotwords: Hotwords = ()) -> QueuedRequest:
         """Cut ``waveform`` and queue its pieces (raises ``QueueFull``), each boosting ``hotwords`` (as tokens).
         The caller must ``cancel`` the request when it is done with it: that drops pieces still queued."""
         segments = self.plan(waveform, skip_silence, elsewhere)
@@ -105,7 +105,7 @@ class Transcriber:
         return QueuedRequest(self, len(waveform), segments, items, asyncio.get_running_loop().time() + self.timeout_s)
 
     async def transcribe(self, waveform: np.ndarray, priority: Priority = Priority.INTERACTIVE,
-                         skip_silence: bool = False, hotwords: tuple[tuple[int, ...], ...] = ()) -> RequestResult:
+                         skip_silence: bool = False, hotwords: Hotwords = ()) -> RequestResult:
         """Queue (raises ``QueueFull``), await every piece, stitch. Cancelling this cancels queued pieces."""
         request = self.submit(waveform, priority, skip_silence, hotwords=hotwords)
         try:
@@ -114,7 +114,7 @@ class Transcriber:
             request.cancel()
 
     async def transcribe_channels(self, channels: np.ndarray, priority: Priority = Priority.INTERACTIVE,
-                                  skip_silence: bool = False, hotwords: tuple[tuple[int, ...], ...] = ()
+                                  skip_silence: bool = False, hotwords: Hotwords = ()
                                   ) -> ConversationResult:
         """Each row of ``channels`` (channels, samples) transcribed apart, their pieces queued together so they
         share batches; all are queued or none (``QueueFull``), and cancelling this cancels them all. Words a

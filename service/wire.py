@@ -18,6 +18,7 @@ from typing import cast
 
 import numpy as np
 
+from decoding.types import Hotwords
 from models.config import ModelConfig
 
 from .batcher import BatcherClosed, ItemResult, QueueFull
@@ -100,7 +101,7 @@ class Submit:
     lengths: tuple[int, ...]  # samples per piece
     priority: int
     timeout_s: float
-    hotwords: tuple[tuple[int, ...], ...] = ()  # the request's, as tokens
+    hotwords: Hotwords = ()  # the request's, as tokens
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,9 @@ from decoding.boosting import NULL_NODE, PHRASE_START_SHARE, build_boost_table
 from decoding.ctc import ctc_greedy
 from decoding.frame_looping import frame_looping_greedy
 from decoding.label_looping import label_looping_greedy
+from decoding.types import Hotword
 from models import load_model
-from models.tokenizer import MAX_HOTWORDS
+from models.tokenizer import MAX_HOTWORDS, split_boost
 from service.cli import main
 from service.config import Settings
 from tests.servers import run_server, wait_job
@@ -45,8 +46,7 @@ def test_label_looping_boosts_as_frame_looping_does(case, data):
     model = tiny_transducer(case["seed"], case["vocab"], case["durations"], case["max_symbols"],
                             case["blank_bias"], case["pred_layers"])
     encoded, lengths = random_batch(case["seed"], case["lengths"], case["n_frames"])
-    phrase = st.lists(st.integers(0, case["vocab"] - 1), min_size=1, max_size=3).map(tuple)
-    phrases = [data.draw(st.lists(phrase, max_size=3).map(tuple)) for _ in lengths]  # a row's: none to three
+    phrases = [data.draw(_hotwords(case["vocab"])) for _ in lengths]  # a row's: none to three
     boost = build_boost_table(phrases, data.draw(st.floats(0.5, 8.0)), CPU)
     args = (encoded, lengths, model.prediction, model.joint, model.durations, model.max_symbols)
     with torch.inference_mode():
@@ -58,28 +58,40 @@ def test_label_looping_boosts_as_frame_looping_does(case, data):
             assert boosted[row] == plain[row]
 
 
-def _ctc_boosted_by_definition(log_probs: torch.Tensor, length: int, blank: int, phrases, weight: float) -> list[int]:
+def _hotwords(vocab: int) -> st.SearchStrategy[tuple[Hotword, ...]]:
+    """A row's hotwords: none to three phrases of 1-3 tokens, each with the default bonus or its own."""
+    tokens = st.lists(st.integers(0, vocab - 1), min_size=1, max_size=3).map(tuple)
+    hotword = st.builds(Hotword, tokens, st.none() | st.floats(0.5, 8.0))
+    return st.lists(hotword, max_size=3, unique_by=lambda h: h.tokens).map(tuple)
+
+
+def _ctc_boosted_by_definition(log_probs: torch.Tensor, length: int, blank: int, hotwords, weight: float
+                               ) -> list[int]:
     """One row's frame labels as the definition reads (decoding.ctc.ctc_boosted_labels), with the phrases' tree
-    as dictionaries: each frame takes the argmax with the bonus of the tokens that continue a phrase from where
-    the row's emissions leave it (a share of it for a phrase's first token), the previous frame's label
-    excepted; only an emission moves the row."""
+    as dictionaries (token -> (child, bonus)): each frame takes the argmax with the bonus of the tokens that
+    continue a phrase from where the row's emissions leave it (the phrase's own or ``weight``, a share of it for
+    its first token, the largest where phrases share a step), the previous frame's label excepted; only an
+    emission moves the row."""
     root: dict = {}
-    for phrase in phrases:
+    for hotword in hotwords:
+        bonus = weight if hotword.boost is None else hotword.boost
         node = root
-        for token in phrase:
-            node = node.setdefault(token, {})
+        for token in hotword.tokens:
+            child, best = node.get(token, ({}, 0.0))
+            node[token] = (child, max(best, bonus * (PHRASE_START_SHARE if node is root else 1.0)))
+            node = child
     node, previous, labels = root, blank, []
     for t in range(log_probs.shape[0]):
         if t >= length:
             labels.append(blank)
             continue
         bonus = torch.zeros(log_probs.shape[1])
-        for token in node:
+        for token, (_, step) in node.items():
             if token != previous:
-                bonus[token] = weight * (PHRASE_START_SHARE if node is root else 1.0)
+                bonus[token] = step
         label = int((log_probs[t] + bonus).argmax())
         if label not in (blank, previous):
-            node = node[label] if label in node else root.get(label, root)
+            node = node[label][0] if label in node else root[label][0] if label in root else root
         labels.append(previous := label)
     return labels
 
@@ -89,8 +101,7 @@ def _ctc_boosted_by_definition(log_probs: torch.Tensor, length: int, blank: int,
 def test_ctc_boosts_as_its_definition_says(data):
     n_frames, vocab = data.draw(st.integers(0, 14)), data.draw(st.integers(2, 6))
     lengths = data.draw(st.lists(st.integers(0, n_frames), min_size=1, max_size=6))
-    phrase = st.lists(st.integers(0, vocab - 1), min_size=1, max_size=3).map(tuple)
-    phrases = [data.draw(st.lists(phrase, max_size=3).map(tuple)) for _ in lengths]
+    phrases = [data.draw(_hotwords(vocab)) for _ in lengths]
     weight = data.draw(st.floats(0.0, 8.0))
     generator = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
     blank_bias = data.draw(st.floats(-3.0, 3.0))  # from mostly tokens to mostly blank
@@ -110,7 +121,8 @@ def test_ctc_boosts_as_its_definition_says(data):
 
 def test_the_table_shares_trees_starts_over_and_leaves_rows_without_phrases_alone():
     assert build_boost_table([(), ()], 3.0, CPU) is None
-    table = build_boost_table([((5, 6, 7), (5, 8)), (), ((5, 6, 7), (5, 8)), ((9,),)], 2.0, CPU)
+    phrases = (Hotword((5, 6, 7)), Hotword((5, 8)))
+    table = build_boost_table([phrases, (), phrases, (Hotword((9,)),)], 2.0, CPU)
     assert table.roots[1] == NULL_NODE and table.roots[0] == table.roots[2] != table.roots[3]  # one tree each
     bonus = table.bonus(table.roots, 10)
     assert bonus[0].nonzero().flatten().tolist() == [5] and bonus[0, 5] == 1.0  # half, for a phrase's start
@@ -124,6 +136,21 @@ def test_the_table_shares_trees_starts_over_and_leaves_rows_without_phrases_alon
     after_7 = table.advance(table.advance(after_5, torch.tensor([6])), torch.tensor([7]))
     assert table.bonus(after_7, 10).abs().sum() == 0  # a whole phrase: nothing more to boost there
     assert table.advance(table.roots[1:2], torch.tensor([5])) == NULL_NODE
+    # a phrase's own bonus, and the largest where two phrases share a step
+    table = build_boost_table([(Hotword((5, 6, 7)), Hotword((5, 8), 6.0), Hotword((4,), 0.5))], 2.0, CPU)
+    assert table.bonus(table.roots, 10)[0].tolist() == [0, 0, 0, 0, 0.25, 3.0, 0, 0, 0, 0]
+    after_5 = table.advance(table.roots, torch.tensor([5]))
+    assert table.bonus(after_5, 10)[0, 6] == 2.0 and table.bonus(after_5, 10)[0, 8] == 6.0
+
+
+def test_a_hotword_may_bring_its_own_bonus(model):
+    assert split_boost("widget pro:1.5") == ("widget pro", 1.5) and split_boost(" acme : 3 ") == (" acme", 3.0)
+    assert split_boost("acme") == ("acme", None) and split_boost("a:b") == ("a:b", None)  # no number: no bonus
+    assert split_boost("acme:10") == ("acme", 10.0) and split_boost("acme:.5") == ("acme", 0.5)
+    acme = model.tokenizer.hotwords(["acme"])[0].tokens
+    # given twice, a phrase is boosted once, by the last bonus given for it
+    assert model.tokenizer.hotwords(["acme", "kappa", "acme:3"]) == (
+        Hotword(acme, 3.0), Hotword(model.tokenizer.hotwords(["kappa"])[0].tokens))
 
 
 @pytest.fixture(scope="module")
@@ -161,6 +188,13 @@ def test_a_boosted_phrase_is_heard_and_words_not_said_stay_out(model, spoken):
     assert model.transcribe([_espeak(said)], hotwords=["buy back"], hotword_boost=5.0,
                             decoder="ctc")[0].text == said
     assert model.transcribe([_espeak(said)], hotwords=DECOYS, decoder="ctc")[0].tokens == said_ctc.tokens
+    # a hotword's own bonus, written "phrase:bonus": the same phrase, the others at the default
+    assert model.transcribe([_espeak(said)], hotwords=["buy back"])[0].text != said  # the default is too little
+    for decoder in ("tdt", "ctc"):
+        assert model.transcribe([_espeak(said)], hotwords=["buy back:5", *DECOYS], decoder=decoder)[0].text == said
+    for bad in ("buy back:0", "buy back:10.5", "buy back:-1"):
+        with pytest.raises(ValueError, match="own boost is more than 0 and at most 10"):
+            model.transcribe([spoken], hotwords=[bad])
     with pytest.raises(ValueError, match="1 to 64 characters"):
         model.transcribe([spoken], hotwords=[" "])
     with pytest.raises(ValueError, match=f"at most {MAX_HOTWORDS}"):
@@ -193,10 +227,14 @@ def test_each_request_over_http_boosts_its_own_hotwords(model, spoken):
     assert plain.json()["text"] == model.transcribe([spoken])[0].text != SAID
     assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "hotwords"
     said = "exchange or buy back for money"  # the CTC head hears "byy back"
-    with run_server(Settings(decoder="ctc", hotword_boost=5.0), model) as running:
-        boosted_ctc = httpx.post(f"{running.url}/v1/transcribe", params={"hotwords": "buy back,kappa"},
+    with run_server(Settings(decoder="ctc"), model) as running:
+        boosted_ctc = httpx.post(f"{running.url}/v1/transcribe", params={"hotwords": "buy back:5,kappa"},
                                  content=_flac(_espeak(said)), headers={"content-type": "audio/flac"}, timeout=60)
+        out_of_range = httpx.post(f"{running.url}/v1/audio/transcriptions", data={"hotwords": "buy back:11"},
+                                  files={"file": ("a.flac", data, "audio/flac")}, timeout=60)
     assert boosted_ctc.json()["text"] == said
+    assert out_of_range.status_code == 400 and out_of_range.json()["error"]["param"] == "hotwords"
+    assert "at most 10" in out_of_range.json()["error"]["message"]
     without_vocabulary = copy.copy(model)  # a checkpoint without its tokenizer cannot spell hotwords
     without_vocabulary.tokenizer = None
     with run_server(Settings(), without_vocabulary) as running:
@@ -215,10 +253,11 @@ def test_a_jobs_hotwords_reach_every_item_and_bad_ones_are_refused_at_submission
         assert submitted.status_code == 202 and submitted.json()["hotwords"] == [HOTWORD]
         job = wait_job(running.url, submitted.json()["id"])
         results = httpx.get(f"{running.url}/v1/jobs/{job['id']}/results", timeout=60).text.splitlines()
-        refused = httpx.post(f"{running.url}/v1/jobs", data={"hotwords": "x" * 65},
-                             files=[("files", ("a.flac", data, "audio/flac"))], timeout=60)
+        refused = [httpx.post(f"{running.url}/v1/jobs", data={"hotwords": bad},
+                              files=[("files", ("a.flac", data, "audio/flac"))], timeout=60)
+                   for bad in ("x" * 65, f"{HOTWORD}:0")]
     assert job["status"] == "completed" and [json.loads(line)["text"] for line in results] == [SAID, SAID]
-    assert refused.status_code == 400 and refused.json()["error"]["param"] == "hotwords"
+    assert all(r.status_code == 400 and r.json()["error"]["param"] == "hotwords" for r in refused)
 
 
 def test_the_command_line_boosts_hotwords(spoken, tmp_path, capsys):
@@ -230,3 +269,5 @@ def test_the_command_line_boosts_hotwords(spoken, tmp_path, capsys):
     assert capsys.readouterr().out == SAID + "\n"
     assert main(["transcribe", "--hotwords", "x" * 65, str(path)]) == 2
     assert "1 to 64 characters" in capsys.readouterr().err
+    assert main(["transcribe", "--hotwords", f"{HOTWORD}:11", str(path)]) == 2
+    assert "own boost is more than 0 and at most 10" in capsys.readouterr().err
