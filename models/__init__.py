@@ -2,10 +2,11 @@
 
 from typing import Any
 
+from .audio_io import AudioClip
 from .errors import CheckpointError, UnsupportedModelError
 from .transcript import Transcript, Word
 
-__all__ = ["ASRModel", "CheckpointError", "Transcript", "UnsupportedModelError", "Word", "load_model"]
+__all__ = ["ASRModel", "AudioClip", "CheckpointError", "Transcript", "UnsupportedModelError", "Word", "load_model"]
 
 
 def __getattr__(name: str) -> Any:

@@ -23,7 +23,7 @@ from decoding.frame_looping import frame_looping_greedy
 from decoding.scores import ctc_logprobs, transducer_logprobs
 from decoding.types import HOTWORD_BOOST, Hypothesis
 
-from .audio_io import AudioError, check_channels, check_waveform, read_audio
+from .audio_io import AudioClip, AudioError, check_channels, check_waveform, read_audio
 from .checkpoint import Checkpoint, open_checkpoint
 from .config import ModelConfig
 from .conversation import Conversation
@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 DECODERS = ("auto", "ctc", "rnnt", "tdt")
 DECODER_ALGORITHMS = ("label_looping", "frame_looping")  # transducer greedy search; frame looping is the reference
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-AudioInput = np.ndarray | str | Path
+AudioInput = np.ndarray | str | Path | AudioClip
 
 
 @dataclass
@@ -283,10 +283,11 @@ class ASRModel(nn.Module):
     def load_audio(self, item: AudioInput, index: int = 0, multichannel: bool = False) -> np.ndarray:
         """A waveform as given (checked), or a file read at the model's rate; with ``multichannel``, (channels,
         samples): a file's channels apart, an array's rows (a 1-D array is one channel)."""
-        if isinstance(item, (str, Path)):
+        if isinstance(item, (str, Path, AudioClip)):
             return read_audio(item, self.sample_rate, mix=not multichannel)
         if not isinstance(item, np.ndarray):
-            raise TypeError(f"audio[{index}]: expected a numpy array or a path, got {type(item).__name__}")
+            raise TypeError(f"audio[{index}]: expected a numpy array, a path or an AudioClip, got "
+                            f"{type(item).__name__}")
         samples = np.asarray(item, dtype=np.float32)
         return check_channels(samples, f"audio[{index}]") if multichannel else check_waveform(samples,
                                                                                              f"audio[{index}]")

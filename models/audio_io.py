@@ -8,7 +8,9 @@ are imported here, lazily, so arrays can always be transcribed and files only wh
 from __future__ import annotations
 
 import io
+import math
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -33,6 +35,28 @@ def find_audio_files(paths: Iterable[str | Path]) -> list[Path]:
         else:
             raise FileNotFoundError(f"{path}: no such file or directory")
     return found
+
+
+@dataclass(frozen=True)
+class AudioClip:
+    """A stretch of an audio file: from ``offset_s``, ``duration_s`` long (None: to its end). NeMo manifests cut
+    long recordings into utterances this way."""
+
+    path: Path
+    offset_s: float = 0.0
+    duration_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.offset_s) and self.offset_s >= 0):
+            raise ValueError(f"{self.path}: an offset is 0 s or more, not {self.offset_s!r}")
+        if self.duration_s is not None and not (math.isfinite(self.duration_s) and self.duration_s > 0):
+            raise ValueError(f"{self.path}: a duration is more than 0 s, not {self.duration_s!r}")
+
+    def __str__(self) -> str:
+        if not self.offset_s and self.duration_s is None:
+            return str(self.path)
+        end = "end" if self.duration_s is None else f"{self.offset_s + self.duration_s:g} s"
+        return f"{self.path} [{self.offset_s:g} s to {end}]"
 
 
 class AudioError(ValueError):
@@ -108,20 +132,34 @@ class ResampleStream:
         return self._empty if self._stream is None else self._stream.resample_chunk(self._empty, last=True)
 
 
-def decode_blocks(f: Any, to_rate: int, block_frames: int = 1 << 20, mix: bool = True
-                  ) -> Iterator[tuple[int, np.ndarray]]:
+def decode_blocks(f: Any, to_rate: int, block_frames: int = 1 << 20, mix: bool = True, first_frame: int = 0,
+                  n_frames: int | None = None) -> Iterator[tuple[int, np.ndarray]]:
     """(frames read, that block resampled to ``to_rate``) for each block of a file from ``open_audio``, read until
-    the end of its data, then the resampler's tail (0 frames). Blocks are mixed to mono (n,), or with ``mix=False``
-    keep their channels (n, channels). Joined, the blocks equal resampling the whole file at once; the file is
-    never held at its own rate."""
+    the end of its data (or ``n_frames`` from ``first_frame``, at the file's rate), then the resampler's tail (0
+    frames). Blocks are mixed to mono (n,), or with ``mix=False`` keep their channels (n, channels). Joined, the
+    blocks equal resampling the whole stretch at once; the file is never held at its own rate."""
     channels = 1 if mix else f.channels
     stream = ResampleStream(f.samplerate, to_rate, channels)
-    while True:
-        block = f.read(block_frames, dtype="float32", always_2d=True)
+    _skip(f, first_frame, block_frames)
+    left = math.inf if n_frames is None else n_frames
+    while left > 0:
+        block = f.read(int(min(block_frames, left)), dtype="float32", always_2d=True)
         if len(block) == 0:
             break
+        left -= len(block)
         yield len(block), stream.resample(to_mono(block) if channels == 1 else block)
     yield 0, stream.flush()
+
+
+def _skip(f: Any, frames: int, block_frames: int) -> None:
+    """Move ``frames`` into the file: a seek where the file can (libsndfile), else reading them (FFmpeg's)."""
+    if frames <= 0:
+        return
+    if getattr(f, "seekable", lambda: False)():
+        f.seek(min(frames, f.frames))
+        return
+    while frames > 0 and len(skipped := f.read(min(block_frames, frames), dtype="float32", always_2d=True)):
+        frames -= len(skipped)
 
 
 def check_waveform(samples: np.ndarray, name: str) -> np.ndarray:
@@ -134,21 +172,32 @@ def check_waveform(samples: np.ndarray, name: str) -> np.ndarray:
     return samples
 
 
-def read_audio(source: str | Path | bytes | BinaryIO, sample_rate: int = 16000, mix: bool = True) -> np.ndarray:
-    """Decode a file (path, bytes or file object), resampled to ``sample_rate``: mixed to mono (samples,), or with
-    ``mix=False`` each channel apart (channels, samples)."""
+def read_audio(source: str | Path | bytes | BinaryIO | AudioClip, sample_rate: int = 16000, mix: bool = True
+               ) -> np.ndarray:
+    """Decode a file (path, bytes or file object; or a clip, the stretch of a file it names), resampled to
+    ``sample_rate``: mixed to mono (samples,), or with ``mix=False`` each channel apart (channels, samples)."""
     sf = _soundfile()
-    name = str(source) if isinstance(source, (str, Path)) else "audio"
+    clip = source if isinstance(source, AudioClip) else None
+    source = clip.path if clip is not None else source
+    name = str(clip or source) if isinstance(source, (str, Path)) else "audio"
     if isinstance(source, (str, Path)) and not Path(source).is_file():
         raise FileNotFoundError(f"{source}: no such audio file")
     handle = io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else source
     try:
         with open_audio(handle) as f:
-            blocks = [block for _, block in decode_blocks(f, sample_rate, mix=mix)]
+            first, count = (0, None) if clip is None else _clip_frames(clip, f.samplerate)
+            blocks = [block for _, block in decode_blocks(f, sample_rate, mix=mix, first_frame=first, n_frames=count)]
     except (sf.LibsndfileError, UnreadableContainer, RuntimeError, TypeError) as exc:
         raise AudioError(f"{name}: cannot decode audio ({exc})") from exc
     samples = np.concatenate(blocks)
+    if clip is not None and clip.offset_s and not len(samples):
+        raise AudioError(f"{name}: the offset lies past the end of the audio")
     return check_waveform(samples, name) if mix else check_channels(channels_first(samples), name)
+
+
+def _clip_frames(clip: AudioClip, rate: int) -> tuple[int, int | None]:
+    """A clip's first frame and frame count at the file's own rate."""
+    return round(clip.offset_s * rate), None if clip.duration_s is None else max(1, round(clip.duration_s * rate))
 
 
 def channels_first(samples: np.ndarray) -> np.ndarray:

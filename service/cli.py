@@ -12,13 +12,15 @@ import json
 import logging
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .formats import SubtitleLayout
+    from .manifest import ManifestEntry
 
-FORMATS = ("text", "json", "jsonl", "srt", "vtt")
+FORMATS = ("text", "json", "jsonl", "srt", "vtt", "manifest")
 MULTICHANNEL_HELP = ("transcribe each channel apart (a call's agent and customer) and give each file as a "
                      "conversation: utterances in time order, each naming its channel")
 CHANNEL_NAMES_HELP = "with --multichannel: the speakers, one a channel in order (e.g. agent,customer)"
@@ -72,7 +74,11 @@ def _transcribe_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=16, help="utterances per batch (default: 16)")
     _add_head_option(p)
     _add_decoding_options(p)
-    p.add_argument("--format", default="text", choices=FORMATS, help="output format (default: text)")
+    p.add_argument("--format", default="text", choices=FORMATS,
+                   help="output format (default: text); manifest: a NeMo manifest, each line with its pred_text")
+    p.add_argument("--manifest", type=Path, metavar="FILE",
+                   help="transcribe the audio a NeMo manifest names (JSON lines: audio_filepath, and offset and "
+                        "duration for a stretch of a file) instead of files; lines with a text are scored (WER)")
     p.add_argument("--multichannel", action="store_true", help=MULTICHANNEL_HELP)
     p.add_argument("--channel-names", type=_names, default=[], metavar="NAMES", help=CHANNEL_NAMES_HELP)
     p.add_argument("--skip-silence", action="store_true", help=SKIP_SILENCE_HELP)
@@ -85,7 +91,7 @@ def _transcribe_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-segment-s", type=float, default=30.0,
                    help="cut longer audio at quiet points into pieces this long, as the service does, and stitch "
                         "them back (default: 30; 0: take every file whole, as NeMo does)")
-    p.add_argument("audio", nargs="+", help="audio files (WAV, FLAC, OGG, MP3, M4A, MP4, WebM, ...: see the README) "
+    p.add_argument("audio", nargs="*", help="audio files (WAV, FLAC, OGG, MP3, M4A, MP4, WebM, ...: see the README) "
                                             "and directories of them")
     p.set_defaults(func=cmd_transcribe)
 
@@ -106,71 +112,106 @@ def _layout(args: argparse.Namespace) -> SubtitleLayout:
 
 
 def cmd_transcribe(args: argparse.Namespace) -> int:
-    """Files (and directories of them) transcribed in bounded memory, each result written as it comes (a run over
-    thousands of files keeps what it has done); a file that cannot be read is reported and skipped."""
+    """Files (and directories of them), or a manifest's lines, transcribed in bounded memory, each result written
+    as it comes (a run over thousands of files keeps what it has done); a file that cannot be read is reported and
+    skipped."""
     from models import load_model
     from models.conversation import Conversation
 
     from .formats import render, to_record
-    from .output_files import output_names, write_whole
+    from .manifest import ErrorRate, prediction_line
+    from .output_files import write_whole
     from .run_summary import RunSummary
 
     try:
-        named = output_names(args.audio, f".{args.format}")
+        inputs = _transcribe_inputs(args)
         layout = _layout(args)
     except (FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if not named:
-        print("error: no audio files found", file=sys.stderr)
-        return 2
-    if args.format in ("srt", "vtt") and len(named) > 1 and args.output_dir is None:
-        print(f"error: --format {args.format} prints one file; use --output-dir for several", file=sys.stderr)
-        return 2
-    if args.channel_names and not args.multichannel:
-        print("error: --channel-names names the channels of --multichannel", file=sys.stderr)
-        return 2
-    if args.output_dir is not None and args.skip_existing:
-        done = [path for path, name in named.items() if (args.output_dir / name).is_file()]
-        named = {path: name for path, name in named.items() if path not in done}
-        print(f"{len(done)} files already transcribed in {args.output_dir}; {len(named)} to go", file=sys.stderr)
-    files = list(named)
     model = load_model(args.model, device=args.device, dtype=args.dtype,
                        attention_kernel=args.attention_kernel or "auto")
     try:
-        outcomes = model.transcribe_iter(files, batch_size=args.batch_size, decoder=args.decoder,
-                                         decoder_algorithm=args.decoder_algorithm, cuda_graphs=args.cuda_graphs,
-                                         max_segment_s=args.max_segment_s or None, return_errors=True,
-                                         multichannel=args.multichannel, skip_silence=args.skip_silence,
-                                         hotwords=args.hotwords)
+        outcomes = model.transcribe_iter([entry.clip for entry in inputs.entries], batch_size=args.batch_size,
+                                         decoder=args.decoder, decoder_algorithm=args.decoder_algorithm,
+                                         cuda_graphs=args.cuda_graphs, max_segment_s=args.max_segment_s or None,
+                                         return_errors=True, multichannel=args.multichannel,
+                                         skip_silence=args.skip_silence, hotwords=args.hotwords)
     except ValueError as exc:  # hotwords this model cannot boost, or bad options
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.output_dir is not None:
         args.output_dir.mkdir(parents=True, exist_ok=True)
-    records, failed, summary = [], 0, RunSummary()
-    for path, outcome in zip(files, outcomes, strict=True):
+    records, failed, summary, scored = [], 0, RunSummary(), ErrorRate()
+    for entry, output, outcome in zip(inputs.entries, inputs.outputs, outcomes, strict=True):
         if isinstance(outcome, Conversation):
             outcome.names = args.channel_names
         if isinstance(outcome, Exception):
             failed += 1
-            print(f"error: {outcome}", file=sys.stderr)
+            print(f"error: {entry.where}: {outcome}" if inputs.from_manifest else f"error: {outcome}",
+                  file=sys.stderr)
             continue
-        summary.add(str(path), outcome)
-        if args.output_dir is not None:
-            write_whole(args.output_dir / named[path], render(outcome, str(path), args.format, layout))
+        summary.add(entry.where, outcome)
+        scored.add(entry, outcome.text)
+        if output is not None:
+            write_whole(output, render(outcome, str(entry.clip), args.format, layout))
         elif args.format == "json":  # one array: written at the end
-            records.append(to_record(outcome, str(path)))
+            records.append(to_record(outcome, str(entry.clip)))
         else:
-            sys.stdout.write(render(outcome, str(path), args.format, layout))
+            sys.stdout.write(prediction_line(entry, outcome) if args.format == "manifest"
+                             else render(outcome, str(entry.clip), args.format, layout))
             sys.stdout.flush()
     if args.format == "json" and args.output_dir is None:
         sys.stdout.write(json.dumps(records, ensure_ascii=False, indent=2) + "\n")
     if failed:
-        print(f"{failed} of {len(files)} files could not be read", file=sys.stderr)
-    if len(files) > 1:
+        what = "manifest lines" if inputs.from_manifest else "files"
+        print(f"{failed} of {len(inputs.entries)} {what} could not be read", file=sys.stderr)
+    if len(inputs.entries) > 1:
         sys.stderr.write(summary.report())
+    sys.stderr.write(scored.report())
     return 1 if failed else 0
+
+
+@dataclass
+class TranscribeInputs:
+    entries: list[ManifestEntry]  # what to transcribe: files as manifest lines, or a manifest's own
+    outputs: list[Path | None]  # where each result goes under --output-dir (None: stdout)
+    from_manifest: bool
+
+
+def _transcribe_inputs(args: argparse.Namespace) -> TranscribeInputs:
+    """What ``transcribe`` was given, checked before any model loads; ValueError (or FileNotFoundError) saying
+    what is wrong."""
+    from .manifest import file_entries, read_manifest
+    from .output_files import output_names
+
+    if bool(args.manifest) == bool(args.audio):
+        raise ValueError("give audio files and directories, or --manifest, not both" if args.audio
+                         else "no audio: give files, directories or --manifest")
+    if args.format == "manifest" and args.output_dir is not None:
+        raise ValueError("--format manifest prints one manifest; redirect it to a file")
+    if args.channel_names and not args.multichannel:
+        raise ValueError("--channel-names names the channels of --multichannel")
+    if args.manifest is not None:
+        if args.output_dir is not None:
+            raise ValueError("--manifest prints its results (a manifest's lines may share a file): no --output-dir")
+        entries = read_manifest(args.manifest)
+        if not entries:
+            raise ValueError(f"{args.manifest}: no lines")
+        if args.format in ("srt", "vtt") and len(entries) > 1:
+            raise ValueError(f"--format {args.format} prints one transcript; the manifest has {len(entries)}")
+        return TranscribeInputs(entries, [None] * len(entries), from_manifest=True)
+    named = output_names(args.audio, f".{args.format}")
+    if not named:
+        raise ValueError("no audio files found")
+    if args.format in ("srt", "vtt") and len(named) > 1 and args.output_dir is None:
+        raise ValueError(f"--format {args.format} prints one file; use --output-dir for several")
+    if args.output_dir is not None and args.skip_existing:
+        done = [path for path, name in named.items() if (args.output_dir / name).is_file()]
+        named = {path: name for path, name in named.items() if path not in done}
+        print(f"{len(done)} files already transcribed in {args.output_dir}; {len(named)} to go", file=sys.stderr)
+    outputs = [None if args.output_dir is None else args.output_dir / name for name in named.values()]
+    return TranscribeInputs(file_entries(named), outputs, from_manifest=False)
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:

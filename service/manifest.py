@@ -1,0 +1,112 @@
+"""NeMo manifests for ``batchasr transcribe``: what a dataset builder has, and what NeMo's tools read.
+
+In: JSON lines, each naming its audio by ``audio_filepath`` (relative paths from the manifest's folder, as NeMo
+reads them), with ``offset`` and ``duration`` in seconds to take one stretch of a longer recording. Out: each
+line as it came, with ``pred_text`` added (NeMo's ``transcribe_speech`` convention), ``avg_logprob`` for
+filtering pseudo-labels, and ``duration`` where the line had none. Lines with a reference ``text`` are scored:
+the run ends with their word error rate.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from models.audio_io import AudioClip
+from models.conversation import Conversation
+from models.training.evaluate import edit_distance
+from models.transcript import Transcript, rounded
+
+AUDIO_FIELD = "audio_filepath"
+_NOT_A_WORD = re.compile(r"[^\w\s']")  # punctuation: dropped before scoring, with case
+
+
+@dataclass
+class ManifestEntry:
+    """One line: its fields (kept, and written back with the prediction) and the audio they name."""
+
+    fields: dict[str, Any]
+    clip: AudioClip
+    where: str  # "manifest.json:3", for messages
+
+
+def read_manifest(path: Path) -> list[ManifestEntry]:
+    """A manifest's lines (blank ones skipped); ValueError naming the line for one that is not a JSON object with
+    an ``audio_filepath``, or whose ``offset`` or ``duration`` is not a number of seconds (0 or more, more than 0)."""
+    entries = []
+    with path.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            where = f"{path.name}:{number}"
+            try:
+                fields = json.loads(line)
+                audio = fields.get(AUDIO_FIELD) if isinstance(fields, dict) else None
+                if not isinstance(audio, str) or not audio:
+                    raise ValueError(f"a line is a JSON object with an {AUDIO_FIELD}")
+                entries.append(ManifestEntry(fields, AudioClip(path.parent / audio, _seconds(fields, "offset", 0.0),
+                                                               _seconds(fields, "duration", None)), where))
+            except (ValueError, TypeError) as exc:
+                raise ValueError(f"{where}: {exc}") from exc
+    return entries
+
+
+def _seconds(fields: dict[str, Any], name: str, default: float | None) -> float | None:
+    value = fields.get(name, default)
+    if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)):
+        return value
+    raise ValueError(f"{name} is a number of seconds, not {value!r}")
+
+
+def file_entries(paths: Iterable[Path]) -> list[ManifestEntry]:
+    """Audio files as manifest lines: a manifest made from a folder."""
+    return [ManifestEntry({AUDIO_FIELD: str(path)}, AudioClip(path), str(path)) for path in paths]
+
+
+def prediction_line(entry: ManifestEntry, transcript: Transcript | Conversation) -> str:
+    """The entry's line with the prediction: ``pred_text``, ``avg_logprob``, and ``duration`` if it had none."""
+    line = dict(entry.fields)
+    line.setdefault("duration", rounded(_duration_s(transcript)))
+    line["pred_text"] = transcript.text
+    line["avg_logprob"] = transcript.avg_logprob
+    return json.dumps(line, ensure_ascii=False) + "\n"
+
+
+def _duration_s(transcript: Transcript | Conversation) -> float:
+    return transcript.duration_s if isinstance(transcript, Transcript) else transcript.channels[0].duration_s
+
+
+def words_for_scoring(text: str) -> list[str]:
+    """Lowercase words without punctuation: a reference written with it and a model that writes none (or the
+    other way round) are scored on what was said."""
+    return _NOT_A_WORD.sub(" ", text.lower()).split()
+
+
+@dataclass
+class ErrorRate:
+    """Word errors against the references of the lines that have one (``text``)."""
+
+    errors: int = 0
+    words: int = 0
+    lines: int = 0
+    worst: list[tuple[float, str]] = field(default_factory=list)  # (line's WER, where)
+
+    def add(self, entry: ManifestEntry, hypothesis: str) -> None:
+        reference = entry.fields.get("text")
+        if not isinstance(reference, str):
+            return
+        said = words_for_scoring(reference)
+        errors = edit_distance(said, words_for_scoring(hypothesis))
+        self.errors, self.words, self.lines = self.errors + errors, self.words + len(said), self.lines + 1
+        self.worst.append((errors / max(len(said), 1), entry.where))
+
+    def report(self, shown: int = 5) -> str:
+        if not self.lines:
+            return ""
+        worst = ", ".join(f"{where} ({rate:.0%})" for rate, where in sorted(self.worst, reverse=True)[:shown])
+        return (f"WER {self.errors / max(self.words, 1):.2%} over {self.lines} lines with a reference text "
+                f"({self.words} words; lowercased, punctuation dropped); most errors: {worst}\n")

@@ -1,0 +1,147 @@
+"""NeMo manifests through ``batchasr transcribe``: a stretch of a file read as the same stretch of its samples (WAV,
+FLAC at another rate, a media container read through FFmpeg); lines kept with their prediction added; references
+scored; bad lines refused before the model loads, unreadable audio reported by its line."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+from models import AudioClip, load_model
+from models.audio_io import AudioError, read_audio, resample
+from models.training.evaluate import edit_distance
+from service.cli import main
+from service.manifest import ErrorRate, ManifestEntry, words_for_scoring
+from tests.media import encode
+
+MODEL = "tdt_ctc_hybrid.nemo"
+
+
+def _write_manifest(path: Path, lines: list[dict | str]) -> Path:
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    return path
+
+
+def test_a_clip_is_the_stretch_of_the_samples_it_names(parity_audio, tmp_path):
+    wave = read_audio(parity_audio[1])
+    assert np.array_equal(read_audio(AudioClip(Path(parity_audio[1]), 0.5, 1.0)), wave[8000:24000])
+    assert np.array_equal(read_audio(AudioClip(Path(parity_audio[1]), 1.25)), wave[20000:])  # to the end
+    # at 48 kHz, libsndfile seeks: the stretch of the file's own samples, resampled
+    high = resample(wave, 16000, 48000)
+    sf.write(tmp_path / "high.flac", high, 48000, subtype="PCM_24")
+    own, _ = sf.read(tmp_path / "high.flac", dtype="float32")
+    assert np.allclose(read_audio(AudioClip(tmp_path / "high.flac", 0.5, 1.0)),
+                       resample(own[24000:72000], 48000, 16000), atol=1e-6)
+    # a media container cannot seek: FFmpeg's frames are read up to the offset
+    (tmp_path / "call.m4a").write_bytes(encode(wave, "m4a"))
+    whole = read_audio(tmp_path / "call.m4a")
+    clip = read_audio(AudioClip(tmp_path / "call.m4a", 0.5, 1.0))
+    assert len(clip) == 16000 and np.allclose(clip, whole[8000:24000], atol=1e-6)
+
+
+def test_a_clip_out_of_its_file_or_with_no_length_is_refused(parity_audio):
+    with pytest.raises(AudioError, match="offset lies past the end"):
+        read_audio(AudioClip(Path(parity_audio[0]), 60.0))
+    for offset, duration in ((-1.0, None), (float("nan"), None), (0.0, 0.0), (0.0, -2.0)):
+        with pytest.raises(ValueError, match=r"an offset is 0 s or more|a duration is more than 0 s"):
+            AudioClip(Path(parity_audio[0]), offset, duration)
+
+
+def test_a_manifest_is_transcribed_line_by_line_keeping_its_fields(parity_dir, parity_audio, tmp_path, capsys):
+    audio = tmp_path / "audio"
+    audio.mkdir()
+    for name in parity_audio[:2]:
+        (audio / Path(name).name).write_bytes(Path(name).read_bytes())
+    first, second = (Path(name).name for name in parity_audio[:2])
+    model = load_model(parity_dir / MODEL, device="cpu", dtype="float32")
+    wave = read_audio(parity_audio[1])
+    expected = [t.text for t in model.transcribe([read_audio(parity_audio[0]), wave[8000:24000], wave[24000:]])]
+    manifest = _write_manifest(tmp_path / "train.json", [
+        {"audio_filepath": f"audio/{first}", "text": expected[0], "speaker": "a"},  # relative to the manifest
+        {"audio_filepath": str(audio / second), "offset": 0.5, "duration": 1.0},  # absolute, a stretch
+        {"audio_filepath": f"audio/{second}", "offset": 1.5, "text": "not what was said at all"},
+        "",  # blank lines are skipped
+    ])
+    assert main(["transcribe", "--model", str(parity_dir / MODEL), "--manifest", str(manifest),
+                 "--format", "manifest"]) == 0
+    out, err = capsys.readouterr()
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert [line["pred_text"] for line in lines] == expected
+    first_s = len(read_audio(parity_audio[0])) / 16000
+    assert lines[0]["speaker"] == "a" and lines[0]["duration"] == pytest.approx(first_s, abs=1e-4)
+    assert lines[1]["offset"] == 0.5 and lines[1]["duration"] == 1.0  # kept as given
+    assert all(line["avg_logprob"] < 0 for line in lines)
+    reference = words_for_scoring("not what was said at all")  # the first line's reference is what it heard
+    rate = edit_distance(reference, words_for_scoring(expected[2])) / (len(words_for_scoring(expected[0])) + 6)
+    assert f"WER {rate:.2%} over 2 lines with a reference text" in err and "most errors: train.json:3" in err
+    # the other formats take a manifest's audio too
+    assert main(["transcribe", "--model", str(parity_dir / MODEL), "--manifest", str(manifest)]) == 0
+    assert capsys.readouterr().out.splitlines() == expected
+
+
+def test_files_become_a_manifest(parity_dir, parity_audio, capsys):
+    assert main(["transcribe", "--model", str(parity_dir / MODEL), "--format", "manifest", *parity_audio[:2]]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["audio_filepath"] for line in lines] == parity_audio[:2]
+    assert all(line["pred_text"] and line["duration"] > 0 for line in lines)
+
+
+@pytest.mark.parametrize(("line", "message"), [
+    ("{not json", "train.json:2: "),
+    ('["a list"]', "train.json:2: a line is a JSON object with an audio_filepath"),
+    ('{"text": "no audio"}', "train.json:2: a line is a JSON object with an audio_filepath"),
+    ('{"audio_filepath": "a.wav", "offset": "ten"}', "train.json:2: offset is a number of seconds, not 'ten'"),
+    ('{"audio_filepath": "a.wav", "duration": 0}', "train.json:2: .*a duration is more than 0 s"),
+    ('{"audio_filepath": "a.wav", "offset": -3}', "train.json:2: .*an offset is 0 s or more"),
+])
+def test_a_bad_manifest_line_is_refused_before_the_model_loads(tmp_path, capsys, line, message):
+    manifest = _write_manifest(tmp_path / "train.json", [{"audio_filepath": "a.wav"}, line])
+    assert main(["transcribe", "--model", str(tmp_path / "no-such-model.nemo"), "--manifest", str(manifest)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and re.search(message, err), err
+
+
+def test_unreadable_lines_are_reported_by_line_and_the_rest_transcribed(parity_dir, parity_audio, tmp_path, capsys):
+    (tmp_path / "noise.wav").write_bytes(b"not audio at all" * 100)
+    manifest = _write_manifest(tmp_path / "m.json", [
+        {"audio_filepath": parity_audio[0]}, {"audio_filepath": "gone.wav"}, {"audio_filepath": "noise.wav"},
+        {"audio_filepath": parity_audio[0], "offset": 99.0},
+    ])
+    assert main(["transcribe", "--model", str(parity_dir / MODEL), "--manifest", str(manifest),
+                 "--format", "manifest"]) == 1
+    out, err = capsys.readouterr()
+    assert len(out.splitlines()) == 1
+    assert "error: m.json:2: " in err and "no such audio file" in err
+    assert "error: m.json:3: " in err and "cannot decode audio" in err
+    assert "error: m.json:4: " in err and "offset lies past the end" in err
+    assert "3 of 4 manifest lines could not be read" in err
+
+
+def test_a_manifest_run_refuses_what_it_cannot_do(parity_audio, tmp_path, capsys):
+    manifest = _write_manifest(tmp_path / "m.json", [{"audio_filepath": parity_audio[0]}] * 2)
+    _write_manifest(tmp_path / "empty.json", [""])
+    for args, message in [
+        (["--manifest", str(manifest), parity_audio[0]], "not both"),
+        ([], "no audio: give files, directories or --manifest"),
+        (["--manifest", str(manifest), "--output-dir", str(tmp_path / "out")], "no --output-dir"),
+        (["--format", "manifest", "--output-dir", str(tmp_path / "out"), parity_audio[0]], "redirect it"),
+        (["--manifest", str(manifest), "--format", "srt"], "the manifest has 2"),
+        (["--manifest", str(tmp_path / "empty.json")], "no lines"),
+        (["--manifest", str(tmp_path / "absent.json")], "absent.json"),
+    ]:
+        assert main(["transcribe", *args]) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_scoring_ignores_case_and_punctuation_and_skips_lines_without_a_reference():
+    rate = ErrorRate()
+    clip = AudioClip(Path("a.wav"))
+    rate.add(ManifestEntry({"text": "Hello, World! It's me."}, clip, "m:1"), "hello world its me")
+    rate.add(ManifestEntry({}, clip, "m:2"), "anything")
+    assert (rate.errors, rate.words, rate.lines) == (1, 4, 1)  # "it's" against "its"
+    assert rate.report().startswith("WER 25.00% over 1 lines") and ErrorRate().report() == ""
