@@ -11,10 +11,12 @@ import contextlib
 import json
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
+
+from .line_output import LINE_FORMATS
 
 if TYPE_CHECKING:
     from .formats import SubtitleLayout
@@ -85,8 +87,11 @@ def _transcribe_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hotwords", type=_phrases, default=[], metavar="PHRASES", help=HOTWORDS_HELP)
     p.add_argument("--output-dir", type=Path,
                    help="write one <name>.<format> per input here instead of printing to stdout")
+    p.add_argument("--output", type=Path, metavar="FILE",
+                   help="jsonl, manifest: append the results to FILE, a line each as it comes, instead of printing")
     p.add_argument("--skip-existing", action="store_true",
-                   help="with --output-dir: leave out files whose result is already there (to resume a run)")
+                   help="with --output-dir or --output: leave out inputs whose result is already there (to resume "
+                        "a run)")
     _add_layout_options(p)
     p.add_argument("--max-segment-s", type=float, default=30.0,
                    help="cut longer audio at quiet points into pieces this long, as the service does, and stitch "
@@ -116,12 +121,6 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     as it comes (a run over thousands of files keeps what it has done); a file that cannot be read is reported and
     skipped."""
     from models import load_model
-    from models.conversation import Conversation
-
-    from .formats import render, to_record
-    from .manifest import ErrorRate, prediction_line
-    from .output_files import write_whole
-    from .run_summary import RunSummary
 
     try:
         inputs = _transcribe_inputs(args)
@@ -142,6 +141,22 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
         return 2
     if args.output_dir is not None:
         args.output_dir.mkdir(parents=True, exist_ok=True)
+    with contextlib.ExitStack() as stack:
+        out = sys.stdout if args.output is None else stack.enter_context(args.output.open("a", encoding="utf-8"))
+        return _write_results(args, inputs, outcomes, layout, out)
+
+
+def _write_results(args: argparse.Namespace, inputs: TranscribeInputs, outcomes: Iterable, layout: SubtitleLayout,
+                   out: TextIO) -> int:
+    """Each outcome written as it comes (to ``out``, or its file under --output-dir), errors reported; then the
+    run's summary. The exit status: 1 if an input could not be read."""
+    from models.conversation import Conversation
+
+    from .formats import render, to_record
+    from .manifest import ErrorRate, prediction_line
+    from .output_files import write_whole
+    from .run_summary import RunSummary
+
     records, failed, summary, scored = [], 0, RunSummary(), ErrorRate()
     for entry, output, outcome in zip(inputs.entries, inputs.outputs, outcomes, strict=True):
         if isinstance(outcome, Conversation):
@@ -158,11 +173,11 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
         elif args.format == "json":  # one array: written at the end
             records.append(to_record(outcome, str(entry.clip)))
         else:
-            sys.stdout.write(prediction_line(entry, outcome) if args.format == "manifest"
-                             else render(outcome, str(entry.clip), args.format, layout))
-            sys.stdout.flush()
+            out.write(prediction_line(entry, outcome) if args.format == "manifest"
+                      else render(outcome, str(entry.clip), args.format, layout))
+            out.flush()  # each result kept as it comes: a run cut short resumes with --skip-existing
     if args.format == "json" and args.output_dir is None:
-        sys.stdout.write(json.dumps(records, ensure_ascii=False, indent=2) + "\n")
+        out.write(json.dumps(records, ensure_ascii=False, indent=2) + "\n")
     if failed:
         what = "manifest lines" if inputs.from_manifest else "files"
         print(f"{failed} of {len(inputs.entries)} {what} could not be read", file=sys.stderr)
@@ -189,7 +204,9 @@ def _transcribe_inputs(args: argparse.Namespace) -> TranscribeInputs:
         raise ValueError("give audio files and directories, or --manifest, not both" if args.audio
                          else "no audio: give files, directories or --manifest")
     if args.format == "manifest" and args.output_dir is not None:
-        raise ValueError("--format manifest prints one manifest; redirect it to a file")
+        raise ValueError("--format manifest writes one manifest: --output FILE, not --output-dir")
+    if args.output is not None and (args.output_dir is not None or args.format not in LINE_FORMATS):
+        raise ValueError(f"--output takes the line formats ({', '.join(LINE_FORMATS)}), without --output-dir")
     if args.channel_names and not args.multichannel:
         raise ValueError("--channel-names names the channels of --multichannel")
     if args.manifest is not None:
@@ -200,7 +217,7 @@ def _transcribe_inputs(args: argparse.Namespace) -> TranscribeInputs:
             raise ValueError(f"{args.manifest}: no lines")
         if args.format in ("srt", "vtt") and len(entries) > 1:
             raise ValueError(f"--format {args.format} prints one transcript; the manifest has {len(entries)}")
-        return TranscribeInputs(entries, [None] * len(entries), from_manifest=True)
+        return _left_to_do(args, TranscribeInputs(entries, [None] * len(entries), from_manifest=True))
     named = output_names(args.audio, f".{args.format}")
     if not named:
         raise ValueError("no audio files found")
@@ -211,7 +228,27 @@ def _transcribe_inputs(args: argparse.Namespace) -> TranscribeInputs:
         named = {path: name for path, name in named.items() if path not in done}
         print(f"{len(done)} files already transcribed in {args.output_dir}; {len(named)} to go", file=sys.stderr)
     outputs = [None if args.output_dir is None else args.output_dir / name for name in named.values()]
-    return TranscribeInputs(file_entries(named), outputs, from_manifest=False)
+    return _left_to_do(args, TranscribeInputs(file_entries(named), outputs, from_manifest=False))
+
+
+def _left_to_do(args: argparse.Namespace, inputs: TranscribeInputs) -> TranscribeInputs:
+    """With ``--output FILE --skip-existing``, the inputs whose lines the file does not hold yet."""
+    from .line_output import line_key, lines_done
+
+    if args.output is None or not args.skip_existing:
+        return inputs
+    done = lines_done(args.output, args.format)
+    left = TranscribeInputs([], [], inputs.from_manifest)
+    for entry, output in zip(inputs.entries, inputs.outputs, strict=True):
+        key = line_key(args.format, entry.fields if args.format == "manifest" else {"audio": str(entry.clip)})
+        if done[key]:
+            done[key] -= 1
+            continue
+        left.entries.append(entry)
+        left.outputs.append(output)
+    skipped = len(inputs.entries) - len(left.entries)
+    print(f"{skipped} inputs already in {args.output}; {len(left.entries)} to go", file=sys.stderr)
+    return left
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:

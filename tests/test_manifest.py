@@ -129,7 +129,8 @@ def test_a_manifest_run_refuses_what_it_cannot_do(parity_audio, tmp_path, capsys
         (["--manifest", str(manifest), parity_audio[0]], "not both"),
         ([], "no audio: give files, directories or --manifest"),
         (["--manifest", str(manifest), "--output-dir", str(tmp_path / "out")], "no --output-dir"),
-        (["--format", "manifest", "--output-dir", str(tmp_path / "out"), parity_audio[0]], "redirect it"),
+        (["--format", "manifest", "--output-dir", str(tmp_path / "out"), parity_audio[0]],
+         "--output FILE, not --output-dir"),
         (["--manifest", str(manifest), "--format", "srt"], "the manifest has 2"),
         (["--manifest", str(tmp_path / "empty.json")], "no lines"),
         (["--manifest", str(tmp_path / "absent.json")], "absent.json"),
@@ -145,3 +146,43 @@ def test_scoring_ignores_case_and_punctuation_and_skips_lines_without_a_referenc
     rate.add(ManifestEntry({}, clip, "m:2"), "anything")
     assert (rate.errors, rate.words, rate.lines) == (1, 4, 1)  # "it's" against "its"
     assert rate.report().startswith("WER 25.00% over 1 lines") and ErrorRate().report() == ""
+
+
+def test_a_run_cut_short_resumes_where_it_stopped(parity_dir, parity_audio, tmp_path, capsys):
+    """--output FILE appends a line a result; --skip-existing leaves out the inputs already there, a line torn by
+    a kill included: the file ends as one whole run writes it."""
+    manifest = _write_manifest(tmp_path / "m.json", [
+        {"audio_filepath": parity_audio[0]}, {"audio_filepath": parity_audio[1], "offset": 0.5},
+        {"audio_filepath": parity_audio[0]},  # listed twice: transcribed twice
+        {"audio_filepath": parity_audio[2], "duration": 1.0},
+    ])
+    run = ["transcribe", "--model", str(parity_dir / MODEL), "--manifest", str(manifest), "--format", "manifest"]
+    whole, cut = tmp_path / "whole.json", tmp_path / "cut.json"
+    assert main([*run, "--output", str(whole)]) == 0
+    lines = whole.read_text().splitlines(keepends=True)
+    assert len(lines) == 4 and capsys.readouterr().out == ""
+    cut.write_text(lines[0] + lines[1] + lines[2][:25])  # killed while writing the third line
+    assert main([*run, "--output", str(cut), "--skip-existing"]) == 0
+    assert cut.read_text() == whole.read_text()
+    assert "2 inputs already in" in capsys.readouterr().err
+    assert main([*run, "--output", str(cut), "--skip-existing"]) == 0  # all done: nothing to do
+    assert cut.read_text() == whole.read_text() and "4 inputs already in" in capsys.readouterr().err
+    # files as jsonl, likewise
+    files = ["transcribe", "--model", str(parity_dir / MODEL), "--format", "jsonl", *parity_audio[:3]]
+    assert main([*files, "--output", str(tmp_path / "all.jsonl")]) == 0
+    records = (tmp_path / "all.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "part.jsonl").write_text(records[0])
+    assert main([*files, "--output", str(tmp_path / "part.jsonl"), "--skip-existing"]) == 0
+    assert (tmp_path / "part.jsonl").read_text() == "".join(records)
+
+
+def test_output_takes_line_formats_and_its_own_lines(parity_audio, tmp_path, capsys):
+    (tmp_path / "other.json").write_text('"a string"\n')
+    for args, message in [
+        (["--format", "text", "--output", str(tmp_path / "o.txt")], "--output takes the line formats"),
+        (["--format", "jsonl", "--output", str(tmp_path / "o"), "--output-dir", str(tmp_path)], "without --output-dir"),
+        (["--format", "manifest", "--output", str(tmp_path / "other.json"), "--skip-existing"],
+         "other.json:1: not a result line"),
+    ]:
+        assert main(["transcribe", *args, parity_audio[0]]) == 2
+        assert message in capsys.readouterr().err
