@@ -162,6 +162,7 @@ class Engine:
         self.metrics.observe_batch(len(batch.items), audio_s, batch.padded_samples / rate, compute_s, stage_s,
                                    [started - item.enqueued_at for item in batch.items])
         self.metrics.observe_tokens([hyp.logprobs for hyp in hyps])
+        self.metrics.observe_hotwords(sum(bool(item.hotwords) for item in batch.items))
         for item, hyp in zip(batch.items, hyps, strict=True):
             share = compute_s * item.n_samples / batch.n_samples
             item.future.set_result(ItemResult(hyp, started - item.enqueued_at, share, len(batch.items)))

@@ -85,6 +85,12 @@ class Metrics:
             "batchasr_tokens_total, minus the mean token log-probability (avg_logprob)", registry=r)
         self.unsure_tokens = Counter("batchasr_unsure_tokens",
                                      f"Emitted tokens with a probability below {UNSURE_BELOW}", registry=r)
+        # a batch with hotwords runs label looping without its CUDA graphs (CTC: frame by frame): what share of the
+        # engine's batches do, should throughput fall
+        self.hotword_batches = Counter("batchasr_hotword_batches", "Engine batches with an item that boosts hotwords",
+                                       registry=r)
+        self.hotword_items = Counter("batchasr_hotword_items", "Items that boost hotwords, in the engine's batches",
+                                     registry=r)
         self._event_loop_cpu_seen = 0.0
         self._window: deque[tuple[float, float, float]] = deque()  # (time, audio_s, compute_s)
         self._lock = threading.Lock()
@@ -120,6 +126,12 @@ class Metrics:
         self.tokens.inc(len(scored))
         self.token_neg_logprob.inc(-sum(scored))
         self.unsure_tokens.inc(sum(x < UNSURE_LOGPROB for x in scored))
+
+    def observe_hotwords(self, n_boosted: int) -> None:
+        """A batch's items that boost hotwords (0: an ordinary batch, not counted)."""
+        if n_boosted:
+            self.hotword_batches.inc()
+            self.hotword_items.inc(n_boosted)
 
     # the job consumer's counts: method calls, so that a consumer in another process can make them over its link
     def observe_job_stream_lag(self, lag: int) -> None:

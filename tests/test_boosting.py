@@ -223,9 +223,12 @@ def test_each_request_over_http_boosts_its_own_hotwords(model, spoken):
         native, plain, openai = asyncio.run(send())  # one batch: the boosted and the plain request together
         too_many = httpx.post(f"{running.url}/v1/transcribe", params={"hotwords": ",".join(DECOYS * 30)},
                               content=data, headers={"content-type": "audio/flac"})
+        boosted_items = running.metric("batchasr_hotword_items_total")
+        boosted_batches = running.metric("batchasr_hotword_batches_total")
     assert native.json()["text"] == openai.json()["text"] == SAID
     assert plain.json()["text"] == model.transcribe([spoken])[0].text != SAID
     assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "hotwords"
+    assert boosted_items == 2 and boosted_batches in (1, 2)  # a batch counts once, plain items beside or not
     said = "exchange or buy back for money"  # the CTC head hears "byy back"
     with run_server(Settings(decoder="ctc"), model) as running:
         boosted_ctc = httpx.post(f"{running.url}/v1/transcribe", params={"hotwords": "buy back:5,kappa"},
