@@ -20,7 +20,7 @@ from .line_output import LINE_FORMATS
 
 if TYPE_CHECKING:
     from .formats import SubtitleLayout
-    from .manifest import ManifestEntry
+    from .manifest import ErrorRate, ManifestEntry
 
 FORMATS = ("text", "json", "jsonl", "srt", "vtt", "manifest")
 MULTICHANNEL_HELP = ("transcribe each channel apart (a call's agent and customer) and give each file as a "
@@ -153,7 +153,7 @@ def _write_results(args: argparse.Namespace, inputs: TranscribeInputs, outcomes:
     from models.conversation import Conversation
 
     from .formats import render, to_record
-    from .manifest import ErrorRate, prediction_line
+    from .manifest import ErrorRate, transcript_line
     from .output_files import write_whole
     from .run_summary import RunSummary
 
@@ -173,7 +173,7 @@ def _write_results(args: argparse.Namespace, inputs: TranscribeInputs, outcomes:
         elif args.format == "json":  # one array: written at the end
             records.append(to_record(outcome, str(entry.clip)))
         else:
-            out.write(prediction_line(entry, outcome) if args.format == "manifest"
+            out.write(transcript_line(entry, outcome) if args.format == "manifest"
                       else render(outcome, str(entry.clip), args.format, layout))
             out.flush()  # each result kept as it comes: a run cut short resumes with --skip-existing
     if args.format == "json" and args.output_dir is None:
@@ -380,8 +380,12 @@ def _submit_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output-dir", type=Path,
                    help="with --wait: write one <name>.<format> per input here (named as transcribe --output-dir "
                         "names them; a URL by its path's last part) instead of result lines")
-    p.add_argument("--format", default="json", choices=("text", "json", "srt", "vtt"),
-                   help="with --output-dir: each file's format (default: json, the item's result record)")
+    p.add_argument("--format", default="json", choices=("text", "json", "srt", "vtt", "manifest"),
+                   help="with --output-dir: each file's format (default: json, the item's result record); "
+                        "manifest: with --manifest and --wait, the result lines as its lines with their pred_text")
+    p.add_argument("--manifest", type=Path, metavar="FILE",
+                   help="submit the audio a NeMo manifest names (a stretch of a file, with offset and duration, "
+                        "uploaded as its samples) instead of files or URLs")
     _add_layout_options(p)
     p.add_argument("--job-bytes", default="256M", metavar="SIZE",
                    help="uploads a job holds at most (e.g. 256M, 1G); more audio goes as several jobs, in order "
@@ -398,7 +402,10 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
     try:
         job_bytes = parse_size(args.job_bytes)
-        inputs = collect_audio(args.paths, args.url_list)
+        entries = _submitted_manifest(args)
+        inputs = collect_audio(args.paths, args.url_list) if entries is None else [
+            entry.clip if entry.clip.offset_s or entry.clip.duration_s is not None else entry.clip.path
+            for entry in entries]
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -418,14 +425,57 @@ def cmd_submit(args: argparse.Namespace) -> int:
         except ValueError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
+    from .manifest import ErrorRate
+
+    scored = ErrorRate()  # of a manifest's lines with a reference, written with --format manifest
     with open(args.output, "w", encoding="utf-8") if args.output else contextlib.nullcontext(sys.stdout) as out:
-        return asyncio.run(run_submit(inputs, args.redis_url, args.server, args.api_key, args.wait, out,
-                                      args.idempotency_key, job_bytes=job_bytes,
-                                      options=JobOptions(args.webhook_url, JobPriority(args.priority),
-                                                         args.multichannel, args.skip_silence,
-                                                         channel_names=tuple(args.channel_names),
-                                                         hotwords=tuple(args.hotwords)),
-                                      write_result=write_result))
+        if args.format == "manifest":
+            write_result = _manifest_writer(entries or [], out, scored)
+        status = asyncio.run(run_submit(inputs, args.redis_url, args.server, args.api_key, args.wait, out,
+                                        args.idempotency_key, job_bytes=job_bytes,
+                                        options=JobOptions(args.webhook_url, JobPriority(args.priority),
+                                                           args.multichannel, args.skip_silence,
+                                                           channel_names=tuple(args.channel_names),
+                                                           hotwords=tuple(args.hotwords)),
+                                        write_result=write_result))
+    sys.stderr.write(scored.report())
+    return status
+
+
+def _submitted_manifest(args: argparse.Namespace) -> list[ManifestEntry] | None:
+    """``submit --manifest``'s lines (None without it), the options checked; ValueError saying what is wrong."""
+    from .manifest import read_manifest
+
+    if args.format == "manifest" and (args.manifest is None or not args.wait or args.output_dir is not None):
+        raise ValueError("--format manifest writes a --manifest's lines with their results: it needs --manifest and "
+                         "--wait, and no --output-dir")
+    if args.manifest is None:
+        return None
+    if args.paths or args.url_list:
+        raise ValueError("give files, directories and URLs, or --manifest, not both")
+    if args.output_dir is not None:
+        raise ValueError("--manifest writes result lines (a manifest's lines may share a file): no --output-dir")
+    return read_manifest(args.manifest)
+
+
+def _manifest_writer(entries: list[ManifestEntry], out: TextIO, scored: ErrorRate
+                     ) -> Callable[[Path | str, dict], None]:
+    """``submit --manifest --format manifest``: each result written to ``out`` as its line (results come in input
+    order, one a line, so the n-th is the n-th line's) and scored against its reference; a failed item's error on
+    stderr, naming its line."""
+    from .manifest import record_line
+
+    pending = iter(entries)
+
+    def write(_source: Path | str, record: dict) -> None:
+        entry = next(pending)
+        if record["status"] != "completed":
+            print(f"error: {entry.where}: {record['status']}: {record.get('error') or ''}", file=sys.stderr)
+            return
+        scored.add(entry, record["text"])
+        out.write(record_line(entry, record))
+
+    return write
 
 
 def _result_files(args: argparse.Namespace, inputs: list) -> Callable[[Path | str, dict], None]:

@@ -1,9 +1,11 @@
-"""`batchasr worker` (a job consumer for scale-out) and `batchasr submit` (a bulk job from files or URLs)."""
+"""`batchasr worker` (a job consumer for scale-out) and `batchasr submit` (a bulk job from files, URLs or a manifest's
+stretches of files)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import json
 import logging
 import signal
@@ -15,7 +17,7 @@ from typing import Any, TextIO
 
 import httpx
 
-from models.audio_io import find_audio_files
+from models.audio_io import AudioClip, find_audio_files, open_audio, read_audio
 
 from .config import Settings
 from .jobs import ANONYMOUS, REDIS_ERRORS, REDIS_FULL, ItemInput, JobNotFound, JobOptions, JobStatus, JobStore
@@ -61,7 +63,8 @@ async def run_worker(settings: Settings, metrics_port: int | None) -> int:
 # --- submit -------------------------------------------------------------------------------------------------
 
 
-Input = Path | str  # a local file, or an http(s) URL the workers fetch
+Input = Path | str | AudioClip  # a local file, an http(s) URL the workers fetch, or a stretch of a local file
+CLIP_SAMPLE_RATE = 16000  # a stretch is uploaded as the samples the model hears: float32 WAV, exactly as read here
 
 
 def collect_audio(paths: list[str], url_lists: Sequence[str] = ()) -> list[Input]:
@@ -95,7 +98,7 @@ def split_into_jobs(inputs: list[Input], max_bytes: int) -> list[list[Input]]:
     jobs: list[list[Input]] = []
     size = 0
     for source in inputs:
-        n = len(source) if isinstance(source, str) else source.stat().st_size
+        n = upload_size(source)
         if not jobs or size + n > max_bytes or isinstance(jobs[-1][-1], str) != isinstance(source, str):
             jobs.append([])
             size = 0
@@ -104,10 +107,37 @@ def split_into_jobs(inputs: list[Input], max_bytes: int) -> list[list[Input]]:
     return jobs
 
 
-def item_input(source: Input) -> ItemInput:
-    """A job item for a local file (its bytes, uploaded) or a URL (fetched by the worker)."""
+def upload_size(source: Input) -> int:
+    """What an input adds to its job's uploads: a file's bytes, a URL's length, a stretch's samples (from its
+    duration, or the file's header where it runs to the end; all channels, as a multichannel job sends them)."""
+    if isinstance(source, str):
+        return len(source)
+    if isinstance(source, Path):
+        return source.stat().st_size
+    with open_audio(source.path) as f:
+        seconds = source.duration_s if source.duration_s is not None else f.frames / f.samplerate - source.offset_s
+        return int(max(seconds, 0) * CLIP_SAMPLE_RATE * 4 * f.channels)
+
+
+def clip_upload(clip: AudioClip, multichannel: bool) -> tuple[str, bytes]:
+    """A stretch of a file as an upload: its samples as read here (channels apart for a multichannel job), in a
+    float32 WAV that the worker decodes to the very same samples; and a file name that says which stretch."""
+    import soundfile as sf
+
+    samples = read_audio(clip, CLIP_SAMPLE_RATE, mix=not multichannel)
+    wav = io.BytesIO()
+    sf.write(wav, samples.T if multichannel else samples, CLIP_SAMPLE_RATE, format="WAV", subtype="FLOAT")
+    end = "end" if clip.duration_s is None else f"{clip.offset_s + clip.duration_s:g}"
+    return f"{clip.path.stem}@{clip.offset_s:g}-{end}.wav", wav.getvalue()
+
+
+def item_input(source: Input, multichannel: bool = False) -> ItemInput:
+    """A job item for a local file (its bytes, uploaded), a URL (fetched by the worker) or a stretch of a file
+    (``clip_upload``)."""
     if isinstance(source, str):
         return ItemInput(audio=source, url=source)
+    if isinstance(source, AudioClip):
+        return ItemInput(audio=str(source), upload=clip_upload(source, multichannel)[1])
     return ItemInput(audio=str(source), upload=source.read_bytes())
 
 
@@ -148,8 +178,9 @@ class _ServerClient:
             response = await self.http.post("/v1/jobs", json=body, headers=headers)
         else:
             with contextlib.ExitStack() as files:  # streamed from disk, not read into memory first
-                parts = [("files", (p.name, files.enter_context(open(p, "rb")), "application/octet-stream"))
-                         for p in inputs if isinstance(p, Path)]
+                parts = [("files", (p.name, files.enter_context(open(p, "rb")), "application/octet-stream")
+                          if isinstance(p, Path) else (*clip_upload(p, options.multichannel), "audio/wav"))
+                         for p in inputs if not isinstance(p, str)]
                 form = {name: str(value).lower() for name, value in fields.items() if value is not None}
                 if options.channel_names:
                     form["channel_names"] = ",".join(options.channel_names)
@@ -197,7 +228,8 @@ class _RedisClient:
 
     async def submit(self, inputs: list[Input], idempotency_key: str | None, options: JobOptions) -> dict[str, Any]:
         # the workers check the webhook URL against their own settings when they post (and record a refusal)
-        job, _ = await self.store.submit([item_input(source) for source in inputs], idempotency_key, options)
+        job, _ = await self.store.submit([item_input(source, options.multichannel) for source in inputs],
+                                         idempotency_key, options)
         return job.to_dict()
 
     async def get(self, job_id: str) -> dict[str, Any]:

@@ -18,8 +18,8 @@ from typing import Any
 
 from models.audio_io import AudioClip
 from models.conversation import Conversation
-from models.training.evaluate import edit_distance
 from models.transcript import Transcript, rounded
+from models.wer import edit_distance
 
 AUDIO_FIELD = "audio_filepath"
 _NOT_A_WORD = re.compile(r"[^\w\s']")  # punctuation: dropped before scoring, with case
@@ -67,17 +67,22 @@ def file_entries(paths: Iterable[Path]) -> list[ManifestEntry]:
     return [ManifestEntry({AUDIO_FIELD: str(path)}, AudioClip(path), str(path)) for path in paths]
 
 
-def prediction_line(entry: ManifestEntry, transcript: Transcript | Conversation) -> str:
+def prediction_line(entry: ManifestEntry, text: str, avg_logprob: float | None, duration_s: float) -> str:
     """The entry's line with the prediction: ``pred_text``, ``avg_logprob``, and ``duration`` if it had none."""
     line = dict(entry.fields)
-    line.setdefault("duration", rounded(_duration_s(transcript)))
-    line["pred_text"] = transcript.text
-    line["avg_logprob"] = transcript.avg_logprob
+    line.setdefault("duration", rounded(duration_s))
+    line["pred_text"] = text
+    line["avg_logprob"] = avg_logprob
     return json.dumps(line, ensure_ascii=False) + "\n"
 
 
-def _duration_s(transcript: Transcript | Conversation) -> float:
-    return transcript.duration_s if isinstance(transcript, Transcript) else transcript.channels[0].duration_s
+def transcript_line(entry: ManifestEntry, transcript: Transcript | Conversation) -> str:
+    return prediction_line(entry, transcript.text, transcript.avg_logprob, transcript.duration_s)
+
+
+def record_line(entry: ManifestEntry, record: dict[str, Any]) -> str:
+    """``prediction_line`` for a job item's result record."""
+    return prediction_line(entry, record["text"], record.get("avg_logprob"), record.get("duration_s") or 0.0)
 
 
 def words_for_scoring(text: str) -> list[str]:

@@ -14,10 +14,13 @@ import soundfile as sf
 
 from models import AudioClip, load_model
 from models.audio_io import AudioError, read_audio, resample
-from models.training.evaluate import edit_distance
+from models.wer import edit_distance
 from service.cli import main
+from service.config import Settings
+from service.jobs_cli import upload_size
 from service.manifest import ErrorRate, ManifestEntry, words_for_scoring
 from tests.media import encode
+from tests.servers import run_server
 
 MODEL = "tdt_ctc_hybrid.nemo"
 
@@ -185,4 +188,50 @@ def test_output_takes_line_formats_and_its_own_lines(parity_audio, tmp_path, cap
          "other.json:1: not a result line"),
     ]:
         assert main(["transcribe", *args, parity_audio[0]]) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_a_manifest_submitted_as_a_bulk_job_gives_what_transcribe_gives(redis_server, parity_dir, parity_audio,
+                                                                        tmp_path, capsys):
+    """`submit --manifest --wait --format manifest`: each stretch uploaded as the samples read here, so its
+    prediction is transcribe's, token for token; through a server and straight into Redis alike."""
+    (tmp_path / "broken.wav").write_bytes(b"RIFF....not audio at all")
+    manifest = _write_manifest(tmp_path / "m.json", [
+        {"audio_filepath": parity_audio[0], "text": "a reference"},  # a whole file: uploaded as it is
+        {"audio_filepath": parity_audio[1], "offset": 0.5, "duration": 1.0, "speaker": 3},
+        {"audio_filepath": "broken.wav"},
+        {"audio_filepath": parity_audio[1], "offset": 1.5},
+    ])
+    model_path = str(parity_dir / MODEL)
+    assert main(["transcribe", "--model", model_path, "--manifest", str(manifest), "--format", "manifest"]) == 1
+    expected = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    model = load_model(model_path, device="cpu", dtype="float32")
+    with run_server(Settings(redis_url=redis_server.url, max_wait_ms=20), model) as running:
+        for target in (["--server", running.url], ["--redis-url", redis_server.url]):
+            out = tmp_path / "out.json"
+            status = main(["submit", *target, "--manifest", str(manifest), "--wait", "--format", "manifest",
+                           "--output", str(out)])
+            err = capsys.readouterr().err
+            lines = [json.loads(line) for line in out.read_text().splitlines()]
+            assert status == 1 and "error: m.json:3: failed:" in err  # the broken line, by its line
+            assert [line["pred_text"] for line in lines] == [line["pred_text"] for line in expected]
+            assert [line["audio_filepath"] for line in lines] == [line["audio_filepath"] for line in expected]
+            assert lines[1]["speaker"] == 3 and lines[1]["duration"] == 1.0
+            assert lines[2]["duration"] == pytest.approx(expected[2]["duration"], abs=1e-3)
+            assert "over 1 lines with a reference text" in err
+
+
+def test_submit_takes_a_manifest_or_files_and_manifest_lines_need_one(parity_audio, tmp_path, capsys):
+    # a stretch counts its samples toward --job-bytes (float32 at 16 kHz, as uploaded)
+    whole_s = len(read_audio(parity_audio[0])) / 16000
+    assert upload_size(AudioClip(Path(parity_audio[0]), 0.5, 1.0)) == 16000 * 4
+    assert upload_size(AudioClip(Path(parity_audio[0]), 1.0)) == int((whole_s - 1.0) * 16000 * 4)
+    manifest = _write_manifest(tmp_path / "m.json", [{"audio_filepath": parity_audio[0]}])
+    for args, message in [
+        (["--manifest", str(manifest), parity_audio[0]], "not both"),
+        (["--format", "manifest", "--wait", parity_audio[0]], "it needs --manifest and --wait"),
+        (["--manifest", str(manifest), "--format", "manifest"], "it needs --manifest and --wait"),
+        (["--manifest", str(manifest), "--wait", "--output-dir", str(tmp_path)], "--output-dir"),
+    ]:
+        assert main(["submit", "--redis-url", "redis://127.0.0.1:1", *args]) == 2
         assert message in capsys.readouterr().err

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable
 from itertools import islice
 from pathlib import Path
 
@@ -25,26 +25,12 @@ import torch
 
 from .. import load_model
 from ..asr_model import ASRModel
+from ..wer import edit_distance, wer  # noqa: F401 (wer: this module's, for the scripts that score splits)
 from .data import telephone_band
 
 SPLITS = ("test_sentences", "test_voice")
 RATE_BANDS = ((130, 150), (150, 170), (170, 190), (190, 211))  # words per minute, [low, high)
 N_FIT = 300  # training utterances for the fit column
-
-
-def edit_distance(ref: Sequence[Hashable], hyp: Sequence[Hashable]) -> int:
-    """Levenshtein distance between two sequences (words, token ids)."""
-    row = list(range(len(hyp) + 1))
-    for i, r in enumerate(ref, 1):
-        prev, row[0] = row[0], i
-        for j, h in enumerate(hyp, 1):
-            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (r != h))
-    return row[-1]
-
-
-def wer(refs: Sequence[str], hyps: Sequence[str]) -> float:
-    errors = sum(edit_distance(r.split(), h.split()) for r, h in zip(refs, hyps, strict=True))
-    return errors / max(1, sum(len(r.split()) for r in refs))
 
 
 def read_rows(cache: Path, split: str, limit: int | None = None) -> list[dict]:
