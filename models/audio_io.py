@@ -47,16 +47,26 @@ class AudioClip:
     duration_s: float | None = None
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.offset_s) and self.offset_s >= 0):
-            raise ValueError(f"{self.path}: an offset is 0 s or more, not {self.offset_s!r}")
-        if self.duration_s is not None and not (math.isfinite(self.duration_s) and self.duration_s > 0):
-            raise ValueError(f"{self.path}: a duration is more than 0 s, not {self.duration_s!r}")
+        check_stretch(self.offset_s, self.duration_s, f"{self.path}: ")
 
     def __str__(self) -> str:
-        if not self.offset_s and self.duration_s is None:
-            return str(self.path)
-        end = "end" if self.duration_s is None else f"{self.offset_s + self.duration_s:g} s"
-        return f"{self.path} [{self.offset_s:g} s to {end}]"
+        return stretch_label(str(self.path), self.offset_s, self.duration_s)
+
+
+def check_stretch(offset_s: float, duration_s: float | None, where: str = "") -> None:
+    """ValueError unless ``offset_s`` is 0 s or more and ``duration_s`` more than 0 s (or None: to the end)."""
+    if not (math.isfinite(offset_s) and offset_s >= 0):
+        raise ValueError(f"{where}an offset is 0 s or more, not {offset_s!r}")
+    if duration_s is not None and not (math.isfinite(duration_s) and duration_s > 0):
+        raise ValueError(f"{where}a duration is more than 0 s, not {duration_s!r}")
+
+
+def stretch_label(name: str, offset_s: float, duration_s: float | None) -> str:
+    """A recording's name, and the stretch of it where that is not all of it: ``call.wav [0.5 s to 2 s]``."""
+    if not offset_s and duration_s is None:
+        return name
+    end = "end" if duration_s is None else f"{offset_s + duration_s:g} s"
+    return f"{name} [{offset_s:g} s to {end}]"
 
 
 class AudioError(ValueError):

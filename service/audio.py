@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import soundfile as sf
 
-from models.audio_io import channels_first, check_waveform, decode_blocks, open_audio
+from models.audio_io import channels_first, check_stretch, check_waveform, decode_blocks, open_audio
 from models.containers import UnreadableContainer
 
 BLOCK_FRAMES = 1 << 20  # decode in blocks of about a minute of 16 kHz audio
@@ -69,30 +69,58 @@ def check_media_type(content_type: str | None) -> None:
                                "WebM)")
 
 
-def decode_audio(data: bytes, limits: AudioLimits, multichannel: bool = False) -> np.ndarray:
+@dataclass(frozen=True)
+class Stretch:
+    """The seconds of a recording to transcribe: from ``offset_s``, ``duration_s`` long (None: to the end). The
+    duration limit counts the stretch, not the recording."""
+
+    offset_s: float = 0.0
+    duration_s: float | None = None
+
+    def __post_init__(self) -> None:
+        check_stretch(self.offset_s, self.duration_s)
+
+    def frames(self, rate: int, total: int) -> tuple[int, int | None]:
+        """(first frame, frame count or None: to the end) at ``rate`` in a recording of ``total`` frames (0: not
+        known)."""
+        first = round(self.offset_s * rate)
+        if total and first >= total:
+            raise AudioRequestError(f"the offset ({self.offset_s:g} s) lies past the end of the audio "
+                                    f"({total / rate:.1f} s)")
+        if self.duration_s is not None:
+            return first, max(1, round(self.duration_s * rate))
+        return first, total - first if total else None
+
+
+WHOLE = Stretch()
+
+
+def decode_audio(data: bytes, limits: AudioLimits, multichannel: bool = False, stretch: Stretch = WHOLE
+                 ) -> np.ndarray:
     """Decode an upload (libsndfile's formats, or a media container through FFmpeg), resampled to
     ``limits.sample_rate``, float32: mono (samples,), or with ``multichannel`` each channel apart
-    (channels, samples)."""
+    (channels, samples); of ``stretch`` only."""
     if len(data) == 0:
         raise AudioRequestError("the uploaded file is empty")
     if len(data) > limits.max_bytes:
         raise AudioTooLarge(f"upload of {len(data)} bytes exceeds the limit of {limits.max_bytes} bytes")
-    _check_wav_header(data, len(data), limits)
-    return _decode(io.BytesIO(data), limits, multichannel)
+    _check_wav_header(data, len(data), limits, stretch is WHOLE)
+    return _decode(io.BytesIO(data), limits, multichannel, stretch)
 
 
-def decode_audio_file(path: Path, limits: AudioLimits, multichannel: bool = False) -> np.ndarray:
+def decode_audio_file(path: Path, limits: AudioLimits, multichannel: bool = False, stretch: Stretch = WHOLE
+                      ) -> np.ndarray:
     """Decode a file on disk as it is read, never holding its bytes: only the duration limit applies (a job's path
-    inputs are how recordings larger than an upload may come in)."""
+    inputs are how recordings larger than an upload may come in); of ``stretch`` only."""
     size = path.stat().st_size
     if size == 0:
         raise AudioRequestError(f"{path.name}: the file is empty")
     with open(path, "rb") as f:
-        _check_wav_header(f.read(HEADER_BYTES), size, limits)
-    return _decode(path, limits, multichannel)
+        _check_wav_header(f.read(HEADER_BYTES), size, limits, stretch is WHOLE)
+    return _decode(path, limits, multichannel, stretch)
 
 
-def _decode(source: io.BytesIO | Path, limits: AudioLimits, multichannel: bool) -> np.ndarray:
+def _decode(source: io.BytesIO | Path, limits: AudioLimits, multichannel: bool, stretch: Stretch) -> np.ndarray:
     try:
         with open_audio(source) as f:
             channels = f.channels if multichannel else 1
@@ -100,10 +128,11 @@ def _decode(source: io.BytesIO | Path, limits: AudioLimits, multichannel: bool) 
                 raise TooManyChannels(f"the audio has {channels} channels; at most {limits.max_channels} can be "
                                       "transcribed apart")
             max_s = limits.max_duration_s / channels
-            claimed_s = f.frames / f.samplerate if f.frames > 0 else 0.0
+            first, count = stretch.frames(f.samplerate, max(f.frames, 0))
+            claimed_s = count / f.samplerate if count else 0.0
             if claimed_s > max_s:
                 raise AudioTooLarge(f"audio is {claimed_s:.1f} s long (per its header); {_limit_text(max_s, channels)}")
-            samples = _read_resampled(f, limits, max_s, channels)
+            samples = _read_resampled(f, limits, max_s, channels, first, None if stretch is WHOLE else count)
     except sf.LibsndfileError as exc:
         raise AudioRequestError(f"cannot decode audio: {exc.error_string or exc}") from exc
     except (UnreadableContainer, RuntimeError, TypeError) as exc:
@@ -119,7 +148,7 @@ def _limit_text(max_s: float, channels: int) -> str:
     return f"the limit for {channels} channels transcribed apart is {max_s:.0f} s (their seconds count together)"
 
 
-def _check_wav_header(data: bytes, total_bytes: int, limits: AudioLimits) -> None:
+def _check_wav_header(data: bytes, total_bytes: int, limits: AudioLimits, whole: bool = True) -> None:
     """RIFF/WAVE: the data chunk's declared size against the limit and against the bytes really sent (``data``
     is the file's start, or all of it; ``total_bytes`` its whole length).
 
@@ -136,7 +165,7 @@ def _check_wav_header(data: bytes, total_bytes: int, limits: AudioLimits) -> Non
         if chunk_id == b"data":
             if size in STREAMED_WAV_SIZES or byte_rate == 0:
                 return
-            if size / byte_rate > limits.max_duration_s:
+            if whole and size / byte_rate > limits.max_duration_s:  # a stretch is checked by its own length
                 raise AudioTooLarge(f"audio is {size / byte_rate:.1f} s long (per its header); the limit is "
                                     f"{limits.max_duration_s:.0f} s")
             available = total_bytes - offset - 8
@@ -147,14 +176,16 @@ def _check_wav_header(data: bytes, total_bytes: int, limits: AudioLimits) -> Non
         offset += 8 + size + (size & 1)  # chunks are padded to even sizes
 
 
-def _read_resampled(f: sf.SoundFile, limits: AudioLimits, max_s: float, channels: int) -> np.ndarray:
-    """Blocks resampled as they are read (mono, or ``channels`` apart), until the end of the data (not the
-    header's claim); refused past ``max_s`` seconds, or once a block holds a sample that is not finite (NaN or
-    infinity in spreads through the resampler's filter, so none is missed)."""
+def _read_resampled(f: sf.SoundFile, limits: AudioLimits, max_s: float, channels: int, first_frame: int = 0,
+                    n_frames: int | None = None) -> np.ndarray:
+    """Blocks resampled as they are read (mono, or ``channels`` apart; ``n_frames`` from ``first_frame``, or all),
+    until the end of the data (not the header's claim); refused past ``max_s`` seconds, or once a block holds a
+    sample that is not finite (NaN or infinity in spreads through the resampler's filter, so none is missed)."""
     max_frames = int(max_s * f.samplerate) + 1
     blocks, total = [], 0
-    for n_frames, block in decode_blocks(f, limits.sample_rate, BLOCK_FRAMES, mix=channels == 1):
-        total += n_frames
+    for read, block in decode_blocks(f, limits.sample_rate, BLOCK_FRAMES, mix=channels == 1,
+                                     first_frame=first_frame, n_frames=n_frames):
+        total += read
         if total > max_frames:
             raise AudioTooLarge(f"audio is longer than allowed: {_limit_text(max_s, channels)}")
         if not np.isfinite(block).all():

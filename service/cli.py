@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from .line_output import LINE_FORMATS
 
@@ -386,6 +386,9 @@ def _submit_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--manifest", type=Path, metavar="FILE",
                    help="submit the audio a NeMo manifest names (a stretch of a file, with offset and duration, "
                         "uploaded as its samples) instead of files or URLs")
+    p.add_argument("--paths", dest="paths_not_bytes", action="store_true",
+                   help="send files' paths, not their bytes: the workers read them (and a manifest's stretches of "
+                        "them) from a filesystem they share with you, under their BATCHASR_INPUT_ROOTS")
     _add_layout_options(p)
     p.add_argument("--job-bytes", default="256M", metavar="SIZE",
                    help="uploads a job holds at most (e.g. 256M, 1G); more audio goes as several jobs, in order "
@@ -397,8 +400,10 @@ def _submit_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
+    from models.audio_io import AudioClip
+
     from .jobs import JobOptions, JobPriority
-    from .jobs_cli import collect_audio, parse_size, run_submit
+    from .jobs_cli import WorkerPath, collect_audio, parse_size, run_submit
 
     try:
         job_bytes = parse_size(args.job_bytes)
@@ -406,6 +411,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
         inputs = collect_audio(args.paths, args.url_list) if entries is None else [
             entry.clip if entry.clip.offset_s or entry.clip.duration_s is not None else entry.clip.path
             for entry in entries]
+        if args.paths_not_bytes:
+            inputs = [s if isinstance(s, str) else WorkerPath(AudioClip(s) if isinstance(s, Path) else s)
+                      for s in inputs]
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -478,10 +486,11 @@ def _manifest_writer(entries: list[ManifestEntry], out: TextIO, scored: ErrorRat
     return write
 
 
-def _result_files(args: argparse.Namespace, inputs: list) -> Callable[[Path | str, dict], None]:
+def _result_files(args: argparse.Namespace, inputs: list) -> Callable[[Any, dict], None]:
     """``submit --output-dir``: each completed item's result written to its own file, whole; a failed item's error
     on stderr. ValueError if two inputs would share a file."""
     from .formats import from_record, render
+    from .jobs_cli import WorkerPath
     from .output_files import is_url, output_names, write_whole
 
     suffix = f".{args.format}"
@@ -490,7 +499,9 @@ def _result_files(args: argparse.Namespace, inputs: list) -> Callable[[Path | st
                          suffix)
     args.output_dir.mkdir(parents=True, exist_ok=True)
 
-    def write(source: Path | str, record: dict) -> None:
+    def write(source: Path | str | WorkerPath, record: dict) -> None:
+        if isinstance(source, WorkerPath):  # --paths: named as the file would be
+            source = source.clip.path
         if record["status"] != "completed":
             print(f"error: {source}: {record['status']}: {record.get('error') or ''}", file=sys.stderr)
         elif args.format == "json":

@@ -16,6 +16,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field, model_validator
 from starlette.datastructures import UploadFile as StarletteUpload
 
+from models.audio_io import stretch_label
+
+from .audio import Stretch
 from .config import Settings
 from .hotwords import split_hotwords
 from .http import (
@@ -51,10 +54,17 @@ router = APIRouter(prefix="/v1/jobs", dependencies=[Depends(require_api_key)], t
 
 
 class JobItem(BaseModel):
-    """A file the server can read, under its input roots, or an http(s) URL under its input URL prefixes."""
+    """A file the server can read, under its input roots, or an http(s) URL under its input URL prefixes; of it,
+    the stretch from `offset` seconds, `duration` seconds long (a NeMo manifest's; default: all of it)."""
 
     path: str | None = None
     url: str | None = None
+    offset: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 0.0
+    duration: Annotated[float | None, Field(gt=0.0, allow_inf_nan=False)] = None
+
+    @property
+    def stretch(self) -> Stretch | None:
+        return None if self.offset == 0 and self.duration is None else Stretch(self.offset, self.duration)
 
     @model_validator(mode="after")
     def _one_source(self) -> JobItem:
@@ -131,8 +141,8 @@ async def _json_items(request: Request, service: ServiceState) -> tuple[list[Ite
         body = JobCreate.model_validate_json(await request.body())
     except ValueError as exc:
         raise ApiError(400, f"invalid job: {exc}", code="invalid_job") from exc
-    items = [ItemInput(audio=item.path, path=item.path) if item.path is not None
-             else ItemInput(audio=str(item.url), url=item.url) for item in body.items]
+    items = [ItemInput(audio=stretch_label(item.path or str(item.url), item.offset, item.duration), path=item.path,
+                       url=None if item.url is None else str(item.url), stretch=item.stretch) for item in body.items]
     names = speaker_names(body.channel_names, body.multichannel)
     hotwords = _job_hotwords(service, body.hotwords or [])
     return items, JobOptions(body.webhook_url, body.priority, body.multichannel, body.skip_silence,

@@ -21,7 +21,7 @@ from typing import Protocol
 
 from models.tokenizer import hotword_tokens
 
-from .audio import AudioLimits, AudioRequestError, decode_audio, decode_audio_file
+from .audio import WHOLE, AudioLimits, AudioRequestError, Stretch, decode_audio, decode_audio_file
 from .audio_budget import AudioBudget, AudioClaim
 from .batcher import Priority, QueueFull
 from .formats import to_record
@@ -250,9 +250,11 @@ class JobConsumer:
         """The item's waveform (or its channels'): a file decoded straight from disk, whatever its size (only its
         duration is limited); uploaded or fetched bytes decoded from memory."""
         loop = asyncio.get_running_loop()
+        stretch = Stretch(record["offset_s"], record["duration_s"]) if "offset_s" in record else WHOLE
         if "path" in record:
             path = resolve_input_path(record["path"], self.input_roots)
-            return await loop.run_in_executor(self.decode_pool, decode_audio_file, path, self.limits, multichannel)
+            return await loop.run_in_executor(self.decode_pool, decode_audio_file, path, self.limits, multichannel,
+                                              stretch)
         if "url" in record:
             if self.urls is None:
                 raise JobInputError(f"{record['url']}: URL inputs are disabled on this worker "
@@ -262,7 +264,7 @@ class JobConsumer:
             raise JobInputError("the uploaded audio expired before it was processed")
         else:
             data = upload
-        return await loop.run_in_executor(self.decode_pool, decode_audio, data, self.limits, multichannel)
+        return await loop.run_in_executor(self.decode_pool, decode_audio, data, self.limits, multichannel, stretch)
 
     async def _fail(self, job_id: str, index: int, audio: str | None, error: str) -> None:
         outcome = await self.store.finish_item(job_id, index, "failed", item_record(audio, "failed", error=error),

@@ -26,6 +26,8 @@ from redis.exceptions import OutOfMemoryError
 
 from models.transcript import rounded
 
+from .audio import Stretch
+
 # --- the key schema, in one place ----------------------------------------------------------------------------
 PREFIX = "batchasr"
 ITEM_STREAM = f"{PREFIX}:items"  # XADD job=<id> index=<i>; consumer group GROUP (normal priority's items)
@@ -223,6 +225,7 @@ class ItemInput:
     path: str | None = None  # a file under the input roots
     url: str | None = None  # an http(s) URL under the input URL prefixes
     upload: bytes | None = None  # the audio itself
+    stretch: Stretch | None = None  # a path's or URL's: the seconds of it to transcribe (a NeMo manifest's)
 
     def __post_init__(self) -> None:
         if sum(source is not None for source in (self.path, self.url, self.upload)) != 1:
@@ -418,6 +421,8 @@ class JobStore:
                 record["url"] = item.url
             else:
                 record["path"] = item.path
+            if item.stretch is not None:
+                record["offset_s"], record["duration_s"] = item.stretch.offset_s, item.stretch.duration_s
             inputs[index] = json.dumps(record)
             states[index] = "queued"
         created_at, kept_s = _now(), self.input_ttl_s + self.result_ttl_s

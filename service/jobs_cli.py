@@ -12,6 +12,7 @@ import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -19,6 +20,7 @@ import httpx
 
 from models.audio_io import AudioClip, find_audio_files, open_audio, read_audio
 
+from .audio import Stretch
 from .config import Settings
 from .jobs import ANONYMOUS, REDIS_ERRORS, REDIS_FULL, ItemInput, JobNotFound, JobOptions, JobStatus, JobStore
 from .output_files import is_url
@@ -63,7 +65,26 @@ async def run_worker(settings: Settings, metrics_port: int | None) -> int:
 # --- submit -------------------------------------------------------------------------------------------------
 
 
-Input = Path | str | AudioClip  # a local file, an http(s) URL the workers fetch, or a stretch of a local file
+@dataclass(frozen=True)
+class WorkerPath:
+    """A file (or a stretch of it) the workers read from their own disk, under their input roots: its path is sent,
+    not its bytes (``submit --paths``: a filesystem the submitter and the workers share)."""
+
+    clip: AudioClip
+
+    def __str__(self) -> str:
+        return str(self.clip)
+
+    def item(self) -> dict[str, Any]:
+        """The JSON job item (POST /v1/jobs)."""
+        item: dict[str, Any] = {"path": str(self.clip.path.resolve())}
+        if self.clip.offset_s or self.clip.duration_s is not None:
+            item.update(offset=self.clip.offset_s, duration=self.clip.duration_s)
+        return item
+
+
+# a local file, an http(s) URL the workers fetch, a stretch of a local file, or a file the workers read themselves
+Input = Path | str | AudioClip | WorkerPath
 CLIP_SAMPLE_RATE = 16000  # a stretch is uploaded as the samples the model hears: float32 WAV, exactly as read here
 
 
@@ -99,7 +120,7 @@ def split_into_jobs(inputs: list[Input], max_bytes: int) -> list[list[Input]]:
     size = 0
     for source in inputs:
         n = upload_size(source)
-        if not jobs or size + n > max_bytes or isinstance(jobs[-1][-1], str) != isinstance(source, str):
+        if not jobs or size + n > max_bytes or sent_as_json(jobs[-1][-1]) != sent_as_json(source):
             jobs.append([])
             size = 0
         jobs[-1].append(source)
@@ -107,11 +128,16 @@ def split_into_jobs(inputs: list[Input], max_bytes: int) -> list[list[Input]]:
     return jobs
 
 
+def sent_as_json(source: Input) -> bool:
+    """URLs and workers' paths go as a JSON job; files and stretches as uploads (split_into_jobs keeps them apart)."""
+    return isinstance(source, (str, WorkerPath))
+
+
 def upload_size(source: Input) -> int:
     """What an input adds to its job's uploads: a file's bytes, a URL's length, a stretch's samples (from its
     duration, or the file's header where it runs to the end; all channels, as a multichannel job sends them)."""
-    if isinstance(source, str):
-        return len(source)
+    if isinstance(source, (str, WorkerPath)):
+        return len(source) if isinstance(source, str) else len(str(source.clip.path))
     if isinstance(source, Path):
         return source.stat().st_size
     with open_audio(source.path) as f:
@@ -136,6 +162,10 @@ def item_input(source: Input, multichannel: bool = False) -> ItemInput:
     (``clip_upload``)."""
     if isinstance(source, str):
         return ItemInput(audio=source, url=source)
+    if isinstance(source, WorkerPath):
+        item = source.item()
+        stretch = Stretch(item["offset"], item["duration"]) if "offset" in item else None
+        return ItemInput(audio=str(source.clip), path=item["path"], stretch=stretch)
     if isinstance(source, AudioClip):
         return ItemInput(audio=str(source), upload=clip_upload(source, multichannel)[1])
     return ItemInput(audio=str(source), upload=source.read_bytes())
@@ -167,20 +197,22 @@ class _ServerClient:
         self.http = httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, timeout=300)
 
     async def submit(self, inputs: list[Input], idempotency_key: str | None, options: JobOptions) -> dict[str, Any]:
-        """Files as multipart uploads; URLs as a JSON job (the server fetches them)."""
+        """Files (and stretches) as multipart uploads; URLs and workers' paths as a JSON job (the server fetches or
+        reads them)."""
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
-        urls = [source for source in inputs if isinstance(source, str)]
+        sent = [source for source in inputs if sent_as_json(source)]
         fields = {"webhook_url": options.webhook_url, "priority": options.priority.value,
                   "multichannel": options.multichannel, "skip_silence": options.skip_silence}
-        if urls:  # split_into_jobs keeps files and URLs apart
-            body = {"items": [{"url": url} for url in urls], **fields, "channel_names": list(options.channel_names),
+        if sent:  # split_into_jobs keeps them apart from uploads
+            items = [{"url": s} if isinstance(s, str) else s.item() for s in sent]
+            body = {"items": items, **fields, "channel_names": list(options.channel_names),
                     "hotwords": list(options.hotwords)}
             response = await self.http.post("/v1/jobs", json=body, headers=headers)
         else:
             with contextlib.ExitStack() as files:  # streamed from disk, not read into memory first
                 parts = [("files", (p.name, files.enter_context(open(p, "rb")), "application/octet-stream")
                           if isinstance(p, Path) else (*clip_upload(p, options.multichannel), "audio/wav"))
-                         for p in inputs if not isinstance(p, str)]
+                         for p in inputs if not sent_as_json(p)]
                 form = {name: str(value).lower() for name, value in fields.items() if value is not None}
                 if options.channel_names:
                     form["channel_names"] = ",".join(options.channel_names)

@@ -8,6 +8,7 @@ import json
 import re
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import soundfile as sf
@@ -20,7 +21,7 @@ from service.config import Settings
 from service.jobs_cli import upload_size
 from service.manifest import ErrorRate, ManifestEntry, words_for_scoring
 from tests.media import encode
-from tests.servers import run_server
+from tests.servers import run_server, wait_job
 
 MODEL = "tdt_ctc_hybrid.nemo"
 
@@ -235,3 +236,66 @@ def test_submit_takes_a_manifest_or_files_and_manifest_lines_need_one(parity_aud
     ]:
         assert main(["submit", "--redis-url", "redis://127.0.0.1:1", *args]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_a_jobs_path_items_may_name_a_stretch_the_worker_reads_from_disk(redis_server, parity_dir, parity_audio,
+                                                                        tmp_path):
+    """POST /v1/jobs with `{"path", "offset", "duration"}` items: a worker reads just that stretch of a file on its
+    disk (nothing of it goes through Redis), the same samples the Python API's AudioClip reads; the duration
+    limit counts the stretch; an offset past the end fails only its item, with the reason."""
+    roots = tmp_path / "inputs"
+    roots.mkdir()
+    long_file = roots / "call.wav"
+    long_file.write_bytes(Path(parity_audio[1]).read_bytes())  # 3.2 s
+    model = load_model(parity_dir / MODEL, device="cpu", dtype="float32")
+    wave = read_audio(long_file)
+    expected = [t.text for t in model.transcribe([wave[8000:24000], wave[24000:]])]
+    settings = Settings(redis_url=redis_server.url, input_roots=[str(roots)], max_duration_s=2.0)
+    with run_server(settings, model) as running:
+        items = [{"path": str(long_file), "offset": 0.5, "duration": 1.0}, {"path": str(long_file), "offset": 1.5},
+                 {"path": str(long_file)}, {"path": str(long_file), "offset": 9.0}]
+        job = httpx.post(f"{running.url}/v1/jobs", json={"items": items}, timeout=30).json()
+        done = wait_job(running.url, job["id"])
+        lines = [json.loads(line) for line in
+                 httpx.get(f"{running.url}/v1/jobs/{job['id']}/results", timeout=30).text.splitlines()]
+        refused = [httpx.post(f"{running.url}/v1/jobs", json={"items": [{"path": str(long_file), **bad}]}, timeout=30)
+                   for bad in ({"offset": -1}, {"duration": 0}, {"offset": "ten"})]
+    assert done["status"] == "completed_with_errors"
+    assert [line["text"] for line in lines[:2]] == expected
+    assert lines[0]["audio"] == f"{long_file} [0.5 s to 1.5 s]" and lines[1]["audio"] == f"{long_file} [1.5 s to end]"
+    assert lines[2]["status"] == "failed" and "the limit is 2 s" in lines[2]["error"]  # the whole file is too long
+    assert lines[3]["status"] == "failed" and "lies past the end of the audio" in lines[3]["error"]
+    assert all(r.status_code == 400 and r.json()["error"]["code"] == "invalid_job" for r in refused)
+
+
+def test_submit_paths_sends_where_the_files_are_not_their_bytes(redis_server, parity_dir, parity_audio, tmp_path,
+                                                               capsys):
+    """`submit --paths`: a manifest's files and stretches, and plain files, as path items that the workers read
+    from the disk they share with the submitter; the same predictions as transcribe, through a server and
+    straight into Redis; a file outside the workers' input roots refused before anything is queued."""
+    roots = tmp_path / "inputs"
+    roots.mkdir()
+    for name in parity_audio[:2]:
+        (roots / Path(name).name).write_bytes(Path(name).read_bytes())
+    first, second = sorted(roots.iterdir())
+    manifest = _write_manifest(roots / "m.json", [
+        {"audio_filepath": first.name}, {"audio_filepath": second.name, "offset": 0.5, "duration": 1.0},
+        {"audio_filepath": second.name, "offset": 1.5, "text": "a reference"},
+    ])
+    model_path = str(parity_dir / MODEL)
+    assert main(["transcribe", "--model", model_path, "--manifest", str(manifest), "--format", "manifest"]) == 0
+    expected = [json.loads(line)["pred_text"] for line in capsys.readouterr().out.splitlines()]
+    model = load_model(model_path, device="cpu", dtype="float32")
+    settings = Settings(redis_url=redis_server.url, input_roots=[str(roots)], max_wait_ms=20)
+    with run_server(settings, model) as running:
+        for target in (["--server", running.url], ["--redis-url", redis_server.url]):
+            out = tmp_path / "out.json"
+            assert main(["submit", *target, "--paths", "--manifest", str(manifest), "--wait", "--format", "manifest",
+                         "--output", str(out)]) == 0
+            assert [json.loads(line)["pred_text"] for line in out.read_text().splitlines()] == expected
+            assert "WER" in capsys.readouterr().err
+        assert main(["submit", "--server", running.url, "--paths", "--wait", "--output-dir", str(tmp_path / "txt"),
+                     "--format", "text", str(first)]) == 0
+        outside = main(["submit", "--server", running.url, "--paths", parity_audio[0]])
+    assert (tmp_path / "txt" / f"{first.stem}.text").read_text() == expected[0] + "\n"
+    assert outside == 2 and "outside the input roots" in capsys.readouterr().err
