@@ -11,12 +11,9 @@ import contextlib
 import json
 import logging
 import sys
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
-
-from .line_output import LINE_FORMATS
 
 if TYPE_CHECKING:
     from .formats import SubtitleLayout
@@ -117,138 +114,14 @@ def _layout(args: argparse.Namespace) -> SubtitleLayout:
 
 
 def cmd_transcribe(args: argparse.Namespace) -> int:
-    """Files (and directories of them), or a manifest's lines, transcribed in bounded memory, each result written
-    as it comes (a run over thousands of files keeps what it has done); a file that cannot be read is reported and
-    skipped."""
-    from models import load_model
+    from .transcribe_cli import run_transcribe
 
     try:
-        inputs = _transcribe_inputs(args)
         layout = _layout(args)
-    except (FileNotFoundError, ValueError) as exc:
+    except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    model = load_model(args.model, device=args.device, dtype=args.dtype,
-                       attention_kernel=args.attention_kernel or "auto")
-    try:
-        outcomes = model.transcribe_iter([entry.clip for entry in inputs.entries], batch_size=args.batch_size,
-                                         decoder=args.decoder, decoder_algorithm=args.decoder_algorithm,
-                                         cuda_graphs=args.cuda_graphs, max_segment_s=args.max_segment_s or None,
-                                         return_errors=True, multichannel=args.multichannel,
-                                         skip_silence=args.skip_silence, hotwords=args.hotwords)
-    except ValueError as exc:  # hotwords this model cannot boost, or bad options
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if args.output_dir is not None:
-        args.output_dir.mkdir(parents=True, exist_ok=True)
-    with contextlib.ExitStack() as stack:
-        out = sys.stdout if args.output is None else stack.enter_context(args.output.open("a", encoding="utf-8"))
-        return _write_results(args, inputs, outcomes, layout, out)
-
-
-def _write_results(args: argparse.Namespace, inputs: TranscribeInputs, outcomes: Iterable, layout: SubtitleLayout,
-                   out: TextIO) -> int:
-    """Each outcome written as it comes (to ``out``, or its file under --output-dir), errors reported; then the
-    run's summary. The exit status: 1 if an input could not be read."""
-    from models.conversation import Conversation
-
-    from .formats import render, to_record
-    from .manifest import ErrorRate, transcript_line
-    from .output_files import write_whole
-    from .run_summary import RunSummary
-
-    records, failed, summary, scored = [], 0, RunSummary(), ErrorRate()
-    for entry, output, outcome in zip(inputs.entries, inputs.outputs, outcomes, strict=True):
-        if isinstance(outcome, Conversation):
-            outcome.names = args.channel_names
-        if isinstance(outcome, Exception):
-            failed += 1
-            print(f"error: {entry.where}: {outcome}" if inputs.from_manifest else f"error: {outcome}",
-                  file=sys.stderr)
-            continue
-        summary.add(entry.where, outcome)
-        scored.add(entry, outcome.text)
-        if output is not None:
-            write_whole(output, render(outcome, str(entry.clip), args.format, layout))
-        elif args.format == "json":  # one array: written at the end
-            records.append(to_record(outcome, str(entry.clip)))
-        else:
-            out.write(transcript_line(entry, outcome) if args.format == "manifest"
-                      else render(outcome, str(entry.clip), args.format, layout))
-            out.flush()  # each result kept as it comes: a run cut short resumes with --skip-existing
-    if args.format == "json" and args.output_dir is None:
-        out.write(json.dumps(records, ensure_ascii=False, indent=2) + "\n")
-    if failed:
-        what = "manifest lines" if inputs.from_manifest else "files"
-        print(f"{failed} of {len(inputs.entries)} {what} could not be read", file=sys.stderr)
-    if len(inputs.entries) > 1:
-        sys.stderr.write(summary.report())
-    sys.stderr.write(scored.report())
-    return 1 if failed else 0
-
-
-@dataclass
-class TranscribeInputs:
-    entries: list[ManifestEntry]  # what to transcribe: files as manifest lines, or a manifest's own
-    outputs: list[Path | None]  # where each result goes under --output-dir (None: stdout)
-    from_manifest: bool
-
-
-def _transcribe_inputs(args: argparse.Namespace) -> TranscribeInputs:
-    """What ``transcribe`` was given, checked before any model loads; ValueError (or FileNotFoundError) saying
-    what is wrong."""
-    from .manifest import file_entries, read_manifest
-    from .output_files import output_names
-
-    if bool(args.manifest) == bool(args.audio):
-        raise ValueError("give audio files and directories, or --manifest, not both" if args.audio
-                         else "no audio: give files, directories or --manifest")
-    if args.format == "manifest" and args.output_dir is not None:
-        raise ValueError("--format manifest writes one manifest: --output FILE, not --output-dir")
-    if args.output is not None and (args.output_dir is not None or args.format not in LINE_FORMATS):
-        raise ValueError(f"--output takes the line formats ({', '.join(LINE_FORMATS)}), without --output-dir")
-    if args.channel_names and not args.multichannel:
-        raise ValueError("--channel-names names the channels of --multichannel")
-    if args.manifest is not None:
-        if args.output_dir is not None:
-            raise ValueError("--manifest prints its results (a manifest's lines may share a file): no --output-dir")
-        entries = read_manifest(args.manifest)
-        if not entries:
-            raise ValueError(f"{args.manifest}: no lines")
-        if args.format in ("srt", "vtt") and len(entries) > 1:
-            raise ValueError(f"--format {args.format} prints one transcript; the manifest has {len(entries)}")
-        return _left_to_do(args, TranscribeInputs(entries, [None] * len(entries), from_manifest=True))
-    named = output_names(args.audio, f".{args.format}")
-    if not named:
-        raise ValueError("no audio files found")
-    if args.format in ("srt", "vtt") and len(named) > 1 and args.output_dir is None:
-        raise ValueError(f"--format {args.format} prints one file; use --output-dir for several")
-    if args.output_dir is not None and args.skip_existing:
-        done = [path for path, name in named.items() if (args.output_dir / name).is_file()]
-        named = {path: name for path, name in named.items() if path not in done}
-        print(f"{len(done)} files already transcribed in {args.output_dir}; {len(named)} to go", file=sys.stderr)
-    outputs = [None if args.output_dir is None else args.output_dir / name for name in named.values()]
-    return _left_to_do(args, TranscribeInputs(file_entries(named), outputs, from_manifest=False))
-
-
-def _left_to_do(args: argparse.Namespace, inputs: TranscribeInputs) -> TranscribeInputs:
-    """With ``--output FILE --skip-existing``, the inputs whose lines the file does not hold yet."""
-    from .line_output import line_key, lines_done
-
-    if args.output is None or not args.skip_existing:
-        return inputs
-    done = lines_done(args.output, args.format)
-    left = TranscribeInputs([], [], inputs.from_manifest)
-    for entry, output in zip(inputs.entries, inputs.outputs, strict=True):
-        key = line_key(args.format, entry.fields if args.format == "manifest" else {"audio": str(entry.clip)})
-        if done[key]:
-            done[key] -= 1
-            continue
-        left.entries.append(entry)
-        left.outputs.append(output)
-    skipped = len(inputs.entries) - len(left.entries)
-    print(f"{skipped} inputs already in {args.output}; {len(left.entries)} to go", file=sys.stderr)
-    return left
+    return run_transcribe(args, layout)
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
