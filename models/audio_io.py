@@ -49,6 +49,11 @@ class AudioClip:
     def __post_init__(self) -> None:
         check_stretch(self.offset_s, self.duration_s, f"{self.path}: ")
 
+    @property
+    def whole(self) -> bool:
+        """The clip is all of its file."""
+        return is_whole(self.offset_s, self.duration_s)
+
     def __str__(self) -> str:
         return stretch_label(str(self.path), self.offset_s, self.duration_s)
 
@@ -61,9 +66,19 @@ def check_stretch(offset_s: float, duration_s: float | None, where: str = "") ->
         raise ValueError(f"{where}a duration is more than 0 s, not {duration_s!r}")
 
 
+def is_whole(offset_s: float, duration_s: float | None) -> bool:
+    """A stretch from the start to the end is all of its recording."""
+    return not offset_s and duration_s is None
+
+
+def stretch_frames(offset_s: float, duration_s: float | None, rate: int) -> tuple[int, int | None]:
+    """A stretch's first frame and frame count (None: to the end) at a recording's own ``rate``."""
+    return round(offset_s * rate), None if duration_s is None else max(1, round(duration_s * rate))
+
+
 def stretch_label(name: str, offset_s: float, duration_s: float | None) -> str:
     """A recording's name, and the stretch of it where that is not all of it: ``call.wav [0.5 s to 2 s]``."""
-    if not offset_s and duration_s is None:
+    if is_whole(offset_s, duration_s):
         return name
     end = "end" if duration_s is None else f"{offset_s + duration_s:g} s"
     return f"{name} [{offset_s:g} s to {end}]"
@@ -195,7 +210,8 @@ def read_audio(source: str | Path | bytes | BinaryIO | AudioClip, sample_rate: i
     handle = io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else source
     try:
         with open_audio(handle) as f:
-            first, count = (0, None) if clip is None else _clip_frames(clip, f.samplerate)
+            first, count = (0, None) if clip is None else stretch_frames(clip.offset_s, clip.duration_s,
+                                                                          f.samplerate)
             blocks = [block for _, block in decode_blocks(f, sample_rate, mix=mix, first_frame=first, n_frames=count)]
     except (sf.LibsndfileError, UnreadableContainer, RuntimeError, TypeError) as exc:
         raise AudioError(f"{name}: cannot decode audio ({exc})") from exc
@@ -203,11 +219,6 @@ def read_audio(source: str | Path | bytes | BinaryIO | AudioClip, sample_rate: i
     if clip is not None and clip.offset_s and not len(samples):
         raise AudioError(f"{name}: the offset lies past the end of the audio")
     return check_waveform(samples, name) if mix else check_channels(channels_first(samples), name)
-
-
-def _clip_frames(clip: AudioClip, rate: int) -> tuple[int, int | None]:
-    """A clip's first frame and frame count at the file's own rate."""
-    return round(clip.offset_s * rate), None if clip.duration_s is None else max(1, round(clip.duration_s * rate))
 
 
 def channels_first(samples: np.ndarray) -> np.ndarray:

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import soundfile as sf
 
-from models.audio_io import channels_first, check_stretch, check_waveform, decode_blocks, open_audio
+from models.audio_io import channels_first, check_stretch, check_waveform, decode_blocks, open_audio, stretch_frames
 from models.containers import UnreadableContainer
 
 BLOCK_FRAMES = 1 << 20  # decode in blocks of about a minute of 16 kHz audio
@@ -83,13 +83,13 @@ class Stretch:
     def frames(self, rate: int, total: int) -> tuple[int, int | None]:
         """(first frame, frame count or None: to the end) at ``rate`` in a recording of ``total`` frames (0: not
         known)."""
-        first = round(self.offset_s * rate)
+        first, count = stretch_frames(self.offset_s, self.duration_s, rate)
         if total and first >= total:
             raise AudioRequestError(f"the offset ({self.offset_s:g} s) lies past the end of the audio "
                                     f"({total / rate:.1f} s)")
-        if self.duration_s is not None:
-            return first, max(1, round(self.duration_s * rate))
-        return first, total - first if total else None
+        if count is None and total:
+            return first, total - first
+        return first, count
 
 
 WHOLE = Stretch()

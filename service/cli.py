@@ -282,7 +282,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         job_bytes = parse_size(args.job_bytes)
         entries = _submitted_manifest(args)
         inputs = collect_audio(args.paths, args.url_list) if entries is None else [
-            entry.clip if entry.clip.offset_s or entry.clip.duration_s is not None else entry.clip.path
+            entry.clip.path if entry.clip.whole else entry.clip
             for entry in entries]
         if args.paths_not_bytes:
             inputs = [s if isinstance(s, str) else WorkerPath(AudioClip(s) if isinstance(s, Path) else s)

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field, model_validator
 from starlette.datastructures import UploadFile as StarletteUpload
 
-from models.audio_io import stretch_label
+from models.audio_io import is_whole, stretch_label
 
 from .audio import Stretch
 from .config import Settings
@@ -64,7 +64,7 @@ class JobItem(BaseModel):
 
     @property
     def stretch(self) -> Stretch | None:
-        return None if self.offset == 0 and self.duration is None else Stretch(self.offset, self.duration)
+        return None if is_whole(self.offset, self.duration) else Stretch(self.offset, self.duration)
 
     @model_validator(mode="after")
     def _one_source(self) -> JobItem:

@@ -78,7 +78,7 @@ class WorkerPath:
     def item(self) -> dict[str, Any]:
         """The JSON job item (POST /v1/jobs)."""
         item: dict[str, Any] = {"path": str(self.clip.path.resolve())}
-        if self.clip.offset_s or self.clip.duration_s is not None:
+        if not self.clip.whole:
             item.update(offset=self.clip.offset_s, duration=self.clip.duration_s)
         return item
 
@@ -163,9 +163,9 @@ def item_input(source: Input, multichannel: bool = False) -> ItemInput:
     if isinstance(source, str):
         return ItemInput(audio=source, url=source)
     if isinstance(source, WorkerPath):
-        item = source.item()
-        stretch = Stretch(item["offset"], item["duration"]) if "offset" in item else None
-        return ItemInput(audio=str(source.clip), path=item["path"], stretch=stretch)
+        clip = source.clip
+        stretch = None if clip.whole else Stretch(clip.offset_s, clip.duration_s)
+        return ItemInput(audio=str(clip), path=source.item()["path"], stretch=stretch)
     if isinstance(source, AudioClip):
         return ItemInput(audio=str(source), upload=clip_upload(source, multichannel)[1])
     return ItemInput(audio=str(source), upload=source.read_bytes())
