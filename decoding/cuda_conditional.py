@@ -93,30 +93,55 @@ def _check(result: Any, what: str) -> Any:
 _KERNELS: dict[int, Any] = {}  # device index -> CUfunction (modules are per context, so per device)
 
 
+def compile_condition_kernel(arch: str | None = None) -> bytes:
+    """NVRTC-compile the condition kernel: machine code (a cubin) for ``arch`` ("sm_90"), or PTX without one.
+
+    Needs NVRTC but no GPU. A cubin loads on any driver of the same CUDA major version; PTX must be JIT-compiled
+    by the driver, which refuses PTX newer than itself (an NVRTC 12.8 with a 12.6 driver).
+    """
+    _, nvrtc, _ = _bindings()
+    options = [f"--gpu-architecture={arch}".encode()] if arch else []
+    program = _check(nvrtc.nvrtcCreateProgram(_KERNEL_SOURCE.encode(), b"set_condition.cu", 0, [], []),
+                     "nvrtcCreateProgram")
+    try:
+        err, *_ = nvrtc.nvrtcCompileProgram(program, len(options), options)
+        if _code(err) != 0:
+            size = _check(nvrtc.nvrtcGetProgramLogSize(program), "nvrtcGetProgramLogSize")
+            log = bytearray(size)  # NVRTC writes into the buffer
+            nvrtc.nvrtcGetProgramLog(program, log)
+            raise CudaPythonError(f"NVRTC could not compile the condition kernel for {arch or 'PTX'}: "
+                                  f"{log.decode(errors='replace').strip() or err}")
+        get_size, get = ((nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN) if arch
+                         else (nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX))
+        image = bytearray(_check(get_size(program), get_size.__name__))
+        _check(get(program, image), get.__name__)
+        return bytes(image)
+    finally:
+        nvrtc.nvrtcDestroyProgram(program)
+
+
 def load_condition_kernel(device: torch.device) -> Any:
-    """Compile (NVRTC) and load the condition kernel for ``device`` once; call it before capture starts."""
+    """Compile (NVRTC) and load the condition kernel for ``device`` once; call it before capture starts.
+
+    Machine code for the device's own architecture first; PTX where this NVRTC does not know the architecture
+    (a GPU newer than the toolkit) or the cubin does not load.
+    """
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _KERNELS:
-        driver, nvrtc, _ = _bindings()
-        program = _check(nvrtc.nvrtcCreateProgram(_KERNEL_SOURCE.encode(), b"set_condition.cu", 0, [], []),
-                         "nvrtcCreateProgram")
+    if index in _KERNELS:
+        return _KERNELS[index]
+    driver, _, _ = _bindings()
+    major, minor = torch.cuda.get_device_capability(index)
+    failures = []
+    for arch in (f"sm_{major}{minor}", None):
         try:
-            # no -arch: the default virtual architecture is old enough for every GPU; the driver JITs the PTX
-            err, *_ = nvrtc.nvrtcCompileProgram(program, 0, [])
-            if _code(err) != 0:
-                size = _check(nvrtc.nvrtcGetProgramLogSize(program), "nvrtcGetProgramLogSize")
-                log = bytearray(size)  # NOTE: mutable buffer; NVRTC writes into it
-                nvrtc.nvrtcGetProgramLog(program, log)
-                raise CudaPythonError(f"NVRTC could not compile the condition kernel: {log.decode(errors='replace')}")
-            size = _check(nvrtc.nvrtcGetPTXSize(program), "nvrtcGetPTXSize")
-            ptx = bytearray(size)
-            _check(nvrtc.nvrtcGetPTX(program, ptx), "nvrtcGetPTX")
-        finally:
-            nvrtc.nvrtcDestroyProgram(program)
-        with torch.cuda.device(index):
-            module = _check(driver.cuModuleLoadData(bytes(ptx)), "cuModuleLoadData")
-            _KERNELS[index] = _check(driver.cuModuleGetFunction(module, _KERNEL_NAME), "cuModuleGetFunction")
-    return _KERNELS[index]
+            image = compile_condition_kernel(arch)
+            with torch.cuda.device(index):
+                module = _check(driver.cuModuleLoadData(image), "cuModuleLoadData")
+                _KERNELS[index] = _check(driver.cuModuleGetFunction(module, _KERNEL_NAME), "cuModuleGetFunction")
+            return _KERNELS[index]
+        except CudaPythonError as exc:
+            failures.append(str(exc))
+    raise CudaPythonError("the condition kernel does not load: " + "; ".join(failures))
 
 
 class ConditionalGraphBuilder:

@@ -3,6 +3,7 @@ no_while host loop (with stand-in graphs that replay by calling the captured fun
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -138,3 +139,53 @@ def test_no_while_host_loop_equals_frame_looping(monkeypatch, parity_dir, name):
         cuda_graphs._StageGraphs(looper, state, [None]).run()
         reference = frame_looping_greedy(encoded, lengths, model.decoder, model.joint, t.durations, t.max_symbols)
     assert looper.results(state, 5) == reference
+
+
+def test_nvrtc_compiles_the_condition_kernel_without_a_gpu():
+    pytest.importorskip("cuda.bindings.nvrtc")
+    ptx = cuda_conditional.compile_condition_kernel()
+    assert b".entry batchasr_set_condition" in ptx and b".extern .func cudaGraphSetConditional" in ptx
+    assert ptx.endswith(b"\0")  # cuModuleLoadData reads PTX up to its terminator
+    cubin = cuda_conditional.compile_condition_kernel("sm_90")
+    assert cubin.startswith(b"\x7fELF") and b"batchasr_set_condition" in cubin
+    with pytest.raises(CudaPythonError, match="could not compile the condition kernel for sm_1"):
+        cuda_conditional.compile_condition_kernel("sm_1")
+
+
+def test_kernel_loads_as_machine_code_first_and_as_ptx_when_that_fails(monkeypatch):
+    """A cubin needs no JIT (a driver older than the NVRTC refuses its PTX); PTX covers a GPU the NVRTC does
+    not know. Both failing names both reasons."""
+    compiled: list[str | None] = []
+
+    def fake_compile(arch):
+        compiled.append(arch)
+        return b"\x7fELF" if arch else b".version\0"
+
+    def load_driver(refuse):
+        def load(image):
+            kind = "cubin" if image.startswith(b"\x7fELF") else "ptx"
+            return (SimpleNamespace(value=222), None) if refuse(image) else (0, kind)
+        return SimpleNamespace(cuModuleLoadData=load, cuModuleGetFunction=lambda module, name: (0, (module, name)))
+
+    monkeypatch.setattr(cuda_conditional, "compile_condition_kernel", fake_compile)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
+    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+    monkeypatch.setattr(cuda_conditional, "_KERNELS", {})
+    device = torch.device("cuda", 0)
+
+    monkeypatch.setattr(cuda_conditional, "_bindings", lambda: (load_driver(lambda image: False), None, (13, 0)))
+    assert cuda_conditional.load_condition_kernel(device) == ("cubin", b"batchasr_set_condition")
+    assert compiled == ["sm_90"]
+    assert cuda_conditional.load_condition_kernel(device)[0] == "cubin" and compiled == ["sm_90"]  # cached
+
+    cuda_conditional._KERNELS.clear()
+    compiled.clear()
+    refuse_elf = load_driver(lambda image: image.startswith(b"\x7fELF"))
+    monkeypatch.setattr(cuda_conditional, "_bindings", lambda: (refuse_elf, None, (13, 0)))
+    assert cuda_conditional.load_condition_kernel(device)[0] == "ptx"
+    assert compiled == ["sm_90", None]
+
+    cuda_conditional._KERNELS.clear()
+    monkeypatch.setattr(cuda_conditional, "_bindings", lambda: (load_driver(lambda image: True), None, (13, 0)))
+    with pytest.raises(CudaPythonError, match=r"does not load: cuModuleLoadData failed.*; cuModuleLoadData failed"):
+        cuda_conditional.load_condition_kernel(device)
