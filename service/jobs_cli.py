@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
 import json
 import logging
 import signal
@@ -18,12 +17,13 @@ from typing import Any, TextIO
 
 import httpx
 
-from models.audio_io import AudioClip, find_audio_files, open_audio, read_audio
+from models.audio_io import AudioClip, find_audio_files
 
 from .audio import Stretch
 from .config import Settings
 from .jobs import ANONYMOUS, REDIS_ERRORS, REDIS_FULL, ItemInput, JobNotFound, JobOptions, JobStatus, JobStore
 from .output_files import is_url
+from .stretch_upload import stretch_upload, stretch_upload_size
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,6 @@ class WorkerPath:
 
 # a local file, an http(s) URL the workers fetch, a stretch of a local file, or a file the workers read themselves
 Input = Path | str | AudioClip | WorkerPath
-CLIP_SAMPLE_RATE = 16000  # a stretch is uploaded as the samples the model hears: float32 WAV, exactly as read here
 
 
 def collect_audio(paths: list[str], url_lists: Sequence[str] = ()) -> list[Input]:
@@ -113,13 +112,13 @@ def parse_size(text: str) -> int:
     return int(number) * SIZE_SUFFIXES[suffix]
 
 
-def split_into_jobs(inputs: list[Input], max_bytes: int) -> list[list[Input]]:
+def split_into_jobs(inputs: list[Input], max_bytes: int, multichannel: bool = False) -> list[list[Input]]:
     """Runs of consecutive inputs whose uploads total at most ``max_bytes`` (a URL counts its length; a file
     larger than that goes alone), files and URLs in separate runs: each run one job, in input order."""
     jobs: list[list[Input]] = []
     size = 0
     for source in inputs:
-        n = upload_size(source)
+        n = upload_size(source, multichannel)
         if not jobs or size + n > max_bytes or sent_as_json(jobs[-1][-1]) != sent_as_json(source):
             jobs.append([])
             size = 0
@@ -133,33 +132,19 @@ def sent_as_json(source: Input) -> bool:
     return isinstance(source, (str, WorkerPath))
 
 
-def upload_size(source: Input) -> int:
-    """What an input adds to its job's uploads: a file's bytes, a URL's length, a stretch's samples (from its
-    duration, or the file's header where it runs to the end; all channels, as a multichannel job sends them)."""
+def upload_size(source: Input, multichannel: bool = False) -> int:
+    """What an input adds to its job's uploads: a file's bytes, a URL's length, a stretch's most
+    (``stretch_upload_size``)."""
     if isinstance(source, (str, WorkerPath)):
         return len(source) if isinstance(source, str) else len(str(source.clip.path))
     if isinstance(source, Path):
         return source.stat().st_size
-    with open_audio(source.path) as f:
-        seconds = source.duration_s if source.duration_s is not None else f.frames / f.samplerate - source.offset_s
-        return int(max(seconds, 0) * CLIP_SAMPLE_RATE * 4 * f.channels)
-
-
-def clip_upload(clip: AudioClip, multichannel: bool) -> tuple[str, bytes]:
-    """A stretch of a file as an upload: its samples as read here (channels apart for a multichannel job), in a
-    float32 WAV that the worker decodes to the very same samples; and a file name that says which stretch."""
-    import soundfile as sf
-
-    samples = read_audio(clip, CLIP_SAMPLE_RATE, mix=not multichannel)
-    wav = io.BytesIO()
-    sf.write(wav, samples.T if multichannel else samples, CLIP_SAMPLE_RATE, format="WAV", subtype="FLOAT")
-    end = "end" if clip.duration_s is None else f"{clip.offset_s + clip.duration_s:g}"
-    return f"{clip.path.stem}@{clip.offset_s:g}-{end}.wav", wav.getvalue()
+    return stretch_upload_size(source, multichannel)
 
 
 def item_input(source: Input, multichannel: bool = False) -> ItemInput:
     """A job item for a local file (its bytes, uploaded), a URL (fetched by the worker) or a stretch of a file
-    (``clip_upload``)."""
+    (``stretch_upload``)."""
     if isinstance(source, str):
         return ItemInput(audio=source, url=source)
     if isinstance(source, WorkerPath):
@@ -167,7 +152,7 @@ def item_input(source: Input, multichannel: bool = False) -> ItemInput:
         stretch = None if clip.whole else Stretch(clip.offset_s, clip.duration_s)
         return ItemInput(audio=str(clip), path=source.item()["path"], stretch=stretch)
     if isinstance(source, AudioClip):
-        return ItemInput(audio=str(source), upload=clip_upload(source, multichannel)[1])
+        return ItemInput(audio=str(source), upload=stretch_upload(source, multichannel)[1])
     return ItemInput(audio=str(source), upload=source.read_bytes())
 
 
@@ -211,7 +196,7 @@ class _ServerClient:
         else:
             with contextlib.ExitStack() as files:  # streamed from disk, not read into memory first
                 parts = [("files", (p.name, files.enter_context(open(p, "rb")), "application/octet-stream")
-                          if isinstance(p, Path) else (*clip_upload(p, options.multichannel), "audio/wav"))
+                          if isinstance(p, Path) else stretch_upload(p, options.multichannel))
                          for p in inputs if not sent_as_json(p)]
                 form = {name: str(value).lower() for name, value in fields.items() if value is not None}
                 if options.channel_names:
@@ -305,7 +290,7 @@ async def run_submit(inputs: list[Input], redis_url: str | None, server: str | N
 
     options = options or JobOptions()
     client = _ServerClient(server, api_key) if server else _RedisClient(redis_url or "")
-    parts = split_into_jobs(inputs, job_bytes)
+    parts = split_into_jobs(inputs, job_bytes, options.multichannel)
     try:
         jobs = []
         for number, part in enumerate(parts, start=1):

@@ -20,6 +20,7 @@ from service.cli import main
 from service.config import Settings
 from service.jobs_cli import upload_size
 from service.manifest import ErrorRate, ManifestEntry, words_for_scoring
+from service.stretch_upload import HEADER_BYTES, stretch_upload
 from tests.media import encode
 from tests.servers import run_server, wait_job
 
@@ -201,8 +202,10 @@ def test_a_manifest_submitted_as_a_bulk_job_gives_what_transcribe_gives(redis_se
         {"audio_filepath": parity_audio[0], "text": "a reference"},  # a whole file: uploaded as it is
         {"audio_filepath": parity_audio[1], "offset": 0.5, "duration": 1.0, "speaker": 3},
         {"audio_filepath": "broken.wav"},
-        {"audio_filepath": parity_audio[1], "offset": 1.5},
+        {"audio_filepath": parity_audio[1], "offset": 1.5},  # 16-bit: its own frames, in FLAC
+        {"audio_filepath": "float.wav", "offset": 0.25, "duration": 1.5},  # float: the 16 kHz samples, float32
     ])
+    sf.write(tmp_path / "float.wav", read_audio(parity_audio[2]), 16000, subtype="FLOAT")
     model_path = str(parity_dir / MODEL)
     assert main(["transcribe", "--model", model_path, "--manifest", str(manifest), "--format", "manifest"]) == 1
     expected = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
@@ -219,14 +222,46 @@ def test_a_manifest_submitted_as_a_bulk_job_gives_what_transcribe_gives(redis_se
             assert [line["audio_filepath"] for line in lines] == [line["audio_filepath"] for line in expected]
             assert lines[1]["speaker"] == 3 and lines[1]["duration"] == 1.0
             assert lines[2]["duration"] == pytest.approx(expected[2]["duration"], abs=1e-3)
+            assert len(lines) == 4 and lines[3]["pred_text"]
             assert "over 1 lines with a reference text" in err
 
 
+@pytest.mark.parametrize(("name", "rate", "channels", "subtype", "multichannel", "kind"), [
+    ("speech.wav", 16000, 1, "PCM_16", False, "flac"),
+    ("call.wav", 8000, 1, "ULAW", False, "flac"),  # telephony: a sixth of the float32 samples
+    ("bytes.wav", 8000, 1, "PCM_U8", False, "flac"),
+    ("studio.flac", 16000, 2, "PCM_24", True, "flac"),
+    ("stereo.wav", 16000, 2, "PCM_16", False, "flac"),  # mixed down by the worker, as here
+    ("high.wav", 48000, 1, "PCM_24", False, "wav"),  # its own frames would be larger than 16 kHz float32
+    ("float.wav", 16000, 1, "FLOAT", False, "wav"),
+    ("call.m4a", 16000, 1, None, False, "wav"),  # FFmpeg's frames: not read as integers
+])
+def test_a_stretch_is_uploaded_as_what_decodes_to_the_samples_read_here(parity_audio, tmp_path, name, rate,
+                                                                          channels, subtype, multichannel, kind):
+    wave = resample(read_audio(parity_audio[3]), 16000, rate)
+    wave = np.stack([wave, -0.5 * wave], axis=1) if channels == 2 else wave
+    path = tmp_path / name
+    if subtype is None:
+        path.write_bytes(encode(wave, "m4a"))
+    else:
+        sf.write(path, wave, rate, subtype=subtype)
+    for clip in (AudioClip(path, 0.3, 1.2), AudioClip(path, 0.7)):
+        file_name, body, content_type = stretch_upload(clip, multichannel)
+        assert file_name.endswith(f".{kind}") and content_type == f"audio/{kind}"
+        here = read_audio(clip, mix=not multichannel)
+        assert np.array_equal(read_audio(body, mix=not multichannel), here)  # the very samples, bit for bit
+        float32_bytes = here.size * 4
+        assert len(body) <= upload_size(clip, multichannel)
+        assert (len(body) < float32_bytes) == (kind == "flac")
+    with pytest.raises(AudioError, match="offset lies past the end"):
+        stretch_upload(AudioClip(path, 60.0), multichannel)
+
+
 def test_submit_takes_a_manifest_or_files_and_manifest_lines_need_one(parity_audio, tmp_path, capsys):
-    # a stretch counts its samples toward --job-bytes (float32 at 16 kHz, as uploaded)
+    # a stretch counts its frames toward --job-bytes (16-bit at 16 kHz, as uploaded in FLAC at most)
     whole_s = len(read_audio(parity_audio[0])) / 16000
-    assert upload_size(AudioClip(Path(parity_audio[0]), 0.5, 1.0)) == 16000 * 4
-    assert upload_size(AudioClip(Path(parity_audio[0]), 1.0)) == int((whole_s - 1.0) * 16000 * 4)
+    assert upload_size(AudioClip(Path(parity_audio[0]), 0.5, 1.0)) == 16000 * 2 + HEADER_BYTES
+    assert upload_size(AudioClip(Path(parity_audio[0]), 1.0)) == int((whole_s - 1.0) * 16000 * 2) + HEADER_BYTES
     manifest = _write_manifest(tmp_path / "m.json", [{"audio_filepath": parity_audio[0]}])
     for args, message in [
         (["--manifest", str(manifest), parity_audio[0]], "not both"),
