@@ -37,6 +37,39 @@ class BoostTable:
     roots: Tensor  # (B,) long: each row's root (NULL_NODE for rows without phrases)
     child_bonus: Tensor  # (N, K) float: what each child gets (0 where none; a share of it from a root)
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(nodes, children per node)."""
+        return self.child_token.shape[0], self.child_token.shape[1]
+
+    @classmethod
+    def empty(cls, nodes: int, width: int, rows: int, device: torch.device) -> BoostTable:
+        """A table of fixed capacity with no phrases, for ``load`` to copy batches' tables into (CUDA graphs read
+        their tensors where they stay)."""
+        return cls(child_token=torch.full((nodes, width), -1, dtype=torch.long, device=device),
+                   child_node=torch.zeros((nodes, width), dtype=torch.long, device=device),
+                   root_of=torch.zeros(nodes, dtype=torch.long, device=device),
+                   roots=torch.zeros(rows, dtype=torch.long, device=device),
+                   child_bonus=torch.zeros((nodes, width), device=device))
+
+    def fits(self, table: BoostTable) -> bool:
+        nodes, width = table.shape
+        return nodes <= self.shape[0] and width <= self.shape[1] and len(table.roots) <= len(self.roots)
+
+    def load(self, table: BoostTable) -> None:
+        """Copy a smaller table in. The rest stays without phrases: no children (-1, no bonus), rows past the
+        batch on NULL_NODE. Search with it equals search with ``table`` bit for bit: a child that is not there
+        never matches a label, and its bonus adds 0."""
+        nodes, width = table.shape
+        for mine, theirs, pad in ((self.child_token, table.child_token, -1), (self.child_node, table.child_node, 0),
+                                  (self.child_bonus, table.child_bonus, 0)):
+            mine.fill_(pad)
+            mine[:nodes, :width].copy_(theirs)
+        self.root_of.zero_()
+        self.root_of[:nodes].copy_(table.root_of)
+        self.roots.zero_()
+        self.roots[: len(table.roots)].copy_(table.roots)
+
     def bonus(self, node: Tensor, n_classes: int) -> Tensor:
         """(B,) current nodes -> (B, n_classes) logit bonus on each token that continues a phrase."""
         tokens = self.child_token.index_select(0, node)  # (B, K)

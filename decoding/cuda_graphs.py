@@ -6,7 +6,9 @@
 - ``eager``: the same stages without capture (CPU, debugging, or ``cuda_graphs="off"``).
 
 All three run the stages of ``decoding.label_looping.LabelLooper`` on one preallocated ``LabelLoopState``;
-graphs are captured once and recaptured only when a batch is larger (rows or frames) than the buffers.
+graphs are captured once and recaptured only when a batch is larger (rows or frames) than the buffers. Batches
+with hotwords run a second set, captured with the boosting stages when the first such batch comes and again
+only when a batch's hotword table outgrows the state's.
 """
 
 from __future__ import annotations
@@ -162,7 +164,7 @@ class LabelLoopingDecoder:
         self.n_captures = 0  # graph (re)captures so far
         self._device: torch.device | None = None
         self._state: LabelLoopState | None = None
-        self._graphs: _StageGraphs | _FullGraph | None = None
+        self._graphs: dict[bool, _StageGraphs | _FullGraph] = {}  # by whether they boost hotwords
         self._lock = threading.Lock()
 
     @property
@@ -174,8 +176,7 @@ class LabelLoopingDecoder:
 
     @torch.inference_mode()
     def __call__(self, encoded: Tensor, lengths: Tensor, boost: BoostTable | None = None) -> list[Hypothesis]:
-        """(B, T, d) encoder output and (B,) lengths -> one hypothesis per row. A batch with hotwords (``boost``)
-        runs eagerly on the same buffers: the graphs hold the search without them."""
+        """(B, T, d) encoder output and (B,) lengths -> one hypothesis per row; ``boost``: the rows' hotwords."""
         with self._lock:
             return self._decode(encoded, lengths, boost)
 
@@ -186,11 +187,17 @@ class LabelLoopingDecoder:
         state = self._state
         if state is None or not state.fits(batch, n_frames, enc_proj.device, enc_proj.dtype):
             state = self._grow(batch, n_frames, hidden, enc_proj.device, enc_proj.dtype)
+        boosting = boost is not None
+        if boosting and self.looper.reserve_boost(state, boost):
+            self._graphs.pop(True, None)  # they read the table that was just replaced
+        if self.mode != "eager" and boosting not in self._graphs:
+            self._graphs[boosting] = self._capture(state, boosting)  # before load: warm-up overwrites the state
+            self.n_captures += 1
         self.looper.load(state, enc_proj, lengths, boost)
-        if self._graphs is None or boost is not None:
+        if self.mode == "eager":
             self.looper.run_eager(state)
         else:
-            self._graphs.run()
+            self._graphs[boosting].run()
         return self.looper.results(state, batch)
 
     def _choose_mode(self, device: torch.device) -> None:
@@ -199,7 +206,7 @@ class LabelLoopingDecoder:
         choice = choose_mode(self.requested, device)
         log.info("label looping on %s: %s mode (%s)", device, choice.mode, choice.reason)
         self.mode, self._device = choice.mode, device
-        self._state, self._graphs = None, None
+        self._state, self._graphs = None, {}
 
     def _grow(self, batch: int, n_frames: int, hidden: int, device: torch.device,
               dtype: torch.dtype) -> LabelLoopState:
@@ -211,19 +218,19 @@ class LabelLoopingDecoder:
         rows = max(batch, old.batch_capacity if keep and old is not None else 0)
         frames = max(n_frames, old.frame_capacity if keep and old is not None else 0, 1)
         frames = -(-frames // FRAME_QUANTUM) * FRAME_QUANTUM
-        self._state, self._graphs = None, None  # release the old buffers and graphs first
-        state = self.looper.allocate(rows, frames, hidden, device, dtype)
-        if self.mode != "eager":
-            self._graphs = self._capture(state)
-            self.n_captures += 1
-            log.debug("label looping: captured %s graphs for %d rows x %d frames", self.mode, rows, frames)
-        self._state = state
-        return state
+        self._state, self._graphs = None, {}  # release the old buffers and graphs first
+        self._state = self.looper.allocate(rows, frames, hidden, device, dtype)
+        return self._state
 
-    def _capture(self, state: LabelLoopState) -> _StageGraphs | _FullGraph:
+    def _capture(self, state: LabelLoopState, boosting: bool) -> _StageGraphs | _FullGraph:
+        """Graphs of the search on ``state``, with the boosting stages or without (the flag is read in Python
+        while capturing, so each setting is a graph of its own)."""
         device = state.enc_proj.device
         streams = [torch.cuda.Stream(device) for _ in range(N_STREAMS)]
+        state.boosting = boosting
         _warm_up(self.looper, state, streams)
+        log.debug("label looping: capturing %s graphs for %d rows x %d frames%s", self.mode,
+                  state.batch_capacity, state.frame_capacity, ", with hotwords" if boosting else "")
         if self.mode == "no_while":
             return _StageGraphs(self.looper, state, streams)
         try:
@@ -233,5 +240,6 @@ class LabelLoopingDecoder:
                 raise
             log.warning("conditional-node capture failed (%s); label looping falls back to no_while mode", exc)
             self.mode = "no_while"
+            self._graphs.clear()  # one mode for both settings
             torch.cuda.synchronize(device)
             return _StageGraphs(self.looper, state, streams)

@@ -29,6 +29,12 @@ from .boosting import BoostTable
 from .types import Hypothesis, JointNet, PredictionNet
 
 WhileLoop = Callable[[Tensor, Callable[[], None]], None]  # while_loop(flag, body)
+BOOST_MIN_NODES = 64  # hotword table capacity at least (nodes, children per node): batches rarely outgrow it
+BOOST_MIN_WIDTH = 8
+
+
+def _power_of_two(n: int, at_least: int) -> int:
+    return max(at_least, 1 << max(n - 1, 0).bit_length())
 
 
 @dataclass
@@ -84,8 +90,10 @@ class LabelLoopState:
     # --- max_symbols bookkeeping
     last_frame: Tensor  # (B,) long, frame of the last emitted label (-1: none yet)
     n_at_frame: Tensor  # (B,) long, labels emitted at last_frame
-    # --- hotwords (decoding.boosting), for one eager run: never captured into a graph
-    boost: BoostTable | None = None
+    # --- hotwords (decoding.boosting): the batch's table is copied into one of fixed capacity, allocated with the
+    # first batch that boosts, so graphs captured with boosting on read it where it stays
+    boosting: bool = False  # this run adds the bonus (a Python flag: graphs are captured with it on or off)
+    boost: BoostTable | None = None  # capacity: nodes x children, and B roots
     node: Tensor | None = None  # (B,) long, each row's place in its hotwords' tree
 
     @property
@@ -182,22 +190,35 @@ class LabelLooper:
         """(b, t, d) encoder output -> (b, t, J): the encoder half of the joint, once per batch."""
         return self.joint.project_encoder(encoded)
 
+    def reserve_boost(self, s: LabelLoopState, boost: BoostTable) -> bool:
+        """Make the state's hotword table large enough for ``boost``; True when it had to be allocated anew
+        (graphs that boost must then be captured again). Capacities round up to powers of two."""
+        if s.boost is not None and s.boost.fits(boost):
+            return False
+        nodes, width = boost.shape
+        if s.boost is not None:
+            nodes, width = max(nodes, s.boost.shape[0]), max(width, s.boost.shape[1])
+        s.boost = BoostTable.empty(_power_of_two(nodes, BOOST_MIN_NODES), _power_of_two(width, BOOST_MIN_WIDTH),
+                                   s.batch_capacity, s.lengths.device)
+        s.node = torch.zeros_like(s.lengths)
+        return True
+
     def load(self, s: LabelLoopState, enc_proj: Tensor, lengths: Tensor, boost: BoostTable | None = None) -> None:
         """Copy a projected batch into the state; rows past it get length 0.
 
         Args:
             enc_proj: (b, t, J) from ``project``, b and t within the state's capacity.
             lengths: (b,) valid frames.
-            boost: the rows' hotwords, or None. A boosted run is eager (``run_eager``).
+            boost: the rows' hotwords, or None.
         """
         batch, n_frames, _ = enc_proj.shape
         s.lengths.zero_()
         s.lengths[:batch].copy_(lengths.clamp(max=n_frames))  # frame looping never reads past t either
         s.enc_proj[:batch, :n_frames].copy_(enc_proj)
-        s.boost, s.node = boost, None
+        s.boosting = boost is not None
         if boost is not None:
-            s.node = torch.zeros_like(s.lengths)  # rows past the batch: the null node
-            s.node[:batch].copy_(boost.roots)
+            self.reserve_boost(s, boost)
+            s.boost.load(boost)
 
     def results(self, s: LabelLoopState, batch: int) -> list[Hypothesis]:
         """Copy the first ``batch`` rows' hypotheses to the host: the counts, then tokens, frames and (TDT)
@@ -222,6 +243,8 @@ class LabelLooper:
         torch.minimum(s.time, s.last_t, out=s.safe_t)
         torch.gt(s.lengths, 0, out=s.active)
         s.labels.fill_(self.blank)
+        if s.boosting:
+            s.node.copy_(s.boost.roots)
         out, state = self.prediction.step(s.labels, s.init_state)
         _copy_state_(s.pred_state, state)
         s.pred_proj.copy_(self.joint.project_prediction(out))
@@ -267,8 +290,8 @@ class LabelLooper:
         if self.is_tdt:
             s.token_steps.scatter_(1, column, s.step.unsqueeze(1))
         s.n_labels.add_(s.found)
-        if s.boost is not None:  # rows that found nothing are finished: their node no longer matters
-            s.node = s.boost.advance(s.node, s.labels)
+        if s.boosting:  # rows that found nothing are finished: their node no longer matters
+            s.node.copy_(s.boost.advance(s.node, s.labels))
         self._count_at_frame(s)
         self._predict(s)
         self._force_after_max_symbols(s)
@@ -305,7 +328,7 @@ class LabelLooper:
         torch.add(s.row_start, s.safe_t, out=s.flat_t)
         torch.index_select(s.enc_proj.view(-1, s.enc_proj.shape[-1]), 0, s.flat_t, out=s.enc_frame)
         logits = self.joint.joint_after_projection(s.enc_frame, s.pred_proj)
-        if s.boost is not None:
+        if s.boosting:
             logits[:, : self.n_labels] += s.boost.bonus(s.node, self.n_labels)
         return logits
 

@@ -4,8 +4,8 @@ Each architecture is built (random weights, calibrated blank) and its audio synt
 at every batch size with every decoder algorithm and graph mode, as ``batchasr bench`` measures one setting. The
 algorithms are compared on the greedy search alone; the conditional mode is measured again with the tokens'
 log-probabilities the service also computes (decoding.scores), with the encoder's fused-attention option, and with
-20 hotwords in every row (decoding.boosting: a boosted batch runs eagerly). A CTC model is measured plain and
-with the 20 hotwords (its boosted rows decode frame by frame).
+20 hotwords in every row (decoding.boosting: a boosted batch replays graphs captured with the boosting). A CTC
+model is measured plain and with the 20 hotwords (its boosted rows decode frame by frame).
 
     PYTHONPATH=. python scripts/bench_table.py --out DIR [--models M ...] [--batch-sizes 1 16 128] [--dtype bfloat16]
 
@@ -36,7 +36,7 @@ TRANSDUCER_SETTINGS = (  # (decoder algorithm, cuda graphs, attention kernel, to
     ("label_looping", "conditional", "reference", False, 0),
     ("label_looping", "conditional", "reference", True, 0),  # what the service runs: the search and the scores
     ("label_looping", "conditional", "sdpa", True, 0),  # the encoder's fused-attention option, against the row above
-    ("label_looping", "conditional", "reference", True, HOTWORDS),  # boosted: eager, against the row two above
+    ("label_looping", "conditional", "reference", True, HOTWORDS),  # boosted, against the row two above
 )
 CTC_SETTINGS = (
     ("label_looping", "off", "reference", True, 0),  # the algorithm and graphs do not apply to CTC

@@ -67,7 +67,7 @@ class BenchResult:
     blank_bias: float | None  # calibrated blank-logit offset (built-in architectures only)
     attention_kernel: str = "reference"
     scores: bool = True  # the decoder stage includes the tokens' log-probabilities (decoding.scores)
-    hotwords: int = 0  # phrases boosted in every row (decoding.boosting): a boosted batch runs label looping eagerly
+    hotwords: int = 0  # phrases boosted in every row (decoding.boosting): label looping's graphs that boost
     torch: str = field(default_factory=lambda: torch.__version__)
     gpu: str | None = None
 
@@ -330,8 +330,8 @@ def _result(work: Workload, batch_size: int, repeat: int, decoder_algorithm: str
     stage_s = clock.stage_seconds()
     stage_cpu_s = None if clock.cuda else {k: round(v, 4) for k, v in clock.stage_seconds(cpu_time=True).items()}
     model = work.model
-    mode = "eager"  # CTC, frame looping, and a boosted batch (label looping without graphs)
-    if work.decoder != "ctc" and decoder_algorithm == "label_looping" and not hotwords:
+    mode = "eager"  # CTC and frame looping
+    if work.decoder != "ctc" and decoder_algorithm == "label_looping":
         mode = model.label_looper(cuda_graphs).mode or "eager"
     audio_s = sum(len(w) for w in work.waveforms) / SAMPLE_RATE * repeat
     n_tokens = sum(len(t) for t in output.tokens.values())

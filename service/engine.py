@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from decoding.boosting import build_boost_table
-from decoding.types import HOTWORD_BOOST, Hotwords, Hypothesis
+from decoding.types import HOTWORD_BOOST, Hotword, Hotwords, Hypothesis
 from models.asr_model import ASRModel, EncodedBatch
 
 from .batcher import Batcher, ItemResult
@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 WARMUP_S = 1.0  # seconds of audio per warm-up item
 LIGHT_WARMUP = ((1, WARMUP_S),)  # one short item: initialises every stage where nothing is captured
+WARMUP_HOTWORD = Hotword((1,))  # any token: the boosting graphs are the same for every table that fits
 
 
 def warmup_shapes(device: torch.device, max_batch_size: int, max_segment_s: float,
@@ -115,6 +116,9 @@ class Engine:
         for rows, seconds in self.warmup_shapes:
             wave = (rng.standard_normal(int(seconds * self.model.sample_rate)) * 0.01).astype(np.float32)
             self.model.decode(self.model.encode([wave] * rows), self.decoder, scores=self.scores)
+        if self.model.device.type == "cuda":  # the graphs that boost hotwords, for the buffers the shapes left
+            boost = build_boost_table([(WARMUP_HOTWORD,)], self.hotword_boost, self.model.device)
+            self.model.decode(self.model.encode([wave]), self.decoder, scores=self.scores, boost=boost)
         shapes = ", ".join(f"{rows} x {seconds:g} s" for rows, seconds in self.warmup_shapes)
         log.info("engine warm: %s on %s (%s), batches of %s, %.2f s", self.decoder, self.model.device,
                  self.model.dtype, shapes, time.perf_counter() - started)
@@ -126,7 +130,7 @@ class Engine:
 
     def _compute(self, features: Callable[[], tuple[Tensor, Tensor]], n_samples: list[int],
                  hotwords: list[Hotwords]) -> tuple[list[Hypothesis], dict[str, float]]:
-        """``hotwords``: each row's (decoding.boosting); a batch with any decodes them, eagerly."""
+        """``hotwords``: each row's (decoding.boosting)."""
         clock = StageClock(self.model.device)
         marks = [clock.mark()]
         feats, n_frames = features()

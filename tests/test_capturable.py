@@ -11,11 +11,14 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+from decoding.boosting import build_boost_table
 from decoding.frame_looping import frame_looping_greedy
 from decoding.label_looping import LabelLooper, LabelLoopState
+from decoding.types import Hotword
 from tests.test_label_looping import random_batch, tiny_transducer
 
 aten = torch.ops.aten
+CPU = torch.device("cpu")
 
 # operations whose result the host must see (or whose output shape depends on data): each would synchronise
 # the stream, and fails inside a capture
@@ -59,11 +62,14 @@ def _fields(s: LabelLoopState) -> dict[str, object]:
     return {f.name: getattr(s, f.name) for f in dataclasses.fields(s)}
 
 
+@pytest.mark.parametrize("hotwords", [False, True], ids=["plain", "hotwords"])
 @pytest.mark.parametrize(("seed", "durations"), [(1, ()), (0, (0, 1, 2, 3, 4))], ids=["rnnt", "tdt"])
-def test_the_loop_stages_never_wait_for_the_device_and_keep_their_tensors(seed, durations):
+def test_the_loop_stages_never_wait_for_the_device_and_keep_their_tensors(seed, durations, hotwords):
     # a model whose search runs both loops and reaches max_symbols; rows of speech, an empty one, a one-frame one
     model = tiny_transducer(seed, durations=durations, max_symbols=2)
     encoded, lengths = random_batch(2, [30, 0, 17, 1, 30], 30)
+    phrases = (Hotword((1, 2)), Hotword((3,), 3.0), Hotword((2, 4, 1)))
+    boost = build_boost_table([phrases, (), phrases[1:], phrases, ()], 2.0, CPU) if hotwords else None
     looper = LabelLooper(model.prediction, model.joint, model.durations, model.max_symbols)
     recorder = HostSyncRecorder()
     passes = {"inner": 0, "outer": 0}
@@ -81,7 +87,7 @@ def test_the_loop_stages_never_wait_for_the_device_and_keep_their_tensors(seed, 
     with torch.inference_mode():
         enc_proj = looper.project(encoded)
         state = looper.allocate(8, 64, enc_proj.shape[-1], enc_proj.device, enc_proj.dtype)  # spare capacity
-        looper.load(state, enc_proj, lengths)
+        looper.load(state, enc_proj, lengths, boost)
         before = _fields(state)
         with recorder:
             looper.run(state, device_while)
@@ -92,7 +98,9 @@ def test_the_loop_stages_never_wait_for_the_device_and_keep_their_tensors(seed, 
     assert passes["inner"] > 0 and passes["outer"] > 0, passes  # both loop bodies ran, and were recorded
     assert any(h.frames[i] == h.frames[i - 1] for h in hypotheses for i in range(1, len(h.frames)))
     assert hypotheses == frame_looping_greedy(encoded, lengths, model.prediction, model.joint, model.durations,
-                                              model.max_symbols)
+                                              model.max_symbols, boost=boost)
+    if hotwords:  # the table of fixed capacity, and the rows' places in it, were used where they stay
+        assert state.boost is before["boost"] and state.node is before["node"] and state.node.any()
 
 
 def test_the_recorder_sees_what_it_must():

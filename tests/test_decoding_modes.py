@@ -11,10 +11,15 @@ import numpy as np
 import pytest
 import torch
 
+from decoding import cuda_graphs
+from decoding.boosting import build_boost_table
 from decoding.cuda_conditional import conditional_support
-from decoding.cuda_graphs import CUDA_GRAPH_OPTIONS, LabelLoopingDecoder, choose_mode
+from decoding.cuda_graphs import CUDA_GRAPH_OPTIONS, LabelLoopingDecoder, ModeChoice, choose_mode
 from decoding.frame_looping import frame_looping_greedy
+from decoding.types import Hotword
 from models import load_model
+from tests.test_cuda_conditional import Replayer
+from tests.test_label_looping import random_batch, tiny_transducer
 
 CPU = torch.device("cpu")
 
@@ -106,3 +111,46 @@ def test_asr_model_refuses_unknown_options(tdt_model, parity_audio):
         tdt_model.transcribe(parity_audio[:1], cuda_graphs="sometimes")
     with pytest.raises(ValueError, match="needs a CUDA device"):
         tdt_model.transcribe(parity_audio[:1], cuda_graphs="conditional")
+
+
+def _cpu_warm_up(looper, state, streams):
+    """The warm-up's effect on the state (every stage run on one-frame rows), without CUDA streams."""
+    state.lengths.fill_(1)
+    for stage in (looper.start, looper.first_joint, looper.inner_joint, looper.close_search, looper.emit):
+        stage(state)
+    state.lengths.zero_()
+
+
+def test_batches_with_hotwords_get_graphs_of_their_own(monkeypatch):
+    """The decoder's bookkeeping in no_while mode, with replays standing in for graphs: plain and boosted batches
+    each equal frame looping; the boosted graphs are captured with the first batch that boosts, and again only
+    when a table outgrows the state's (or the rows outgrow it, which drops both sets)."""
+    monkeypatch.setattr(cuda_graphs, "choose_mode", lambda requested, device: ModeChoice("no_while", "test"))
+    monkeypatch.setattr(cuda_graphs, "_capture", lambda fn, stream: Replayer(fn))
+    monkeypatch.setattr(cuda_graphs, "_warm_up", _cpu_warm_up)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: None)
+    model = tiny_transducer(0, vocab=12, durations=(0, 1, 2, 3, 4), max_symbols=3)
+    decoder = LabelLoopingDecoder(model.prediction, model.joint, model.durations, model.max_symbols)
+    generator = torch.Generator().manual_seed(5)
+    many = tuple(Hotword((a, b, c)) for a in range(12) for b in range(3) for c in range(2))  # > 64 nodes
+
+    def batch(rows: int, hotwords: tuple | None) -> tuple[int, int]:
+        encoded, lengths = random_batch(int(torch.randint(0, 1000, (1,), generator=generator)),
+                                        [30] * (rows - 1) + [11], 30)
+        boost = None if hotwords is None else build_boost_table(
+            [hotwords if r % 2 else () for r in range(rows)], 4.0, CPU)
+        expected = frame_looping_greedy(encoded, lengths, model.prediction, model.joint, model.durations,
+                                        model.max_symbols, boost=boost)
+        assert decoder(encoded, lengths, boost) == expected
+        return decoder.n_captures, decoder._state.boost.shape[0] if decoder._state.boost is not None else 0
+
+    small = (Hotword((3, 4)), Hotword((5,), 2.0))
+    assert batch(4, None) == (1, 0)  # plain graphs
+    assert batch(4, small) == (2, 64)  # boosted graphs, the table at its least capacity
+    assert batch(3, None) == (2, 64)
+    assert batch(4, small[:1]) == (2, 64)  # a smaller table fits
+    assert batch(4, many) == (3, 128)  # outgrown: recaptured at the next power of two
+    assert batch(2, small) == (3, 128)
+    assert batch(6, small) == (4, 64)  # more rows: new buffers (and table); each set again when it is needed
+    assert batch(6, None) == (5, 64)
+    assert decoder.mode == "no_while"

@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 import torch
 
+from decoding.boosting import build_boost_table
 from decoding.cuda_conditional import conditional_support
 from decoding.cuda_graphs import LabelLoopingDecoder
 from decoding.frame_looping import frame_looping_greedy
+from decoding.types import Hotword
 from models import ASRModel, load_model
 from service.bench import synthetic_audio
 
@@ -64,6 +66,28 @@ def test_graph_modes_equal_eager(fixture_model, mode):
         encoded, lengths = _inputs(fixture_model, seed, rows, frames)
         assert graphs(encoded, lengths) == eager(encoded, lengths), (mode, rows, frames)
     assert graphs.mode == mode and eager.mode == "eager"
+
+
+@pytest.mark.parametrize("fixture_model", ["rnnt", "tdt"], indirect=True)
+@pytest.mark.parametrize("mode", GRAPH_MODES)
+def test_graphs_with_hotwords_equal_eager_and_frame_looping(fixture_model, mode):
+    """Batches with hotwords replay graphs of their own; plain and boosted batches interleave."""
+    _require(mode)
+    graphs, eager = _decoder(fixture_model, mode), _decoder(fixture_model, "off")
+    t = fixture_model.config.transducer
+    for seed, (rows, frames) in enumerate(SHAPES):
+        encoded, lengths = _inputs(fixture_model, seed, rows, frames)
+        generator = torch.Generator().manual_seed(seed)
+        phrases = tuple(Hotword(tuple(torch.randint(0, fixture_model.joint.vocab_size, (n,),
+                                                    generator=generator).tolist())) for n in (1, 2, 3))
+        boost = build_boost_table([phrases if row % 2 == 0 else () for row in range(rows)], 6.0,
+                                  torch.device("cuda"))
+        got = graphs(encoded, lengths, boost)
+        assert got == eager(encoded, lengths, boost), (mode, rows, frames)
+        assert got == frame_looping_greedy(encoded, lengths, fixture_model.decoder, fixture_model.joint,
+                                           t.durations, t.max_symbols, boost=boost), (mode, rows, frames)
+        assert graphs(encoded, lengths) == eager(encoded, lengths), (mode, rows, frames)
+    assert graphs.mode == mode
 
 
 @pytest.mark.parametrize("fixture_model", ["tdt"], indirect=True)
@@ -180,6 +204,9 @@ def test_the_engine_warm_up_captures_for_the_largest_batch_it_can_be_given(parit
         assert looper.capacity[0] >= rows and looper.capacity[1] * model.config.frame_s >= segment_s
         wave = synthetic_speech(segment_s, np.random.default_rng(3))
         engine.run([wave] * rows)
+        assert looper.n_captures == captures
+        boosted = [(Hotword((5, 6)),), *[()] * (rows - 1)]  # the boosting graphs were captured too
+        engine._compute(lambda: model.featurize([wave] * rows), [len(wave)] * rows, boosted)
         assert looper.n_captures == captures
     finally:
         engine.stop(30)
