@@ -8,7 +8,7 @@
 # stage also writes env.txt (GPU, driver, Python, torch, which graph mode "auto" picks and why).
 #   tests  tests/gpu                                                    gpu_tests.log
 #   bench  scripts/bench_table.py: parakeet-tdt-0.6b-v2 and parakeet-rnnt-1.1b, bf16, batch 1/16/128, every
-#          algorithm and graph mode, both attention kernels in conditional mode, 20 hotwords a row (eager);
+#          algorithm and graph mode, both attention kernels in conditional mode, 20 hotwords a row;
 #          parakeet-ctc-1.1b plain and with the 20 hotwords
 #                                                                       bench.log, bench.jsonl, bench_table.md
 #   nemo   scripts/nemo_compare.py: the same two, bf16, batch 128, against NeMo 3.0 on the same weights and
@@ -61,7 +61,7 @@ fi
     python3 - <<'EOF'
 import torch
 
-from decoding.cuda_conditional import conditional_support
+from decoding.cuda_conditional import conditional_support, load_condition_kernel
 from decoding.cuda_graphs import choose_mode
 
 print("torch", torch.__version__, "cuda", torch.version.cuda, "device", torch.cuda.get_device_name())
@@ -73,6 +73,13 @@ except ImportError as exc:
     print("cuda-bindings missing:", exc)
 print("conditional nodes:", conditional_support())
 print("auto picks:", choose_mode("auto", torch.device("cuda")))
+try:  # the condition kernel: NVRTC's version, and whether its cubin (or PTX) loads on this driver
+    from cuda.bindings import nvrtc
+
+    print("nvrtc", nvrtc.nvrtcVersion()[1:])
+    print("condition kernel:", load_condition_kernel(torch.device("cuda")))
+except Exception as exc:  # noqa: BLE001 - a diagnostic line, whatever went wrong
+    print("condition kernel unavailable:", repr(exc))
 EOF
     echo "parity fixtures: ${BATCHASR_PARITY_DIR:-not found (fixture-model GPU tests will skip)}"
 } 2>&1 | tee "$OUT/env.txt"
