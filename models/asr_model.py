@@ -2,11 +2,12 @@
 
 Precision: audio and features stay float32 (as NeMo does); the encoder, prediction network, joint and CTC
 head hold weights in the model dtype (bf16/fp16 cast, no autocast). float32 end to end is the exactness
-reference.
+reference, on CUDA too: a float32 model runs with TF32 off (``exact_float32``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -172,12 +173,14 @@ class ASRModel(nn.Module):
     def features(self, audio: Tensor, n_samples: Tensor) -> tuple[Tensor, Tensor]:
         """A padded (B, N) float32 batch on the model's device, zero past each row's ``n_samples`` -> log-mel
         (B, n_mels, T) float32 and valid frames (B,). For callers that pad and upload batches themselves."""
-        return self.preprocessor.featurizer(audio, n_samples)
+        with exact_float32(self.device.type == "cuda"):  # the features are float32 in every model dtype
+            return self.preprocessor.featurizer(audio, n_samples)
 
     @torch.inference_mode()
     def run_encoder(self, features: Tensor, n_frames: Tensor) -> tuple[Tensor, Tensor]:
         """Float32 features -> encoder output (B, T', d) in the model dtype and valid frames (B,)."""
-        return self.encoder(features.to(self.dtype), n_frames)
+        with self._exact():
+            return self.encoder(features.to(self.dtype), n_frames)
 
     def encode(self, waveforms: Sequence[np.ndarray]) -> EncodedBatch:
         """Features and encoder for a batch of mono float32 waveforms at ``sample_rate``."""
@@ -192,6 +195,14 @@ class ASRModel(nn.Module):
         reference); ``cuda_graphs`` auto | conditional | no_while | off picks how label looping runs on CUDA.
         ``scores`` gives each token its log-probability (``Hypothesis.logprobs``, decoding.scores). ``boost``: the
         rows' hotwords (decoding.boosting)."""
+        with self._exact():
+            return self._decode(batch, decoder, decoder_algorithm, cuda_graphs, scores, boost)
+
+    def _exact(self) -> contextlib.AbstractContextManager:
+        return exact_float32(self.device.type == "cuda" and self.dtype == torch.float32)
+
+    def _decode(self, batch: EncodedBatch, decoder: str, decoder_algorithm: str, cuda_graphs: str, scores: bool,
+                boost: BoostTable | None) -> list[Hypothesis]:
         decoder = self.resolve_decoder(decoder)
         if decoder == "ctc":
             head = self.ctc_head
@@ -311,6 +322,22 @@ def _check_decoding_options(decoder_algorithm: str, cuda_graphs: str) -> None:
 # --- loading ----------------------------------------------------------------------------------------------
 
 DEFAULT_MODEL = Path(__file__).parent / "assets" / "default.nemo"
+
+
+@contextlib.contextmanager
+def exact_float32(active: bool = True) -> Iterator[None]:
+    """TF32 off while ``active``. PyTorch lets cuDNN's convolutions and LSTMs round float32 products to TF32 (10
+    mantissa bits) by default, and matrix products too where a program asked for it: float32 must give NeMo's
+    float32 tokens. The switches are process-wide; the engine runs a model from one thread."""
+    if not active:
+        yield
+        return
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

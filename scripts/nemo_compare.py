@@ -26,7 +26,6 @@ Needs NeMo (``nemo_toolkit[asr]``) importable; scripts/gpu_check.sh installs it 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import gc
 import json
@@ -34,7 +33,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -45,7 +44,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from models import load_model
 from models.architectures import ARCHITECTURES
-from models.asr_model import ASRModel
+from models.asr_model import ASRModel, exact_float32
 from models.fastconformer import ATTENTION_KERNELS
 from models.training.evaluate import edit_distance
 from service.bench import (
@@ -130,17 +129,6 @@ def nemo_stage_seconds(model: Any, waves: list[np.ndarray], batch_size: int) -> 
         model.decoding.rnnt_decoder_predictions_tensor(encoder_output=encoded, encoded_lengths=encoded_lengths)
         clock.marks.append([*marks, clock.mark()])
     return {k: round(v, 4) for k, v in clock.stage_seconds().items()}
-
-
-@contextlib.contextmanager
-def exact_float32() -> Iterator[None]:
-    """TF32 off for the float32 comparison (NeMo leaves cuDNN's TF32 on by default)."""
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 def agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict[str, Any]:

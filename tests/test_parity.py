@@ -10,6 +10,7 @@ import torch
 
 from models import ASRModel, load_model
 from service.cli import main as cli_main
+from tests.parity import assert_matches_nemo, nemo_cases
 
 BATCH_SIZES = (1, 2, 3, 4, 10)
 
@@ -19,23 +20,6 @@ def _model(path: str) -> ASRModel:
     return load_model(path, device="cpu", dtype="float32")
 
 
-def _cases(reference: dict) -> list[tuple[str, str, str]]:
-    """(model name, decoder, reference key) for every head NeMo decoded."""
-    cases = []
-    for name, entry in reference["models"].items():
-        cases.append((name, "auto", "main_bs4"))
-        if "ctc_bs4" in entry:
-            cases.append((name, "ctc", "ctc_bs4"))
-    return cases
-
-
-def assert_matches_nemo(got: dict, expected: dict, label: str) -> None:
-    assert got["text"] == expected["text"], label
-    if expected["tokens"] is not None:  # NeMo keeps only the text for CTC
-        assert got["tokens"] == expected["tokens"], label
-        assert got["token_frames"] == expected["frames"], label
-
-
 def test_nemo_is_batch_invariant_on_fixtures(parity_reference):
     for entry in parity_reference["models"].values():
         assert entry["main_bs1"] == entry["main_bs4"]
@@ -43,7 +27,7 @@ def test_nemo_is_batch_invariant_on_fixtures(parity_reference):
 
 @pytest.mark.parametrize("batch_size", BATCH_SIZES)
 def test_python_api_matches_nemo(parity_dir, parity_reference, parity_audio, batch_size):
-    for name, decoder, key in _cases(parity_reference):
+    for name, decoder, key in nemo_cases(parity_reference):
         model = _model(str(parity_dir / parity_reference["models"][name]["file"]))
         transcripts = model.transcribe(parity_audio, batch_size=batch_size, decoder=decoder)
         for audio, got, expected in zip(parity_audio, transcripts, parity_reference["models"][name][key],
@@ -54,7 +38,7 @@ def test_python_api_matches_nemo(parity_dir, parity_reference, parity_audio, bat
 
 @pytest.mark.parametrize("batch_size", BATCH_SIZES)
 def test_cli_jsonl_matches_nemo(parity_dir, parity_reference, parity_audio, batch_size, capsys):
-    for name, decoder, key in _cases(parity_reference):
+    for name, decoder, key in nemo_cases(parity_reference):
         model_path = str(parity_dir / parity_reference["models"][name]["file"])
         code = cli_main(["transcribe", "--model", model_path, "--device", "cpu", "--dtype", "float32",
                          "--batch-size", str(batch_size), "--decoder", decoder, "--format", "jsonl",
@@ -74,7 +58,7 @@ def test_cli_jsonl_matches_nemo(parity_dir, parity_reference, parity_audio, batc
 def test_reference_attention_kernel_matches_nemo_too(parity_dir, parity_reference, parity_audio, batch_size):
     """On CPU the default ("auto") is the fused sdpa kernel, which the tests above cover; NeMo's own sequence of
     operations must give NeMo's tokens as well."""
-    for name, decoder, key in _cases(parity_reference):
+    for name, decoder, key in nemo_cases(parity_reference):
         model = load_model(parity_dir / parity_reference["models"][name]["file"], device="cpu", dtype="float32",
                            attention_kernel="reference")
         transcripts = model.transcribe(parity_audio, batch_size=batch_size, decoder=decoder)

@@ -29,3 +29,22 @@ def test_half_precision_end_to_end(parity_dir, parity_reference, parity_audio, d
             same, total = same + s, total + t
     # Random-weight fixtures sit near decision boundaries, yet half precision must mostly agree.
     assert same / total > 0.9, f"{dtype}: only {same}/{total} tokens agree with float32"
+
+
+def test_float32_on_cuda_runs_without_tf32_and_leaves_the_switches_as_found():
+    from models.asr_model import exact_float32
+
+    switches = torch.backends.cudnn, torch.backends.cuda.matmul
+    saved = [s.allow_tf32 for s in switches]
+    try:
+        for s in switches:
+            s.allow_tf32 = True  # as a program that wants TF32 elsewhere sets them
+        with exact_float32(False):
+            assert [s.allow_tf32 for s in switches] == [True, True]
+        with pytest.raises(RuntimeError, match="inside"), exact_float32():
+            assert [s.allow_tf32 for s in switches] == [False, False]
+            raise RuntimeError("inside")
+        assert [s.allow_tf32 for s in switches] == [True, True]
+    finally:
+        for s, value in zip(switches, saved, strict=True):
+            s.allow_tf32 = value
