@@ -2,7 +2,7 @@
 # GPU checks and records: label looping and its CUDA graph modes (issue 3), the HTTP path against the offline
 # engine (issue 4), and batchasr against NeMo's own transcribe() (issue 7).
 #
-#   bash scripts/gpu_check.sh [all|tests|bench|nemo|http|bulk] [extra options for the stage's script]
+#   bash scripts/gpu_check.sh [all|tests|bench|nemo|http|bulk|stability] [extra options for the stage's script]
 #
 # Stages and what each writes under $OUT (the device tool's output folder; ./gpu_check_out when unset). Every
 # stage also writes env.txt (GPU, driver, Python, torch, which graph mode "auto" picks and why).
@@ -21,13 +21,20 @@
 #                                                                       http.log, http_bench.json
 #   bulk   loadtest/http_bench.py --jobs: 4,096 clips as one bulk job through Redis (carried in .whl/redis), and
 #          over HTTP; 4 front-end and 2 job consumer processes           bulk.log, bulk_bench.json
+#   stability  loadtest/batch_stability.py: the embedded model on held-out speech (carried in .carry/speech), each
+#          utterance alone and in batches of 128 (sorted, shuffled), bf16 and float32: how many transcripts move
+#                                                                       stability.log, stability.jsonl
 # The device tool brings back at most 8 files a call and runs a call for at most 10 minutes: run one stage a call.
 #
 # From a development checkout (run through the device tool, which sends the repository but not ../shared):
 #   once here:  mkdir -p .carry && cp -r ../shared/fixtures/nemo-parity .carry/
+#               python -m models.training.data --cache /tmp/speech --n-train 0        # held-out test speech
+#               mkdir -p .carry/speech && for f in /tmp/speech/test_sentences/*.wav; do
+#                   sox "$f" ".carry/speech/$(basename "$f" .wav).flac"; done       # about 10 MB
 #               x=$(git rev-parse --git-path info/exclude); mkdir -p "$(dirname "$x")"; echo /.carry/ >> "$x"
 #               bash scripts/fetch_gpu_wheels.sh          # .whl/: what the image lacks (service and NeMo)
-#   then:       run(command="bash scripts/gpu_check.sh tests", carry=[".carry", ".whl"])   # then bench, nemo, http, bulk
+#   then:       run(command="bash scripts/gpu_check.sh tests", carry=[".carry", ".whl"])
+#               # then bench, nemo, http, bulk, stability
 # The tests and the bench need nothing beyond the image's torch, numpy, sentencepiece, pyyaml, pytest,
 # hypothesis and cuda-bindings; nemo and http need the carried wheels.
 set -uo pipefail
@@ -112,6 +119,21 @@ if [ "$what" = all ] || [ "$what" = bulk ]; then
         [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
     else
         echo "bulk: no redis-server (bash scripts/fetch_gpu_wheels.sh service puts one in .whl/redis)" | tee "$OUT/bulk.log"
+    fi
+fi
+if [ "$what" = all ] || [ "$what" = stability ]; then
+    if [ -d .carry/speech ]; then
+        (
+            rc=0
+            for dtype in bfloat16 float32; do
+                python3 loadtest/batch_stability.py --device cuda --dtype "$dtype" --audio .carry/speech \
+                    --batch-size 128 --shuffles 2 --json "$@" || rc=1
+            done
+            exit "$rc"
+        ) 2> "$OUT/stability.log" | tee "$OUT/stability.jsonl"
+        [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+    else
+        echo "stability: no .carry/speech (see the top of this script)" | tee "$OUT/stability.log"
     fi
 fi
 exit "$status"

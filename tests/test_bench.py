@@ -141,3 +141,19 @@ def test_random_checkpoint_holds_the_calibrated_architecture_in_nemos_layout(tmp
     fields = ("model_path", "vocab_path", "spe_tokenizer_vocab")
     assert {cfg["tokenizer"][field].removeprefix("nemo:") for field in fields} <= names
     assert loaded.tokenizer.vocab_size == blank
+
+
+def test_batch_stability_finds_float32_unmoved_by_its_neighbours(parity_dir, capsys):
+    """loadtest/batch_stability.py (the GPU run records bf16's figure with it): in float32 on a CPU, an utterance
+    decoded beside others, sorted or shuffled, keeps the tokens it has alone."""
+    stability = load_script(REPO / "loadtest" / "batch_stability.py")
+    assert stability.main(["--model", str(parity_dir / "tdt.nemo"), "--audio", str(parity_dir / "audio"),
+                           "--device", "cpu", "--dtype", "float32", "--batch-size", "4", "--shuffles", "2",
+                           "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["utterances"] == 10 and result["tokens_alone"] > 0
+    assert set(result["batchings"]) == {"longest_first", "shuffled_0", "shuffled_1"}
+    assert all(r["changed"] == 0 and r["token_edit_rate"] == 0 for r in result["batchings"].values())
+    # the comparison itself counts what moved
+    assert stability.compare({0: [1, 2, 3], 1: [4]}, {0: [1, 3], 1: [4]}) == {
+        "changed": 1, "utterances": 2, "changed_share": 0.5, "token_edit_rate": 0.25}

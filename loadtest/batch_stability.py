@@ -1,0 +1,93 @@
+"""How stable a transcript is under dynamic batching: the same utterances decoded alone (batch 1) and inside batches
+of other audio, token by token.
+
+The engine batches whatever arrives together, so an utterance meets different neighbours and padding each time it
+is sent. In float32 on a CPU its tokens should not move at all. In bf16 the kernels a batch's shape selects round
+differently, and a near-tie in the joint can flip a token. The share of utterances whose tokens change, and the
+token edit rate, are what a user who sends a file twice may see. Two batchings are measured: the batcher's own
+(longest first, neighbours of similar length) and shuffled (neighbours of any length, so more padding).
+
+    python loadtest/batch_stability.py --model parakeet-tdt-0.6b-v2 --device cuda --dtype bfloat16 \\
+        --n-utterances 256 --batch-size 128 --shuffles 3 [--json]
+
+--model takes a checkpoint or a built-in architecture (random weights, blank calibrated as `batchasr bench` does);
+without --model, the embedded default model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from models.wer import edit_distance
+from service.bench import prepare, run_batches
+
+
+def decode_in(work, batches: list[list[int]]) -> dict[int, list[int]]:
+    """Each utterance's tokens, decoded in ``batches`` (lists of indices)."""
+    return run_batches(work.model, work.waveforms, batches, work.decoder, "label_looping", "auto", False, (),
+                       None).tokens
+
+
+def compare(reference: dict[int, list[int]], got: dict[int, list[int]]) -> dict[str, Any]:
+    changed = [i for i in reference if got[i] != reference[i]]
+    edits = sum(edit_distance(reference[i], got[i]) for i in changed)
+    return {"changed": len(changed), "utterances": len(reference),
+            "changed_share": round(len(changed) / max(len(reference), 1), 4),
+            "token_edit_rate": round(edits / max(sum(map(len, reference.values())), 1), 6)}
+
+
+def measure(model: str | None, device: str, dtype: str, n_utterances: int, batch_size: int, shuffles: int,
+            seed: int = 0, audio: list[str] | None = None) -> dict[str, Any]:
+    work = prepare(model, device, dtype, seed, audio, n_utterances=n_utterances)
+    n = len(work.waveforms)
+    alone = decode_in(work, [[i] for i in range(n)])
+    longest_first = sorted(range(n), key=lambda i: len(work.waveforms[i]), reverse=True)
+    orders = {"longest_first": longest_first}
+    rng = np.random.default_rng(seed)
+    orders.update((f"shuffled_{k}", rng.permutation(n).tolist()) for k in range(shuffles))
+    batchings = {name: compare(alone, decode_in(work, [order[i : i + batch_size] for i in range(0, n, batch_size)]))
+                 for name, order in orders.items()}
+    return {"model": model or "embedded default", "device": str(work.model.device),
+            "dtype": str(work.model.dtype).removeprefix("torch."), "decoder": work.decoder, "batch_size": batch_size,
+            "utterances": n, "tokens_alone": sum(map(len, alone.values())), "batchings": batchings}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="checkpoint or built-in architecture (default: embedded)")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--audio", nargs="+", default=None,
+                        help="audio files or folders (default: --n-utterances of synthetic speech)")
+    parser.add_argument("--n-utterances", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--shuffles", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    args = parser.parse_args(argv)
+    if args.n_utterances < 1 or args.batch_size < 1 or args.shuffles < 0:
+        parser.error("--n-utterances and --batch-size must be >= 1, --shuffles >= 0")
+    result = measure(args.model, args.device, args.dtype, args.n_utterances, args.batch_size, args.shuffles,
+                     args.seed, args.audio)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"{result['model']} on {result['device']}, {result['dtype']}, {result['decoder']}: "
+          f"{result['utterances']} utterances ({result['tokens_alone']} tokens) alone vs in batches of "
+          f"{result['batch_size']}")
+    for name, r in result["batchings"].items():
+        print(f"  {name:15} {r['changed']:4d} changed ({r['changed_share']:.2%}), token edit rate "
+              f"{r['token_edit_rate']:.4%}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
