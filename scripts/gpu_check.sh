@@ -35,8 +35,9 @@
 #               bash scripts/fetch_gpu_wheels.sh          # .whl/: what the image lacks (service and NeMo)
 #   then:       run(command="bash scripts/gpu_check.sh tests", carry=[".carry", ".whl"])
 #               # then bench, nemo, http, bulk, stability
-# The tests and the bench need nothing beyond the image's torch, numpy, sentencepiece, pyyaml, pytest,
-# hypothesis and cuda-bindings; nemo and http need the carried wheels.
+# Beyond the image's torch, numpy, sentencepiece, pyyaml, pytest, hypothesis, prometheus-client and cuda-bindings,
+# the tests and the stability stage read audio with soundfile and soxr, and nemo and http need more: all carried
+# in .whl (checked on a CPU: with those alone, tests/gpu is collected and every stage's script starts).
 set -uo pipefail
 
 what="${1:-all}"

@@ -11,7 +11,6 @@ from types import ModuleType
 
 import numpy as np
 import pytest
-import soundfile as sf
 import torch
 
 # The tests' models are small: one thread each is faster than two fighting over two cores, and worker
@@ -71,6 +70,8 @@ def redis_server(tmp_path):
 def long_recording(paths: list[str] | list[Path], seconds: float, gap_s: float = GAP_S
                    ) -> tuple[np.ndarray, list[np.ndarray]]:
     """16 kHz utterances, each followed by ``gap_s`` of silence, repeated to ``seconds``; also the pieces in order."""
+    import soundfile as sf  # here: the GPU tests run where soundfile may not be installed
+
     clips = [sf.read(p, dtype="float32")[0] for p in paths]
     gap = np.zeros(int(gap_s * 16000), dtype=np.float32)
     pieces, total = [], 0
