@@ -37,10 +37,50 @@ def find_audio_files(paths: Iterable[str | Path]) -> list[Path]:
     return found
 
 
+def check_stretch(offset_s: float, duration_s: float | None, where: str = "") -> None:
+    """ValueError unless ``offset_s`` is 0 s or more and ``duration_s`` more than 0 s (or None: to the end)."""
+    if not (math.isfinite(offset_s) and offset_s >= 0):
+        raise ValueError(f"{where}an offset is 0 s or more, not {offset_s!r}")
+    if duration_s is not None and not (math.isfinite(duration_s) and duration_s > 0):
+        raise ValueError(f"{where}a duration is more than 0 s, not {duration_s!r}")
+
+
+@dataclass(frozen=True)
+class Stretch:
+    """The seconds of a recording to transcribe: from ``offset_s``, ``duration_s`` long (None: to its end). NeMo
+    manifests cut long recordings into utterances this way; job items name one with ``offset`` and
+    ``duration``."""
+
+    offset_s: float = 0.0
+    duration_s: float | None = None
+
+    def __post_init__(self) -> None:
+        check_stretch(self.offset_s, self.duration_s)
+
+    @property
+    def whole(self) -> bool:
+        """From the start to the end: all of the recording."""
+        return not self.offset_s and self.duration_s is None
+
+    def frames(self, rate: int) -> tuple[int, int | None]:
+        """The first frame and the frame count (None: to the end) at a recording's own ``rate``."""
+        return (round(self.offset_s * rate),
+                None if self.duration_s is None else max(1, round(self.duration_s * rate)))
+
+    def label(self, name: str) -> str:
+        """A recording's name, and the stretch of it where that is not all of it: ``call.wav [0.5 s to 2 s]``."""
+        if self.whole:
+            return name
+        end = "end" if self.duration_s is None else f"{self.offset_s + self.duration_s:g} s"
+        return f"{name} [{self.offset_s:g} s to {end}]"
+
+
+WHOLE = Stretch()
+
+
 @dataclass(frozen=True)
 class AudioClip:
-    """A stretch of an audio file: from ``offset_s``, ``duration_s`` long (None: to its end). NeMo manifests cut
-    long recordings into utterances this way."""
+    """A stretch of an audio file (``Stretch``, with the file's path)."""
 
     path: Path
     offset_s: float = 0.0
@@ -50,38 +90,16 @@ class AudioClip:
         check_stretch(self.offset_s, self.duration_s, f"{self.path}: ")
 
     @property
+    def stretch(self) -> Stretch:
+        return Stretch(self.offset_s, self.duration_s)
+
+    @property
     def whole(self) -> bool:
         """The clip is all of its file."""
-        return is_whole(self.offset_s, self.duration_s)
+        return self.stretch.whole
 
     def __str__(self) -> str:
-        return stretch_label(str(self.path), self.offset_s, self.duration_s)
-
-
-def check_stretch(offset_s: float, duration_s: float | None, where: str = "") -> None:
-    """ValueError unless ``offset_s`` is 0 s or more and ``duration_s`` more than 0 s (or None: to the end)."""
-    if not (math.isfinite(offset_s) and offset_s >= 0):
-        raise ValueError(f"{where}an offset is 0 s or more, not {offset_s!r}")
-    if duration_s is not None and not (math.isfinite(duration_s) and duration_s > 0):
-        raise ValueError(f"{where}a duration is more than 0 s, not {duration_s!r}")
-
-
-def is_whole(offset_s: float, duration_s: float | None) -> bool:
-    """A stretch from the start to the end is all of its recording."""
-    return not offset_s and duration_s is None
-
-
-def stretch_frames(offset_s: float, duration_s: float | None, rate: int) -> tuple[int, int | None]:
-    """A stretch's first frame and frame count (None: to the end) at a recording's own ``rate``."""
-    return round(offset_s * rate), None if duration_s is None else max(1, round(duration_s * rate))
-
-
-def stretch_label(name: str, offset_s: float, duration_s: float | None) -> str:
-    """A recording's name, and the stretch of it where that is not all of it: ``call.wav [0.5 s to 2 s]``."""
-    if is_whole(offset_s, duration_s):
-        return name
-    end = "end" if duration_s is None else f"{offset_s + duration_s:g} s"
-    return f"{name} [{offset_s:g} s to {end}]"
+        return self.stretch.label(str(self.path))
 
 
 class AudioError(ValueError):
@@ -210,8 +228,7 @@ def read_audio(source: str | Path | bytes | BinaryIO | AudioClip, sample_rate: i
     handle = io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else source
     try:
         with open_audio(handle) as f:
-            first, count = (0, None) if clip is None else stretch_frames(clip.offset_s, clip.duration_s,
-                                                                          f.samplerate)
+            first, count = (clip.stretch if clip is not None else WHOLE).frames(f.samplerate)
             blocks = [block for _, block in decode_blocks(f, sample_rate, mix=mix, first_frame=first, n_frames=count)]
     except (sf.LibsndfileError, UnreadableContainer, RuntimeError, TypeError) as exc:
         raise AudioError(f"{name}: cannot decode audio ({exc})") from exc

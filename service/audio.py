@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import soundfile as sf
 
-from models.audio_io import channels_first, check_stretch, check_waveform, decode_blocks, open_audio, stretch_frames
+from models.audio_io import WHOLE, Stretch, channels_first, check_waveform, decode_blocks, open_audio
 from models.containers import UnreadableContainer
 
 BLOCK_FRAMES = 1 << 20  # decode in blocks of about a minute of 16 kHz audio
@@ -69,30 +69,16 @@ def check_media_type(content_type: str | None) -> None:
                                "WebM)")
 
 
-@dataclass(frozen=True)
-class Stretch:
-    """The seconds of a recording to transcribe: from ``offset_s``, ``duration_s`` long (None: to the end). The
-    duration limit counts the stretch, not the recording."""
-
-    offset_s: float = 0.0
-    duration_s: float | None = None
-
-    def __post_init__(self) -> None:
-        check_stretch(self.offset_s, self.duration_s)
-
-    def frames(self, rate: int, total: int) -> tuple[int, int | None]:
-        """(first frame, frame count or None: to the end) at ``rate`` in a recording of ``total`` frames (0: not
-        known)."""
-        first, count = stretch_frames(self.offset_s, self.duration_s, rate)
-        if total and first >= total:
-            raise AudioRequestError(f"the offset ({self.offset_s:g} s) lies past the end of the audio "
-                                    f"({total / rate:.1f} s)")
-        if count is None and total:
-            return first, total - first
-        return first, count
-
-
-WHOLE = Stretch()
+def stretch_frames(stretch: Stretch, rate: int, total: int) -> tuple[int, int | None]:
+    """(first frame, frame count or None: to the end) of ``stretch`` at ``rate`` in a recording of ``total`` frames
+    (0: not known); an offset past the end is the request's error."""
+    first, count = stretch.frames(rate)
+    if total and first >= total:
+        raise AudioRequestError(f"the offset ({stretch.offset_s:g} s) lies past the end of the audio "
+                                f"({total / rate:.1f} s)")
+    if count is None and total:
+        return first, total - first
+    return first, count
 
 
 def decode_audio(data: bytes, limits: AudioLimits, multichannel: bool = False, stretch: Stretch = WHOLE
@@ -128,7 +114,7 @@ def _decode(source: io.BytesIO | Path, limits: AudioLimits, multichannel: bool, 
                 raise TooManyChannels(f"the audio has {channels} channels; at most {limits.max_channels} can be "
                                       "transcribed apart")
             max_s = limits.max_duration_s / channels
-            first, count = stretch.frames(f.samplerate, max(f.frames, 0))
+            first, count = stretch_frames(stretch, f.samplerate, max(f.frames, 0))
             claimed_s = count / f.samplerate if count else 0.0
             if claimed_s > max_s:
                 raise AudioTooLarge(f"audio is {claimed_s:.1f} s long (per its header); {_limit_text(max_s, channels)}")

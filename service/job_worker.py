@@ -19,9 +19,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
+from models.audio_io import WHOLE, Stretch
 from models.tokenizer import hotword_tokens
 
-from .audio import WHOLE, AudioLimits, AudioRequestError, Stretch, decode_audio, decode_audio_file
+from .audio import AudioLimits, AudioRequestError, decode_audio, decode_audio_file
 from .audio_budget import AudioBudget, AudioClaim
 from .batcher import Priority, QueueFull
 from .formats import to_record

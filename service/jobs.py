@@ -24,9 +24,8 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import OutOfMemoryError
 
+from models.audio_io import Stretch
 from models.transcript import rounded
-
-from .audio import Stretch
 
 # --- the key schema, in one place ----------------------------------------------------------------------------
 PREFIX = "batchasr"

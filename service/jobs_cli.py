@@ -19,7 +19,6 @@ import httpx
 
 from models.audio_io import AudioClip, find_audio_files
 
-from .audio import Stretch
 from .config import Settings
 from .jobs import ANONYMOUS, REDIS_ERRORS, REDIS_FULL, ItemInput, JobNotFound, JobOptions, JobStatus, JobStore
 from .output_files import is_url
@@ -149,7 +148,7 @@ def item_input(source: Input, multichannel: bool = False) -> ItemInput:
         return ItemInput(audio=source, url=source)
     if isinstance(source, WorkerPath):
         clip = source.clip
-        stretch = None if clip.whole else Stretch(clip.offset_s, clip.duration_s)
+        stretch = None if clip.whole else clip.stretch
         return ItemInput(audio=str(clip), path=source.item()["path"], stretch=stretch)
     if isinstance(source, AudioClip):
         return ItemInput(audio=str(source), upload=stretch_upload(source, multichannel)[1])

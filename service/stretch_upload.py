@@ -14,7 +14,7 @@ from __future__ import annotations
 import io
 from typing import Any
 
-from models.audio_io import AudioClip, AudioError, open_audio, read_audio, stretch_frames
+from models.audio_io import AudioClip, AudioError, open_audio, read_audio
 
 SAMPLE_RATE = 16000  # the float32 fallback: the samples the model hears
 FLOAT_BYTES = 4
@@ -63,7 +63,7 @@ def stretch_upload(clip: AudioClip, multichannel: bool) -> tuple[str, bytes, str
     with open_audio(clip.path) as f:
         flac = _as_flac(f, multichannel)
         if flac is not None:
-            first, count = stretch_frames(clip.offset_s, clip.duration_s, f.samplerate)
+            first, count = clip.stretch.frames(f.samplerate)
             f.seek(min(first, f.frames))
             frames = f.read(-1 if count is None else count, dtype="int32", always_2d=True)
             if not len(frames):
