@@ -210,9 +210,9 @@ class LabelLoopingDecoder:
 
     def _grow(self, batch: int, n_frames: int, hidden: int, device: torch.device,
               dtype: torch.dtype) -> LabelLoopState:
-        """New buffers (and graphs) at least as large as before: rows keep their running maximum, frames
-        round up to FRAME_QUANTUM. Eager mode sizes its buffers the same way, so its arithmetic (matrix
-        shapes) is the graphs' and results compare exactly."""
+        """New buffers at least as large as before (the old graphs are dropped; each set is captured again when a
+        batch needs it): rows keep their running maximum, frames round up to FRAME_QUANTUM. Eager mode sizes its
+        buffers the same way, so its arithmetic (matrix shapes) is the graphs' and results compare exactly."""
         old = self._state
         keep = old is not None and old.enc_proj.device == device and old.enc_proj.dtype == dtype
         rows = max(batch, old.batch_capacity if keep and old is not None else 0)
