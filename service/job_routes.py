@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field, model_validator
 from starlette.datastructures import UploadFile as StarletteUpload
 
-from models.audio_io import Stretch
+from models.audio_io import WHOLE, Stretch
 
 from .config import Settings
 from .hotwords import split_hotwords
@@ -141,7 +141,7 @@ async def _json_items(request: Request, service: ServiceState) -> tuple[list[Ite
         body = JobCreate.model_validate_json(await request.body())
     except ValueError as exc:
         raise ApiError(400, f"invalid job: {exc}", code="invalid_job") from exc
-    items = [ItemInput(audio=Stretch(item.offset, item.duration).label(item.path or str(item.url)), path=item.path,
+    items = [ItemInput(audio=(item.stretch or WHOLE).label(item.path or str(item.url)), path=item.path,
                        url=None if item.url is None else str(item.url), stretch=item.stretch) for item in body.items]
     names = speaker_names(body.channel_names, body.multichannel)
     hotwords = _job_hotwords(service, body.hotwords or [])
