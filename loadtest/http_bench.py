@@ -10,10 +10,11 @@ decoder; the issue's "offline engine").
 
     python loadtest/http_bench.py --model MODEL.nemo|ARCHITECTURE [--audio-dir DIR] [--requests 200]
         [--concurrency 64] [--batch-size 32] [--device auto] [--dtype auto] [--attention-kernel auto]
-        [--frontends N[,N...]] [--jobs] [--out FILE]
+        [--frontends N[,N...]] [--jobs] [--out FILE] [--budget-s S]
 
 ``--model`` may name a built-in architecture (random weights, calibrated blank, as ``batchasr bench``); without
-``--audio-dir`` the audio is ``batchasr bench``'s LibriSpeech-like synthetic mix, sent as 16-bit WAV.
+``--audio-dir`` the audio is ``batchasr bench``'s LibriSpeech-like synthetic mix, sent as 16-bit WAV. With
+``--budget-s``, no server run (and no half-load run) is begun once it is spent; --out is rewritten after each.
 """
 
 from __future__ import annotations
@@ -44,7 +45,15 @@ import torch
 from models import load_model
 from models.architectures import ARCHITECTURES
 from models.fastconformer import ATTENTION_KERNEL_OPTIONS
-from service.bench import Workload, measure, save_random_checkpoint, synthetic_audio, timed_passes
+from service.bench import (
+    Budget,
+    Workload,
+    add_budget_option,
+    measure,
+    save_random_checkpoint,
+    synthetic_audio,
+    timed_passes,
+)
 from service.cli import raise_open_files_limit
 
 try:
@@ -291,7 +300,7 @@ def start_server(model: str, port: int, redis_url: str | None, frontends: int, m
 
 
 def server_run(model: str, clips: list[Clip], offline: dict, redis_url: str | None, frontends: int,
-               args: argparse.Namespace) -> dict:
+               args: argparse.Namespace, budget: Budget) -> dict:
     """One `batchasr serve` configuration: saturation, half load, the bulk job; ratios to the offline runs."""
     bodies, durations = [c.body for c in clips], [c.duration_s for c in clips]
     run: dict = {"frontends": frontends}
@@ -309,8 +318,13 @@ def server_run(model: str, clips: list[Clip], offline: dict, redis_url: str | No
         saturation["server"] = engine_view(before, server_counters(url), saturation["wall_s"])
         run["http_vs_transcribe"] = round(saturation["rtfx"] / offline["transcribe"]["rtfx"], 3)
         run["http_vs_bench"] = round(saturation["rtfx"] / offline["bench"]["rtfx"], 3)
-        run["http_half_load"] = run_client(open_loop(url, bodies, saturation["requests_per_s"] / 2))
-        if redis_url:
+        if budget.spent:
+            run["http_half_load"] = "not measured: budget spent"
+        else:
+            run["http_half_load"] = run_client(open_loop(url, bodies, saturation["requests_per_s"] / 2))
+        if redis_url and budget.spent:
+            run["bulk_job"] = "not measured: budget spent"
+        elif redis_url:
             cpu_before = ServerCpu.read(server.pid)
             bulk = run["bulk_job"] = run_client(bulk_job(url, clips))
             bulk["front_end"] = front_end_view(cpu_before, ServerCpu.read(server.pid), len(clips), sum(durations),
@@ -344,7 +358,9 @@ def main() -> None:
                              "several: one server after another on the same audio (default: 0)")
     parser.add_argument("--jobs", action="store_true", help="also time a bulk job through Redis")
     parser.add_argument("--out", type=Path, help="also write the JSON report here")
+    add_budget_option(parser)
     args = parser.parse_args()
+    budget = Budget(args.budget_s)
     raise_open_files_limit()  # a socket per request in flight
     clips = file_clips(args.audio_dir, args.requests) if args.audio_dir else synthetic_clips(args.requests)
     workdir = Path(tempfile.mkdtemp())
@@ -367,19 +383,27 @@ def main() -> None:
                                   "--dir", str(workdir)], stdout=subprocess.DEVNULL)
         redis_url = f"redis://127.0.0.1:{redis_port}/0"
         time.sleep(0.5)
+    gpu = torch.cuda.get_device_name() if report["offline"]["device"].startswith("cuda") else None
+    report["machine"] = f"{os.cpu_count()} CPU cores, " + (gpu or "no GPU")
+    report["servers"] = []
     try:
-        report["servers"] = [server_run(model, clips, report["offline"], redis_url, frontends, args)
-                             for frontends in args.frontends]
+        for frontends in args.frontends:
+            if budget.spent:
+                report["servers"].append({"frontends": frontends, "not_measured": "budget spent"})
+            else:
+                report["servers"].append(server_run(model, clips, report["offline"], redis_url, frontends, args,
+                                                    budget))
+            write_report(report, args.out)
     finally:
         if redis is not None:
             redis.terminate()
         shutil.rmtree(workdir, ignore_errors=True)
-    gpu = torch.cuda.get_device_name() if report["offline"]["device"].startswith("cuda") else None
-    report["machine"] = f"{os.cpu_count()} CPU cores, " + (gpu or "no GPU")
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    print(json.dumps(report, indent=2))
+
+
+def write_report(report: dict, out: Path | None) -> None:
+    if out:
+        out.write_text(json.dumps(report, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,50 +1,80 @@
 #!/usr/bin/env bash
 # GPU checks and records: label looping and its CUDA graph modes (issue 3), the HTTP path against the offline
-# engine (issue 4), and batchasr against NeMo's own transcribe() (issue 7).
+# engine (issue 4), and batchasr against NeMo's own transcribe() (issue 7), inside the device time a session is
+# lent (15 minutes, the machine's start included; 10 minutes a command).
 #
-#   bash scripts/gpu_check.sh [all|tests|bench|nemo|http|bulk|stability] [extra options for the stage's script]
+#   bash scripts/gpu_check.sh [STAGE ...] [extra options for a single stage's script]
+#   GPU_CHECK_BUDGET_S (default 540): seconds the whole command may take, its setup included
 #
-# Stages and what each writes under $OUT (the device tool's output folder; ./gpu_check_out when unset). Every
-# stage also writes env.txt (GPU, driver, Python, torch, which graph mode "auto" picks and why).
-#   tests  tests/gpu                                                    gpu_tests.log
-#   bench  scripts/bench_table.py: parakeet-tdt-0.6b-v2 and parakeet-rnnt-1.1b, bf16, batch 1/16/128, every
-#          algorithm and graph mode, both attention kernels in conditional mode, 20 hotwords a row;
-#          parakeet-ctc-1.1b plain and with the 20 hotwords
-#                                                                       bench.log, bench.jsonl, bench_table.md
-#   nemo   scripts/nemo_compare.py: the same two, bf16, batch 128, against NeMo 3.0 on the same weights and
-#          audio, batchasr with both attention kernels; tokens compared; each side's stage times; encoder
-#          share of the speed of light; cost per 1M audio hours
-#                                                                       nemo.log, nemo_compare.jsonl, nemo_compare.md
-#   http   loadtest/http_bench.py: parakeet-tdt-0.6b-v2, bf16, `batchasr serve` at saturation and half load vs
-#          the offline engine; 16x the batch size in flight, the pool the batcher matches lengths from;
-#          with 4 HTTP front-end processes, then with HTTP in the engine's process
-#                                                                       http.log, http_bench.json
-#   bulk   loadtest/http_bench.py --jobs: 4,096 clips as one bulk job through Redis (carried in .whl/redis), and
-#          over HTTP; 4 front-end and 2 job consumer processes           bulk.log, bulk_bench.json
-#   stability  loadtest/batch_stability.py: the embedded model on held-out speech (carried in .carry/speech), each
-#          utterance alone and in batches of 128 (sorted, shuffled), bf16 and float32: how many transcripts move
-#                                                                       stability.log, stability.jsonl
-# The device tool brings back at most 8 files a call and runs a call for at most 10 minutes: run one stage a call.
+# The stages run in this order (the default: all of them), which is their priority. Each is given what is left
+# of the budget, at most its cap; its script begins nothing new past its share and writes what it has measured.
+# A stage left with under a minute is skipped, and summary.md says so: run it in the next call.
+#   stage      cap s  what                                                      files
+#   tests      120    tests/gpu                                                 gpu_tests.log
+#   bench      200    scripts/bench_table.py: parakeet-tdt-0.6b-v2, parakeet-rnnt-1.1b, parakeet-ctc-1.1b; bf16;
+#                     batch 128, 16, then 1 (cut first); every algorithm and graph mode, both attention kernels,
+#                     the token scores, 20 hotwords a row                   bench.log, bench.jsonl, bench_table.md
+#   nemo       190    scripts/nemo_compare.py: the two transducers, bf16, batch 128, 256 utterances, against
+#                     NeMo 3.0 on the same weights and audio: tokens (bf16, and float32), stage times, the
+#                     encoder's share of the speed of light, cost per 1M audio hours
+#                                                                           nemo.log, nemo_compare.jsonl, nemo_compare.md
+#   http       200    loadtest/http_bench.py: parakeet-tdt-0.6b-v2, bf16, `batchasr serve` at saturation and at
+#                     half load against the offline engine; 4 front-end processes, then HTTP in the engine's
+#                                                                           http.log, http_bench.json
+#   stability   60    loadtest/batch_stability.py: the embedded model on held-out speech (.carry/speech), alone
+#                     and in batches of 128, bf16 and float32                stability.log, stability.jsonl
+#   bulk       120    loadtest/http_bench.py --jobs: 2,048 clips as one bulk job through Redis (.whl/redis),
+#                     and over HTTP                                          bulk.log, bulk_bench.json
+# Under $OUT (the device tool's output folder; ./gpu_check_out when unset) come three files, whatever ran:
+# env.txt (GPU, driver, torch, the graph mode "auto" picks and why, whether the condition kernel loads),
+# summary.md (each stage's exit status, seconds and tables) and results.tar.gz (every file above), rewritten after
+# each stage, so a command stopped from outside keeps what it measured.
 #
-# From a development checkout (run through the device tool, which sends the repository but not ../shared):
-#   once here:  mkdir -p .carry && cp -r ../shared/fixtures/nemo-parity .carry/
-#               python -m models.training.data --cache /tmp/speech --n-train 0        # held-out test speech
-#               mkdir -p .carry/speech && for f in /tmp/speech/test_sentences/*.wav; do
-#                   sox "$f" ".carry/speech/$(basename "$f" .wav).flac"; done       # about 10 MB
-#               x=$(git rev-parse --git-path info/exclude); mkdir -p "$(dirname "$x")"; echo /.carry/ >> "$x"
-#               bash scripts/fetch_gpu_wheels.sh          # .whl/: what the image lacks (service and NeMo)
-#   then:       run(command="bash scripts/gpu_check.sh tests", carry=[".carry", ".whl"])
-#               # then bench, nemo, http, bulk, stability
+# Once here (the device tool sends the repository, not ../shared):
+#   mkdir -p .carry && cp -r ../shared/fixtures/nemo-parity .carry/
+#   python -m models.training.data --cache /tmp/speech --n-train 0           # held-out test speech
+#   mkdir -p .carry/speech && for f in /tmp/speech/test_sentences/*.wav; do
+#       sox "$f" ".carry/speech/$(basename "$f" .wav).flac"; done           # about 14 MB
+#   x=$(git rev-parse --git-path info/exclude); mkdir -p "$(dirname "$x")"; echo /.carry/ >> "$x"
+#   bash scripts/fetch_gpu_wheels.sh          # .whl/: what the image lacks (service and NeMo), about 17 MB
+# Then, in 15 minutes of device time:
+#   1. run(command="bash scripts/gpu_check.sh", carry=[".carry", ".whl"], timeout_s=600): tests, bench, nemo and
+#      what else fits (the machine's start takes a minute or two, this call nine minutes at most);
+#   2. at once, while the machine is warm (30 s), the stages summary.md lists as skipped, in status's
+#      budget_left_s less a minute: run(command="GPU_CHECK_BUDGET_S=200 bash scripts/gpu_check.sh http stability
+#      bulk", carry=[".carry", ".whl"]).
 # Beyond the image's torch, numpy, sentencepiece, pyyaml, pytest, hypothesis, prometheus-client and cuda-bindings,
 # the tests and the stability stage read audio with soundfile and soxr, and nemo and http need more: all carried
 # in .whl (checked on a CPU: with those alone, tests/gpu is collected and every stage's script starts).
 set -uo pipefail
 
-what="${1:-all}"
-[ $# -gt 0 ] && shift
 cd "$(dirname "$0")/.." || exit 1
+started=$(date +%s)
+BUDGET_S="${GPU_CHECK_BUDGET_S:-540}"
 OUT="${OUT:-$PWD/gpu_check_out}"
+WORK="$(mktemp -d)"
 mkdir -p "$OUT"
+
+STAGES=(tests bench nemo http stability bulk)
+declare -A CAP_S=([tests]=120 [bench]=200 [nemo]=190 [http]=200 [stability]=60 [bulk]=120)
+# how long a stage's script may go on after its last look at its budget: a setting, a server run
+declare -A TAIL_S=([bench]=30 [nemo]=0 [http]=70 [bulk]=40)
+MIN_STAGE_S=60
+declare -A SHOWN=([bench]=bench_table.md [nemo]=nemo_compare.md [http]=http_bench.json [stability]=stability.jsonl
+                  [bulk]=bulk_bench.json)  # what summary.md shows of each stage; else, or without it, its log's end
+declare -A LOG=([tests]=gpu_tests.log [bench]=bench.log [nemo]=nemo.log [http]=http.log [stability]=stability.log
+                [bulk]=bulk.log)
+
+chosen=()
+while [ $# -gt 0 ] && [[ " all ${STAGES[*]} " == *" $1 "* ]]; do
+    if [ "$1" = all ]; then chosen+=("${STAGES[@]}"); else chosen+=("$1"); fi
+    shift
+done
+[ ${#chosen[@]} -gt 0 ] || chosen=("${STAGES[@]}")
+if [ $# -gt 0 ] && [ ${#chosen[@]} -gt 1 ]; then
+    echo "gpu_check: extra options ($*) go to one stage's script: name a single stage" >&2
+    exit 2
+fi
 
 if compgen -G ".whl/*.whl" > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -92,49 +122,80 @@ EOF
     echo "parity fixtures: ${BATCHASR_PARITY_DIR:-not found (fixture-model GPU tests will skip)}"
 } 2>&1 | tee "$OUT/env.txt"
 
+# Each stage: $1 its share in seconds, then the extra options. Its files go to $WORK.
+stage_tests() {
+    timeout -s INT -k 15 "$1" python3 -m pytest -q -rs -p no:cacheprovider tests/gpu "${@:2}" \
+        > "$WORK/gpu_tests.log" 2>&1
+}
+stage_bench() {
+    timeout -s INT -k 15 "$1" python3 scripts/bench_table.py --out "$WORK" --batch-sizes 128 16 1 \
+        --n-utterances 128 --budget-s "$(( $1 - TAIL_S[bench] ))" "${@:2}" > "$WORK/bench.log" 2>&1
+}
+stage_nemo() {
+    timeout -s INT -k 15 "$1" python3 scripts/nemo_compare.py --out "$WORK" --n-utterances 256 --repeat 2 \
+        --check-utterances 64 --budget-s "$(( $1 - TAIL_S[nemo] ))" "${@:2}" > "$WORK/nemo.log" 2>&1
+}
+stage_http() {
+    timeout -s INT -k 15 "$1" python3 loadtest/http_bench.py --model parakeet-tdt-0.6b-v2 --device cuda \
+        --dtype bfloat16 --batch-size 128 --requests 3072 --concurrency 1536 --frontends 4,0 \
+        --budget-s "$(( $1 - TAIL_S[http] ))" --out "$WORK/http_bench.json" "${@:2}" > "$WORK/http.log" 2>&1
+}
+stage_stability() {
+    if [ ! -d .carry/speech ]; then
+        echo "no .carry/speech (see the top of this script)" > "$WORK/stability.log"
+        return 1
+    fi
+    local rc=0 dtype
+    for dtype in bfloat16 float32; do
+        timeout -s INT -k 15 "$(( $1 / 2 ))" python3 loadtest/batch_stability.py --device cuda --dtype "$dtype" \
+            --audio .carry/speech --batch-size 128 --shuffles 2 --json "${@:2}" >> "$WORK/stability.jsonl" \
+            2>> "$WORK/stability.log" || rc=1
+    done
+    return "$rc"
+}
+stage_bulk() {
+    if ! redis-server --version > /dev/null 2>&1; then
+        echo "no redis-server (bash scripts/fetch_gpu_wheels.sh service puts one in .whl/redis)" > "$WORK/bulk.log"
+        return 1
+    fi
+    BATCHASR_JOB_CONSUMERS=2 timeout -s INT -k 15 "$1" python3 loadtest/http_bench.py \
+        --model parakeet-tdt-0.6b-v2 --device cuda --dtype bfloat16 --batch-size 128 --requests 2048 \
+        --concurrency 1024 --frontends 4 --jobs --budget-s "$(( $1 - TAIL_S[bulk] ))" \
+        --out "$WORK/bulk_bench.json" "${@:2}" > "$WORK/bulk.log" 2>&1
+}
+
+save() {
+    cp "$WORK/summary.md" "$OUT/summary.md"
+    tar -czf "$OUT/results.tar.gz" -C "$WORK" .
+}
+
+printf '# gpu_check %s: %s in %s s\n' "$(date -u +%Y-%m-%dT%H:%MZ)" "${chosen[*]}" "$BUDGET_S" > "$WORK/summary.md"
 status=0
-if [ "$what" = all ] || [ "$what" = tests ]; then
-    python3 -m pytest -q -rs -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu_tests.log"
-    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-fi
-if [ "$what" = all ] || [ "$what" = bench ]; then
-    python3 scripts/bench_table.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log"
-    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-fi
-if [ "$what" = all ] || [ "$what" = nemo ]; then
-    python3 scripts/nemo_compare.py --out "$OUT" "$@" 2>&1 | tee "$OUT/nemo.log"
-    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-fi
-if [ "$what" = all ] || [ "$what" = http ]; then
-    # 4 front-end processes (the deployments' layout), then HTTP in the engine's process, on the same audio
-    python3 loadtest/http_bench.py --model parakeet-tdt-0.6b-v2 --device cuda --dtype bfloat16 --batch-size 128 \
-        --requests 6144 --concurrency 2048 --frontends 4,0 --out "$OUT/http_bench.json" "$@" 2>&1 | tee "$OUT/http.log"
-    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-fi
-if [ "$what" = all ] || [ "$what" = bulk ]; then
-    if redis-server --version > /dev/null 2>&1; then
-        # a bulk job of the same kind of audio through Redis, beside HTTP: 4 front ends, 2 consumer processes
-        BATCHASR_JOB_CONSUMERS=2 python3 loadtest/http_bench.py --model parakeet-tdt-0.6b-v2 --device cuda --dtype bfloat16 --batch-size 128 \
-            --requests 4096 --concurrency 2048 --frontends 4 --jobs --out "$OUT/bulk_bench.json" "$@" 2>&1 \
-            | tee "$OUT/bulk.log"
-        [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-    else
-        echo "bulk: no redis-server (bash scripts/fetch_gpu_wheels.sh service puts one in .whl/redis)" | tee "$OUT/bulk.log"
+for stage in "${chosen[@]}"; do
+    left=$(( started + BUDGET_S - $(date +%s) ))
+    share=$(( CAP_S[$stage] < left ? CAP_S[$stage] : left ))
+    if [ "$share" -lt "$MIN_STAGE_S" ]; then
+        printf '\n## %s: skipped, %s s of the budget left\n' "$stage" "$left" >> "$WORK/summary.md"
+        status=1
+        continue
     fi
-fi
-if [ "$what" = all ] || [ "$what" = stability ]; then
-    if [ -d .carry/speech ]; then
-        (
-            rc=0
-            for dtype in bfloat16 float32; do
-                python3 loadtest/batch_stability.py --device cuda --dtype "$dtype" --audio .carry/speech \
-                    --batch-size 128 --shuffles 2 --json "$@" || rc=1
-            done
-            exit "$rc"
-        ) 2> "$OUT/stability.log" | tee "$OUT/stability.jsonl"
-        [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-    else
-        echo "stability: no .carry/speech (see the top of this script)" | tee "$OUT/stability.log"
+    echo "== $stage: up to $share s"
+    began=$(date +%s)
+    "stage_$stage" "$share" "$@"
+    rc=$?
+    [ "$rc" -eq 0 ] || status=1
+    why=""
+    [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ] && why=" (stopped: its share ran out)"
+    printf '\n## %s: exit status %s%s, %s s\n\n' "$stage" "$rc" "$why" "$(( $(date +%s) - began ))" \
+        >> "$WORK/summary.md"
+    shown="$WORK/${SHOWN[$stage]:-none}"
+    if [ -s "$shown" ]; then
+        cat "$shown" >> "$WORK/summary.md"
+    else  # pytest's summary, or why a stage gave nothing
+        tail -n 30 "$WORK/${LOG[$stage]}" >> "$WORK/summary.md" 2>/dev/null
     fi
-fi
+    save
+done
+save
+cat "$OUT/summary.md"
 exit "$status"

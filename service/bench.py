@@ -198,6 +198,31 @@ def timed_passes(run: Callable[[], Any], device: torch.device, repeat: int = 1) 
     return TimedPasses(seconds, result)
 
 
+
+@dataclass
+class Budget:
+    """The seconds a benchmark script may spend (scripts/gpu_check.sh shares the device time out between stages):
+    no new measurement is begun once they are spent, so what was measured is written in time."""
+
+    seconds: float | None  # None: no limit
+    started: float = field(default_factory=time.monotonic)
+
+    def left(self) -> float:
+        return float("inf") if self.seconds is None else self.seconds - (time.monotonic() - self.started)
+
+    @property
+    def spent(self) -> bool:
+        return self.left() <= 0
+
+    def allows(self, seconds: float) -> bool:
+        """Whether a step expected to take ``seconds`` fits in what is left."""
+        return self.left() >= seconds
+
+
+def add_budget_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="begin no new measurement after this many seconds (default: no limit)")
+
 # --- random-weight checkpoints (for tools that need a file: HTTP bench, NeMo comparison) ----------------------
 
 def synthetic_tokenizer(vocab_size: int, seed: int = 0) -> bytes:

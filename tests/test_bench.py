@@ -16,6 +16,7 @@ from models import load_model
 from models.architectures import build_random_model
 from service.bench import (
     DURATION_RANGE_S,
+    Budget,
     calibrate_blank_bias,
     save_random_checkpoint,
     synthetic_audio,
@@ -82,6 +83,26 @@ def test_the_gpu_bench_table_measures_every_setting_and_goes_past_one_that_fails
     assert measured[0]["tokens_sha1"] == measured[1]["tokens_sha1"]  # frame looping and label looping
     rows = (tmp_path / "bench_table.md").read_text().splitlines()
     assert len(rows) == 2 + len(measured) and all(row.count("|") == rows[0].count("|") for row in rows)
+
+
+def test_the_gpu_bench_table_begins_nothing_once_its_budget_is_spent(parity_dir, tmp_path, monkeypatch):
+    """The device run shares its minutes out between stages: a spent budget leaves the table's header and a line
+    for each batch size and model not measured, in the order they would have come, and prepares no model."""
+    table = load_script(REPO / "scripts" / "bench_table.py")
+    models = [str(parity_dir / "tdt.nemo"), str(parity_dir / "ctc.nemo")]
+    monkeypatch.setattr("sys.argv", ["bench_table.py", "--out", str(tmp_path), "--device", "cpu", "--dtype", "float32",
+                                     "--models", *models, "--batch-sizes", "4", "1", "--budget-s", "0"])
+    assert table.main() == 0
+    assert (tmp_path / "bench.jsonl").read_text() == ""
+    lines = (tmp_path / "bench_table.md").read_text().splitlines()
+    assert lines[:2] == table.HEADER.splitlines()
+    assert [line for line in lines[2:] if line] == [f"Not measured (budget spent): {m} at batch {b}"
+                                                     for b in (4, 1) for m in models]
+
+
+def test_a_budget_without_a_limit_is_never_spent():
+    assert not Budget(None).spent and Budget(None).left() == float("inf")
+    assert Budget(0).spent and 59 < Budget(60).left() <= 60
 
 
 def test_bench_reads_audio_files_and_prints_a_table(parity_dir, parity_audio, capsys):

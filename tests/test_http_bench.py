@@ -66,6 +66,18 @@ def test_a_small_run_reports_http_half_load_and_a_bulk_job(parity_dir, tmp_path)
     assert front_ends["count"] == 2 and front_ends["cpu_ms_per_request"] > 0
 
 
+def test_a_spent_budget_keeps_the_offline_baseline_and_begins_no_server(parity_dir, tmp_path):
+    out = tmp_path / "report.json"
+    command = [sys.executable, "loadtest/http_bench.py", "--model", "models/assets/default.nemo",
+               "--audio-dir", str(parity_dir / "audio"), "--requests", "4", "--batch-size", "4", "--frontends", "0,2",
+               "--budget-s", "0", "--out", str(out)]
+    subprocess.run(command, cwd=REPO, check=True, timeout=300, capture_output=True)
+    report = json.loads(out.read_text())
+    assert report["offline"]["bench"]["rtfx"] > 0
+    assert report["servers"] == [{"frontends": 0, "not_measured": "budget spent"},
+                                 {"frontends": 2, "not_measured": "budget spent"}]
+
+
 def test_gil_share_runs_and_reports_each_setting():
     command = [sys.executable, "scripts/gil_share.py", "--busy", "0.5", "--switch-ms", "5", "1", "--ops", "300"]
     lines = subprocess.run(command, cwd=REPO, check=True, timeout=120, capture_output=True,
