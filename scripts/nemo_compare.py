@@ -214,25 +214,27 @@ def compare_model(name: str, args: argparse.Namespace, workdir: Path, peak: floa
 
     record["nemo"] = _side(audio_s, nemo_run, args.gpu_hour_usd)
     record["nemo_stage_s"] = nemo_stages
-    record["runs"] = [batchasr_run(path, args.attention_kernels[0], waves, nemo_run, args, peak)]
-    for kernel in args.attention_kernels[1:]:  # the others only while the budget lasts
-        if budget.spent:
+    ours = load_model(path, device=args.device, dtype=args.dtype, attention_kernel=args.attention_kernels[0])
+    record["runs"] = []
+    for n, kernel in enumerate(args.attention_kernels):  # past the first, only while the budget lasts
+        if n and budget.spent:
             record["not_measured"] = f"attention kernel {kernel}: budget spent"
             break
-        record["runs"].append(batchasr_run(path, kernel, waves, nemo_run, args, peak))
+        ours.encoder.set_attention_kernel(kernel)
+        record["runs"].append(batchasr_run(ours, path.stem, waves, nemo_run, args, peak))
+    del ours
+    _free()
     return record
 
 
-def batchasr_run(path: Path, kernel: str, waves: list[np.ndarray], nemo_run: TimedPasses, args: argparse.Namespace,
-                 peak: float) -> dict[str, Any]:
-    """batchasr's timed passes with one attention kernel, against NeMo's."""
+def batchasr_run(ours: ASRModel, name: str, waves: list[np.ndarray], nemo_run: TimedPasses,
+                 args: argparse.Namespace, peak: float) -> dict[str, Any]:
+    """batchasr's timed passes with the model's attention kernel, against NeMo's."""
     audio_s = sum(len(w) for w in waves) / SAMPLE_RATE
-    ours = load_model(path, device=args.device, dtype=args.dtype, attention_kernel=kernel)
+    kernel = ours.encoder.attention_kernel
     run = timed_passes(partial(batchasr_transcriber(ours, args.batch_size), waves), ours.device, args.repeat)
-    stages = measure(Workload(path.stem, ours, waves, ours.default_decoder, None), args.batch_size, 1)
+    stages = measure(Workload(name, ours, waves, ours.default_decoder, None), args.batch_size, 1)
     flops = encoder_flops(ours, waves, args.batch_size)
-    del ours
-    _free()
     side = _side(audio_s, run, args.gpu_hour_usd)
     encoder_s = stages.stage_s["encoder"]
     return {"attention_kernel": kernel, "batchasr": side,
