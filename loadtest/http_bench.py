@@ -275,7 +275,9 @@ async def bulk_job(url: str, clips: list[Clip]) -> dict:
 
 
 def start_server(model: str, port: int, redis_url: str | None, frontends: int, max_upload_bytes: int,
-                 args: argparse.Namespace) -> subprocess.Popen:
+                 args: argparse.Namespace, log: Path) -> subprocess.Popen:
+    """`batchasr serve` in a subprocess, its output in ``log``; returned once /readyz says ready. A server that
+    exits first, or is not ready in 10 minutes, raises at once with the end of its log."""
     env = {**os.environ, "BATCHASR_MAX_BATCH_SIZE": str(args.batch_size), "BATCHASR_MAX_QUEUE": "100000",
            "BATCHASR_MAX_BATCH_AUDIO_S": str(args.batch_size * 36.0),  # room for full batches of the longest clips
            # the bulk job is one submission of every clip: its uploads may total as much as one upload
@@ -287,16 +289,19 @@ def start_server(model: str, port: int, redis_url: str | None, frontends: int, m
         command += ["--redis-url", redis_url]
     if frontends:
         command += ["--frontends", str(frontends)]
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with log.open("wb") as out:
+        process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 600  # a large model on a GPU: load, warm-up, graph capture
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and process.poll() is None:
         try:
             if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
                 return process
         except httpx.TransportError:
             time.sleep(0.2)
+    why = "did not become ready" if process.poll() is None else f"exited with status {process.returncode}"
     process.kill()
-    raise RuntimeError("server did not become ready")
+    tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
+    raise RuntimeError(f"batchasr serve {why}; the end of its output:\n{tail}")
 
 
 def server_run(model: str, clips: list[Clip], offline: dict, redis_url: str | None, frontends: int,
@@ -306,7 +311,8 @@ def server_run(model: str, clips: list[Clip], offline: dict, redis_url: str | No
     run: dict = {"frontends": frontends}
     port = free_port()
     # the bulk job is one upload of every clip
-    server = start_server(model, port, redis_url, frontends, max(200 << 20, 2 * sum(map(len, bodies))), args)
+    server = start_server(model, port, redis_url, frontends, max(200 << 20, 2 * sum(map(len, bodies))), args,
+                          Path(tempfile.gettempdir()) / f"http_bench_serve_{port}.log")
     url = f"http://127.0.0.1:{port}"
     try:
         warm = min(len(bodies), args.concurrency)  # every client connection opened, first-batch costs paid

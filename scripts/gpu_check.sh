@@ -45,7 +45,8 @@
 #      bulk", carry=[".carry", ".whl"]).
 # Beyond the image's torch, numpy, sentencepiece, pyyaml, pytest, hypothesis, prometheus-client and cuda-bindings,
 # the tests and the stability stage read audio with soundfile and soxr, and nemo and http need more: all carried
-# in .whl (checked on a CPU: with those alone, tests/gpu is collected and every stage's script starts).
+# in .whl. Checked on a CPU with those alone (the image's packages at its versions, the wheels built for the
+# CPU's Python): tests/gpu is collected, and every stage's script runs through on small inputs.
 set -uo pipefail
 
 cd "$(dirname "$0")/.." || exit 1

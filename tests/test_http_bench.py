@@ -3,6 +3,7 @@ so it must work before a GPU is lent; and the interpreter-lock probe beside it."
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -76,6 +77,16 @@ def test_a_spent_budget_keeps_the_offline_baseline_and_begins_no_server(parity_d
     assert report["offline"]["bench"]["rtfx"] > 0
     assert report["servers"] == [{"frontends": 0, "not_measured": "budget spent"},
                                  {"frontends": 2, "not_measured": "budget spent"}]
+
+
+def test_a_server_that_cannot_start_is_reported_at_once_with_its_output(http_bench, tmp_path):
+    """Not after the ten minutes a large model on a GPU is given to get ready: device time is short."""
+    args = argparse.Namespace(batch_size=4, device="cpu", dtype="float32", attention_kernel="auto")
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="exited with status") as raised:
+        http_bench.start_server(str(tmp_path / "missing.nemo"), http_bench.free_port(), None, 0, 1 << 20, args,
+                                tmp_path / "serve.log")
+    assert time.monotonic() - started < 120 and "missing.nemo" in str(raised.value)
 
 
 def test_gil_share_runs_and_reports_each_setting():
