@@ -12,6 +12,7 @@ edge data to capture-info queries and node insertion); both are handled by unpac
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable
 from typing import Any
@@ -19,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+SWITCH = "BATCHASR_CONDITIONAL_NODES"  # "0": never use them, "auto" takes plain graphs (a driver that misbehaves)
 MIN_DRIVER = (12, 6)  # cooperative kernels (some LSTM/GEMM kernels) fail inside conditional bodies before 12.6
 MIN_BINDINGS = (12, 3)  # conditional nodes and cuStreamBeginCaptureToGraph
 
@@ -54,6 +56,8 @@ def _bindings() -> tuple[Any, Any, tuple[int, ...]]:
 
 def conditional_support() -> tuple[bool, str]:
     """Whether conditional WHILE nodes can be used here, and why (for the mode log line)."""
+    if os.environ.get(SWITCH, "1").strip() == "0":
+        return False, f"switched off ({SWITCH}=0)"
     if not torch.cuda.is_available():
         return False, "CUDA is not available"
     try:

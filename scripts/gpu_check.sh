@@ -8,7 +8,9 @@
 #
 # The stages run in this order (the default: all of them), which is their priority. Each is given what is left
 # of the budget, at most its cap; its script begins nothing new past its share and writes what it has measured.
-# A stage left with under a minute is skipped, and summary.md says so: run it in the next call.
+# A stage left with under a minute is skipped, and summary.md says so: run it in the next call. Before them, one
+# small decode with conditional nodes against eager: should it hang, fail or differ, the stages after tests run
+# with BATCHASR_CONDITIONAL_NODES=0 (plain graphs) rather than hang until their shares run out.
 #   stage      cap s  what                                                      files
 #   tests      120    tests/gpu                                                 gpu_tests.log
 #   bench      200    scripts/bench_table.py: parakeet-tdt-0.6b-v2, parakeet-rnnt-1.1b, parakeet-ctc-1.1b; bf16;
@@ -123,9 +125,42 @@ EOF
     echo "parity fixtures: ${BATCHASR_PARITY_DIR:-not found (fixture-model GPU tests will skip)}"
 } 2>&1 | tee "$OUT/env.txt"
 
+# Conditional nodes, tried once before anything leans on them: if a decode with them hangs, fails or gives other
+# tokens than eager, the stages after tests run with them switched off ("auto" takes plain graphs) instead of
+# hanging until their shares run out. tests/gpu keeps them on: it is where such a fault is told apart.
+timeout -s INT -k 10 90 python3 - <<'EOF' 2>&1 | tee -a "$OUT/env.txt"
+import os
+from pathlib import Path
+
+from models import load_model
+from models.architectures import build_random_model
+from service.bench import synthetic_audio
+
+parity = os.environ.get("BATCHASR_PARITY_DIR")
+if parity:  # the NeMo fixtures: small, and their audio is speech
+    models = {name: load_model(Path(parity, name), device="cuda", dtype="float32") for name in ("tdt.nemo", "rnnt.nemo")}
+    audio = sorted(str(p) for p in Path(parity, "audio").iterdir())
+else:
+    models = {"parakeet-tdt_ctc-110m": build_random_model("parakeet-tdt_ctc-110m", device="cuda", dtype="float32")}
+    audio = synthetic_audio(8, seed=0)
+same = True
+for name, model in models.items():
+    eager, graphs = ([t.tokens for t in model.transcribe(audio, batch_size=4, cuda_graphs=mode)]
+                     for mode in ("off", "conditional"))
+    same &= eager == graphs
+    print(f"conditional smoke, {name}: {'the same tokens as eager' if eager == graphs else 'OTHER TOKENS than eager'}")
+raise SystemExit(0 if same else 1)
+EOF
+if [ "${PIPESTATUS[0]}" -ne 0 ]; then
+    echo "conditional smoke failed: the stages after tests run with BATCHASR_CONDITIONAL_NODES=0" | tee -a "$OUT/env.txt"
+    after_tests_env=(BATCHASR_CONDITIONAL_NODES=0)
+else
+    after_tests_env=()
+fi
+
 # Each stage: $1 its share in seconds, then the extra options. Its files go to $WORK.
-stage_tests() {
-    timeout -s INT -k 15 "$1" python3 -m pytest -q -rs -p no:cacheprovider tests/gpu "${@:2}" \
+stage_tests() {  # -v: a test's name is written before it runs, so a test that hangs the GPU is named
+    timeout -s INT -k 15 "$1" python3 -m pytest -v -rs -p no:cacheprovider tests/gpu "${@:2}" \
         > "$WORK/gpu_tests.log" 2>&1
 }
 stage_bench() {
@@ -171,6 +206,7 @@ save() {
 }
 
 printf '# gpu_check %s: %s in %s s\n' "$(date -u +%Y-%m-%dT%H:%MZ)" "${chosen[*]}" "$BUDGET_S" > "$WORK/summary.md"
+grep -E "^(auto picks|condition kernel|conditional smoke)" "$OUT/env.txt" | sed 's/^/    /' >> "$WORK/summary.md"
 status=0
 for stage in "${chosen[@]}"; do
     left=$(( started + BUDGET_S - $(date +%s) ))
@@ -182,7 +218,11 @@ for stage in "${chosen[@]}"; do
     fi
     echo "== $stage: up to $share s"
     began=$(date +%s)
-    "stage_$stage" "$share" "$@"
+    if [ "$stage" = tests ] || [ ${#after_tests_env[@]} -eq 0 ]; then
+        "stage_$stage" "$share" "$@"
+    else
+        (export "${after_tests_env[@]}"; "stage_$stage" "$share" "$@")
+    fi
     rc=$?
     [ "$rc" -eq 0 ] || status=1
     why=""
@@ -193,7 +233,7 @@ for stage in "${chosen[@]}"; do
     if [ -s "$shown" ]; then
         cat "$shown" >> "$WORK/summary.md"
     else  # pytest's summary, or why a stage gave nothing
-        tail -n 30 "$WORK/${LOG[$stage]}" >> "$WORK/summary.md" 2>/dev/null
+        tail -n 60 "$WORK/${LOG[$stage]}" >> "$WORK/summary.md" 2>/dev/null
     fi
     save
 done

@@ -101,6 +101,18 @@ def test_support_detection(monkeypatch, bindings, driver_version, supported, rea
     assert ok is supported and reason in why
 
 
+@pytest.mark.parametrize(("value", "supported"), [("0", False), (" 0 ", False), ("1", True), ("", True)])
+def test_the_environment_switches_conditional_nodes_off(monkeypatch, value, supported):
+    """BATCHASR_CONDITIONAL_NODES=0: a capable system says no, so "auto" takes plain graphs (a driver that
+    misbehaves with conditional nodes need not stop the service, and scripts/gpu_check.sh uses it if they hang)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cuda_conditional, "_bindings", lambda: (fake_driver(13, 13000), None, (13, 0, 1)))
+    monkeypatch.setenv(cuda_conditional.SWITCH, value)
+    ok, why = cuda_conditional.conditional_support()
+    assert ok is supported and (supported or "switched off (BATCHASR_CONDITIONAL_NODES=0)" in why)
+    assert cuda_graphs.choose_mode("auto", torch.device("cuda", 0)).mode == ("conditional" if supported else "no_while")
+
+
 def test_auto_falls_back_to_no_while_and_forced_conditional_raises(monkeypatch):
     monkeypatch.setattr(cuda_graphs, "conditional_support", lambda: (False, "CUDA driver 12.4 < 12.6"))
     cuda = torch.device("cuda", 0)
