@@ -89,6 +89,13 @@ def test_a_server_that_cannot_start_is_reported_at_once_with_its_output(http_ben
     assert time.monotonic() - started < 120 and "missing.nemo" in str(raised.value)
 
 
+def test_synthetic_requests_take_a_few_clips_in_turn(http_bench, monkeypatch):
+    monkeypatch.setattr(http_bench, "DISTINCT_CLIPS", 2)
+    clips = http_bench.synthetic_clips(5)
+    assert [c.name for c in clips] == ["synthetic_00000.wav", "synthetic_00001.wav"] * 2 + ["synthetic_00000.wav"]
+    assert clips[0].body != clips[1].body and clips[0].body.startswith(b"RIFF") and clips[0].duration_s > 1
+
+
 def test_gil_share_runs_and_reports_each_setting():
     command = [sys.executable, "scripts/gil_share.py", "--busy", "0.5", "--switch-ms", "5", "1", "--ops", "300"]
     lines = subprocess.run(command, cwd=REPO, check=True, timeout=120, capture_output=True,
