@@ -29,8 +29,9 @@
 #                     and over HTTP                                          bulk.log, bulk_bench.json
 # Under $OUT (the device tool's output folder; ./gpu_check_out when unset) come three files, whatever ran:
 # env.txt (GPU, driver, torch, the graph mode "auto" picks and why, whether the condition kernel loads),
-# summary.md (each stage's exit status, seconds and tables) and results.tar.gz (every file above), rewritten after
-# each stage, so a command stopped from outside keeps what it measured.
+# summary.md (the issues' goals as measured, then each stage's exit status, seconds and tables) and
+# results.tar.gz (every file above), rewritten after each stage, so a command stopped from outside keeps what it
+# measured.
 #
 # Once here (the device tool sends the repository, not ../shared):
 #   mkdir -p .carry && cp -r ../shared/fixtures/nemo-parity .carry/
@@ -138,7 +139,8 @@ from service.bench import synthetic_audio
 
 parity = os.environ.get("BATCHASR_PARITY_DIR")
 if parity:  # the NeMo fixtures: small, and their audio is speech
-    models = {name: load_model(Path(parity, name), device="cuda", dtype="float32") for name in ("tdt.nemo", "rnnt.nemo")}
+    models = {name: load_model(Path(parity, name), device="cuda", dtype="float32")
+              for name in ("tdt.nemo", "rnnt.nemo")}
     audio = sorted(str(p) for p in Path(parity, "audio").iterdir())
 else:
     models = {"parakeet-tdt_ctc-110m": build_random_model("parakeet-tdt_ctc-110m", device="cuda", dtype="float32")}
@@ -152,7 +154,8 @@ for name, model in models.items():
 raise SystemExit(0 if same else 1)
 EOF
 if [ "${PIPESTATUS[0]}" -ne 0 ]; then
-    echo "conditional smoke failed: the stages after tests run with BATCHASR_CONDITIONAL_NODES=0" | tee -a "$OUT/env.txt"
+    echo "conditional smoke failed: the stages after tests run with BATCHASR_CONDITIONAL_NODES=0" \
+        | tee -a "$OUT/env.txt"
     after_tests_env=(BATCHASR_CONDITIONAL_NODES=0)
 else
     after_tests_env=()
@@ -200,19 +203,21 @@ stage_bulk() {
         --out "$WORK/bulk_bench.json" "${@:2}" > "$WORK/bulk.log" 2>&1
 }
 
-save() {
+save() {  # summary.md: the run, the issues' goals as measured so far (scripts/gpu_goals.py), each stage's section
+    { cat "$WORK/head.md"; echo; python3 scripts/gpu_goals.py "$WORK"; cat "$WORK/stages.md"; } > "$WORK/summary.md"
     cp "$WORK/summary.md" "$OUT/summary.md"
     tar -czf "$OUT/results.tar.gz" -C "$WORK" .
 }
 
-printf '# gpu_check %s: %s in %s s\n' "$(date -u +%Y-%m-%dT%H:%MZ)" "${chosen[*]}" "$BUDGET_S" > "$WORK/summary.md"
-grep -E "^(auto picks|condition kernel|conditional smoke)" "$OUT/env.txt" | sed 's/^/    /' >> "$WORK/summary.md"
+printf '# gpu_check %s: %s in %s s\n' "$(date -u +%Y-%m-%dT%H:%MZ)" "${chosen[*]}" "$BUDGET_S" > "$WORK/head.md"
+grep -E "^(auto picks|condition kernel|conditional smoke)" "$OUT/env.txt" | sed 's/^/    /' >> "$WORK/head.md"
+: > "$WORK/stages.md"
 status=0
 for stage in "${chosen[@]}"; do
     left=$(( started + BUDGET_S - $(date +%s) ))
     share=$(( CAP_S[$stage] < left ? CAP_S[$stage] : left ))
     if [ "$share" -lt "$MIN_STAGE_S" ]; then
-        printf '\n## %s: skipped, %s s of the budget left\n' "$stage" "$left" >> "$WORK/summary.md"
+        printf '\n## %s: skipped, %s s of the budget left\n' "$stage" "$left" >> "$WORK/stages.md"
         status=1
         continue
     fi
@@ -228,12 +233,12 @@ for stage in "${chosen[@]}"; do
     why=""
     [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ] && why=" (stopped: its share ran out)"
     printf '\n## %s: exit status %s%s, %s s\n\n' "$stage" "$rc" "$why" "$(( $(date +%s) - began ))" \
-        >> "$WORK/summary.md"
+        >> "$WORK/stages.md"
     shown="$WORK/${SHOWN[$stage]:-none}"
     if [ -s "$shown" ]; then
-        cat "$shown" >> "$WORK/summary.md"
+        cat "$shown" >> "$WORK/stages.md"
     else  # pytest's summary, or why a stage gave nothing
-        tail -n 60 "$WORK/${LOG[$stage]}" >> "$WORK/summary.md" 2>/dev/null
+        tail -n 60 "$WORK/${LOG[$stage]}" >> "$WORK/stages.md" 2>/dev/null
     fi
     save
 done

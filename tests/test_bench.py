@@ -83,6 +83,8 @@ def test_the_gpu_bench_table_measures_every_setting_and_goes_past_one_that_fails
     assert measured[0]["tokens_sha1"] == measured[1]["tokens_sha1"]  # frame looping and label looping
     rows = (tmp_path / "bench_table.md").read_text().splitlines()
     assert len(rows) == 2 + len(measured) and all(row.count("|") == rows[0].count("|") for row in rows)
+    goals = load_script(REPO / "scripts" / "gpu_goals.py").bench_goals(lines)  # reads what the table wrote
+    assert [(measured, met) for _, measured, met in goals] == [("at batch 2 of 2", True)]
 
 
 def test_the_gpu_bench_table_begins_nothing_once_its_budget_is_spent(parity_dir, tmp_path, monkeypatch):

@@ -65,6 +65,8 @@ def test_a_small_run_reports_http_half_load_and_a_bulk_job(parity_dir, tmp_path)
     assert "front_end_processes" not in in_process["http_saturation"]["front_end"]
     front_ends = split["http_saturation"]["front_end"]["front_end_processes"]
     assert front_ends["count"] == 2 and front_ends["cpu_ms_per_request"] > 0
+    goals = load_script(REPO / "scripts" / "gpu_goals.py").http_goals(report)  # reads what the bench wrote
+    assert [met is not None for _, _, met in goals] == [True, True]
 
 
 def test_a_spent_budget_keeps_the_offline_baseline_and_begins_no_server(parity_dir, tmp_path):
