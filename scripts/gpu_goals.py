@@ -88,7 +88,8 @@ def nemo_goals(records: list[dict[str, Any]]) -> list[Row]:
             same = run["agreement"]
             rows.append((f"issue 7, {r['model']}, {run['attention_kernel']} attention: RTFx >= "
                          f"{NEMO_RATIO_MIN}x NeMo's, {r['dtype']}, batch {r['batch_size']}",
-                         f"{run['rtfx_ratio']:.2f}x ({run['batchasr']['rtfx']:.0f} against {r['nemo']['rtfx']:.0f}); "
+                         f"{run['rtfx_ratio']:.2f}x ({run['batchasr']['rtfx']:.0f} against {r['nemo']['rtfx']:.0f}, "
+                         f"NeMo's graph mode {r.get('nemo_graph_mode')}); "
                          f"the same tokens in {same['identical']} of {same['utterances']} utterances",
                          run["rtfx_ratio"] >= NEMO_RATIO_MIN))
     return rows

@@ -96,6 +96,14 @@ def load_nemo(path: Path, device: str, dtype: torch.dtype) -> Any:
     return model.to(dtype)
 
 
+def nemo_graph_mode(model: Any) -> str | None:
+    """The CUDA graph mode NeMo's label-looping decoder ran in (``full_graph`` is its conditional-node mode), as it
+    says after a pass; None where it has no such decoder."""
+    computer = getattr(getattr(getattr(model, "decoding", None), "decoding", None), "decoding_computer", None)
+    mode = getattr(computer, "cuda_graphs_mode", None)
+    return None if mode is None else str(getattr(mode, "value", mode))
+
+
 def nemo_transcriber(model: Any, batch_size: int) -> Transcriber:
     def run(waves: list[np.ndarray]) -> list[list[int]]:
         order = sorted(range(len(waves)), key=lambda i: len(waves[i]), reverse=True)
@@ -209,6 +217,7 @@ def compare_model(name: str, args: argparse.Namespace, workdir: Path, peak: floa
     nemo_run = timed_passes(partial(nemo_transcriber(nemo, args.batch_size), waves), torch.device(args.device),
                             args.repeat)
     nemo_stages = nemo_stage_seconds(nemo, waves, args.batch_size)
+    record["nemo_graph_mode"] = nemo_graph_mode(nemo)
     del nemo
     _free()
 
@@ -261,8 +270,9 @@ def _free() -> None:
 
 # --- output ---------------------------------------------------------------------------------------------------
 
-HEADER = ("| model | batch | dtype | attention | batchasr RTFx | NeMo RTFx | ratio | same tokens (timed dtype) | "
-          "same tokens (float32) | stages s: features / encoder / decoder (batchasr; NeMo) | "
+HEADER = ("| model | batch | dtype | attention | batchasr RTFx (graph mode) | NeMo RTFx (graph mode) | ratio | "
+          "same tokens (timed dtype) | same tokens (float32) | "
+          "stages s: features / encoder / decoder (batchasr; NeMo) | "
           "encoder: share of the speed of light (matmul peak) | $ per 1M audio hours (batchasr / NeMo) |\n"
           "|---|---|---|---|---|---|---|---|---|---|---|---|")
 
@@ -273,8 +283,9 @@ def table_rows(r: dict[str, Any]) -> list[str]:
     for run in r["runs"]:
         same, ours, encoder = run["agreement"], run["batchasr"], run["encoder"]
         rows.append(
-            f"| {r['model']} | {r['batch_size']} | {r['dtype']} | {run['attention_kernel']} | {ours['rtfx']:.0f} | "
-            f"{r['nemo']['rtfx']:.0f} | {run['rtfx_ratio']:.2f}x | {same['identical']}/{same['utterances']} "
+            f"| {r['model']} | {r['batch_size']} | {r['dtype']} | {run['attention_kernel']} | {ours['rtfx']:.0f} "
+            f"({run['stages']['mode']}) | {r['nemo']['rtfx']:.0f} ({r.get('nemo_graph_mode')}) | "
+            f"{run['rtfx_ratio']:.2f}x | {same['identical']}/{same['utterances']} "
             f"({same['token_edit_rate']:.2%} token edits) | {same32['identical']}/{same32['utterances']} | "
             f"{_stages(run['stages']['stage_s'])}; {_stages(r['nemo_stage_s'])} | "
             f"{encoder['share_of_speed_of_light']:.0%} "

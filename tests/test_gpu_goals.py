@@ -55,11 +55,13 @@ def test_issue_7_goals_per_model_and_attention_kernel(goals):
     run = {"attention_kernel": "reference", "rtfx_ratio": 1.42, "batchasr": {"rtfx": 4260.0},
            "agreement": {"identical": 250, "utterances": 256}}
     record = {"model": "parakeet-rnnt-1.1b", "dtype": "bfloat16", "batch_size": 128, "nemo": {"rtfx": 3000.0},
+              "nemo_graph_mode": "full_graph",
               "float32_agreement": {"identical": 64, "utterances": 64},
               "runs": [run, dict(run, attention_kernel="sdpa", rtfx_ratio=1.2)]}
     rows = goals.nemo_goals([record, {"model": "parakeet-tdt-0.6b-v2", "error": "ImportError: nemo"}])
     assert [met for _, _, met in rows] == [True, True, False, False]
-    assert rows[1][1] == "1.42x (4260 against 3000); the same tokens in 250 of 256 utterances"
+    assert rows[1][1] == ("1.42x (4260 against 3000, NeMo's graph mode full_graph); "
+                          "the same tokens in 250 of 256 utterances")
     assert rows[3][1] == "failed: ImportError: nemo"
 
 

@@ -40,10 +40,10 @@ def test_a_record_becomes_one_table_row_per_attention_kernel(nemo_compare):
     side = {"rtfx": 3000.0, "usd_per_million_audio_hours": 833.3}
     run = {"batchasr": side, "rtfx_ratio": 1.5, "agreement": {"identical": 510, "utterances": 512,
                                                                "token_edit_rate": 0.0004},
-           "stages": {"stage_s": {"features": 0.1, "encoder": 1.0, "decoder": 0.05}},
+           "stages": {"stage_s": {"features": 0.1, "encoder": 1.0, "decoder": 0.05}, "mode": "conditional"},
            "encoder": {"share_of_speed_of_light": 0.3, "achieved_tflops": 240.0, "peak_tflops": 800.0}}
     record = {"model": "parakeet-tdt-0.6b-v2", "batch_size": 128, "dtype": "bfloat16",
-              "nemo": {"rtfx": 2000.0, "usd_per_million_audio_hours": 1250.0},
+              "nemo": {"rtfx": 2000.0, "usd_per_million_audio_hours": 1250.0}, "nemo_graph_mode": "full_graph",
               "nemo_stage_s": {"features": 0.1, "encoder": 1.4, "decoder": 0.1},
               "float32_agreement": {"identical": 128, "utterances": 128},
               "runs": [dict(run, attention_kernel="reference"), dict(run, attention_kernel="sdpa")]}
@@ -51,3 +51,4 @@ def test_a_record_becomes_one_table_row_per_attention_kernel(nemo_compare):
     assert len(rows) == 2 and "| reference |" in rows[0] and "| sdpa |" in rows[1]
     assert rows[0].count("|") == nemo_compare.HEADER.splitlines()[0].count("|")
     assert "| 1.50x |" in rows[0] and "510/512 (0.04% token edits)" in rows[0] and "833 / 1,250" in rows[0]
+    assert "| 3000 (conditional) | 2000 (full_graph) |" in rows[0]
