@@ -34,18 +34,19 @@
 # measured.
 #
 # Once here (the device tool sends the repository, not ../shared):
-#   mkdir -p .carry && cp -r ../shared/fixtures/nemo-parity .carry/
+#   mkdir -p .carry && cp -r ../shared/fixtures/nemo-parity .carry/       # 12 MiB
 #   python -m models.training.data --cache /tmp/speech --n-train 0           # held-out test speech
 #   mkdir -p .carry/speech && for f in /tmp/speech/test_sentences/*.wav; do
-#       sox "$f" ".carry/speech/$(basename "$f" .wav).flac"; done           # about 14 MB
+#       sox "$f" ".carry/speech/$(basename "$f" .wav).flac"; done           # 14 MiB
 #   x=$(git rev-parse --git-path info/exclude); mkdir -p "$(dirname "$x")"; echo /.carry/ >> "$x"
-#   bash scripts/fetch_gpu_wheels.sh          # .whl/: what the image lacks (service and NeMo), about 17 MB
+#   bash scripts/fetch_gpu_wheels.sh          # .whl/: what the image lacks (service and NeMo), 18 MiB
+# A call sends at most 64 MiB: the repository's files (19 MiB, the embedded model among them) and what it carries.
 # Then, in 15 minutes of device time:
-#   1. run(command="bash scripts/gpu_check.sh", carry=[".carry", ".whl"], timeout_s=600): tests, bench, nemo and
-#      what else fits (the machine's start takes a minute or two, this call nine minutes at most);
+#   1. run(command="bash scripts/gpu_check.sh", carry=[".carry/nemo-parity", ".whl"], timeout_s=600): tests,
+#      bench, nemo and what else fits (the machine's start takes a minute or two, this call nine minutes at most);
 #   2. at once, while the machine is warm (30 s), the stages summary.md lists as skipped, in status's
 #      budget_left_s less a minute: run(command="GPU_CHECK_BUDGET_S=200 bash scripts/gpu_check.sh http stability
-#      bulk", carry=[".carry", ".whl"]).
+#      bulk", carry=[".carry/speech", ".whl"]) (without the fixtures the smoke decode uses a random model).
 # Beyond the image's torch, numpy, sentencepiece, pyyaml, pytest, hypothesis, prometheus-client and cuda-bindings,
 # the tests and the stability stage read audio with soundfile and soxr, and nemo and http need more: all carried
 # in .whl. Checked on a CPU with those alone (the image's packages at its versions, the wheels built for the
