@@ -25,6 +25,7 @@ from .types import Hotwords
 
 NULL_NODE = 0  # no phrases: no children, and every token leads back to it
 PHRASE_START_SHARE = 0.5  # of the bonus, for the token that begins a phrase
+SPREAD_MAX_ENTRIES = 1 << 24  # node x token tables beyond this (about 200 MB) are not spread out (BoostTable.spread)
 
 
 @dataclass
@@ -84,11 +85,41 @@ class BoostTable:
         root_found, root_child = self._child(root, label)
         return torch.where(found, child, torch.where(root_found, root_child, root))
 
+    def spread(self, n_classes: int) -> SpreadBoost | None:
+        """The table spread over the vocabulary, as ``bonus`` and ``advance`` read it: a search step then takes one
+        row of each instead of walking the node's children (a handful of kernels a step fewer). None when
+        nodes x ``n_classes`` is over SPREAD_MAX_ENTRIES (thousands of distinct phrases in one batch)."""
+        nodes, _ = self.shape
+        if nodes * n_classes > SPREAD_MAX_ENTRIES:
+            return None
+        spare = n_classes  # the column a missing child (-1) is written to, dropped at the end
+        columns = torch.where(self.child_token >= 0, self.child_token, spare)
+        # every token leads to the node's root, the root's children where it has them, the node's own before those
+        next_of = self.root_of.unsqueeze(1).repeat(1, n_classes + 1)
+        next_of.scatter_(1, columns.index_select(0, self.root_of), self.child_node.index_select(0, self.root_of))
+        next_of.scatter_(1, columns, self.child_node)
+        bonus_of = torch.zeros(nodes, n_classes + 1, device=columns.device).scatter_(1, columns, self.child_bonus)
+        return SpreadBoost(bonus_of[:, :n_classes].contiguous(), next_of[:, :n_classes].contiguous())
+
     def _child(self, node: Tensor, label: Tensor) -> tuple[Tensor, Tensor]:
         """Whether each node has a child for its row's label, and which (meaningless where it has none)."""
         match = self.child_token.index_select(0, node) == label.unsqueeze(1)  # (B, K)
         child = self.child_node.index_select(0, node).gather(1, match.long().argmax(1, keepdim=True)).squeeze(1)
         return match.any(1), child
+
+
+@dataclass
+class SpreadBoost:
+    """A BoostTable spread over the vocabulary (``BoostTable.spread``): the same ``bonus`` and ``advance``."""
+
+    bonus_of: Tensor  # (N, C) float: each node's bonus on every token
+    next_of: Tensor  # (N, C) long: the node each token leads to from each node
+
+    def bonus(self, node: Tensor) -> Tensor:
+        return self.bonus_of.index_select(0, node)
+
+    def advance(self, node: Tensor, label: Tensor) -> Tensor:
+        return self.next_of[node, label]
 
 
 def build_boost_table(hotwords_by_row: list[Hotwords], weight: float, device: torch.device) -> BoostTable | None:

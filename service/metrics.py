@@ -85,8 +85,8 @@ class Metrics:
             "batchasr_tokens_total, minus the mean token log-probability (avg_logprob)", registry=r)
         self.unsure_tokens = Counter("batchasr_unsure_tokens",
                                      f"Emitted tokens with a probability below {UNSURE_BELOW}", registry=r)
-        # a batch with hotwords runs label looping without its CUDA graphs (CTC: frame by frame): what share of the
-        # engine's batches do, should throughput fall
+        # a batch with hotwords replays graphs captured with the boosting (CTC: a frame loop over its boosted rows):
+        # what share of the engine's batches do, should throughput fall
         self.hotword_batches = Counter("batchasr_hotword_batches", "Engine batches with an item that boosts hotwords",
                                        registry=r)
         self.hotword_items = Counter("batchasr_hotword_items", "Items that boost hotwords, in the engine's batches",

@@ -22,7 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from decoding.boosting import NULL_NODE, PHRASE_START_SHARE, build_boost_table
+from decoding import boosting
+from decoding.boosting import NULL_NODE, PHRASE_START_SHARE, BoostTable, build_boost_table
 from decoding.ctc import ctc_greedy
 from decoding.frame_looping import frame_looping_greedy
 from decoding.label_looping import label_looping_greedy
@@ -117,6 +118,40 @@ def test_ctc_boosts_as_its_definition_says(data):
         assert boosted[row] == expected
         if not row_phrases:  # a row without hotwords decodes as it would alone
             assert boosted[row] == plain[row]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.data())
+def test_the_spread_table_steps_as_the_tree_does(data):
+    """BoostTable.spread (what CTC's frame loop reads): every node's bonus row and every token's next node equal
+    what bonus and advance give by walking the children, padded tables (as the decoder's graphs keep them) too."""
+    vocab = data.draw(st.integers(2, 8))
+    phrases = [data.draw(_hotwords(vocab)) for _ in range(data.draw(st.integers(1, 4)))]
+    table = build_boost_table(phrases, data.draw(st.floats(0.0, 8.0)), CPU)
+    if table is None:
+        return
+    if data.draw(st.booleans()):
+        padded = BoostTable.empty(table.shape[0] + 3, table.shape[1] + 2, len(table.roots) + 1, CPU)
+        padded.load(table)
+        table = padded
+    spread = table.spread(vocab + 1)
+    nodes = torch.arange(table.shape[0])
+    assert torch.equal(spread.bonus(nodes), table.bonus(nodes, vocab + 1))
+    for token in range(vocab + 1):
+        label = torch.full_like(nodes, token)
+        assert torch.equal(spread.advance(nodes, label), table.advance(nodes, label))
+
+
+def test_ctc_walks_the_tree_where_the_spread_table_would_be_too_large(monkeypatch):
+    generator = torch.Generator().manual_seed(7)
+    vocab, lengths = 6, torch.tensor([30, 0, 17, 30])
+    log_probs = (torch.randn(4, 30, vocab + 1, generator=generator) * 2).log_softmax(-1)
+    phrases = [(Hotword((1, 2)), Hotword((3,), 4.0)), (), (Hotword((2, 2, 5)),), (Hotword((1, 2)),)]
+    boost = build_boost_table(phrases, 3.0, CPU)
+    spread = ctc_greedy(log_probs, lengths, vocab, boost)
+    monkeypatch.setattr(boosting, "SPREAD_MAX_ENTRIES", 0)
+    assert boost.spread(vocab + 1) is None
+    assert ctc_greedy(log_probs, lengths, vocab, boost) == spread != ctc_greedy(log_probs, lengths, vocab)
 
 
 def test_the_table_shares_trees_starts_over_and_leaves_rows_without_phrases_alone():
