@@ -96,7 +96,14 @@ def nemo_goals(records: list[dict[str, Any]]) -> list[Row]:
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    """The file's objects; a line cut short (a stage stopped while writing) is left out."""
+    records = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
 
 
 def goals_table(out: Path) -> str:
