@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from decoding.boosting import BoostTable
 from decoding.ctc import ctc_greedy
+from decoding.ctc_boost import CtcBoostLoop
 from decoding.cuda_graphs import CUDA_GRAPH_OPTIONS, LabelLoopingDecoder
 from decoding.frame_looping import frame_looping_greedy
 from decoding.scores import ctc_logprobs, transducer_logprobs
@@ -208,7 +209,8 @@ class ASRModel(nn.Module):
             head = self.ctc_head
             assert head is not None
             log_probs = head(batch.encoded)
-            hyps = ctc_greedy(log_probs, batch.lengths, head.blank_id, boost)
+            loop = self.ctc_boost_loop(cuda_graphs) if boost is not None else None
+            hyps = ctc_greedy(log_probs, batch.lengths, head.blank_id, boost, loop)
             return _with_logprobs(hyps, ctc_logprobs(log_probs, hyps) if scores else None)
         transducer = self.config.transducer
         assert transducer is not None
@@ -232,6 +234,15 @@ class ASRModel(nn.Module):
             loopers[cuda_graphs] = LabelLoopingDecoder(self.decoder, self.joint, transducer.durations,
                                                        transducer.max_symbols, cuda_graphs)
         return loopers[cuda_graphs]
+
+    def ctc_boost_loop(self, cuda_graphs: str = "auto") -> CtcBoostLoop:
+        """This model's frame loop for CTC rows with hotwords, kept with its buffers and (on CUDA) its graph."""
+        if self.ctc_head is None:
+            raise ValueError("no CTC head")
+        loops = self.__dict__.setdefault("_ctc_boost_loops", {})  # plain attribute, not a submodule
+        if cuda_graphs not in loops:
+            loops[cuda_graphs] = CtcBoostLoop(self.ctc_head.blank_id, cuda_graphs)
+        return loops[cuda_graphs]
 
     def transcribe(self, audio: Sequence[AudioInput] | AudioInput, batch_size: int = 16,
                    decoder: str = "auto", decoder_algorithm: str = "label_looping",

@@ -5,7 +5,7 @@ at every batch size with every decoder algorithm and graph mode, as ``batchasr b
 algorithms are compared on the greedy search alone; the conditional mode is measured again with the tokens'
 log-probabilities the service also computes (decoding.scores), with the encoder's fused-attention option, and with
 20 hotwords in every row (decoding.boosting: a boosted batch replays graphs captured with the boosting). A CTC
-model is measured plain and with the 20 hotwords (its boosted rows decode frame by frame).
+model is measured plain and with the 20 hotwords (its boosted rows decode frame by frame, 16 frames a graph).
 
     PYTHONPATH=. python scripts/bench_table.py --out DIR [--models M ...] [--batch-sizes 128 16 1]
         [--dtype bfloat16] [--budget-s S]

@@ -12,6 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from decoding.boosting import build_boost_table
+from decoding.ctc_boost import CtcBoostState, frame_step
 from decoding.frame_looping import frame_looping_greedy
 from decoding.label_looping import LabelLooper, LabelLoopState
 from decoding.types import Hotword
@@ -101,6 +102,24 @@ def test_the_loop_stages_never_wait_for_the_device_and_keep_their_tensors(seed, 
                                               model.max_symbols, boost=boost)
     if hotwords:  # the table of fixed capacity, and the rows' places in it, were used where they stay
         assert state.boost is before["boost"] and state.node is before["node"] and state.node.any()
+
+
+def test_ctc_hotword_frame_steps_never_wait_for_the_device_and_keep_their_tensors():
+    """decoding.ctc_boost.frame_step, what its CUDA graph holds 16 of: no host read, only in-place writes."""
+    generator = torch.Generator().manual_seed(3)
+    log_probs = (torch.randn(3, 20, 7, generator=generator) * 2).log_softmax(-1)
+    boost = build_boost_table([(Hotword((1, 2)),), (Hotword((3,), 3.0),), ()], 2.0, CPU)
+    roots = boost.roots[:2]
+    state = CtcBoostState.allocate(4, 32, 8, 7, CPU)  # spare rows, frames and nodes
+    state.load(log_probs[:2], torch.tensor([20, 11]), roots, boost.spread(7), 6)
+    before, recorder = dataclasses.asdict(state), HostSyncRecorder()
+    fields = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
+    with torch.inference_mode(), recorder:
+        for _ in range(32):
+            frame_step(state, 6)
+    assert recorder.found == []
+    assert [name for name, value in fields.items() if getattr(state, name) is not value] == []
+    assert int(state.t) == 32 and not torch.equal(state.labels, before["labels"])
 
 
 def test_the_recorder_sees_what_it_must():

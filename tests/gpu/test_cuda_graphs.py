@@ -187,18 +187,12 @@ def test_full_size_tdt_in_bf16(mode):
 
 def test_the_engine_warm_up_captures_for_the_largest_batch_it_can_be_given(parity_dir):
     """After warm-up a batch of the widest or longest shape the batcher can form decodes without a recapture."""
-    from service.batcher import Batcher
     from service.bench import synthetic_speech
-    from service.engine import Engine, warmup_shapes
-    from service.metrics import Metrics
+    from tests.gpu.warm_engine import warm_engine
 
     model = load_model(parity_dir / "tdt.nemo", device="cuda", dtype="float32")
     rows, segment_s = 24, 12.0
-    shapes = warmup_shapes(model.device, rows, segment_s, rows * segment_s)
-    engine = Engine(model, Batcher(rows, rows * segment_s, 10.0, 100), Metrics(), warmup_shapes=shapes)
-    engine.start()
-    try:
-        assert engine.wait_ready(120), engine.error
+    with warm_engine(model, rows, segment_s) as engine:
         looper = model.label_looper()
         captures = looper.n_captures
         assert looper.capacity[0] >= rows and looper.capacity[1] * model.config.frame_s >= segment_s
@@ -208,5 +202,3 @@ def test_the_engine_warm_up_captures_for_the_largest_batch_it_can_be_given(parit
         boosted = [(Hotword((5, 6)),), *[()] * (rows - 1)]  # the boosting graphs were captured too
         engine._compute(lambda: model.featurize([wave] * rows), [len(wave)] * rows, boosted)
         assert looper.n_captures == captures
-    finally:
-        engine.stop(30)

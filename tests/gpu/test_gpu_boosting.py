@@ -3,11 +3,13 @@ graphs that run next, unboosted, are unharmed; boosted CTC gives what it gives o
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from decoding.boosting import build_boost_table
 from decoding.ctc import ctc_greedy
+from decoding.ctc_boost import CtcBoostLoop
 from decoding.cuda_graphs import LabelLoopingDecoder
 from decoding.frame_looping import frame_looping_greedy
 from decoding.types import Hotword
@@ -48,3 +50,30 @@ def test_boosted_ctc_on_the_gpu_equals_the_cpu():
     cuda = torch.device("cuda")
     assert ctc_greedy(log_probs.to(cuda), lengths.to(cuda), 8, build_boost_table(phrases, 2.0, cuda)) == on_cpu
     assert on_cpu != ctc_greedy(log_probs, lengths, 8)  # the bonus changed something
+    # the model's loop: its CUDA graph, kept for smaller batches, captured again for a larger one
+    loop = CtcBoostLoop(8, "auto")
+    for rows in (slice(0, 5), slice(2, 4), slice(0, 5)):
+        boost = build_boost_table(phrases[rows], 2.0, cuda)
+        got = ctc_greedy(log_probs[rows].to(cuda, torch.bfloat16), lengths[rows].to(cuda), 8, boost, loop)
+        assert got == ctc_greedy(log_probs[rows].to(torch.bfloat16), lengths[rows], 8,
+                                 build_boost_table(phrases[rows], 2.0, torch.device("cpu")))
+    assert loop.n_captures == 1
+    longer = torch.cat([log_probs, log_probs], dim=1).to(cuda)
+    ctc_greedy(longer, lengths.to(cuda) * 2, 8, build_boost_table(phrases, 2.0, cuda), loop)
+    assert loop.n_captures == 2
+
+
+def test_the_engine_warm_up_sizes_the_ctc_hotword_loop_for_its_widest_batch(parity_dir):
+    """A CTC model's hotword frame loop keeps its own buffers: warm-up sizes them, so a full batch of requests
+    that all boost hotwords replays the graph it captured rather than capturing another."""
+    from service.bench import synthetic_speech
+    from tests.gpu.warm_engine import warm_engine
+
+    model = load_model(parity_dir / "ctc.nemo", device="cuda", dtype="float32")
+    rows, segment_s = 24, 12.0
+    with warm_engine(model, rows, segment_s) as engine:
+        loop = model.ctc_boost_loop()
+        captures = loop.n_captures
+        wave = synthetic_speech(segment_s, np.random.default_rng(3))
+        engine._compute(lambda: model.featurize([wave] * rows), [len(wave)] * rows, [(Hotword((5, 6)),)] * rows)
+        assert loop.n_captures == captures >= 1
