@@ -22,7 +22,7 @@
 #                                                                           nemo.log, nemo_compare.jsonl, nemo_compare.md
 #   http       200    loadtest/http_bench.py: parakeet-tdt-0.6b-v2, bf16, `batchasr serve` at saturation and at
 #                     half load against the offline engine; 4 front-end processes, then HTTP in the engine's
-#                                                                           http.log, http_bench.json
+#                     process                                               http.log, http_bench.json
 #   stability   60    loadtest/batch_stability.py: the embedded model on held-out speech (.carry/speech), alone
 #                     and in batches of 128, bf16 and float32                stability.log, stability.jsonl
 #   bulk       120    loadtest/http_bench.py --jobs: 2,048 clips as one bulk job through Redis (.whl/redis),
