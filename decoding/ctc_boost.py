@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from .boosting import NULL_NODE, SpreadBoost
-from .cuda_graphs import WARMUP_PASSES, _capture, choose_mode
+from .cuda_graphs import WARMUP_PASSES, capture_graph, choose_mode
 
 log = logging.getLogger(__name__)
 
@@ -193,4 +193,4 @@ class CtcBoostLoop:
         rows, frames, nodes, _ = state.shape
         log.debug("ctc hotwords: capturing %d frame steps for %d rows x %d frames, %d nodes", FRAMES_PER_REPLAY,
                   rows, frames, nodes)
-        return _capture(self._steps(state), stream)
+        return capture_graph(self._steps(state), stream)

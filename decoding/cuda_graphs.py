@@ -78,10 +78,10 @@ class _StageGraphs:
             looper.first_joint(s)
 
         self.s = s
-        self.begin = _capture(begin, streams[0])
-        self.inner = _capture(lambda: looper.inner_joint(s), streams[0])
-        self.close = _capture(lambda: looper.close_search(s), streams[0])
-        self.next = _capture(next_label, streams[0])
+        self.begin = capture_graph(begin, streams[0])
+        self.inner = capture_graph(lambda: looper.inner_joint(s), streams[0])
+        self.close = capture_graph(lambda: looper.close_search(s), streams[0])
+        self.next = capture_graph(next_label, streams[0])
 
     def run(self) -> None:
         self.begin.replay()
@@ -114,7 +114,8 @@ class _FullGraph:
         self.graph.replay()
 
 
-def _capture(fn: Callable[[], Any], stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
+def capture_graph(fn: Callable[[], Any], stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
+    """A plain CUDA graph of what ``fn`` launches, captured on ``stream`` (warmed up there first)."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
         fn()

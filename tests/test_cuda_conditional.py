@@ -137,7 +137,7 @@ class Replayer:
 
 @pytest.mark.parametrize("name", ["tdt", "rnnt"])
 def test_no_while_host_loop_equals_frame_looping(monkeypatch, parity_dir, name):
-    monkeypatch.setattr(cuda_graphs, "_capture", lambda fn, stream: Replayer(fn))
+    monkeypatch.setattr(cuda_graphs, "capture_graph", lambda fn, stream: Replayer(fn))
     model = load_model(parity_dir / f"{name}.nemo", device="cpu", dtype="float32")
     t = model.config.transducer
     generator = torch.Generator().manual_seed(0)

@@ -126,7 +126,7 @@ def test_batches_with_hotwords_get_graphs_of_their_own(monkeypatch):
     each equal frame looping; the boosted graphs are captured with the first batch that boosts, and again only
     when a table outgrows the state's (or the rows outgrow it, which drops both sets)."""
     monkeypatch.setattr(cuda_graphs, "choose_mode", lambda requested, device: ModeChoice("no_while", "test"))
-    monkeypatch.setattr(cuda_graphs, "_capture", lambda fn, stream: Replayer(fn))
+    monkeypatch.setattr(cuda_graphs, "capture_graph", lambda fn, stream: Replayer(fn))
     monkeypatch.setattr(cuda_graphs, "_warm_up", _cpu_warm_up)
     monkeypatch.setattr(torch.cuda, "Stream", lambda device: None)
     model = tiny_transducer(0, vocab=12, durations=(0, 1, 2, 3, 4), max_symbols=3)
