@@ -53,19 +53,19 @@ def ctc_boosted_labels(log_probs: Tensor, lengths: Tensor, blank_id: int, boost:
     row_lengths, roots = lengths.index_select(0, rows), boost.roots.index_select(0, rows)
     n_frames, n_classes = int(row_lengths.max()), log_probs.shape[-1]
     row_log_probs = log_probs.index_select(0, rows)[:, :n_frames]
+    past_end = torch.arange(n_frames, device=lengths.device) >= row_lengths.unsqueeze(1)
     spread = boost.spread(n_classes)
     if spread is None:
-        row_labels = _walk_trees(row_log_probs, row_lengths, roots, boost, blank_id)
+        row_labels = _walk_trees(row_log_probs, past_end, roots, boost, blank_id)
     else:
-        row_labels = (loop or CtcBoostLoop(blank_id, "off"))(row_log_probs, row_lengths, roots, spread)
+        row_labels = (loop or CtcBoostLoop(blank_id, "off"))(row_log_probs, past_end, roots, spread)
     labels[rows, :n_frames] = row_labels
     return labels
 
 
-def _walk_trees(log_probs: Tensor, lengths: Tensor, node: Tensor, boost: BoostTable, blank_id: int) -> Tensor:
+def _walk_trees(log_probs: Tensor, past_end: Tensor, node: Tensor, boost: BoostTable, blank_id: int) -> Tensor:
     """``ctc_boost.frame_step``'s loop for a table too large to spread: each step walks the rows' trees."""
     n_rows, n_frames, n_classes = log_probs.shape
-    past_end = torch.arange(n_frames, device=lengths.device) >= lengths.unsqueeze(1)
     labels = torch.empty((n_rows, n_frames), dtype=torch.long, device=log_probs.device)
     previous = torch.full_like(node, blank_id)
     for t in range(n_frames):

@@ -53,13 +53,12 @@ class CtcBoostState:
                    t=torch.zeros(1, **longs))
 
     @classmethod
-    def of_batch(cls, log_probs: Tensor, lengths: Tensor, roots: Tensor, spread: SpreadBoost,
+    def of_batch(cls, log_probs: Tensor, past_end: Tensor, roots: Tensor, spread: SpreadBoost,
                  blank_id: int) -> CtcBoostState:
         """A state of the batch's own size over its tensors (copied only to float32): what the eager loop runs on."""
         rows, frames, _ = log_probs.shape
-        return cls(log_probs=log_probs.float(),
-                   past_end=torch.arange(frames, device=lengths.device) >= lengths.unsqueeze(1),
-                   bonus_of=spread.bonus_of, next_of=spread.next_of, node=roots.clone(),
+        return cls(log_probs=log_probs.float(), past_end=past_end, bonus_of=spread.bonus_of,
+                   next_of=spread.next_of, node=roots.clone(),
                    previous=torch.full_like(roots, blank_id),
                    labels=torch.empty(rows, frames, dtype=torch.long, device=log_probs.device),
                    t=torch.zeros(1, dtype=torch.long, device=log_probs.device))
@@ -75,13 +74,14 @@ class CtcBoostState:
         return (self.log_probs.device == device and classes == held[3]
                 and rows <= held[0] and frames <= held[1] and nodes <= held[2])
 
-    def load(self, log_probs: Tensor, lengths: Tensor, roots: Tensor, spread: SpreadBoost, blank_id: int) -> None:
-        """The boosted rows' (R', T', C) log-probabilities, (R',) lengths and roots, and their table."""
+    def load(self, log_probs: Tensor, past_end: Tensor, roots: Tensor, spread: SpreadBoost, blank_id: int) -> None:
+        """The boosted rows' (R', T', C) log-probabilities, (R', T') frames past their ends, (R',) roots, and their
+        table."""
         rows, frames, _ = log_probs.shape
         nodes = spread.bonus_of.shape[0]
         self.log_probs[:rows, :frames].copy_(log_probs)
         self.past_end.fill_(True)
-        self.past_end[:rows, :frames] = torch.arange(frames, device=lengths.device) >= lengths.unsqueeze(1)
+        self.past_end[:rows, :frames].copy_(past_end)
         self.bonus_of[:nodes].copy_(spread.bonus_of)
         self.next_of[:nodes].copy_(spread.next_of)
         self.node.fill_(NULL_NODE)
@@ -131,12 +131,13 @@ class CtcBoostLoop:
         self._lock = threading.Lock()
 
     @torch.inference_mode()
-    def __call__(self, log_probs: Tensor, lengths: Tensor, roots: Tensor, spread: SpreadBoost) -> Tensor:
-        """(R, T, C) boosted rows' log-probabilities, (R,) lengths and roots -> (R, T) frame labels."""
+    def __call__(self, log_probs: Tensor, past_end: Tensor, roots: Tensor, spread: SpreadBoost) -> Tensor:
+        """(R, T, C) boosted rows' log-probabilities, (R, T) frames past their ends, (R,) roots -> (R, T) frame
+        labels."""
         with self._lock:
             if self._graphs_on(log_probs.device):
-                return self._replay(log_probs, lengths, roots, spread)
-            state = CtcBoostState.of_batch(log_probs, lengths, roots, spread, self.blank_id)
+                return self._replay(log_probs, past_end, roots, spread)
+            state = CtcBoostState.of_batch(log_probs, past_end, roots, spread, self.blank_id)
             for t in range(log_probs.shape[1]):
                 frame_step(state, self.blank_id, t)
             return state.labels
@@ -146,7 +147,7 @@ class CtcBoostLoop:
         requested = "no_while" if self.requested == "conditional" else self.requested
         return choose_mode(requested, device).mode != "eager"
 
-    def _replay(self, log_probs: Tensor, lengths: Tensor, roots: Tensor, spread: SpreadBoost) -> Tensor:
+    def _replay(self, log_probs: Tensor, past_end: Tensor, roots: Tensor, spread: SpreadBoost) -> Tensor:
         rows, frames, classes = log_probs.shape
         nodes = spread.bonus_of.shape[0]
         state = self._state
@@ -155,7 +156,7 @@ class CtcBoostLoop:
         if self._graph is None:
             self._graph = self._capture(state)
             self.n_captures += 1
-        state.load(log_probs, lengths, roots, spread, self.blank_id)
+        state.load(log_probs, past_end, roots, spread, self.blank_id)
         for _ in range(-(-frames // FRAMES_PER_REPLAY)):
             self._graph.replay()
         return state.labels[:rows, :frames]

@@ -111,7 +111,7 @@ def test_ctc_hotword_frame_steps_never_wait_for_the_device_and_keep_their_tensor
     boost = build_boost_table([(Hotword((1, 2)),), (Hotword((3,), 3.0),), ()], 2.0, CPU)
     roots = boost.roots[:2]
     state = CtcBoostState.allocate(4, 32, 8, 7, CPU)  # spare rows, frames and nodes
-    state.load(log_probs[:2], torch.tensor([20, 11]), roots, boost.spread(7), 6)
+    state.load(log_probs[:2], torch.arange(20) >= torch.tensor([[20], [11]]), roots, boost.spread(7), 6)
     before, recorder = dataclasses.asdict(state), HostSyncRecorder()
     fields = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
     with torch.inference_mode(), recorder:

@@ -67,7 +67,8 @@ def test_frames_past_a_row_and_rows_past_the_batch_take_blank(graph_loop):
     assert (labels[1] == BLANK).all() and (labels[2, 5:] == BLANK).all() and (labels[0] != BLANK).any()
     ctc_greedy(log_probs[2:], lengths[:1], BLANK, build_boost_table([PHRASES[2]], 2.0, CPU), graph_loop)
     assert (graph_loop._state.labels[1:, :20] == BLANK).all()  # the rows the last batch did not fill
-    assert graph_loop(log_probs[:1, :0], lengths[:1], boost.roots[:1], boost.spread(BLANK + 1)).shape == (1, 0)
+    no_frames = torch.ones(1, 0, dtype=torch.bool)
+    assert graph_loop(log_probs[:1, :0], no_frames, boost.roots[:1], boost.spread(BLANK + 1)).shape == (1, 0)
 
 
 def test_cuda_graphs_off_runs_eagerly_and_a_bad_setting_is_refused():
