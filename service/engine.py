@@ -113,15 +113,15 @@ class Engine:
         """Run every stage on each warm-up shape, so lazy init and graph capture happen before traffic."""
         rng = np.random.default_rng(0)
         started = time.perf_counter()
-        ctc_on_cuda = self.model.device.type == "cuda" and self.model.resolve_decoder(self.decoder) == "ctc"
+        on_cuda, ctc = self.model.device.type == "cuda", self.model.resolve_decoder(self.decoder) == "ctc"
         for rows, seconds in self.warmup_shapes:
             wave = (rng.standard_normal(int(seconds * self.model.sample_rate)) * 0.01).astype(np.float32)
             encoded = self.model.encode([wave] * rows)
             self.model.decode(encoded, self.decoder, scores=self.scores)
-            if ctc_on_cuda:  # CTC's hotword frame loop keeps buffers of its own: sized by every row boosting
+            if on_cuda and ctc:  # CTC's hotword frame loop keeps buffers of its own: sized by every row boosting
                 boost = build_boost_table([(WARMUP_HOTWORD,)] * rows, self.hotword_boost, self.model.device)
                 self.model.decode(encoded, self.decoder, scores=self.scores, boost=boost)
-        if self.model.device.type == "cuda":  # the graphs that boost hotwords, for the buffers the shapes left
+        if on_cuda and not ctc:  # the transducer's graphs that boost hotwords, for the buffers the shapes left
             boost = build_boost_table([(WARMUP_HOTWORD,)], self.hotword_boost, self.model.device)
             self.model.decode(self.model.encode([wave]), self.decoder, scores=self.scores, boost=boost)
         shapes = ", ".join(f"{rows} x {seconds:g} s" for rows, seconds in self.warmup_shapes)
