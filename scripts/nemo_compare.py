@@ -341,11 +341,15 @@ def main(argv: list[str] | None = None) -> int:
             (Path(workdir) / f"{name}.nemo").unlink(missing_ok=True)
             _free()
             expected_s = 1.5 * (time.monotonic() - started)
-            (args.out / "nemo_compare.md").write_text(HEADER + "\n" + "\n".join(rows) + "\n")
-    table = HEADER + "\n" + "\n".join(rows) + "\n"
-    (args.out / "nemo_compare.md").write_text(table)
-    print(table)
+            write_table(args.out, rows)
+    print(write_table(args.out, rows))  # again: rows for models the budget left out
     return 1 if failed else 0
+
+
+def write_table(out: Path, rows: list[str]) -> str:
+    table = HEADER + "\n" + "\n".join(rows) + "\n"
+    (out / "nemo_compare.md").write_text(table)
+    return table
 
 
 if __name__ == "__main__":

@@ -198,7 +198,6 @@ def timed_passes(run: Callable[[], Any], device: torch.device, repeat: int = 1) 
     return TimedPasses(seconds, result)
 
 
-
 @dataclass
 class Budget:
     """The seconds a benchmark script may spend (scripts/gpu_check.sh shares the device time out between stages):
@@ -222,6 +221,7 @@ class Budget:
 def add_budget_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget-s", type=float, default=None,
                         help="begin no new measurement after this many seconds (default: no limit)")
+
 
 # --- random-weight checkpoints (for tools that need a file: HTTP bench, NeMo comparison) ----------------------
 
