@@ -154,12 +154,11 @@ for name, model in models.items():
     print(f"conditional smoke, {name}: {'the same tokens as eager' if eager == graphs else 'OTHER TOKENS than eager'}")
 raise SystemExit(0 if same else 1)
 EOF
+conditional_off=""
 if [ "${PIPESTATUS[0]}" -ne 0 ]; then
     echo "conditional smoke failed: the stages after tests run with BATCHASR_CONDITIONAL_NODES=0" \
         | tee -a "$OUT/env.txt"
-    after_tests_env=(BATCHASR_CONDITIONAL_NODES=0)
-else
-    after_tests_env=()
+    conditional_off=1
 fi
 
 # Each stage: $1 its share in seconds, then the extra options. Its files go to $WORK.
@@ -224,10 +223,10 @@ for stage in "${chosen[@]}"; do
     fi
     echo "== $stage: up to $share s"
     began=$(date +%s)
-    if [ "$stage" = tests ] || [ ${#after_tests_env[@]} -eq 0 ]; then
-        "stage_$stage" "$share" "$@"
+    if [ "$stage" != tests ] && [ -n "$conditional_off" ]; then
+        (export BATCHASR_CONDITIONAL_NODES=0; "stage_$stage" "$share" "$@")
     else
-        (export "${after_tests_env[@]}"; "stage_$stage" "$share" "$@")
+        "stage_$stage" "$share" "$@"
     fi
     rc=$?
     [ "$rc" -eq 0 ] || status=1
