@@ -44,30 +44,31 @@ class LabelLoopState:
     Rows past the current batch get length 0 and stay inactive, so one state serves any smaller batch.
     Names: B = batch capacity, T = frame capacity, J = joint hidden size,
     L = label capacity (T * max_symbols + 1).
+
+    Frame pointers are *positions*: rows of ``enc_proj`` viewed as (B*T, J), i.e. b * T + frame. The joint's
+    gather then needs no add, and a row's pointers compare with its own end as frames would.
     """
 
     # --- inputs, copied in by LabelLooper.load before each run
     enc_proj: Tensor  # (B, T, J) projected encoder output, model dtype
     lengths: Tensor  # (B,) long, valid frames (0 for unused rows)
     # --- constants
-    row_start: Tensor  # (B,) long, b * T: turns (row, frame) into a row of enc_proj viewed as (B*T, J)
+    row_start: Tensor  # (B,) long, b * T: the position of each row's first frame
     durations: Tensor  # (D,) long, TDT duration choices; (0,) for RNN-T
-    # --- time pointers
-    time: Tensor  # (B,) long, frame each row is looking at
-    last_t: Tensor  # (B,) long, max(length - 1, 0)
-    safe_t: Tensor  # (B,) long, min(time, last_t): keeps gathers inside the row for finished rows
-    flat_t: Tensor  # (B,) long, row_start + safe_t
-    label_time: Tensor  # (B,) long, frame where the current label was found (its timestamp)
+    # --- positions
+    pos: Tensor  # (B,) long, where each row is in time (may run past its end)
+    end: Tensor  # (B,) long, row_start + length: the row is active while pos < end
+    last: Tensor  # (B,) long, the row's last frame (its first for an empty row): keeps gathers inside the row
+    look: Tensor  # (B,) long, the frame the row's current symbol was chosen on (a found label's timestamp)
     # --- current symbol per row
     labels: Tensor  # (B,) long, argmax label (blank = vocab size)
-    step: Tensor  # (B,) long, frames the symbol moves time by (RNN-T: 1 for blank, 0 for a label)
     new_labels: Tensor  # (B,) long, scratch: inner-loop candidates
-    new_step: Tensor  # (B,) long, scratch: inner-loop candidates' steps
-    dur_idx: Tensor  # (B,) long, scratch: argmax over the duration logits (TDT)
+    step: Tensor  # (B,) long, scratch: TDT frames the symbol moves on by; a found label's duration at emit
+    dur_idx: Tensor  # (B,) long, scratch: argmax over the duration logits (TDT with other durations than 0..D-1)
     # --- masks
-    is_blank: Tensor  # (B,) bool, labels == blank
-    new_blank: Tensor  # (B,) bool, scratch: new_labels == blank
-    active: Tensor  # (B,) bool, time < length
+    is_blank: Tensor  # (B,) bool, the first joint's labels == blank
+    new_blank: Tensor  # (B,) bool, scratch: inner-loop candidates == blank, then: blank and still moving on
+    active: Tensor  # (B,) bool, pos < end
     active_prev: Tensor  # (B,) bool, active when the current search started
     advance: Tensor  # (B,) bool, active and on blank: must look at its next frame
     found: Tensor  # (B,) bool, the search ended on a label for this row (kept even if it ran past the end)
@@ -77,18 +78,18 @@ class LabelLoopState:
     advance_any: Tensor  # () inner loop: some row still on blank
     found_any: Tensor  # () outer loop: some row found a label
     # --- prediction network
-    enc_frame: Tensor  # (B, J) enc_proj at (row, safe_t)
+    enc_frame: Tensor  # (B, J) enc_proj at each row's look
     pred_proj: Tensor  # (B, J) projected prediction output for the last emitted label
     pred_state: Any  # prediction-network state for B rows (LSTM: h, c each (layers, B, H))
     init_state: Any  # the prediction network's initial state, the start of every run
     # --- results, written at column n_labels for every row; only found rows move n_labels on
     emitted: Tensor  # (3, B, L) long: the three below in one block, so one copy brings them to the host
     tokens: Tensor  # (B, L) long, a view of emitted[0]
-    frames: Tensor  # (B, L) long, emitted[1]
+    frames: Tensor  # (B, L) long, emitted[1]: positions (``results`` turns them into frames)
     token_steps: Tensor  # (B, L) long, emitted[2]: each token's duration (TDT)
     n_labels: Tensor  # (B,) long
     # --- max_symbols bookkeeping
-    last_frame: Tensor  # (B,) long, frame of the last emitted label (-1: none yet)
+    last_frame: Tensor  # (B,) long, position of the last emitted label (-1: none yet)
     n_at_frame: Tensor  # (B,) long, labels emitted at last_frame
     # --- hotwords (decoding.boosting): the batch's table is copied into one of fixed capacity, allocated with the
     # first batch that boosts, so graphs captured with boosting on read it where it stays
@@ -134,7 +135,7 @@ def host_while(flag: Tensor, body: Callable[[], None]) -> None:
 class LabelLooper:
     """The label-looping stages for one prediction network and joint.
 
-    Program (invariant: at the top of the outer loop every active row waits for its next label at ``time``)::
+    Program (invariant: at the top of the outer loop every active row waits for its next label at ``pos``)::
 
         start; search                      # search = first_joint; inner_joint while advance_any; close_search
         while found_any:
@@ -148,6 +149,7 @@ class LabelLooper:
         self.blank = joint.vocab_size
         self.n_labels = joint.vocab_size + 1  # logits: labels and blank, then TDT durations
         self.duration_choices = tuple(durations)
+        self._durations_are_indices = self.duration_choices == tuple(range(len(self.duration_choices)))
         self.max_symbols = max_symbols
 
     @property
@@ -173,11 +175,11 @@ class LabelLooper:
             enc_proj=torch.zeros(batch, n_frames, joint_hidden, device=device, dtype=dtype),
             lengths=longs(batch), row_start=torch.arange(batch, device=device) * n_frames,
             durations=torch.tensor(self.duration_choices, dtype=torch.long, device=device),
-            time=longs(batch), last_t=longs(batch), safe_t=longs(batch), flat_t=longs(batch),
-            label_time=longs(batch), labels=longs(batch), step=longs(batch), new_labels=longs(batch),
-            new_step=longs(batch), dur_idx=longs(batch), is_blank=flags(batch), new_blank=flags(batch),
-            active=flags(batch), active_prev=flags(batch), advance=flags(batch), found=flags(batch),
-            same_frame=flags(batch), force=flags(batch), advance_any=flags(), found_any=flags(),
+            pos=longs(batch), end=longs(batch), last=longs(batch), look=longs(batch),
+            labels=longs(batch), new_labels=longs(batch), step=longs(batch), dur_idx=longs(batch),
+            is_blank=flags(batch), new_blank=flags(batch), active=flags(batch), active_prev=flags(batch),
+            advance=flags(batch), found=flags(batch), same_frame=flags(batch), force=flags(batch),
+            advance_any=flags(), found_any=flags(),
             enc_frame=torch.zeros(batch, joint_hidden, device=device, dtype=dtype),
             pred_proj=torch.zeros(batch, joint_hidden, device=device, dtype=dtype),
             pred_state=self.prediction.initial_state(batch, device, dtype),
@@ -225,7 +227,9 @@ class LabelLooper:
         durations together, two device-to-host copies (and waits) where there were four."""
         counts = s.n_labels[:batch].tolist()
         width = max(counts, default=0)
-        tokens, frames, *steps = s.emitted[: 3 if self.is_tdt else 2, :batch, :width].tolist()
+        block = s.emitted[: 3 if self.is_tdt else 2, :batch, :width].clone()
+        block[1].sub_(s.row_start[:batch].unsqueeze(1))  # positions -> frames
+        tokens, frames, *steps = block.tolist()
         return [Hypothesis(tokens=tokens[b][:n], frames=frames[b][:n],
                            durations=steps[0][b][:n] if steps else None)
                 for b, n in enumerate(counts)]
@@ -234,14 +238,13 @@ class LabelLooper:
 
     def start(self, s: LabelLoopState) -> None:
         """Reset the loop and run the prediction network once on the start symbol (blank)."""
-        s.time.zero_()
         s.n_labels.zero_()
         s.last_frame.fill_(-1)
         s.n_at_frame.zero_()
-        torch.sub(s.lengths, 1, out=s.last_t)
-        s.last_t.clamp_min_(0)
-        torch.minimum(s.time, s.last_t, out=s.safe_t)
-        torch.gt(s.lengths, 0, out=s.active)
+        s.pos.copy_(s.row_start)
+        torch.add(s.row_start, s.lengths, out=s.end)
+        torch.sub(s.end, 1, out=s.last)
+        torch.maximum(s.last, s.row_start, out=s.last)
         s.labels.fill_(self.blank)
         if s.boosting:
             s.node.copy_(s.boost.roots)
@@ -250,34 +253,41 @@ class LabelLooper:
         s.pred_proj.copy_(self.joint.project_prediction(out))
 
     def first_joint(self, s: LabelLoopState) -> None:
-        """The joint for every row at its current frame; every active row moves by its symbol's step."""
-        self._choose(s, self._joint(s), s.labels, s.step, s.is_blank)
-        s.label_time.copy_(s.time)
-        s.active_prev.copy_(s.active)
-        # RNN-T: blanks move one frame, labels stay. Inactive rows move too: they are finished for good.
-        s.time.add_(s.step)
-        self._update_masks(s)
+        """The joint for every row at its current frame; every row moves by its symbol's step.
+
+        Inactive rows move too: they are finished for good, and their positions stay past their ends.
+        """
+        torch.lt(s.pos, s.end, out=s.active_prev)
+        torch.minimum(s.pos, s.last, out=s.look)
+        step = self._choose(s, self._joint(s), s.labels, s.is_blank)
+        s.pos.add_(step)
+        self._update_masks(s, s.is_blank)
 
     def inner_joint(self, s: LabelLoopState) -> None:
-        """Rows still on blank look at their new frame; only the joint runs, the prediction is unchanged."""
-        self._choose(s, self._joint(s), s.new_labels, s.new_step, s.new_blank)
-        # same as: labels[advance] = new_labels[advance] (and step, label_time), but no host sync
+        """Rows still on blank look at their next frame; only the joint runs, the prediction is unchanged.
+
+        Every row's symbol is chosen once: rows that are not moving keep theirs (no argmax is taken again,
+        which a different GEMM algorithm in another graph could round differently).
+        """
+        torch.where(s.advance, s.pos, s.look, out=s.look)  # a moving row is active, so pos is inside it
+        step = self._choose(s, self._joint(s), s.new_labels, s.new_blank)
+        # same as: labels[advance] = new_labels[advance], but no host sync
         torch.where(s.advance, s.new_labels, s.labels, out=s.labels)
-        torch.where(s.advance, s.new_step, s.step, out=s.step)
-        torch.where(s.advance, s.time, s.label_time, out=s.label_time)
-        torch.eq(s.labels, self.blank, out=s.is_blank)
-        torch.mul(s.step, s.advance, out=s.new_step)
-        s.time.add_(s.new_step)
-        self._update_masks(s)
+        if self.is_tdt:
+            step.mul_(s.advance)
+        s.new_blank.logical_and_(s.advance)  # RNN-T: also the step of every row
+        s.pos.add_(step if self.is_tdt else s.new_blank)
+        self._update_masks(s, s.new_blank)
 
     def close_search(self, s: LabelLoopState) -> None:
         """A row found a label if it was active when the search began and did not end on blank.
 
         NOTE: not ``active``: a TDT label whose duration jumps past the end is still a label. A row that
-        found nothing ran off its end: it is finished for good (time only grows), so later stages may
+        found nothing ran off its end: it is finished for good (its position only grows), so later stages may
         update it unmasked.
         """
-        torch.gt(s.active_prev, s.is_blank, out=s.found)  # same as: active_prev & ~is_blank, in one op
+        torch.ne(s.labels, self.blank, out=s.found)
+        s.found.logical_and_(s.active_prev)
         torch.any(s.found, out=s.found_any)
 
     def emit(self, s: LabelLoopState) -> None:
@@ -286,8 +296,9 @@ class LabelLooper:
         # overwritten later or lies past their count
         column = s.n_labels.unsqueeze(1)  # (B, 1)
         s.tokens.scatter_(1, column, s.labels.unsqueeze(1))
-        s.frames.scatter_(1, column, s.label_time.unsqueeze(1))
-        if self.is_tdt:
+        s.frames.scatter_(1, column, s.look.unsqueeze(1))
+        if self.is_tdt:  # a found label's row has not moved since: it moved by the label's duration
+            torch.sub(s.pos, s.look, out=s.step)
             s.token_steps.scatter_(1, column, s.step.unsqueeze(1))
         s.n_labels.add_(s.found)
         if s.boosting:  # rows that found nothing are finished: their node no longer matters
@@ -324,40 +335,41 @@ class LabelLooper:
     # --- helpers ----------------------------------------------------------------------------------------
 
     def _joint(self, s: LabelLoopState) -> Tensor:
-        """(B, V+1+D) joint logits at each row's safe frame."""
-        torch.add(s.row_start, s.safe_t, out=s.flat_t)
-        torch.index_select(s.enc_proj.view(-1, s.enc_proj.shape[-1]), 0, s.flat_t, out=s.enc_frame)
+        """(B, V+1+D) joint logits at each row's ``look``."""
+        torch.index_select(s.enc_proj.view(-1, s.enc_proj.shape[-1]), 0, s.look, out=s.enc_frame)
         logits = self.joint.joint_after_projection(s.enc_frame, s.pred_proj)
         if s.boosting:
             logits[:, : self.n_labels] += s.boost.bonus(s.node, self.n_labels)
         return logits
 
-    def _choose(self, s: LabelLoopState, logits: Tensor, labels: Tensor, step: Tensor,
-                is_blank: Tensor) -> None:
-        """Greedy label and its step from (B, V+1+D) logits into ``labels``, ``step``, ``is_blank`` (B,)."""
+    def _choose(self, s: LabelLoopState, logits: Tensor, labels: Tensor, is_blank: Tensor) -> Tensor:
+        """Greedy label into ``labels`` and ``is_blank`` (B,) from (B, V+1+D) logits; returns each row's step:
+        ``is_blank`` itself for RNN-T (a blank moves one frame, a label none), ``s.step`` for TDT."""
         torch.argmax(logits[:, : self.n_labels], dim=-1, out=labels)
         torch.eq(labels, self.blank, out=is_blank)
         if not self.is_tdt:
-            step.copy_(is_blank)
-            return
-        torch.argmax(logits[:, self.n_labels :], dim=-1, out=s.dur_idx)
-        torch.index_select(s.durations, 0, s.dur_idx, out=step)
-        # same as: step[is_blank & (step == 0)] = 1 (a blank always moves on), but no host sync
-        step.add_(step.eq(0).logical_and_(is_blank))
+            return is_blank
+        if self._durations_are_indices:  # Parakeet's 0, 1, 2, ...: the argmax is the duration
+            torch.argmax(logits[:, self.n_labels :], dim=-1, out=s.step)
+        else:
+            torch.argmax(logits[:, self.n_labels :], dim=-1, out=s.dur_idx)
+            torch.index_select(s.durations, 0, s.dur_idx, out=s.step)
+        # a blank always moves on: same as step[is_blank & (step == 0)] = 1 (durations are never negative)
+        torch.maximum(s.step, is_blank, out=s.step)
+        return s.step
 
-    def _update_masks(self, s: LabelLoopState) -> None:
-        torch.minimum(s.time, s.last_t, out=s.safe_t)
-        torch.lt(s.time, s.lengths, out=s.active)
-        torch.logical_and(s.active, s.is_blank, out=s.advance)
+    def _update_masks(self, s: LabelLoopState, is_blank: Tensor) -> None:
+        torch.lt(s.pos, s.end, out=s.active)
+        torch.logical_and(s.active, is_blank, out=s.advance)
         torch.any(s.advance, out=s.advance_any)
 
     # Below, rows that found no label are finished (see close_search): updating them too needs no mask.
 
     def _count_at_frame(self, s: LabelLoopState) -> None:
         # n_at_frame = n_at_frame + 1 if the label's frame repeats the last label's, else 1
-        torch.eq(s.label_time, s.last_frame, out=s.same_frame)
+        torch.eq(s.look, s.last_frame, out=s.same_frame)
         s.n_at_frame.mul_(s.same_frame).add_(1)
-        s.last_frame.copy_(s.label_time)
+        s.last_frame.copy_(s.look)
 
     def _predict(self, s: LabelLoopState) -> None:
         out, new_state = self.prediction.step(s.labels, s.pred_state)  # (B, H), full batch
@@ -365,13 +377,12 @@ class LabelLooper:
         s.pred_proj.copy_(self.joint.project_prediction(out))
 
     def _force_after_max_symbols(self, s: LabelLoopState) -> None:
-        # a label that leaves its row on the same frame for the max_symbols-th time acts as a blank there
-        torch.eq(s.time, s.label_time, out=s.force)
-        torch.ge(s.n_at_frame, self.max_symbols, out=s.same_frame)  # same_frame reused as scratch
-        s.force.logical_and_(s.same_frame)
-        s.time.add_(s.force)
-        torch.minimum(s.time, s.last_t, out=s.safe_t)
-        torch.lt(s.time, s.lengths, out=s.active)
+        # a label that leaves its row on its frame for the max_symbols-th time acts as a blank there
+        torch.ge(s.n_at_frame, self.max_symbols, out=s.force)
+        if self.is_tdt:  # an RNN-T label always stays on its frame; a TDT label only when its duration is 0
+            torch.eq(s.pos, s.look, out=s.same_frame)  # same_frame reused as scratch
+            s.force.logical_and_(s.same_frame)
+        s.pos.add_(s.force)
 
 
 @torch.inference_mode()

@@ -122,6 +122,71 @@ def test_ctc_hotword_frame_steps_never_wait_for_the_device_and_keep_their_tensor
     assert int(state.t) == 32 and not torch.equal(state.labels, before["labels"])
 
 
+# Operations each stage launches besides the prediction network and the joint: on a GPU each is a kernel,
+# and in a conditional-node graph the decoder's time follows their count (RNN-T, TDT with durations 0..4).
+STAGE_OPERATIONS = {
+    "rnnt": {"first_joint": 9, "inner_joint": 10, "close_search": 3, "emit": 12},
+    "tdt": {"first_joint": 11, "inner_joint": 13, "close_search": 3, "emit": 16},
+}
+VIEWS = {"view", "_unsafe_view", "slice", "select", "unsqueeze", "squeeze", "t", "transpose", "expand",
+         "as_strided", "alias", "detach"}  # no kernel
+
+
+class OperationCounter(TorchDispatchMode):
+    """Counts the operations that launch work, outside the networks (``outside`` is switched off for them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+        self.outside = True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.outside and func.overloadpacket.__name__ not in VIEWS:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+class Uncounted:
+    """A network whose calls the counter leaves out."""
+
+    def __init__(self, network, counter: OperationCounter):
+        self._network, self._counter = network, counter
+
+    def __getattr__(self, name):
+        attribute = getattr(self._network, name)
+        if not callable(attribute):
+            return attribute
+
+        def call(*args, **kwargs):
+            self._counter.outside = False
+            try:
+                return attribute(*args, **kwargs)
+            finally:
+                self._counter.outside = True
+
+        return call
+
+
+@pytest.mark.parametrize(("kind", "durations"), [("rnnt", ()), ("tdt", (0, 1, 2, 3, 4))])
+def test_label_looping_bookkeeping_stays_within_its_operation_counts(kind, durations):
+    model = tiny_transducer(4, durations=durations, max_symbols=2)
+    encoded, lengths = random_batch(4, [12, 0, 7, 1], 12)
+    counter = OperationCounter()
+    looper = LabelLooper(Uncounted(model.prediction, counter), Uncounted(model.joint, counter), durations, 2)
+    counted = {}
+    with torch.inference_mode():
+        enc_proj = looper.project(encoded)
+        state = looper.allocate(4, 12, enc_proj.shape[-1], enc_proj.device, enc_proj.dtype)
+        looper.load(state, enc_proj, lengths)
+        looper.start(state)
+        for stage in ("first_joint", "inner_joint", "close_search", "emit"):
+            counter.count = 0
+            with counter:
+                getattr(looper, stage)(state)
+            counted[stage] = counter.count
+    assert counted == STAGE_OPERATIONS[kind]
+
+
 def test_the_recorder_sees_what_it_must():
     """The check above can fail: the recorder catches a host read and a masked assignment."""
     recorder = HostSyncRecorder()
