@@ -132,6 +132,16 @@ def host_while(flag: Tensor, body: Callable[[], None]) -> None:
         body()
 
 
+@dataclass
+class LoopPasses:
+    """How often each loop body ran in one decode: what a graph's time follows (each pass is a fixed set of
+    kernels). ``outer``: once per label of the longest hypothesis; ``inner``: once per blank step of the row
+    slowest to find its next label, summed over labels."""
+
+    outer: int = 0
+    inner: int = 0
+
+
 class LabelLooper:
     """The label-looping stages for one prediction network and joint.
 
@@ -329,8 +339,19 @@ class LabelLooper:
         search()
         while_loop(s.found_any, next_label)  # one label per row and pass
 
-    def run_eager(self, s: LabelLoopState) -> None:
-        self.run(s, host_while)
+    def run_eager(self, s: LabelLoopState, passes: LoopPasses | None = None) -> None:
+        """``run`` with host loops; ``passes``, when given, counts each loop's passes."""
+        if passes is None:
+            self.run(s, host_while)
+            return
+
+        def counting_while(flag: Tensor, body: Callable[[], None]) -> None:
+            loop = "inner" if flag is s.advance_any else "outer"
+            while flag.item():
+                setattr(passes, loop, getattr(passes, loop) + 1)
+                body()
+
+        self.run(s, counting_while)
 
     # --- helpers ----------------------------------------------------------------------------------------
 

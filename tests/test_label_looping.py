@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from decoding.frame_looping import frame_looping_greedy
-from decoding.label_looping import label_looping_greedy
+from decoding.label_looping import LabelLooper, LoopPasses, label_looping_greedy
 from decoding.types import Hypothesis
 from models import ASRModel, load_model
 from models.config import TransducerConfig
@@ -97,15 +97,43 @@ def test_label_looping_equals_frame_looping(case):
     assert got == reference
 
 
+def decode_counting_passes(model: Tiny, encoded: torch.Tensor, lengths: torch.Tensor) -> tuple[list[Hypothesis],
+                                                                                              LoopPasses]:
+    looper = LabelLooper(model.prediction, model.joint, model.durations, model.max_symbols)
+    passes = LoopPasses()
+    with torch.inference_mode():
+        enc_proj = looper.project(encoded)
+        state = looper.allocate(*enc_proj.shape, enc_proj.device, enc_proj.dtype)
+        looper.load(state, enc_proj, lengths)
+        looper.run_eager(state, passes)
+        return looper.results(state, len(lengths)), passes
+
+
 @settings(max_examples=60, deadline=None)
 @given(decoding_cases())
-def test_prediction_network_runs_once_per_label_of_the_longest_hypothesis(case):
+def test_prediction_network_and_outer_loop_run_once_per_label_of_the_longest_hypothesis(case):
     model = tiny_transducer(case["seed"], case["vocab"], case["durations"], case["max_symbols"],
                             case["blank_bias"])
     encoded, lengths = random_batch(case["seed"], case["lengths"], case["n_frames"])
     counting = CountingPrediction(model.prediction)
-    hyps = label_looping_greedy(encoded, lengths, counting, model.joint, model.durations, model.max_symbols)
-    assert counting.calls == max(len(h.tokens) for h in hyps) + 1  # +1: the start symbol
+    hyps, passes = decode_counting_passes(Tiny(counting, model.joint, model.durations, model.max_symbols),
+                                          encoded, lengths)
+    longest = max(len(h.tokens) for h in hyps)
+    assert counting.calls == longest + 1  # +1: the start symbol
+    assert passes.outer == longest
+
+
+@pytest.mark.parametrize(("durations", "blank_step"), [((), 1), ((0, 2), 2)])
+def test_the_inner_loop_runs_once_per_blank_step_of_the_slowest_row(durations, blank_step):
+    # all blank: one search crosses every row; the first joint makes the first step, the inner loop the rest
+    model = tiny_transducer(13, durations=durations, blank_bias=50.0)
+    if durations:
+        with torch.no_grad():
+            model.joint.joint_net[-1].bias[model.joint.vocab_size + 2] += 50.0  # every blank jumps 2 frames
+    encoded, lengths = random_batch(13, [3, 11, 0, 6], 11)
+    hyps, passes = decode_counting_passes(model, encoded, lengths)
+    assert all(h.tokens == [] for h in hyps)
+    assert passes == LoopPasses(outer=0, inner=-(-11 // blank_step) - 1)
 
 
 @pytest.mark.parametrize("durations", [(), (0, 1, 2)])
