@@ -10,6 +10,10 @@ token edit rate, are what a user who sends a file twice may see. Two batchings a
     python loadtest/batch_stability.py --model parakeet-tdt-0.6b-v2 --device cuda --dtype bfloat16 \\
         --n-utterances 256 --batch-size 128 --shuffles 3 [--json]
 
+--through-engine instead submits every utterance at once to a running engine (its batcher forms the batches),
+twice, in two random orders, and counts the utterances whose tokens or scores differ between the two, with
+the engine's RTFx; --length-bucket-s gives that engine fixed batch shapes (BATCHASR_LENGTH_BUCKET_S).
+
 --model takes a checkpoint or a built-in architecture (random weights, blank calibrated as `batchasr bench` does);
 without --model, the embedded default model.
 """
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +65,39 @@ def measure(model: str | None, device: str, dtype: str, n_utterances: int, batch
             "utterances": n, "tokens_alone": sum(map(len, alone.values())), "batchings": batchings}
 
 
+def through_engine(model: str | None, device: str, dtype: str, n_utterances: int, batch_size: int,
+                   length_bucket_s: float | None, seed: int = 0, audio: list[str] | None = None) -> dict[str, Any]:
+    from service.batcher import Batcher, WorkItem
+    from service.engine import Engine
+    from service.metrics import Metrics
+
+    work = prepare(model, device, dtype, seed, audio, n_utterances=n_utterances)
+    n, rate = len(work.waveforms), work.model.sample_rate
+    rng = np.random.default_rng(seed)
+    runs = []
+    for order in (rng.permutation(n).tolist() for _ in range(2)):
+        batcher = Batcher(batch_size, 1e9, 1000.0, n, rate, length_bucket_s=length_bucket_s)
+        engine = Engine(work.model, batcher, Metrics(), decoder=work.decoder)
+        engine.start()
+        try:
+            if not engine.wait_ready(600):
+                raise RuntimeError(f"the engine did not start: {engine.error}")
+            items = [WorkItem(work.waveforms[i]) for i in order]
+            started = time.perf_counter()
+            batcher.submit(items)
+            results = [item.future.result(3600) for item in items]
+            wall_s = time.perf_counter() - started
+        finally:
+            engine.stop(60)
+        outputs = {i: (r.hypothesis.tokens, r.hypothesis.logprobs) for i, r in zip(order, results, strict=True)}
+        runs.append((sum(map(len, work.waveforms)) / rate / wall_s, outputs))
+    (rtfx_a, a), (rtfx_b, b) = runs
+    return {"model": model or "embedded default", "device": str(work.model.device),
+            "dtype": str(work.model.dtype).removeprefix("torch."), "batch_size": batch_size,
+            "length_bucket_s": length_bucket_s, "utterances": n, "rtfx": [round(rtfx_a, 1), round(rtfx_b, 1)],
+            "tokens_moved": sum(a[i][0] != b[i][0] for i in a), "scores_moved": sum(a[i][1] != b[i][1] for i in a)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="checkpoint or built-in architecture (default: embedded)")
@@ -72,9 +110,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shuffles", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    parser.add_argument("--through-engine", action="store_true",
+                        help="two random submission orders through a running engine, compared")
+    parser.add_argument("--length-bucket-s", type=float, default=None,
+                        help="with --through-engine: fixed batch shapes, buckets of this many seconds")
     args = parser.parse_args(argv)
     if args.n_utterances < 1 or args.batch_size < 1 or args.shuffles < 0:
         parser.error("--n-utterances and --batch-size must be >= 1, --shuffles >= 0")
+    if args.length_bucket_s is not None and (not args.through_engine or args.length_bucket_s <= 0):
+        parser.error("--length-bucket-s needs --through-engine and must be > 0")
+    if args.through_engine:
+        result = through_engine(args.model, args.device, args.dtype, args.n_utterances, args.batch_size,
+                                args.length_bucket_s, args.seed, args.audio)
+        print(json.dumps(result) if args.json else
+              f"{result['model']} on {result['device']}, {result['dtype']}, batches of {result['batch_size']}, "
+              f"length buckets {result['length_bucket_s'] or 'off'}: RTFx {result['rtfx'][0]} / "
+              f"{result['rtfx'][1]}; of {result['utterances']} utterances, tokens moved in "
+              f"{result['tokens_moved']}, scores in {result['scores_moved']}")
+        return 0
     result = measure(args.model, args.device, args.dtype, args.n_utterances, args.batch_size, args.shuffles,
                      args.seed, args.audio)
     if args.json:

@@ -191,19 +191,21 @@ class ASRModel(nn.Module):
 
     @torch.inference_mode()
     def decode(self, batch: EncodedBatch, decoder: str = "auto", decoder_algorithm: str = "label_looping",
-               cuda_graphs: str = "auto", scores: bool = True, boost: BoostTable | None = None) -> list[Hypothesis]:
+               cuda_graphs: str = "auto", scores: bool = True, boost: BoostTable | None = None,
+               scores_per_row: bool = False) -> list[Hypothesis]:
         """Greedy search. Transducers: ``decoder_algorithm`` label_looping (default) | frame_looping (the
         reference); ``cuda_graphs`` auto | conditional | no_while | off picks how label looping runs on CUDA.
         ``scores`` gives each token its log-probability (``Hypothesis.logprobs``, decoding.scores). ``boost``: the
-        rows' hotwords (decoding.boosting)."""
+        rows' hotwords (decoding.boosting). ``scores_per_row``: a transducer's scores are computed one row at a
+        time, on shapes that depend on that row alone (so in bf16 they do not move with the other rows)."""
         with self._exact():
-            return self._decode(batch, decoder, decoder_algorithm, cuda_graphs, scores, boost)
+            return self._decode(batch, decoder, decoder_algorithm, cuda_graphs, scores, boost, scores_per_row)
 
     def _exact(self) -> contextlib.AbstractContextManager:
         return exact_float32(self.device.type == "cuda" and self.dtype == torch.float32)
 
     def _decode(self, batch: EncodedBatch, decoder: str, decoder_algorithm: str, cuda_graphs: str, scores: bool,
-                boost: BoostTable | None) -> list[Hypothesis]:
+                boost: BoostTable | None, scores_per_row: bool = False) -> list[Hypothesis]:
         decoder = self.resolve_decoder(decoder)
         if decoder == "ctc":
             head = self.ctc_head
@@ -221,8 +223,14 @@ class ASRModel(nn.Module):
                                         boost=boost)
         else:
             hyps = self.label_looper(cuda_graphs)(batch.encoded, batch.lengths, boost)
-        return _with_logprobs(hyps, transducer_logprobs(batch.encoded, hyps, self.decoder, self.joint)
-                              if scores else None)
+        if not scores:
+            return hyps
+        if scores_per_row:
+            logprobs = [transducer_logprobs(batch.encoded[row : row + 1], [hyp], self.decoder, self.joint)[0]
+                        for row, hyp in enumerate(hyps)]
+        else:
+            logprobs = transducer_logprobs(batch.encoded, hyps, self.decoder, self.joint)
+        return _with_logprobs(hyps, logprobs)
 
     def label_looper(self, cuda_graphs: str = "auto") -> LabelLoopingDecoder:
         """This model's label-looping decoder for a ``cuda_graphs`` setting, kept with its buffers and graphs."""

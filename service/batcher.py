@@ -3,6 +3,11 @@
 Invariant: the oldest waiting item of the most urgent priority is in the next batch, so nothing starves;
 the rest of the batch is chosen among waiting items of similar length, so little compute goes to padding.
 A batch is released when it is full or when its oldest item has waited ``max_wait_ms``.
+
+With ``length_bucket_s`` every batch has one shape per bucket: it takes pieces of one length bucket only, is
+padded to the bucket's end, and to ``max_batch_size`` rows. In bf16 a piece's result then no longer moves with
+its neighbours (the padded length and, for small batches, the row count change how kernels round:
+docs/benchmarks.md), at the cost of computing the padding.
 """
 
 from __future__ import annotations
@@ -77,20 +82,34 @@ class WorkItem:
 class Batch:
     items: list[WorkItem]
     formed_at: float = field(default_factory=time.monotonic)
+    pad_to: int = 0  # samples every row is padded to at least (length buckets: the bucket's end)
+    pad_rows: int = 0  # rows the batch is padded to at least, with silence (length buckets: max_batch_size)
 
     @property
     def n_samples(self) -> int:
         return sum(item.n_samples for item in self.items)
 
     @property
+    def width(self) -> int:
+        """Samples per row once padded."""
+        return max([self.pad_to, *(item.n_samples for item in self.items)])
+
+    @property
+    def rows(self) -> int:
+        """Rows once padded: the items, then rows of silence."""
+        return max(self.pad_rows, len(self.items))
+
+    @property
     def padded_samples(self) -> int:
-        return len(self.items) * max(item.n_samples for item in self.items)
+        return self.rows * self.width
 
 
 class Batcher:
     def __init__(self, max_batch_size: int, max_batch_audio_s: float, max_wait_ms: float, max_queue: int,
-                 sample_rate: int = 16000, on_drop: Callable[[str], None] | None = None):
+                 sample_rate: int = 16000, on_drop: Callable[[str], None] | None = None,
+                 length_bucket_s: float | None = None):
         self.max_batch_size = max_batch_size
+        self.bucket_samples = round(length_bucket_s * sample_rate) if length_bucket_s else 0
         self.max_padded_samples = int(max_batch_audio_s * sample_rate)
         self.max_wait_s = max_wait_ms / 1000
         self.max_queue = max_queue
@@ -196,6 +215,17 @@ class Batcher:
             self._queues[priority] = alive
         self._next_deadline = next_deadline
 
+    @property
+    def fixed_shapes(self) -> bool:
+        """Batches have one shape per length bucket (``length_bucket_s``)."""
+        return self.bucket_samples > 0
+
+    def padded_length(self, n_samples: int) -> int:
+        """Samples a piece of ``n_samples`` is padded to at least: the end of its length bucket, or itself."""
+        if not self.fixed_shapes:
+            return n_samples
+        return max(-(-n_samples // self.bucket_samples), 1) * self.bucket_samples
+
     def _form_batch(self, anchor: WorkItem) -> Batch:
         pool_size = POOL_FACTOR * self.max_batch_size
         chosen = [anchor]
@@ -213,20 +243,25 @@ class Batcher:
                 items.append(item)
             else:
                 self._on_drop("cancelled")
-        return Batch(items)
+        if not self.fixed_shapes:
+            return Batch(items)
+        return Batch(items, pad_to=self.padded_length(anchor.n_samples), pad_rows=self.max_batch_size)
 
     def _pick_similar(self, anchor: WorkItem, pool: list[WorkItem], chosen: list[WorkItem]) -> list[WorkItem]:
-        """Add pool items closest in length to the anchor while size and padded-audio limits hold."""
+        """Add pool items closest in length to the anchor (of its length bucket, with buckets) while size and
+        padded-audio limits hold."""
         chosen = list(chosen)
         taken = set(map(id, chosen))
-        candidates = [item for item in pool if id(item) not in taken]
+        bucket = self.padded_length(anchor.n_samples)
+        candidates = [item for item in pool if id(item) not in taken
+                      and (not self.fixed_shapes or self.padded_length(item.n_samples) == bucket)]
         distance = [abs(item.n_samples - anchor.n_samples) for item in candidates]
-        longest = max(i.n_samples for i in chosen)
+        longest = max(self.padded_length(i.n_samples) for i in chosen)
         for index in sorted(range(len(candidates)), key=distance.__getitem__):
             if len(chosen) >= self.max_batch_size:
                 break
             item = candidates[index]
-            new_longest = max(longest, item.n_samples)
+            new_longest = max(longest, self.padded_length(item.n_samples))
             if (len(chosen) + 1) * new_longest > self.max_padded_samples:
                 continue
             chosen.append(item)

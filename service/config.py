@@ -57,6 +57,9 @@ class Settings(BaseSettings):
     max_queue: int = 2048  # queued segments beyond which requests get 429
     max_segment_s: float = 30.0  # longer audio is split near here at quiet points
     segment_overlap_s: float = 2.0
+    # fixed batch shapes: pieces of one length bucket of this many seconds per batch, padded to its end and to
+    # max_batch_size rows, so bf16 transcripts do not move with their neighbours (service.batcher); None: off
+    length_bucket_s: float | None = None
 
     # Redis (bulk jobs)
     redis_url: str | None = None
@@ -147,6 +150,13 @@ class Settings(BaseSettings):
 
         if value not in ATTENTION_KERNEL_OPTIONS:
             raise ValueError(f"must be one of {', '.join(ATTENTION_KERNEL_OPTIONS)}")
+        return value
+
+    @field_validator("length_bucket_s")
+    @classmethod
+    def _positive_bucket(cls, value: float | None) -> float | None:
+        if value is not None and value <= 0:
+            raise ValueError("must be > 0 seconds (or unset)")
         return value
 
     @field_validator("max_segment_s")

@@ -145,7 +145,7 @@ class Engine:
         duration_s = [n / self.model.sample_rate for n in n_samples]
         boost = build_boost_table(hotwords, self.hotword_boost, self.model.device)
         hyps = self.model.decode(EncodedBatch(encoded, lengths, duration_s), self.decoder, scores=self.scores,
-                                 boost=boost)
+                                 boost=boost, scores_per_row=self.batcher.fixed_shapes)
         clock.marks.append([*marks, clock.mark()])
         return hyps, clock.stage_seconds()
 
@@ -155,9 +155,11 @@ class Engine:
         try:
             if staged.error is not None:
                 raise staged.error
+            padding = batch.rows - len(batch.items)  # rows of silence (fixed shapes), decoded and dropped
             hyps, stage_s = self._compute(lambda: self.model.features(*staged.on_current_stream()),
-                                          [item.n_samples for item in batch.items],
-                                          [item.hotwords for item in batch.items])
+                                          [item.n_samples for item in batch.items] + [batch.width] * padding,
+                                          [item.hotwords for item in batch.items] + [()] * padding)
+            hyps = hyps[: len(batch.items)]
         except Exception as exc:
             log.exception("batch of %d failed", len(batch.items))
             for item in batch.items:

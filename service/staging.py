@@ -105,8 +105,8 @@ class BatchStager:
 
     @torch.inference_mode()
     def stage(self, batch: Batch) -> StagedBatch:
-        lengths = [item.n_samples for item in batch.items]
-        rows, width = len(lengths), max(lengths)
+        rows, width = batch.rows, batch.width
+        lengths = [item.n_samples for item in batch.items] + [width] * (rows - len(batch.items))
         if not self._cuda:
             audio = torch.empty(rows, width, dtype=torch.float32)
             self._fill(audio, batch)
@@ -127,8 +127,10 @@ class BatchStager:
 
     @staticmethod
     def _fill(rows: Tensor, batch: Batch) -> None:
-        """Each waveform into its row, zeros after it (a reused buffer holds an older batch's samples)."""
+        """Each waveform into its row, zeros after it and in the padding rows (a reused buffer holds an older
+        batch's samples)."""
         out = rows.numpy()
         for row, item in enumerate(batch.items):
             out[row, : item.n_samples] = item.waveform
             out[row, item.n_samples :] = 0.0
+        out[len(batch.items) :] = 0.0

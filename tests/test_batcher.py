@@ -32,6 +32,32 @@ def test_oldest_item_is_always_in_the_batch_with_similar_lengths():
     assert sorted(i.n_samples // 16000 for i in first) == [9, 10, 11, 12]
 
 
+def test_length_buckets_keep_a_batch_to_one_bucket_padded_to_its_end_and_full_rows():
+    b = _batcher(length_bucket_s=2.0)
+    items = [_item(s) for s in (2.5, 1.0, 3.9, 2.0, 0.4, 4.1, 3.0)]
+    b.submit(items)
+    batches = [b.next_batch() for _ in range(3)]
+    assert [sorted(i.n_samples / 16000 for i in batch.items) for batch in batches] == [
+        [2.5, 3.0, 3.9], [0.4, 1.0, 2.0], [4.1]]  # (2, 4], (0, 2], (4, 6]: each anchored on its oldest
+    assert [batch.width / 16000 for batch in batches] == [4.0, 2.0, 6.0]
+    assert [batch.rows for batch in batches] == [4, 4, 4]  # max_batch_size, padded with silence
+    assert batches[0].padded_samples == 4 * 4 * 16000
+    assert _batcher().padded_length(12345) == 12345 and b.padded_length(0) == 32000
+
+
+def test_without_buckets_a_batch_is_its_items_padded_to_the_longest():
+    b = _batcher()
+    b.submit([_item(s) for s in (2.5, 1.0)])
+    batch = b.next_batch()
+    assert (batch.rows, batch.width, batch.padded_samples) == (2, 40000, 80000)
+
+
+def test_the_padded_audio_limit_counts_the_bucket_end():
+    b = _batcher(length_bucket_s=10.0, max_batch_audio_s=25.0)
+    b.submit([_item(s) for s in (1.0, 1.5, 2.0)])
+    assert len(b.next_batch().items) == 2  # 2 pieces padded to 10 s fit 25 s, 3 do not
+
+
 def test_padded_audio_limit_bounds_the_batch():
     b = _batcher(max_batch_audio_s=45.0)
     b.submit([_item(10), _item(20), _item(5)])

@@ -180,3 +180,16 @@ def test_batch_stability_finds_float32_unmoved_by_its_neighbours(parity_dir, cap
     # the comparison itself counts what moved
     assert stability.compare({0: [1, 2, 3], 1: [4]}, {0: [1, 3], 1: [4]}) == {
         "changed": 1, "utterances": 2, "changed_share": 0.5, "token_edit_rate": 0.25}
+
+
+def test_batch_stability_through_the_engine_with_fixed_shapes_finds_bf16_unmoved(parity_dir, capsys):
+    """--through-engine --length-bucket-s: two submission orders through an engine with fixed batch shapes give
+    every utterance the same tokens and scores, in bf16."""
+    stability = load_script(REPO / "loadtest" / "batch_stability.py")
+    assert stability.main(["--audio", str(parity_dir / "audio"), "--device", "cpu", "--dtype", "bfloat16",
+                           "--batch-size", "4", "--through-engine", "--length-bucket-s", "4", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["utterances"] == 10 and result["length_bucket_s"] == 4.0 and min(result["rtfx"]) > 0
+    assert result["tokens_moved"] == 0 and result["scores_moved"] == 0
+    with pytest.raises(SystemExit):
+        stability.main(["--length-bucket-s", "2"])  # only with --through-engine
