@@ -24,7 +24,8 @@
 #                     half load against the offline engine; 4 front-end processes, then HTTP in the engine's
 #                     process                                               http.log, http_bench.json
 #   stability   60    loadtest/batch_stability.py: the embedded model on held-out speech (.carry/speech), alone
-#                     and in batches of 128, bf16 and float32                stability.log, stability.jsonl
+#                     and in batches of 128, bf16 and float32; bf16 through the engine with
+#                     fixed batch shapes (--length-bucket-s 2), two orders   stability.log, stability.jsonl
 #   bulk       120    loadtest/http_bench.py --jobs: 2,048 clips as one bulk job through Redis (.whl/redis),
 #                     and over HTTP                                          bulk.log, bulk_bench.json
 # Under $OUT (the device tool's output folder; ./gpu_check_out when unset) come three files, whatever ran:
@@ -186,10 +187,14 @@ stage_stability() {
     fi
     local rc=0 dtype
     for dtype in bfloat16 float32; do
-        timeout -s INT -k 15 "$(( $1 / 2 ))" python3 loadtest/batch_stability.py --device cuda --dtype "$dtype" \
+        timeout -s INT -k 15 "$(( $1 / 3 ))" python3 loadtest/batch_stability.py --device cuda --dtype "$dtype" \
             --audio .carry/speech --batch-size 128 --shuffles 2 --json "${@:2}" >> "$WORK/stability.jsonl" \
             2>> "$WORK/stability.log" || rc=1
     done
+    # fixed batch shapes (BATCHASR_LENGTH_BUCKET_S) in bf16: do two submission orders give the same tokens and scores?
+    timeout -s INT -k 15 "$(( $1 / 3 ))" python3 loadtest/batch_stability.py --device cuda --dtype bfloat16 \
+        --audio .carry/speech --batch-size 128 --through-engine --length-bucket-s 2 --json "${@:2}" \
+        >> "$WORK/stability.jsonl" 2>> "$WORK/stability.log" || rc=1
     return "$rc"
 }
 stage_bulk() {
