@@ -158,14 +158,15 @@ class ASRModel(nn.Module):
     # --- inference --------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def featurize(self, waveforms: Sequence[np.ndarray]) -> tuple[Tensor, Tensor]:
-        """Pad mono float32 waveforms into a batch on the model's device; log-mel (B, n_mels, T) float32.
+    def featurize(self, waveforms: Sequence[np.ndarray], pad_to: int = 0) -> tuple[Tensor, Tensor]:
+        """Pad mono float32 waveforms into a batch on the model's device (to ``pad_to`` samples at least);
+        log-mel (B, n_mels, T) float32.
 
         Each waveform is copied straight into its row on the device. Padding on the host first, then
         uploading, costs an extra pass over the whole padded batch in host memory: about 24 ms for 128 clips
         of up to 7 s, a sizeable part of what a GPU takes to transcribe them."""
         lengths = [len(w) for w in waveforms]
-        audio = torch.zeros(len(waveforms), max(lengths), dtype=torch.float32, device=self.device)
+        audio = torch.zeros(len(waveforms), max([pad_to, *lengths]), dtype=torch.float32, device=self.device)
         for row, wave in enumerate(waveforms):
             audio[row, : len(wave)].copy_(torch.from_numpy(np.asarray(wave, dtype=np.float32)))
         return self.features(audio, torch.tensor(lengths, dtype=torch.long, device=self.device))
@@ -183,9 +184,10 @@ class ASRModel(nn.Module):
         with self._exact():
             return self.encoder(features.to(self.dtype), n_frames)
 
-    def encode(self, waveforms: Sequence[np.ndarray]) -> EncodedBatch:
-        """Features and encoder for a batch of mono float32 waveforms at ``sample_rate``."""
-        encoded, lengths = self.run_encoder(*self.featurize(waveforms))
+    def encode(self, waveforms: Sequence[np.ndarray], pad_to: int = 0) -> EncodedBatch:
+        """Features and encoder for a batch of mono float32 waveforms at ``sample_rate``, padded to the longest
+        (or to ``pad_to`` samples, if more)."""
+        encoded, lengths = self.run_encoder(*self.featurize(waveforms, pad_to))
         duration_s = [len(w) / self.sample_rate for w in waveforms]
         return EncodedBatch(encoded=encoded, lengths=lengths, duration_s=duration_s)
 
@@ -256,7 +258,8 @@ class ASRModel(nn.Module):
                    decoder: str = "auto", decoder_algorithm: str = "label_looping",
                    cuda_graphs: str = "auto", max_segment_s: float | None = None,
                    multichannel: bool = False, skip_silence: bool = False, hotwords: Sequence[str] = (),
-                   hotword_boost: float = HOTWORD_BOOST) -> list[Transcript] | list[Conversation]:
+                   hotword_boost: float = HOTWORD_BOOST, length_bucket_s: float | None = None
+                   ) -> list[Transcript] | list[Conversation]:
         """Transcribe waveforms (mono float32 at ``sample_rate``) or audio files, in input order.
 
         Inputs are grouped into batches of similar length (less padding); results do not depend on the
@@ -269,37 +272,43 @@ class ASRModel(nn.Module):
         ``Conversation``: a stereo call's agent and customer, and who said what when. ``skip_silence`` leaves
         long quiet stretches out (models.silence): a call's channel is quiet half the time. ``hotwords`` (words or
         phrases, as the model writes them) are made likelier by ``hotword_boost`` on their tokens' logits
-        (decoding.boosting; any decoder).
+        (decoding.boosting; any decoder). ``length_bucket_s`` fixes the batch shapes: batches of one length bucket
+        of that many seconds, padded to its end and to ``batch_size`` rows, so in bf16 an input's tokens and
+        scores do not depend on the other inputs (at the cost of computing the padding).
         """
         if isinstance(audio, (np.ndarray, str, Path)):
             audio = [audio]
         files = any(isinstance(item, (str, Path)) for item in audio)
         options = self._offline_options(batch_size, decoder, decoder_algorithm, cuda_graphs, max_segment_s,
                                         window=None if files else max(1, len(audio)), multichannel=multichannel,
-                                        skip_silence=skip_silence, hotwords=hotwords, hotword_boost=hotword_boost)
+                                        skip_silence=skip_silence, hotwords=hotwords, hotword_boost=hotword_boost,
+                                        length_bucket_s=length_bucket_s)
         return list(transcribe_stream(self, audio, options))
 
     def transcribe_iter(self, audio: Iterable[AudioInput], batch_size: int = 16, decoder: str = "auto",
                         decoder_algorithm: str = "label_looping", cuda_graphs: str = "auto",
                         max_segment_s: float | None = None, window: int | None = None,
                         return_errors: bool = False, multichannel: bool = False, skip_silence: bool = False,
-                        hotwords: Sequence[str] = (), hotword_boost: float = HOTWORD_BOOST
+                        hotwords: Sequence[str] = (), hotword_boost: float = HOTWORD_BOOST,
+                        length_bucket_s: float | None = None
                         ) -> Iterator[Transcript | Conversation | AudioError | OSError]:
         """``transcribe`` over any number of inputs in bounded memory: read ``window`` at a time (default 16
         batches; files by a few threads, the next window while one is transcribed), transcripts yielded in input
         order as each window finishes. An input that cannot be read raises, or with ``return_errors`` is
-        yielded as its error in its place (models.offline); ``multichannel``, ``skip_silence`` and ``hotwords`` as
-        in ``transcribe``."""
+        yielded as its error in its place (models.offline); ``multichannel``, ``skip_silence``, ``hotwords`` and
+        ``length_bucket_s`` as in ``transcribe``."""
         options = self._offline_options(batch_size, decoder, decoder_algorithm, cuda_graphs, max_segment_s, window,
-                                        multichannel, skip_silence, hotwords, hotword_boost)
+                                        multichannel, skip_silence, hotwords, hotword_boost, length_bucket_s)
         return transcribe_stream(self, audio, options, return_errors)
 
     def _offline_options(self, batch_size: int, decoder: str, decoder_algorithm: str, cuda_graphs: str,
                          max_segment_s: float | None, window: int | None, multichannel: bool = False,
                          skip_silence: bool = False, hotwords: Sequence[str] = (),
-                         hotword_boost: float = HOTWORD_BOOST) -> OfflineOptions:
+                         hotword_boost: float = HOTWORD_BOOST, length_bucket_s: float | None = None) -> OfflineOptions:
         if batch_size < 1:
             raise ValueError("batch_size must be >= 1")
+        if length_bucket_s is not None and length_bucket_s <= 0:
+            raise ValueError("length_bucket_s must be > 0 seconds")
         if max_segment_s is not None and max_segment_s <= 2 * OfflineOptions.segment_overlap_s:
             raise ValueError(f"max_segment_s must be more than {2 * OfflineOptions.segment_overlap_s:g} s")
         _check_decoding_options(decoder_algorithm, cuda_graphs)
@@ -308,7 +317,8 @@ class ASRModel(nn.Module):
         return OfflineOptions(batch_size=batch_size, decoder=decoder,
                               decoder_algorithm=decoder_algorithm, cuda_graphs=cuda_graphs,
                               max_segment_s=max_segment_s, window=window, multichannel=multichannel,
-                              skip_silence=skip_silence, hotwords=boosted, hotword_boost=hotword_boost)
+                              skip_silence=skip_silence, hotwords=boosted, hotword_boost=hotword_boost,
+                              length_bucket_s=length_bucket_s)
 
     def load_audio(self, item: AudioInput, index: int = 0, multichannel: bool = False) -> np.ndarray:
         """A waveform as given (checked), or a file read at the model's rate; with ``multichannel``, (channels,

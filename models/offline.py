@@ -49,6 +49,14 @@ class OfflineOptions:
     skip_silence: bool = False  # long quiet stretches left out (models.silence)
     hotwords: Hotwords = ()  # phrases made likelier, as tokens (decoding.boosting)
     hotword_boost: float = HOTWORD_BOOST
+    # fixed batch shapes: batches of one length bucket of this many seconds, padded to its end and to batch_size
+    # rows, scores row by row, so bf16 results do not move with the other inputs (docs/benchmarks.md)
+    length_bucket_s: float | None = None
+
+
+def length_bucket_end(n_samples: int, bucket_samples: int) -> int:
+    """The end of the length bucket ``n_samples`` falls in: (0, b] -> b, (b, 2b] -> 2b, ..."""
+    return max(-(-n_samples // bucket_samples), 1) * bucket_samples
 
 
 Loaded = np.ndarray | AudioError | OSError
@@ -108,13 +116,13 @@ def _transcribe_window(model: ASRModel, loaded: list[Loaded], options: OfflineOp
                 pieces += [((position, channel), segment, samples[segment.start : segment.end])
                            for segment in _plan(model, samples, options, echo)]
     hypotheses = [None] * len(pieces)
-    order = sorted(range(len(pieces)), key=lambda i: len(pieces[i][2]), reverse=True)
-    for start in range(0, len(order), options.batch_size):
-        chunk = order[start : start + options.batch_size]
-        batch = model.encode([pieces[i][2] for i in chunk])
-        boost = build_boost_table([options.hotwords] * len(chunk), options.hotword_boost, model.device)
-        decoded = model.decode(batch, options.decoder, options.decoder_algorithm, options.cuda_graphs, boost=boost)
-        for i, hypothesis in zip(chunk, decoded, strict=True):
+    for chunk, width, rows in _batches([len(piece[2]) for piece in pieces], options, model.sample_rate):
+        silence = [np.zeros(width, dtype=np.float32)] * (rows - len(chunk))  # fixed shapes: rows decoded, dropped
+        batch = model.encode([pieces[i][2] for i in chunk] + silence, pad_to=width)
+        boost = build_boost_table([options.hotwords] * rows, options.hotword_boost, model.device)
+        decoded = model.decode(batch, options.decoder, options.decoder_algorithm, options.cuda_graphs, boost=boost,
+                               scores_per_row=options.length_bucket_s is not None)
+        for i, hypothesis in zip(chunk, decoded[: len(chunk)], strict=True):
             hypotheses[i] = hypothesis
     by_input: dict[tuple[int, int], list] = {}
     for (key, segment, _), hypothesis in zip(pieces, hypotheses, strict=True):
@@ -122,6 +130,22 @@ def _transcribe_window(model: ASRModel, loaded: list[Loaded], options: OfflineOp
     return [_outcome(model, wave, {c: by_input.get((position, c), []) for c in range(len(_channels(wave)))},
                      repeats[position]) if isinstance(wave, np.ndarray) else wave
             for position, wave in enumerate(loaded)]
+
+
+def _batches(lengths: list[int], options: OfflineOptions, sample_rate: int) -> Iterator[tuple[list[int], int, int]]:
+    """(piece indices, samples each row is padded to, rows) per batch: pieces of like lengths, longest first.
+    With length buckets, a batch holds one bucket's pieces, padded to its end and to ``batch_size`` rows."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True)
+    if options.length_bucket_s is None:
+        for start in range(0, len(order), options.batch_size):
+            chunk = order[start : start + options.batch_size]
+            yield chunk, max(lengths[i] for i in chunk), len(chunk)
+        return
+    bucket_samples = round(options.length_bucket_s * sample_rate)
+    for end, members in itertools.groupby(order, key=lambda i: length_bucket_end(lengths[i], bucket_samples)):
+        members = list(members)
+        for start in range(0, len(members), options.batch_size):
+            yield members[start : start + options.batch_size], end, options.batch_size
 
 
 def _outcome(model: ASRModel, wave: np.ndarray, pieces: dict[int, list], repeats: dict[int, int]

@@ -224,6 +224,7 @@ class Batcher:
         """Samples a piece of ``n_samples`` is padded to at least: the end of its length bucket, or itself."""
         if not self.fixed_shapes:
             return n_samples
+        # as models.offline.length_bucket_end; not imported: front-end processes load this module without torch
         return max(-(-n_samples // self.bucket_samples), 1) * self.bucket_samples
 
     def _form_batch(self, anchor: WorkItem) -> Batch:

@@ -82,6 +82,9 @@ def _transcribe_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--channel-names", type=_names, default=[], metavar="NAMES", help=CHANNEL_NAMES_HELP)
     p.add_argument("--skip-silence", action="store_true", help=SKIP_SILENCE_HELP)
     p.add_argument("--hotwords", type=_phrases, default=[], metavar="PHRASES", help=HOTWORDS_HELP)
+    p.add_argument("--length-bucket-s", type=float, default=None, metavar="S",
+                   help="fixed batch shapes: batches of one length bucket of S seconds, padded to its end and to "
+                        "--batch-size rows, so bf16 results do not depend on the other inputs (costs the padding)")
     p.add_argument("--output-dir", type=Path,
                    help="write one <name>.<format> per input here instead of printing to stdout")
     p.add_argument("--output", type=Path, metavar="FILE",

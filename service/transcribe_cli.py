@@ -36,7 +36,8 @@ def run_transcribe(args: argparse.Namespace, layout: SubtitleLayout) -> int:
                                          decoder=args.decoder, decoder_algorithm=args.decoder_algorithm,
                                          cuda_graphs=args.cuda_graphs, max_segment_s=args.max_segment_s or None,
                                          return_errors=True, multichannel=args.multichannel,
-                                         skip_silence=args.skip_silence, hotwords=args.hotwords)
+                                         skip_silence=args.skip_silence, hotwords=args.hotwords,
+                                         length_bucket_s=args.length_bucket_s)
     except ValueError as exc:  # hotwords this model cannot boost, or bad options
         print(f"error: {exc}", file=sys.stderr)
         return 2

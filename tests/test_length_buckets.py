@@ -9,6 +9,7 @@ bit (docs/benchmarks.md)."""
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import httpx
@@ -19,6 +20,7 @@ import torch
 from models import load_model
 from models.audio_io import read_audio
 from service.batcher import Batch, Batcher, WorkItem
+from service.cli import main
 from service.config import Settings
 from service.engine import Engine
 from service.metrics import Metrics
@@ -104,3 +106,33 @@ def test_through_http_a_file_gets_the_same_answer_alone_and_among_others(bf16_mo
         responses = asyncio.run(together(server.url))
         assert server.metric("batchasr_batch_size_count") - batches_before < 8  # some were batched together
     assert alone["tokens"] and answer(responses[0]) == alone
+
+
+def test_offline_transcribe_with_length_buckets_repeats_a_file_whatever_the_other_inputs(bf16_model, parity_audio):
+    """`transcribe(length_bucket_s=...)` and `batchasr transcribe --length-bucket-s`: the same file alone, among
+    the others, and among them in another order gives the same tokens and scores in bf16."""
+    lists = ([parity_audio[0]], parity_audio[:5], parity_audio[::-1])
+    for bucket in (4.0, 1.0):  # one bucket for every clip; then four, with partly filled batches
+        results = [bf16_model.transcribe(paths, batch_size=4, length_bucket_s=bucket) for paths in lists]
+        first = [r[paths.index(parity_audio[0])] for r, paths in zip(results, lists, strict=True)]
+        assert first[0].tokens and all((t.tokens, t.token_logprobs) == (first[0].tokens, first[0].token_logprobs)
+                                       for t in first), bucket
+    with pytest.raises(ValueError, match="length_bucket_s"):
+        bf16_model.transcribe(parity_audio[:1], length_bucket_s=0)
+
+
+def test_offline_without_buckets_the_scores_move(bf16_model, parity_audio):
+    """The check above can fail."""
+    alone = bf16_model.transcribe(parity_audio[:1], batch_size=4)[0]
+    among = bf16_model.transcribe(parity_audio[::-1], batch_size=4)[-1]
+    assert alone.token_logprobs != among.token_logprobs
+
+
+def test_the_transcribe_command_takes_length_buckets(parity_audio, capsys):
+    def first_line(*paths: str) -> dict:
+        assert main(["transcribe", "--dtype", "bfloat16", "--device", "cpu", "--batch-size", "4",
+                     "--length-bucket-s", "4", "--format", "jsonl", *paths]) == 0
+        return json.loads(capsys.readouterr().out.splitlines()[0])
+
+    alone, among = first_line(parity_audio[0]), first_line(*parity_audio[:6])
+    assert alone["tokens"] and (alone["tokens"], alone["token_logprobs"]) == (among["tokens"], among["token_logprobs"])

@@ -82,7 +82,8 @@ def test_a_list_of_files_is_read_a_window_at_a_time(model, parity_audio, monkeyp
     load_audio, encode = model.load_audio, model.encode
     monkeypatch.setattr(model, "load_audio",
                         lambda item, index=0, *rest: read.append(index) or load_audio(item, index, *rest))
-    monkeypatch.setattr(model, "encode", lambda waves: read_by_first_batch.append(len(read)) or encode(waves))
+    monkeypatch.setattr(model, "encode",
+                        lambda waves, **kw: read_by_first_batch.append(len(read)) or encode(waves, **kw))
     paths = [parity_audio[i % len(parity_audio)] for i in range(40)]
     results = model.transcribe(paths, batch_size=2)
     assert len(read) == 40 and read_by_first_batch[0] <= 8  # this window of 2 batches and the next
