@@ -346,9 +346,11 @@ class LabelLooper:
             return
 
         def counting_while(flag: Tensor, body: Callable[[], None]) -> None:
-            loop = "inner" if flag is s.advance_any else "outer"
             while flag.item():
-                setattr(passes, loop, getattr(passes, loop) + 1)
+                if flag is s.advance_any:
+                    passes.inner += 1
+                else:
+                    passes.outer += 1
                 body()
 
         self.run(s, counting_while)
@@ -415,6 +417,7 @@ def label_looping_greedy(
     durations: tuple[int, ...] = (),
     max_symbols: int = 10,
     boost: BoostTable | None = None,
+    passes: LoopPasses | None = None,
 ) -> list[Hypothesis]:
     """Eager label looping with a state sized for this batch (same arguments as ``frame_looping_greedy``).
 
@@ -422,11 +425,12 @@ def label_looping_greedy(
         encoded: (B, T, d) encoder output.
         lengths: (B,) valid encoder frames.
         durations: TDT duration choices (empty for RNN-T).
+        passes: when given, counts each loop's passes (``LabelLooper.run_eager``).
     """
     looper = LabelLooper(prediction, joint, durations, max_symbols)
     enc_proj = looper.project(encoded)  # (B, T, J)
     batch, n_frames, joint_hidden = enc_proj.shape
     state = looper.allocate(batch, n_frames, joint_hidden, enc_proj.device, enc_proj.dtype)
     looper.load(state, enc_proj, lengths, boost)
-    looper.run_eager(state)
+    looper.run_eager(state, passes)
     return looper.results(state, batch)

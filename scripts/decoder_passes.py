@@ -17,7 +17,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from decoding.label_looping import LabelLooper, LoopPasses
+from decoding.label_looping import LoopPasses, label_looping_greedy
 from service.bench import prepare
 
 
@@ -29,17 +29,13 @@ def encode_in_slices(model, waveforms, rows_per_slice: int) -> tuple[torch.Tenso
     return encoded, torch.cat([part.lengths for part in parts])
 
 
-@torch.inference_mode()
 def count_passes(model, encoded: torch.Tensor, lengths: torch.Tensor) -> tuple[LoopPasses, list[int]]:
     """The loops' passes over one batch, and each row's token count."""
     transducer = model.config.transducer
-    looper = LabelLooper(model.decoder, model.joint, transducer.durations, transducer.max_symbols)
-    enc_proj = looper.project(encoded)
-    state = looper.allocate(*enc_proj.shape, enc_proj.device, enc_proj.dtype)
-    looper.load(state, enc_proj, lengths)
     passes = LoopPasses()
-    looper.run_eager(state, passes)
-    return passes, [len(h.tokens) for h in looper.results(state, len(lengths))]
+    hyps = label_looping_greedy(encoded, lengths, model.decoder, model.joint, transducer.durations,
+                                transducer.max_symbols, passes=passes)
+    return passes, [len(h.tokens) for h in hyps]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from decoding.frame_looping import frame_looping_greedy
-from decoding.label_looping import LabelLooper, LoopPasses, label_looping_greedy
+from decoding.label_looping import LoopPasses, label_looping_greedy
 from decoding.types import Hypothesis
 from models import ASRModel, load_model
 from models.config import TransducerConfig
@@ -99,14 +99,10 @@ def test_label_looping_equals_frame_looping(case):
 
 def decode_counting_passes(model: Tiny, encoded: torch.Tensor, lengths: torch.Tensor) -> tuple[list[Hypothesis],
                                                                                               LoopPasses]:
-    looper = LabelLooper(model.prediction, model.joint, model.durations, model.max_symbols)
     passes = LoopPasses()
-    with torch.inference_mode():
-        enc_proj = looper.project(encoded)
-        state = looper.allocate(*enc_proj.shape, enc_proj.device, enc_proj.dtype)
-        looper.load(state, enc_proj, lengths)
-        looper.run_eager(state, passes)
-        return looper.results(state, len(lengths)), passes
+    hyps = label_looping_greedy(encoded, lengths, model.prediction, model.joint, model.durations, model.max_symbols,
+                                passes=passes)
+    return hyps, passes
 
 
 @settings(max_examples=60, deadline=None)
