@@ -100,6 +100,11 @@ class Batch:
         return max(self.pad_rows, len(self.items))
 
     @property
+    def row_samples(self) -> list[int]:
+        """Each row's valid samples: the items', then the silence rows' (the whole width)."""
+        return [item.n_samples for item in self.items] + [self.width] * (self.rows - len(self.items))
+
+    @property
     def padded_samples(self) -> int:
         return self.rows * self.width
 

@@ -157,8 +157,7 @@ class Engine:
                 raise staged.error
             padding = batch.rows - len(batch.items)  # rows of silence (fixed shapes), decoded and dropped
             hyps, stage_s = self._compute(lambda: self.model.features(*staged.on_current_stream()),
-                                          [item.n_samples for item in batch.items] + [batch.width] * padding,
-                                          [item.hotwords for item in batch.items] + [()] * padding)
+                                          batch.row_samples, [item.hotwords for item in batch.items] + [()] * padding)
             hyps = hyps[: len(batch.items)]
         except Exception as exc:
             log.exception("batch of %d failed", len(batch.items))

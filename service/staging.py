@@ -105,8 +105,7 @@ class BatchStager:
 
     @torch.inference_mode()
     def stage(self, batch: Batch) -> StagedBatch:
-        rows, width = batch.rows, batch.width
-        lengths = [item.n_samples for item in batch.items] + [width] * (rows - len(batch.items))
+        rows, width, lengths = batch.rows, batch.width, batch.row_samples
         if not self._cuda:
             audio = torch.empty(rows, width, dtype=torch.float32)
             self._fill(audio, batch)
