@@ -258,16 +258,17 @@ class Batcher:
         padded-audio limits hold."""
         chosen = list(chosen)
         taken = set(map(id, chosen))
-        bucket = self.padded_length(anchor.n_samples)
+        fixed, bucket = self.fixed_shapes, self.padded_length(anchor.n_samples)
         candidates = [item for item in pool if id(item) not in taken
-                      and (not self.fixed_shapes or self.padded_length(item.n_samples) == bucket)]
+                      and (not fixed or self.padded_length(item.n_samples) == bucket)]
         distance = [abs(item.n_samples - anchor.n_samples) for item in candidates]
-        longest = max(self.padded_length(i.n_samples) for i in chosen)
+        # with buckets every row is padded to the anchor's bucket end; without, to the longest item
+        longest = bucket if fixed else max(i.n_samples for i in chosen)
         for index in sorted(range(len(candidates)), key=distance.__getitem__):
             if len(chosen) >= self.max_batch_size:
                 break
             item = candidates[index]
-            new_longest = max(longest, self.padded_length(item.n_samples))
+            new_longest = longest if fixed else max(longest, item.n_samples)
             if (len(chosen) + 1) * new_longest > self.max_padded_samples:
                 continue
             chosen.append(item)
