@@ -6,11 +6,14 @@ Only what changes the computation is kept. Every option batchasr does not implem
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 from typing import Any
 
 from .errors import CheckpointError, UnsupportedModelError
+
+log = logging.getLogger(__name__)
 
 FRAME_HOP_S = 0.01  # NeMo's window_stride for every Parakeet model: 10 ms feature frames
 
@@ -32,6 +35,7 @@ class FeatureConfig:
     win_length: int = 400  # samples: 25 ms at 16 kHz
     hop_length: int = 160  # samples: 10 ms at 16 kHz
     preemph: float = 0.97
+    window: str = "hann"  # the window's values come from the checkpoint; its name sizes the buffer
     log_guard: float = 2**-24  # added before the natural log ("add" guard type)
     mag_power: float = 2.0
     pad_to: int = 0  # pad the frame axis to a multiple of this (0: no padding)
@@ -153,11 +157,30 @@ def _check(condition: bool, option: str, value: Any, supported: str) -> None:
         raise UnsupportedModelError(f"unsupported option `{option}: {value!r}` (supported: {supported})")
 
 
+# NeMo's window functions (all symmetric, periodic=False); the values themselves load from the checkpoint
+WINDOWS = ("hann", "hamming", "blackman", "bartlett")
+# log_zero_guard_value given by name: NeMo takes it from float32's limits
+_NAMED_GUARDS = {"tiny": 1.1754943508222875e-38, "eps": 1.1920928955078125e-07}
+
+
+def _samples(pre: dict[str, Any], seconds_key: str, samples_key: str, default_s: float, sr: int) -> int:
+    """A window length or stride: NeMo takes it in seconds (``window_size``) or in samples (``n_window_size``)."""
+    seconds, samples = pre.get(seconds_key, default_s), pre.get(samples_key)
+    if seconds and samples:
+        raise CheckpointError(f"model config: preprocessor sets both `{seconds_key}` and `{samples_key}`")
+    if seconds:
+        return int(float(seconds) * sr)
+    if samples:
+        return int(samples)
+    raise CheckpointError(f"model config: preprocessor sets neither `{seconds_key}` nor `{samples_key}`")
+
+
 def parse_features(pre: dict[str, Any], sample_rate: int) -> FeatureConfig:
     sr = int(pre.get("sample_rate", sample_rate))
     _check(pre.get("normalize", "per_feature") == "per_feature", "preprocessor.normalize",
            pre.get("normalize"), "per_feature")
-    _check(pre.get("window", "hann") == "hann", "preprocessor.window", pre.get("window"), "hann")
+    window = pre.get("window", "hann")
+    _check(window in WINDOWS, "preprocessor.window", window, ", ".join(WINDOWS))
     _check(int(pre.get("frame_splicing", 1)) == 1, "preprocessor.frame_splicing",
            pre.get("frame_splicing"), "1")
     _check(pre.get("log", True) is True, "preprocessor.log", pre.get("log"), "true")
@@ -166,12 +189,14 @@ def parse_features(pre: dict[str, Any], sample_rate: int) -> FeatureConfig:
            pre.get("log_zero_guard_type"), "add")
     _check(pre.get("mel_norm", "slaney") == "slaney", "preprocessor.mel_norm", pre.get("mel_norm"), "slaney")
     guard = pre.get("log_zero_guard_value", 2**-24)
-    _check(isinstance(guard, (int, float)), "preprocessor.log_zero_guard_value", guard, "a number")
-    win_length = int(float(pre.get("window_size", 0.02)) * sr)
-    hop_length = int(float(pre.get("window_stride", 0.01)) * sr)
+    guard = _NAMED_GUARDS.get(guard, guard) if isinstance(guard, str) else guard
+    _check(isinstance(guard, (int, float)), "preprocessor.log_zero_guard_value", guard,
+           "a number, 'tiny' or 'eps'")
+    win_length = _samples(pre, "window_size", "n_window_size", 0.02, sr)
+    hop_length = _samples(pre, "window_stride", "n_window_stride", 0.01, sr)
     n_fft = int(pre.get("n_fft") or 2 ** (win_length - 1).bit_length())
-    pad_to = int(pre.get("pad_to", 16) or 0)
-    _check(pad_to >= 0, "preprocessor.pad_to", pad_to, ">= 0")
+    pad_to = pre.get("pad_to", 16) or 0
+    _check(isinstance(pad_to, int) and pad_to >= 0, "preprocessor.pad_to", pad_to, "an integer >= 0")
     return FeatureConfig(
         sample_rate=sr,
         n_mels=int(pre.get("features", 64)),
@@ -179,6 +204,7 @@ def parse_features(pre: dict[str, Any], sample_rate: int) -> FeatureConfig:
         win_length=win_length,
         hop_length=hop_length,
         preemph=float(pre.get("preemph", 0.97) or 0.0),
+        window=window,
         log_guard=float(guard),
         mag_power=float(pre.get("mag_power", 2.0)),
         pad_to=pad_to,
@@ -194,23 +220,27 @@ def parse_encoder(enc: dict[str, Any]) -> EncoderConfig:
     _check(enc.get("self_attention_model", "rel_pos") == "rel_pos", "encoder.self_attention_model",
            enc.get("self_attention_model"), "rel_pos")
     context = enc.get("att_context_size")
-    _check(context in (None, [-1, -1]), "encoder.att_context_size", context, "[-1, -1] (full context)")
+    _check(context in (None, [-1, -1], [[-1, -1]]), "encoder.att_context_size", context, "[-1, -1] (full context)")
     _check(enc.get("conv_norm_type", "batch_norm") == "batch_norm", "encoder.conv_norm_type",
            enc.get("conv_norm_type"), "batch_norm")
-    _check(enc.get("conv_context_size") is None, "encoder.conv_context_size",
-           enc.get("conv_context_size"), "null (symmetric)")
+    kernel = int(enc.get("conv_kernel_size", 31))
+    _check(kernel % 2 == 1, "encoder.conv_kernel_size", kernel, "an odd size")
+    conv_context = enc.get("conv_context_size")
+    _check(conv_context in (None, [kernel // 2, kernel // 2]), "encoder.conv_context_size", conv_context,
+           f"null or [{kernel // 2}, {kernel // 2}] (symmetric)")
     _check(not enc.get("causal_downsampling", False), "encoder.causal_downsampling",
            enc.get("causal_downsampling"), "false")
     _check(enc.get("untie_biases", True) is True, "encoder.untie_biases", enc.get("untie_biases"), "true")
     _check(int(enc.get("feat_out", -1)) == -1, "encoder.feat_out", enc.get("feat_out"), "-1")
     _check(enc.get("reduction") is None, "encoder.reduction", enc.get("reduction"), "null")
-    _check(int(enc.get("subsampling_conv_chunking_factor", 1)) in (1, -1),
-           "encoder.subsampling_conv_chunking_factor", enc.get("subsampling_conv_chunking_factor"), "1")
+    # NeMo's chunking splits large batches through the subsampling convolutions to save memory; the result is
+    # the same, and batchasr bounds its batches itself
+    chunking = int(enc.get("subsampling_conv_chunking_factor", 1))
+    _check(chunking in (1, -1) or (chunking > 1 and chunking & (chunking - 1) == 0),
+           "encoder.subsampling_conv_chunking_factor", chunking, "1, -1 or a power of 2")
     d_model = int(_require(enc, "d_model", "encoder"))
     n_heads = int(enc.get("n_heads", 4))
     _check(d_model % n_heads == 0, "encoder.n_heads", n_heads, "a divisor of d_model")
-    kernel = int(enc.get("conv_kernel_size", 31))
-    _check(kernel % 2 == 1, "encoder.conv_kernel_size", kernel, "an odd size")
     channels = int(enc.get("subsampling_conv_channels", -1))
     return EncoderConfig(
         feat_in=int(_require(enc, "feat_in", "encoder")),
@@ -247,13 +277,17 @@ def parse_transducer(cfg: dict[str, Any]) -> TransducerConfig:
     decoding = cfg.get("decoding") or {}
     durations: tuple[int, ...] = ()
     if extra or decoding.get("model_type") == "tdt":
-        loss_kwargs = (cfg.get("loss") or {}).get("tdt_kwargs") or {}
-        durations = tuple(int(d) for d in (decoding.get("durations") or loss_kwargs.get("durations") or []))
+        loss = cfg.get("loss") or {}
+        loss_durations = (loss.get("tdt_kwargs") or {}).get("durations")
+        # NeMo overwrites the decoding's durations with the loss's when the loss is TDT's
+        chosen = loss_durations if loss.get("loss_name") == "tdt" and loss_durations else decoding.get("durations")
+        durations = tuple(int(d) for d in (chosen or loss_durations or []))
         _check(len(durations) == extra and extra > 0, "joint.num_extra_outputs", extra,
                f"the number of TDT durations ({len(durations)})")
         _check(min(durations) >= 0, "decoding.durations", list(durations), "non-negative")
     greedy = decoding.get("greedy") or {}
-    max_symbols = greedy.get("max_symbols", greedy.get("max_symbols_per_step", 10))
+    # Unset means no cap to NeMo's eager decoder; its CUDA-graph decoder, the one that runs on GPUs, caps it at 10
+    max_symbols = greedy.get("max_symbols") or greedy.get("max_symbols_per_step")
     return TransducerConfig(
         vocab_size=vocab_size,
         pred_hidden=int(_require(prednet, "pred_hidden", "decoder.prednet")),
@@ -276,6 +310,15 @@ def parse_ctc(section: dict[str, Any], where: str) -> CTCConfig:
     return CTCConfig(vocab_size=num_classes, feat_in=int(_require(section, "feat_in", where)))
 
 
+def _warn_about_decoding(cfg: dict[str, Any]) -> None:
+    """batchasr decodes greedily; a checkpoint saved with beam search or a language model decodes differently."""
+    for where, decoding in (("decoding", cfg.get("decoding")), ("aux_ctc.decoding",
+                                                                (cfg.get("aux_ctc") or {}).get("decoding"))):
+        strategy = (decoding or {}).get("strategy", "greedy_batch")
+        if strategy not in ("greedy", "greedy_batch"):
+            log.warning("the checkpoint's `%s.strategy: %s` is not used: batchasr decodes greedily", where, strategy)
+
+
 def parse_model_config(cfg: dict[str, Any]) -> ModelConfig:
     """Build a ``ModelConfig`` from a NeMo config dict, refusing what batchasr does not compute."""
     if "model" in cfg and isinstance(cfg["model"], dict) and "encoder" in cfg["model"]:
@@ -290,6 +333,7 @@ def parse_model_config(cfg: dict[str, Any]) -> ModelConfig:
         known = ", ".join(sorted(_TARGET_KINDS))
         raise UnsupportedModelError(f"unsupported architecture `target: {target or None}` (supported: {known})")
     kind = _TARGET_KINDS[class_name]
+    _warn_about_decoding(cfg)
     tokenizer = cfg.get("tokenizer") or {}
     _check(tokenizer.get("type", "bpe") == "bpe", "tokenizer.type", tokenizer.get("type"), "bpe")
     features = parse_features(_require(cfg, "preprocessor", "model"), int(cfg.get("sample_rate", 16000)))

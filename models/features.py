@@ -57,7 +57,8 @@ class LogMelFeatures(nn.Module):
     def __init__(self, cfg: FeatureConfig):
         super().__init__()
         self.cfg = cfg
-        self.register_buffer("window", torch.hann_window(cfg.win_length, periodic=False))
+        window_fn = getattr(torch, f"{cfg.window}_window")  # hann -> torch.hann_window, as NeMo builds it
+        self.register_buffer("window", window_fn(cfg.win_length, periodic=False))
         fb = slaney_mel_filterbank(cfg.n_mels, cfg.n_fft, cfg.sample_rate)
         self.register_buffer("fb", fb.unsqueeze(0))  # (1, n_mels, n_fft // 2 + 1)
 

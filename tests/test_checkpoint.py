@@ -15,6 +15,7 @@ import yaml
 from models import CheckpointError, UnsupportedModelError, load_model
 from models.asr_model import DEFAULT_MODEL
 from models.checkpoint import open_checkpoint
+from models.config import parse_model_config
 from models.training.export import save_nemo
 
 
@@ -123,6 +124,83 @@ def test_unsupported_architecture_and_options_are_named(tmp_path, tdt_members, e
     path = _write_tar(tmp_path / "x.nemo", _with_config(tdt_members, edit))
     with pytest.raises(UnsupportedModelError, match=_literal(message)):
         open_checkpoint(path)
+
+
+def _no_decoding_durations(cfg):
+    del cfg["decoding"]["durations"]
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda c: c["encoder"].update(conv_context_size=[4, 4]),  # kernel 9: what null means
+        lambda c: c["encoder"].update(att_context_size=[[-1, -1]]),
+        lambda c: c["encoder"].update(subsampling_conv_chunking_factor=4),  # splits big batches, same result
+        lambda c: c["preprocessor"].update(window_size=None, n_window_size=400, window_stride=None,
+                                           n_window_stride=160),
+        lambda c: c["preprocessor"].update(window="hamming"),  # the window's values load from the weights
+        _no_decoding_durations,  # the loss's durations serve
+        lambda c: c["decoding"].update(strategy="beam"),  # logged, decoded greedily
+    ],
+    ids=["conv-context", "att-context-list", "chunking", "window-in-samples", "hamming", "loss-durations",
+         "beam-strategy"],
+)
+def test_other_spellings_nemo_saves_load_the_same_model(tmp_path, tdt_members, parity_dir, audio, edit):
+    reference = load_model(parity_dir / "tdt.nemo", device="cpu").transcribe([audio])[0]
+    model = load_model(_write_tar(tmp_path / "x.nemo", _with_config(tdt_members, edit)), device="cpu")
+    got = model.transcribe([audio])[0]
+    assert (got.tokens, got.token_frames) == (reference.tokens, reference.token_frames)
+
+
+def test_config_values_nemo_reads_in_its_own_order(tdt_members, caplog):
+    key = next(k for k in tdt_members if k.endswith("model_config.yaml"))
+    base = yaml.safe_load(tdt_members[key])
+
+    def parse(edit):
+        cfg = yaml.safe_load(yaml.safe_dump(base))
+        edit(cfg)
+        return parse_model_config(cfg)
+
+    # a TDT loss's durations overwrite the decoding's, as NeMo's set_decoding_type_according_to_loss does
+    assert parse(lambda c: c["loss"]["tdt_kwargs"].update(durations=[0, 1, 2, 4, 8])).transducer.durations == \
+        (0, 1, 2, 4, 8)
+    assert parse(lambda c: c["preprocessor"].update(log_zero_guard_value="tiny")).features.log_guard == \
+        torch.finfo(torch.float32).tiny
+    assert parse(lambda c: c["preprocessor"].update(log_zero_guard_value="eps")).features.log_guard == \
+        torch.finfo(torch.float32).eps
+    window = parse(lambda c: c["preprocessor"].update(window_size=None, n_window_size=512, window_stride=None,
+                                                      n_window_stride=128)).features
+    assert (window.win_length, window.hop_length) == (512, 128)
+    # unset: NeMo's CUDA-graph decoder caps it at 10
+    assert parse(lambda c: c["decoding"]["greedy"].update(max_symbols=None)).transducer.max_symbols == 10
+    with caplog.at_level("WARNING", logger="models.config"):
+        parse(lambda c: c["decoding"].update(strategy="maes"))
+    assert "`decoding.strategy: maes` is not used: batchasr decodes greedily" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("edit", "error", "message"),
+    [
+        (lambda c: c["preprocessor"].update(n_window_size=400), CheckpointError,
+         "sets both `window_size` and `n_window_size`"),
+        (lambda c: c["preprocessor"].update(window_stride=None), CheckpointError,
+         "sets neither `window_stride` nor `n_window_stride`"),
+        (lambda c: c["preprocessor"].update(pad_to="max"), UnsupportedModelError,
+         "unsupported option `preprocessor.pad_to: 'max'`"),
+        (lambda c: c["preprocessor"].update(window="kaiser"), UnsupportedModelError,
+         "unsupported option `preprocessor.window: 'kaiser'` (supported: hann, hamming, blackman, bartlett)"),
+        (lambda c: c["encoder"].update(conv_context_size=[8, 0]), UnsupportedModelError,
+         "unsupported option `encoder.conv_context_size: [8, 0]`"),
+        (lambda c: c["encoder"].update(subsampling_conv_chunking_factor=3), UnsupportedModelError,
+         "unsupported option `encoder.subsampling_conv_chunking_factor: 3`"),
+    ],
+)
+def test_config_values_that_cannot_be_read_are_named(tdt_members, edit, error, message):
+    key = next(k for k in tdt_members if k.endswith("model_config.yaml"))
+    cfg = yaml.safe_load(tdt_members[key])
+    edit(cfg)
+    with pytest.raises(error, match=_literal(message)):
+        parse_model_config(cfg)
 
 
 def test_weights_that_do_not_fit_the_config(tmp_path, tdt_members):
