@@ -11,6 +11,7 @@ their lengths are not known before. An item longer than the whole budget still r
 from __future__ import annotations
 
 import asyncio
+import math
 from dataclasses import dataclass, field
 
 RECENT_WEIGHT = 0.2  # how fast the expected item length comes down to shorter items seen
@@ -31,7 +32,10 @@ class AudioBudget:
         self._changed.clear()
         per_item = max(self.expected_item_s, MIN_ITEM_S)
         counted = self.held_s + self.reading * per_item
-        fits = max(1, int(self.limit_s // per_item)) if counted == 0 else int((self.limit_s - counted) // per_item)
+        if math.isinf(self.limit_s):  # no budget
+            fits = slots
+        else:
+            fits = max(1, int(self.limit_s // per_item)) if counted == 0 else int((self.limit_s - counted) // per_item)
         return max(0, min(slots, self.max_reading - self.reading, fits))
 
     async def changed(self) -> None:

@@ -4,8 +4,10 @@ then acknowledges.
 
 Failure handling: bad audio or a refused input fails its item at once (dead-lettered); any other error
 leaves the delivery unacknowledged, so it is reclaimed (XAUTOCLAIM) after the visibility timeout, and an
-item that has been started ``max_attempts`` times is failed with its last error. Redis going away is
-waited out with backoff; nothing is lost because nothing is acknowledged before its result is written.
+item that has been started ``max_attempts`` times is failed with its last error. Deliveries still being worked
+on have their idle time reset, so a long item is not reclaimed from a live worker. Redis going away, or
+refusing a command (full, read-only), is waited out with backoff; nothing is lost because nothing is
+acknowledged before its result is written.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import socket
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
+
+import redis.asyncio as aioredis
 
 from models.audio_io import WHOLE, Stretch
 from models.tokenizer import hotword_tokens
@@ -98,8 +102,11 @@ class JobConsumer:
         self.decode_pool = decode_pool
         self.webhook_deliveries = WebhookWorker(store, webhooks, options.name, metrics)
         self._in_flight: set[asyncio.Task] = set()
+        self._held: dict[str, set[bytes]] = {stream: set() for stream in ITEM_STREAMS.values()}  # deliveries in hand
         self.audio = AudioBudget(options.max_audio_s, options.first_item_s, options.max_reading)
         self._last_reclaim = 0.0
+        self._last_kept = 0.0
+        self._group_ready = False  # made once, and again after an error (a Redis that lost it)
         self.connected = False
 
     # --- loops -----------------------------------------------------------------------------------------
@@ -113,10 +120,18 @@ class JobConsumer:
             try:
                 await self._step()
                 backoff = 1.0
+                continue
             except REDIS_ERRORS as exc:
                 self.connected = False
+                self._group_ready = False  # a Redis restarted without its data has lost the group
                 log.warning("redis unreachable (%s); retrying in %.0f s", exc, backoff)
-                backoff = await wait_before_retry(stop, backoff)
+            except aioredis.RedisError as exc:  # full (maxmemory), read-only, a lost group: the consumer outlives it
+                self._group_ready = self._group_ready and "NOGROUP" not in str(exc)
+                log.warning("redis refused the job consumer (%s: %s); retrying in %.0f s", type(exc).__name__, exc,
+                            backoff)
+            except Exception:  # a consumer that stopped would strand every queued job, silently
+                log.exception("job consumer step failed; retrying in %.0f s", backoff)
+            backoff = await wait_before_retry(stop, backoff)
         await self._finish_in_flight()
         await webhooks
         await self.close()
@@ -138,11 +153,17 @@ class JobConsumer:
 
     async def _step(self, block_ms: int | None = None) -> int:
         """Start what fits in the prefetch window and the audio budget; returns how many items were started."""
-        await self.store.ensure_group()
+        if not self._group_ready:
+            await self.store.ensure_group()
+            self._group_ready = True
         self.connected = True
+        loop = asyncio.get_running_loop()
+        if loop.time() - self._last_kept >= self.options.visibility_timeout_s / 3:
+            self._last_kept = loop.time()
+            for stream, held in self._held.items():
+                await self.store.keep_claimed(stream, self.options.name, list(held))
         room = self.audio.room(self.options.prefetch - len(self._in_flight))
         messages: list[tuple[str, bytes, dict]] = []  # (stream, message id, fields)
-        loop = asyncio.get_running_loop()
         if room > 0 and loop.time() - self._last_reclaim >= self.options.reclaim_interval_s:
             self._last_reclaim = loop.time()
             messages += await self._reclaim(room)
@@ -159,6 +180,9 @@ class JobConsumer:
             task = asyncio.create_task(self._handle(stream, message_id, fields, self.audio.claim()))
             self._in_flight.add(task)
             task.add_done_callback(self._in_flight.discard)
+            held = self._held[stream]
+            held.add(message_id)
+            task.add_done_callback(lambda _, held=held, message_id=message_id: held.discard(message_id))
         self.metrics.observe_job_stream_lag(await self.store.stream_lag())
         return len(messages)
 
@@ -190,13 +214,23 @@ class JobConsumer:
         try:
             await self._process(job_id, index, share, BATCHER_PRIORITY[stream])
             await self.store.ack_item(stream, message_id)
-        except REDIS_ERRORS as exc:  # unacknowledged: it comes back after the visibility timeout
+        except TimeoutError as exc:  # the transcription or a fetch took too long (an OSError, but not Redis's)
+            log.warning("item %s/%d timed out; it will be retried", job_id, index)
+            await self._record_error(job_id, index, f"timed out{': ' + str(exc) if str(exc) else ''}")
+        except (*REDIS_ERRORS, aioredis.RedisError) as exc:  # unacknowledged: back after the visibility timeout
             log.warning("redis error on %s/%d (%s); it will be retried", job_id, index, exc)
         except Exception as exc:  # likewise retried, until max_attempts
             log.exception("item %s/%d failed; it will be retried", job_id, index)
-            await self.store.record_error(job_id, index, f"{type(exc).__name__}: {exc}")
+            await self._record_error(job_id, index, f"{type(exc).__name__}: {exc}")
         finally:
             share.release()
+
+    async def _record_error(self, job_id: str, index: int, error: str) -> None:
+        """What a later attempt reports if it gives up (a generic reason instead, if Redis cannot take it)."""
+        try:
+            await self.store.record_error(job_id, index, error)
+        except (*REDIS_ERRORS, aioredis.RedisError) as exc:
+            log.warning("redis error recording the error of %s/%d (%s)", job_id, index, exc)
 
     async def _discard(self, stream: str, message_id: bytes, fields: dict) -> None:
         """A stream entry that names no job item: dead-letter and acknowledge it once, rather than fail it
@@ -269,9 +303,8 @@ class JobConsumer:
 
     async def _fail(self, job_id: str, index: int, audio: str | None, error: str) -> None:
         outcome = await self.store.finish_item(job_id, index, "failed", item_record(audio, "failed", error=error),
-                                               error=error)
+                                               error=error)  # dead-lettered in the same step
         if outcome:
-            await self.store.dead_letter(job_id, index, error)
             self.metrics.count_job_item_dead_lettered()
         await self._after_finish(job_id, "failed", outcome)
 

@@ -31,6 +31,7 @@ from models.transcript import rounded
 PREFIX = "batchasr"
 ITEM_STREAM = f"{PREFIX}:items"  # XADD job=<id> index=<i>; consumer group GROUP (normal priority's items)
 DEAD_LETTER_STREAM = f"{PREFIX}:items:dead"  # items that failed for good, with their last error
+DEAD_LETTERS_KEPT = 100_000  # the newest dead letters the stream keeps (about; a noeviction Redis must not fill)
 # XADD job=<id> in the same script that finishes a job with a webhook; consumer group GROUP delivers it
 WEBHOOK_STREAM = f"{PREFIX}:webhooks"
 GROUP = "workers"
@@ -91,6 +92,10 @@ class JobInputError(ValueError):
 
 # --- atomic item transitions ---------------------------------------------------------------------------------
 
+# Scripts that let work finish run even when Redis is at its maxmemory (Redis 7 script flags): finishing an item
+# frees its upload, so refusing them would hold a full Redis full until its jobs expired.
+_ALLOW_OOM = "#!lua flags=allow-oom\n"
+
 # Keys written after submission (attempts, errors, results) expire with the job: an EXPIRE at submission does
 # nothing to a key that does not exist yet, and a job that never finished would leave them behind for ever.
 _EXPIRE_WITH_JOB = """
@@ -103,7 +108,7 @@ end
 # KEYS: job, states, attempts, inputs, upload. ARGV: index, now.
 # Returns {state, attempts[, input JSON, upload]}: the caller processes the item only if state is "in_progress",
 # and then gets its input in the same round trip (a missing one comes back as nil).
-_START_ITEM = _EXPIRE_WITH_JOB + """
+_START_ITEM = _ALLOW_OOM + _EXPIRE_WITH_JOB + """
 local state = redis.call('HGET', KEYS[2], ARGV[1])
 if state == false then return {'missing', 0} end
 if state == 'completed' or state == 'failed' or state == 'cancelled' then return {state, 0} end
@@ -139,14 +144,20 @@ local function end_job_if_done(job_key, webhook_stream, now, job_id)
 end
 """
 
-# KEYS: job, states, results, errors, webhook stream. ARGV: index, final state, result JSON, error, now, audio_s,
-# compute_s, job id, scored tokens, the sum of their log-probabilities. Writes the result only if none exists, and
-# only while the job does (not once it has expired or been deleted); returns 0 (already finished, or no job), 1
-# (finished), 2 (finished the job).
-_FINISH_ITEM = _END_JOB_IF_DONE + _EXPIRE_WITH_JOB + """
+# KEYS: job, states, results, errors, webhook stream, upload, dead-letter stream. ARGV: index, final state, result
+# JSON, error, now, audio_s, compute_s, job id, scored tokens, the sum of their log-probabilities, dead letters kept.
+# Writes the result only if none exists, and only while the job does (not once it has expired or been deleted);
+# drops the item's uploaded audio; dead-letters a failed item in the same step. Returns 0 (already finished, or no
+# job), 1 (finished), 2 (finished the job).
+_FINISH_ITEM = _ALLOW_OOM + _END_JOB_IF_DONE + _EXPIRE_WITH_JOB + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 if redis.call('HSETNX', KEYS[3], ARGV[1], ARGV[3]) == 0 then return 0 end
 expire_with_job(KEYS[1], KEYS[3])
+redis.call('DEL', KEYS[6])
+if ARGV[2] == 'failed' then
+  redis.call('XADD', KEYS[7], 'MAXLEN', '~', ARGV[11], '*', 'job', ARGV[8], 'index', ARGV[1], 'error', ARGV[4],
+             'at', ARGV[5])
+end
 local previous = redis.call('HGET', KEYS[2], ARGV[1])
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
 redis.call('HINCRBY', KEYS[1], 'n_' .. previous, -1)
@@ -167,7 +178,7 @@ return end_job_if_done(KEYS[1], KEYS[5], ARGV[5], ARGV[8])
 # KEYS: job, states, results, inputs, webhook stream. ARGV: now, job id, then item indices. Cancels those still
 # queued (a result record each: ARGV[3], item_record's for a cancelled item, with its audio set); returns 0 (none),
 # 1 (some) or 2 (and the job ended).
-_CANCEL_QUEUED = _END_JOB_IF_DONE + """
+_CANCEL_QUEUED = _ALLOW_OOM + _END_JOB_IF_DONE + _EXPIRE_WITH_JOB + """
 local n = 0
 local record = cjson.decode(ARGV[3])
 for i = 4, #ARGV do
@@ -183,6 +194,7 @@ for i = 4, #ARGV do
   end
 end
 if n == 0 then return 0 end
+expire_with_job(KEYS[1], KEYS[3])
 redis.call('HINCRBY', KEYS[1], 'n_queued', -n)
 redis.call('HINCRBY', KEYS[1], 'n_cancelled', n)
 return end_job_if_done(KEYS[1], KEYS[5], ARGV[1], ARGV[2])
@@ -357,7 +369,9 @@ class JobStore:
         for stream in (*ITEM_STREAMS.values(), WEBHOOK_STREAM):
             pipe.xgroup_create(stream, GROUP, id="0", mkstream=True)
         for reply in await pipe.execute(raise_on_error=False):
-            if isinstance(reply, Exception) and "BUSYGROUP" not in str(reply):
+            # BUSYGROUP: there already; a full Redis refuses even that, and one that has lost the group says NOGROUP
+            # to the next read, which asks again
+            if isinstance(reply, Exception) and "BUSYGROUP" not in str(reply) and not isinstance(reply, REDIS_FULL):
                 raise reply
 
     # --- submission --------------------------------------------------------------------------------------
@@ -577,11 +591,14 @@ class JobStore:
     async def finish_item(self, job_id: str, index: int, state: str, result: dict[str, Any], error: str = "",
                           audio_s: float = 0.0, compute_s: float = 0.0, logprobs: list[float] | None = None) -> int:
         """Write the item's one result (``logprobs``: its tokens' scores, which the job's ``avg_logprob`` counts);
-        0: it had one already, 1: written, 2: written and the job finished."""
-        keys = [*(t.format(job_id=job_id) for t in (JOB_KEY, STATES_KEY, RESULTS_KEY, ERRORS_KEY)), WEBHOOK_STREAM]
+        a failed item is dead-lettered with it. 0: it had one already, 1: written, 2: written and the job
+        finished."""
+        keys = [*(t.format(job_id=job_id) for t in (JOB_KEY, STATES_KEY, RESULTS_KEY, ERRORS_KEY)), WEBHOOK_STREAM,
+                UPLOAD_KEY.format(job_id=job_id, index=index), DEAD_LETTER_STREAM]
         scores = logprobs or []
         outcome = int(await self._finish(keys=keys, args=[index, state, json.dumps(result), error, _now(),
-                                                          audio_s, compute_s, job_id, len(scores), sum(scores)]))
+                                                          audio_s, compute_s, job_id, len(scores), sum(scores),
+                                                          DEAD_LETTERS_KEPT]))
         if outcome == 2:
             await self._expire_finished(job_id)
         return outcome
@@ -597,13 +614,10 @@ class JobStore:
     async def discard_entry(self, stream: str, message_id: bytes, error: str) -> None:
         """Dead-letter and acknowledge a stream entry that names no job item."""
         pipe = self.redis.pipeline(transaction=True)
-        pipe.xadd(DEAD_LETTER_STREAM, {"stream": stream, "message": message_id, "error": error, "at": _now()})
+        pipe.xadd(DEAD_LETTER_STREAM, {"stream": stream, "message": message_id, "error": error, "at": _now()},
+                  maxlen=DEAD_LETTERS_KEPT, approximate=True)
         pipe.xack(stream, GROUP, message_id)
         await pipe.execute()
-
-    async def dead_letter(self, job_id: str, index: int, error: str) -> None:
-        await self.redis.xadd(DEAD_LETTER_STREAM, {"job": job_id, "index": index, "error": error,
-                                                   "at": _now()})
 
     async def _expire_finished(self, job_id: str) -> None:
         """Results (and what is left of the inputs) expire ``result_ttl_s`` after the job finishes."""
@@ -658,10 +672,11 @@ class JobStore:
             group = await self._group(stream)
             if group is None:
                 continue
+            # all acknowledged (also since XINFO said otherwise): keep from the last one delivered, since what comes
+            # after it is not delivered yet
+            keep_from = group["last-delivered-id"]
             if group["pending"]:
-                keep_from = (await self.redis.xpending(stream, GROUP))["min"]
-            else:  # all acknowledged: keep from the last one delivered (what comes after is not delivered yet)
-                keep_from = group["last-delivered-id"]
+                keep_from = (await self.redis.xpending(stream, GROUP))["min"] or keep_from
             await self.redis.xtrim(stream, minid=keep_from, approximate=False)
 
     async def stream_lag(self) -> int:
@@ -682,6 +697,12 @@ class JobStore:
             return _workers_group(await self.redis.xinfo_groups(stream))
         except aioredis.ResponseError:  # no stream yet
             return None
+
+    async def keep_claimed(self, stream: str, consumer: str, message_ids: list[bytes]) -> None:
+        """Reset the idle time of deliveries ``consumer`` is still working on, so that an item that takes longer
+        than the visibility timeout is not handed to another worker (and counted as another attempt)."""
+        if message_ids:
+            await self.redis.xclaim(stream, GROUP, consumer, 0, message_ids, justid=True)
 
     async def claim_stalled(self, stream: str, consumer: str, idle_s: float, count: int) -> list[tuple[bytes, dict]]:
         """Up to ``count`` of ``stream``'s deliveries left unacknowledged ``idle_s`` or longer, now ``consumer``'s.

@@ -60,9 +60,11 @@ class WebhookWorker:
                 continue
             except REDIS_ERRORS as exc:
                 log.warning("redis unreachable for webhooks (%s); retrying in %.0f s", exc, backoff)
-            except aioredis.ResponseError as exc:  # NOGROUP: a Redis that lost the group; anything else, logged
-                self._group_ready = False
+            except aioredis.RedisError as exc:  # NOGROUP: a Redis that lost the group; full, read-only: waited out
+                self._group_ready = self._group_ready and "NOGROUP" not in str(exc)
                 log.warning("webhook stream: %s; retrying in %.0f s", exc, backoff)
+            except Exception:  # deliveries that stopped would leave every job's webhook undelivered, silently
+                log.exception("webhook step failed; retrying in %.0f s", backoff)
             backoff = await wait_before_retry(stop, backoff)
         await self._hand_back()
 

@@ -47,3 +47,10 @@ def test_room_is_asked_again_when_an_item_is_decoded_or_finished():
         return said
 
     assert asyncio.run(run()) == ["decoded", "released"]
+
+
+def test_without_a_budget_every_free_slot_may_start():
+    budget = AudioBudget(limit_s=float("inf"), expected_item_s=30, max_reading=8)
+    assert budget.room(slots=5) == 5
+    budget.claim().decoded(3600.0)
+    assert budget.room(slots=100) == 8  # only the reading limit

@@ -11,12 +11,14 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
 import pytest
 import soundfile as sf
+from redis.exceptions import OutOfMemoryError
 
 from models import load_model
 from service import url_inputs
@@ -341,6 +343,149 @@ def test_item_that_keeps_killing_workers_is_failed_after_max_attempts(redis_serv
     assert records[0]["status"] == "completed"
     assert records[1]["status"] == "failed"
     assert records[1]["error"] == "gave up after 3 attempts: worker killed (out of memory)"
+
+
+async def _run_consumer(settings: Settings, model, items: list[ItemInput], setup=None, timeout_s: float = 60
+                        ) -> tuple[Job, list[dict]]:
+    """Submit ``items`` as one job, run a consumer (``setup(consumer, store)`` first; it may submit the job itself
+    and return it) until the job finishes, stop it; the job and its results. The consumer must still be running
+    when the job finishes."""
+    stack = build_stack(settings, model)
+    assert await asyncio.to_thread(stack.engine.wait_ready, 30)
+    try:
+        consumer = stack.make_consumer()
+        consumer.options = replace(consumer.options, reclaim_interval_s=0.2, block_ms=100)
+        job = await setup(consumer, stack.jobs) if setup is not None else None
+        if job is None:
+            job, _ = await stack.jobs.submit(items)
+        stop = asyncio.Event()
+        task = asyncio.create_task(consumer.run(stop))
+        deadline = time.monotonic() + timeout_s
+        while not (job := await stack.jobs.get(job.id)).finished and time.monotonic() < deadline:
+            assert not task.done(), f"the consumer stopped: {task.exception()!r}"
+            await asyncio.sleep(0.1)
+        stop.set()
+        await task
+        return job, await stack.jobs.results(job.id)
+    finally:
+        await stack.stop()
+
+
+def test_an_item_slower_than_the_visibility_timeout_stays_with_its_live_worker(redis_server, model, parity_audio,
+                                                                               expected):
+    """Its delivery's idle time is reset while it is worked on: without that it was reclaimed every timeout, run
+    again, and failed at its fourth start as "the worker died" (while the first run was still going)."""
+    items = _uploads(parity_audio, 2)
+    calls = []
+
+    async def slow_transcriber(consumer, store):
+        transcribe = consumer.transcriber.transcribe
+
+        async def slow(*args):
+            calls.append(args)
+            await asyncio.sleep(3.5)  # three and a half visibility timeouts
+            return await transcribe(*args)
+
+        consumer.transcriber.transcribe = slow
+
+    settings = Settings(redis_url=redis_server.url, job_visibility_timeout_s=1.0)
+    job, records = asyncio.run(_run_consumer(settings, model, items, slow_transcriber))
+    assert len(calls) == 2
+    _check_results(records, items, expected)
+    attempts = redis_server.client().hgetall(f"batchasr:job:{job.id}:attempts")
+    assert {int(v) for v in attempts.values()} == {1}
+
+
+def test_a_transcription_that_times_out_is_retried_with_its_reason(redis_server, model, parity_audio):
+    async def always_times_out(consumer, store):
+        async def timeout(*args):
+            raise TimeoutError  # as asyncio.wait_for raises it: an OSError, which is not a Redis error
+
+        consumer.transcriber.transcribe = timeout
+
+    settings = Settings(redis_url=redis_server.url, job_visibility_timeout_s=0.3, job_max_attempts=2)
+    _, records = asyncio.run(_run_consumer(settings, model, _uploads(parity_audio, 1), always_times_out))
+    assert records[0]["error"] == "gave up after 2 attempts: timed out"
+
+
+def test_a_full_redis_lets_items_in_flight_finish_and_frees_their_audio(redis_server, model, parity_audio, expected):
+    """Redis at its maxmemory (noeviction) refuses writes. The consumer used to die on the refusal, and had it
+    lived, no item could start or finish, so no upload was freed: Redis stayed full until the jobs expired."""
+    items = _uploads(parity_audio, 8)
+    client = redis_server.client()
+
+    async def fill_redis(consumer, store):
+        await store.ensure_group()
+        job, _ = await store.submit(items)  # a job queued before Redis filled up
+        client.config_set("maxmemory-policy", "noeviction")
+        client.config_set("maxmemory", client.info("memory")["used_memory"] - 1024)
+        with pytest.raises(OutOfMemoryError):
+            await store.submit(items[:1])
+        return job
+
+    _, records = asyncio.run(_run_consumer(Settings(redis_url=redis_server.url), model, items, fill_redis))
+    _check_results(records, items, expected)
+    assert not client.keys("batchasr:upload:*")
+    assert client.info("memory")["used_memory"] < int(client.config_get("maxmemory")["maxmemory"])
+
+
+def test_finishing_an_item_frees_its_upload_and_dead_letters_a_failure_with_it(redis_server, parity_audio):
+    async def scenario() -> None:
+        store = JobStore.from_url(redis_server.url)
+        job, _ = await store.submit(_uploads(parity_audio, 3))
+        uploads = [f"batchasr:upload:{job.id}:{i}" for i in range(3)]
+        for index in range(2):
+            await store.start_item(job.id, index)
+        await store.finish_item(job.id, 0, "completed", item_record("a.wav", "completed", text="hi"))
+        await store.finish_item(job.id, 1, "failed", item_record("b.wav", "failed", error="bad"), error="bad")
+        assert [await store.redis.exists(key) for key in uploads] == [0, 0, 1]  # the job goes on
+        dead = await store.redis.xrange(DEAD_LETTER_STREAM)
+        assert [(f[b"job"].decode(), f[b"index"], f[b"error"]) for _, f in dead] == [(job.id, b"1", b"bad")]
+        assert await store.finish_item(job.id, 1, "failed", item_record("b.wav", "failed", error="x"), error="x") == 0
+        assert await store.redis.xlen(DEAD_LETTER_STREAM) == 1  # a redelivery writes nothing twice
+        await store.close()
+
+    asyncio.run(scenario())
+
+
+def test_trimming_while_the_last_pending_item_is_acknowledged(redis_server, parity_audio):
+    """XINFO said one item was pending; it was acknowledged before XPENDING ran, which then named no oldest entry.
+    XTRIM without an id raised, and took the consumer down with it."""
+    async def scenario() -> None:
+        store = JobStore.from_url(redis_server.url)
+        await store.ensure_group()
+        await store.submit(_uploads(parity_audio, 4))
+        reply = await store.redis.xreadgroup(GROUP, "c", {ITEM_STREAM: ">"}, count=2)
+        delivered = [message_id for message_id, _ in reply[0][1]]
+        group = await store._group(ITEM_STREAM)
+        assert group["pending"] == 2
+        await store.redis.xack(ITEM_STREAM, GROUP, *delivered)
+        store._group = lambda stream: _stale(group if stream == ITEM_STREAM else None)  # what XINFO said before
+        await store.trim_acknowledged()
+        kept = [message_id for message_id, _ in await store.redis.xrange(ITEM_STREAM)]
+        assert kept[0] == delivered[-1]  # from the last one delivered
+        await store.close()
+
+    async def _stale(value):
+        return value
+
+    asyncio.run(scenario())
+
+
+def test_cancelled_results_expire_with_their_job_before_it_ends(redis_server):
+    """Cancelling around an item in progress does not end the job, so nothing else gave the results hash the
+    cancel created a TTL: had the job never ended, it would have stayed for ever."""
+    async def scenario() -> None:
+        store = JobStore.from_url(redis_server.url)
+        items = [ItemInput(audio=f"{i}.wav", url=f"https://media.example/{i}.wav") for i in range(3)]
+        job, _ = await store.submit(items)
+        await store.start_item(job.id, 1)
+        assert (await store.cancel(job.id)).status.value == "in_progress"
+        assert 0 < await store.redis.ttl(RESULTS_KEY.format(job_id=job.id)) <= await store.redis.ttl(
+            f"batchasr:job:{job.id}")
+        await store.close()
+
+    asyncio.run(scenario())
 
 
 def test_the_stream_keeps_only_entries_not_yet_acknowledged(redis_server, parity_audio):
