@@ -192,14 +192,16 @@ def test_a_client_that_goes_away_never_reaches_the_engine(parity_dir, parity_aud
 
 def test_a_dead_front_end_is_replaced_and_sigterm_finishes_the_requests_in_flight(parity_dir, parity_audio):
     data = Path(parity_audio[2]).read_bytes()
-    with serve_process(parity_dir / MODEL, frontends=2, max_wait_ms=800, max_batch_size=64) as running:
+    with serve_process(parity_dir / MODEL, frontends=2, max_wait_ms=3000, max_batch_size=64) as running:
         killed = running.front_end_pids()[0]
         os.kill(killed, signal.SIGKILL)
         assert _eventually(lambda: len(running.front_end_pids()) == 2 and killed not in running.front_end_pids())
         with ThreadPoolExecutor(8) as pool:
             assert all(r.status_code == 200 for r in pool.map(lambda _: _transcribe(running.url, data), range(8)))
             futures = [pool.submit(_transcribe, running.url, data) for _ in range(4)]
-            time.sleep(0.3)  # queued in the engine's process, waiting for the batch to fill
+            # queued in the engine's process, waiting for the batch to fill (a fixed sleep lost the race on a busy
+            # machine: SIGTERM reached the front ends before they had accepted the requests)
+            assert _eventually(lambda: running.metric("batchasr_queue_depth") == 4)
             front_ends = running.front_end_pids()
             assert running.stop() == 0
             assert [f.result().status_code for f in futures] == [200] * 4
