@@ -128,6 +128,7 @@ class CtcBoostLoop:
         self.n_captures = 0
         self._state: CtcBoostState | None = None
         self._graph: torch.cuda.CUDAGraph | None = None
+        self._stream: torch.cuda.Stream | None = None  # taken once (see LabelLoopingDecoder._streams)
         self._lock = threading.Lock()
 
     @torch.inference_mode()
@@ -184,7 +185,9 @@ class CtcBoostLoop:
     def _capture(self, state: CtcBoostState) -> torch.cuda.CUDAGraph:
         """A graph of ``_steps``, after eager steps on its stream (library set-up, allocator cache)."""
         device = state.t.device
-        stream = torch.cuda.Stream(device)
+        if self._stream is None or self._stream.device != device:
+            self._stream = torch.cuda.Stream(device)
+        stream = self._stream
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             for _ in range(WARMUP_PASSES):

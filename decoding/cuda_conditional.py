@@ -140,6 +140,9 @@ def load_condition_kernel(device: torch.device) -> Any:
         try:
             image = compile_condition_kernel(arch)
             with torch.cuda.device(index):
+                # a runtime call makes the device's primary context current on this thread: the driver calls below
+                # need one, and nothing may have created it yet (a first use of the GPU, a new thread)
+                torch.cuda.synchronize(index)
                 module = _check(driver.cuModuleLoadData(image), "cuModuleLoadData")
                 _KERNELS[index] = _check(driver.cuModuleGetFunction(module, _KERNEL_NAME), "cuModuleGetFunction")
             return _KERNELS[index]

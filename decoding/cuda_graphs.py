@@ -166,6 +166,9 @@ class LabelLoopingDecoder:
         self._device: torch.device | None = None
         self._state: LabelLoopState | None = None
         self._graphs: dict[bool, _StageGraphs | _FullGraph] = {}  # by whether they boost hotwords
+        # taken once: PyTorch hands out streams round-robin from a pool of 32 a device, so taking new ones at each
+        # capture would in time give one that other work (a batch's upload) is using while this captures
+        self._streams: list[torch.cuda.Stream] = []
         self._lock = threading.Lock()
 
     @property
@@ -207,7 +210,7 @@ class LabelLoopingDecoder:
         choice = choose_mode(self.requested, device)
         log.info("label looping on %s: %s mode (%s)", device, choice.mode, choice.reason)
         self.mode, self._device = choice.mode, device
-        self._state, self._graphs = None, {}
+        self._state, self._graphs, self._streams = None, {}, []
 
     def _grow(self, batch: int, n_frames: int, hidden: int, device: torch.device,
               dtype: torch.dtype) -> LabelLoopState:
@@ -227,7 +230,9 @@ class LabelLoopingDecoder:
         """Graphs of the search on ``state``, with the boosting stages or without (the flag is read in Python
         while capturing, so each setting is a graph of its own)."""
         device = state.enc_proj.device
-        streams = [torch.cuda.Stream(device) for _ in range(N_STREAMS)]
+        if not self._streams:
+            self._streams = [torch.cuda.Stream(device) for _ in range(N_STREAMS)]
+        streams = self._streams
         state.boosting = boosting
         _warm_up(self.looper, state, streams)
         log.debug("label looping: capturing %s graphs for %d rows x %d frames%s", self.mode,

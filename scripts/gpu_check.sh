@@ -8,9 +8,10 @@
 #
 # The stages run in this order (the default: all of them), which is their priority. Each is given what is left
 # of the budget, at most its cap; its script begins nothing new past its share and writes what it has measured.
-# A stage left with under a minute is skipped, and summary.md says so: run it in the next call. Before them, one
-# small decode with conditional nodes against eager: should it hang, fail or differ, the stages after tests run
-# with BATCHASR_CONDITIONAL_NODES=0 (plain graphs) rather than hang until their shares run out.
+# A stage left with under a minute (beyond what its script may run on past its budget) is skipped, and summary.md
+# says so: run it in the next call. Before them, one small decode with conditional nodes against eager: should it
+# hang, fail or differ, the stages after tests run with BATCHASR_CONDITIONAL_NODES=0 (plain graphs) rather than
+# hang until their shares run out.
 #   stage      cap s  what                                                      files
 #   tests      120    tests/gpu                                                 gpu_tests.log
 #   bench      200    scripts/bench_table.py: parakeet-tdt-0.6b-v2, parakeet-rnnt-1.1b, parakeet-ctc-1.1b; bf16;
@@ -155,8 +156,9 @@ for name, model in models.items():
     print(f"conditional smoke, {name}: {'the same tokens as eager' if eager == graphs else 'OTHER TOKENS than eager'}")
 raise SystemExit(0 if same else 1)
 EOF
+smoke_rc=${PIPESTATUS[0]}  # read at once: any command resets PIPESTATUS
 conditional_off=""
-if [ "${PIPESTATUS[0]}" -ne 0 ]; then
+if [ "$smoke_rc" -ne 0 ]; then
     echo "conditional smoke failed: the stages after tests run with BATCHASR_CONDITIONAL_NODES=0" \
         | tee -a "$OUT/env.txt"
     conditional_off=1
@@ -221,7 +223,7 @@ status=0
 for stage in "${chosen[@]}"; do
     left=$(( started + BUDGET_S - $(date +%s) ))
     share=$(( CAP_S[$stage] < left ? CAP_S[$stage] : left ))
-    if [ "$share" -lt "$MIN_STAGE_S" ]; then
+    if [ "$share" -lt $(( MIN_STAGE_S + ${TAIL_S[$stage]:-0} )) ]; then  # a minute of measuring, then its tail
         printf '\n## %s: skipped, %s s of the budget left\n' "$stage" "$left" >> "$WORK/stages.md"
         status=1
         continue

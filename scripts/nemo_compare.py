@@ -96,6 +96,13 @@ def load_nemo(path: Path, device: str, dtype: torch.dtype) -> Any:
     return model.to(dtype)
 
 
+def rebuild_nemo_decoding(model: Any) -> Any:
+    """NeMo's decoder again, after a cast: its CUDA graphs were captured on the float32 weights, which ``to(dtype)``
+    frees, and NeMo recaptures only when the batch, the length or the device grows, not the dtype."""
+    model.change_decoding_strategy(copy.deepcopy(model.cfg.decoding), verbose=False)
+    return model
+
+
 def nemo_graph_mode(model: Any) -> str | None:
     """The CUDA graph mode NeMo's label-looping decoder ran in (``full_graph`` is its conditional-node mode), as it
     says after a pass; None where it has no such decoder."""
@@ -212,7 +219,7 @@ def compare_model(name: str, args: argparse.Namespace, workdir: Path, peak: floa
     record["float32_agreement"] = agreement(ours_tokens, nemo_tokens)
     print(f"{name}: float32 tokens {record['float32_agreement']}", flush=True)
 
-    nemo = nemo32.to(dtype)
+    nemo = rebuild_nemo_decoding(nemo32.to(dtype))
     del nemo32
     nemo_run = timed_passes(partial(nemo_transcriber(nemo, args.batch_size), waves), torch.device(args.device),
                             args.repeat)

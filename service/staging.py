@@ -74,7 +74,9 @@ class BatchStager:
         self._staged: queue.Queue[StagedBatch | None] = queue.Queue(maxsize=1)
         self._thread = threading.Thread(target=self._run, name="batchasr-stager", daemon=True)
         self._cuda = device.type == "cuda"
-        self._stream = torch.cuda.Stream(device) if self._cuda else None
+        # high priority: a pool of streams apart from the default-priority ones the decoders capture their graphs on
+        # (PyTorch hands those out round-robin, 32 a device), so no capture can ever take in this stream's copies
+        self._stream = torch.cuda.Stream(device, priority=-1) if self._cuda else None
         self._buffers = [_PinnedBuffer() for _ in range(N_HOST_BUFFERS)] if self._cuda else []
         self._turn = 0
 

@@ -182,6 +182,7 @@ def test_kernel_loads_as_machine_code_first_and_as_ptx_when_that_fails(monkeypat
     monkeypatch.setattr(cuda_conditional, "compile_condition_kernel", fake_compile)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
     monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda index: None)
     monkeypatch.setattr(cuda_conditional, "_KERNELS", {})
     device = torch.device("cuda", 0)
 

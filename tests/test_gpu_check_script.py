@@ -25,7 +25,10 @@ def test_a_stage_that_ran_comes_back_in_three_files(tmp_path):
     assert "## tests: exit status 0" in summary and "skipped" in summary  # pytest's line: tests/gpu needs CUDA
     with tarfile.open(tmp_path / "results.tar.gz") as tar:
         assert {"./gpu_tests.log", "./summary.md"} <= set(tar.getnames())
-    assert "torch" in (tmp_path / "env.txt").read_text()
+    env = (tmp_path / "env.txt").read_text()
+    assert "torch" in env
+    # no CUDA here, so the conditional-node smoke decode fails, and must be noticed (its exit status once was not)
+    assert "conditional smoke failed: the stages after tests run with BATCHASR_CONDITIONAL_NODES=0" in env
 
 
 def test_stages_the_budget_cannot_fit_are_skipped_and_said_to_be(tmp_path):
@@ -33,6 +36,14 @@ def test_stages_the_budget_cannot_fit_are_skipped_and_said_to_be(tmp_path):
     assert done.returncode == 1
     summary = (tmp_path / "summary.md").read_text()
     assert "## tests: skipped" in summary and "## bench: skipped" in summary
+
+
+def test_a_stage_is_skipped_when_its_share_leaves_no_minute_past_its_tail(tmp_path):
+    """http_bench may run 70 s past its budget (its server's start and stop): a share of 60-129 s would have given
+    it a budget of nothing, or less."""
+    done = gpu_check(tmp_path, 125, "http")
+    assert done.returncode == 1
+    assert "## http: skipped" in (tmp_path / "summary.md").read_text()
 
 
 def test_extra_options_go_to_a_single_stage(tmp_path):
