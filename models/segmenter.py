@@ -36,6 +36,8 @@ def plan_segments(n_samples: int, waveform: np.ndarray, sample_rate: int, max_se
     max_len = int(max_segment_s * sample_rate)
     if n_samples <= max_len:
         return [Segment(0, n_samples, 0, NO_CUT)]
+    if not 0 <= overlap_s < max_segment_s / 2:  # a cut must move on past the overlap it leaves behind
+        raise ValueError(f"overlap ({overlap_s:g} s) must be >= 0 and under half the segment ({max_segment_s:g} s)")
     half_overlap = int(overlap_s * sample_rate / 2) // frame_samples * frame_samples
     cuts = []
     start = 0
@@ -89,7 +91,9 @@ def _quietest_point(waveform: np.ndarray, earliest: int, latest: int, sample_rat
     region = waveform[earliest:latest].astype(np.float64)
     if len(region) <= window:
         return (earliest + latest) // 2
-    energy = np.convolve(region**2, np.ones(window), mode="valid")
+    # each window's energy as a difference of running sums: a convolution took 40 ms a cut (23 s for 4 hours)
+    running = np.concatenate(([0.0], np.cumsum(region**2)))
+    energy = running[window:] - running[:-window]
     best = int(np.argmin(energy))
     # centre the cut in the run of equally quiet windows (a pause longer than one window)
     quiet = energy <= energy[best] + 1e-9 * max(1.0, float(energy[best]))

@@ -25,11 +25,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.datastructures import FormData
 from starlette.datastructures import UploadFile as StarletteUpload
+from starlette.requests import ClientDisconnect
 
 from decoding.types import Hotwords
 from models.transcript import Transcript, Word, mean_logprob
 
-from .audio import AudioRequestError, check_media_type, decode_audio
+from .audio import AudioRequestError, decode_declared_audio
 from .batcher import Priority, QueueFull
 from .body_limit import FORM_OVERHEAD_BYTES, BodyLimitMiddleware, BodyTooLarge
 from .config import Settings
@@ -38,6 +39,7 @@ from .formats import SubtitleLayout, cues, to_srt, to_vtt
 from .hotwords import split_hotwords
 from .http import (
     ApiError,
+    ApiKeyGate,
     ServiceDep,
     ServiceState,
     flag,
@@ -90,11 +92,14 @@ async def _read_body(request: Request, service: ServiceState) -> bytes:
     if declared and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"upload of {declared} bytes exceeds the limit of {limit} bytes", code="audio_too_large")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"upload exceeds the limit of {limit} bytes", code="audio_too_large")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"upload exceeds the limit of {limit} bytes", code="audio_too_large")
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone mid-upload: nothing to answer, and not the server's failure
+        raise ApiError(499, "client closed the request", code="client_closed") from None
     return b"".join(chunks)
 
 
@@ -107,11 +112,11 @@ async def _decode(service: ServiceState, data: bytes, content_type: str | None, 
         raise ApiError(503, "the service is not ready", type="server_error", code="not_ready",
                        headers={"Retry-After": "5"})
     try:
-        check_media_type(content_type)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(stack.decode_pool, decode_audio, data, stack.limits, multichannel)
+        return await loop.run_in_executor(stack.decode_pool, decode_declared_audio, data, content_type, stack.limits,
+                                          multichannel)
     except AudioRequestError as exc:
-        raise ApiError(exc.status, str(exc), param="file", code=exc.code) from exc
+        raise _audio_error(exc) from exc
 
 
 async def _decoded_upload(service: ServiceState, upload: StarletteUpload | None, multichannel: bool = False
@@ -159,10 +164,17 @@ async def _while_client_waits(request: Request, work: Awaitable[T]) -> T:
         return task.result()
     except (QueueFull, TimeoutError, EngineUnavailable) as exc:
         raise _engine_error(exc) from exc
+    except AudioRequestError as exc:  # more pieces than the queue holds
+        raise _audio_error(exc) from exc
     finally:
         for pending in (task, client_gone):
             if not pending.done():
                 pending.cancel()
+
+
+def _audio_error(exc: AudioRequestError) -> ApiError:
+    """Audio the service refuses (unreadable, too long, too many pieces), as the API says it."""
+    return ApiError(exc.status, str(exc), param="file", code=exc.code)
 
 
 def _engine_error(exc: QueueFull | TimeoutError | EngineUnavailable) -> ApiError:
@@ -185,9 +197,12 @@ async def _stream_transcription(request: Request, service: ServiceState, wavefor
     stream with an ``error`` event."""
     assert service.stack is not None
     try:
-        queued = service.stack.transcriber.submit(waveform, Priority.INTERACTIVE, skip_silence, hotwords=hotwords)
-    except QueueFull as exc:
+        queued = await service.stack.transcriber.submit(waveform, Priority.INTERACTIVE, skip_silence,
+                                                        hotwords=hotwords)
+    except (QueueFull, EngineUnavailable) as exc:
         raise _engine_error(exc) from exc
+    except AudioRequestError as exc:  # more pieces than the queue holds
+        raise _audio_error(exc) from exc
     deltas = queued.text_deltas()
     try:
         first = await _while_client_waits(request, anext(deltas, None))
@@ -406,7 +421,7 @@ async def native_transcribe(request: Request, service: ServiceDep,
     them; they cost nothing). `hotwords=acme,widget pro:3` (query or form field) makes those words and phrases
     likelier where the audio leaves room for them."""
     content_type = request.headers.get("content-type", "")
-    form = await request.form() if content_type.startswith("multipart/form-data") else None
+    form = await request.form() if content_type.lower().startswith("multipart/form-data") else None
     apart, skip = _option("multichannel", multichannel, form), _option("skip_silence", skip_silence, form)
     names = speaker_names(form.get("channel_names") if channel_names is None and form is not None else channel_names,
                           apart)
@@ -577,6 +592,7 @@ def _app(service: ServiceState, lifespan: Callable[[FastAPI], Any]) -> FastAPI:
     app.include_router(jobs_router)
     app.include_router(ops)
     app.add_middleware(BodyLimitMiddleware, limit_for=_body_limits(service.settings))
+    app.add_middleware(ApiKeyGate, keys=service.settings.api_keys)  # outside the body limit: 401 before 413
     app.add_middleware(RequestLogMiddleware, service=service)  # added last: outermost, so it sees every answer
     return app
 

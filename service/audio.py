@@ -27,7 +27,8 @@ from models.containers import UnreadableContainer
 BLOCK_FRAMES = 1 << 20  # decode in blocks of about a minute of 16 kHz audio
 HEADER_BYTES = 1 << 16  # of a file on disk, read to check a WAV header's claims before decoding
 ACCEPTED_MEDIA_PREFIXES = ("audio/", "video/")
-STREAMED_WAV_SIZES = {0, 0xFFFFFFFF}  # data sizes written by tools that stream WAV without seeking back
+# data sizes written by tools that stream WAV without seeking back (sox writes 0x7FFFF000 to a pipe)
+STREAMED_WAV_SIZES = {0, 0xFFFFFFFF, 0x7FFFF000}
 ACCEPTED_MEDIA_TYPES = {"", "application/octet-stream", "application/ogg", "application/mp4", "multipart/form-data"}
 
 
@@ -60,13 +61,28 @@ class AudioLimits:
     max_channels: int = 8  # channels a multichannel request may keep apart
 
 
-def check_media_type(content_type: str | None) -> None:
-    """Refuse uploads declared as something other than audio (a text file, JSON, an image)."""
+def declared_as_audio(content_type: str | None) -> bool:
+    """Whether an upload's declared type allows audio (audio/*, video/*, a generic binary type, none)."""
     media = (content_type or "").split(";")[0].strip().lower()
-    if media in ACCEPTED_MEDIA_TYPES or media.startswith(ACCEPTED_MEDIA_PREFIXES):
-        return
-    raise UnsupportedMediaType(f"unsupported media type {media!r}: send audio (WAV, FLAC, OGG/Opus, MP3, M4A, MP4, "
-                               "WebM)")
+    return media in ACCEPTED_MEDIA_TYPES or media.startswith(ACCEPTED_MEDIA_PREFIXES)
+
+
+def decode_declared_audio(data: bytes, content_type: str | None, limits: AudioLimits, multichannel: bool = False
+                          ) -> np.ndarray:
+    """``decode_audio``, for an upload whose type was declared by its client. A type that is not audio is a guess
+    as often as not (HTTP libraries guess a file part's type from its name: a ``.ts`` recording goes as Qt's
+    translation files), so the bytes decide; what is declared as something else and does not decode is refused
+    as that (415), not as broken audio."""
+    try:
+        return decode_audio(data, limits, multichannel)
+    except AudioTooLarge:
+        raise
+    except AudioRequestError as exc:
+        if declared_as_audio(content_type):
+            raise
+        media = (content_type or "").split(";")[0].strip().lower()
+        raise UnsupportedMediaType(f"unsupported media type {media!r}: send audio (WAV, FLAC, OGG/Opus, MP3, M4A, "
+                                   "MP4, WebM)") from exc
 
 
 def stretch_frames(stretch: Stretch, rate: int, total: int) -> tuple[int, int | None]:

@@ -7,11 +7,10 @@ refused (413) before a byte of it is read; one that does not (chunked) is refuse
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Any
 
-from .http import ApiError
+from .http import ApiError, send_error
 
 FORM_OVERHEAD_BYTES = 1 << 20  # multipart boundaries and the form's other fields, beside the audio
 
@@ -41,7 +40,7 @@ class BodyLimitMiddleware:
         limit = refusal.limit
         declared = dict(scope.get("headers") or []).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > limit:
-            await _answer(send, refusal)
+            await send_error(send, refusal)
             return
         received = 0
         too_large = False
@@ -64,14 +63,7 @@ class BodyLimitMiddleware:
                 await send(message)
             elif not answered:  # whatever the app made of the failed read, the client hears why
                 answered = True
-                await _answer(send, refusal)
+                await send_error(send, refusal)
 
         await self.app(scope, counting_receive, send_or_refuse)
 
-
-async def _answer(send: Any, refusal: ApiError) -> None:
-    body = json.dumps(refusal.body()).encode()
-    await send({"type": "http.response.start", "status": refusal.status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})
-    await send({"type": "http.response.body", "body": body})

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Annotated
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from decoding.types import HOTWORD_BOOST
@@ -161,10 +161,18 @@ class Settings(BaseSettings):
 
     @field_validator("max_segment_s")
     @classmethod
-    def _segment_longer_than_overlap(cls, value: float) -> float:
+    def _segment_at_least_5_s(cls, value: float) -> float:
         if value < 5:
             raise ValueError("must be >= 5 seconds")
         return value
+
+    @model_validator(mode="after")
+    def _overlap_under_half_a_segment(self) -> Settings:
+        # each cut must move on past the overlap it leaves behind, or long audio is never cut to the end
+        if not 0 <= self.segment_overlap_s < self.max_segment_s / 2:
+            raise ValueError(f"segment_overlap_s ({self.segment_overlap_s:g}) must be >= 0 and under half of "
+                             f"max_segment_s ({self.max_segment_s:g})")
+        return self
 
 
 def get_settings(**overrides: object) -> Settings:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -128,11 +129,49 @@ async def require_api_key(request: Request, service: ServiceDep) -> None:
     keys = service.settings.api_keys
     if not keys:
         return
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or token.strip() not in keys:
-        raise ApiError(401, "a valid API key is required (Authorization: Bearer <key>)", type="authentication_error",
-                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-    request.state.owner = owner_of(token.strip())
+    key = valid_api_key(request.headers.get("authorization", ""), keys)
+    if key is None:
+        raise missing_api_key()
+    request.state.owner = owner_of(key)
+
+
+def valid_api_key(authorization: str, keys: list[str]) -> str | None:
+    """The key an ``Authorization: Bearer <key>`` header gives, if it is one of ``keys``."""
+    scheme, _, token = authorization.partition(" ")
+    token = token.strip()
+    return token if scheme.lower() == "bearer" and token in keys else None
+
+
+def missing_api_key() -> ApiError:
+    return ApiError(401, "a valid API key is required (Authorization: Bearer <key>)", type="authentication_error",
+                    code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+class ApiKeyGate:
+    """Plain ASGI: with API keys set, a ``/v1`` request without a valid one is answered 401 before a byte of its
+    body is read. FastAPI parses a form before a route's dependencies run, so without this anyone could have an
+    upload of the full size spooled to disk just to be told they may not send it."""
+
+    def __init__(self, app: Any, keys: list[str]):
+        self.app, self.keys = app, keys
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and self.keys and scope["path"].startswith("/v1"):
+            authorization = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
+            if valid_api_key(authorization, self.keys) is None:
+                await send_error(send, missing_api_key())
+                return
+        await self.app(scope, receive, send)
+
+
+async def send_error(send: Any, error: ApiError) -> None:
+    """``error`` as a whole plain-ASGI response, from middleware that answers before the app runs; the connection
+    closes, since the request's body may be left unread."""
+    body = json.dumps(error.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+               (b"connection", b"close"), *((k.lower().encode(), v.encode()) for k, v in error.headers.items())]
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 def owner_of(api_key: str) -> str:

@@ -177,7 +177,7 @@ async def create_job(request: Request, service: ServiceDep,
     """Submit a job: multipart `files` uploads, or JSON `{"items": [{"path": ...} | {"url": ...}]}` for audio the
     server reads itself."""
     store = _store(service)
-    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+    if not request.headers.get("content-type", "").lower().startswith("multipart/form-data"):
         items, options = await _json_items(request, service)
         _check_webhook(options.webhook_url, service.settings)
         return await _submit(store, service.settings, items, options, idempotency_key)

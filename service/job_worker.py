@@ -40,7 +40,7 @@ from .jobs import (
     resolve_input_path,
     wait_before_retry,
 )
-from .transcriber import Transcriber
+from .transcriber import TooManyPieces, Transcriber
 from .url_inputs import UrlFetcher
 from .webhook_worker import WebhookWorker
 from .webhooks import WebhookSender
@@ -105,6 +105,7 @@ class JobConsumer:
         self._held: dict[str, set[bytes]] = {stream: set() for stream in ITEM_STREAMS.values()}  # deliveries in hand
         self.audio = AudioBudget(options.max_audio_s, options.first_item_s, options.max_reading)
         self._last_reclaim = 0.0
+        self._reclaim_from: dict[str, bytes | str] = {}  # per stream, where the next look for stalled items goes on
         self._last_kept = 0.0
         self._group_ready = False  # made once, and again after an error (a Redis that lost it)
         self.connected = False
@@ -190,8 +191,9 @@ class JobConsumer:
         claimed = []
         for stream in ITEM_STREAMS.values():  # the higher priorities' first
             if len(claimed) < count:
-                stalled = await self.store.claim_stalled(stream, self.options.name, self.options.visibility_timeout_s,
-                                                         count - len(claimed))
+                self._reclaim_from[stream], stalled = await self.store.claim_stalled(
+                    stream, self.options.name, self.options.visibility_timeout_s, count - len(claimed),
+                    self._reclaim_from.get(stream, "0-0"))
                 claimed += [(stream, message_id, fields) for message_id, fields in stalled]
         if claimed:
             log.info("reclaimed %d items from stalled consumers", len(claimed))
@@ -275,6 +277,9 @@ class JobConsumer:
                 break
             except QueueFull:  # HTTP traffic holds the queue; bulk work waits its turn
                 await asyncio.sleep(0.2)
+            except TooManyPieces as exc:  # it would wait for ever
+                await self._fail(job_id, index, audio, str(exc))
+                return
         record_out = item_record(audio, "completed", **{k: v for k, v in to_record(transcript).items()
                                                        if k in RESULT_KEYS})
         outcome = await self.store.finish_item(job_id, index, "completed", record_out, audio_s=result.audio_s,

@@ -21,6 +21,7 @@ from models.silence import Elsewhere
 from models.tokenizer import Tokenizer
 from models.transcript import Transcript, build_transcript, rounded
 
+from .audio import AudioTooLarge
 from .batcher import ItemResult, Priority, WorkItem
 
 
@@ -75,10 +76,15 @@ class WorkQueue(Protocol):
         """Queue all or none; ``QueueFull`` is raised here or set on every item's future."""
 
 
+class TooManyPieces(AudioTooLarge):
+    """Audio cut into more pieces than the queue ever holds: it would be told the queue is full (429) for ever."""
+
+
 class Transcriber:
     def __init__(self, queue: WorkQueue, config: ModelConfig, tokenizer: Tokenizer | None, max_segment_s: float,
-                 segment_overlap_s: float, timeout_s: float):
+                 segment_overlap_s: float, timeout_s: float, max_pieces: int | None = None):
         self.queue = queue
+        self.max_pieces = max_pieces  # the queue's size: a request of more pieces never fits
         self.config = config
         self.tokenizer = tokenizer
         self.max_segment_s = max_segment_s
@@ -94,11 +100,18 @@ class Transcriber:
         return plan_pieces(waveform, self.sample_rate, self.max_segment_s, self.segment_overlap_s, self.frame_samples,
                            skip_silence, elsewhere)
 
-    def submit(self, waveform: np.ndarray, priority: Priority = Priority.INTERACTIVE, skip_silence: bool = False,
-               elsewhere: Elsewhere | None = None, hotwords: Hotwords = ()) -> QueuedRequest:
-        """Cut ``waveform`` and queue its pieces (raises ``QueueFull``), each boosting ``hotwords`` (as tokens).
+    async def submit(self, waveform: np.ndarray, priority: Priority = Priority.INTERACTIVE, skip_silence: bool = False,
+                     elsewhere: Elsewhere | None = None, hotwords: Hotwords = ()) -> QueuedRequest:
+        """Cut ``waveform`` and queue its pieces (raises ``QueueFull``, or ``TooManyPieces`` for audio that never
+        fits the queue), each boosting ``hotwords`` (as tokens).
         The caller must ``cancel`` the request when it is done with it: that drops pieces still queued."""
-        segments = self.plan(waveform, skip_silence, elsewhere)
+        if skip_silence or len(waveform) > self.max_segment_s * self.sample_rate:  # reads every sample: off the loop
+            segments = await asyncio.to_thread(self.plan, waveform, skip_silence, elsewhere)
+        else:
+            segments = self.plan(waveform)
+        if self.max_pieces is not None and len(segments) > self.max_pieces:
+            raise TooManyPieces(f"the audio makes {len(segments)} pieces to transcribe, more than the queue ever "
+                                f"holds ({self.max_pieces}): send it in parts")
         items = [WorkItem(waveform[s.start : s.end], priority, self.timeout_s, hotwords) for s in segments]
         if items:  # none for a silent recording whose silence is skipped
             self.queue.submit(items)
@@ -107,7 +120,7 @@ class Transcriber:
     async def transcribe(self, waveform: np.ndarray, priority: Priority = Priority.INTERACTIVE,
                          skip_silence: bool = False, hotwords: Hotwords = ()) -> RequestResult:
         """Queue (raises ``QueueFull``), await every piece, stitch. Cancelling this cancels queued pieces."""
-        request = self.submit(waveform, priority, skip_silence, hotwords=hotwords)
+        request = await self.submit(waveform, priority, skip_silence, hotwords=hotwords)
         try:
             return await request.result()
         finally:
@@ -128,7 +141,7 @@ class Transcriber:
         requests: list[QueuedRequest] = []
         try:
             for channel, echo in zip(apart, echoes, strict=True):
-                requests.append(self.submit(channels[channel], priority, skip_silence, echo, hotwords))
+                requests.append(await self.submit(channels[channel], priority, skip_silence, echo, hotwords))
             stitched = [await request.stitched() for request in requests]
         finally:
             for request in requests:

@@ -7,6 +7,7 @@ import io
 import json
 import logging
 import re
+import socket
 import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -245,6 +246,19 @@ def test_uploads_wait_their_turn_within_the_intake_budget(hybrid, parity_audio):
     assert largest < intake.peak <= settings.max_intake_bytes  # used concurrently, never past the budget
 
 
+def test_audio_of_more_pieces_than_the_queue_holds_is_413_not_429_for_ever(hybrid, parity_audio):
+    recording, _ = long_recording(parity_audio, 30)  # 30 s in pieces of at most 5 s: 7 or more
+    data = _wav_bytes(recording)
+    with run_server(Settings(max_queue=4, max_segment_s=5, segment_overlap_s=1), hybrid) as running:
+        for route in ("/v1/audio/transcriptions", "/v1/transcribe"):
+            response = httpx.post(f"{running.url}{route}", files={"file": ("long.wav", data, "audio/wav")},
+                                  timeout=60)
+            assert response.status_code == 413, response.text
+            error = response.json()["error"]
+            assert error["code"] == "audio_too_large" and "more than the queue ever holds (4)" in error["message"]
+        assert _post(running.url, Path(parity_audio[0]).read_bytes()).status_code == 200
+
+
 def test_full_queue_answers_429_with_retry_after(hybrid, parity_audio):
     settings = Settings(max_queue=3, max_wait_ms=3000, max_batch_size=64)
     data = Path(parity_audio[7]).read_bytes()
@@ -310,6 +324,46 @@ def test_api_keys_guard_v1_but_not_operations(hybrid, parity_audio):
         assert httpx.get(f"{running.url}/v1/models").status_code == 401
         for path in ("/healthz", "/readyz", "/metrics"):
             assert httpx.get(f"{running.url}{path}").status_code == 200
+        # refused before the body is read: FastAPI parses (and spools to disk) a form before a route's dependencies
+        for route in ("/v1/audio/transcriptions", "/v1/transcribe", "/v1/jobs"):
+            upload = StreamedUpload("file", total=200_000_000)
+            refused = httpx.post(f"{running.url}{route}", content=upload, headers={"content-type": upload.content_type})
+            assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key", refused.text
+            assert refused.headers["www-authenticate"] == "Bearer"
+            assert upload.sent < 20_000_000  # within the socket's buffers, not the whole upload
+
+
+def test_a_client_gone_mid_upload_is_a_499_not_a_server_error(server):
+    with socket.create_connection(("127.0.0.1", int(server.url.rsplit(":", 1)[1]))) as conn:
+        conn.sendall(b"POST /v1/transcribe HTTP/1.1\r\nHost: x\r\nContent-Type: audio/wav\r\n"
+                     b"Content-Length: 1000000\r\n\r\n" + bytes(5000))
+    route = '{code="%s",route="/v1/transcribe"}'
+    deadline = time.monotonic() + 10
+    while server.metric("batchasr_requests_total", route % 499) < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.metric("batchasr_requests_total", route % 499) >= 1
+    assert server.metric("batchasr_requests_total", route % 500) == 0
+
+
+def test_a_file_part_whose_type_the_client_guessed_wrong_is_decoded_all_the_same(server, hybrid, parity_audio):
+    """HTTP libraries guess a part's type from its file name: the OpenAI SDK sends a .ts recording (MPEG-TS) as
+    text/vnd.trolltech.linguist. The bytes decide; a text file declared as text is still refused (415)."""
+    data = Path(parity_audio[2]).read_bytes()
+    expected = hybrid.transcribe([parity_audio[2]])[0].text
+    guessed = _post(server.url, data, name="call.ts", content_type="text/vnd.trolltech.linguist")
+    assert guessed.status_code == 200 and guessed.json()["text"] == expected
+    text = _post(server.url, b"not audio at all\n" * 50, name="notes.txt", content_type="text/plain")
+    assert text.status_code == 415 and text.json()["error"]["code"] == "unsupported_media_type"
+
+
+def test_the_native_route_reads_multipart_whatever_the_case_of_its_type(server, hybrid, parity_audio):
+    data = Path(parity_audio[4]).read_bytes()
+    request = httpx.Request("POST", f"{server.url}/v1/transcribe", files={"file": ("a.wav", data, "audio/wav")})
+    boundary = request.headers["content-type"].split("boundary=")[1]
+    response = httpx.post(f"{server.url}/v1/transcribe", content=request.read(), timeout=60,
+                          headers={"content-type": f"Multipart/Form-Data; boundary={boundary}"})
+    assert response.status_code == 200, response.text
+    assert response.json()["text"] == hybrid.transcribe([parity_audio[4]])[0].text
 
 
 # --- bad input -----------------------------------------------------------------------------------------------

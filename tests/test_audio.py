@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import struct
 
 import numpy as np
 import pytest
@@ -81,3 +82,15 @@ def test_a_truncated_or_empty_file_on_disk_is_refused_with_the_reason(tmp_path):
     empty.write_bytes(b"")
     with pytest.raises(AudioRequestError, match="empty"):
         decode_audio_file(empty, LIMITS)
+
+
+@pytest.mark.parametrize("declared", [0xFFFFFFFF, 0x7FFFF000], ids=["all-ones", "sox"])
+def test_a_wav_streamed_through_a_pipe_decodes_whatever_size_its_header_guessed(declared):
+    """A tool writing WAV to a pipe cannot go back to fill in the sizes: sox writes 0x7FFFF000 (some 11 hours at
+    16 kHz), which was refused as too long."""
+    data = bytearray(_encode(np.sin(np.arange(16000 * 2) / 9).astype(np.float32) * 0.3, 16000, "WAV", "PCM_16"))
+    expected = decode_audio(bytes(data), LIMITS)
+    at = data.index(b"data")
+    struct.pack_into("<I", data, at + 4, declared)
+    struct.pack_into("<I", data, 4, (declared + 36) & 0xFFFFFFFF)
+    np.testing.assert_array_equal(decode_audio(bytes(data), LIMITS), expected)

@@ -5,10 +5,13 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
+import pytest
+from pydantic import ValidationError
 
 from decoding.types import Hypothesis
 from models import load_model
-from models.segmenter import NO_CUT, plan_segments, stitch
+from models.segmenter import ENERGY_WINDOW_S, NO_CUT, _quietest_point, plan_segments, stitch
+from service.config import Settings
 
 FRAME = 1280  # samples per encoder frame
 
@@ -54,3 +57,37 @@ def test_audio_that_was_not_cut_keeps_every_token():
     hyp = Hypothesis(tokens=ids, frames=[0, 3, 4], durations=[2, 1, 40])  # the last span runs past the end
     [segment] = plan_segments(16000 * 2, np.zeros(16000 * 2), 16000, 30, 2, FRAME)
     assert stitch([(segment, hyp)], tokenizer, FRAME) == hyp
+
+
+def _quietest_by_convolution(waveform: np.ndarray, earliest: int, latest: int, sample_rate: int) -> int:
+    """The cut point as first written: each window's energy by a direct convolution (40 ms a cut)."""
+    window = int(ENERGY_WINDOW_S * sample_rate)
+    region = waveform[earliest:latest].astype(np.float64)
+    energy = np.convolve(region**2, np.ones(window), mode="valid")
+    best = int(np.argmin(energy))
+    quiet = energy <= energy[best] + 1e-9 * max(1.0, float(energy[best]))
+    end = best + int(np.argmin(quiet[best:])) if not quiet[best:].all() else len(quiet)
+    return earliest + (best + end - 1) // 2 + window // 2
+
+
+def test_running_sums_pick_the_cut_a_convolution_picks():
+    rng = np.random.default_rng(3)
+    for trial in range(20):
+        wave = (rng.standard_normal(16000 * 12) * rng.uniform(0.01, 1.0)).astype(np.float32)
+        for _ in range(trial % 4):  # pauses, some of digital silence several windows long
+            at = int(rng.integers(0, len(wave) - 8000))
+            wave[at : at + int(rng.integers(800, 8000))] *= 0 if trial % 2 else 1e-3
+        earliest, latest = int(rng.integers(0, 16000 * 4)), int(rng.integers(16000 * 6, 16000 * 12))
+        assert _quietest_point(wave, earliest, latest, 16000) == _quietest_by_convolution(wave, earliest, latest,
+                                                                                        16000)
+
+
+def test_an_overlap_of_half_a_segment_or_more_is_refused():
+    """It used to loop for ever (an overlap of 8 s in 5 s pieces) or cut pieces with negative starts."""
+    wave = np.ones(16000 * 120, dtype=np.float32)
+    for overlap in (15, 31, 8):
+        with pytest.raises(ValueError, match="under half the segment"):
+            plan_segments(len(wave), wave, 16000, 30 if overlap != 8 else 5, overlap, FRAME)
+    with pytest.raises(ValidationError, match=r"segment_overlap_s \(8\) must be >= 0 and under half of max_segment_s"):
+        Settings(max_segment_s=5, segment_overlap_s=8)
+    assert Settings(max_segment_s=5, segment_overlap_s=2).segment_overlap_s == 2

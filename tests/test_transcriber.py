@@ -27,13 +27,13 @@ def recording(parity_audio) -> np.ndarray:
     return long_recording(parity_audio, 14)[0]
 
 
-def _queued_pieces(model, recording: np.ndarray, taken: int | None = None):
+async def _queued_pieces(model, recording: np.ndarray, taken: int | None = None):
     """A request cut every ~3 s and queued; the batcher, and the first ``taken`` pieces (all by default) as the
     engine takes them, in order."""
     batcher = Batcher(max_batch_size=1, max_batch_audio_s=60, max_wait_ms=0, max_queue=100)
     transcriber = Transcriber(batcher, model.config, model.tokenizer, max_segment_s=3, segment_overlap_s=1,
                               timeout_s=60)
-    queued = transcriber.submit(recording)
+    queued = await transcriber.submit(recording)
     assert batcher.depth >= 4
     items: list[WorkItem] = [batcher.next_batch().items[0] for _ in range(taken or batcher.depth)]
     return batcher, queued, items
@@ -46,7 +46,7 @@ def _finish(model, item: WorkItem) -> None:
 
 def test_text_comes_in_order_as_the_leading_pieces_finish(model, recording):
     async def run() -> tuple[list[TextDelta], Transcript, int]:
-        _, queued, items = _queued_pieces(model, recording)
+        _, queued, items = await _queued_pieces(model, recording)
         deltas = queued.text_deltas()
         first = asyncio.ensure_future(anext(deltas, None))
         for item in reversed(items[1:]):  # every piece but the first: nothing can be said yet
@@ -69,7 +69,7 @@ def test_text_comes_in_order_as_the_leading_pieces_finish(model, recording):
 
 def test_a_piece_that_fails_mid_stream_ends_it_with_an_error_event_and_drops_the_rest(model, recording):
     async def run() -> tuple[list[dict], Batcher]:
-        batcher, queued, items = _queued_pieces(model, recording, taken=2)
+        batcher, queued, items = await _queued_pieces(model, recording, taken=2)
         deltas = queued.text_deltas()
         first = await asyncio.wait_for(_first_after(items[0], deltas), 30)
         items[1].future.set_exception(TimeoutError("the request's deadline passed"))
