@@ -17,19 +17,22 @@ WORD_BOUNDARY = "▁"  # SentencePiece's marker at the start of a word
 MAX_HOTWORDS = 100  # phrases a request may boost (decoding.boosting)
 MAX_HOTWORD_CHARS = 64
 _SPECIAL_PIECE = re.compile(r"^\[.*\]$|^<.*>$|^##|^▁|^\s*$")
-_OWN_BOOST = re.compile(r"^(?P<phrase>.*?)\s*:\s*(?P<boost>[-+]?(?:\d+\.?\d*|\.\d+))\s*$")  # "acme:3", "widget pro:1.5"
 
 
 def split_boost(hotword: str) -> tuple[str, float | None]:
     """A hotword as given -> (its text, its own bonus or None). ``acme:3`` boosts "acme" by 3 (Deepgram's and
-    Riva's way of writing it); a bonus is more than 0 and at most ``MAX_HOTWORD_BOOST``, else ValueError."""
-    found = _OWN_BOOST.match(hotword)
-    if found is None:
+    Riva's way of writing it); a bonus is more than 0 and at most ``MAX_HOTWORD_BOOST``, else ValueError (also for
+    ``acme:inf``, ``acme:nan``, ``acme:1e9``). A colon followed by anything but a number is part of the phrase."""
+    phrase, colon, suffix = hotword.rpartition(":")
+    try:
+        boost = float(suffix) if colon else None
+    except ValueError:
+        boost = None
+    if boost is None:
         return hotword, None
-    boost = float(found["boost"])
-    if not 0 < boost <= MAX_HOTWORD_BOOST:
+    if not 0 < boost <= MAX_HOTWORD_BOOST:  # NaN fails this too
         raise ValueError(f"a hotword's own boost is more than 0 and at most {MAX_HOTWORD_BOOST:g}, not {hotword!r}")
-    return found["phrase"], boost
+    return phrase.rstrip(), boost
 
 
 class HotwordsUnavailable(ValueError):

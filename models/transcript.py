@@ -53,14 +53,16 @@ def build_transcript(hyp: Hypothesis, tokenizer: Tokenizer | None, frame_s: floa
                           token_durations=hyp.durations, token_logprobs=logprobs)
     spans = tokenizer.words(hyp.tokens)
     words = []
+    # times are given to the millisecond: the last word ends by the audio's end however its duration is rounded
+    last_ms_s = math.floor(duration_s * 1000) / 1000
     for i, span in enumerate(spans):
         start_frame = hyp.frames[span.first]
         covered = hyp.durations[span.last] if hyp.durations is not None else 1
         end_frame = hyp.frames[span.last] + max(covered, 1)
         if i + 1 < len(spans):
             end_frame = min(end_frame, max(hyp.frames[spans[i + 1].first], start_frame))
-        start_s = min(round(start_frame * frame_s, 3), duration_s)
-        end_s = min(round(end_frame * frame_s, 3), duration_s)
+        start_s = min(round(start_frame * frame_s, 3), last_ms_s)
+        end_s = min(round(end_frame * frame_s, 3), last_ms_s)
         confidence = None if hyp.logprobs is None else word_confidence(hyp.logprobs[span.first : span.last + 1])
         words.append(Word(word=span.text, start_s=start_s, end_s=max(end_s, start_s), confidence=confidence))
     return Transcript(text=tokenizer.ids_to_text(hyp.tokens), tokens=hyp.tokens, token_frames=hyp.frames,

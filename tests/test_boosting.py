@@ -182,6 +182,11 @@ def test_a_hotword_may_bring_its_own_bonus(model):
     assert split_boost("widget pro:1.5") == ("widget pro", 1.5) and split_boost(" acme : 3 ") == (" acme", 3.0)
     assert split_boost("acme") == ("acme", None) and split_boost("a:b") == ("a:b", None)  # no number: no bonus
     assert split_boost("acme:10") == ("acme", 10.0) and split_boost("acme:.5") == ("acme", 0.5)
+    assert split_boost("acme:1e-1") == ("acme", 0.1)
+    for bad in ("acme:1e9", "acme:inf", "acme:nan", "acme:-inf", "acme:0"):  # numbers, but no bonus in range
+        with pytest.raises(ValueError, match="own boost is more than 0 and at most 10"):
+            split_boost(bad)
+    assert split_boost("at 10:30 am") == ("at 10:30 am", None)  # a colon inside the phrase is the phrase's
     acme = model.tokenizer.hotwords(["acme"])[0].tokens
     # given twice, a phrase is boosted once, by the last bonus given for it
     assert model.tokenizer.hotwords(["acme", "kappa", "acme:3"]) == (

@@ -45,6 +45,9 @@ def test_word_end_never_passes_the_next_word_or_the_audio(hybrid):
     words = build_transcript(hyp, hybrid.tokenizer, frame_s=0.08, duration_s=0.5).words
     assert words[0].end_s == words[0].start_s == words[1].start_s == 0.24
     assert words[1].end_s == 0.5
+    # a duration between milliseconds (117.11525 s): the word ends by it however the duration is rounded
+    words = build_transcript(hyp, hybrid.tokenizer, frame_s=0.08, duration_s=0.50025).words
+    assert words[1].end_s == 0.5 <= round(0.50025, 3)
 
 
 def test_cues_split_on_duration_and_length():
