@@ -704,13 +704,16 @@ class JobStore:
         if message_ids:
             await self.redis.xclaim(stream, GROUP, consumer, 0, message_ids, justid=True)
 
-    async def claim_stalled(self, stream: str, consumer: str, idle_s: float, count: int) -> list[tuple[bytes, dict]]:
-        """Up to ``count`` of ``stream``'s deliveries left unacknowledged ``idle_s`` or longer, now ``consumer``'s.
-        Entries trimmed away while pending are acknowledged (nothing is left to deliver)."""
-        reply = await self.redis.xautoclaim(stream, GROUP, consumer, int(idle_s * 1000), "0-0", count=count)
+    async def claim_stalled(self, stream: str, consumer: str, idle_s: float, count: int, start: bytes | str = "0-0"
+                            ) -> tuple[bytes | str, list[tuple[bytes, dict]]]:
+        """Up to ``count`` of ``stream``'s deliveries left unacknowledged ``idle_s`` or longer, now ``consumer``'s,
+        looking from ``start``; and where the next look goes on from ("0-0": the start again). Redis looks at ten
+        entries per one asked for, so a consumer that always started over would never reach a stalled delivery
+        behind many live ones. Entries trimmed away while pending are acknowledged (nothing is left to deliver)."""
+        reply = await self.redis.xautoclaim(stream, GROUP, consumer, int(idle_s * 1000), start, count=count)
         for message_id in reply[2] if len(reply) > 2 else []:
             await self.redis.xack(stream, GROUP, message_id)
-        return [(message_id, fields) for message_id, fields in reply[1] if fields]
+        return reply[0], [(message_id, fields) for message_id, fields in reply[1] if fields]
 
     async def ping(self) -> bool:
         try:

@@ -175,6 +175,17 @@ class Progress:
         self.stream.write("\n")
 
 
+def _no_such_job(job_id: str) -> ValueError:
+    return ValueError(f"{job_id}: no such job (it expired or was purged)")
+
+
+def _raise_for_missing_job(response: httpx.Response, job_id: str) -> None:
+    """A job that is gone (expired, purged) is the job's news, not a server that cannot be reached."""
+    if response.status_code == 404:
+        raise _no_such_job(job_id)
+    response.raise_for_status()
+
+
 class _ServerClient:
     def __init__(self, url: str, api_key: str | None):
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -210,7 +221,7 @@ class _ServerClient:
 
     async def get(self, job_id: str) -> dict[str, Any]:
         response = await self.http.get(f"/v1/jobs/{job_id}")
-        response.raise_for_status()
+        _raise_for_missing_job(response, job_id)
         return response.json()
 
     async def end(self, job_id: str, purge: bool) -> dict[str, Any]:
@@ -222,7 +233,7 @@ class _ServerClient:
 
     async def results(self, job_id: str) -> list[dict[str, Any]]:
         response = await self.http.get(f"/v1/jobs/{job_id}/results")
-        response.raise_for_status()
+        _raise_for_missing_job(response, job_id)
         return [json.loads(line) for line in response.text.splitlines() if line]
 
     async def list_jobs(self, limit: int, after: str | None, status: str | None) -> tuple[list[dict[str, Any]], bool]:
@@ -249,7 +260,10 @@ class _RedisClient:
         return job.to_dict()
 
     async def get(self, job_id: str) -> dict[str, Any]:
-        return (await self.store.get(job_id)).to_dict()
+        try:
+            return (await self.store.get(job_id)).to_dict()
+        except JobNotFound as exc:
+            raise _no_such_job(job_id) from exc
 
     async def end(self, job_id: str, purge: bool) -> dict[str, Any]:
         # straight in Redis, any job: whoever reaches Redis runs the store
@@ -259,10 +273,13 @@ class _RedisClient:
                 return {"id": job_id, "object": "transcription.job.deleted", "deleted": True}
             return (await self.store.cancel(job_id)).to_dict()
         except JobNotFound as exc:
-            raise ValueError(f"{job_id}: no such job (it may have expired)") from exc
+            raise _no_such_job(job_id) from exc
 
     async def results(self, job_id: str) -> list[dict[str, Any]]:
-        return await self.store.results(job_id)
+        try:
+            return await self.store.results(job_id)
+        except JobNotFound as exc:
+            raise _no_such_job(job_id) from exc
 
     async def list_jobs(self, limit: int, after: str | None, status: str | None) -> tuple[list[dict[str, Any]], bool]:
         try:  # straight from Redis: the jobs submitted without an API key

@@ -49,6 +49,7 @@ class WebhookWorker:
         self._deliveries: dict[asyncio.Task, tuple[bytes, str]] = {}  # task -> (stream entry, job id)
         self._last_reclaim = -math.inf
         self._group_ready = False
+        self._reclaim_from: bytes | str = "0-0"  # where the next look for stalled deliveries goes on
 
     async def run(self, stop: asyncio.Event, block_ms: int = 1000) -> None:
         """Deliver until ``stop`` is set; then give deliveries in progress ``stop_grace_s`` and hand back the rest."""
@@ -105,7 +106,8 @@ class WebhookWorker:
         return len(entries)
 
     async def _reclaim(self, count: int) -> list[tuple[bytes, dict]]:
-        claimed = await self.store.claim_stalled(WEBHOOK_STREAM, self.name, self.claim_idle_s, count)
+        self._reclaim_from, claimed = await self.store.claim_stalled(WEBHOOK_STREAM, self.name, self.claim_idle_s,
+                                                                     count, self._reclaim_from)
         if claimed:
             log.info("reclaimed %d webhook deliveries from stalled consumers", len(claimed))
         return claimed

@@ -37,7 +37,7 @@ from service.jobs import (
     JobStore,
     item_record,
 )
-from service.jobs_cli import parse_size, split_into_jobs
+from service.jobs_cli import parse_size, run_submit, split_into_jobs
 from service.runtime import READING_SHARE, build_stack
 from service.url_inputs import check_input_url
 from tests.conftest import long_recording
@@ -408,6 +408,18 @@ def test_a_transcription_that_times_out_is_retried_with_its_reason(redis_server,
     assert records[0]["error"] == "gave up after 2 attempts: timed out"
 
 
+def test_an_item_of_more_pieces_than_the_queue_holds_fails_at_once(redis_server, model, parity_audio, expected):
+    recording, _ = long_recording(parity_audio, 30)
+    buffer = io.BytesIO()
+    sf.write(buffer, recording, 16000, format="WAV")
+    items = [ItemInput(audio="long.wav", upload=buffer.getvalue()), *_uploads(parity_audio, 1)]
+    settings = Settings(redis_url=redis_server.url, max_queue=4, max_segment_s=5, segment_overlap_s=1)
+    job, records = asyncio.run(_run_consumer(settings, model, items, timeout_s=30))
+    assert job.status.value == "completed_with_errors"
+    assert records[0]["status"] == "failed" and "more than the queue ever holds (4)" in records[0]["error"]
+    assert records[1]["status"] == "completed" and records[1]["text"] == expected[items[1].audio]
+
+
 def test_a_full_redis_lets_items_in_flight_finish_and_frees_their_audio(redis_server, model, parity_audio, expected):
     """Redis at its maxmemory (noeviction) refuses writes. The consumer used to die on the refusal, and had it
     lived, no item could start or finish, so no upload was freed: Redis stayed full until the jobs expired."""
@@ -443,6 +455,28 @@ def test_finishing_an_item_frees_its_upload_and_dead_letters_a_failure_with_it(r
         assert [(f[b"job"].decode(), f[b"index"], f[b"error"]) for _, f in dead] == [(job.id, b"1", b"bad")]
         assert await store.finish_item(job.id, 1, "failed", item_record("b.wav", "failed", error="x"), error="x") == 0
         assert await store.redis.xlen(DEAD_LETTER_STREAM) == 1  # a redelivery writes nothing twice
+        await store.close()
+
+    asyncio.run(scenario())
+
+
+def test_stalled_deliveries_behind_many_live_ones_are_reached(redis_server):
+    """XAUTOCLAIM looks at ten pending entries per one asked for. Each look used to start over at the oldest, so a
+    consumer with little room never got past the deliveries live workers were still renewing."""
+    async def scenario() -> None:
+        store = JobStore.from_url(redis_server.url)
+        await store.ensure_group()
+        items = [ItemInput(audio=f"{i}.wav", url=f"https://media.example/{i}.wav") for i in range(30)]
+        await store.submit(items)
+        reply = await store.redis.xreadgroup(GROUP, "gone", {ITEM_STREAM: ">"}, count=30)
+        delivered = [message_id for message_id, _ in reply[0][1]]
+        await asyncio.sleep(0.3)
+        await store.keep_claimed(ITEM_STREAM, "live", delivered[:25])  # a live worker renews these
+        start, claimed = "0-0", []
+        for _ in range(5):
+            start, stalled = await store.claim_stalled(ITEM_STREAM, "new", 0.2, 1, start)
+            claimed += [message_id for message_id, _ in stalled]
+        assert claimed and set(claimed) <= set(delivered[25:])
         await store.close()
 
     asyncio.run(scenario())
@@ -771,6 +805,30 @@ def test_submit_cli_waits_and_writes_results(redis_server, model, parity_audio, 
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert [Path(r["audio"]).name for r in lines] == sorted(Path(p).name for p in parity_audio)
     assert all(r["text"] == expected[Path(r["audio"]).name] for r in lines)
+
+
+@pytest.mark.parametrize("through", ["redis", "server"])
+def test_submit_waiting_on_a_job_that_is_purged_says_so(redis_server, model, parity_audio, capsys, through):
+    """It used to end in a traceback (Redis) or in "cannot reach the server" (HTTP 404)."""
+    async def scenario(server_url: str | None) -> int:
+        store = JobStore.from_url(redis_server.url)
+        waiting = asyncio.create_task(run_submit([Path(parity_audio[0])], redis_server.url if server_url is None
+                                                 else None, server_url, None, True, io.StringIO(), poll_s=0.05))
+        while not (jobs := await store.redis.keys("batchasr:job:job_*[!s]")):  # its hash (its other keys end in s)
+            await asyncio.sleep(0.05)
+        await store.delete(jobs[0].decode().split(":")[2])
+        code = await waiting
+        await store.close()
+        return code
+
+    if through == "redis":
+        code = asyncio.run(scenario(None))
+    else:
+        # its one item waits for a batch to fill, so the job is still in progress when it is purged
+        with run_server(Settings(redis_url=redis_server.url, max_wait_ms=5000, max_batch_size=64), model) as running:
+            code = asyncio.run(scenario(running.url))
+    assert code == 2
+    assert "no such job (it expired or was purged)" in capsys.readouterr().err
 
 
 def test_submit_cli_writes_a_subtitle_file_per_input_mirroring_directories(redis_server, model, parity_audio,
