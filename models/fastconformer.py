@@ -101,7 +101,16 @@ class RelPositionalEncoding(nn.Module):
     def __init__(self, d_model: int, max_len: int):
         super().__init__()
         self.d_model = d_model
+        self.max_len = max_len
         self.register_buffer("pe", self._table(max_len, torch.device("cpu")), persistent=False)
+
+    def cover(self, n_feature_frames: int) -> None:
+        """NeMo's ``update_max_seq_length``: once an input's feature frames (not its encoder frames) pass the
+        table's length, the table is computed again for that many, on the model's device, and kept. The same
+        inputs then read the same values as in NeMo: on a GPU, sin and cos round apart from the CPU's."""
+        if n_feature_frames > self.max_len:
+            self.max_len = n_feature_frames
+            self.pe = self._table(n_feature_frames, self.pe.device)
 
     def _table(self, length: int, device: torch.device) -> Tensor:
         positions = torch.arange(length - 1, -length, -1, dtype=torch.float32, device=device).unsqueeze(1)
@@ -114,7 +123,8 @@ class RelPositionalEncoding(nn.Module):
 
     def forward(self, n_frames: int, dtype: torch.dtype) -> Tensor:
         """(1, 2T-1, d_model) embeddings for positions T-1 down to -(T-1)."""
-        if self.pe.shape[1] < 2 * n_frames - 1:
+        if self.pe.shape[1] < 2 * n_frames - 1:  # frames given without ``cover`` first
+            self.max_len = n_frames
             self.pe = self._table(n_frames, self.pe.device)
         center = self.pe.shape[1] // 2 + 1
         return self.pe[:, center - n_frames : center + n_frames - 1].to(dtype)
@@ -262,6 +272,7 @@ class FastConformerEncoder(nn.Module):
 
     def subsample(self, features: Tensor, n_frames: Tensor) -> tuple[Tensor, Tensor]:
         """(B, n_mels, T), (B,) -> (B, T', d_model) frames before the conformer layers, (B,) valid frames."""
+        self.pos_enc.cover(features.shape[-1])
         x, lengths = self.pre_encode(features.transpose(1, 2), n_frames)
         if self.xscale is not None:
             x = x * self.xscale

@@ -103,3 +103,18 @@ def test_subsampling_keeps_padding_out_of_valid_frames(parity_dir):
             assert torch.equal(a[row, :n], b[row, :n])
             alone, _ = model.encoder.subsample(clean[row : row + 1, :, : n_frames[row]], n_frames[row : row + 1])
             torch.testing.assert_close(a[row, :n], alone[0, :n], rtol=1e-5, atol=1e-5)
+
+
+def test_the_position_table_grows_when_nemo_grows_it(parity_dir):
+    """NeMo computes the table again, on the model's device, once an input's feature frames (not its encoder
+    frames) pass pos_emb_max_len: past 50 s of audio, not 400 s. On a GPU the two tables round apart."""
+    model = load_model(parity_dir / "tdt.nemo", device="cpu", dtype="float32")
+    table = model.encoder.pos_enc
+    assert table.max_len == 5000 and table.pe.shape[1] == 2 * 5000 - 1
+    model.encode([torch.zeros(16000 * 49).numpy()])
+    assert table.pe.shape[1] == 2 * 5000 - 1  # 4,901 feature frames: the table as built
+    model.encode([torch.zeros(16000 * 51).numpy()])
+    assert table.max_len == 5101 and table.pe.shape[1] == 2 * 5101 - 1  # 5,101 feature frames, 638 encoder frames
+    rebuilt = table.pe.clone()
+    model.encode([torch.zeros(16000 * 20).numpy()])
+    assert torch.equal(table.pe, rebuilt)  # kept, as NeMo keeps it
