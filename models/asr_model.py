@@ -321,16 +321,28 @@ class ASRModel(nn.Module):
                               length_bucket_s=length_bucket_s)
 
     def load_audio(self, item: AudioInput, index: int = 0, multichannel: bool = False) -> np.ndarray:
-        """A waveform as given (checked), or a file read at the model's rate; with ``multichannel``, (channels,
-        samples): a file's channels apart, an array's rows (a 1-D array is one channel)."""
+        """A waveform as given (checked; integer PCM scaled to [-1, 1)), or a file read at the model's rate; with
+        ``multichannel``, (channels, samples): a file's channels apart, an array's rows (a 1-D array is one
+        channel)."""
         if isinstance(item, (str, Path, AudioClip)):
             return read_audio(item, self.sample_rate, mix=not multichannel)
         if not isinstance(item, np.ndarray):
             raise TypeError(f"audio[{index}]: expected a numpy array, a path or an AudioClip, got "
                             f"{type(item).__name__}")
-        samples = np.asarray(item, dtype=np.float32)
+        samples = _float_samples(item)
         return check_channels(samples, f"audio[{index}]") if multichannel else check_waveform(samples,
                                                                                              f"audio[{index}]")
+
+
+def _float_samples(item: np.ndarray) -> np.ndarray:
+    """float32 samples in [-1, 1): integer PCM (int16 as soundfile reads it, int32, unsigned 8-bit) scaled by its full
+    scale, as a file of those samples decodes; floats as they are."""
+    if np.issubdtype(item.dtype, np.integer):
+        info = np.iinfo(item.dtype)
+        half = (int(info.max) + 1) // 2 if info.min == 0 else -int(info.min)
+        middle = half if info.min == 0 else 0
+        return ((item.astype(np.float64) - middle) / half).astype(np.float32)
+    return np.asarray(item, dtype=np.float32)
 
 
 def _with_logprobs(hyps: list[Hypothesis], logprobs: list[list[float]] | None) -> list[Hypothesis]:
@@ -372,7 +384,10 @@ def exact_float32(active: bool = True) -> Iterator[None]:
 def resolve_device(device: str | torch.device) -> torch.device:
     if str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except RuntimeError as exc:  # "gpu", "cuda:x"
+        raise ValueError(f"unknown device {str(device)!r}; choose auto, cpu, cuda or cuda:N") from exc
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' requested but CUDA is not available")
     return device

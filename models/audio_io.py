@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import io
 import math
+import os
+import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,16 +27,30 @@ AUDIO_SUFFIXES = SOUNDFILE_SUFFIXES | CONTAINER_SUFFIXES
 
 
 def find_audio_files(paths: Iterable[str | Path]) -> list[Path]:
-    """Files as given, and the audio files under directories (by suffix, recursively, sorted)."""
+    """Files as given, and the audio files under directories (by suffix, recursively, sorted), through linked
+    folders too; a link to nothing is listed, so that reading it reports it rather than it vanishing."""
     found: list[Path] = []
     for path in map(Path, paths):
         if path.is_dir():
-            found += sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in AUDIO_SUFFIXES)
+            found += sorted(p for p in _walk(path) if p.suffix.lower() in AUDIO_SUFFIXES)
         elif path.is_file():
             found.append(path)
         else:
             raise FileNotFoundError(f"{path}: no such file or directory")
     return found
+
+
+def _walk(root: Path) -> Iterator[Path]:
+    """Every file under ``root``, following links to folders (each real folder once: a link loop ends)."""
+    seen: set[str] = set()
+    for folder, subfolders, files in os.walk(root, followlinks=True):
+        real = os.path.realpath(folder)
+        if real in seen:
+            subfolders.clear()
+            continue
+        seen.add(real)
+        for name in files:
+            yield Path(folder, name)
 
 
 def check_stretch(offset_s: float, duration_s: float | None, where: str = "") -> None:
@@ -100,6 +116,53 @@ class AudioClip:
 
     def __str__(self) -> str:
         return self.stretch.label(str(self.path))
+
+
+# data sizes written by tools that stream WAV without seeking back (sox writes 0x7FFFF000 to a pipe)
+STREAMED_WAV_SIZES = {0, 0xFFFFFFFF, 0x7FFFF000}
+WAV_HEADER_BYTES = 1 << 16  # of a file, read to check its WAV header's claims
+
+
+@dataclass(frozen=True)
+class WavData:
+    """A RIFF/WAVE file's data chunk, as its header declares it."""
+
+    offset: int  # of the chunk's first sample byte
+    size: int  # bytes of samples declared
+    byte_rate: int
+
+    @property
+    def seconds(self) -> float:
+        return self.size / self.byte_rate
+
+    def missing_bytes(self, total_bytes: int) -> int:
+        """How many of the declared bytes a file of ``total_bytes`` lacks (0: all there)."""
+        return max(0, self.size - (total_bytes - self.offset))
+
+
+def wav_data(head: bytes) -> WavData | None:
+    """The data chunk ``head`` (a file's start) declares; None for other formats, a chunk past ``head``, or a size
+    a streaming writer left unknown. libsndfile trusts the file's size over the header, so a cut-off file would
+    decode as shorter audio without a word; callers say it is cut off instead."""
+    if len(head) < 12 or head[:4] != b"RIFF" or head[8:12] != b"WAVE":
+        return None
+    offset, byte_rate = 12, 0
+    while offset + 8 <= len(head):
+        chunk_id, size = head[offset : offset + 4], struct.unpack_from("<I", head, offset + 4)[0]
+        if chunk_id == b"fmt " and offset + 20 <= len(head):
+            byte_rate = struct.unpack_from("<I", head, offset + 16)[0]
+        if chunk_id == b"data":
+            return None if size in STREAMED_WAV_SIZES or byte_rate == 0 else WavData(offset + 8, size, byte_rate)
+        offset += 8 + size + (size & 1)  # chunks are padded to even sizes
+    return None
+
+
+def truncation_message(declared: WavData, total_bytes: int, holder: str) -> str | None:
+    missing = declared.missing_bytes(total_bytes)
+    if not missing:
+        return None
+    return (f"the audio is truncated: its header promises {declared.size} bytes of samples, the {holder} holds "
+            f"{declared.size - missing}")
 
 
 class AudioError(ValueError):
@@ -225,6 +288,7 @@ def read_audio(source: str | Path | bytes | BinaryIO | AudioClip, sample_rate: i
     name = str(clip or source) if isinstance(source, (str, Path)) else "audio"
     if isinstance(source, (str, Path)) and not Path(source).is_file():
         raise FileNotFoundError(f"{source}: no such audio file")
+    _check_complete(source, name)
     handle = io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else source
     try:
         with open_audio(handle) as f:
@@ -236,6 +300,21 @@ def read_audio(source: str | Path | bytes | BinaryIO | AudioClip, sample_rate: i
     if clip is not None and clip.offset_s and not len(samples):
         raise AudioError(f"{name}: the offset lies past the end of the audio")
     return check_waveform(samples, name) if mix else check_channels(channels_first(samples), name)
+
+
+def _check_complete(source: str | Path | bytes | BinaryIO, name: str) -> None:
+    """A WAV file or bytes holding fewer samples than its header promises is an error (a half-downloaded file)."""
+    if isinstance(source, (bytes, bytearray)):
+        head, total = bytes(source[:WAV_HEADER_BYTES]), len(source)
+    elif isinstance(source, (str, Path)):
+        with open(source, "rb") as f:
+            head, total = f.read(WAV_HEADER_BYTES), Path(source).stat().st_size
+    else:
+        return
+    declared = wav_data(head)
+    problem = None if declared is None else truncation_message(declared, total, "file")
+    if problem:
+        raise AudioError(f"{name}: {problem}")
 
 
 def channels_first(samples: np.ndarray) -> np.ndarray:

@@ -14,21 +14,27 @@ and costs no more than the longest mono one.
 from __future__ import annotations
 
 import io
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import soundfile as sf
 
-from models.audio_io import WHOLE, Stretch, channels_first, check_waveform, decode_blocks, open_audio
+from models.audio_io import (
+    WAV_HEADER_BYTES,
+    WHOLE,
+    Stretch,
+    channels_first,
+    check_waveform,
+    decode_blocks,
+    open_audio,
+    truncation_message,
+    wav_data,
+)
 from models.containers import UnreadableContainer
 
 BLOCK_FRAMES = 1 << 20  # decode in blocks of about a minute of 16 kHz audio
-HEADER_BYTES = 1 << 16  # of a file on disk, read to check a WAV header's claims before decoding
 ACCEPTED_MEDIA_PREFIXES = ("audio/", "video/")
-# data sizes written by tools that stream WAV without seeking back (sox writes 0x7FFFF000 to a pipe)
-STREAMED_WAV_SIZES = {0, 0xFFFFFFFF, 0x7FFFF000}
 ACCEPTED_MEDIA_TYPES = {"", "application/octet-stream", "application/ogg", "application/mp4", "multipart/form-data"}
 
 
@@ -118,7 +124,7 @@ def decode_audio_file(path: Path, limits: AudioLimits, multichannel: bool = Fals
     if size == 0:
         raise AudioRequestError(f"{path.name}: the file is empty")
     with open(path, "rb") as f:
-        _check_wav_header(f.read(HEADER_BYTES), size, limits, stretch is WHOLE)
+        _check_wav_header(f.read(WAV_HEADER_BYTES), size, limits, stretch is WHOLE)
     return _decode(path, limits, multichannel, stretch)
 
 
@@ -152,30 +158,17 @@ def _limit_text(max_s: float, channels: int) -> str:
 
 def _check_wav_header(data: bytes, total_bytes: int, limits: AudioLimits, whole: bool = True) -> None:
     """RIFF/WAVE: the data chunk's declared size against the limit and against the bytes really sent (``data``
-    is the file's start, or all of it; ``total_bytes`` its whole length).
-
-    libsndfile silently trusts the file size over the header, so a cut-off upload would decode as shorter
-    audio; we would rather say it is cut off (and refuse a header claiming hours before reading further).
-    """
-    if len(data) < 12 or data[:4] != b"RIFF" or data[8:12] != b"WAVE":
+    is the file's start, or all of it; ``total_bytes`` its whole length); a header claiming hours is refused before
+    reading further."""
+    declared = wav_data(data)
+    if declared is None:
         return
-    offset, byte_rate = 12, 0
-    while offset + 8 <= len(data):
-        chunk_id, size = data[offset : offset + 4], struct.unpack_from("<I", data, offset + 4)[0]
-        if chunk_id == b"fmt " and offset + 20 <= len(data):
-            byte_rate = struct.unpack_from("<I", data, offset + 16)[0]
-        if chunk_id == b"data":
-            if size in STREAMED_WAV_SIZES or byte_rate == 0:
-                return
-            if whole and size / byte_rate > limits.max_duration_s:  # a stretch is checked by its own length
-                raise AudioTooLarge(f"audio is {size / byte_rate:.1f} s long (per its header); the limit is "
-                                    f"{limits.max_duration_s:.0f} s")
-            available = total_bytes - offset - 8
-            if available < size:
-                raise AudioRequestError(f"the audio is truncated: its header promises {size} bytes of samples, "
-                                        f"the upload holds {available}")
-            return
-        offset += 8 + size + (size & 1)  # chunks are padded to even sizes
+    if whole and declared.seconds > limits.max_duration_s:  # a stretch is checked by its own length
+        raise AudioTooLarge(f"audio is {declared.seconds:.1f} s long (per its header); the limit is "
+                            f"{limits.max_duration_s:.0f} s")
+    problem = truncation_message(declared, total_bytes, "upload")
+    if problem:
+        raise AudioRequestError(problem)
 
 
 def _read_resampled(f: sf.SoundFile, limits: AudioLimits, max_s: float, channels: int, first_frame: int = 0,

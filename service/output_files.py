@@ -14,10 +14,10 @@ def is_url(text: str) -> bool:
     return text.startswith(("http://", "https://"))
 
 
-def output_names(arguments: Iterable[str], suffix: str) -> dict[Path | str, Path]:
+def output_names(arguments: Iterable[str], suffix: str, files: bool = True) -> dict[Path | str, Path]:
     """Each input the arguments name, and the name of its result: a file given by name as <stem><suffix>, a file
-    found under a directory at its path inside it, a URL by the last part of its path. ValueError if two would
-    share one."""
+    found under a directory at its path inside it, a URL by the last part of its path. With ``files`` (results
+    written to files of those names), ValueError if two would share one."""
     named: dict[Path | str, Path] = {}
     for argument in arguments:
         if is_url(argument):
@@ -27,7 +27,7 @@ def output_names(arguments: Iterable[str], suffix: str) -> dict[Path | str, Path
         for path in find_audio_files([argument]):
             named[path] = (path.relative_to(root) if root.is_dir() else Path(path.name)).with_suffix(suffix)
     seen: dict[Path, Path | str] = {}
-    for source, name in named.items():
+    for source, name in named.items() if files else ():
         if name in seen:
             raise ValueError(f"{seen[name]} and {source} would both be written as {name}: give them in separate runs")
         seen[name] = source

@@ -29,8 +29,12 @@ def run_transcribe(args: argparse.Namespace, layout: SubtitleLayout) -> int:
     except (FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    model = load_model(args.model, device=args.device, dtype=args.dtype,
-                       attention_kernel=args.attention_kernel or "auto")
+    try:
+        model = load_model(args.model, device=args.device, dtype=args.dtype,
+                           attention_kernel=args.attention_kernel or "auto")
+    except ValueError as exc:  # no CUDA here, an unknown device or dtype
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     try:
         outcomes = model.transcribe_iter([entry.clip for entry in inputs.entries], batch_size=args.batch_size,
                                          decoder=args.decoder, decoder_algorithm=args.decoder_algorithm,
@@ -120,7 +124,7 @@ def _transcribe_inputs(args: argparse.Namespace) -> TranscribeInputs:
         if args.format in ("srt", "vtt") and len(entries) > 1:
             raise ValueError(f"--format {args.format} prints one transcript; the manifest has {len(entries)}")
         return _left_to_do(args, TranscribeInputs(entries, [None] * len(entries), from_manifest=True))
-    named = output_names(args.audio, f".{args.format}")
+    named = output_names(args.audio, f".{args.format}", files=args.output_dir is not None)  # else one stream
     if not named:
         raise ValueError("no audio files found")
     if args.format in ("srt", "vtt") and len(named) > 1 and args.output_dir is None:

@@ -126,6 +126,10 @@ def test_output_dir_mirrors_directories_refuses_clashes_and_resumes(parity_dir, 
     assert "2 files already transcribed" in capsys.readouterr().err
     assert (out / "day2/call.jsonl").read_text() == first
     assert not list(out.rglob("*.partial"))
+    # printed, not written to files: files of one name are no clash
+    assert main([*command[:-2], str(source / "day1/call.wav"), str(source / "day2/call.wav")]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["audio"] for r in lines] == [str(source / "day1/call.wav"), str(source / "day2/call.wav")]
 
 
 def test_an_empty_directory_is_an_error(tmp_path, capsys):
@@ -141,3 +145,23 @@ def test_subtitles_of_several_files_need_an_output_dir(parity_audio, capsys):
 def test_unknown_model_file_is_a_clear_error(tmp_path, parity_audio, capsys):
     assert main(["transcribe", "--model", str(tmp_path / "nope.nemo"), parity_audio[0]]) == 2
     assert "nope.nemo: no such file or directory" in capsys.readouterr().err
+
+
+def test_a_device_that_cannot_be_had_is_an_error_line_not_a_traceback(parity_audio, capsys):
+    assert main(["transcribe", "--device", "gpu", parity_audio[0]]) == 2
+    assert capsys.readouterr().err == "error: unknown device 'gpu'; choose auto, cpu, cuda or cuda:N\n"
+
+
+def test_directories_are_walked_through_linked_folders_and_a_dead_link_is_reported(parity_audio, tmp_path, capsys):
+    calls = tmp_path / "calls"
+    calls.mkdir()
+    (calls / "a.wav").write_bytes(Path(parity_audio[0]).read_bytes())
+    archive = tmp_path / "archive"
+    archive.mkdir()
+    (archive / "calls").symlink_to(calls)  # a folder linked in, as mounts and dataset trees often are
+    (archive / "gone.wav").symlink_to(tmp_path / "deleted.wav")
+    (archive / "again").symlink_to(archive)  # a loop ends
+    assert main(["transcribe", "--format", "jsonl", str(archive)]) == 1
+    captured = capsys.readouterr()
+    assert [json.loads(line)["audio"] for line in captured.out.splitlines()] == [str(archive / "calls" / "a.wav")]
+    assert "gone.wav" in captured.err and "1 of 2 files could not be read" in captured.err

@@ -4,6 +4,7 @@ the service does it, inputs read a window at a time, and an unreadable input rep
 from __future__ import annotations
 
 import io
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -108,3 +109,26 @@ def test_an_unreadable_input_comes_out_in_its_place_or_raises(model, parity_audi
 def test_segment_length_is_checked(model):
     with pytest.raises(ValueError, match="max_segment_s"):
         model.transcribe([np.zeros(16000, dtype=np.float32)], max_segment_s=3)
+
+
+def test_integer_pcm_arrays_are_scaled_as_their_files_decode(model, parity_audio):
+    """int32 samples were taken at face value: about 65,536 times too loud, and transcribed as other words."""
+    import soundfile as sf
+
+    as_float = model.transcribe([parity_audio[3]])[0]
+    for dtype in ("int16", "int32"):
+        samples, _ = sf.read(parity_audio[3], dtype=dtype)
+        got = model.transcribe([samples])[0]
+        assert (got.text, got.tokens) == (as_float.text, as_float.tokens), dtype
+    unsigned = (sf.read(parity_audio[3], dtype="int16")[0].astype(np.int32) // 256 + 128).astype(np.uint8)
+    assert model.transcribe([unsigned])[0].text  # 8-bit PCM centred on 128 reads as speech, not a DC offset
+
+
+def test_a_truncated_wav_is_reported_by_the_command_line_as_over_http(parity_audio, tmp_path, capsys):
+    """libsndfile decodes what is there: a half-downloaded file gave a part of its transcript, and exit 0."""
+    data = Path(parity_audio[0]).read_bytes()
+    cut = tmp_path / "cut.wav"
+    cut.write_bytes(data[: len(data) // 3])
+    assert main(["transcribe", "--model", "models/assets/default.nemo", str(cut), parity_audio[1]]) == 1
+    err = capsys.readouterr().err
+    assert f"{cut}: the audio is truncated: its header promises" in err and "the file holds" in err
