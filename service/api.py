@@ -235,6 +235,10 @@ async def _transcription_events(queued: QueuedRequest, deltas: AsyncIterator[Tex
         yield _event(done)
     except (QueueFull, TimeoutError, EngineUnavailable) as exc:
         yield _event({"type": "error", **_engine_error(exc).body()})
+    except Exception as exc:  # a batch that failed (the headers are sent: the stream says so, as it promises)
+        log.exception("transcription stream failed")
+        yield _event({"type": "error", "error": {"message": f"internal error: {type(exc).__name__}",
+                                                 "type": "server_error", "param": None, "code": None}})
     finally:
         queued.cancel()
 

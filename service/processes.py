@@ -199,9 +199,9 @@ async def run_engine_process(settings: Settings, http: bool = True, metrics_port
         await stop.wait()
         log.info("stopping: front ends and consumers first, then the engine")
         watcher.cancel()
+        if sock is not None:  # this copy first: else the port keeps listening, with no one to accept, until the
+            sock.close()      # front ends have finished, and new connections wait there to be reset
         await pool.stop()
-        if sock is not None:
-            sock.close()
         await server.close()
         await stack.stop()
     log.info("stopped")

@@ -105,13 +105,23 @@ class Transcriber:
         """Cut ``waveform`` and queue its pieces (raises ``QueueFull``, or ``TooManyPieces`` for audio that never
         fits the queue), each boosting ``hotwords`` (as tokens).
         The caller must ``cancel`` the request when it is done with it: that drops pieces still queued."""
+        segments = await self._segments(waveform, skip_silence, elsewhere)
+        self._check_fits(len(segments))
+        return self._queue(waveform, segments, priority, hotwords)
+
+    async def _segments(self, waveform: np.ndarray, skip_silence: bool, elsewhere: Elsewhere | None
+                        ) -> list[Segment]:
         if skip_silence or len(waveform) > self.max_segment_s * self.sample_rate:  # reads every sample: off the loop
-            segments = await asyncio.to_thread(self.plan, waveform, skip_silence, elsewhere)
-        else:
-            segments = self.plan(waveform)
-        if self.max_pieces is not None and len(segments) > self.max_pieces:
-            raise TooManyPieces(f"the audio makes {len(segments)} pieces to transcribe, more than the queue ever "
+            return await asyncio.to_thread(self.plan, waveform, skip_silence, elsewhere)
+        return self.plan(waveform)
+
+    def _check_fits(self, n_pieces: int) -> None:
+        if self.max_pieces is not None and n_pieces > self.max_pieces:
+            raise TooManyPieces(f"the audio makes {n_pieces} pieces to transcribe, more than the queue ever "
                                 f"holds ({self.max_pieces}): send it in parts")
+
+    def _queue(self, waveform: np.ndarray, segments: list[Segment], priority: Priority, hotwords: Hotwords
+               ) -> QueuedRequest:
         items = [WorkItem(waveform[s.start : s.end], priority, self.timeout_s, hotwords) for s in segments]
         if items:  # none for a silent recording whose silence is skipped
             self.queue.submit(items)
@@ -138,10 +148,12 @@ class Transcriber:
         echoes: list[Elsewhere | None] = [None] * len(apart)
         if skip_silence and len(apart) > 1:  # each channel's echo of the others is skipped like silence
             echoes = list(await asyncio.to_thread(heard_elsewhere, [channels[c] for c in apart], self.sample_rate))
+        plans = [await self._segments(channels[c], skip_silence, echo) for c, echo in zip(apart, echoes, strict=True)]
+        self._check_fits(sum(map(len, plans)))  # the channels' pieces together: each alone may fit
         requests: list[QueuedRequest] = []
         try:
-            for channel, echo in zip(apart, echoes, strict=True):
-                requests.append(await self.submit(channels[channel], priority, skip_silence, echo, hotwords))
+            for channel, segments in zip(apart, plans, strict=True):
+                requests.append(self._queue(channels[channel], segments, priority, hotwords))
             stitched = [await request.stitched() for request in requests]
         finally:
             for request in requests:

@@ -141,6 +141,28 @@ def test_long_audio_streams_its_text_piece_by_piece(hybrid, parity_audio):
     assert "".join(e["delta"] for e in deltas) == whole
 
 
+def test_a_batch_that_fails_mid_stream_ends_it_with_an_error_event(parity_dir, parity_audio):
+    """The headers are sent with the first delta: a later failure must still be told, not cut the stream short."""
+    model = load_model(parity_dir / "tdt.nemo", device="cpu", dtype="float32")
+    recording, _ = long_recording(parity_audio, 40)
+    with run_server(Settings(max_segment_s=5, max_batch_size=1, max_wait_ms=0), model) as running:
+        decode, batches = model.decode, []
+
+        def failing_after_the_first(*args, **kwargs):
+            batches.append(1)
+            if len(batches) > 1:
+                raise RuntimeError("CUDA error: out of memory")
+            return decode(*args, **kwargs)
+
+        model.decode = failing_after_the_first
+        events = stream_transcription(running.url, _flac(recording))
+        model.decode = decode
+        assert httpx.get(f"{running.url}/healthz").status_code == 200
+    assert events[0]["type"] == "transcript.text.delta"
+    assert events[-1] == {"type": "error", "error": {"message": "internal error: RuntimeError", "type": "server_error",
+                                                     "param": None, "code": None}}
+
+
 def test_a_client_that_leaves_mid_stream_drops_the_pieces_still_queued(hybrid, parity_audio):
     recording, _ = long_recording(parity_audio, 200)
     with run_server(Settings(max_segment_s=5, max_batch_size=1, max_wait_ms=0), hybrid) as running:

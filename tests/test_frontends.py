@@ -203,6 +203,11 @@ def test_a_dead_front_end_is_replaced_and_sigterm_finishes_the_requests_in_fligh
             # machine: SIGTERM reached the front ends before they had accepted the requests)
             assert _eventually(lambda: running.metric("batchasr_queue_depth") == 4)
             front_ends = running.front_end_pids()
+            running.process.send_signal(signal.SIGTERM)
+            time.sleep(1.0)
+            # the port is closed at once: a new connection is refused, not left waiting to be reset
+            with pytest.raises(httpx.ConnectError):
+                httpx.get(f"{running.url}/healthz", timeout=5)
             assert running.stop() == 0
             assert [f.result().status_code for f in futures] == [200] * 4
         assert not any(_alive(pid) for pid in front_ends)

@@ -427,3 +427,16 @@ def test_a_mono_recording_stored_as_stereo_is_transcribed_once(server, model):
     assert body["channels"][0]["tokens"] == alone.tokens and body["channels"][1]["text"] == ""
     record = to_record(conversation)
     assert from_record(json.loads(json.dumps(record))).duplicates == {1: 0}
+
+
+def test_a_call_whose_channels_together_outnumber_the_queue_is_413_not_429_for_ever(model):
+    """Each channel's pieces fit the queue alone, but not both channels' at once: every try got 429."""
+    call = np.tile(_call(), (1, 3))  # two channels of three calls each
+    n_pieces = [len(plan_pieces(channel, RATE, 5, 1, model.config.frame_samples)) for channel in call]
+    settings = Settings(max_queue=max(n_pieces) + 1, max_segment_s=5, segment_overlap_s=1, max_channels=2)
+    assert max(n_pieces) < settings.max_queue < sum(n_pieces)
+    with run_server(settings, model) as running:
+        response = httpx.post(f"{running.url}/v1/transcribe?multichannel=true", content=_flac(call),
+                              headers={"content-type": "audio/flac"}, timeout=60)
+    assert response.status_code == 413, response.text
+    assert f"makes {sum(n_pieces)} pieces" in response.json()["error"]["message"]
