@@ -29,6 +29,11 @@ class Segment:
     cut_before: int  # words whose middle lies before this sample (absolute) come from an earlier piece
     cut_after: int  # words whose middle lies at or after this sample come from a later piece
 
+    @property
+    def own_samples(self) -> int:
+        """The samples only this piece accounts for: between its cuts (the overlaps counted once)."""
+        return max(0, min(self.cut_after, self.end) - max(self.cut_before, self.start))
+
 
 def plan_segments(n_samples: int, waveform: np.ndarray, sample_rate: int, max_segment_s: float,
                   overlap_s: float, frame_samples: int) -> list[Segment]:

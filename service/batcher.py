@@ -68,10 +68,15 @@ class WorkItem:
     hotwords: Hotwords = ()  # phrases its request boosts, as tokens (decoding.boosting)
     future: Future = field(default_factory=Future)  # resolves to the engine's result for this item
     enqueued_at: float = field(default_factory=time.monotonic)
+    # the samples of its recording it accounts for (RTFx): a piece's own, without the overlap the next piece
+    # transcribes too; None: all of its own
+    counted_samples: int | None = None
     n_samples: int = field(init=False)  # an attribute, not a property: batch forming reads it thousands of times
 
     def __post_init__(self) -> None:
         self.n_samples = len(self.waveform)
+        if self.counted_samples is None:
+            self.counted_samples = self.n_samples
 
     @property
     def deadline(self) -> float:
@@ -88,6 +93,11 @@ class Batch:
     @property
     def n_samples(self) -> int:
         return sum(item.n_samples for item in self.items)
+
+    @property
+    def counted_samples(self) -> int:
+        """The recordings' samples the batch accounts for: overlaps between pieces once."""
+        return sum(item.counted_samples or 0 for item in self.items)
 
     @property
     def width(self) -> int:
@@ -168,6 +178,17 @@ class Batcher:
         """Stop accepting; ``next_batch`` drains what is queued, then returns None."""
         with self._cond:
             self._closed = True
+            self._cond.notify_all()
+
+    def fail_all(self, exc: BaseException) -> None:
+        """Stop accepting, and fail every queued item with ``exc`` (an engine that can no longer run them)."""
+        with self._cond:
+            self._closed = True
+            for queue in self._queues.values():
+                for item in queue:
+                    if not item.future.done():
+                        item.future.set_exception(exc)
+                queue.clear()
             self._cond.notify_all()
 
     # --- the consumer (the engine thread) ---------------------------------------------------------------

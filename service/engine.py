@@ -7,6 +7,7 @@ item's future with its hypothesis and its share of the compute time.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -106,8 +107,20 @@ class Engine:
         self.state = EngineState.READY
         self._ready.set()
         self.stager.start()
-        while (staged := self.stager.next()) is not None:
-            self.process(staged)
+        staged: StagedBatch | None = None
+        try:
+            while (staged := self.stager.next()) is not None:
+                self.process(staged)
+        except Exception as exc:  # a dead engine thread must say so on /readyz and answer what waits, not hang it
+            log.exception("engine stopped")
+            self.state, self.error = EngineState.FAILED, f"the engine stopped: {exc}"
+            self.batcher.fail_all(exc)
+            with contextlib.suppress(Exception):
+                while staged is not None:  # the batch in hand, and the one staged ahead
+                    for item in staged.batch.items:
+                        if not item.future.done():
+                            item.future.set_exception(exc)
+                    staged = self.stager.next()
 
     def _warm_up(self) -> None:
         """Run every stage on each warm-up shape, so lazy init and graph capture happen before traffic."""
@@ -166,13 +179,17 @@ class Engine:
             return
         compute_s = sum(stage_s.values())
         rate = self.model.sample_rate
-        audio_s = batch.n_samples / rate
+        audio_s = batch.counted_samples / rate  # a long recording's overlaps once: RTFx is of the audio sent
+        rows_s = batch.n_samples / rate
         # counted before the results go out: whoever has a result and scrapes sees its batch
-        self.batcher.record_throughput(audio_s, compute_s)
-        self.metrics.observe_batch(len(batch.items), audio_s, batch.padded_samples / rate, compute_s, stage_s,
-                                   [started - item.enqueued_at for item in batch.items])
-        self.metrics.observe_tokens([hyp.logprobs for hyp in hyps])
-        self.metrics.observe_hotwords(sum(bool(item.hotwords) for item in batch.items))
+        try:
+            self.batcher.record_throughput(rows_s, compute_s)  # for Retry-After, which counts queued rows
+            self.metrics.observe_batch(len(batch.items), audio_s, rows_s, batch.padded_samples / rate, compute_s,
+                                       stage_s, [started - item.enqueued_at for item in batch.items])
+            self.metrics.observe_tokens([hyp.logprobs for hyp in hyps])
+            self.metrics.observe_hotwords(sum(bool(item.hotwords) for item in batch.items))
+        except Exception:  # a count that failed must not keep results from those waiting for them
+            log.exception("counting a batch failed")
         for item, hyp in zip(batch.items, hyps, strict=True):
             share = compute_s * item.n_samples / batch.n_samples
             item.future.set_result(ItemResult(hyp, started - item.enqueued_at, share, len(batch.items)))

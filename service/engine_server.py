@@ -37,6 +37,8 @@ from .wire import (
 
 log = logging.getLogger(__name__)
 
+STATUS_POLL_S = 1.0  # how often the engine's state is looked at for front ends, once it is ready
+
 
 class _FrontEnd:
     """One front end's connection: its frames in, results out; its item ids still queued or running."""
@@ -105,6 +107,12 @@ class EngineServer:
         # in steps, so that no thread is left waiting on an engine that never finishes warming up
         while not await asyncio.to_thread(engine.wait_ready, 1.0) and engine.state is EngineState.STARTING:
             pass
+        self._announce()
+        while engine.state is EngineState.READY:  # an engine that stops later is told too: /readyz goes false
+            await asyncio.sleep(STATUS_POLL_S)
+        self._announce()
+
+    def _announce(self) -> None:
         status = self._status()
         for front_end in self.front_ends:
             front_end.send(status)
@@ -143,7 +151,9 @@ class EngineServer:
 
     def _submit(self, front_end: _FrontEnd, message: Submit, payload: bytearray) -> None:
         pieces = split_samples(payload, message.lengths)
-        items = [WorkItem(piece, Priority(message.priority), message.timeout_s, message.hotwords) for piece in pieces]
+        counted = message.counted or (None,) * len(pieces)
+        items = [WorkItem(piece, Priority(message.priority), message.timeout_s, message.hotwords, counted_samples=n)
+                 for piece, n in zip(pieces, counted, strict=True)]
         try:
             self.stack.batcher.submit(items)
         except (QueueFull, BatcherClosed) as exc:

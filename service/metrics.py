@@ -101,13 +101,15 @@ class Metrics:
     def bind_gpu_memory(self, allocated: Callable[[], float]) -> None:
         self.gpu_memory_bytes.set_function(allocated)
 
-    def observe_batch(self, n_items: int, audio_s: float, padded_s: float, compute_s: float,
+    def observe_batch(self, n_items: int, audio_s: float, rows_s: float, padded_s: float, compute_s: float,
                       stage_s: dict[str, float], queue_waits_s: list[float]) -> None:
+        """``audio_s``: the recordings' seconds the batch accounts for (RTFx); ``rows_s``: its rows' seconds
+        (with the overlaps of long recordings' pieces); ``padded_s``: the rows padded to the batch's shape."""
         self.audio_seconds.inc(audio_s)
         self.compute_seconds.inc(compute_s)
         self.batch_size.observe(n_items)
-        self.batch_audio_seconds.observe(audio_s)
-        self.padding_ratio.observe(1 - audio_s / padded_s if padded_s > 0 else 0.0)
+        self.batch_audio_seconds.observe(rows_s)
+        self.padding_ratio.observe(1 - rows_s / padded_s if padded_s > 0 else 0.0)
         for stage, seconds in stage_s.items():
             self.stage_seconds.labels(stage).observe(seconds)
         for wait in queue_waits_s:

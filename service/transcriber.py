@@ -122,7 +122,8 @@ class Transcriber:
 
     def _queue(self, waveform: np.ndarray, segments: list[Segment], priority: Priority, hotwords: Hotwords
                ) -> QueuedRequest:
-        items = [WorkItem(waveform[s.start : s.end], priority, self.timeout_s, hotwords) for s in segments]
+        items = [WorkItem(waveform[s.start : s.end], priority, self.timeout_s, hotwords, counted_samples=s.own_samples)
+                 for s in segments]
         if items:  # none for a silent recording whose silence is skipped
             self.queue.submit(items)
         return QueuedRequest(self, len(waveform), segments, items, asyncio.get_running_loop().time() + self.timeout_s)

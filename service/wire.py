@@ -102,6 +102,7 @@ class Submit:
     priority: int
     timeout_s: float
     hotwords: Hotwords = ()  # the request's, as tokens
+    counted: tuple[int, ...] = ()  # samples per piece its recording accounts for (batcher.WorkItem.counted_samples)
 
 
 @dataclass(frozen=True)

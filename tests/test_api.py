@@ -22,7 +22,7 @@ from models import load_model
 from service.config import Settings
 from service.logs import JsonFormatter
 from tests.conftest import REPO, load_script, long_recording
-from tests.servers import StreamedUpload, run_server, stream_transcription
+from tests.servers import StreamedUpload, run_server, serve_process, stream_transcription
 
 
 @pytest.fixture(scope="module")
@@ -161,6 +161,40 @@ def test_a_batch_that_fails_mid_stream_ends_it_with_an_error_event(parity_dir, p
     assert events[0]["type"] == "transcript.text.delta"
     assert events[-1] == {"type": "error", "error": {"message": "internal error: RuntimeError", "type": "server_error",
                                                      "param": None, "code": None}}
+
+
+def test_an_engine_thread_that_dies_answers_what_waits_and_is_not_ready(parity_dir, parity_audio):
+    """Nothing in the engine's loop is expected to raise; had it, the thread died, /readyz still said ready, and
+    every request waited out its timeout."""
+    model = load_model(parity_dir / "tdt.nemo", device="cpu", dtype="float32")
+    data = Path(parity_audio[0]).read_bytes()
+    with run_server(Settings(request_timeout_s=60, max_wait_ms=200), model) as running:
+        engine = running.service.stack.engine
+
+        def broken(staged):
+            raise RuntimeError("a fault in the loop")
+
+        engine.process = broken
+        started = time.monotonic()
+        with ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(lambda _: _post(running.url, data), range(3)))
+        assert time.monotonic() - started < 20  # answered, not timed out
+        assert {a.status_code for a in answers} <= {500, 503} and 500 in {a.status_code for a in answers}
+        ready = httpx.get(f"{running.url}/readyz")
+        assert ready.status_code == 503 and "the engine stopped: a fault in the loop" in ready.text
+        assert httpx.get(f"{running.url}/healthz").status_code == 200
+
+
+@pytest.mark.parametrize("frontends", [False, True])
+def test_audio_seconds_count_a_long_recording_once_not_its_overlaps(hybrid, parity_dir, parity_audio, frontends):
+    recording, _ = long_recording(parity_audio, 60)
+    settings = dict(max_segment_s=10, segment_overlap_s=2, max_wait_ms=5)
+    with (serve_process(parity_dir / "tdt_ctc_hybrid.nemo", frontends=1, **settings) if frontends
+          else run_server(Settings(**settings), hybrid)) as running:
+        response = httpx.post(f"{running.url}/v1/transcribe", content=_flac(recording),
+                              headers={"content-type": "audio/flac"}, timeout=120)
+        assert response.status_code == 200 and response.json()["segments"] > 5  # pieces overlapping by 2 s
+        assert running.metric("batchasr_audio_seconds_total") == pytest.approx(len(recording) / 16000, abs=1e-6)
 
 
 def test_a_client_that_leaves_mid_stream_drops_the_pieces_still_queued(hybrid, parity_audio):
