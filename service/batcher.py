@@ -155,7 +155,9 @@ class Batcher:
 
     def _note_cancelled(self, future: Future) -> None:
         if future.cancelled():
-            self._maybe_cancelled = True
+            with self._cond:  # the waiting engine thread drops it now: it no longer counts toward max_queue
+                self._maybe_cancelled = True
+                self._cond.notify_all()
 
     @property
     def depth(self) -> int:
@@ -211,7 +213,7 @@ class Batcher:
                     if batch.items:
                         return batch
                     continue
-                self._cond.wait(release_at - now)
+                self._cond.wait(min(release_at, self._next_deadline) - now)  # an item may expire first
 
     def _oldest(self) -> WorkItem | None:
         for priority in Priority:
@@ -272,7 +274,11 @@ class Batcher:
                 self._on_drop("cancelled")
         if not self.fixed_shapes:
             return Batch(items)
-        return Batch(items, pad_to=self.padded_length(anchor.n_samples), pad_rows=self.max_batch_size)
+        bucket_end = self.padded_length(anchor.n_samples)
+        # each bucket's one shape: as many rows as fit the padded-audio limit, which the warm-up's longest batch
+        # also has (padding every bucket to max_batch_size rows went past the limit, and past what was warmed up)
+        rows = max(1, min(self.max_batch_size, self.max_padded_samples // bucket_end))
+        return Batch(items, pad_to=bucket_end, pad_rows=rows)
 
     def _pick_similar(self, anchor: WorkItem, pool: list[WorkItem], chosen: list[WorkItem]) -> list[WorkItem]:
         """Add pool items closest in length to the anchor (of its length bucket, with buckets) while size and

@@ -55,7 +55,10 @@ def test_without_buckets_a_batch_is_its_items_padded_to_the_longest():
 def test_the_padded_audio_limit_counts_the_bucket_end():
     b = _batcher(length_bucket_s=10.0, max_batch_audio_s=25.0)
     b.submit([_item(s) for s in (1.0, 1.5, 2.0)])
-    assert len(b.next_batch().items) == 2  # 2 pieces padded to 10 s fit 25 s, 3 do not
+    batch = b.next_batch()
+    assert len(batch.items) == 2  # 2 pieces padded to 10 s fit 25 s, 3 do not
+    # and the rows of silence too: a bucket's shape is as many rows as fit the limit, not max_batch_size (4 x 10 s)
+    assert batch.rows == 2 and batch.padded_samples <= 25 * 16000
 
 
 def test_padded_audio_limit_bounds_the_batch():
@@ -161,3 +164,22 @@ def test_warm_up_covers_the_widest_and_the_longest_batch_on_a_gpu_only():
     # a tighter padded-audio limit: full rows of shorter pieces, and fewer rows of the longest
     assert warmup_shapes(cuda, 128, 30.0, 960.0) == [(1, WARMUP_S), (128, 7.5), (32, 30.0)]
     assert warmup_shapes(cuda, 16, 30.0, 10.0) == [(1, WARMUP_S), (16, 0.625), (1, 30.0)]  # one piece may pass it
+
+
+def test_a_waiting_engine_wakes_for_a_deadline_and_for_a_cancel():
+    """With max_wait longer than an item's timeout, the engine thread slept past the deadline; a cancelled item kept
+    its place in the queue (and in the 429 count) until the wait ended."""
+    b = _batcher(max_wait_ms=3000.0, max_batch_size=64)
+    threading.Thread(target=b.next_batch, daemon=True).start()
+    expiring, cancelled = _item(1.0, timeout_s=0.3), _item(1.0)
+    started = time.monotonic()
+    b.submit([expiring, cancelled])
+    with pytest.raises(TimeoutError):
+        expiring.future.result(timeout=2.0)
+    assert time.monotonic() - started < 1.5
+    cancelled.future.cancel()
+    deadline = time.monotonic() + 1.0
+    while b.depth and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert b.depth == 0 and time.monotonic() - started < 2.5
+    b.close()
