@@ -124,12 +124,13 @@ SERVER_SERIES = ("batchasr_audio_seconds_total", "batchasr_compute_seconds_total
 
 
 def server_counters(url: str) -> dict[str, float]:
-    """The unlabelled series above from the server's /metrics."""
-    values = {}
+    """The series above from the server's /metrics, each summed over its labels."""
+    values: dict[str, float] = {}
     for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        name, _, value = line.partition(" ")
+        series, _, value = line.rpartition(" ")
+        name = series.split("{", 1)[0]
         if name in SERVER_SERIES:
-            values[name] = float(value)
+            values[name] = values.get(name, 0.0) + float(value)
     return values
 
 

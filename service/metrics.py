@@ -46,8 +46,9 @@ class Metrics:
         self.padding_ratio = Histogram("batchasr_padding_ratio", "Share of each batch's samples that is padding",
                                        buckets=(0.01, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0), registry=r)
         self.queue_depth = Gauge("batchasr_queue_depth", "Items waiting for the engine", registry=r)
+        # by source: "http" (someone waits: the API's autoscaling reads it) or "job" (bulk items wait by design)
         self.queue_wait_seconds = Histogram("batchasr_queue_wait_seconds", "Time items wait before their batch",
-                                            buckets=SECONDS_BUCKETS, registry=r)
+                                            ["source"], buckets=SECONDS_BUCKETS, registry=r)
         self.request_duration_seconds = Histogram("batchasr_request_duration_seconds", "HTTP request latency",
                                                   ["route"], buckets=SECONDS_BUCKETS, registry=r)
         self.stage_seconds = Histogram("batchasr_stage_seconds", "Time per batch in each engine stage", ["stage"],
@@ -102,7 +103,7 @@ class Metrics:
         self.gpu_memory_bytes.set_function(allocated)
 
     def observe_batch(self, n_items: int, audio_s: float, rows_s: float, padded_s: float, compute_s: float,
-                      stage_s: dict[str, float], queue_waits_s: list[float]) -> None:
+                      stage_s: dict[str, float], queue_waits_s: list[tuple[float, bool]]) -> None:
         """``audio_s``: the recordings' seconds the batch accounts for (RTFx); ``rows_s``: its rows' seconds
         (with the overlaps of long recordings' pieces); ``padded_s``: the rows padded to the batch's shape."""
         self.audio_seconds.inc(audio_s)
@@ -112,8 +113,8 @@ class Metrics:
         self.padding_ratio.observe(1 - rows_s / padded_s if padded_s > 0 else 0.0)
         for stage, seconds in stage_s.items():
             self.stage_seconds.labels(stage).observe(seconds)
-        for wait in queue_waits_s:
-            self.queue_wait_seconds.observe(wait)
+        for wait, interactive in queue_waits_s:  # (seconds, an HTTP request's?)
+            self.queue_wait_seconds.labels("http" if interactive else "job").observe(wait)
         now = time.monotonic()
         with self._lock:
             self._window.append((now, audio_s, compute_s))

@@ -195,6 +195,8 @@ def test_audio_seconds_count_a_long_recording_once_not_its_overlaps(hybrid, pari
                               headers={"content-type": "audio/flac"}, timeout=120)
         assert response.status_code == 200 and response.json()["segments"] > 5  # pieces overlapping by 2 s
         assert running.metric("batchasr_audio_seconds_total") == pytest.approx(len(recording) / 16000, abs=1e-6)
+        assert running.metric("batchasr_queue_wait_seconds_count", '{source="http"}') == response.json()["segments"]
+        assert running.metric("batchasr_queue_wait_seconds_count", '{source="job"}') == 0
 
 
 def test_a_client_that_leaves_mid_stream_drops_the_pieces_still_queued(hybrid, parity_audio):
