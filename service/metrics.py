@@ -39,6 +39,7 @@ class Metrics:
                                        registry=r)
         self.rtfx = Gauge("batchasr_rtfx", f"Audio seconds per compute second over the last {RTFX_WINDOW_S:.0f} s",
                           registry=r)
+        self.rtfx.set_function(self._recent_rtfx)  # as of each scrape: an idle engine's falls to 0
         self.batch_size = Histogram("batchasr_batch_size", "Items per engine batch", buckets=BATCH_SIZE_BUCKETS,
                                     registry=r)
         self.batch_audio_seconds = Histogram("batchasr_batch_audio_seconds", "Seconds of audio per batch",
@@ -118,10 +119,18 @@ class Metrics:
         now = time.monotonic()
         with self._lock:
             self._window.append((now, audio_s, compute_s))
-            while self._window and self._window[0][0] < now - RTFX_WINDOW_S:
-                self._window.popleft()
+            self._forget_before(now - RTFX_WINDOW_S)
+
+    def _recent_rtfx(self) -> float:
+        """RTFx over the batches of the last ``RTFX_WINDOW_S`` seconds, as of the scrape (0 once idle that long)."""
+        with self._lock:
+            self._forget_before(time.monotonic() - RTFX_WINDOW_S)
             compute = sum(c for _, _, c in self._window)
-            self.rtfx.set(sum(a for _, a, _ in self._window) / compute if compute > 0 else 0.0)
+            return sum(a for _, a, _ in self._window) / compute if compute > 0 else 0.0
+
+    def _forget_before(self, moment: float) -> None:
+        while self._window and self._window[0][0] < moment:
+            self._window.popleft()
 
     def observe_tokens(self, logprobs: list[list[float] | None]) -> None:
         """A batch's token scores (a hypothesis's list each; None where tokens were not scored)."""
