@@ -23,6 +23,7 @@ import os
 import signal
 import socket
 import tempfile
+import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
@@ -148,8 +149,9 @@ class ProcessPool:
             if process.is_alive() and process.pid is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.stop_grace_s  # one grace period for all, not one each in turn
         for process in self._processes:
-            await asyncio.to_thread(process.join, self.stop_grace_s)
+            await asyncio.to_thread(process.join, max(0.0, deadline - time.monotonic()))
             if process.is_alive():
                 log.error("%s (pid %s) did not stop within %.0f s; killing it", process.name, process.pid,
                           self.stop_grace_s)

@@ -356,3 +356,20 @@ def test_every_count_a_consumer_makes_crosses_the_link():
              if not name.startswith("_")} | {"observe_intake_wait"}
     assert calls and calls <= set(FORWARDED_METRIC_CALLS)
     assert all(callable(getattr(EngineLink, name)) and callable(getattr(Metrics, name)) for name in calls)
+
+
+def _ignores_sigterm() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(60)
+
+
+def test_stuck_helper_processes_share_one_grace_period():
+    """They were joined one after another, each with the whole grace: N stuck front ends took N grace periods."""
+    from service.processes import ProcessPool, ProcessSpec
+
+    pool = ProcessPool([ProcessSpec(f"stuck-{i}", _ignores_sigterm, ()) for i in range(3)], stop_grace_s=1.5)
+    pool.start()
+    time.sleep(1.0)  # spawned, with the handler in place
+    started = time.monotonic()
+    asyncio.run(pool.stop())
+    assert time.monotonic() - started < 3.0  # one grace period (1.5 s), then all killed; not 4.5 s
