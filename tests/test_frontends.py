@@ -358,18 +358,20 @@ def test_every_count_a_consumer_makes_crosses_the_link():
     assert all(callable(getattr(EngineLink, name)) and callable(getattr(Metrics, name)) for name in calls)
 
 
-def _ignores_sigterm() -> None:
+def _ignores_sigterm(ready: Path) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    ready.touch()
     time.sleep(60)
 
 
-def test_stuck_helper_processes_share_one_grace_period():
+def test_stuck_helper_processes_share_one_grace_period(tmp_path):
     """They were joined one after another, each with the whole grace: N stuck front ends took N grace periods."""
     from service.processes import ProcessPool, ProcessSpec
 
-    pool = ProcessPool([ProcessSpec(f"stuck-{i}", _ignores_sigterm, ()) for i in range(3)], stop_grace_s=1.5)
+    specs = [ProcessSpec(f"stuck-{i}", _ignores_sigterm, (tmp_path / str(i),)) for i in range(3)]
+    pool = ProcessPool(specs, stop_grace_s=1.5)
     pool.start()
-    time.sleep(1.0)  # spawned, with the handler in place
+    assert _eventually(lambda: len(list(tmp_path.iterdir())) == 3, timeout=60)  # each ignores SIGTERM now
     started = time.monotonic()
     asyncio.run(pool.stop())
     assert time.monotonic() - started < 3.0  # one grace period (1.5 s), then all killed; not 4.5 s
