@@ -320,7 +320,7 @@ def prepare(name: str | None, device: str = "auto", dtype: str = "auto", seed: i
     else:
         waveforms = synthetic_audio(n_utterances, seed)
     shift = calibrate_blank_bias(model, waveforms[:CALIBRATION_UTTERANCES], decoder) if random_weights else None
-    return Workload(str(name), model, waveforms, decoder, shift)
+    return Workload(name or "the embedded default model", model, waveforms, decoder, shift)
 
 
 def measure(work: Workload, batch_size: int = 16, repeat: int = 1, decoder_algorithm: str = "label_looping",
