@@ -213,7 +213,7 @@ class Batcher:
                     if batch.items:
                         return batch
                     continue
-                self._cond.wait(min(release_at, self._next_deadline) - now)  # an item may expire first
+                self._cond.wait(release_at - now)
 
     def _oldest(self) -> WorkItem | None:
         for priority in Priority:

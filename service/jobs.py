@@ -31,6 +31,7 @@ from models.transcript import rounded
 PREFIX = "batchasr"
 ITEM_STREAM = f"{PREFIX}:items"  # XADD job=<id> index=<i>; consumer group GROUP (normal priority's items)
 DEAD_LETTER_STREAM = f"{PREFIX}:items:dead"  # items that failed for good, with their last error
+MAX_CLAIM_LOOKS = 16  # XAUTOCLAIM calls one look for stalled deliveries may make (each sees 10 per one asked for)
 DEAD_LETTERS_KEPT = 100_000  # the newest dead letters the stream keeps (about; a noeviction Redis must not fill)
 # XADD job=<id> in the same script that finishes a job with a webhook; consumer group GROUP delivers it
 WEBHOOK_STREAM = f"{PREFIX}:webhooks"
@@ -707,13 +708,22 @@ class JobStore:
     async def claim_stalled(self, stream: str, consumer: str, idle_s: float, count: int, start: bytes | str = "0-0"
                             ) -> tuple[bytes | str, list[tuple[bytes, dict]]]:
         """Up to ``count`` of ``stream``'s deliveries left unacknowledged ``idle_s`` or longer, now ``consumer``'s,
-        looking from ``start``; and where the next look goes on from ("0-0": the start again). Redis looks at ten
-        entries per one asked for, so a consumer that always started over would never reach a stalled delivery
-        behind many live ones. Entries trimmed away while pending are acknowledged (nothing is left to deliver)."""
-        reply = await self.redis.xautoclaim(stream, GROUP, consumer, int(idle_s * 1000), start, count=count)
-        for message_id in reply[2] if len(reply) > 2 else []:
-            await self.redis.xack(stream, GROUP, message_id)
-        return reply[0], [(message_id, fields) for message_id, fields in reply[1] if fields]
+        looking from ``start`` to the end of the pending list (at most ``MAX_CLAIM_LOOKS`` calls); and where the next
+        look goes on from ("0-0": the start again). Redis looks at ten entries per one asked for, so a consumer that
+        looked once from the start would never reach a stalled delivery behind many live ones, and one that went on
+        from there at its next look would pass over deliveries that had not stalled yet until it came round again.
+        Entries trimmed away while pending are acknowledged (nothing is left to deliver)."""
+        claimed: list[tuple[bytes, dict]] = []
+        for _ in range(MAX_CLAIM_LOOKS):
+            reply = await self.redis.xautoclaim(stream, GROUP, consumer, int(idle_s * 1000), start,
+                                                count=count - len(claimed))
+            for message_id in reply[2] if len(reply) > 2 else []:
+                await self.redis.xack(stream, GROUP, message_id)
+            claimed += [(message_id, fields) for message_id, fields in reply[1] if fields]
+            start = reply[0]
+            if start in (b"0-0", "0-0") or len(claimed) >= count:
+                break
+        return start, claimed
 
     async def ping(self) -> bool:
         try:

@@ -166,20 +166,17 @@ def test_warm_up_covers_the_widest_and_the_longest_batch_on_a_gpu_only():
     assert warmup_shapes(cuda, 16, 30.0, 10.0) == [(1, WARMUP_S), (16, 0.625), (1, 30.0)]  # one piece may pass it
 
 
-def test_a_waiting_engine_wakes_for_a_deadline_and_for_a_cancel():
-    """With max_wait longer than an item's timeout, the engine thread slept past the deadline; a cancelled item kept
-    its place in the queue (and in the 429 count) until the wait ended."""
+def test_a_waiting_engine_wakes_for_a_cancel():
+    """A cancelled item kept its place in the queue (and in the 429 count) until the batch wait ended."""
     b = _batcher(max_wait_ms=3000.0, max_batch_size=64)
     threading.Thread(target=b.next_batch, daemon=True).start()
-    expiring, cancelled = _item(1.0, timeout_s=0.3), _item(1.0)
+    cancelled = _item(1.0)
     started = time.monotonic()
-    b.submit([expiring, cancelled])
-    with pytest.raises(TimeoutError):
-        expiring.future.result(timeout=2.0)
-    assert time.monotonic() - started < 1.5
+    b.submit([cancelled])
+    time.sleep(0.2)
     cancelled.future.cancel()
     deadline = time.monotonic() + 1.0
     while b.depth and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert b.depth == 0 and time.monotonic() - started < 2.5
+    assert b.depth == 0 and time.monotonic() - started < 1.5
     b.close()
