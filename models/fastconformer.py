@@ -101,15 +101,18 @@ class RelPositionalEncoding(nn.Module):
     def __init__(self, d_model: int, max_len: int):
         super().__init__()
         self.d_model = d_model
-        self.max_len = max_len
         self.register_buffer("pe", self._table(max_len, torch.device("cpu")), persistent=False)
+
+    @property
+    def max_len(self) -> int:
+        """Positions the table covers each way (its 2L-1 rows)."""
+        return (self.pe.shape[1] + 1) // 2
 
     def cover(self, n_feature_frames: int) -> None:
         """NeMo's ``update_max_seq_length``: once an input's feature frames (not its encoder frames) pass the
         table's length, the table is computed again for that many, on the model's device, and kept. The same
         inputs then read the same values as in NeMo: on a GPU, sin and cos round apart from the CPU's."""
         if n_feature_frames > self.max_len:
-            self.max_len = n_feature_frames
             self.pe = self._table(n_feature_frames, self.pe.device)
 
     def _table(self, length: int, device: torch.device) -> Tensor:
@@ -123,8 +126,7 @@ class RelPositionalEncoding(nn.Module):
 
     def forward(self, n_frames: int, dtype: torch.dtype) -> Tensor:
         """(1, 2T-1, d_model) embeddings for positions T-1 down to -(T-1)."""
-        if self.pe.shape[1] < 2 * n_frames - 1:  # frames given without ``cover`` first
-            self.max_len = n_frames
+        if n_frames > self.max_len:  # frames given without ``cover`` first
             self.pe = self._table(n_frames, self.pe.device)
         center = self.pe.shape[1] // 2 + 1
         return self.pe[:, center - n_frames : center + n_frames - 1].to(dtype)

@@ -237,8 +237,8 @@ async def _transcription_events(queued: QueuedRequest, deltas: AsyncIterator[Tex
         yield _event({"type": "error", **_engine_error(exc).body()})
     except Exception as exc:  # a batch that failed (the headers are sent: the stream says so, as it promises)
         log.exception("transcription stream failed")
-        yield _event({"type": "error", "error": {"message": f"internal error: {type(exc).__name__}",
-                                                 "type": "server_error", "param": None, "code": None}})
+        yield _event({"type": "error", **ApiError(500, f"internal error: {type(exc).__name__}",
+                                                  type="server_error").body()})
     finally:
         queued.cancel()
 

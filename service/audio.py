@@ -67,9 +67,14 @@ class AudioLimits:
     max_channels: int = 8  # channels a multichannel request may keep apart
 
 
+def _media_type(content_type: str | None) -> str:
+    """``audio/wav; rate=16000`` -> ``audio/wav``."""
+    return (content_type or "").split(";")[0].strip().lower()
+
+
 def declared_as_audio(content_type: str | None) -> bool:
     """Whether an upload's declared type allows audio (audio/*, video/*, a generic binary type, none)."""
-    media = (content_type or "").split(";")[0].strip().lower()
+    media = _media_type(content_type)
     return media in ACCEPTED_MEDIA_TYPES or media.startswith(ACCEPTED_MEDIA_PREFIXES)
 
 
@@ -86,9 +91,8 @@ def decode_declared_audio(data: bytes, content_type: str | None, limits: AudioLi
     except AudioRequestError as exc:
         if declared_as_audio(content_type):
             raise
-        media = (content_type or "").split(";")[0].strip().lower()
-        raise UnsupportedMediaType(f"unsupported media type {media!r}: send audio (WAV, FLAC, OGG/Opus, MP3, M4A, "
-                                   "MP4, WebM)") from exc
+        raise UnsupportedMediaType(f"unsupported media type {_media_type(content_type)!r}: send audio (WAV, FLAC, "
+                                   "OGG/Opus, MP3, M4A, MP4, WebM)") from exc
 
 
 def stretch_frames(stretch: Stretch, rate: int, total: int) -> tuple[int, int | None]:

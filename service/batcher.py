@@ -5,9 +5,9 @@ the rest of the batch is chosen among waiting items of similar length, so little
 A batch is released when it is full or when its oldest item has waited ``max_wait_ms``.
 
 With ``length_bucket_s`` every batch has one shape per bucket: it takes pieces of one length bucket only, is
-padded to the bucket's end, and to ``max_batch_size`` rows. In bf16 a piece's result then no longer moves with
-its neighbours (the padded length and, for small batches, the row count change how kernels round:
-docs/benchmarks.md), at the cost of computing the padding.
+padded to the bucket's end, and to as many rows (at most ``max_batch_size``) as fit ``max_batch_audio_s`` there.
+In bf16 a piece's result then no longer moves with its neighbours (the padded length and, for small batches, the
+row count change how kernels round: docs/benchmarks.md), at the cost of computing the padding.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ class Batch:
     items: list[WorkItem]
     formed_at: float = field(default_factory=time.monotonic)
     pad_to: int = 0  # samples every row is padded to at least (length buckets: the bucket's end)
-    pad_rows: int = 0  # rows the batch is padded to at least, with silence (length buckets: max_batch_size)
+    pad_rows: int = 0  # rows the batch is padded to at least, with silence (length buckets: as many as fit)
 
     @property
     def n_samples(self) -> int:

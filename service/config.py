@@ -57,8 +57,9 @@ class Settings(BaseSettings):
     max_queue: int = 2048  # queued segments beyond which requests get 429
     max_segment_s: float = 30.0  # longer audio is split near here at quiet points
     segment_overlap_s: float = 2.0
-    # fixed batch shapes: pieces of one length bucket of this many seconds per batch, padded to its end and to
-    # max_batch_size rows, so bf16 transcripts do not move with their neighbours (service.batcher); None: off
+    # fixed batch shapes: pieces of one length bucket of this many seconds per batch, padded to its end and to as
+    # many rows as fit the padded-audio limit, so bf16 transcripts do not move with their neighbours
+    # (service.batcher); None: off
     length_bucket_s: float | None = None
 
     # Redis (bulk jobs)

@@ -26,8 +26,10 @@ def output_names(arguments: Iterable[str], suffix: str, files: bool = True) -> d
         root = Path(argument)
         for path in find_audio_files([argument]):
             named[path] = (path.relative_to(root) if root.is_dir() else Path(path.name)).with_suffix(suffix)
+    if not files:
+        return named
     seen: dict[Path, Path | str] = {}
-    for source, name in named.items() if files else ():
+    for source, name in named.items():
         if name in seen:
             raise ValueError(f"{seen[name]} and {source} would both be written as {name}: give them in separate runs")
         seen[name] = source
