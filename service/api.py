@@ -501,9 +501,13 @@ ops = APIRouter(tags=["operations"])
 
 
 @ops.get("/healthz")
-async def healthz() -> dict[str, str]:
-    """Alive: the process answers."""
-    return {"status": "ok"}
+async def healthz(service: ServiceDep) -> JSONResponse:
+    """Alive: the process answers, and its engine has not failed for good (a failed warm-up, a broken GPU
+    context): then only a new process can serve, so a liveness probe restarts it."""
+    stack = service.stack
+    if stack is not None and stack.engine.failed:
+        return JSONResponse({"status": "failed", "error": stack.engine.error}, 503)
+    return JSONResponse({"status": "ok"})
 
 
 @ops.get("/readyz")

@@ -49,6 +49,17 @@ def warmup_shapes(device: torch.device, max_batch_size: int, max_segment_s: floa
     return list(dict.fromkeys([*LIGHT_WARMUP, widest, longest]))
 
 
+def device_broken(exc: BaseException) -> bool:
+    """A CUDA error that outlives the batch that met it (an illegal address, a device-side assert, a launch
+    failure): the context is broken, and every later batch would fail with it too. Out of memory is not one: the
+    next batch may fit."""
+    if isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc):
+        return False
+    accelerator_error = getattr(torch, "AcceleratorError", None)  # PyTorch >= 2.8 raises CUDA errors as this
+    return (accelerator_error is not None and isinstance(exc, accelerator_error)) or (
+        isinstance(exc, RuntimeError) and "CUDA error" in str(exc))
+
+
 class EngineState(str, Enum):
     STARTING = "starting"
     READY = "ready"
@@ -80,6 +91,11 @@ class Engine:
     def ready(self) -> bool:
         return self.state is EngineState.READY
 
+    @property
+    def failed(self) -> bool:
+        """For good: warm-up failed, or the loop stopped (a broken device); only a new process can serve."""
+        return self.state is EngineState.FAILED
+
     def start(self) -> None:
         self._thread.start()
 
@@ -96,6 +112,8 @@ class Engine:
             self.state = EngineState.STOPPED
 
     def _run(self) -> None:
+        if self.model.device.type == "cuda":  # this thread's current device: what a graph captures, and on cuda:N
+            torch.cuda.set_device(self.model.device)
         try:
             self._warm_up()
         except Exception as exc:  # a model that cannot run must say so on /readyz, not die silently
@@ -173,6 +191,8 @@ class Engine:
                                           batch.row_samples, [item.hotwords for item in batch.items] + [()] * padding)
             hyps = hyps[: len(batch.items)]
         except Exception as exc:
+            if device_broken(exc):
+                raise  # the loop stops: this batch and all that waits fail with it, and the engine says it failed
             log.exception("batch of %d failed", len(batch.items))
             for item in batch.items:
                 item.future.set_exception(exc)

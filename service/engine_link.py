@@ -86,6 +86,11 @@ class EngineLink:
     def error(self) -> str | None:
         return self._lost or self.status.error
 
+    @property
+    def failed(self) -> bool:
+        """The engine process's engine failed for good (an error while not ready), or this link to it is lost."""
+        return not self.ready and self.error is not None
+
     def submit(self, items: list[WorkItem]) -> None:
         """Send the pieces to the engine process. Its refusal (``QueueFull``) comes back on their futures."""
         if self._lost is not None:

@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import socket
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
@@ -36,9 +37,10 @@ from .jobs import (
     JobInputError,
     JobPriority,
     JobStore,
+    group_lost,
     item_record,
     resolve_input_path,
-    wait_before_retry,
+    step_until_stopped,
 )
 from .transcriber import TooManyPieces, Transcriber
 from .url_inputs import UrlFetcher
@@ -91,8 +93,10 @@ class ConsumerOptions:
 class JobConsumer:
     def __init__(self, store: JobStore, transcriber: Transcriber, limits: AudioLimits, input_roots: list[str],
                  metrics: JobMetrics, options: ConsumerOptions, decode_pool: ThreadPoolExecutor | None = None,
-                 webhooks: WebhookSender | None = None, urls: UrlFetcher | None = None):
+                 webhooks: WebhookSender | None = None, urls: UrlFetcher | None = None,
+                 engine_failed: Callable[[], bool] = lambda: False):
         self.store = store
+        self.engine_failed = engine_failed  # then every item taken would fail: none is, and ``run`` returns
         self.transcriber = transcriber
         self.limits = limits
         self.input_roots = input_roots
@@ -115,27 +119,20 @@ class JobConsumer:
     async def run(self, stop: asyncio.Event) -> None:
         """Consume until ``stop`` is set; then finish (and acknowledge) what is in hand and return. Webhook
         deliveries run beside, on a stream of their own (service.webhook_worker)."""
-        webhooks = asyncio.create_task(self.webhook_deliveries.run(stop))
-        backoff = 1.0
-        while not stop.is_set():
-            try:
-                await self._step()
-                backoff = 1.0
-                continue
-            except REDIS_ERRORS as exc:
-                self.connected = False
-                self._group_ready = False  # a Redis restarted without its data has lost the group
-                log.warning("redis unreachable (%s); retrying in %.0f s", exc, backoff)
-            except aioredis.RedisError as exc:  # full (maxmemory), read-only, a lost group: the consumer outlives it
-                self._group_ready = self._group_ready and "NOGROUP" not in str(exc)
-                log.warning("redis refused the job consumer (%s: %s); retrying in %.0f s", type(exc).__name__, exc,
-                            backoff)
-            except Exception:  # a consumer that stopped would strand every queued job, silently
-                log.exception("job consumer step failed; retrying in %.0f s", backoff)
-            backoff = await wait_before_retry(stop, backoff)
+        halt = asyncio.Event()  # stop, or the engine failed
+        webhooks = asyncio.create_task(self.webhook_deliveries.run(halt))
+        await step_until_stopped(stop, self._step, "job consumer", self._failed, until=self.engine_failed)
+        if self.engine_failed():
+            log.error("the engine failed: this consumer takes no more items (those in hand go back to the stream, "
+                      "for other workers, after the visibility timeout)")
+        halt.set()
         await self._finish_in_flight()
         await webhooks
         await self.close()
+
+    def _failed(self, exc: Exception) -> None:
+        self.connected = self.connected and not isinstance(exc, REDIS_ERRORS)
+        self._group_ready = self._group_ready and not group_lost(exc)
 
     async def close(self) -> None:
         """Release the URL fetcher's and the webhook sender's connections (``run`` does this when it returns)."""

@@ -57,6 +57,9 @@ async def run_worker(settings: Settings, metrics_port: int | None) -> int:
     stack.start_consumer()
     await stack.wait_consumer()  # returns after a stop signal, with the items in hand finished and acked
     await stack.stop()
+    if stack.engine.failed:  # the consumer stopped taking items; a new process may find the device working
+        log.error("worker stopped: the engine failed: %s", stack.engine.error)
+        return 1
     log.info("worker stopped")
     return 0
 

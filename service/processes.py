@@ -90,7 +90,7 @@ async def _consume(settings: Settings, engine_path: str, index: int) -> None:
     name = f"{settings.worker_name}-{index}" if settings.worker_name else default_consumer_name()
     prefetch = max(1, settings.job_items_in_flight // settings.job_consumers)
     consumer = make_consumer(settings, stack.jobs, stack.transcriber, stack.limits, link, stack.decode_pool, name,
-                             prefetch)
+                             prefetch, lambda: link.failed)
     log.info("job consumer %s: %d items in flight", name, prefetch)
     await consumer.run(stop)
     await stack.stop()
@@ -198,7 +198,12 @@ async def run_engine_process(settings: Settings, http: bool = True, metrics_port
         log.info("engine process: %d front ends%s, %d job consumer processes", len(specs) - consumers,
                  f" on http://{settings.host}:{settings.port}" if sock is not None else "", consumers)
         watcher = asyncio.create_task(pool.watch())
-        await stop.wait()
+        stopped, failed = asyncio.create_task(stop.wait()), asyncio.create_task(stack.wait_engine_failed())
+        await asyncio.wait([stopped, failed], return_when=asyncio.FIRST_COMPLETED)
+        if failed.done():  # nothing here can serve again: exit, for the supervisor to start a fresh process
+            log.error("the engine failed (%s): stopping", stack.engine.error)
+        stopped.cancel()
+        failed.cancel()
         log.info("stopping: front ends and consumers first, then the engine")
         watcher.cancel()
         if sock is not None:  # this copy first: else the port keeps listening, with no one to accept, until the
@@ -207,4 +212,4 @@ async def run_engine_process(settings: Settings, http: bool = True, metrics_port
         await server.close()
         await stack.stop()
     log.info("stopped")
-    return 0
+    return 1 if stack.engine.failed else 0

@@ -7,6 +7,7 @@ and `batchasr worker` build it here; a front-end process builds its own, smaller
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -48,7 +49,8 @@ class Stack:
         assert self.jobs is not None and self.consumer is None
         s = self.settings
         self.consumer = make_consumer(s, self.jobs, self.transcriber, self.limits, self.metrics, self.decode_pool,
-                                      s.worker_name or default_consumer_name(), s.job_items_in_flight)
+                                      s.worker_name or default_consumer_name(), s.job_items_in_flight,
+                                      lambda: self.engine.failed)
         return self.consumer
 
     def start_consumer(self) -> None:
@@ -58,6 +60,11 @@ class Stack:
     def request_stop(self) -> None:
         """Ask the job consumer to stop (signal handlers call this)."""
         self._stop.set()
+
+    async def wait_engine_failed(self, poll_s: float = 1.0) -> None:
+        """Returns once the engine has failed for good (never, while it serves)."""
+        while not self.engine.failed:
+            await asyncio.sleep(poll_s)
 
     async def wait_consumer(self) -> None:
         if self._consumer_task is not None:
@@ -99,7 +106,8 @@ READING_SHARE = 16  # a consumer reads (fetches, decodes) this fraction of its i
 
 
 def make_consumer(s: Settings, jobs: JobStore, transcriber: Transcriber, limits: AudioLimits, metrics: JobMetrics,
-                  decode_pool: ThreadPoolExecutor, name: str, prefetch: int) -> JobConsumer:
+                  decode_pool: ThreadPoolExecutor, name: str, prefetch: int,
+                  engine_failed: Callable[[], bool]) -> JobConsumer:
     # the items in flight hold at most the audio of as many segments; a sixteenth of them are read at once
     # (service.audio_budget)
     options = ConsumerOptions(name=name, prefetch=prefetch, visibility_timeout_s=s.job_visibility_timeout_s,
@@ -107,7 +115,8 @@ def make_consumer(s: Settings, jobs: JobStore, transcriber: Transcriber, limits:
                               first_item_s=s.max_segment_s, max_reading=max(1, prefetch // READING_SHARE))
     webhooks = WebhookSender(s.webhook_secret, s.webhook_url_prefixes) if s.webhook_secret else None
     urls = UrlFetcher(s.input_url_prefixes, s.max_upload_bytes, s.job_url_timeout_s) if s.input_url_prefixes else None
-    return JobConsumer(jobs, transcriber, limits, s.input_roots, metrics, options, decode_pool, webhooks, urls)
+    return JobConsumer(jobs, transcriber, limits, s.input_roots, metrics, options, decode_pool, webhooks, urls,
+                       engine_failed)
 
 
 def _job_store(s: Settings) -> JobStore | None:

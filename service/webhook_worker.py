@@ -14,9 +14,7 @@ import logging
 import math
 from typing import Protocol
 
-import redis.asyncio as aioredis
-
-from .jobs import GROUP, REDIS_ERRORS, WEBHOOK_STREAM, JobNotFound, JobStore, wait_before_retry
+from .jobs import GROUP, REDIS_ERRORS, WEBHOOK_STREAM, JobNotFound, JobStore, group_lost, step_until_stopped
 from .webhooks import Delivery, WebhookSender
 
 log = logging.getLogger(__name__)
@@ -53,21 +51,11 @@ class WebhookWorker:
 
     async def run(self, stop: asyncio.Event, block_ms: int = 1000) -> None:
         """Deliver until ``stop`` is set; then give deliveries in progress ``stop_grace_s`` and hand back the rest."""
-        backoff = 1.0
-        while not stop.is_set():
-            try:
-                await self.step(block_ms)
-                backoff = 1.0
-                continue
-            except REDIS_ERRORS as exc:
-                log.warning("redis unreachable for webhooks (%s); retrying in %.0f s", exc, backoff)
-            except aioredis.RedisError as exc:  # NOGROUP: a Redis that lost the group; full, read-only: waited out
-                self._group_ready = self._group_ready and "NOGROUP" not in str(exc)
-                log.warning("webhook stream: %s; retrying in %.0f s", exc, backoff)
-            except Exception:  # deliveries that stopped would leave every job's webhook undelivered, silently
-                log.exception("webhook step failed; retrying in %.0f s", backoff)
-            backoff = await wait_before_retry(stop, backoff)
+        await step_until_stopped(stop, lambda: self.step(block_ms), "webhook deliveries", self._failed)
         await self._hand_back()
+
+    def _failed(self, exc: Exception) -> None:
+        self._group_ready = self._group_ready and not group_lost(exc)
 
     async def close(self) -> None:
         """Release the sender's connections (after ``run`` or ``drain``)."""

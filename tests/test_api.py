@@ -17,6 +17,7 @@ import httpx
 import numpy as np
 import pytest
 import soundfile as sf
+import torch
 
 from models import load_model
 from service.config import Settings
@@ -182,7 +183,35 @@ def test_an_engine_thread_that_dies_answers_what_waits_and_is_not_ready(parity_d
         assert {a.status_code for a in answers} <= {500, 503} and 500 in {a.status_code for a in answers}
         ready = httpx.get(f"{running.url}/readyz")
         assert ready.status_code == 503 and "the engine stopped: a fault in the loop" in ready.text
-        assert httpx.get(f"{running.url}/healthz").status_code == 200
+        health = httpx.get(f"{running.url}/healthz")  # only a new process can serve: a liveness probe restarts it
+        assert health.status_code == 503 and health.json()["status"] == "failed"
+
+
+def test_a_broken_gpu_fails_the_engine_but_running_out_of_memory_fails_one_batch(parity_dir, parity_audio):
+    """A CUDA error such as an illegal address breaks the context: every later batch would fail with it while
+    /readyz said ready. Out of memory passes: the next batch may fit."""
+    model = load_model(parity_dir / "tdt.nemo", device="cpu", dtype="float32")
+    data = Path(parity_audio[0]).read_bytes()
+    with run_server(Settings(max_wait_ms=5), model) as running:
+        engine = running.service.stack.engine
+        compute = engine._compute
+        failures = iter([torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+                         torch.AcceleratorError("CUDA error: an illegal memory access was encountered")])
+
+        def failing(*args, **kwargs):
+            raise next(failures)
+
+        engine._compute = failing
+        assert _post(running.url, data).status_code == 500
+        engine._compute = compute
+        assert _post(running.url, data).status_code == 200 and engine.ready
+        engine._compute = failing
+        assert _post(running.url, data).status_code == 500
+        engine._compute = compute
+        assert _post(running.url, data).status_code == 503  # at once: nothing is queued for a dead engine
+        ready, health = httpx.get(f"{running.url}/readyz"), httpx.get(f"{running.url}/healthz")
+        assert ready.status_code == 503 and "illegal memory access" in ready.text
+        assert health.status_code == 503 and "illegal memory access" in health.json()["error"]
 
 
 @pytest.mark.parametrize("frontends", [False, True])

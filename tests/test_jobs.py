@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 import soundfile as sf
+import torch
 from redis.exceptions import OutOfMemoryError
 
 from models import load_model
@@ -283,6 +284,43 @@ def test_a_worker_holds_the_audio_of_its_items_in_flight_within_its_budget(redis
     assert [r["status"] for r in records] == ["completed"] * 5 and len({r["text"] for r in records}) == 1
     assert records[0]["duration_s"] == pytest.approx(len(recording) / 16000)
     assert max(held) == pytest.approx(len(recording) / 16000)  # one at a time: the budget holds one
+
+
+def test_a_worker_whose_gpu_broke_stops_taking_items_and_another_finishes_them(redis_server, model, parity_audio,
+                                                                               expected):
+    """A broken CUDA context fails every batch after it. A worker that went on taking items would fail each one
+    at once, and the whole queue with them after their attempts ran out."""
+    items = _uploads(parity_audio, 24)
+    settings = Settings(redis_url=redis_server.url, job_prefetch=4, job_visibility_timeout_s=2, max_wait_ms=20)
+
+    def illegal_address(*args, **kwargs):
+        raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+
+    async def run() -> str:
+        broken = build_stack(settings, model)
+        assert await asyncio.to_thread(broken.engine.wait_ready, 30)
+        job, _ = await broken.jobs.submit(items)
+        broken.engine._compute = illegal_address
+        await asyncio.wait_for(broken.make_consumer().run(asyncio.Event()), 60)  # returns by itself
+        assert broken.engine.failed and "illegal memory access" in broken.engine.error
+        status = await broken.jobs.get(job.id)
+        assert status.counts.get("failed", 0) == 0 and status.counts.get("queued", 0) >= len(items) - 4
+        await broken.stop()
+        healthy = build_stack(settings, model)
+        assert await asyncio.to_thread(healthy.engine.wait_ready, 30)
+        stop = asyncio.Event()
+        consuming = asyncio.create_task(healthy.make_consumer().run(stop))
+        try:
+            while not (await healthy.jobs.get(job.id)).finished:
+                await asyncio.sleep(0.1)
+        finally:
+            stop.set()
+            await asyncio.wait_for(consuming, 60)
+            await healthy.stop()
+        return job.id
+
+    job_id = asyncio.run(asyncio.wait_for(run(), 120))
+    _check_results(asyncio.run(JobStore.from_url(redis_server.url).results(job_id)), items, expected)
 
 
 def test_a_worker_keeps_the_batchers_pool_in_flight_within_half_the_queue():
