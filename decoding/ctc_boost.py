@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from .boosting import NULL_NODE, SpreadBoost
-from .cuda_graphs import WARMUP_PASSES, capture_graph, choose_mode
+from .cuda_graphs import WARMUP_PASSES, capture_graph, choose_mode, on_device
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ class CtcBoostLoop:
     def __call__(self, log_probs: Tensor, past_end: Tensor, roots: Tensor, spread: SpreadBoost) -> Tensor:
         """(R, T, C) boosted rows' log-probabilities, (R, T) frames past their ends, (R,) roots -> (R, T) frame
         labels."""
-        with self._lock:
+        with self._lock, on_device(log_probs.device):
             if self._graphs_on(log_probs.device):
                 return self._replay(log_probs, past_end, roots, spread)
             state = CtcBoostState.of_batch(log_probs, past_end, roots, spread, self.blank_id)

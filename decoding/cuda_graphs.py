@@ -122,6 +122,12 @@ def capture_graph(fn: Callable[[], Any], stream: torch.cuda.Stream) -> torch.cud
     return graph
 
 
+def on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """``device`` as the thread's current CUDA device while decoding on it: graph capture, the driver's calls and
+    the allocator's pools take the current one, which for a model on ``cuda:1`` need not be its own."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def _private_pool(device: torch.device) -> tuple[Any, contextlib.AbstractContextManager]:
     if not hasattr(torch.cuda, "use_mem_pool"):  # torch < 2.6
         log.warning("torch %s has no torch.cuda.use_mem_pool: conditional-node bodies allocate from the "
@@ -181,7 +187,7 @@ class LabelLoopingDecoder:
     @torch.inference_mode()
     def __call__(self, encoded: Tensor, lengths: Tensor, boost: BoostTable | None = None) -> list[Hypothesis]:
         """(B, T, d) encoder output and (B,) lengths -> one hypothesis per row; ``boost``: the rows' hotwords."""
-        with self._lock:
+        with self._lock, on_device(encoded.device):
             return self._decode(encoded, lengths, boost)
 
     def _decode(self, encoded: Tensor, lengths: Tensor, boost: BoostTable | None) -> list[Hypothesis]:

@@ -302,16 +302,20 @@ def read_audio(source: str | Path | bytes | BinaryIO | AudioClip, sample_rate: i
     return check_waveform(samples, name) if mix else check_channels(channels_first(samples), name)
 
 
+def declared_wav(source: str | Path | bytes | bytearray) -> tuple[WavData | None, int]:
+    """What a WAV's header declares of its data (``wav_data``; None for other formats) and the whole length of
+    ``source`` in bytes, from its first ``WAV_HEADER_BYTES``."""
+    if isinstance(source, (bytes, bytearray)):
+        return wav_data(bytes(source[:WAV_HEADER_BYTES])), len(source)
+    with open(source, "rb") as f:
+        return wav_data(f.read(WAV_HEADER_BYTES)), os.fstat(f.fileno()).st_size
+
+
 def _check_complete(source: str | Path | bytes | BinaryIO, name: str) -> None:
     """A WAV file or bytes holding fewer samples than its header promises is an error (a half-downloaded file)."""
-    if isinstance(source, (bytes, bytearray)):
-        head, total = bytes(source[:WAV_HEADER_BYTES]), len(source)
-    elif isinstance(source, (str, Path)):
-        with open(source, "rb") as f:
-            head, total = f.read(WAV_HEADER_BYTES), Path(source).stat().st_size
-    else:
+    if not isinstance(source, (bytes, bytearray, str, Path)):
         return
-    declared = wav_data(head)
+    declared, total = declared_wav(source)
     problem = None if declared is None else truncation_message(declared, total, "file")
     if problem:
         raise AudioError(f"{name}: {problem}")

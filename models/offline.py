@@ -24,7 +24,7 @@ from decoding.types import HOTWORD_BOOST, Hotwords
 from .audio_io import AudioError
 from .conversation import Conversation, assemble, duplicate_channels
 from .crosstalk import heard_elsewhere
-from .segmenter import Segment, plan_pieces, stitch
+from .segmenter import Segment, length_bucket_end, plan_pieces, stitch
 from .silence import Elsewhere
 from .transcript import Transcript, build_transcript
 
@@ -52,11 +52,6 @@ class OfflineOptions:
     # fixed batch shapes: batches of one length bucket of this many seconds, padded to its end and to batch_size
     # rows, scores row by row, so bf16 results do not move with the other inputs (docs/benchmarks.md)
     length_bucket_s: float | None = None
-
-
-def length_bucket_end(n_samples: int, bucket_samples: int) -> int:
-    """The end of the length bucket ``n_samples`` falls in: (0, b] -> b, (b, 2b] -> 2b, ..."""
-    return max(-(-n_samples // bucket_samples), 1) * bucket_samples
 
 
 Loaded = np.ndarray | AudioError | OSError

@@ -135,3 +135,8 @@ def stitch(pieces: list[tuple[Segment, Hypothesis]], tokenizer: Tokenizer | None
             if out.logprobs is not None:
                 out.logprobs.extend(hyp.logprobs[first : last + 1])
     return out
+
+
+def length_bucket_end(n_samples: int, bucket_samples: int) -> int:
+    """The end of the length bucket ``n_samples`` falls in: (0, b] -> b, (b, 2b] -> 2b, ..."""
+    return max(-(-n_samples // bucket_samples), 1) * bucket_samples

@@ -21,15 +21,14 @@ import numpy as np
 import soundfile as sf
 
 from models.audio_io import (
-    WAV_HEADER_BYTES,
     WHOLE,
     Stretch,
     channels_first,
     check_waveform,
+    declared_wav,
     decode_blocks,
     open_audio,
     truncation_message,
-    wav_data,
 )
 from models.containers import UnreadableContainer
 
@@ -116,7 +115,7 @@ def decode_audio(data: bytes, limits: AudioLimits, multichannel: bool = False, s
         raise AudioRequestError("the uploaded file is empty")
     if len(data) > limits.max_bytes:
         raise AudioTooLarge(f"upload of {len(data)} bytes exceeds the limit of {limits.max_bytes} bytes")
-    _check_wav_header(data, len(data), limits, stretch is WHOLE)
+    _check_wav_header(data, limits, stretch is WHOLE)
     return _decode(io.BytesIO(data), limits, multichannel, stretch)
 
 
@@ -127,8 +126,7 @@ def decode_audio_file(path: Path, limits: AudioLimits, multichannel: bool = Fals
     size = path.stat().st_size
     if size == 0:
         raise AudioRequestError(f"{path.name}: the file is empty")
-    with open(path, "rb") as f:
-        _check_wav_header(f.read(WAV_HEADER_BYTES), size, limits, stretch is WHOLE)
+    _check_wav_header(path, limits, stretch is WHOLE)
     return _decode(path, limits, multichannel, stretch)
 
 
@@ -160,11 +158,10 @@ def _limit_text(max_s: float, channels: int) -> str:
     return f"the limit for {channels} channels transcribed apart is {max_s:.0f} s (their seconds count together)"
 
 
-def _check_wav_header(data: bytes, total_bytes: int, limits: AudioLimits, whole: bool = True) -> None:
-    """RIFF/WAVE: the data chunk's declared size against the limit and against the bytes really sent (``data``
-    is the file's start, or all of it; ``total_bytes`` its whole length); a header claiming hours is refused before
-    reading further."""
-    declared = wav_data(data)
+def _check_wav_header(source: bytes | Path, limits: AudioLimits, whole: bool = True) -> None:
+    """RIFF/WAVE: the data chunk's declared size against the limit and against the bytes really there; a header
+    claiming hours is refused before reading further."""
+    declared, total_bytes = declared_wav(source)
     if declared is None:
         return
     if whole and declared.seconds > limits.max_duration_s:  # a stretch is checked by its own length

@@ -25,6 +25,7 @@ from enum import IntEnum
 import numpy as np
 
 from decoding.types import Hotwords, Hypothesis
+from models.segmenter import length_bucket_end
 
 # Batches are chosen among this many times max_batch_size waiting items. With lengths spread as speech's, a pool
 # of 4 batches left a quarter of each batch's samples padding, 16 leaves 7% (docs/benchmarks.md).
@@ -252,8 +253,7 @@ class Batcher:
         """Samples a piece of ``n_samples`` is padded to at least: the end of its length bucket, or itself."""
         if not self.fixed_shapes:
             return n_samples
-        # as models.offline.length_bucket_end; not imported: front-end processes load this module without torch
-        return max(-(-n_samples // self.bucket_samples), 1) * self.bucket_samples
+        return length_bucket_end(n_samples, self.bucket_samples)
 
     def _form_batch(self, anchor: WorkItem) -> Batch:
         pool_size = POOL_FACTOR * self.max_batch_size

@@ -17,6 +17,7 @@ class StageClock:
     """
 
     def __init__(self, device: torch.device):
+        self.device = device
         self.cuda = device.type == "cuda"
         self.marks: list[list[Any]] = []  # per batch: start, after features, after encoder, after decoder
 
@@ -24,13 +25,13 @@ class StageClock:
         if not self.cuda:
             return time.perf_counter(), time.process_time()
         event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))  # the model's device, which need not be the current one
         return event
 
     def stage_seconds(self, cpu_time: bool = False) -> dict[str, float]:
         """Seconds per stage, summed over batches: wall (GPU: event) time, or CPU time (CPU only)."""
         if self.cuda:
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(self.device)
         totals = dict.fromkeys(STAGES, 0.0)
         for marks in self.marks:
             for stage, start, end in zip(STAGES, marks, marks[1:], strict=False):

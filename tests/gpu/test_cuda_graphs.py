@@ -138,6 +138,21 @@ def test_two_models_on_one_device_do_not_interfere(parity_dir, mode):
                 assert got == expected[which][seed], (round_, seed, which)
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("mode", GRAPH_MODES)
+def test_a_model_on_the_second_gpu_decodes_while_the_first_is_current(parity_dir, mode):
+    """The thread's current device stays cuda:0 (the engine thread's, bench's): capture, the condition kernel's
+    launch and the graph's pool must all be on the model's own device."""
+    _require(mode)
+    model = load_model(str(parity_dir / "tdt.nemo"), device="cuda:1", dtype="float32")
+    encoded, lengths = (x.to("cuda:1") for x in _inputs(model, 2, 6, 48))
+    torch.cuda.set_device(0)
+    expected = _decoder(model, "off")(encoded, lengths)
+    decoder = _decoder(model, mode)
+    assert decoder(encoded, lengths) == expected and decoder(encoded, lengths) == expected
+    assert decoder.mode == mode and torch.cuda.current_device() == 0
+
+
 @pytest.mark.parametrize("mode", GRAPH_MODES)
 def test_replays_leave_other_tensors_alone(parity_dir, mode):
     """Body temporaries must not live in memory the allocator hands to others (PyTorch #114320)."""
