@@ -118,8 +118,9 @@ class AudioClip:
         return self.stretch.label(str(self.path))
 
 
-# data sizes written by tools that stream WAV without seeking back (sox writes 0x7FFFF000 to a pipe)
-STREAMED_WAV_SIZES = {0, 0xFFFFFFFF, 0x7FFFF000}
+# data sizes written by tools that stream WAV without seeking back: to a pipe, sox writes 0x7FFFF000, GStreamer's
+# wavenc 0x7FFF0000, arecord (without -d) 0x80000000, FFmpeg 0xFFFFFFFF (older versions 0)
+STREAMED_WAV_SIZES = {0, 0xFFFFFFFF, 0x7FFFF000, 0x7FFF0000, 0x80000000}
 WAV_HEADER_BYTES = 1 << 16  # of a file, read to check its WAV header's claims
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from models.audio_io import resample, to_mono
+from models.audio_io import read_audio, resample, to_mono
 from service import audio
 from service.audio import AudioLimits, AudioRequestError, AudioTooLarge, decode_audio, decode_audio_file
 
@@ -84,13 +84,16 @@ def test_a_truncated_or_empty_file_on_disk_is_refused_with_the_reason(tmp_path):
         decode_audio_file(empty, LIMITS)
 
 
-@pytest.mark.parametrize("declared", [0xFFFFFFFF, 0x7FFFF000], ids=["all-ones", "sox"])
+@pytest.mark.parametrize("declared", [0xFFFFFFFF, 0x7FFFF000, 0x7FFF0000, 0x80000000],
+                         ids=["all-ones", "sox", "gstreamer", "arecord"])
 def test_a_wav_streamed_through_a_pipe_decodes_whatever_size_its_header_guessed(declared):
     """A tool writing WAV to a pipe cannot go back to fill in the sizes: sox writes 0x7FFFF000 (some 11 hours at
-    16 kHz), which was refused as too long."""
+    16 kHz), which was refused as too long; GStreamer's 0x7FFF0000 and arecord's 0x80000000 (`arecord > x.wav`)
+    were refused as truncated, by the Python API too."""
     data = bytearray(_encode(np.sin(np.arange(16000 * 2) / 9).astype(np.float32) * 0.3, 16000, "WAV", "PCM_16"))
     expected = decode_audio(bytes(data), LIMITS)
     at = data.index(b"data")
     struct.pack_into("<I", data, at + 4, declared)
     struct.pack_into("<I", data, 4, (declared + 36) & 0xFFFFFFFF)
     np.testing.assert_array_equal(decode_audio(bytes(data), LIMITS), expected)
+    np.testing.assert_array_equal(read_audio(bytes(data)), expected)
