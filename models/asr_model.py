@@ -276,9 +276,9 @@ class ASRModel(nn.Module):
         of that many seconds, padded to its end and to ``batch_size`` rows, so in bf16 an input's tokens and
         scores do not depend on the other inputs (at the cost of computing the padding).
         """
-        if isinstance(audio, (np.ndarray, str, Path)):
+        if isinstance(audio, (np.ndarray, str, Path, AudioClip)):
             audio = [audio]
-        files = any(isinstance(item, (str, Path)) for item in audio)
+        files = any(isinstance(item, (str, Path, AudioClip)) for item in audio)  # a clip is read from its file
         options = self._offline_options(batch_size, decoder, decoder_algorithm, cuda_graphs, max_segment_s,
                                         window=None if files else max(1, len(audio)), multichannel=multichannel,
                                         skip_silence=skip_silence, hotwords=hotwords, hotword_boost=hotword_boost,

@@ -132,3 +132,24 @@ def test_a_truncated_wav_is_reported_by_the_command_line_as_over_http(parity_aud
     assert main(["transcribe", "--model", "models/assets/default.nemo", str(cut), parity_audio[1]]) == 1
     err = capsys.readouterr().err
     assert f"{cut}: the audio is truncated: its header promises" in err and "the file holds" in err
+
+
+def test_clips_are_read_like_files(model, parity_audio, monkeypatch):
+    """A clip given alone is one input (it was iterated, a TypeError), and a list of clips is read a window at a
+    time like a list of paths (it was read all at once, as arrays are)."""
+    from models import AudioClip, offline
+
+    clip = AudioClip(Path(parity_audio[1]), 0.5, 1.0)
+    wave = sf.read(parity_audio[1], dtype="float32")[0][8000:24000]
+    (alone,) = model.transcribe(clip)
+    assert (alone.tokens, alone.duration_s) == (model.transcribe([wave])[0].tokens, 1.0)
+    monkeypatch.setattr(offline, "WINDOW_BATCHES", 2)
+    read, read_by_first_batch = [], []
+    load_audio, encode = model.load_audio, model.encode
+    monkeypatch.setattr(model, "load_audio",
+                        lambda item, index=0, *rest: read.append(index) or load_audio(item, index, *rest))
+    monkeypatch.setattr(model, "encode",
+                        lambda waves, **kw: read_by_first_batch.append(len(read)) or encode(waves, **kw))
+    clips = [AudioClip(Path(parity_audio[i % len(parity_audio)]), 0.25) for i in range(40)]
+    assert len(model.transcribe(clips, batch_size=2)) == 40
+    assert len(read) == 40 and read_by_first_batch[0] <= 8  # this window of 2 batches and the next
