@@ -168,7 +168,8 @@ class ASRModel(nn.Module):
         lengths = [len(w) for w in waveforms]
         audio = torch.zeros(len(waveforms), max([pad_to, *lengths]), dtype=torch.float32, device=self.device)
         for row, wave in enumerate(waveforms):
-            audio[row, : len(wave)].copy_(torch.from_numpy(np.asarray(wave, dtype=np.float32)))
+            # contiguous: torch cannot view an array with negative strides (a reversed one, x[::-1])
+            audio[row, : len(wave)].copy_(torch.from_numpy(np.ascontiguousarray(wave, dtype=np.float32)))
         return self.features(audio, torch.tensor(lengths, dtype=torch.long, device=self.device))
 
     @torch.inference_mode()

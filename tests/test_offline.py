@@ -153,3 +153,13 @@ def test_clips_are_read_like_files(model, parity_audio, monkeypatch):
     clips = [AudioClip(Path(parity_audio[i % len(parity_audio)]), 0.25) for i in range(40)]
     assert len(model.transcribe(clips, batch_size=2)) == 40
     assert len(read) == 40 and read_by_first_batch[0] <= 8  # this window of 2 batches and the next
+
+
+def test_an_array_of_any_strides_is_transcribed(model, parity_audio):
+    """A reversed array (negative strides) raised torch's ValueError; a channel of a (samples, channels) array is
+    a strided view."""
+    wave = sf.read(parity_audio[2], dtype="float32")[0]
+    reversed_wave, stereo = wave[::-1], np.stack([wave, -wave], axis=1)
+    expected = model.transcribe([reversed_wave.copy(), wave])
+    got = model.transcribe([reversed_wave, stereo[:, 0]])
+    assert [t.tokens for t in got] == [t.tokens for t in expected]
