@@ -126,7 +126,7 @@ class Tokenizer:
     def hotwords(self, phrases: Sequence[str]) -> Hotwords:
         """Hotwords (words or phrases, written as the model writes them, each with its own bonus as ``acme:3`` or
         the default) as tokens, each once (the last bonus given for it); ValueError for too many, an empty or
-        over-long one, or a bonus out of range (``split_boost``)."""
+        over-long one, a bonus out of range (``split_boost``), or characters the vocabulary cannot spell."""
         if len(phrases) > MAX_HOTWORDS:
             raise ValueError(f"at most {MAX_HOTWORDS} hotwords, not {len(phrases)}")
         boosts: dict[tuple[int, ...], float | None] = {}
@@ -135,6 +135,11 @@ class Tokenizer:
             tokens = self.encode(phrase.strip()) if phrase.strip() else []
             if not tokens or len(phrase) > MAX_HOTWORD_CHARS:
                 raise ValueError(f"a hotword is 1 to {MAX_HOTWORD_CHARS} characters, not {given!r}")
+            if self._sp.unk_id() in tokens:
+                # boosted, <unk> (and the bare boundary piece before it) would be pushed into every transcript
+                missing = "".join(ch for ch in dict.fromkeys(phrase) if self._sp.unk_id() in self._sp.encode(ch))
+                raise ValueError(f"the hotword {given!r} has characters this model never writes ({missing!r}): "
+                                 "write it as the model's transcripts are written (lowercase, say)")
             boosts[tuple(tokens)] = boost
         return tuple(Hotword(tokens, boost) for tokens, boost in boosts.items())
 

@@ -193,6 +193,19 @@ def test_a_hotword_may_bring_its_own_bonus(model):
         Hotword(acme, 3.0), Hotword(model.tokenizer.hotwords(["kappa"])[0].tokens))
 
 
+def test_a_hotword_the_vocabulary_cannot_spell_is_refused(model):
+    """The embedded model writes lowercase: "NVIDIA" was spelled as the bare boundary piece and <unk>, and boosting
+    those split words the model had heard (boosted by 10, "middle name" came out as "middle n ame" on the CTC
+    head)."""
+    unknown = model.tokenizer._sp.unk_id()
+    for bad, missing in (("NVIDIA", "NVIDA"), ("Acme:3", "A"), ("café", "é")):
+        with pytest.raises(ValueError, match=f"never writes \\({missing!r}\\)"):
+            model.tokenizer.hotwords([bad])
+    with pytest.raises(ValueError, match="never writes"):
+        model.transcribe([np.zeros(16000, dtype=np.float32)], hotwords=["acme", "NVIDIA"], decoder="ctc")
+    assert all(unknown not in h.tokens for h in model.tokenizer.hotwords(["nvidia", "acme:3", "cafe"]))
+
+
 @pytest.fixture(scope="module")
 def model():
     return load_model(device="cpu")
