@@ -23,7 +23,7 @@ from decoding.ctc_boost import CtcBoostLoop
 from decoding.cuda_graphs import CUDA_GRAPH_OPTIONS, LabelLoopingDecoder
 from decoding.frame_looping import frame_looping_greedy
 from decoding.scores import ctc_logprobs, transducer_logprobs
-from decoding.types import HOTWORD_BOOST, Hypothesis
+from decoding.types import HOTWORD_BOOST, MAX_HOTWORD_BOOST, Hypothesis
 
 from .audio_io import AudioClip, AudioError, check_channels, check_waveform, read_audio
 from .checkpoint import Checkpoint, open_checkpoint
@@ -308,6 +308,8 @@ class ASRModel(nn.Module):
                          hotword_boost: float = HOTWORD_BOOST, length_bucket_s: float | None = None) -> OfflineOptions:
         if batch_size < 1:
             raise ValueError("batch_size must be >= 1")
+        if not 0 <= hotword_boost <= MAX_HOTWORD_BOOST:  # as a hotword's own bonus; NaN fails this too
+            raise ValueError(f"hotword_boost must be 0 to {MAX_HOTWORD_BOOST:g}, not {hotword_boost!r}")
         if length_bucket_s is not None and length_bucket_s <= 0:
             raise ValueError("length_bucket_s must be > 0 seconds")
         if max_segment_s is not None and max_segment_s <= 2 * OfflineOptions.segment_overlap_s:

@@ -206,6 +206,15 @@ def test_a_hotword_the_vocabulary_cannot_spell_is_refused(model):
     assert all(unknown not in h.tokens for h in model.tokenizer.hotwords(["nvidia", "acme:3", "cafe"]))
 
 
+def test_the_default_bonus_is_checked_as_a_hotwords_own_is(model):
+    """``hotword_boost=inf`` was taken: every frame took the hotword ("acmel acme l acme c acme")."""
+    wave = np.zeros(16000, dtype=np.float32)
+    for bad in (float("inf"), float("nan"), -1.0, 10.5):
+        with pytest.raises(ValueError, match="hotword_boost must be 0 to 10"):
+            model.transcribe([wave], hotwords=["acme"], hotword_boost=bad)
+    assert model.transcribe([wave], hotwords=["acme"], hotword_boost=10.0)[0].duration_s == 1.0
+
+
 @pytest.fixture(scope="module")
 def model():
     return load_model(device="cpu")
