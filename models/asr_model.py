@@ -333,8 +333,13 @@ class ASRModel(nn.Module):
             raise TypeError(f"audio[{index}]: expected a numpy array, a path or an AudioClip, got "
                             f"{type(item).__name__}")
         samples = _float_samples(item)
-        return check_channels(samples, f"audio[{index}]") if multichannel else check_waveform(samples,
-                                                                                             f"audio[{index}]")
+        if not multichannel:
+            return check_waveform(samples, f"audio[{index}]")
+        if samples.ndim == 2 and samples.shape[0] > samples.shape[1]:
+            # (samples, channels), as soundfile reads a file: taken as thousands of channels, it never finished
+            raise AudioError(f"audio[{index}]: expected (channels, samples), got shape {samples.shape} (more "
+                             "channels than samples): pass a (samples, channels) array transposed, as array.T")
+        return check_channels(samples, f"audio[{index}]")
 
 
 def _float_samples(item: np.ndarray) -> np.ndarray:

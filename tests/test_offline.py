@@ -163,3 +163,14 @@ def test_an_array_of_any_strides_is_transcribed(model, parity_audio):
     expected = model.transcribe([reversed_wave.copy(), wave])
     got = model.transcribe([reversed_wave, stereo[:, 0]])
     assert [t.tokens for t in got] == [t.tokens for t in expected]
+
+
+def test_a_samples_by_channels_array_is_refused_not_taken_as_thousands_of_channels(model, parity_audio):
+    """sf.read gives (samples, channels): with ``multichannel`` such an array was taken as 43,000 channels of two
+    samples each, and comparing every channel with every other never finished."""
+    wave = sf.read(parity_audio[0], dtype="float32")[0]
+    stereo = np.stack([wave, 0.5 * wave[::-1]], axis=1)
+    with pytest.raises(AudioError, match=r"expected \(channels, samples\).*array\.T"):
+        model.transcribe(stereo, multichannel=True)
+    (conversation,) = model.transcribe(stereo.T, multichannel=True)
+    assert len(conversation.channels) == 2
