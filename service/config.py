@@ -8,7 +8,7 @@ from typing import Annotated
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from decoding.types import HOTWORD_BOOST
+from decoding.types import HOTWORD_BOOST, MAX_HOTWORD_BOOST
 
 from .batcher import POOL_FACTOR
 
@@ -31,7 +31,7 @@ class Settings(BaseSettings):
     # engine does the greedy search alone, and answers carry no scores
     token_scores: bool = True
     # the logit bonus of a token that continues one of a request's hotwords (decoding.boosting)
-    hotword_boost: Annotated[float, Field(ge=0.0)] = HOTWORD_BOOST
+    hotword_boost: Annotated[float, Field(ge=0.0, le=MAX_HOTWORD_BOOST)] = HOTWORD_BOOST
 
     # HTTP
     host: str = "127.0.0.1"

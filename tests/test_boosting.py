@@ -215,6 +215,12 @@ def test_the_default_bonus_is_checked_as_a_hotwords_own_is(model):
     assert model.transcribe([wave], hotwords=["acme"], hotword_boost=10.0)[0].duration_s == 1.0
 
 
+@pytest.mark.parametrize("bad", [10.5, float("inf"), float("nan"), -1.0])
+def test_the_services_hotword_boost_is_held_to_the_same_range(bad):
+    with pytest.raises(ValueError):
+        Settings(hotword_boost=bad)
+
+
 @pytest.fixture(scope="module")
 def model():
     return load_model(device="cpu")
