@@ -107,7 +107,9 @@ class Transcriber:
         The caller must ``cancel`` the request when it is done with it: that drops pieces still queued."""
         segments = await self._segments(waveform, skip_silence, elsewhere)
         self._check_fits(len(segments))
-        return self._queue(waveform, segments, priority, hotwords)
+        request = self._request(waveform, segments, priority, hotwords)
+        self._queue([request])
+        return request
 
     async def _segments(self, waveform: np.ndarray, skip_silence: bool, elsewhere: Elsewhere | None
                         ) -> list[Segment]:
@@ -120,13 +122,18 @@ class Transcriber:
             raise TooManyPieces(f"the audio makes {n_pieces} pieces to transcribe, more than the queue ever "
                                 f"holds ({self.max_pieces}): send it in parts")
 
-    def _queue(self, waveform: np.ndarray, segments: list[Segment], priority: Priority, hotwords: Hotwords
-               ) -> QueuedRequest:
+    def _request(self, waveform: np.ndarray, segments: list[Segment], priority: Priority, hotwords: Hotwords
+                 ) -> QueuedRequest:
+        """``waveform``'s pieces, not queued yet."""
         items = [WorkItem(waveform[s.start : s.end], priority, self.timeout_s, hotwords, counted_samples=s.own_samples)
                  for s in segments]
+        return QueuedRequest(self, len(waveform), segments, items, asyncio.get_running_loop().time() + self.timeout_s)
+
+    def _queue(self, requests: list[QueuedRequest]) -> None:
+        """Every piece of ``requests`` in one submission: all are queued or none (``QueueFull``)."""
+        items = [item for request in requests for item in request.items]
         if items:  # none for a silent recording whose silence is skipped
             self.queue.submit(items)
-        return QueuedRequest(self, len(waveform), segments, items, asyncio.get_running_loop().time() + self.timeout_s)
 
     async def transcribe(self, waveform: np.ndarray, priority: Priority = Priority.INTERACTIVE,
                          skip_silence: bool = False, hotwords: Hotwords = ()) -> RequestResult:
@@ -151,10 +158,10 @@ class Transcriber:
             echoes = list(await asyncio.to_thread(heard_elsewhere, [channels[c] for c in apart], self.sample_rate))
         plans = [await self._segments(channels[c], skip_silence, echo) for c, echo in zip(apart, echoes, strict=True)]
         self._check_fits(sum(map(len, plans)))  # the channels' pieces together: each alone may fit
-        requests: list[QueuedRequest] = []
+        requests = [self._request(channels[c], segments, priority, hotwords)
+                    for c, segments in zip(apart, plans, strict=True)]
+        self._queue(requests)  # together: a full queue refuses the recording, not its last channels
         try:
-            for channel, segments in zip(apart, plans, strict=True):
-                requests.append(self._queue(channels[channel], segments, priority, hotwords))
             stitched = [await request.stitched() for request in requests]
         finally:
             for request in requests:
@@ -176,7 +183,7 @@ class QueuedRequest:
         self._transcriber = transcriber
         self._n_samples = n_samples
         self._segments = segments
-        self._items = items
+        self.items = items
         self._deadline = deadline  # event-loop time
 
     async def result(self) -> RequestResult:
@@ -185,7 +192,7 @@ class QueuedRequest:
 
     async def stitched(self) -> tuple[Hypothesis, list[ItemResult]]:
         """Every piece's result, and their hypotheses stitched into one in the recording's frames."""
-        gathered = asyncio.gather(*(asyncio.wrap_future(item.future) for item in self._items))
+        gathered = asyncio.gather(*(asyncio.wrap_future(item.future) for item in self.items))
         gathered.add_done_callback(lambda f: f.cancelled() or f.exception())  # a drop is not an error to log
         results: list[ItemResult] = await asyncio.wait_for(gathered, self._remaining_s())
         t = self._transcriber
@@ -211,7 +218,7 @@ class QueuedRequest:
         tokens: list[int] = []
         shown, told = "", 0  # the text said so far, and how many tokens it holds
         logprobs: list[float] | None = []
-        for segment, item in zip(self._segments, self._items, strict=True):
+        for segment, item in zip(self._segments, self.items, strict=True):
             result: ItemResult = await asyncio.wait_for(asyncio.wrap_future(item.future), self._remaining_s())
             if t.tokenizer is None:
                 continue  # no vocabulary: no text
@@ -229,7 +236,7 @@ class QueuedRequest:
 
     def cancel(self) -> None:
         """Drop the pieces still queued (a no-op for those done)."""
-        for item in self._items:
+        for item in self.items:
             item.future.cancel()
 
     def _remaining_s(self) -> float:

@@ -11,7 +11,7 @@ import pytest
 from models import load_model
 from models.transcript import Transcript
 from service.api import _transcription_events
-from service.batcher import Batcher, ItemResult, WorkItem
+from service.batcher import Batcher, ItemResult, QueueFull, WorkItem
 from service.transcriber import TextDelta, Transcriber
 from tests.conftest import long_recording
 from tests.servers import parse_event
@@ -86,3 +86,22 @@ def test_a_piece_that_fails_mid_stream_ends_it_with_an_error_event_and_drops_the
     batcher.close()
     assert batcher.next_batch() is None  # the pieces still queued were dropped: nothing more would run
 
+
+
+def test_a_recordings_channels_are_queued_together_or_not_at_all(model, recording):
+    """Queued a channel at a time, a queue with room for the first channel's pieces took them (to run, or to be
+    cancelled) before the second's were refused."""
+    channels = np.stack([recording, recording[::-1].copy()])
+
+    async def run() -> Batcher:
+        batcher = Batcher(max_batch_size=1, max_batch_audio_s=60, max_wait_ms=0, max_queue=12)
+        transcriber = Transcriber(batcher, model.config, model.tokenizer, max_segment_s=3, segment_overlap_s=1,
+                                  timeout_s=60)
+        per_channel = len(transcriber.plan(recording))
+        assert per_channel <= 12 < 2 * per_channel
+        with pytest.raises(QueueFull):
+            await transcriber.transcribe_channels(channels)
+        return batcher
+
+    batcher = asyncio.run(run())
+    assert batcher.depth == 0
