@@ -151,6 +151,12 @@ def _hotwords(service: ServiceState, values: list[str]) -> Hotwords:
     return request_hotwords(service, split_hotwords(values))
 
 
+def _hotword_fields(query: list[str], form: FormData | None) -> list[str]:
+    """A transcription request's ``hotwords``: the query string's (every value: the parameter may be repeated), else
+    the multipart form's (``hotwords`` or ``hotwords[]``)."""
+    return query or ([] if form is None else _form_list(form, "hotwords"))
+
+
 async def _while_client_waits(request: Request, work: Awaitable[T]) -> T:
     """Await ``work`` unless the client goes away first (then it is cancelled: its queued pieces never reach the
     engine, and the answer is 499); its failures become the API's errors."""
@@ -384,7 +390,7 @@ async def openai_transcriptions(
     if logprobs and not service.settings.token_scores:
         raise ApiError(400, "this server does not score tokens (BATCHASR_TOKEN_SCORES is off): no logprobs",
                        param="include[]", code="logprobs_unavailable")
-    hotwords = _hotwords(service, _form_list(form, "hotwords"))
+    hotwords = _hotwords(service, _hotword_fields(request.query_params.getlist("hotwords"), form))
     waveform = await _decoded_upload(service, file)
     assert service.stack is not None
     tokenizer = service.stack.transcriber.tokenizer
@@ -417,7 +423,7 @@ async def native_transcribe(request: Request, service: ServiceDep,
                             multichannel: Annotated[str | None, Query()] = None,
                             skip_silence: Annotated[str | None, Query()] = None,
                             channel_names: Annotated[str | None, Query()] = None,
-                            hotwords: Annotated[str | None, Query()] = None) -> NativeTranscription:
+                            hotwords: Annotated[list[str] | None, Query()] = None) -> NativeTranscription:
     """Native transcription: a multipart `file` or the raw audio as the body; full timing detail. With
     `multichannel=true` (query or form field) each channel is transcribed apart (a call's agent and customer) and
     the answer is the conversation: utterances in time order, each naming its channel (or its speaker, from
@@ -429,8 +435,7 @@ async def native_transcribe(request: Request, service: ServiceDep,
     apart, skip = _option("multichannel", multichannel, form), _option("skip_silence", skip_silence, form)
     names = speaker_names(form.get("channel_names") if channel_names is None and form is not None else channel_names,
                           apart)
-    boosted = _hotwords(service, [hotwords] if hotwords is not None else
-                        [str(v) for v in form.getlist("hotwords")] if form is not None else [])
+    boosted = _hotwords(service, _hotword_fields(hotwords or [], form))
     if form is not None:
         upload = form.get("file")
         waveform = await _decoded_upload(service, upload if isinstance(upload, StarletteUpload) else None, apart)

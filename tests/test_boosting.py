@@ -316,6 +316,21 @@ def test_each_request_over_http_boosts_its_own_hotwords(model, spoken):
         Settings(hotword_boost=-1.0)
 
 
+def test_hotwords_in_the_query_string_reach_both_routes_every_value_counted(model, spoken):
+    # the README: hotwords on both transcription routes, query or form field, repeated or comma-separated
+    data = _flac(spoken)
+    with run_server(Settings(), model) as running:
+        openai = httpx.post(f"{running.url}/v1/audio/transcriptions", params={"hotwords": HOTWORD},
+                            files={"file": ("a.flac", data, "audio/flac")}, timeout=60)
+        repeated = httpx.post(f"{running.url}/v1/transcribe", params=[("hotwords", HOTWORD), ("hotwords", "kappa")],
+                              content=data, headers={"content-type": "audio/flac"}, timeout=60)
+        refused = httpx.post(f"{running.url}/v1/audio/transcriptions", params={"hotwords": "x" * 65},
+                             files={"file": ("a.flac", data, "audio/flac")}, timeout=60)
+    assert openai.json()["text"] == SAID
+    assert repeated.json()["text"] == SAID  # the first value too, not only the last
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "hotwords"
+
+
 def test_a_jobs_hotwords_reach_every_item_and_bad_ones_are_refused_at_submission(model, spoken, redis_server):
     data = _flac(spoken)
     with run_server(Settings(redis_url=redis_server.url, max_wait_ms=20), model) as running:
