@@ -85,7 +85,7 @@ def decode_declared_audio(data: bytes, content_type: str | None, limits: AudioLi
     as that (415), not as broken audio."""
     try:
         return decode_audio(data, limits, multichannel)
-    except AudioTooLarge:
+    except (AudioTooLarge, TooManyChannels):  # audio that decodes, over a limit: that is the answer, whatever declared
         raise
     except AudioRequestError as exc:
         if declared_as_audio(content_type):

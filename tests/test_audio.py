@@ -97,3 +97,14 @@ def test_a_wav_streamed_through_a_pipe_decodes_whatever_size_its_header_guessed(
     struct.pack_into("<I", data, 4, (declared + 36) & 0xFFFFFFFF)
     np.testing.assert_array_equal(decode_audio(bytes(data), LIMITS), expected)
     np.testing.assert_array_equal(read_audio(bytes(data)), expected)
+
+
+def test_audio_over_a_limit_is_refused_as_that_whatever_type_its_client_declared():
+    # curl sends a raw body as application/x-www-form-urlencoded: what decodes is audio, and its limits answer
+    buffer = io.BytesIO()
+    sf.write(buffer, np.zeros((16000, 3), dtype=np.float32), 16000, format="FLAC")
+    limits = AudioLimits(max_bytes=LIMITS.max_bytes, max_duration_s=60.0, max_channels=2)
+    with pytest.raises(audio.TooManyChannels):
+        audio.decode_declared_audio(buffer.getvalue(), "application/x-www-form-urlencoded", limits, multichannel=True)
+    with pytest.raises(audio.UnsupportedMediaType):  # what does not decode is still refused as its declared type
+        audio.decode_declared_audio(b"not audio\n" * 50, "text/plain", limits)
