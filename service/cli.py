@@ -339,7 +339,27 @@ def _submitted_manifest(args: argparse.Namespace) -> list[ManifestEntry] | None:
         raise ValueError("give files, directories and URLs, or --manifest, not both")
     if args.output_dir is not None:
         raise ValueError("--manifest writes result lines (a manifest's lines may share a file): no --output-dir")
-    return read_manifest(args.manifest)
+    entries = read_manifest(args.manifest)
+    if not args.paths_not_bytes:  # uploaded from here: a line whose audio cannot be read here is refused, by its line
+        _check_uploadable(entries, args.multichannel)
+    return entries
+
+
+def _check_uploadable(entries: list[ManifestEntry], multichannel: bool) -> None:
+    """ValueError naming the first line whose audio cannot be uploaded: a file that is not there, or a stretch of a
+    file that does not open as audio (before any job is sent, as a bad line is refused before transcribe loads its
+    model)."""
+    from .stretch_upload import stretch_upload_size
+
+    for entry in entries:
+        clip = entry.clip
+        if not clip.path.is_file():
+            raise ValueError(f"{entry.where}: {clip.path}: no such audio file")
+        if not clip.whole:
+            try:
+                stretch_upload_size(clip, multichannel)  # opens it: its header is read again when jobs are split
+            except (OSError, ValueError, RuntimeError, TypeError) as exc:  # libsndfile's errors are RuntimeErrors
+                raise ValueError(f"{entry.where}: {clip.path}: cannot read audio ({exc})") from exc
 
 
 def _manifest_writer(entries: list[ManifestEntry], out: TextIO, scored: ErrorRate

@@ -273,6 +273,17 @@ def test_submit_takes_a_manifest_or_files_and_manifest_lines_need_one(parity_aud
         assert message in capsys.readouterr().err
 
 
+def test_submit_refuses_a_manifest_line_whose_audio_it_cannot_upload_naming_the_line(parity_audio, tmp_path, capsys):
+    (tmp_path / "notes.wav").write_text("not audio\n")
+    for line, message in [({"audio_filepath": "gone.wav"}, "no such audio file"),
+                          ({"audio_filepath": "gone.wav", "offset": 0.5, "duration": 1.0}, "no such audio file"),
+                          ({"audio_filepath": "notes.wav", "offset": 0.5, "duration": 1.0}, "cannot read audio")]:
+        manifest = _write_manifest(tmp_path / "m.json", [{"audio_filepath": parity_audio[0]}, line])
+        # refused before anything is sent (this Redis is not there), not a traceback
+        assert main(["submit", "--redis-url", "redis://127.0.0.1:1", "--manifest", str(manifest)]) == 2
+        assert f"m.json:2: {tmp_path / line['audio_filepath']}: {message}" in capsys.readouterr().err
+
+
 def test_a_jobs_path_items_may_name_a_stretch_the_worker_reads_from_disk(redis_server, parity_dir, parity_audio,
                                                                         tmp_path):
     """POST /v1/jobs with `{"path", "offset", "duration"}` items: a worker reads just that stretch of a file on its
