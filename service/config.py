@@ -81,6 +81,13 @@ class Settings(BaseSettings):
     # engine's process consumes. serve needs front ends for them.
     job_consumers: int = 0
 
+    @field_validator("model", "model_name", "max_batch_audio_s", "length_bucket_s", "redis_url", "job_prefetch",
+                     "webhook_secret", "worker_name", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: object) -> object:
+        """``BATCHASR_X=`` (a manifest that lists every setting, some left blank) means the default, not an error."""
+        return None if isinstance(value, str) and not value.strip() else value
+
     @field_validator("api_keys", "model_aliases", "languages", "input_roots", "input_url_prefixes",
                      "webhook_url_prefixes", mode="before")
     @classmethod

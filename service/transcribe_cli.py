@@ -115,6 +115,8 @@ def _transcribe_inputs(args: argparse.Namespace) -> TranscribeInputs:
         raise ValueError(f"--output takes the line formats ({', '.join(LINE_FORMATS)}), without --output-dir")
     if args.channel_names and not args.multichannel:
         raise ValueError("--channel-names names the channels of --multichannel")
+    if args.skip_existing and args.output is None and args.output_dir is None:  # printed results: nothing to resume
+        raise ValueError("--skip-existing resumes a run that writes --output FILE or --output-dir")
     if args.manifest is not None:
         if args.output_dir is not None:
             raise ValueError("--manifest prints its results (a manifest's lines may share a file): no --output-dir")

@@ -595,6 +595,17 @@ def test_stream_latency_script_measures_a_stream_against_one_request(server, par
     assert 0 < report["first_delta_s"] <= report["done_s"] and report["without_stream_s"] > 0
 
 
+def test_a_setting_left_blank_in_the_environment_is_its_default(monkeypatch):
+    """A deployment that lists every variable, some blank (``BATCHASR_LENGTH_BUCKET_S=``), failed to start."""
+    from service.config import get_settings
+
+    for name in ("LENGTH_BUCKET_S", "JOB_PREFETCH", "MAX_BATCH_AUDIO_S", "REDIS_URL", "MODEL", "WORKER_NAME"):
+        monkeypatch.setenv(f"BATCHASR_{name}", "")
+    settings = get_settings()
+    assert settings.length_bucket_s is None and settings.job_prefetch is None and settings.redis_url is None
+    assert settings.batch_audio_limit_s == Settings().batch_audio_limit_s and settings.model is None
+
+
 def test_languages_setting_takes_codes_and_none_takes_any(monkeypatch, hybrid, parity_audio):
     from pydantic import ValidationError
 

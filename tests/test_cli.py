@@ -130,6 +130,9 @@ def test_output_dir_mirrors_directories_refuses_clashes_and_resumes(parity_dir, 
     assert main([*command[:-2], str(source / "day1/call.wav"), str(source / "day2/call.wav")]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["audio"] for r in lines] == [str(source / "day1/call.wav"), str(source / "day2/call.wav")]
+    # printed results: nothing to resume from, so --skip-existing is a mistake, not silently nothing
+    assert main([*command[:-2], "--skip-existing", str(source)]) == 2
+    assert "--skip-existing resumes a run that writes --output FILE or --output-dir" in capsys.readouterr().err
 
 
 def test_an_empty_directory_is_an_error(tmp_path, capsys):
