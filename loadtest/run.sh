@@ -26,7 +26,8 @@ command -v locust >/dev/null || { echo "run.sh: locust is missing: pip install -
 
 snapshot() {  # /metrics before and after: RTFx over the run = delta audio seconds / delta compute seconds
     python3 -c 'import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())' \
-        "$host/metrics" > "$results/metrics-$1.txt" || echo "run.sh: no /metrics snapshot ($1)" >&2
+        "$host/metrics" > "$results/metrics-$1.txt" \
+        || { rm -f "$results/metrics-$1.txt"; echo "run.sh: no /metrics snapshot ($1)" >&2; }  # no empty file left
 }
 
 mkdir -p "$results"
@@ -44,16 +45,22 @@ import pathlib, re, sys
 results = pathlib.Path(sys.argv[1])
 
 
-def total(name: str, which: str) -> float:
+def total(name: str, which: str) -> float | None:
     path = results / f"metrics-{which}.txt"
-    text = path.read_text() if path.exists() else ""
-    match = re.search(rf"^{name} (\S+)$", text, re.M)
-    return float(match.group(1)) if match else 0.0
+    match = re.search(rf"^{name} (\S+)$", path.read_text() if path.exists() else "", re.M)
+    return float(match.group(1)) if match else None
 
 
-audio = total("batchasr_audio_seconds_total", "after") - total("batchasr_audio_seconds_total", "before")
-compute = total("batchasr_compute_seconds_total", "after") - total("batchasr_compute_seconds_total", "before")
-line = f"audio {audio:.1f} s, engine compute {compute:.1f} s, RTFx {audio / compute:.2f}" if compute else "no audio"
+series = ("batchasr_audio_seconds_total", "batchasr_compute_seconds_total")
+before, after = ([total(name, which) for name in series] for which in ("before", "after"))
+if None in before or None in after:  # a counter taken as 0 would give the server's whole life, or a negative
+    missing = " and ".join(w for w, values in (("before", before), ("after", after)) if None in values)
+    line = f"no RTFx: no /metrics snapshot {missing} the run (was the server up throughout?)"
+elif after[0] < before[0] or after[1] < before[1]:
+    line = "no RTFx: the server's counters went back during the run (it restarted)"
+else:
+    audio, compute = after[0] - before[0], after[1] - before[1]
+    line = f"audio {audio:.1f} s, engine compute {compute:.1f} s, RTFx {audio / compute:.2f}" if compute else "no audio"
 (results / "rtfx.txt").write_text(line + "\n")
 print(f"server: {line}")
 PY

@@ -430,3 +430,50 @@ def test_run_sh_refuses_hosts_off_this_machine():
     result = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=20,
                             env={"LOADTEST_HOST": "http://192.0.2.1:8000", "PATH": "/usr/bin:/bin"})
     assert result.returncode == 2 and "refusing" in result.stderr
+
+
+def _metrics(audio_s: float, compute_s: float) -> str:
+    return f"batchasr_audio_seconds_total {audio_s}\nbatchasr_compute_seconds_total {compute_s}\n"
+
+
+@pytest.mark.parametrize(("scrapes", "expected"), [
+    ([_metrics(100, 4), _metrics(150, 6)], "audio 50.0 s, engine compute 2.0 s, RTFx 25.00"),
+    ([_metrics(100, 4)], "no RTFx: no /metrics snapshot after the run"),  # the server went away
+    ([_metrics(100, 4), _metrics(20, 1)], "no RTFx: the server's counters went back"),  # it restarted
+])
+def test_run_sh_gives_no_rtfx_without_both_snapshots_of_one_server(tmp_path, scrapes, expected):
+    """A snapshot missing, or taken from a restarted server, used to count as zeros: negative seconds, and an RTFx
+    that looked real."""
+    import http.server
+    import threading
+
+    answers = list(scrapes)
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = answers.pop(0).encode() if answers else b""
+            self.send_response(200 if body else 503)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "locust").write_text("#!/bin/sh\nexit 0\n")  # the load itself is not what is tested
+    (fake / "locust").chmod(0o755)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        result = subprocess.run(["bash", str(REPO / "loadtest" / "run.sh")], capture_output=True, text=True,
+                                timeout=60, env={**os.environ, "PATH": f"{fake}:{os.environ['PATH']}",
+                                                 "LOADTEST_HOST": f"http://127.0.0.1:{server.server_address[1]}",
+                                                 "LOADTEST_RESULTS_DIR": str(tmp_path / "results")})
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "results" / "rtfx.txt").read_text().startswith(expected)
+    assert f"server: {expected}" in result.stdout
