@@ -7,16 +7,18 @@ Users:
 - ``TranscribeUser``: short and long files on both routes (``/v1/audio/transcriptions``, also streamed, and
   ``/v1/transcribe``), and stereo calls (two clips, one a channel, with the quiet between skipped) to
   ``/v1/transcribe?multichannel=true&skip_silence=true``; every response is checked (status, JSON shape, reported
-  duration; a stream's events; a call's two channels and utterances in time order).
+  duration; a stream's events; a call's two channels and utterances in time order; the text, where it is known).
 - ``JobsUser``: submits a job of several files (sometimes twice with one ``Idempotency-Key``), polls it to a
-  final status, fetches its NDJSON results and checks one row per item in submission order. The job's
-  end-to-end time is reported as request type ``JOB``.
+  final status, fetches its NDJSON results and checks one row per item in submission order (and their text,
+  where it is known). The job's end-to-end time is reported as request type ``JOB``.
 
 Audio: ``LOADTEST_AUDIO_DIR`` (WAV, FLAC, OGG, MP3), else the project's ``tests/data``, else a few sentences
 spoken by espeak-ng, else the NeMo parity fixtures beside the checkout. Files of ``LOADTEST_LONG_S`` seconds
-or more are "long"; when there are none, long clips are made by joining short WAVs. Other settings:
-``LOADTEST_LONG_SHARE``, ``LOADTEST_API_KEY``, ``LOADTEST_MODEL``, ``LOADTEST_JOB_ITEMS``,
-``LOADTEST_JOB_TIMEOUT_S``.
+or more are "long"; when there are none, long clips are made by joining short WAVs. An ``expected.json`` beside
+the files (file name -> what is said, as ``tests/data/default_model`` has) makes the transcripts checked too: a
+response whose words differ from it by more than ``LOADTEST_MAX_WER`` (0.1) of them fails, so one wrong word in
+a short clip does. Other settings: ``LOADTEST_LONG_SHARE``, ``LOADTEST_API_KEY``, ``LOADTEST_MODEL``,
+``LOADTEST_JOB_ITEMS``, ``LOADTEST_JOB_TIMEOUT_S``.
 
 Only loopback hosts are accepted: this is for loading a server you run on this machine.
 """
@@ -30,8 +32,10 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -56,6 +60,7 @@ JOB_ITEMS = int(os.environ.get("LOADTEST_JOB_ITEMS", "4"))
 JOB_TIMEOUT_S = float(os.environ.get("LOADTEST_JOB_TIMEOUT_S", "300"))
 JOB_POLL_S = 0.5
 IDEMPOTENT_RETRY_SHARE = 0.1
+MAX_WER = float(os.environ.get("LOADTEST_MAX_WER", "0.1"))  # joined clips may lose a word where two meet
 JOB_FINAL = {"completed", "completed_with_errors", "failed", "cancelled"}
 JOB_STATUSES = JOB_FINAL | {"queued", "in_progress"}
 JOB_KEYS = {"id", "status", "counts", "total_items", "created_at", "started_at", "finished_at", "audio_s", "rtfx"}
@@ -75,6 +80,8 @@ class Clip:
     data: bytes
     content_type: str
     duration_s: float | None  # None when the format's length is not known without decoding
+    text: str | None = None  # what is said, when an expected.json beside the file says it
+    channel_texts: tuple[str, ...] | None = None  # a call's: what each channel says
 
 
 # --- audio -------------------------------------------------------------------------------------------------
@@ -88,11 +95,23 @@ def _wav_duration_s(data: bytes) -> float | None:
         return None  # not PCM WAV (float WAV, FLAC, ...)
 
 
+def _expected_texts(directory: Path) -> dict[str, str]:
+    """File name -> what is said, from the directory's expected.json (none: empty)."""
+    path = directory / "expected.json"
+    if not path.is_file():
+        return {}
+    texts = json.loads(path.read_text())
+    return {str(name): str(text) for name, text in texts.items()} if isinstance(texts, dict) else {}
+
+
 def _read_clips(paths: list[Path]) -> list[Clip]:
-    clips = []
+    clips, texts = [], {}
     for path in paths:
+        if path.parent not in texts:
+            texts[path.parent] = _expected_texts(path.parent)
         data = path.read_bytes()
-        clips.append(Clip(path.name, data, AUDIO_SUFFIXES[path.suffix.lower()], _wav_duration_s(data)))
+        clips.append(Clip(path.name, data, AUDIO_SUFFIXES[path.suffix.lower()], _wav_duration_s(data),
+                          texts[path.parent].get(path.name)))
     return clips
 
 
@@ -115,7 +134,7 @@ def _espeak_clips() -> list[Clip]:
 
 def _join_wavs(clips: list[Clip], target_s: float, name: str) -> Clip | None:
     """Short PCM WAVs of one format, repeated and joined with 0.3 s of silence up to ``target_s``."""
-    params, frames, total_s = None, [], 0.0
+    params, frames, texts, total_s = None, [], [], 0.0
     for clip in clips * (1 + int(target_s)):
         with wave.open(io.BytesIO(clip.data)) as w:
             if params is None:
@@ -124,6 +143,7 @@ def _join_wavs(clips: list[Clip], target_s: float, name: str) -> Clip | None:
                 return None
             frames.append(w.readframes(w.getnframes()))
         frames.append(b"\0" * (int(0.3 * params.framerate) * params.sampwidth * params.nchannels))
+        texts.append(clip.text)
         total_s += clip.duration_s + 0.3
         if total_s >= target_s:
             break
@@ -131,7 +151,8 @@ def _join_wavs(clips: list[Clip], target_s: float, name: str) -> Clip | None:
     with wave.open(out, "wb") as w:
         w.setparams(params)
         w.writeframes(b"".join(frames))
-    return Clip(name, out.getvalue(), "audio/wav", _wav_duration_s(out.getvalue()))
+    text = None if None in texts else " ".join(texts)
+    return Clip(name, out.getvalue(), "audio/wav", _wav_duration_s(out.getvalue()), text)
 
 
 def _stereo_call(first: Clip, second: Clip, name: str) -> Clip | None:
@@ -155,7 +176,8 @@ def _stereo_call(first: Clip, second: Clip, name: str) -> Clip | None:
         w.setsampwidth(2)
         w.setframerate(rate)
         w.writeframes(call.tobytes())
-    return Clip(name, out.getvalue(), "audio/wav", _wav_duration_s(out.getvalue()))
+    said = None if first.text is None or second.text is None else (first.text, second.text)
+    return Clip(name, out.getvalue(), "audio/wav", _wav_duration_s(out.getvalue()), channel_texts=said)
 
 
 @functools.cache
@@ -220,8 +242,49 @@ def is_loopback(url: str | None) -> bool:
         return False
 
 
+def _no_response(response) -> bool:
+    """Marks the request failed, saying why, when no answer came (connection refused or reset, timeout): locust
+    gives those status 0 and no text."""
+    if response.status_code:
+        return False
+    response.failure(f"no response: {response.error!r}")
+    return True
+
+
+def _word_errors(said: list[str], heard: list[str]) -> int:
+    """Levenshtein distance over words."""
+    previous = list(range(len(heard) + 1))
+    for i, word in enumerate(said, start=1):
+        current = [i]
+        for j, other in enumerate(heard, start=1):
+            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (word != other)))
+        previous = current
+    return previous[-1]
+
+
+def _words(text: str) -> list[str]:
+    """Lower case, punctuation left out: a model that writes "Of North America." says what was said."""
+    return re.findall(r"[\w']+", text.lower())
+
+
+def _check_text(response, text: object, expected: str | None, name: str) -> bool:
+    """Whether ``text`` says ``expected`` (None: not known, not checked) within MAX_WER; else marks the request
+    failed: a fast wrong answer is not throughput."""
+    if expected is None:
+        return True
+    said = _words(expected)
+    errors = _word_errors(said, _words(text)) if isinstance(text, str) else len(said)
+    if errors > MAX_WER * len(said):
+        response.failure(f"{name}: {errors} of {len(said)} words wrong: {str(text)[:100]!r}, "
+                         f"expected {expected[:100]!r}")
+        return False
+    return True
+
+
 def _json_or_fail(response, status: int, keys: set[str]) -> dict | None:
     """The response's JSON object when it has ``status`` and every key; else marks the request failed."""
+    if _no_response(response):
+        return None
     if response.status_code != status:
         response.failure(f"HTTP {response.status_code} (expected {status}): {response.text[:200]}")
         return None
@@ -243,8 +306,10 @@ def _check_duration(response, body: dict, key: str, clip: Clip) -> None:
         response.failure(f"{key}={reported!r}, but {clip.name} lasts {clip.duration_s:.3f} s")
 
 
-def _check_stream(response) -> None:
-    """Server-sent events: text deltas, then one done event whose text they add up to."""
+def _check_stream(response, clip: Clip) -> None:
+    """Server-sent events: text deltas, then one done event whose text they add up to (and says the clip's)."""
+    if _no_response(response):
+        return
     if response.status_code != 200 or not response.headers.get("content-type", "").startswith("text/event-stream"):
         response.failure(f"HTTP {response.status_code} {response.headers.get('content-type')!r}: {response.text[:200]}")
         return
@@ -259,6 +324,8 @@ def _check_stream(response) -> None:
         response.failure(f"events {types[-5:]}: {events[-1] if events else ''}")
     elif "".join(e["delta"] for e in events[:-1]) != events[-1]["text"]:
         response.failure("the deltas do not add up to the done event's text")
+    else:
+        _check_text(response, events[-1]["text"], clip.text, clip.name)
 
 
 def _names_known(rows: list[dict], clips: list[Clip]) -> bool:
@@ -284,7 +351,8 @@ def _check_results(response, clips: list[Clip], job: dict) -> None:
     elif job["status"] == "completed" and not all(r["status"] == "completed" and isinstance(r["text"], str)
                                                   for r in rows):
         response.failure("job completed but not every item has a completed result with text")
-    else:
+    elif all(_check_text(response, row["text"], clip.text, clip.name) for row, clip in zip(rows, clips, strict=True)
+             if row["status"] == "completed"):
         response.success()
 
 
@@ -323,12 +391,13 @@ class TranscribeUser(_LoopbackUser):
             body = _json_or_fail(r, 200, {"text", "duration", "segments"})
             if body is not None:
                 _check_duration(r, body, "duration", clip)
+                _check_text(r, body["text"], clip.text, clip.name)
 
     @task
     def streamed_transcription(self) -> None:
         kind, clip = pick_clip()
         with self._openai(kind, clip, stream="true") as r:
-            _check_stream(r)
+            _check_stream(r, clip)
 
     @task
     def native_transcribe(self) -> None:
@@ -338,6 +407,7 @@ class TranscribeUser(_LoopbackUser):
             body = _json_or_fail(r, 200, {"text", "tokens", "words", "duration_s", "queue_s", "compute_s", "rtfx"})
             if body is not None:
                 _check_duration(r, body, "duration_s", clip)
+                _check_text(r, body["text"], clip.text, clip.name)
 
 
     @task
@@ -356,6 +426,10 @@ class TranscribeUser(_LoopbackUser):
             starts = [u["start"] for u in body["utterances"]]
             if len(body["channels"]) != 2 or starts != sorted(starts):
                 r.failure(f"expected 2 channels and utterances in time order: {json.dumps(body)[:200]}")
+            elif clip.channel_texts is not None:
+                for channel, said in zip(body["channels"], clip.channel_texts, strict=True):
+                    if not _check_text(r, channel.get("text"), said, f"{clip.name} channel {channel.get('channel')}"):
+                        break
 
 
 class JobsUser(_LoopbackUser):
@@ -405,13 +479,26 @@ class JobsUser(_LoopbackUser):
             return
         with self.client.get(f"/v1/jobs/{job['id']}/results", name="/v1/jobs/{id}/results",
                              catch_response=True) as r:
-            if r.status_code != 200:
+            if _no_response(r):
+                pass
+            elif r.status_code != 200:
                 r.failure(f"HTTP {r.status_code}: {r.text[:200]}")
             else:
                 _check_results(r, clips, final)
         failed = None if final["status"] == "completed" else RuntimeError(f"job ended {final['status']}")
         events.request.fire(request_type="JOB", name=f"job of {len(clips)} items", exception=failed,
                             response_time=(time.perf_counter() - started) * 1000, response_length=len(clips))
+
+
+@events.init.add_listener
+def _read_audio_first(environment, **_kwargs) -> None:
+    """The audio is read before any user starts: without it every task would fail alike for the whole run, the
+    reason only in the log file (run.sh sends locust's log there)."""
+    try:
+        audio_pool()
+    except (RuntimeError, OSError) as exc:
+        sys.stderr.write(f"locustfile: {exc}\n")
+        sys.exit(2)
 
 
 @events.test_start.add_listener

@@ -425,6 +425,82 @@ def test_locustfile_defines_http_and_jobs_users(tmp_path):
     assert probe["loopback"] == [True, True, True, False, False]
 
 
+LOCUST_CHECKS_PROBE = """
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("locustfile", sys.argv[1])
+module = importlib.util.module_from_spec(spec)
+sys.modules["locustfile"] = module
+spec.loader.exec_module(module)
+
+
+class Response:  # what a catch_response block is given: status, text, and failure() to mark it
+    def __init__(self, status_code, text="", error=None):
+        self.status_code, self.text, self.error, self.failed = status_code, text, error, None
+
+    def json(self):
+        return json.loads(self.text)
+
+    def failure(self, why):
+        self.failed = why
+
+
+short, long = module.audio_pool()
+clip = next(c for c in short if c.name == "fox.wav")
+checks = {}
+for name, heard in (("right", "the Quick brown fox."), ("wrong", "the quick brown box"), ("none", None)):
+    response = Response(200)
+    module._check_text(response, heard, clip.text, clip.name)
+    checks[name] = response.failed
+refused = Response(0, error=ConnectionRefusedError(111, "Connection refused"))
+module._json_or_fail(refused, 200, {"text"})
+print(json.dumps({"texts": [c.text for c in short], "long": [c.text for c in long],
+                  "calls": [c.channel_texts for c in module.call_pool()], "checks": checks,
+                  "refused": refused.failed}))
+"""
+
+
+def _wav(path: Path, seconds: float) -> None:
+    import wave
+
+    with wave.open(str(path), "wb") as w:
+        w.setparams((1, 2, 16000, 0, "NONE", "not compressed"))
+        w.writeframes(b"\0\0" * int(16000 * seconds))
+
+
+def test_locustfile_fails_a_wrong_transcript_and_says_why_no_answer_came(tmp_path):
+    """A 200 with the wrong words used to count as a success, and a refused connection failed as "HTTP 0"."""
+    if importlib.util.find_spec("locust") is None:
+        pytest.skip("locust not installed (pip install -e '.[loadtest]')")
+    _wav(tmp_path / "fox.wav", 1.0)
+    _wav(tmp_path / "dog.wav", 2.0)
+    (tmp_path / "expected.json").write_text(json.dumps({"fox.wav": "the quick brown fox", "dog.wav": "a lazy dog"}))
+    result = subprocess.run([sys.executable, "-c", LOCUST_CHECKS_PROBE, str(REPO / "loadtest" / "locustfile.py")],
+                            capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "LOADTEST_AUDIO_DIR": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    probe = json.loads(result.stdout.strip().splitlines()[-1])
+    assert probe["texts"] == ["a lazy dog", "the quick brown fox"]
+    assert all(set(text.split()) == {"a", "lazy", "dog", "the", "quick", "brown", "fox"} for text in probe["long"])
+    assert sorted(map(tuple, probe["calls"])) == [("a lazy dog", "the quick brown fox"),
+                                                  ("the quick brown fox", "a lazy dog")]
+    assert probe["checks"]["right"] is None  # case and punctuation aside
+    assert "1 of 4 words wrong" in probe["checks"]["wrong"] and "4 of 4" in probe["checks"]["none"]
+    assert probe["refused"].startswith("no response: ConnectionRefusedError")
+
+
+def test_locust_stops_at_once_when_its_audio_folder_holds_no_audio(tmp_path):
+    """Not a whole run of tasks that each fail on it, the reason only in locust's log file."""
+    if importlib.util.find_spec("locust") is None:
+        pytest.skip("locust not installed (pip install -e '.[loadtest]')")
+    (tmp_path / "notes.txt").write_text("not audio")
+    command = ["locust", "-f", str(REPO / "loadtest" / "locustfile.py"), "--headless", "--host", "http://127.0.0.1:9",
+               "--users", "1", "--run-time", "20s", "--logfile", str(tmp_path / "locust.log"), "--only-summary"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "LOADTEST_AUDIO_DIR": str(tmp_path)})
+    assert result.returncode == 2
+    assert f"LOADTEST_AUDIO_DIR={tmp_path} holds no audio" in result.stderr
+
+
 def test_run_sh_refuses_hosts_off_this_machine():
     script = REPO / "loadtest" / "run.sh"
     result = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=20,
