@@ -113,3 +113,58 @@ def test_url_fetch_cost_reports_each_client(parity_dir, capsys):
     reports = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["client"] for r in reports] == ["UrlFetcher (aiohttp)", "httpx"]
     assert all(r["fetches"] == 60 and r["mean_kb"] > 10 and r["loop_cpu_ms_per_fetch"] > 0 for r in reports)
+
+
+def test_p99_is_not_the_largest_of_a_hundred(http_bench):
+    """It took the latency one rank above the 99th: of 100, the largest."""
+    latencies = [float(i) for i in range(1, 101)]
+    assert http_bench.p99(latencies) == pytest.approx(99.01)
+    assert http_bench.p99([0.5]) == 0.5 and http_bench.p99([1.0, 2.0]) == pytest.approx(1.99)
+
+
+def test_an_audio_dir_without_readable_audio_is_named_in_the_error(http_bench, tmp_path):
+    with pytest.raises(ValueError, match=r"no \.wav or \.flac files"):  # was a ZeroDivisionError
+        http_bench.file_clips(tmp_path, 4)
+    (tmp_path / "notes.WAV").write_text("not audio")
+    with pytest.raises(ValueError, match=r"notes\.WAV: not audio the bench can read"):
+        http_bench.file_clips(tmp_path, 4)
+    with pytest.raises(ValueError, match="not a directory"):
+        http_bench.file_clips(tmp_path / "missing", 4)
+
+
+def _bulk_job_against(http_bench, submitted: tuple[int, dict]) -> dict:
+    """http_bench.bulk_job against a stand-in server: POST /v1/jobs answers ``submitted``."""
+    import asyncio
+
+    from aiohttp import web
+
+    async def submit(_request: web.Request) -> web.Response:
+        status, body = submitted
+        return web.json_response(body, status=status)
+
+    async def main() -> dict:
+        app = web.Application()
+        app.router.add_post("/v1/jobs", submit)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = http_bench.free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            clip = http_bench.Clip("a.wav", b"RIFF", None, 2.0)
+            return await http_bench.bulk_job(f"http://127.0.0.1:{port}", [clip, clip])
+        finally:
+            await runner.cleanup()
+
+    return asyncio.run(main())
+
+
+def test_a_bulk_job_that_fails_or_loses_items_gives_no_throughput(http_bench):
+    """A refused submission raised a KeyError; a job whose items failed counted their audio as transcribed."""
+    with pytest.raises(RuntimeError, match=r"HTTP 503: .*no Redis"):
+        _bulk_job_against(http_bench, (503, {"error": {"message": "no Redis"}}))
+    job = {"id": "j", "status": "completed_with_errors", "counts": {"completed": 1, "failed": 1}, "rtfx": 90.0}
+    bulk = _bulk_job_against(http_bench, (202, job))
+    assert bulk["status"] == "completed_with_errors" and bulk["counts"] == job["counts"]
+    assert bulk["rtfx_wall"] is None and bulk["items_per_s"] is None and bulk["rtfx_engine"] is None
+    done = _bulk_job_against(http_bench, (202, {**job, "status": "completed", "counts": {"completed": 2}}))
+    assert done["rtfx_wall"] > 0 and done["rtfx_engine"] == 90.0
