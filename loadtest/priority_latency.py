@@ -31,28 +31,39 @@ def uploads(n: int) -> list[ItemInput]:
     return [ItemInput(audio=clips[i % len(clips)].name, upload=clips[i % len(clips)].read_bytes()) for i in range(n)]
 
 
-async def wait_done(store: JobStore, job_id: str) -> float:
+def check_running(worker: subprocess.Popen, log: Path) -> None:
+    """Raises, with the end of its output, once the worker has exited: its jobs would never finish."""
+    if worker.poll() is not None:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
+        raise RuntimeError(f"the worker exited with status {worker.returncode}; the end of its output:\n{tail}")
+
+
+async def wait_done(store: JobStore, job_id: str, worker: subprocess.Popen, log: Path) -> float:
     while not (job := await store.get(job_id)).finished:
+        check_running(worker, log)
         await asyncio.sleep(0.05)
     return job.finished_at
 
 
-async def one_run(redis_url: str, args: argparse.Namespace, urgent_priority: JobPriority) -> dict[str, float]:
+async def one_run(redis_url: str, args: argparse.Namespace, urgent_priority: JobPriority,
+                  log: Path) -> dict[str, float]:
     store = JobStore.from_url(redis_url)
     backfill_priority = JobPriority.LOW if urgent_priority == JobPriority.HIGH else JobPriority.NORMAL
     backfill, _ = await store.submit(uploads(args.backlog), options=JobOptions(priority=backfill_priority))
     model = ["--model", args.model] if args.model else []
-    worker = subprocess.Popen([sys.executable, "-m", "service.cli", "worker", *model, "--redis-url", redis_url,
-                               "--name", "w"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              env={**os.environ, "BATCHASR_MAX_WAIT_MS": "20"})
+    with log.open("wb") as out:
+        worker = subprocess.Popen([sys.executable, "-m", "service.cli", "worker", *model, "--redis-url", redis_url,
+                                   "--name", "w"], stdout=out, stderr=subprocess.STDOUT,
+                                  env={**os.environ, "BATCHASR_MAX_WAIT_MS": "20"})
     try:
         while (await store.get(backfill.id)).counts["completed"] == 0:  # the worker is up and working
+            check_running(worker, log)
             await asyncio.sleep(0.1)
         await asyncio.sleep(args.delay_s)
         submitted = time.time()
         urgent, _ = await store.submit(uploads(args.urgent), options=JobOptions(priority=urgent_priority))
-        urgent_done = await wait_done(store, urgent.id)
-        backfill_done = await wait_done(store, backfill.id)
+        urgent_done = await wait_done(store, urgent.id, worker, log)
+        backfill_done = await wait_done(store, backfill.id, worker, log)
         started = (await store.get(backfill.id)).started_at
         return {"urgent_s": urgent_done - submitted, "backfill_s": backfill_done - started}
     finally:
@@ -73,7 +84,9 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as directory:
             redis_server = RedisServer(Path(directory)).start()
             try:
-                result = asyncio.run(one_run(redis_server.url, args, priority))
+                result = asyncio.run(one_run(redis_server.url, args, priority, Path(directory) / "worker.log"))
+            except RuntimeError as exc:
+                raise SystemExit(f"priority_latency: {exc}") from exc
             finally:
                 redis_server.stop()
         print(f"{label}: {args.urgent} items done {result['urgent_s']:.2f} s after submission; the backlog of "

@@ -122,3 +122,13 @@ def test_priority_over_http_and_from_the_command_line(redis_server, model, parit
         assert result.returncode == 0, result.stderr
         assert json.loads(result.stdout)["priority"] == "low"
     assert redis_server.client().xlen(ITEM_STREAMS[JobPriority.LOW]) >= 1
+
+
+def test_priority_latency_stops_with_the_workers_output_when_its_worker_exits(tmp_path):
+    """loadtest/priority_latency.py waited for the backlog's first item for ever once its worker had died."""
+    command = [sys.executable, "loadtest/priority_latency.py", "--model", str(tmp_path / "missing.nemo"),
+               "--backlog", "2", "--urgent", "1", "--delay-s", "0"]
+    result = subprocess.run(command, cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 1
+    assert "the worker exited with status 2" in result.stderr and "missing.nemo" in result.stderr
