@@ -30,10 +30,12 @@ def make_upload(minutes: float, rate: int, channels: int, format: str) -> bytes:
     """``minutes`` of audio: 16-bit WAV and FLAC written a minute at a time (to keep this script's own peak low),
     or a container encoded by FFmpeg."""
     rng = np.random.default_rng(0)
-    t = np.arange(60 * rate) / rate
-    minutes_of_audio = ((0.3 * np.sin(2 * np.pi * 440 * t)[:, None]
-                         + 0.05 * rng.standard_normal((len(t), channels))).astype(np.float32)
-                        for _ in range(int(np.ceil(minutes))))
+    total, per_minute = round(minutes * 60 * rate), 60 * rate
+    t = np.arange(per_minute) / rate
+    # whole minutes, then the rest: not a whole minute more than --minutes says (0.5 used to make 1)
+    minutes_of_audio = ((0.3 * np.sin(2 * np.pi * 440 * t[: min(per_minute, total - start)])[:, None]
+                         + 0.05 * rng.standard_normal((min(per_minute, total - start), channels))).astype(np.float32)
+                        for start in range(0, total, per_minute))
     if format in CONTAINERS:
         from tests.media import encode
 

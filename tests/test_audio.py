@@ -108,3 +108,13 @@ def test_audio_over_a_limit_is_refused_as_that_whatever_type_its_client_declared
         audio.decode_declared_audio(buffer.getvalue(), "application/x-www-form-urlencoded", limits, multichannel=True)
     with pytest.raises(audio.UnsupportedMediaType):  # what does not decode is still refused as its declared type
         audio.decode_declared_audio(b"not audio\n" * 50, "text/plain", limits)
+
+
+@pytest.mark.parametrize(("minutes", "format"), [(0.25, "WAV"), (1.5, "FLAC"), (2.0, "WAV")])
+def test_decode_cost_makes_the_minutes_asked_for(minutes, format):
+    """loadtest/decode_cost.py made whole minutes: --minutes 0.25 decoded (and reported as 0.25 min) a full one."""
+    from tests.conftest import REPO, load_script
+
+    cost = load_script(REPO / "loadtest" / "decode_cost.py")
+    info = sf.info(io.BytesIO(cost.make_upload(minutes, 8000, 2, format)))
+    assert (info.frames, info.channels) == (round(minutes * 60 * 8000), 2)
