@@ -80,20 +80,20 @@ def synthetic_durations(n: int, seed: int) -> np.ndarray:
     return np.clip(durations, *DURATION_RANGE_S)
 
 
-def synthetic_speech(duration_s: float, rng: np.random.Generator) -> np.ndarray:
+def synthetic_speech(duration_s: float, rng: np.random.Generator, sample_rate: int = SAMPLE_RATE) -> np.ndarray:
     """Speech-like float32 audio: a gliding harmonic voice, syllable-rate envelope, a little noise."""
-    t = np.arange(int(duration_s * SAMPLE_RATE)) / SAMPLE_RATE
+    t = np.arange(int(duration_s * sample_rate)) / sample_rate
     f0 = rng.uniform(100.0, 220.0) * (1.0 + 0.1 * np.sin(2 * np.pi * rng.uniform(0.3, 0.8) * t))
-    phase = 2 * np.pi * np.cumsum(f0) / SAMPLE_RATE
+    phase = 2 * np.pi * np.cumsum(f0) / sample_rate
     voice = sum(np.sin(h * phase) / h for h in range(1, 7))
     syllables = np.sin(2 * np.pi * rng.uniform(3.0, 5.0) * t + rng.uniform(0, 2 * np.pi)) ** 2
     noise = rng.standard_normal(t.size)
     return (0.1 * voice * syllables + 0.01 * noise).astype(np.float32)
 
 
-def synthetic_audio(n: int, seed: int) -> list[np.ndarray]:
+def synthetic_audio(n: int, seed: int, sample_rate: int = SAMPLE_RATE) -> list[np.ndarray]:
     rng = np.random.default_rng(seed + 1)
-    return [synthetic_speech(d, rng) for d in synthetic_durations(n, seed)]
+    return [synthetic_speech(d, rng, sample_rate) for d in synthetic_durations(n, seed)]
 
 
 def synthetic_hotwords(n: int, vocab_size: int, seed: int) -> Hotwords:
@@ -282,7 +282,7 @@ def run_batches(model: ASRModel, waveforms: list[np.ndarray], batches: list[list
         marks += [clock.mark()] if clock else []
         encoded, lengths = model.run_encoder(features, n_frames)
         marks += [clock.mark()] if clock else []
-        batch = EncodedBatch(encoded, lengths, [len(w) / SAMPLE_RATE for w in waves])
+        batch = EncodedBatch(encoded, lengths, [len(w) / model.sample_rate for w in waves])
         boost = build_boost_table([hotwords] * len(chunk), HOTWORD_BOOST, model.device)
         hyps = model.decode(batch, decoder, decoder_algorithm, cuda_graphs, scores, boost)
         if clock:
@@ -317,8 +317,8 @@ def prepare(name: str | None, device: str = "auto", dtype: str = "auto", seed: i
         from models.audio_io import read_audio
 
         waveforms = [read_audio(path, model.sample_rate) for path in audio_files(audio)]
-    else:
-        waveforms = synthetic_audio(n_utterances, seed)
+    else:  # at the model's rate: the mix's durations are what it hears
+        waveforms = synthetic_audio(n_utterances, seed, model.sample_rate)
     shift = calibrate_blank_bias(model, waveforms[:CALIBRATION_UTTERANCES], decoder) if random_weights else None
     return Workload(name or "the embedded default model", model, waveforms, decoder, shift)
 
@@ -332,6 +332,8 @@ def measure(work: Workload, batch_size: int = 16, repeat: int = 1, decoder_algor
         raise ValueError("batch size and repeat must be >= 1")
     if hotwords < 0:
         raise ValueError("hotwords must be >= 0")
+    if not work.waveforms:
+        raise ValueError("no utterances to measure")
     model, waveforms = work.model, work.waveforms
     # longest first, as ``transcribe`` does: the first batch sizes the decoder's buffers and graphs
     order = sorted(range(len(waveforms)), key=lambda i: len(waveforms[i]), reverse=True)
@@ -358,7 +360,8 @@ def _result(work: Workload, batch_size: int, repeat: int, decoder_algorithm: str
     mode = "eager"  # CTC and frame looping
     if work.decoder != "ctc" and decoder_algorithm == "label_looping":
         mode = model.label_looper(cuda_graphs).mode or "eager"
-    audio_s = sum(len(w) for w in work.waveforms) / SAMPLE_RATE * repeat
+    # the model's rate, which --audio is read at: an 8 kHz model's seconds counted at 16 kHz were halves
+    audio_s = sum(len(w) for w in work.waveforms) / model.sample_rate * repeat
     n_tokens = sum(len(t) for t in output.tokens.values())
     return BenchResult(
         model=work.name, device=str(model.device), dtype=str(model.dtype).removeprefix("torch."),
@@ -377,6 +380,8 @@ def _result(work: Workload, batch_size: int, repeat: int, decoder_algorithm: str
 def run_bench(args: argparse.Namespace) -> BenchResult:
     if args.batch_size < 1 or args.repeat < 1:
         raise ValueError("--batch-size and --repeat must be >= 1")
+    if not args.audio and args.n_utterances < 1:
+        raise ValueError("--n-utterances must be >= 1")
     work = prepare(args.model, args.device, args.dtype, args.seed, args.audio, args.n_utterances,
                    args.attention_kernel or "auto", args.decoder)
     return measure(work, args.batch_size, args.repeat, args.decoder_algorithm, args.cuda_graphs, not args.no_scores,

@@ -193,3 +193,36 @@ def test_batch_stability_through_the_engine_with_fixed_shapes_finds_bf16_unmoved
     assert result["tokens_moved"] == 0 and result["scores_moved"] == 0
     with pytest.raises(SystemExit):
         stability.main(["--length-bucket-s", "2"])  # only with --through-engine
+
+
+def _at_8_khz(source, path):
+    """``source`` with its features taken at 8 kHz: the same window and hop in samples, so the weights fit."""
+    import io
+
+    with tarfile.open(source) as tar:
+        members = [(m, tar.extractfile(m).read() if m.isfile() else None) for m in tar.getmembers()]
+    with tarfile.open(path, "w") as out:
+        for member, data in members:
+            if member.name.endswith("model_config.yaml"):
+                config = yaml.safe_load(data)
+                config["preprocessor"].update(sample_rate=8000, window_size=0.05, window_stride=0.02)
+                data = yaml.safe_dump(config).encode()
+                member.size = len(data)
+            out.addfile(member, io.BytesIO(data) if data is not None else None)
+    return path
+
+
+def test_bench_counts_an_8_khz_models_audio_at_its_own_rate(parity_dir, parity_audio, tmp_path, capsys):
+    """Seconds were samples / 16,000 whatever the model's rate: an 8 kHz model's RTFx came out halved."""
+    import soundfile as sf
+
+    model = str(_at_8_khz(parity_dir / "tdt.nemo", tmp_path / "tdt_8k.nemo"))
+    files = _bench(capsys, "--model", model, "--audio", *parity_audio[:3])
+    assert files["audio_s"] == pytest.approx(sum(sf.info(p).duration for p in parity_audio[:3]), abs=0.01)
+    synthetic = _bench(capsys, "--model", model, "--n-utterances", "2")  # the mix's durations, at 8 kHz
+    assert synthetic["audio_s"] == pytest.approx(float(synthetic_durations(2, seed=0).sum()), abs=0.01)
+
+
+def test_bench_wants_an_utterance(capsys):
+    assert cli_main(["bench", "--device", "cpu", "--n-utterances", "0"]) == 2
+    assert "--n-utterances must be >= 1" in capsys.readouterr().err
