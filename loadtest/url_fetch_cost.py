@@ -69,7 +69,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fetches", type=int, default=1000)
     parser.add_argument("--concurrency", type=int, default=32)
     args = parser.parse_args(argv)
-    names = sorted(p.name for p in args.audio_dir.iterdir() if p.is_file())
+    names = sorted(p.name for p in args.audio_dir.iterdir() if p.is_file()) if args.audio_dir.is_dir() else []
+    if not names:
+        parser.error(f"--audio-dir {args.audio_dir}: no files to serve")
     server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_QuietHandler, directory=str(args.audio_dir)))
     threading.Thread(target=server.serve_forever, daemon=True).start()
     base = f"http://127.0.0.1:{server.server_address[1]}/"

@@ -168,3 +168,12 @@ def test_a_bulk_job_that_fails_or_loses_items_gives_no_throughput(http_bench):
     assert bulk["rtfx_wall"] is None and bulk["items_per_s"] is None and bulk["rtfx_engine"] is None
     done = _bulk_job_against(http_bench, (202, {**job, "status": "completed", "counts": {"completed": 2}}))
     assert done["rtfx_wall"] > 0 and done["rtfx_engine"] == 90.0
+
+
+def test_url_fetch_cost_says_when_it_has_nothing_to_serve(tmp_path, capsys):
+    """An empty --audio-dir was a ZeroDivisionError."""
+    script = load_script(REPO / "loadtest" / "url_fetch_cost.py")
+    for directory in (tmp_path, tmp_path / "missing"):
+        with pytest.raises(SystemExit):
+            script.main(["--audio-dir", str(directory), "--fetches", "4"])
+        assert f"--audio-dir {directory}: no files to serve" in capsys.readouterr().err
