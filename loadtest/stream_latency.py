@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -20,13 +21,20 @@ import numpy as np
 import soundfile as sf
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from models.audio_io import AudioError, read_audio  # noqa: E402
+
 GAP_S = 0.5
 RATE = 16000
 
 
 def recording(audio_dir: Path, seconds: float) -> tuple[bytes, float]:
     """FLAC bytes and seconds of the clips and their gaps, repeated to at least ``seconds``."""
-    clips = [sf.read(p, dtype="float32")[0] for p in sorted(audio_dir.glob("*.wav"))]
+    try:  # at 16 kHz, mixed to mono: an 8 kHz clip written as 16 kHz would count half its seconds
+        clips = [read_audio(p, RATE) for p in sorted(audio_dir.glob("*.wav"))]
+    except AudioError as exc:
+        raise SystemExit(str(exc)) from exc
     if not clips:
         raise SystemExit(f"no WAV files in {audio_dir}")
     gap = np.zeros(int(GAP_S * RATE), dtype=np.float32)

@@ -177,3 +177,23 @@ def test_url_fetch_cost_says_when_it_has_nothing_to_serve(tmp_path, capsys):
         with pytest.raises(SystemExit):
             script.main(["--audio-dir", str(directory), "--fetches", "4"])
         assert f"--audio-dir {directory}: no files to serve" in capsys.readouterr().err
+
+
+def test_stream_latency_makes_its_recording_at_16_khz_whatever_the_clips_rate(tmp_path):
+    """An 8 kHz clip was written into the 16 kHz recording as it was: twice as fast, and counted at half its length."""
+    import io
+
+    import numpy as np
+    import soundfile as sf
+
+    script = load_script(REPO / "loadtest" / "stream_latency.py")
+    tone = (0.3 * np.sin(2 * np.pi * 440 * np.arange(16000) / 8000)).astype(np.float32)
+    sf.write(tmp_path / "slow.wav", tone, 8000)  # 2 s
+    sf.write(tmp_path / "stereo.wav", np.stack([tone, tone], axis=1)[:8000], 8000)  # 1 s, two channels
+    audio, seconds = script.recording(tmp_path, 7.0)
+    info = sf.info(io.BytesIO(audio))
+    assert (info.samplerate, info.channels) == (16000, 1)
+    assert seconds == pytest.approx(2 * (1.0 + 0.5 + 2.0 + 0.5)) == pytest.approx(info.frames / 16000)
+    (tmp_path / "notes.wav").write_text("not audio")
+    with pytest.raises(SystemExit, match=r"notes\.wav"):
+        script.recording(tmp_path, 7.0)
