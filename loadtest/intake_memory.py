@@ -14,6 +14,7 @@ import io
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -62,11 +63,16 @@ def main() -> None:
     env = {**os.environ, "BATCHASR_MAX_INTAKE_BYTES": str(args.intake_mib * 2**20), "BATCHASR_PORT": str(port),
            "BATCHASR_MAX_DURATION_S": "36000"}
     command = [sys.executable, "-m", "service.cli", "serve", *(["--model", args.model] if args.model else [])]
-    server = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = Path(tempfile.gettempdir()) / f"intake_memory_serve_{port}.log"
+    with log.open("wb") as out:
+        server = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
-        if not wait_ready(url, 120):
-            raise SystemExit("the server did not become ready")
+        if not wait_ready(url, 120, alive=lambda: server.poll() is None):  # not two minutes for one that exited
+            why = "did not become ready" if server.poll() is None else f"exited with status {server.returncode}"
+            # the ends of its JSON log lines: a traceback's reason is at the end of its line
+            tail = "\n".join(line[-300:] for line in log.read_text(errors="replace").splitlines()[-10:])
+            raise SystemExit(f"the server {why}; the end of its output ({log}):\n{tail}")
         idle = peak_rss_mib(server.pid)
         started = time.perf_counter()
         codes = asyncio.run(send_all(url, data, args.clients))

@@ -70,3 +70,17 @@ def test_a_request_that_fails_or_goes_away_gives_its_room_back():
         assert budget.held == 0
 
     asyncio.run(scenario())
+
+
+def test_intake_memory_reports_a_server_that_exits_at_once_with_its_output(tmp_path):
+    """loadtest/intake_memory.py gave a server that could not start two minutes, then no reason."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    command = [sys.executable, "loadtest/intake_memory.py", "--clients", "1", "--minutes", "0.1", "--model",
+               str(tmp_path / "missing.nemo")]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=90)
+    assert result.returncode == 1
+    assert "the server exited with status" in result.stderr and "missing.nemo" in result.stderr
