@@ -49,15 +49,18 @@ def warmup_shapes(device: torch.device, max_batch_size: int, max_segment_s: floa
     return list(dict.fromkeys([*LIGHT_WARMUP, widest, longest]))
 
 
+# CUDA's messages for the errors that leave a context unusable (cudaGetErrorString): every later call fails too.
+# Others (an invalid argument, out of memory) fail the call that met them, and the next batch may run.
+STICKY_CUDA_ERRORS = ("illegal memory access", "illegal address", "device-side assert", "unspecified launch failure",
+                      "misaligned address", "illegal instruction", "hardware stack error", "invalid program counter",
+                      "launch timed out", "uncorrectable ECC error", "unknown error")
+
+
 def device_broken(exc: BaseException) -> bool:
     """A CUDA error that outlives the batch that met it (an illegal address, a device-side assert, a launch
-    failure): the context is broken, and every later batch would fail with it too. Out of memory is not one: the
-    next batch may fit."""
-    if isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc):
-        return False
-    accelerator_error = getattr(torch, "AcceleratorError", None)  # PyTorch >= 2.8 raises CUDA errors as this
-    return (accelerator_error is not None and isinstance(exc, accelerator_error)) or (
-        isinstance(exc, RuntimeError) and "CUDA error" in str(exc))
+    failure): the context is broken, and every later batch would fail with it too."""
+    message = str(exc)
+    return "CUDA" in message and any(sticky in message for sticky in STICKY_CUDA_ERRORS)
 
 
 class EngineState(str, Enum):

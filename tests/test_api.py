@@ -187,6 +187,21 @@ def test_an_engine_thread_that_dies_answers_what_waits_and_is_not_ready(parity_d
         assert health.status_code == 503 and health.json()["status"] == "failed"
 
 
+@pytest.mark.parametrize(("error", "broken"), [
+    (torch.AcceleratorError("CUDA error: an illegal memory access was encountered"), True),
+    (RuntimeError("CUDA error: device-side assert triggered"), True),
+    (RuntimeError("CUDA error: unspecified launch failure"), True),
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), False),
+    (RuntimeError("CUDA error: out of memory"), False),
+    (RuntimeError("CUDA error: invalid argument"), False),  # one call's mistake: failing the engine on it would
+    (ValueError("an unknown error in the input"), False),   # let one bad request take the service down
+])
+def test_only_cuda_errors_that_break_the_context_fail_the_engine(error, broken):
+    from service.engine import device_broken
+
+    assert device_broken(error) is broken
+
+
 def test_a_broken_gpu_fails_the_engine_but_running_out_of_memory_fails_one_batch(parity_dir, parity_audio):
     """A CUDA error such as an illegal address breaks the context: every later batch would fail with it while
     /readyz said ready. Out of memory passes: the next batch may fit."""
