@@ -139,7 +139,11 @@ class ProcessPool:
                 if not self._stopping and not process.is_alive():
                     log.error("%s (pid %s) exited with %s; starting another", spec.name, process.pid,
                               process.exitcode)
-                    self._processes[index] = self._spawn(spec)
+                    try:
+                        self._processes[index] = self._spawn(spec)
+                    except Exception:  # no fork now (a process or memory limit): next round, not never again
+                        log.exception("starting another %s failed; trying again in %.0f s", spec.name,
+                                      RESPAWN_DELAY_S)
 
     async def stop(self) -> None:
         """SIGTERM each (a front end stops accepting and finishes its requests, a consumer its items), wait,

@@ -375,3 +375,33 @@ def test_stuck_helper_processes_share_one_grace_period(tmp_path):
     started = time.monotonic()
     asyncio.run(pool.stop())
     assert time.monotonic() - started < 3.0  # one grace period (1.5 s), then all killed; not 4.5 s
+
+
+def test_a_replacement_that_cannot_be_started_is_tried_again(monkeypatch):
+    """One failed start (fork refused at a process or memory limit) ended the watcher: no process that died after
+    it was ever replaced, and nothing said so."""
+    from service import processes
+
+    monkeypatch.setattr(processes, "RESPAWN_DELAY_S", 0.05)
+    pool = processes.ProcessPool([processes.ProcessSpec("short-lived", time.sleep, (0.0,))], stop_grace_s=5)
+    spawn, starts = pool._spawn, []
+
+    def flaky_spawn(spec: processes.ProcessSpec):
+        starts.append(spec)
+        if len(starts) == 2:  # the first replacement
+            raise OSError(11, "Resource temporarily unavailable")
+        return spawn(spec)
+
+    monkeypatch.setattr(pool, "_spawn", flaky_spawn)
+
+    async def scenario() -> None:
+        pool.start()
+        watcher = asyncio.create_task(pool.watch())
+        deadline = time.monotonic() + 60
+        while len(starts) < 4 and not watcher.done() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        watcher.cancel()
+        await pool.stop()
+
+    asyncio.run(scenario())
+    assert len(starts) >= 4  # the start that failed, and replacements after it
