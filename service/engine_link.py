@@ -42,6 +42,9 @@ log = logging.getLogger(__name__)
 
 LOOP_CPU_REPORT_S = 1.0  # how often a helper process reports its event loop's CPU
 SCRAPE_TIMEOUT_S = 10.0
+# the engine process sends its status every second (engine_server.STATUS_POLL_S): nothing from it this long and it
+# is stuck (stopped, or its event loop blocked), so this process takes no new requests for it until it speaks again
+ENGINE_SILENT_S = 10.0
 
 
 class EngineLink:
@@ -60,6 +63,7 @@ class EngineLink:
         self._scrapes: dict[int, asyncio.Future[bytes]] = {}
         self._loop_cpu_seen = time.thread_time()
         self._reporter: asyncio.Task | None = None
+        self._heard_at = time.monotonic()  # the engine process's last frame
 
     @classmethod
     async def connect(cls, path: str, on_lost: Callable[[], None], timeout_s: float = 30.0) -> EngineLink:
@@ -80,16 +84,27 @@ class EngineLink:
 
     @property
     def ready(self) -> bool:
-        return self.status.ready and self._lost is None
+        return self.status.ready and self._lost is None and self.silent_s is None
+
+    @property
+    def silent_s(self) -> float | None:
+        """How long the engine process has said nothing, once that is past ``ENGINE_SILENT_S``; else None."""
+        silent_s = time.monotonic() - self._heard_at
+        return silent_s if silent_s > ENGINE_SILENT_S else None
 
     @property
     def error(self) -> str | None:
-        return self._lost or self.status.error
+        """Why the engine is not ready, if not for warming up."""
+        if (reason := self._lost or self.status.error) is not None:
+            return reason
+        silent_s = self.silent_s
+        return None if silent_s is None else f"the engine process has not answered for {silent_s:.0f} s"
 
     @property
     def failed(self) -> bool:
-        """The engine process's engine failed for good (an error while not ready), or this link to it is lost."""
-        return not self.ready and self.error is not None
+        """The engine process's engine failed for good (an error while not ready), or this link to it is lost. Not
+        a silent engine process: it may go on (a stopped process continued), and its supervisor sees it."""
+        return not self.ready and (self._lost or self.status.error) is not None
 
     def submit(self, items: list[WorkItem]) -> None:
         """Send the pieces to the engine process. Its refusal (``QueueFull``) comes back on their futures."""
@@ -138,6 +153,8 @@ class EngineLink:
         self._send(Scrape(scrape_id))
         try:
             return await asyncio.wait_for(answer, SCRAPE_TIMEOUT_S)
+        except TimeoutError:  # the route says so (503), rather than failing as if it were a bug (500)
+            raise EngineUnavailable(f"the engine process did not answer within {SCRAPE_TIMEOUT_S:.0f} s") from None
         finally:
             self._scrapes.pop(scrape_id, None)
 
@@ -171,6 +188,7 @@ class EngineLink:
             self._report_cpu()
 
     def _on_frame(self, message: object, payload: bytearray) -> None:
+        self._heard_at = time.monotonic()
         if isinstance(message, ItemDone):
             future = self._pending.pop(message.item_id, None)
             if future is not None and not future.done():

@@ -37,7 +37,7 @@ from .wire import (
 
 log = logging.getLogger(__name__)
 
-STATUS_POLL_S = 1.0  # how often the engine's state is looked at for front ends, once it is ready
+STATUS_POLL_S = 1.0  # how often the engine's state is sent to front ends: changed or not, it says this process lives
 
 
 class _FrontEnd:
@@ -105,12 +105,12 @@ class EngineServer:
     async def _announce_ready(self) -> None:
         engine = self.stack.engine
         # in steps, so that no thread is left waiting on an engine that never finishes warming up
-        while not await asyncio.to_thread(engine.wait_ready, 1.0) and engine.state is EngineState.STARTING:
-            pass
+        while not await asyncio.to_thread(engine.wait_ready, STATUS_POLL_S) and engine.state is EngineState.STARTING:
+            self._announce()  # a long warm-up is not silence (engine_link.ENGINE_SILENT_S)
         self._announce()
         while engine.state is EngineState.READY:  # an engine that stops later is told too: /readyz goes false
             await asyncio.sleep(STATUS_POLL_S)
-        self._announce()
+            self._announce()
 
     def _announce(self) -> None:
         status = self._status()

@@ -221,6 +221,29 @@ def test_front_ends_do_not_outlive_the_engines_process(parity_dir, parity_audio)
         assert _eventually(lambda: not any(_alive(pid) for pid in front_ends), timeout=20)
 
 
+def test_an_engine_process_that_stops_answering_is_not_called_ready(parity_dir, parity_audio):
+    """SIGSTOP the engine's process (as a hang would leave it): the front ends said ready for as long, took new
+    requests for it, and /metrics failed as an internal error (500) after its scrape timed out."""
+    from service.engine_link import ENGINE_SILENT_S, SCRAPE_TIMEOUT_S
+
+    with serve_process(parity_dir / MODEL, frontends=1) as running, ThreadPoolExecutor(1) as pool:
+        running.process.send_signal(signal.SIGSTOP)
+        try:
+            scrape = pool.submit(httpx.get, f"{running.url}/metrics", timeout=SCRAPE_TIMEOUT_S + 20)
+            assert _eventually(lambda: httpx.get(f"{running.url}/readyz", timeout=5).status_code == 503,
+                               timeout=ENGINE_SILENT_S + 10)
+            assert "has not answered" in httpx.get(f"{running.url}/readyz", timeout=5).json()["problems"][0]
+            refused = _transcribe(running.url, Path(parity_audio[0]).read_bytes())
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "not_ready"
+            assert httpx.get(f"{running.url}/healthz", timeout=5).status_code == 200  # not failed: it may go on
+            assert scrape.result().status_code == 503
+            assert scrape.result().json()["error"]["code"] == "engine_unavailable"
+        finally:
+            running.process.send_signal(signal.SIGCONT)
+        assert _eventually(lambda: httpx.get(f"{running.url}/readyz", timeout=5).status_code == 200)
+        assert _transcribe(running.url, Path(parity_audio[0]).read_bytes()).status_code == 200
+
+
 def test_bulk_jobs_through_a_front_end_and_a_consumer_process(parity_dir, parity_audio, tmp_path):
     model = load_model(parity_dir / MODEL, device="cpu", dtype="float32")
     expected = [t.text for t in model.transcribe(parity_audio)]
