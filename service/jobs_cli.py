@@ -13,7 +13,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeVar
 
 import httpx
 
@@ -25,10 +25,15 @@ from .output_files import is_url
 from .stretch_upload import stretch_upload, stretch_upload_size
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 JOB_BYTES = 256 * 1024 * 1024  # uploads per job by default: well under a server's MAX_JOB_UPLOAD_BYTES (1 GiB)
 SIZE_SUFFIXES = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3}
 FINAL_STATUSES = {"completed", "completed_with_errors", "failed", "cancelled"}
+# while following its jobs, how long submit --wait rides out a server or Redis it cannot reach (a Redis restart or
+# failover, a front end restarting) before it gives up: the jobs go on regardless
+WAIT_OUTAGE_S = 300.0
+OUTAGE_STATUSES = (502, 503, 504)  # a server's answers that say it, or its Redis, is away for now
 
 
 # --- worker -------------------------------------------------------------------------------------------------
@@ -325,10 +330,11 @@ async def run_submit(inputs: list[Input], redis_url: str | None, server: str | N
             if all(job["status"] in FINAL_STATUSES for job in jobs):
                 break
             await asyncio.sleep(poll_s)
-            jobs = [job if job["status"] in FINAL_STATUSES else await client.get(job["id"]) for job in jobs]
+            jobs = [job if job["status"] in FINAL_STATUSES else await _riding_out(lambda i=job["id"]: client.get(i))
+                    for job in jobs]
         bar.close()
         for part, job in zip(parts, jobs, strict=True):
-            for source, record in zip(part, await client.results(job["id"]), strict=True):
+            for source, record in zip(part, await _riding_out(lambda i=job["id"]: client.results(i)), strict=True):
                 write_result(source, {**record, "audio": str(source)})
             print(f"job {job['id']}: {job['status']}, RTFx {job['rtfx']}", file=sys.stderr)
         return 0 if all(job["status"] == "completed" for job in jobs) else 1
@@ -344,6 +350,22 @@ async def run_submit(inputs: list[Input], redis_url: str | None, server: str | N
         return 2
     finally:
         await client.close()
+
+
+async def _riding_out(call: Callable[[], Awaitable[T]]) -> T:
+    """``call()``, tried again while the server or Redis cannot be reached, for up to ``WAIT_OUTAGE_S``: a poll that
+    met a Redis restart ended the wait (and lost the results' output) while the job went on."""
+    deadline, backoff_s = time.monotonic() + WAIT_OUTAGE_S, 1.0
+    while True:
+        try:
+            return await call()
+        except (httpx.TransportError, httpx.HTTPStatusError, *REDIS_ERRORS) as exc:
+            away = not isinstance(exc, httpx.HTTPStatusError) or exc.response.status_code in OUTAGE_STATUSES
+            if not away or time.monotonic() + backoff_s > deadline:
+                raise
+            print(f"\nwarning: following the jobs: {exc}; trying again in {backoff_s:.0f} s", file=sys.stderr)
+        await asyncio.sleep(backoff_s)
+        backoff_s = min(2 * backoff_s, 30.0)
 
 
 def _overall(jobs: list[dict[str, Any]]) -> dict[str, Any]:

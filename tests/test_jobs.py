@@ -869,6 +869,34 @@ def test_submit_waiting_on_a_job_that_is_purged_says_so(redis_server, model, par
     assert "no such job (it expired or was purged)" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("through", ["redis", "server"])
+def test_submit_waiting_rides_out_a_redis_restart(tmp_path, model, parity_audio, expected, capsys, through):
+    """A poll that met Redis restarting (a 503 from the server, a connection refused from Redis) ended the wait with
+    "cannot reach" and no results, while the job went on."""
+    redis = RedisServer(tmp_path, appendonly=True).start()  # the job outlives the restart
+
+    async def scenario(server_url: str | None) -> tuple[int, str]:
+        out = io.StringIO()
+        waiting = asyncio.create_task(run_submit([Path(parity_audio[0])], None if server_url else redis.url,
+                                                 server_url, None, True, out, poll_s=0.05))
+        while not redis.client().keys("batchasr:job:job_*[!s]"):  # submitted: its item waits for a batch
+            await asyncio.sleep(0.05)
+        await asyncio.to_thread(redis.stop)
+        await asyncio.sleep(1.0)  # polls fail meanwhile
+        await asyncio.to_thread(redis.start)
+        return await waiting, out.getvalue()
+
+    try:
+        # the item waits 3 s for its batch to fill: the job is in progress across the restart
+        with run_server(Settings(redis_url=redis.url, max_wait_ms=3000, max_batch_size=64), model) as running:
+            code, out = asyncio.run(scenario(running.url if through == "server" else None))
+    finally:
+        redis.stop()
+    assert code == 0, capsys.readouterr().err
+    assert [json.loads(line)["text"] for line in out.splitlines()] == [expected[Path(parity_audio[0]).name]]
+    assert "trying again" in capsys.readouterr().err
+
+
 def test_submit_cli_writes_a_subtitle_file_per_input_mirroring_directories(redis_server, model, parity_audio,
                                                                           expected, tmp_path):
     """`submit --wait --output-dir DIR --format srt`: one file per input, named as `transcribe --output-dir` names
