@@ -37,6 +37,9 @@ log = logging.getLogger(__name__)
 
 RESPAWN_DELAY_S = 1.0  # between a helper process's death and its replacement, so a crash loop cannot spin
 STOP_GRACE_S = 10.0  # beyond the request timeout (a front end's graceful shutdown), before a helper is killed
+# a front end whose engine process is gone: what it can still finish (an answer being written, an upload that is then
+# told 503) gets this long, not the request timeout that a stalled client would hold it for, orphaned
+ENGINE_LOST_GRACE_S = 5
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -60,6 +63,8 @@ def run_frontend(settings: Settings, sock: socket.socket, engine_path: str, log_
 
     def engine_lost() -> None:
         if server is not None:
+            server.config.timeout_graceful_shutdown = min(server.config.timeout_graceful_shutdown or 0,
+                                                          ENGINE_LOST_GRACE_S)
             server.should_exit = True  # finish what can be finished (nothing: every request fails 503), exit
 
     app = create_frontend_app(settings, engine_path, engine_lost)

@@ -12,6 +12,7 @@ import io
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -219,6 +220,22 @@ def test_front_ends_do_not_outlive_the_engines_process(parity_dir, parity_audio)
         running.process.kill()  # no chance to stop them
         running.process.wait(10)
         assert _eventually(lambda: not any(_alive(pid) for pid in front_ends), timeout=20)
+
+
+def test_a_stalled_client_does_not_keep_a_front_end_alive_after_the_engines_process(parity_dir):
+    """An upload that stalls when the engine's process dies held its orphaned front end for the whole request
+    timeout (600 s by default)."""
+    from service.processes import ENGINE_LOST_GRACE_S
+
+    with serve_process(parity_dir / MODEL, frontends=1, request_timeout_s=120) as running:
+        front_end = running.front_end_pids()[0]
+        with socket.create_connection(("127.0.0.1", int(running.url.rsplit(":", 1)[1]))) as client:
+            client.sendall(b"POST /v1/transcribe HTTP/1.1\r\nhost: x\r\ncontent-type: audio/wav\r\n"
+                           b"content-length: 100000\r\n\r\n" + bytes(1000))  # and no more
+            time.sleep(0.5)
+            running.process.kill()
+            running.process.wait(10)
+            assert _eventually(lambda: not _alive(front_end), timeout=ENGINE_LOST_GRACE_S + 10)
 
 
 def test_an_engine_process_that_stops_answering_is_not_called_ready(parity_dir, parity_audio):
