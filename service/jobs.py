@@ -219,6 +219,19 @@ expire_with_job(KEYS[1], KEYS[2])
 return 1
 """
 
+# KEYS: stream. ARGV: group, consumer, then message ids. Renews the deliveries still the consumer's: one another
+# consumer has reclaimed (this one was stopped, or cut off, past the visibility timeout) stays with that one.
+_KEEP_CLAIMED = _ALLOW_OOM + """
+local kept = 0
+for i = 3, #ARGV do
+  if #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2]) == 1 then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+    kept = kept + 1
+  end
+end
+return kept
+"""
+
 
 async def step_until_stopped(stop: asyncio.Event, step: Callable[[], Awaitable[object]], what: str,
                              on_failure: Callable[[Exception], None] = lambda exc: None,
@@ -380,6 +393,7 @@ class JobStore:
         self._update_existing = client.register_script(_HSET_IF_EXISTS)
         self._cancel_queued = client.register_script(_CANCEL_QUEUED)
         self._record_error = client.register_script(_RECORD_ERROR)
+        self._keep_claimed = client.register_script(_KEEP_CLAIMED)
 
     @classmethod
     def from_url(cls, url: str, max_connections: int = 128, **kwargs: Any) -> JobStore:
@@ -727,11 +741,13 @@ class JobStore:
         except aioredis.ResponseError:  # no stream yet
             return None
 
-    async def keep_claimed(self, stream: str, consumer: str, message_ids: list[bytes]) -> None:
+    async def keep_claimed(self, stream: str, consumer: str, message_ids: list[bytes]) -> int:
         """Reset the idle time of deliveries ``consumer`` is still working on, so that an item that takes longer
-        than the visibility timeout is not handed to another worker (and counted as another attempt)."""
-        if message_ids:
-            await self.redis.xclaim(stream, GROUP, consumer, 0, message_ids, justid=True)
+        than the visibility timeout is not handed to another worker (and counted as another attempt). Those another
+        consumer has reclaimed meanwhile stay its own. Returns how many were renewed."""
+        if not message_ids:
+            return 0
+        return int(await self._keep_claimed(keys=[stream], args=[GROUP, consumer, *message_ids]))
 
     async def claim_stalled(self, stream: str, consumer: str, idle_s: float, count: int, start: bytes | str = "0-0"
                             ) -> tuple[bytes | str, list[tuple[bytes, dict]]]:

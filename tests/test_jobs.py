@@ -506,15 +506,36 @@ def test_stalled_deliveries_behind_many_live_ones_are_reached(redis_server):
         await store.ensure_group()
         items = [ItemInput(audio=f"{i}.wav", url=f"https://media.example/{i}.wav") for i in range(30)]
         await store.submit(items)
-        reply = await store.redis.xreadgroup(GROUP, "gone", {ITEM_STREAM: ">"}, count=30)
+        reply = await store.redis.xreadgroup(GROUP, "live", {ITEM_STREAM: ">"}, count=30)
         delivered = [message_id for message_id, _ in reply[0][1]]
         await asyncio.sleep(0.3)
-        await store.keep_claimed(ITEM_STREAM, "live", delivered[:25])  # a live worker renews these
+        await store.keep_claimed(ITEM_STREAM, "live", delivered[:25])  # a live worker renews these; 5 stall
         start, claimed = "0-0", []
         for _ in range(5):
             start, stalled = await store.claim_stalled(ITEM_STREAM, "new", 0.2, 1, start)
             claimed += [message_id for message_id, _ in stalled]
         assert claimed and set(claimed) <= set(delivered[25:])
+        await store.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_worker_renews_only_the_deliveries_still_its_own(redis_server):
+    """A worker stopped past the visibility timeout (SIGSTOP, a long pause) and then continued renewed every item it
+    held, taking back those another worker had reclaimed: both transcribed them, and their audio counted twice."""
+    async def scenario() -> None:
+        store = JobStore.from_url(redis_server.url)
+        await store.ensure_group()
+        await store.submit([ItemInput(audio=f"{i}.wav", url=f"https://media.example/{i}.wav") for i in range(4)])
+        reply = await store.redis.xreadgroup(GROUP, "paused", {ITEM_STREAM: ">"}, count=4)
+        held = [message_id for message_id, _ in reply[0][1]]
+        await asyncio.sleep(0.3)
+        _, taken = await store.claim_stalled(ITEM_STREAM, "other", 0.2, 2)  # the visibility timeout passed
+        assert [message_id for message_id, _ in taken] == held[:2]
+        assert await store.keep_claimed(ITEM_STREAM, "paused", held) == 2  # it continues, and renews
+        owners = {entry["message_id"]: entry["consumer"]
+                  for entry in await store.redis.xpending_range(ITEM_STREAM, GROUP, "-", "+", 10)}
+        assert [owners[message_id] for message_id in held] == [b"other", b"other", b"paused", b"paused"]
         await store.close()
 
     asyncio.run(scenario())
