@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import logging
 import time
@@ -136,10 +137,15 @@ async def require_api_key(request: Request, service: ServiceDep) -> None:
 
 
 def valid_api_key(authorization: str, keys: list[str]) -> str | None:
-    """The key an ``Authorization: Bearer <key>`` header gives, if it is one of ``keys``."""
+    """The key an ``Authorization: Bearer <key>`` header gives, if it is one of ``keys``.
+
+    Compared in constant time, and with every key: ``token in keys`` stops at the first differing character, so
+    the time a refusal takes would tell a client how much of a key it has guessed right."""
     scheme, _, token = authorization.partition(" ")
     token = token.strip()
-    return token if scheme.lower() == "bearer" and token in keys else None
+    digest = hashlib.sha256(token.encode()).digest()  # equal lengths: compare_digest's time then hides the key's
+    matches = [hmac.compare_digest(digest, hashlib.sha256(key.encode()).digest()) for key in keys]
+    return token if scheme.lower() == "bearer" and any(matches) else None
 
 
 def missing_api_key() -> ApiError:

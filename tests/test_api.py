@@ -435,6 +435,29 @@ def test_api_keys_guard_v1_but_not_operations(hybrid, parity_audio):
             assert upload.sent < 20_000_000  # within the socket's buffers, not the whole upload
 
 
+def test_api_keys_are_compared_in_constant_time_with_every_key(monkeypatch):
+    """``token in keys`` stops at the first character that differs: how long a refusal took would say how much of
+    a key a client had guessed. Every key is compared, each with hmac.compare_digest."""
+    import hmac
+
+    from service import http
+
+    compared = []
+    original = hmac.compare_digest
+
+    def compare(a: bytes, b: bytes) -> bool:
+        compared.append((a, b))
+        return original(a, b)
+
+    monkeypatch.setattr(http.hmac, "compare_digest", compare)
+    keys = ["first-key", "second-key", "third-key"]
+    assert http.valid_api_key("Bearer first-key", keys) == "first-key"
+    assert http.valid_api_key("bearer  third-key ", keys) == "third-key"
+    assert http.valid_api_key("Bearer first-kez", keys) is None
+    assert http.valid_api_key("Basic first-key", keys) is None
+    assert len(compared) == 4 * len(keys)  # a match found early still compares the rest
+
+
 def test_a_client_gone_mid_upload_is_a_499_not_a_server_error(server):
     with socket.create_connection(("127.0.0.1", int(server.url.rsplit(":", 1)[1]))) as conn:
         conn.sendall(b"POST /v1/transcribe HTTP/1.1\r\nHost: x\r\nContent-Type: audio/wav\r\n"
