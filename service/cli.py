@@ -156,6 +156,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from .api import create_app
     from .config import get_settings
+    from .head_limit import HTTP_PROTOCOL
     from .logs import configure_json_logging
 
     level = logging.DEBUG if args.verbose else logging.INFO
@@ -174,7 +175,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from .processes import run_async, run_engine_process
 
         return run_async(run_engine_process(settings, http=True, log_level=level))
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_config=None,
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_config=None, http=HTTP_PROTOCOL,
                 timeout_graceful_shutdown=int(settings.request_timeout_s))
     return 0
 

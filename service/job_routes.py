@@ -49,6 +49,8 @@ from .webhooks import check_webhook_url
 
 T = TypeVar("T")
 
+MAX_IDEMPOTENCY_KEY_CHARS = 255  # as Stripe's: room for a UUID and a client's own prefix
+
 router = APIRouter(prefix="/v1/jobs", dependencies=[Depends(require_api_key)], tags=["jobs"])
 
 
@@ -176,6 +178,10 @@ async def create_job(request: Request, service: ServiceDep,
                      idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None) -> JSONResponse:
     """Submit a job: multipart `files` uploads, or JSON `{"items": [{"path": ...} | {"url": ...}]}` for audio the
     server reads itself."""
+    if idempotency_key is not None and len(idempotency_key) > MAX_IDEMPOTENCY_KEY_CHARS:
+        # it becomes a Redis key, kept as long as the job's results: a client's to size, not a megabyte a job
+        raise ApiError(400, f"Idempotency-Key: at most {MAX_IDEMPOTENCY_KEY_CHARS} characters",
+                       param="Idempotency-Key", code="invalid_idempotency_key")
     store = _store(service)
     if not request.headers.get("content-type", "").lower().startswith("multipart/form-data"):
         items, options = await _json_items(request, service)

@@ -57,6 +57,7 @@ def run_frontend(settings: Settings, sock: socket.socket, engine_path: str, log_
     import uvicorn
 
     from .api import create_frontend_app
+    from .head_limit import HTTP_PROTOCOL
 
     configure_json_logging(log_level)
     server: uvicorn.Server | None = None
@@ -68,7 +69,7 @@ def run_frontend(settings: Settings, sock: socket.socket, engine_path: str, log_
             server.should_exit = True  # finish what can be finished (nothing: every request fails 503), exit
 
     app = create_frontend_app(settings, engine_path, engine_lost)
-    server = uvicorn.Server(uvicorn.Config(app, log_config=None, lifespan="on",
+    server = uvicorn.Server(uvicorn.Config(app, log_config=None, lifespan="on", http=HTTP_PROTOCOL,
                                            timeout_graceful_shutdown=int(settings.request_timeout_s)))
     server.run(sockets=[sock])
 

@@ -25,6 +25,7 @@ import uvicorn
 from models.asr_model import ASRModel
 from service.api import create_app
 from service.config import Settings
+from service.head_limit import HTTP_PROTOCOL
 from service.jobs import JobStore
 from service.runtime import build_stack
 
@@ -119,7 +120,8 @@ class RunningServer:
 def run_server(settings: Settings, model: ASRModel, ready_timeout: float = 60) -> Iterator[RunningServer]:
     port = free_port()
     app = create_app(settings.model_copy(update={"port": port}), model=model)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on",
+                                           http=HTTP_PROTOCOL))  # as `batchasr serve` runs it
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     running = RunningServer(server, thread, f"http://127.0.0.1:{port}", app)
@@ -180,6 +182,25 @@ def serve_process(model: Path, frontends: int = 2, ready_timeout: float = 120,
             if process.poll() is None:
                 process.kill()
                 process.wait(30)
+
+
+def send_head(url: str, header_bytes: int, path: str = "/healthz", chunk: int = 1 << 16) -> bytes:
+    """A GET whose head carries one header of ``header_bytes``, sent a chunk at a time as a client would: the first
+    line of the answer (empty if the server closed the connection without one)."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as conn:
+        conn.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nX-Padding: ".encode())
+        try:
+            for start in range(0, header_bytes, chunk):
+                conn.sendall(b"a" * min(chunk, header_bytes - start))
+            conn.sendall(b"\r\n\r\n")
+        except OSError:  # refused part way: the answer is waiting
+            pass
+        answer = b""
+        with contextlib.suppress(OSError):
+            while b"\r\n" not in answer and (data := conn.recv(4096)):
+                answer += data
+    return answer.split(b"\r\n", 1)[0]
 
 
 class StreamedUpload:

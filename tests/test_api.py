@@ -23,7 +23,7 @@ from models import load_model
 from service.config import Settings
 from service.logs import JsonFormatter
 from tests.conftest import REPO, load_script, long_recording
-from tests.servers import StreamedUpload, run_server, serve_process, stream_transcription
+from tests.servers import StreamedUpload, run_server, send_head, serve_process, stream_transcription
 
 
 @pytest.fixture(scope="module")
@@ -456,6 +456,23 @@ def test_api_keys_are_compared_in_constant_time_with_every_key(monkeypatch):
     assert http.valid_api_key("Bearer first-kez", keys) is None
     assert http.valid_api_key("Basic first-key", keys) is None
     assert len(compared) == 4 * len(keys)  # a match found early still compares the rest
+
+
+def test_request_heads_past_the_limit_are_refused_before_any_key_is_checked(hybrid):
+    """httptools keeps a header however long it is (a gigabyte, in one connection, with no API key); past 64 KiB
+    the server answers 431 and closes the connection. Ordinary heads, and a long Idempotency-Key, are not."""
+    from service.head_limit import MAX_HEAD_BYTES
+
+    with run_server(Settings(api_keys=["k1"]), hybrid) as running:
+        assert send_head(running.url, 8_000) == b"HTTP/1.1 200 OK"
+        assert send_head(running.url, MAX_HEAD_BYTES - 1000) == b"HTTP/1.1 200 OK"
+        for size in (MAX_HEAD_BYTES + 1000, 50_000_000):
+            assert send_head(running.url, size, path="/v1/models") == b"HTTP/1.1 431 Request Header Fields Too Large"
+        assert httpx.get(f"{running.url}/healthz").status_code == 200
+        # the key becomes a Redis key kept for days: a client's identifier, not a megabyte
+        refused = httpx.post(f"{running.url}/v1/jobs", json={"items": [{"path": "/a.wav"}]},
+                             headers={"Authorization": "Bearer k1", "Idempotency-Key": "k" * 256})
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_idempotency_key"
 
 
 def test_a_client_gone_mid_upload_is_a_499_not_a_server_error(server):

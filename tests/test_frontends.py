@@ -42,7 +42,7 @@ from service.webhook_worker import WebhookMetrics
 from service.wire import EngineUnavailable, FrameProtocol, ItemsFailed, send_frame, split_samples
 from tests.conftest import long_recording
 from tests.redis_server import RedisServer
-from tests.servers import serve_process, stream_transcription
+from tests.servers import send_head, serve_process, stream_transcription
 
 MODEL = "tdt_ctc_hybrid.nemo"
 
@@ -168,6 +168,11 @@ def test_bad_input_is_refused_by_the_front_end_and_nothing_breaks(server, parity
     assert _transcribe(server.url, b"\x00" * 5000).status_code == 400
     assert _transcribe(server.url, Path(parity_audio[1]).read_bytes()).status_code == 200
     assert httpx.get(f"{server.url}/readyz").json() == {"status": "ready", "problems": []}
+
+
+def test_a_front_end_refuses_a_request_head_past_the_limit(server):
+    assert send_head(server.url, 100_000, path="/v1/models") == b"HTTP/1.1 431 Request Header Fields Too Large"
+    assert send_head(server.url, 4_000, path="/v1/models") == b"HTTP/1.1 200 OK"
 
 
 def test_a_full_engine_queue_answers_429_through_the_front_end(parity_dir, parity_audio):
