@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -56,6 +57,7 @@ REDIS_ERRORS = (aioredis.ConnectionError, aioredis.TimeoutError, ConnectionError
 REDIS_FULL = OutOfMemoryError  # Redis at its maxmemory (with noeviction, as a job store must be) refused a write
 MAX_BACKOFF_S = 30.0  # the longest a consumer waits before trying an unreachable Redis again
 JOB_KEYS = (JOB_KEY, INPUTS_KEY, STATES_KEY, ATTEMPTS_KEY, ERRORS_KEY, RESULTS_KEY)
+JOB_ID = re.compile(r"job_[A-Za-z0-9_-]{1,64}")  # what submit makes ("job_" and 24 of token_urlsafe's characters)
 
 
 class JobPriority(str, Enum):
@@ -370,12 +372,17 @@ def resolve_input_path(path: str, roots: list[str]) -> Path:
     """The real path of ``path`` if it lies under one of ``roots`` (symlinks followed); else JobInputError."""
     if not roots:
         raise JobInputError("path inputs are disabled: the server has no input roots (BATCHASR_INPUT_ROOTS)")
-    real = Path(path).resolve()
-    for root in roots:
-        if real.is_relative_to(Path(root).resolve()):
-            if not real.is_file():
-                raise JobInputError(f"{path}: no such file under the input roots")
-            return real
+    try:
+        real = Path(path).resolve()
+        for root in roots:
+            if real.is_relative_to(Path(root).resolve()):
+                if not real.is_file():
+                    raise JobInputError(f"{path}: no such file under the input roots")
+                return real
+    except (ValueError, OSError) as exc:  # a NUL byte, a name too long: the client's error, not the server's
+        if isinstance(exc, JobInputError):
+            raise
+        raise JobInputError(f"{path!r}: not a usable path ({exc})") from exc
     raise JobInputError(f"{path}: outside the input roots; refused")
 
 
@@ -512,6 +519,8 @@ class JobStore:
         return job
 
     async def _get_or_none(self, job_id: str) -> Job | None:
+        if not JOB_ID.fullmatch(job_id):  # a client's id names a key: `job_x:inputs` would read another hash
+            return None
         raw = await self.redis.hgetall(JOB_KEY.format(job_id=job_id))
         return _job(job_id, raw) if raw else None
 

@@ -776,10 +776,17 @@ def test_path_inputs_only_under_the_input_roots(redis_server, model, parity_audi
     with run_server(settings, model) as running:
         def submit(path):
             return httpx.post(f"{running.url}/v1/jobs", json={"items": [{"path": str(path)}]}, timeout=30)
-        for bad in (outside, roots / ".." / "secret.wav", roots / "link.wav", Path("/etc/passwd")):
+        beside = tmp_path / "inputs2"  # a root is no prefix of its siblings' names
+        beside.mkdir()
+        (beside / "ok.wav").write_bytes(inside.read_bytes())
+        for bad in (outside, roots / ".." / "secret.wav", roots / "link.wav", Path("/etc/passwd"), beside / "ok.wav"):
             response = submit(bad)
             assert response.status_code == 400, bad
             assert "outside the input roots" in response.json()["error"]["message"]
+        os.mkfifo(roots / "fifo.wav")  # would block the worker that opened it
+        for bad in (roots / "fifo.wav", roots, f"{inside}\x00.txt", f"{roots}/{'a' * 5000}.wav"):
+            response = submit(bad)
+            assert response.status_code == 400, (bad, response.text)  # not a server error
         ok = submit(inside)
         assert ok.status_code == 202
         job_id = ok.json()["id"]
@@ -787,6 +794,12 @@ def test_path_inputs_only_under_the_input_roots(redis_server, model, parity_audi
                   "path job did not complete")
         line = json.loads(httpx.get(f"{running.url}/v1/jobs/{job_id}/results").text)
         assert line["text"] == expected[Path(parity_audio[0]).name]
+        # an id names Redis keys: one that reaches another of the job's keys is no job, not a server error
+        for other in (f"{job_id}:inputs", f"{job_id}:results", "job_*", "x"):
+            for method, route in (("GET", ""), ("GET", "/results"), ("DELETE", ""), ("DELETE", "?purge=true")):
+                response = httpx.request(method, f"{running.url}/v1/jobs/{other}{route}")
+                assert response.status_code == 404, (other, method, route, response.text)
+        assert httpx.get(f"{running.url}/v1/jobs/{job_id}").status_code == 200
 
 
 def test_http_without_redis_and_with_redis_down(model, parity_audio, tmp_path):
