@@ -133,10 +133,12 @@ def decode_audio_file(path: Path, limits: AudioLimits, multichannel: bool = Fals
 def _decode(source: io.BytesIO | Path, limits: AudioLimits, multichannel: bool, stretch: Stretch) -> np.ndarray:
     try:
         with open_audio(source) as f:
+            # mixed down too: every channel is decoded and a block holds them all, so a small Vorbis file of 255
+            # silent channels took 255 times the memory and decoding of its mono seconds (a gigabyte a block)
+            if f.channels > limits.max_channels:
+                raise TooManyChannels(f"the audio has {f.channels} channels; at most {limits.max_channels} can be "
+                                      + ("transcribed apart" if multichannel else "read"))
             channels = f.channels if multichannel else 1
-            if channels > limits.max_channels:
-                raise TooManyChannels(f"the audio has {channels} channels; at most {limits.max_channels} can be "
-                                      "transcribed apart")
             max_s = limits.max_duration_s / channels
             first, count = stretch_frames(stretch, f.samplerate, max(f.frames, 0))
             claimed_s = count / f.samplerate if count else 0.0

@@ -44,7 +44,7 @@ class Settings(BaseSettings):
     # upload bytes a process holds in memory at once, read and not yet decoded (service.intake)
     max_intake_bytes: int = 2 * 1024 * 1024 * 1024
     max_duration_s: float = 4 * 3600.0  # multichannel requests: every channel's seconds count
-    max_channels: int = 8  # channels a multichannel request may have transcribed apart
+    max_channels: int = 8  # channels a file may have: transcribed apart (multichannel) or mixed down
     request_timeout_s: float = 600.0
     decode_threads: int = 4  # audio decoding runs in this many threads, off the event loop
     # HTTP front-end processes beside the engine's (service.processes); 0: the engine's process serves HTTP too

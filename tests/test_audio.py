@@ -110,6 +110,22 @@ def test_audio_over_a_limit_is_refused_as_that_whatever_type_its_client_declared
         audio.decode_declared_audio(b"not audio\n" * 50, "text/plain", limits)
 
 
+@pytest.mark.parametrize(("channels", "format", "subtype"), [(9, "WAV", "PCM_U8"), (64, "OGG", "VORBIS")])
+def test_audio_of_more_channels_than_the_limit_is_refused_even_mixed_down(channels, format, subtype):
+    """Mixing down decodes every channel, a block of all of them at a time: 70 s of 255 silent Vorbis channels is
+    a 78 kB upload that took a gigabyte. More channels than ``max_channels`` are refused whether kept apart or
+    not; within it, mixing down is as before."""
+    buffer = io.BytesIO()
+    sf.write(buffer, np.zeros((16000, channels), dtype=np.float32), 16000, format=format, subtype=subtype)
+    limits = AudioLimits(max_bytes=LIMITS.max_bytes, max_duration_s=60.0, max_channels=8)
+    for multichannel in (False, True):
+        with pytest.raises(audio.TooManyChannels, match=f"{channels} channels; at most 8"):
+            decode_audio(buffer.getvalue(), limits, multichannel)
+    buffer = io.BytesIO()
+    sf.write(buffer, np.zeros((16000, 8), dtype=np.float32), 16000, format=format, subtype=subtype)
+    assert decode_audio(buffer.getvalue(), limits).shape == (16000,)
+
+
 @pytest.mark.parametrize(("minutes", "format"), [(0.25, "WAV"), (1.5, "FLAC"), (2.0, "WAV")])
 def test_decode_cost_makes_the_minutes_asked_for(minutes, format):
     """loadtest/decode_cost.py made whole minutes: --minutes 0.25 decoded (and reported as 0.25 min) a full one."""
