@@ -32,6 +32,7 @@ from models.transcript import Transcript, Word, mean_logprob
 
 from .audio import AudioRequestError, decode_declared_audio
 from .batcher import Priority, QueueFull
+from .body_buffer import BodyBufferMiddleware
 from .body_limit import FORM_OVERHEAD_BYTES, BodyLimitMiddleware, BodyTooLarge
 from .config import Settings
 from .engine_link import EngineLink
@@ -129,7 +130,8 @@ async def _decoded_upload(service: ServiceState, upload: StarletteUpload | None,
 
 
 async def _decoded_body(request: Request, service: ServiceState, multichannel: bool = False) -> np.ndarray:
-    """The raw audio body, read and decoded within the intake budget; until there is room, it waits unread."""
+    """The raw audio body, read and decoded within the intake budget; until there is room, it waits whole in its
+    temporary file (service.body_buffer)."""
     declared = request.headers.get("content-length", "")
     size = int(declared) if declared.isdigit() else service.settings.max_upload_bytes
     async with service.intake.hold(size):
@@ -604,6 +606,7 @@ def _app(service: ServiceState, lifespan: Callable[[FastAPI], Any]) -> FastAPI:
     app.include_router(v1)
     app.include_router(jobs_router)
     app.include_router(ops)
+    app.add_middleware(BodyBufferMiddleware)  # bodies whole before a route reads them (service.body_buffer)
     app.add_middleware(BodyLimitMiddleware, limit_for=_body_limits(service.settings))
     app.add_middleware(ApiKeyGate, keys=service.settings.api_keys)  # outside the body limit: 401 before 413
     app.add_middleware(RequestLogMiddleware, service=service)  # added last: outermost, so it sees every answer

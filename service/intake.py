@@ -4,7 +4,8 @@ written to Redis).
 The body limit bounds one upload (service.body_limit), and the decode pool how many are decoded at once; this
 bounds the uploads read and waiting for it. Without it, a hundred clients sending 200 MB each would have the
 process hold 20 GB. A request waits for room before it reads its upload, which meanwhile stays in its temporary
-file (multipart) or in the client's socket (a raw body). Requests are let in first come, first served, so a large
+file: every body is received whole into one before its route runs (service.body_buffer), so a client that sends
+slowly, or stops, holds no room while it does. Requests are let in first come, first served, so a large
 upload is not passed over for ever by smaller ones; one larger than the whole budget goes in alone.
 """
 

@@ -348,6 +348,30 @@ def test_uploads_wait_their_turn_within_the_intake_budget(hybrid, parity_audio):
     assert largest < intake.peak <= settings.max_intake_bytes  # used concurrently, never past the budget
 
 
+def test_clients_that_stall_mid_upload_hold_no_room_in_the_intake_budget(hybrid, parity_audio):
+    """A raw body was read within the budget as its client sent it: a client that declared a large body and sent
+    nothing held that room for as long as it liked, and with two of them every other upload of the process waited
+    for ever. Bodies are now received whole before their routes read them."""
+    data = Path(parity_audio[0]).read_bytes()
+    with run_server(Settings(max_intake_bytes=3 * len(data)), hybrid) as running:
+        host, port = running.url.removeprefix("http://").split(":")
+        stalled = []
+        for _ in range(3):
+            conn = socket.create_connection((host, int(port)))
+            conn.sendall(f"POST /v1/transcribe HTTP/1.1\r\nHost: x\r\nContent-Type: audio/wav\r\n"
+                         f"Content-Length: {2 * len(data)}\r\n\r\n".encode() + data[:1000])
+            stalled.append(conn)
+        try:
+            time.sleep(0.5)
+            answer = httpx.post(f"{running.url}/v1/transcribe", content=data, headers={"content-type": "audio/wav"},
+                                timeout=20)
+            assert answer.status_code == 200, answer.text
+            assert running.service.intake.held == 0
+        finally:
+            for conn in stalled:
+                conn.close()
+
+
 def test_audio_of_more_pieces_than_the_queue_holds_is_413_not_429_for_ever(hybrid, parity_audio):
     recording, _ = long_recording(parity_audio, 30)  # 30 s in pieces of at most 5 s: 7 or more
     data = _wav_bytes(recording)

@@ -1,0 +1,70 @@
+"""Request bodies received whole, into a temporary file, before the app reads them.
+
+A route reads its upload within the process's intake budget (service.intake), and read from the client, a body
+comes as fast as the client sends it: one that declared a large body and sent nothing held its share of the
+budget for as long as it liked, and a dozen such connections stopped every upload of the process (job
+submissions too). Likewise a multipart form cut off part way sat half-parsed in memory (its fields, and its files
+of up to 1 MiB each) for as long as its client kept the connection open. Received here first, in memory up to
+``SPOOL_MEMORY_BYTES`` and on disk past that, a body reaches its route only once it is whole: a stalled client
+holds a connection and a file, never room in the budget or a parser's memory.
+
+The app sees what it would have seen from the client, only later: the body's bytes, then its end, or the refusal
+of a body past its limit (service.body_limit) or the client's leaving, at the point where they came.
+"""
+
+from __future__ import annotations
+
+from tempfile import SpooledTemporaryFile
+from typing import Any
+
+from starlette.datastructures import UploadFile
+
+SPOOL_MEMORY_BYTES = 1 << 20  # as Starlette spools a multipart file: larger bodies wait on disk
+REPLAY_CHUNK_BYTES = 1 << 20
+NO_BODY_METHODS = ("GET", "HEAD", "OPTIONS", "DELETE")
+
+
+class BodyBufferMiddleware:
+    """Plain ASGI, inside the body limit (which refuses a body past its route's limit as it arrives)."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] in NO_BODY_METHODS:
+            await self.app(scope, receive, send)
+            return
+        body = UploadFile(SpooledTemporaryFile(max_size=SPOOL_MEMORY_BYTES), size=0)  # noqa: SIM115 - closed below
+        end: dict | Exception | None = {"type": "http.request", "body": b"", "more_body": False}
+        try:
+            while True:
+                try:
+                    message = await receive()
+                except Exception as exc:  # past the route's limit: the app meets the refusal where it came
+                    end = exc
+                    break
+                if message["type"] != "http.request":  # the client left part way
+                    end = message
+                    break
+                await body.write(message.get("body", b""))
+                if not message.get("more_body", False):
+                    break
+            await body.seek(0)
+            left = body.size or 0
+
+            async def replay() -> dict:
+                nonlocal left, end
+                if left:
+                    chunk = await body.read(min(left, REPLAY_CHUNK_BYTES))
+                    left = left - len(chunk) if chunk else 0
+                    return {"type": "http.request", "body": chunk, "more_body": True}
+                if end is None:  # the body is done: what comes now is the client's (a disconnect)
+                    return await receive()
+                last, end = end, None
+                if isinstance(last, Exception):
+                    raise last
+                return last
+
+            await self.app(scope, replay, send)
+        finally:
+            await body.close()
