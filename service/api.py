@@ -50,8 +50,9 @@ from .http import (
     require_api_key,
     speaker_names,
 )
-from .job_routes import job_too_large_message
+from .job_routes import is_multipart, job_too_large_message, json_job_too_large_message
 from .job_routes import router as jobs_router
+from .jobs import JSON_JOB_BYTES
 from .logs import log_fields
 from .metrics import Metrics
 from .runtime import build_frontend_stack, build_stack
@@ -613,9 +614,12 @@ def _app(service: ServiceState, lifespan: Callable[[FastAPI], Any]) -> FastAPI:
     return app
 
 
-def _body_limits(settings: Settings) -> Callable[[str], BodyTooLarge]:
-    """Each route's largest request body: a job submission's uploads together, else one upload and its form."""
-    def limit_for(path: str) -> BodyTooLarge:
+def _body_limits(settings: Settings) -> Callable[[str, str], BodyTooLarge]:
+    """Each route's largest request body: a job submission's uploads together (a JSON one's items, which carry no
+    audio: JSON_JOB_BYTES), else one upload and its form."""
+    def limit_for(path: str, content_type: str) -> BodyTooLarge:
+        if path.rstrip("/") == "/v1/jobs" and not is_multipart(content_type):
+            return BodyTooLarge(JSON_JOB_BYTES, json_job_too_large_message(settings), "items", "job_too_large")
         if path.rstrip("/") == "/v1/jobs":
             limit = settings.max_job_upload_bytes
             return BodyTooLarge(limit + FORM_OVERHEAD_BYTES, job_too_large_message(limit), "files", "job_too_large")

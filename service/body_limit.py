@@ -24,21 +24,22 @@ class BodyTooLarge(ApiError):
 
 
 class BodyLimitMiddleware:
-    """Plain ASGI: ``limit_for(path)`` gives a route's largest body in bytes and the error it answers
+    """Plain ASGI: ``limit_for(path, content_type)`` gives a route's largest body in bytes and the error it answers
     past that. Routes that read their body themselves get ``BodyTooLarge`` (an ApiError) from ``receive``;
     where FastAPI parses the body first and words the failure as its own 400, the answer is replaced with the
     413 all the same."""
 
-    def __init__(self, app: Any, limit_for: Callable[[str], BodyTooLarge]):
+    def __init__(self, app: Any, limit_for: Callable[[str, str], BodyTooLarge]):
         self.app, self.limit_for = app, limit_for
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
             await self.app(scope, receive, send)
             return
-        refusal = self.limit_for(scope["path"])
+        headers = dict(scope.get("headers") or [])
+        refusal = self.limit_for(scope["path"], headers.get(b"content-type", b"").decode("latin-1"))
         limit = refusal.limit
-        declared = dict(scope.get("headers") or []).get(b"content-length", b"")
+        declared = headers.get(b"content-length", b"")
         if declared.isdigit() and int(declared) > limit:
             await send_error(send, refusal)
             return

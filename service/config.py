@@ -67,6 +67,7 @@ class Settings(BaseSettings):
     input_roots: Annotated[list[str], NoDecode] = Field(default_factory=list)  # jobs may name files under these
     # jobs may name http(s) URLs under these (service.url_inputs: scheme, host, port and path must match)
     input_url_prefixes: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    max_job_items: int = 100_000  # items in one job (service.jobs.MAX_JOB_ITEMS): more go as several jobs
     job_url_timeout_s: float = 60.0  # connecting to, and each read from, a job's audio URL
     job_input_ttl_s: int = 7 * 86400  # uploaded audio waits at most this long for a worker
     job_result_ttl_s: int = 7 * 86400  # results are kept this long after the job finishes
@@ -114,7 +115,7 @@ class Settings(BaseSettings):
 
         return check_prefixes(value)
 
-    @field_validator("max_batch_size", "max_queue", "decode_threads", "job_prefetch")
+    @field_validator("max_batch_size", "max_queue", "decode_threads", "job_prefetch", "max_job_items")
     @classmethod
     def _positive(cls, value: int | None) -> int | None:
         if value is not None and value < 1:

@@ -7,6 +7,7 @@ key gets 404, as for a job that does not exist). Without API keys every client i
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable
 from typing import Annotated, Any, TypeVar
@@ -32,6 +33,7 @@ from .http import (
     speaker_names,
 )
 from .jobs import (
+    JSON_JOB_BYTES,
     REDIS_ERRORS,
     REDIS_FULL,
     ItemInput,
@@ -95,6 +97,16 @@ def _store(service: ServiceState) -> JobStore:
     return service.jobs
 
 
+def is_multipart(content_type: str) -> bool:
+    """A submission of uploads (multipart), rather than JSON items."""
+    return content_type.lower().startswith("multipart/form-data")
+
+
+def json_job_too_large_message(settings: Settings) -> str:
+    return (f"a JSON job's body may be at most {JSON_JOB_BYTES} bytes, and its items at most {settings.max_job_items} "
+            "(BATCHASR_MAX_JOB_ITEMS): submit more as several jobs")
+
+
 def job_too_large_message(limit: int) -> str:
     return (f"a job's uploads may total at most {limit} bytes (BATCHASR_MAX_JOB_UPLOAD_BYTES); submit larger sets "
             "as several jobs, or as paths or URLs")
@@ -103,7 +115,7 @@ def job_too_large_message(limit: int) -> str:
 async def _form_uploads(request: Request, service: ServiceState) -> tuple[list[StarletteUpload], JobOptions]:
     """The uploads of a multipart submission (parsed: each in its temporary file), and its other fields."""
     # the body is limited as it arrives (service.body_limit): the files, their boundaries and the other fields
-    form = await request.form(max_files=100_000)
+    form = await request.form(max_files=service.settings.max_job_items)
     uploads = [f for key in ("files", "file", "files[]") for f in form.getlist(key) if isinstance(f, StarletteUpload)]
     if not uploads:
         raise ApiError(400, "no audio: send one or more multipart `files` fields", param="files", code="missing_file")
@@ -139,10 +151,13 @@ def _job_hotwords(service: ServiceState, values: list[str]) -> tuple[str, ...]:
 
 
 async def _json_items(request: Request, service: ServiceState) -> tuple[list[ItemInput], JobOptions]:
-    try:
-        body = JobCreate.model_validate_json(await request.body())
+    raw = await request.body()  # at most JSON_JOB_BYTES (service.body_limit)
+    try:  # off the event loop: a large job takes seconds to validate, and every other request would wait
+        body = await asyncio.to_thread(JobCreate.model_validate_json, raw)
     except ValueError as exc:
         raise ApiError(400, f"invalid job: {exc}", code="invalid_job") from exc
+    if len(body.items) > service.settings.max_job_items:
+        raise ApiError(413, json_job_too_large_message(service.settings), param="items", code="too_many_items")
     items = [ItemInput(audio=(item.stretch or WHOLE).label(item.path or str(item.url)), path=item.path,
                        url=None if item.url is None else str(item.url), stretch=item.stretch) for item in body.items]
     names = speaker_names(body.channel_names, body.multichannel)
@@ -183,7 +198,7 @@ async def create_job(request: Request, service: ServiceDep,
         raise ApiError(400, f"Idempotency-Key: at most {MAX_IDEMPOTENCY_KEY_CHARS} characters",
                        param="Idempotency-Key", code="invalid_idempotency_key")
     store = _store(service)
-    if not request.headers.get("content-type", "").lower().startswith("multipart/form-data"):
+    if not is_multipart(request.headers.get("content-type", "")):
         items, options = await _json_items(request, service)
         _check_webhook(options.webhook_url, service.settings)
         return await _submit(store, service.settings, items, options, idempotency_key)
@@ -198,7 +213,7 @@ async def create_job(request: Request, service: ServiceDep,
 async def _submit(store: JobStore, settings: Settings, items: list[ItemInput], options: JobOptions,
                   idempotency_key: str | None) -> JSONResponse:
     try:
-        _check_inputs(items, settings)
+        await asyncio.to_thread(_check_inputs, items, settings)  # a path each: the file system, off the event loop
         job, created = await store.submit(items, idempotency_key, options)
     except JobInputError as exc:
         raise ApiError(400, str(exc), param="items", code="invalid_input") from exc

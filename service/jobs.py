@@ -57,6 +57,10 @@ REDIS_ERRORS = (aioredis.ConnectionError, aioredis.TimeoutError, ConnectionError
 REDIS_FULL = OutOfMemoryError  # Redis at its maxmemory (with noeviction, as a job store must be) refused a write
 MAX_BACKOFF_S = 30.0  # the longest a consumer waits before trying an unreachable Redis again
 JOB_KEYS = (JOB_KEY, INPUTS_KEY, STATES_KEY, ATTEMPTS_KEY, ERRORS_KEY, RESULTS_KEY)
+MAX_JOB_ITEMS = 100_000  # items in one job by default (BATCHASR_MAX_JOB_ITEMS): more go as several jobs
+# a JSON submission's body: paths and URLs, no audio. Its items are validated and checked one by one, and a body of
+# the upload limit (1 GiB) made twenty million of them, and gigabytes of memory
+JSON_JOB_BYTES = 64 * 1024 * 1024
 JOB_ID = re.compile(r"job_[A-Za-z0-9_-]{1,64}")  # what submit makes ("job_" and 24 of token_urlsafe's characters)
 
 

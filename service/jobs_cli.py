@@ -20,7 +20,18 @@ import httpx
 from models.audio_io import AudioClip, find_audio_files
 
 from .config import Settings
-from .jobs import ANONYMOUS, REDIS_ERRORS, REDIS_FULL, ItemInput, JobNotFound, JobOptions, JobStatus, JobStore
+from .jobs import (
+    ANONYMOUS,
+    JSON_JOB_BYTES,
+    MAX_JOB_ITEMS,
+    REDIS_ERRORS,
+    REDIS_FULL,
+    ItemInput,
+    JobNotFound,
+    JobOptions,
+    JobStatus,
+    JobStore,
+)
 from .output_files import is_url
 from .stretch_upload import stretch_upload, stretch_upload_size
 
@@ -28,6 +39,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 JOB_BYTES = 256 * 1024 * 1024  # uploads per job by default: well under a server's MAX_JOB_UPLOAD_BYTES (1 GiB)
+JSON_FIELDS_ROOM = 1 << 20  # of a JSON job's body, left for its fields beside the items (webhook, hotwords, ...)
 SIZE_SUFFIXES = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3}
 FINAL_STATUSES = {"completed", "completed_with_errors", "failed", "cancelled"}
 # while following its jobs, how long submit --wait rides out a server or Redis it cannot reach (a Redis restart or
@@ -119,19 +131,29 @@ def parse_size(text: str) -> int:
     return int(number) * SIZE_SUFFIXES[suffix]
 
 
-def split_into_jobs(inputs: list[Input], max_bytes: int, multichannel: bool = False) -> list[list[Input]]:
-    """Runs of consecutive inputs whose uploads total at most ``max_bytes`` (a URL counts its length; a file
-    larger than that goes alone), files and URLs in separate runs: each run one job, in input order."""
+def split_into_jobs(inputs: list[Input], max_bytes: int, multichannel: bool = False,
+                    max_items: int = MAX_JOB_ITEMS) -> list[list[Input]]:
+    """Runs of consecutive inputs whose uploads total at most ``max_bytes`` (a file larger than that goes alone),
+    of at most ``max_items`` inputs, files and URLs in separate runs: each run one job, in input order. URLs and
+    workers' paths count their JSON items' bytes, and their jobs' bodies stay within the server's JSON_JOB_BYTES."""
     jobs: list[list[Input]] = []
     size = 0
     for source in inputs:
-        n = upload_size(source, multichannel)
-        if not jobs or size + n > max_bytes or sent_as_json(jobs[-1][-1]) != sent_as_json(source):
+        as_json = sent_as_json(source)
+        n = len(json.dumps(json_item(source))) + 2 if as_json else upload_size(source, multichannel)
+        limit = min(max_bytes, JSON_JOB_BYTES - JSON_FIELDS_ROOM) if as_json else max_bytes
+        if (not jobs or size + n > limit or len(jobs[-1]) >= max_items
+                or sent_as_json(jobs[-1][-1]) != as_json):
             jobs.append([])
             size = 0
         jobs[-1].append(source)
         size += n
     return jobs
+
+
+def json_item(source: str | WorkerPath) -> dict[str, Any]:
+    """A URL's or a worker's path's item in a JSON job (POST /v1/jobs)."""
+    return {"url": source} if isinstance(source, str) else source.item()
 
 
 def sent_as_json(source: Input) -> bool:
@@ -207,7 +229,7 @@ class _ServerClient:
         fields = {"webhook_url": options.webhook_url, "priority": options.priority.value,
                   "multichannel": options.multichannel, "skip_silence": options.skip_silence}
         if sent:  # split_into_jobs keeps them apart from uploads
-            items = [{"url": s} if isinstance(s, str) else s.item() for s in sent]
+            items = [json_item(s) for s in sent]
             body = {"items": items, **fields, "channel_names": list(options.channel_names),
                     "hotwords": list(options.hotwords)}
             response = await self.http.post("/v1/jobs", json=body, headers=headers)

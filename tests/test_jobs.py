@@ -22,13 +22,15 @@ import torch
 from redis.exceptions import OutOfMemoryError
 
 from models import load_model
-from service import url_inputs
+from service import jobs_cli, url_inputs
 from service.batcher import POOL_FACTOR
 from service.config import Settings
 from service.jobs import (
     DEAD_LETTER_STREAM,
     GROUP,
     ITEM_STREAM,
+    JSON_JOB_BYTES,
+    MAX_JOB_ITEMS,
     RESULTS_KEY,
     WEBHOOK_STREAM,
     ItemInput,
@@ -736,6 +738,31 @@ def test_a_job_submission_past_its_size_limit_is_refused_as_it_arrives(redis_ser
     assert redis_server.client().xlen(ITEM_STREAM) == 3  # only the job that was taken
 
 
+def test_a_json_job_is_bounded_in_items_and_bytes(redis_server, model, parity_audio, tmp_path):
+    """A JSON job's items are validated and checked one by one: a body of the upload limit (1 GiB) made twenty
+    million of them, gigabytes of memory and minutes of an event loop that every other request waits on (100,000
+    took 5 s of /healthz). A JSON body is at most JSON_JOB_BYTES, refused as it arrives, and its items at most
+    MAX_JOB_ITEMS."""
+    roots = tmp_path / "inputs"
+    roots.mkdir()
+    (roots / "a.wav").write_bytes(Path(parity_audio[0]).read_bytes())
+    item = {"path": str(roots / "a.wav")}
+    settings = Settings(redis_url=redis_server.url, input_roots=[str(roots)], max_job_items=5)
+    with run_server(settings, model) as running:
+        many = httpx.post(f"{running.url}/v1/jobs", json={"items": [item] * 6}, timeout=30)
+        assert many.status_code == 413 and many.json()["error"]["code"] == "too_many_items", many.text
+        body = json.dumps({"items": [item]}).encode()
+        padded = body[:-1] + b" " * (JSON_JOB_BYTES + 1 - len(body)) + b"}"  # valid JSON, one byte too many
+        large = httpx.post(f"{running.url}/v1/jobs", content=padded, headers={"content-type": "application/json"},
+                           timeout=60)
+        assert large.status_code == 413 and large.json()["error"]["code"] == "job_too_large", large.text
+        assert "several jobs" in large.json()["error"]["message"]
+        taken = httpx.post(f"{running.url}/v1/jobs", json={"items": [item] * 5}, timeout=30)
+        assert taken.status_code == 202, taken.text
+    assert redis_server.client().xlen(ITEM_STREAM) == 5
+    assert Settings().max_job_items == MAX_JOB_ITEMS
+
+
 def test_results_are_listed_a_page_at_a_time_in_order(redis_server, model):
     items = [ItemInput(audio=f"item{i:04d}.wav", upload=b"not audio") for i in range(2100)]
 
@@ -851,7 +878,7 @@ def test_submit_cli_splits_more_audio_than_a_job_takes_into_several(redis_server
     assert keys == {f"batchasr:idempotency:set-1.{n}" for n in range(1, len(jobs) + 1)}  # one key per job
 
 
-def test_jobs_are_split_by_upload_bytes_in_order(tmp_path):
+def test_jobs_are_split_by_upload_bytes_in_order(tmp_path, monkeypatch):
     files = []
     for name, size in (("a", 100), ("b", 150), ("c", 400), ("d", 50), ("e", 60)):
         files.append(tmp_path / f"{name}.wav")
@@ -860,6 +887,12 @@ def test_jobs_are_split_by_upload_bytes_in_order(tmp_path):
     jobs = split_into_jobs([*files[:2], url, *files[2:]], 300)
     assert jobs == [files[:2], [url], [files[2]], files[3:]]  # c is larger than a job alone: it goes alone
     assert split_into_jobs(files, 10_000) == [files]
+    assert split_into_jobs(files, 10_000, max_items=2) == [files[:2], files[2:4], files[4:]]
+    # URLs and workers' paths go as JSON: their jobs' bodies stay within what the server takes
+    urls = [f"https://media.example/{i:04d}.wav" for i in range(10)]
+    item_bytes = len(json.dumps({"url": urls[0]})) + 2
+    monkeypatch.setattr(jobs_cli, "JSON_JOB_BYTES", jobs_cli.JSON_FIELDS_ROOM + 3 * item_bytes)
+    assert split_into_jobs(urls, 10_000) == [urls[:3], urls[3:6], urls[6:9], urls[9:]]
     assert parse_size("256M") == 256 * 1024**2 and parse_size("300k") == 300 * 1024 and parse_size("12") == 12
     for bad in ("", "M", "-1", "1.5G", "0", "12T"):
         with pytest.raises(ValueError):
