@@ -72,12 +72,39 @@ def check_under_prefixes(url: str, prefixes: list[str], kind: str) -> None:
     raise UrlRefused(f"{url}: not under the server's {kind} prefixes; refused")
 
 
+NAT64 = ipaddress.ip_network("64:ff9b::/96")  # IPv4 addresses reached through a NAT64 gateway (RFC 6052)
+NOT_PUBLIC_V6 = (ipaddress.ip_network("64:ff9b:1::/48"),  # NAT64 for local use (RFC 8215)
+                 ipaddress.ip_network("::/96"))  # IPv4-compatible addresses (deprecated)
+
+
 def is_public_address(address: str) -> bool:
-    """Whether an IP address is one on the public internet (an IPv4-mapped IPv6 address as its IPv4 one)."""
+    """Whether an IP address is one on the public internet (an IPv6 address that carries an IPv4 one, mapped,
+    6to4 or NAT64, as its IPv4 one: a NAT64 gateway reaches a private network's addresses as readily as others)."""
     ip = ipaddress.ip_address(address.split("%", 1)[0])  # an IPv6 zone names a local interface: not public anyway
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
+    if isinstance(ip, ipaddress.IPv6Address):
+        if any(ip in network for network in NOT_PUBLIC_V6):
+            return False
+        if ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+        elif ip.sixtofour is not None:
+            ip = ip.sixtofour
+        elif ip in NAT64:
+            ip = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
     return ip.is_global and not ip.is_multicast
+
+
+def legacy_ipv4(host: str) -> bool:
+    """A host the C library reads as an IPv4 address but that is not one written the usual way (``2130706433``,
+    ``127.1``, ``0177.0.0.1``, ``0x7f.1``, ``0``: all 127.0.0.1 or 0.0.0.0 to ``getaddrinfo``)."""
+    try:
+        socket.inet_aton(host)
+    except OSError:
+        return False
+    try:
+        ipaddress.IPv4Address(host)
+    except ValueError:
+        return True
+    return False
 
 
 def check_public_url(url: str) -> None:
@@ -90,6 +117,10 @@ def check_public_url(url: str) -> None:
     try:
         public = is_public_address(bare)
     except ValueError:
+        # not a name either: aiohttp releases before 3.14 take an all-digit host as an address, connect to it
+        # without the resolver that checks names, and the C library reads 2130706433 as 127.0.0.1
+        if legacy_ipv4(bare):
+            raise UrlRefused(f"{url}: {bare} is not an IPv4 address written the usual way; refused") from None
         return  # a name
     if not public:
         raise UrlRefused(f"{url}: {bare} is not a public address; refused")

@@ -132,6 +132,12 @@ REFUSED_WITHOUT_PREFIXES = [
     "http://169.254.169.254/latest/meta-data", "http://10.0.0.5/hook", "http://192.168.1.1/hook",
     "http://100.64.0.1/hook", "http://[::ffff:127.0.0.1]/hook", "http://[fd00::1]/hook", "http://0.0.0.0/hook",
     "http://224.0.0.1/hook", "ftp://hooks.example.com/hook", "file:///etc/passwd", "not a url", "http:///hook",
+    # what the C library reads as 127.0.0.1 or 0.0.0.0: aiohttp before 3.14 connects to an all-digit host without
+    # the resolver that checks names (with 3.11, a webhook to http://2130706433:PORT/ reached a loopback receiver)
+    "http://2130706433/hook", "http://127.1/hook", "http://0/hook", "http://0177.0.0.1/hook", "http://0x7f.1/hook",
+    # IPv6 addresses that carry a private IPv4 one: NAT64 (169.254.169.254), 6to4 (10.0.0.5), IPv4-compatible
+    "http://[64:ff9b::a9fe:a9fe]/hook", "http://[2002:a00:5::1]/hook", "http://[::7f00:1]/hook",
+    "http://[64:ff9b:1::1]/hook",
 ]
 
 
@@ -142,7 +148,8 @@ def test_without_prefixes_webhooks_go_to_public_addresses_only(url):
 
 
 @pytest.mark.parametrize("url", ["https://hooks.example.com/batchasr", "http://8.8.8.8:8080/hook",
-                                 "http://[2606:4700::1111]/hook", "https://hooks.example.com:8443/x?job=1"])
+                                 "http://[2606:4700::1111]/hook", "https://hooks.example.com:8443/x?job=1",
+                                 "http://[64:ff9b::808:808]/hook", "https://123.example/hook"])
 def test_public_webhook_urls_are_taken(url):
     check_webhook_url(url, [])
 
