@@ -32,6 +32,7 @@ from .jobs import (
     JobStatus,
     JobStore,
 )
+from .logs import redacted_url
 from .output_files import is_url
 from .stretch_upload import stretch_upload, stretch_upload_size
 
@@ -70,7 +71,7 @@ async def run_worker(settings: Settings, metrics_port: int | None) -> int:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stack.request_stop)
-    log.info("worker consuming jobs from %s", settings.redis_url)
+    log.info("worker consuming jobs from %s", redacted_url(settings.redis_url or ""))
     stack.start_consumer()
     await stack.wait_consumer()  # returns after a stop signal, with the items in hand finished and acked
     await stack.stop()

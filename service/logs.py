@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from urllib.parse import urlsplit, urlunsplit
 
 
 class JsonFormatter(logging.Formatter):
@@ -22,6 +23,17 @@ class JsonFormatter(logging.Formatter):
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         return json.dumps(entry, ensure_ascii=False)
+
+
+def redacted_url(url: str) -> str:
+    """``url`` with its password (``redis://:secret@host``) as ``***``: for logs, which travel further than
+    settings do."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rsplit("@", 1)[1]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
 def log_fields(**fields: object) -> dict[str, dict[str, object]]:

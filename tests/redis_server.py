@@ -13,15 +13,16 @@ from tests.servers import free_port
 
 
 class RedisServer:
-    def __init__(self, directory: Path, appendonly: bool = False, port: int | None = None):
+    def __init__(self, directory: Path, appendonly: bool = False, port: int | None = None, password: str | None = None):
         self.directory = directory
         self.appendonly = appendonly
+        self.password = password
         self.port = port or free_port()
         self.process: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"redis://{f':{self.password}@' if self.password else ''}127.0.0.1:{self.port}/0"
 
     def start(self) -> RedisServer:
         exe = shutil.which("redis-server")
@@ -29,8 +30,9 @@ class RedisServer:
             raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
         args = [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.directory), "--save", ""]
         args += ["--appendonly", "yes", "--appendfsync", "always"] if self.appendonly else ["--appendonly", "no"]
+        args += ["--requirepass", self.password] if self.password else []
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis(port=self.port)
+        client = self.client()
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             try:
@@ -47,4 +49,4 @@ class RedisServer:
             self.process = None
 
     def client(self) -> redis.Redis:
-        return redis.Redis(port=self.port)
+        return redis.Redis(port=self.port, password=self.password)

@@ -171,6 +171,20 @@ def test_worker_waits_for_redis_that_is_not_there_yet(tmp_path, parity_dir, pari
     assert "redis unreachable" in output and "worker stopped" in output
 
 
+def test_a_workers_log_does_not_show_the_redis_password(tmp_path, parity_dir, parity_audio, expected):
+    server = RedisServer(tmp_path, password="hunter2-redis").start()
+    worker = _worker(server.url, "w-auth", parity_dir)
+    try:
+        job, _ = asyncio.run(JobStore.from_url(server.url).submit(_uploads(parity_audio, 2)))
+        _wait_for(lambda: _job_status(server.client(), job.id)["status"] == "completed", 120, "job did not complete")
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        output = worker.communicate(timeout=60)[0]
+        server.stop()
+    assert f"worker consuming jobs from redis://:***@127.0.0.1:{server.port}/0" in output
+    assert "hunter2" not in output
+
+
 def test_a_worker_with_consumer_processes_counts_in_one_place_and_stops_cleanly(redis_server, parity_dir,
                                                                                 parity_audio, expected):
     """BATCHASR_JOB_CONSUMERS=2: two consumers in processes of their own feed the worker's engine; their counts
