@@ -6,22 +6,27 @@ budget for as long as it liked, and a dozen such connections stopped every uploa
 submissions too). Likewise a multipart form cut off part way sat half-parsed in memory (its fields, and its files
 of up to 1 MiB each) for as long as its client kept the connection open. Received here first, in memory up to
 ``SPOOL_MEMORY_BYTES`` and on disk past that, a body reaches its route only once it is whole: a stalled client
-holds a connection and a file, never room in the budget or a parser's memory.
+holds a connection and a file for a while, never room in the budget or a parser's memory.
 
 The app sees what it would have seen from the client, only later: the body's bytes, then its end, or the refusal
-of a body past its limit (service.body_limit) or the client's leaving, at the point where they came.
+of a body past its limit (service.body_limit) or the client's leaving, at the point where they came. A body that
+stops arriving for ``BODY_IDLE_TIMEOUT_S`` is answered 408 and its connection closed, rather than kept for good.
 """
 
 from __future__ import annotations
 
+import asyncio
 from tempfile import SpooledTemporaryFile
 from typing import Any
 
 from starlette.datastructures import UploadFile
 
+from .http import ApiError, send_error
+
 SPOOL_MEMORY_BYTES = 1 << 20  # as Starlette spools a multipart file: larger bodies wait on disk
 REPLAY_CHUNK_BYTES = 1 << 20
 NO_BODY_METHODS = ("GET", "HEAD", "OPTIONS", "DELETE")
+BODY_IDLE_TIMEOUT_S = 60.0  # between two pieces of a body (nginx's client_body_timeout)
 
 
 class BodyBufferMiddleware:
@@ -39,7 +44,11 @@ class BodyBufferMiddleware:
         try:
             while True:
                 try:
-                    message = await receive()
+                    message = await asyncio.wait_for(receive(), BODY_IDLE_TIMEOUT_S)
+                except TimeoutError:
+                    await send_error(send, ApiError(408, f"the request body stopped arriving for "
+                                                         f"{BODY_IDLE_TIMEOUT_S:g} s", code="request_timeout"))
+                    return
                 except Exception as exc:  # past the route's limit: the app meets the refusal where it came
                     end = exc
                     break

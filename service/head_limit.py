@@ -1,31 +1,50 @@
 """Request heads (the request line and the headers) bounded as they arrive: past ``MAX_HEAD_BYTES`` the answer is
-431 and the connection is closed.
+431, and a head not complete ``HEAD_TIMEOUT_S`` after the connection opened (or after its request began) ends the
+connection (408 if part of it came).
 
 uvicorn's httptools parser keeps whatever head a client sends until its blank line, however long (h11's limit is
 16 KiB; httptools has none), and only then does the app see the request: a single connection could have the
-server hold gigabytes of one header, before any API key is checked. Every HTTP server of the service runs this
-protocol (``HTTP_PROTOCOL``: ``batchasr serve`` and its front ends).
+server hold gigabytes of one header, before any API key is checked. Nor does uvicorn time out a connection that
+has sent nothing, or half a head: each such connection was kept for good, so a client could hold open every file
+descriptor the process may have. Every HTTP server of the service runs this protocol (``HTTP_PROTOCOL``:
+``batchasr serve`` and its front ends).
 """
 
 from __future__ import annotations
 
+import asyncio
+
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 MAX_HEAD_BYTES = 64 * 1024  # browsers and proxies send a few KiB; nginx's default buffers take 32 KiB
+HEAD_TIMEOUT_S = 60.0  # nginx's client_header_timeout
 
 
 class BoundedHttpToolsProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol, answering 431 to a request whose head passes ``MAX_HEAD_BYTES``."""
+    """uvicorn's httptools protocol, answering 431 to a request whose head passes ``MAX_HEAD_BYTES`` and ending a
+    connection whose head does not come whole within ``HEAD_TIMEOUT_S``."""
 
     max_head_bytes = MAX_HEAD_BYTES
+    head_timeout_s = HEAD_TIMEOUT_S
     _head_bytes: int | None = None  # of the request being read, until its headers are complete
+    _head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._start_head_timer()  # a connection that never sends a byte is ended too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_head_timer()
+        super().connection_lost(exc)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._head_bytes = 0
+        self._start_head_timer()
 
     def on_headers_complete(self) -> None:
         self._head_bytes = None
+        self._stop_head_timer()
         super().on_headers_complete()
 
     def data_received(self, data: bytes) -> None:
@@ -35,13 +54,34 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         # the bytes of a chunk that did not complete the head are all head (or what came before it)
         self._head_bytes += len(data)
         if self._head_bytes > self.max_head_bytes:
-            self._head_bytes = None
             self.logger.warning("request head over %d bytes: refused", self.max_head_bytes)
-            message = b"request header fields too large"
-            self.transport.write(b"".join([
-                STATUS_LINE[431], b"content-type: text/plain; charset=utf-8\r\n",
-                b"content-length: " + str(len(message)).encode() + b"\r\n", b"connection: close\r\n\r\n", message]))
+            self._refuse(431, b"request header fields too large")
+
+    def _start_head_timer(self) -> None:
+        if self._head_timer is None:
+            self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
+
+    def _stop_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self.transport.is_closing():
+            return
+        if self._head_bytes:  # part of a head came: say why it ends
+            self._refuse(408, b"the request head did not arrive in time")
+        else:
             self.transport.close()
+
+    def _refuse(self, status: int, message: bytes) -> None:
+        self._head_bytes = None
+        self._stop_head_timer()
+        self.transport.write(b"".join([
+            STATUS_LINE[status], b"content-type: text/plain; charset=utf-8\r\n",
+            b"content-length: " + str(len(message)).encode() + b"\r\n", b"connection: close\r\n\r\n", message]))
+        self.transport.close()
 
 
 HTTP_PROTOCOL = BoundedHttpToolsProtocol  # uvicorn's ``http`` option, wherever the service starts a server

@@ -499,6 +499,36 @@ def test_request_heads_past_the_limit_are_refused_before_any_key_is_checked(hybr
         assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_idempotency_key"
 
 
+def test_connections_that_stall_before_their_head_or_body_is_whole_are_ended(hybrid, monkeypatch):
+    """uvicorn kept a connection that sent nothing, half a head or half a body for good: enough of them hold every
+    file descriptor the process may open. Each ends now (60 s in service; 1 s here), with 408 where it had begun a
+    request."""
+    from service import body_buffer
+    from service.head_limit import BoundedHttpToolsProtocol
+
+    monkeypatch.setattr(BoundedHttpToolsProtocol, "head_timeout_s", 1.0)
+    monkeypatch.setattr(body_buffer, "BODY_IDLE_TIMEOUT_S", 1.0)
+    with run_server(Settings(), hybrid) as running:
+        host, port = running.url.removeprefix("http://").split(":")
+        starts = {"nothing": b"", "half a head": b"POST /v1/transcribe HTTP/1.1\r\nHost: x\r\n",
+                  "half a body": b"POST /v1/transcribe HTTP/1.1\r\nHost: x\r\nContent-Type: audio/wav\r\n"
+                                 b"Content-Length: 100000\r\n\r\n" + bytes(1000)}
+        conns = {}
+        for name, start in starts.items():
+            conns[name] = socket.create_connection((host, int(port)), timeout=10)
+            conns[name].sendall(start)
+        answers = {}
+        for name, conn in conns.items():
+            with conn:
+                answer = b""
+                while data := conn.recv(4096):  # to the end: the server closes the connection
+                    answer += data
+                answers[name] = answer.split(b"\r\n", 1)[0]
+        assert answers == {"nothing": b"", "half a head": b"HTTP/1.1 408 Request Timeout",
+                           "half a body": b"HTTP/1.1 408 Request Timeout"}
+        assert httpx.get(f"{running.url}/healthz").status_code == 200
+
+
 def test_a_client_gone_mid_upload_is_a_499_not_a_server_error(server):
     with socket.create_connection(("127.0.0.1", int(server.url.rsplit(":", 1)[1]))) as conn:
         conn.sendall(b"POST /v1/transcribe HTTP/1.1\r\nHost: x\r\nContent-Type: audio/wav\r\n"
