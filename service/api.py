@@ -32,7 +32,7 @@ from models.transcript import Transcript, Word, mean_logprob
 
 from .audio import AudioRequestError, decode_declared_audio
 from .batcher import Priority, QueueFull
-from .body_buffer import BodyBufferMiddleware
+from .body_buffer import BodyBufferMiddleware, body_bytes
 from .body_limit import FORM_OVERHEAD_BYTES, BodyLimitMiddleware, BodyTooLarge
 from .config import Settings
 from .engine_link import EngineLink
@@ -133,9 +133,7 @@ async def _decoded_upload(service: ServiceState, upload: StarletteUpload | None,
 async def _decoded_body(request: Request, service: ServiceState, multichannel: bool = False) -> np.ndarray:
     """The raw audio body, read and decoded within the intake budget; until there is room, it waits whole in its
     temporary file (service.body_buffer)."""
-    declared = request.headers.get("content-length", "")
-    size = int(declared) if declared.isdigit() else service.settings.max_upload_bytes
-    async with service.intake.hold(size):
+    async with service.intake.hold(body_bytes(request.scope, service.settings.max_upload_bytes)):
         data = await _read_body(request, service)
         return await _decode(service, data, request.headers.get("content-type"), multichannel)
 

@@ -27,6 +27,13 @@ SPOOL_MEMORY_BYTES = 1 << 20  # as Starlette spools a multipart file: larger bod
 REPLAY_CHUNK_BYTES = 1 << 20
 NO_BODY_METHODS = ("GET", "HEAD", "OPTIONS", "DELETE")
 BODY_IDLE_TIMEOUT_S = 60.0  # between two pieces of a body (nginx's client_body_timeout)
+BODY_BYTES = "batchasr.body_bytes"  # the scope's key for the size of the body received (``body_bytes``)
+
+
+def body_bytes(scope: dict, otherwise: int) -> int:
+    """How many bytes the request's body has, received whole (``otherwise`` where it was not, as in a test's own
+    app)."""
+    return scope.get(BODY_BYTES, otherwise)
 
 
 class BodyBufferMiddleware:
@@ -59,7 +66,7 @@ class BodyBufferMiddleware:
                 if not message.get("more_body", False):
                     break
             await body.seek(0)
-            left = body.size or 0
+            left = scope[BODY_BYTES] = body.size or 0  # routes hold room for it in the intake budget
 
             async def replay() -> dict:
                 nonlocal left, end

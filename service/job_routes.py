@@ -19,6 +19,7 @@ from starlette.datastructures import UploadFile as StarletteUpload
 
 from models.audio_io import WHOLE, Stretch
 
+from .body_buffer import body_bytes
 from .config import Settings
 from .hotwords import split_hotwords
 from .http import (
@@ -198,14 +199,15 @@ async def create_job(request: Request, service: ServiceDep,
         raise ApiError(400, f"Idempotency-Key: at most {MAX_IDEMPOTENCY_KEY_CHARS} characters",
                        param="Idempotency-Key", code="invalid_idempotency_key")
     store = _store(service)
-    if not is_multipart(request.headers.get("content-type", "")):
-        items, options = await _json_items(request, service)
-        _check_webhook(options.webhook_url, service.settings)
-        return await _submit(store, service.settings, items, options, idempotency_key)
-    uploads, options = await _form_uploads(request, service)
-    _check_webhook(options.webhook_url, service.settings)  # before the uploads are read
-    # read into memory only in turn (service.intake), until Redis has them
-    async with service.intake.hold(sum(upload.size or 0 for upload in uploads)):
+    # parsed, read and written to Redis in turn (service.intake): a form's fields, and its files of up to 1 MiB
+    # each, are held in memory from the moment it is parsed, and so are a JSON job's items
+    async with service.intake.hold(body_bytes(request.scope, service.settings.max_job_upload_bytes)):
+        if not is_multipart(request.headers.get("content-type", "")):
+            items, options = await _json_items(request, service)
+            _check_webhook(options.webhook_url, service.settings)
+            return await _submit(store, service.settings, items, options, idempotency_key)
+        uploads, options = await _form_uploads(request, service)
+        _check_webhook(options.webhook_url, service.settings)  # before the uploads are read
         items = await _read_uploads(uploads, service)
         return await _submit(store, service.settings, items, options, idempotency_key)
 
