@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable
 from typing import Annotated, Any, TypeVar
 
@@ -49,6 +50,8 @@ from .jobs import (
 from .url_inputs import check_input_url
 from .url_rules import UrlRefused
 from .webhooks import check_webhook_url
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -296,5 +299,7 @@ async def _from_store(job_id: str, work: Awaitable[T]) -> T:
 
 
 def _redis_down(exc: Exception) -> ApiError:
-    return ApiError(503, f"the job store (Redis) is unreachable: {exc}", type="server_error", code="redis_unavailable",
-                    headers={"Retry-After": "5"})
+    # the client hears that, not where: Redis's address (and its errors' other detail) is the operator's, in the log
+    log.warning("job store unreachable: %s", exc)
+    return ApiError(503, "the job store (Redis) is unreachable; retry later", type="server_error",
+                    code="redis_unavailable", headers={"Retry-After": "5"})

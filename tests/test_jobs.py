@@ -876,6 +876,9 @@ def test_http_without_redis_and_with_redis_down(model, parity_audio, tmp_path):
         server.stop()
         down = httpx.post(f"{running.url}/v1/jobs", files=files, timeout=30)
         assert down.status_code == 503 and down.json()["error"]["code"] == "redis_unavailable"
+        assert str(server.port) not in down.text  # where Redis is stays in the server's log
+        listed = httpx.get(f"{running.url}/v1/jobs", timeout=30)
+        assert listed.status_code == 503 and str(server.port) not in listed.text
         ready = httpx.get(f"{running.url}/readyz")
         assert ready.status_code == 503 and "redis unreachable" in ready.json()["problems"]
         assert httpx.get(f"{running.url}/healthz").status_code == 200
