@@ -26,11 +26,12 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     max_head_bytes = MAX_HEAD_BYTES
     head_timeout_s = HEAD_TIMEOUT_S
-    _head_bytes: int | None = None  # of the request being read, until its headers are complete
+    _head_bytes: int | None = None  # of the head being read (None: its headers are complete, a body may come)
     _head_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self._head_bytes = 0
         self._start_head_timer()  # a connection that never sends a byte is ended too
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -39,7 +40,6 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self._head_bytes = 0
         self._start_head_timer()
 
     def on_headers_complete(self) -> None:
@@ -47,15 +47,21 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._stop_head_timer()
         super().on_headers_complete()
 
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._head_bytes = 0  # what comes next on the connection is the next request's head
+
     def data_received(self, data: bytes) -> None:
+        # counted before the parser sees them: a head may come whole in one read (a client's writes coalesce), and
+        # once parsed it would have been held and passed on, however long
+        if self._head_bytes is not None and not self.transport.is_closing():
+            end = data.find(b"\r\n\r\n")  # a read may hold the head's end and the body's start
+            self._head_bytes += len(data) if end < 0 else end + 4
+            if self._head_bytes > self.max_head_bytes:
+                self.logger.warning("request head over %d bytes: refused", self.max_head_bytes)
+                self._refuse(431, b"request header fields too large")
+                return
         super().data_received(data)
-        if self._head_bytes is None or self.transport.is_closing():
-            return
-        # the bytes of a chunk that did not complete the head are all head (or what came before it)
-        self._head_bytes += len(data)
-        if self._head_bytes > self.max_head_bytes:
-            self.logger.warning("request head over %d bytes: refused", self.max_head_bytes)
-            self._refuse(431, b"request header fields too large")
 
     def _start_head_timer(self) -> None:
         if self._head_timer is None:

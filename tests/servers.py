@@ -184,16 +184,21 @@ def serve_process(model: Path, frontends: int = 2, ready_timeout: float = 120,
                 process.wait(30)
 
 
-def send_head(url: str, header_bytes: int, path: str = "/healthz", chunk: int = 1 << 16) -> bytes:
-    """A GET whose head carries one header of ``header_bytes``, sent a chunk at a time as a client would: the first
-    line of the answer (empty if the server closed the connection without one)."""
+def send_head(url: str, header_bytes: int, path: str = "/healthz", chunk: int = 1 << 16, whole: bool = False
+              ) -> bytes:
+    """A GET whose head carries one header of ``header_bytes``, sent a chunk at a time as a client would (or in one
+    write, ``whole``): the first line of the answer (empty if the server closed the connection without one)."""
     host, port = url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=30) as conn:
-        conn.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nX-Padding: ".encode())
+        start_line = f"GET {path} HTTP/1.1\r\nHost: x\r\nX-Padding: ".encode()
         try:
-            for start in range(0, header_bytes, chunk):
-                conn.sendall(b"a" * min(chunk, header_bytes - start))
-            conn.sendall(b"\r\n\r\n")
+            if whole:
+                conn.sendall(start_line + b"a" * header_bytes + b"\r\n\r\n")
+            else:
+                conn.sendall(start_line)
+                for start in range(0, header_bytes, chunk):
+                    conn.sendall(b"a" * min(chunk, header_bytes - start))
+                conn.sendall(b"\r\n\r\n")
         except OSError:  # refused part way: the answer is waiting
             pass
         answer = b""

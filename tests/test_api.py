@@ -492,6 +492,9 @@ def test_request_heads_past_the_limit_are_refused_before_any_key_is_checked(hybr
         assert send_head(running.url, MAX_HEAD_BYTES - 1000) == b"HTTP/1.1 200 OK"
         for size in (MAX_HEAD_BYTES + 1000, 50_000_000):
             assert send_head(running.url, size, path="/v1/models") == b"HTTP/1.1 431 Request Header Fields Too Large"
+        # a head that comes whole in one read (the client's writes coalesced) is counted before it is parsed
+        assert send_head(running.url, 100_000, path="/v1/models", whole=True) == \
+            b"HTTP/1.1 431 Request Header Fields Too Large"
         assert httpx.get(f"{running.url}/healthz").status_code == 200
         # the key becomes a Redis key kept for days: a client's identifier, not a megabyte
         refused = httpx.post(f"{running.url}/v1/jobs", json={"items": [{"path": "/a.wav"}]},
