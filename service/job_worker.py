@@ -57,6 +57,10 @@ BATCHER_PRIORITY = {ITEM_STREAMS[JobPriority.HIGH]: Priority.BULK_HIGH, ITEM_STR
                     ITEM_STREAMS[JobPriority.LOW]: Priority.BULK_LOW}
 
 
+FORGET_INTERVAL_S = 600.0  # how often a consumer deletes the names of consumers gone from the group
+GONE_AFTER_S = 3600.0  # idle this long, holding nothing: a consumer that is gone (at least ten visibility timeouts)
+
+
 def default_consumer_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
@@ -111,6 +115,7 @@ class JobConsumer:
         self._last_reclaim = 0.0
         self._reclaim_from: dict[str, bytes | str] = {}  # per stream, where the next look for stalled items goes on
         self._last_kept = 0.0
+        self._last_forgot = -math.inf
         self._group_ready = False  # made once, and again after an error (a Redis that lost it)
         self.connected = False
 
@@ -166,6 +171,9 @@ class JobConsumer:
             self._last_reclaim = loop.time()
             messages += await self._reclaim(room)
             await self.store.trim_acknowledged()
+            if loop.time() - self._last_forgot >= FORGET_INTERVAL_S:
+                self._last_forgot = loop.time()
+                await self.store.forget_gone_consumers(max(GONE_AFTER_S, 10 * self.options.visibility_timeout_s))
         room -= len(messages)
         if room > 0:
             wait = self.options.block_ms if block_ms is None else block_ms

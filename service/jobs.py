@@ -735,6 +735,21 @@ class JobStore:
                 keep_from = (await self.redis.xpending(stream, GROUP))["min"] or keep_from
             await self.redis.xtrim(stream, minid=keep_from, approximate=False)
 
+    async def forget_gone_consumers(self, idle_s: float) -> int:
+        """Delete the group's consumers that hold nothing and have been idle ``idle_s`` or longer: the names of
+        workers gone (a restart is a new host-pid name), which would otherwise pile up in the group for good. One
+        still alive loses nothing: it holds no delivery, and its next read makes it again. Returns how many."""
+        forgotten = 0
+        for stream in (*ITEM_STREAMS.values(), WEBHOOK_STREAM):
+            try:
+                consumers = await self.redis.xinfo_consumers(stream, GROUP)
+            except aioredis.ResponseError:  # no stream or no group yet
+                continue
+            for consumer in consumers:
+                if int(consumer["pending"]) == 0 and int(consumer["idle"]) >= idle_s * 1000:
+                    forgotten += int(await self.redis.xgroup_delconsumer(stream, GROUP, consumer["name"]) == 0)
+        return forgotten
+
     async def stream_lag(self) -> int:
         """Items not yet delivered to a consumer plus those delivered and not acknowledged, over every priority
         (one round trip)."""

@@ -557,6 +557,25 @@ def test_a_worker_renews_only_the_deliveries_still_its_own(redis_server):
     asyncio.run(scenario())
 
 
+def test_the_names_of_consumers_gone_are_forgotten_but_not_those_holding_items(redis_server):
+    """Every restarted worker joins the group under a new host-pid name; the old names stayed in it for good."""
+    async def scenario() -> None:
+        store = JobStore.from_url(redis_server.url)
+        await store.ensure_group()
+        await store.submit([ItemInput(audio="a.wav", url="https://media.example/a.wav")])
+        await store.redis.xreadgroup(GROUP, "holding", {ITEM_STREAM: ">"}, count=1)
+        for name in ("gone-1", "gone-2"):  # workers that took items, acknowledged them, and went
+            await store.redis.xgroup_createconsumer(ITEM_STREAM, GROUP, name)
+        await asyncio.sleep(0.3)
+        await store.redis.xgroup_createconsumer(ITEM_STREAM, GROUP, "live")
+        assert await store.forget_gone_consumers(0.2) == 2
+        names = {c["name"] for c in await store.redis.xinfo_consumers(ITEM_STREAM, GROUP)}
+        assert names == {b"holding", b"live"}
+        await store.close()
+
+    asyncio.run(scenario())
+
+
 def test_trimming_while_the_last_pending_item_is_acknowledged(redis_server, parity_audio):
     """XINFO said one item was pending; it was acknowledged before XPENDING ran, which then named no oldest entry.
     XTRIM without an id raised, and took the consumer down with it."""
