@@ -48,6 +48,10 @@ import numpy as np
 from locust import HttpUser, between, events, task
 from locust.exception import StopUser
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from models.wer import edit_distance
+
 log = logging.getLogger("batchasr.loadtest")
 
 REPO = Path(__file__).resolve().parent.parent
@@ -251,17 +255,6 @@ def _no_response(response) -> bool:
     return True
 
 
-def _word_errors(said: list[str], heard: list[str]) -> int:
-    """Levenshtein distance over words."""
-    previous = list(range(len(heard) + 1))
-    for i, word in enumerate(said, start=1):
-        current = [i]
-        for j, other in enumerate(heard, start=1):
-            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (word != other)))
-        previous = current
-    return previous[-1]
-
-
 def _words(text: str) -> list[str]:
     """Lower case, punctuation left out: a model that writes "Of North America." says what was said."""
     return re.findall(r"[\w']+", text.lower())
@@ -273,7 +266,7 @@ def _check_text(response, text: object, expected: str | None, name: str) -> bool
     if expected is None:
         return True
     said = _words(expected)
-    errors = _word_errors(said, _words(text)) if isinstance(text, str) else len(said)
+    errors = edit_distance(said, _words(text)) if isinstance(text, str) else len(said)
     if errors > MAX_WER * len(said):
         response.failure(f"{name}: {errors} of {len(said)} words wrong: {str(text)[:100]!r}, "
                          f"expected {expected[:100]!r}")

@@ -27,6 +27,7 @@ import soundfile as sf
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from models import load_model
+from models.wer import edit_distance
 
 DATA = Path(__file__).resolve().parent.parent / "tests" / "data" / "default_model"
 RATE = 16000
@@ -57,17 +58,6 @@ def make_call(rng: np.random.Generator, clips: list[tuple[np.ndarray, str]], tur
             audio[1 - channel, s : s + len(clip)] += clip * 10 ** (bleed_db / 20)
         said[channel] += text.split()
     return Call(audio, said, [w for _, _, _, text in sorted(placed, key=lambda p: p[1]) for w in text.split()])
-
-
-def word_edits(reference: list[str], hypothesis: list[str]) -> int:
-    """Levenshtein distance over words."""
-    previous = list(range(len(hypothesis) + 1))
-    for i, ref in enumerate(reference, start=1):
-        current = [i]
-        for j, hyp in enumerate(hypothesis, start=1):
-            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (ref != hyp)))
-        previous = current
-    return previous[-1]
 
 
 def transcribe_offline(model, calls: list[Call], multichannel: bool, skip_silence: bool, batch_size: int
@@ -135,7 +125,7 @@ def main() -> None:
         heard = run(multichannel, skip_silence)
         elapsed = time.perf_counter() - started
         said = [c.said if multichannel else [c.said_in_order] for c in calls]
-        edits = sum(word_edits(ref, hyp) for refs, hyps in zip(said, heard, strict=True)
+        edits = sum(edit_distance(ref, hyp) for refs, hyps in zip(said, heard, strict=True)
                     for ref, hyp in zip(refs, hyps, strict=True))
         print(f"| {label} | {100 * edits / words:.1f}% | {elapsed:.2f} | {call_s / elapsed:.0f} |")
 

@@ -14,6 +14,7 @@ import soundfile as sf
 import soxr
 
 from models import load_model
+from models.wer import edit_distance
 from service.config import Settings
 from tests.conftest import long_recording
 from tests.servers import run_server
@@ -110,7 +111,7 @@ def test_ten_minutes_agree_with_the_pieces_transcribed_alone(server):
         for inner, outer in ((got_timed, alone_timed), (alone_timed, got_timed)):
             assert _is_run_in(_near(inner, cut_s, NEAR_CUT_S), _near(outer, cut_s, NEAR_CUT_S + TIMING_SLACK_S)), \
                 f"words near the cut at {cut_s:.2f} s"
-    edits = _word_edits(got, alone)
+    edits = edit_distance(got, alone)
     agreement = 1 - edits / len(alone)
     print(f"10-minute word agreement with the pieces alone: {agreement:.4f} ({edits} word edits over "
           f"{len(alone)} words; {len(got)} words heard)")
@@ -125,14 +126,3 @@ def _near(timed_words: list[tuple[str, float]], time_s: float, within_s: float) 
 def _is_run_in(run: list[str], words: list[str]) -> bool:
     """``run`` occurs in ``words`` as consecutive words."""
     return any(words[i : i + len(run)] == run for i in range(len(words) - len(run) + 1))
-
-
-def _word_edits(a: list[str], b: list[str]) -> int:
-    """Levenshtein distance in words."""
-    previous = list(range(len(b) + 1))
-    for i, x in enumerate(a, 1):
-        current = [i] + [0] * len(b)
-        for j, y in enumerate(b, 1):
-            current[j] = min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (x != y))
-        previous = current
-    return previous[-1]
