@@ -74,17 +74,24 @@ def test_inputs_are_read_a_window_at_a_time(model, parity_audio):
     assert [t.tokens for t in [first, *rest]] == [t.tokens for t in whole]  # windows change nothing
 
 
-def test_a_list_of_files_is_read_a_window_at_a_time(model, parity_audio, monkeypatch):
-    """``transcribe`` of paths holds a window of their audio, not all of it; waveforms are sorted together."""
+def _count_reads(model, monkeypatch) -> tuple[list[int], list[int]]:
+    """Windows of 2 batches; the inputs read so far (their indices), and how many had been read as each batch
+    was encoded."""
     from models import offline
 
     monkeypatch.setattr(offline, "WINDOW_BATCHES", 2)
-    read, read_by_first_batch = [], []
+    read: list[int] = []
+    read_by_batch: list[int] = []
     load_audio, encode = model.load_audio, model.encode
     monkeypatch.setattr(model, "load_audio",
                         lambda item, index=0, *rest: read.append(index) or load_audio(item, index, *rest))
-    monkeypatch.setattr(model, "encode",
-                        lambda waves, **kw: read_by_first_batch.append(len(read)) or encode(waves, **kw))
+    monkeypatch.setattr(model, "encode", lambda waves, **kw: read_by_batch.append(len(read)) or encode(waves, **kw))
+    return read, read_by_batch
+
+
+def test_a_list_of_files_is_read_a_window_at_a_time(model, parity_audio, monkeypatch):
+    """``transcribe`` of paths holds a window of their audio, not all of it; waveforms are sorted together."""
+    read, read_by_first_batch = _count_reads(model, monkeypatch)
     paths = [parity_audio[i % len(parity_audio)] for i in range(40)]
     results = model.transcribe(paths, batch_size=2)
     assert len(read) == 40 and read_by_first_batch[0] <= 8  # this window of 2 batches and the next
@@ -137,19 +144,13 @@ def test_a_truncated_wav_is_reported_by_the_command_line_as_over_http(parity_aud
 def test_clips_are_read_like_files(model, parity_audio, monkeypatch):
     """A clip given alone is one input (it was iterated, a TypeError), and a list of clips is read a window at a
     time like a list of paths (it was read all at once, as arrays are)."""
-    from models import AudioClip, offline
+    from models import AudioClip
 
     clip = AudioClip(Path(parity_audio[1]), 0.5, 1.0)
     wave = sf.read(parity_audio[1], dtype="float32")[0][8000:24000]
     (alone,) = model.transcribe(clip)
     assert (alone.tokens, alone.duration_s) == (model.transcribe([wave])[0].tokens, 1.0)
-    monkeypatch.setattr(offline, "WINDOW_BATCHES", 2)
-    read, read_by_first_batch = [], []
-    load_audio, encode = model.load_audio, model.encode
-    monkeypatch.setattr(model, "load_audio",
-                        lambda item, index=0, *rest: read.append(index) or load_audio(item, index, *rest))
-    monkeypatch.setattr(model, "encode",
-                        lambda waves, **kw: read_by_first_batch.append(len(read)) or encode(waves, **kw))
+    read, read_by_first_batch = _count_reads(model, monkeypatch)
     clips = [AudioClip(Path(parity_audio[i % len(parity_audio)]), 0.25) for i in range(40)]
     assert len(model.transcribe(clips, batch_size=2)) == 40
     assert len(read) == 40 and read_by_first_batch[0] <= 8  # this window of 2 batches and the next
