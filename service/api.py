@@ -616,9 +616,9 @@ def _body_limits(settings: Settings) -> Callable[[str, str], BodyTooLarge]:
     """Each route's largest request body: a job submission's uploads together (a JSON one's items, which carry no
     audio: JSON_JOB_BYTES), else one upload and its form."""
     def limit_for(path: str, content_type: str) -> BodyTooLarge:
-        if path.rstrip("/") == "/v1/jobs" and not is_multipart(content_type):
-            return BodyTooLarge(JSON_JOB_BYTES, json_job_too_large_message(settings), "items", "job_too_large")
         if path.rstrip("/") == "/v1/jobs":
+            if not is_multipart(content_type):
+                return BodyTooLarge(JSON_JOB_BYTES, json_job_too_large_message(settings), "items", "job_too_large")
             limit = settings.max_job_upload_bytes
             return BodyTooLarge(limit + FORM_OVERHEAD_BYTES, job_too_large_message(limit), "files", "job_too_large")
         limit = settings.max_upload_bytes

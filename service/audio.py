@@ -140,13 +140,13 @@ def decode_audio_file(path: Path, limits: AudioLimits, multichannel: bool = Fals
 def _decode(source: io.BytesIO | Path, limits: AudioLimits, multichannel: bool, stretch: Stretch) -> np.ndarray:
     try:
         with open_audio(source) as f:
-            # mixed down too: every channel is decoded and a block holds them all, so a small Vorbis file of 255
-            # silent channels took 255 times the memory and decoding of its mono seconds (a gigabyte a block)
             # the duration limit counts seconds, and a second costs its samples: 60 s of silence at 655,350 Hz is a
             # 142 kB FLAC whose decoding and resampling took 18 times the CPU of the same at 16 kHz
             if f.samplerate > MAX_SAMPLE_RATE:
                 raise UnsupportedSampleRate(f"the audio's sample rate is {f.samplerate} Hz; at most "
                                             f"{MAX_SAMPLE_RATE} Hz is read")
+            # mixed down too: every channel is decoded and a block holds them all, so a small Vorbis file of 255
+            # silent channels took 255 times the memory and decoding of its mono seconds (a gigabyte a block)
             if f.channels > limits.max_channels:
                 raise TooManyChannels(f"the audio has {f.channels} channels; at most {limits.max_channels} can be "
                                       + ("transcribed apart" if multichannel else "read"))

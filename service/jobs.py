@@ -378,16 +378,15 @@ def resolve_input_path(path: str, roots: list[str]) -> Path:
         raise JobInputError("path inputs are disabled: the server has no input roots (BATCHASR_INPUT_ROOTS)")
     try:
         real = Path(path).resolve()
-        for root in roots:
-            if real.is_relative_to(Path(root).resolve()):
-                if not real.is_file():
-                    raise JobInputError(f"{path}: no such file under the input roots")
-                return real
+        under_roots = any(real.is_relative_to(Path(root).resolve()) for root in roots)
+        found = under_roots and real.is_file()
     except (ValueError, OSError) as exc:  # a NUL byte, a name too long: the client's error, not the server's
-        if isinstance(exc, JobInputError):
-            raise
         raise JobInputError(f"{path!r}: not a usable path ({exc})") from exc
-    raise JobInputError(f"{path}: outside the input roots; refused")
+    if not under_roots:
+        raise JobInputError(f"{path}: outside the input roots; refused")
+    if not found:
+        raise JobInputError(f"{path}: no such file under the input roots")
+    return real
 
 
 class JobStore:
