@@ -5,8 +5,9 @@ URL inputs. Otherwise a job could make it fetch from anywhere its network reache
 say). A prefix names a scheme, host, port and path; a URL is under it when all four match, its path compared
 after dot segments are resolved (percent-encoded ones too), and every redirect is checked the same way.
 
-A fetch that fails for a reason that may pass (the connection, a timeout, HTTP 5xx, 408, 425 or 429) is tried
-again after a pause; other failures (HTTP 4xx, too large, outside the prefixes) fail the item at once.
+A fetch that fails for a reason that may pass (the connection, a timeout, a body that comes slower than
+``MIN_BYTES_PER_S``, HTTP 5xx, 408, 425 or 429) is tried again after a pause; other failures (HTTP 4xx, too large,
+outside the prefixes) fail the item at once.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ REDIRECT_STATUS = {301, 302, 303, 307, 308}
 MAX_REDIRECTS = 5
 CHUNK_BYTES = 1 << 20
 CONNECTIONS = 64  # to the media hosts, per consumer
+# the slowest body taken, on average once the first timeout has passed: a host that drips a byte just inside
+# each read's timeout would otherwise hold one of the consumer's items (and its prefetch slot) for days
+MIN_BYTES_PER_S = 32 * 1024
 
 
 class _MayPass(Exception):
@@ -47,12 +51,15 @@ class UrlFetcher:
     CPU per fetch that httpx takes, docs/benchmarks.md). ``close`` when done."""
 
     def __init__(self, prefixes: list[str], max_bytes: int, timeout_s: float = 60.0,
-                 retry_delays_s: tuple[float, ...] | None = None):
+                 retry_delays_s: tuple[float, ...] | None = None, min_bytes_per_s: float = MIN_BYTES_PER_S):
         self.prefixes = prefixes
         self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
+        self.min_bytes_per_s = min_bytes_per_s
         self.retry_delays_s = RETRY_DELAYS_S if retry_delays_s is None else retry_delays_s
-        # no limit on the whole fetch (a long file takes long), only on connecting and on each read; a fetch
-        # waits as long as it takes for one of the pool's connections: the items in flight bound how many wait
+        # the whole fetch's limit grows with the body (a long file takes long; ``_read``): here only connecting
+        # and each read are limited; a fetch waits as long as it takes for one of the pool's connections: the
+        # items in flight bound how many wait
         self._timeout = aiohttp.ClientTimeout(total=None, connect=timeout_s, sock_read=timeout_s)
         self._session: aiohttp.ClientSession | None = None  # made on the event loop, at the first fetch
 
@@ -99,14 +106,29 @@ class UrlFetcher:
         declared = response.content_length
         if declared is not None and declared > self.max_bytes:
             raise JobInputError(f"{url}: {declared} bytes exceeds the upload limit of {self.max_bytes} bytes")
+        loop = asyncio.get_running_loop()
+        began = loop.time()
         if declared is not None and "Content-Encoding" not in response.headers:
-            return await response.read()  # its length is known and allowed: one buffer, no copies
+            try:  # its length is known and allowed: one buffer, no copies, read by a deadline its length sets
+                async with asyncio.timeout_at(began + self._allowed_s(declared)):
+                    return await response.read()
+            except TimeoutError:
+                raise self._too_slow() from None
         body = bytearray()
         async for chunk in response.content.iter_chunked(CHUNK_BYTES):
             body += chunk
             if len(body) > self.max_bytes:
                 raise JobInputError(f"{url}: more than the upload limit of {self.max_bytes} bytes")
+            if loop.time() - began > self._allowed_s(len(body)):
+                raise self._too_slow()
         return bytes(body)
+
+    def _allowed_s(self, n_bytes: int) -> float:
+        """How long reading a body of ``n_bytes`` may take."""
+        return self.timeout_s + n_bytes / self.min_bytes_per_s
+
+    def _too_slow(self) -> TimeoutError:
+        return TimeoutError(f"the body came slower than {self.min_bytes_per_s / 1024:g} KiB/s")
 
     async def close(self) -> None:
         if self._session is not None:

@@ -1062,8 +1062,9 @@ def test_submit_cli_writes_a_subtitle_file_per_input_mirroring_directories(redis
 class AudioSite:
     """A real HTTP server with the parity clips under /clips/, and the ways a media host misbehaves: /clips/flaky/
     answers 503 twice per clip first, /clips/moved/ redirects back into /clips/, /clips/away redirects off the
-    allowed prefix, /clips/huge streams more than the upload limit without saying its length, and /private/
-    holds a clip outside the prefix."""
+    allowed prefix, /clips/huge streams more than the upload limit without saying its length, /clips/drip/ and
+    /clips/drip-chunked/ send a clip a byte every 50 ms (with its length, and without), and /private/ holds a clip
+    outside the prefix."""
 
     def __init__(self, parity_audio: list[str], huge_bytes: int):
         self.clips = {Path(p).name: Path(p).read_bytes() for p in parity_audio}
@@ -1090,6 +1091,8 @@ class AudioSite:
                     for _ in range(huge_bytes // len(chunk) + 1):
                         self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
                     self.wfile.write(b"0\r\n\r\n")
+                elif self.path.startswith("/clips/drip") and name in site.clips:
+                    self._drip(site.clips[name], chunked=self.path.startswith("/clips/drip-chunked/"))
                 elif self.path.startswith(("/clips/", "/private/")) and name in site.clips:
                     self._send(200, site.clips[name])
                 else:
@@ -1100,6 +1103,18 @@ class AudioSite:
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
+
+            def _drip(self, body: bytes, chunked: bool) -> None:
+                self.send_response(200)
+                self.send_header(*(("Transfer-Encoding", "chunked") if chunked else ("Content-Length", str(len(body)))))
+                self.end_headers()
+                try:
+                    for byte in body:
+                        self.wfile.write(b"1\r\n%c\r\n" % byte if chunked else bytes([byte]))
+                        self.wfile.flush()
+                        time.sleep(0.05)
+                except OSError:  # the client gave up
+                    pass
 
             def _redirect(self, location: str) -> None:
                 self.send_response(302)
@@ -1173,6 +1188,31 @@ def test_url_items_are_fetched_and_each_failure_fails_only_its_item(redis_server
     assert site.requests[f"/clips/flaky/{names[2]}"] == 3  # two 503s, then the clip
     assert "(4 tries)" in lines[-1]["error"]  # refused connections are tried again, then given up
     assert not any(path.startswith("/private/") for path in site.requests)  # the redirect off the prefix: not taken
+
+
+def test_a_url_whose_body_drips_is_given_up_and_tried_again(parity_audio):
+    site = AudioSite(parity_audio, 0)
+    name = sorted(site.clips)[0]
+    fetcher = url_inputs.UrlFetcher([f"{site.url}/clips/"], 1 << 20, timeout_s=0.5, retry_delays_s=(0.0,),
+                                    min_bytes_per_s=100)
+
+    async def fetch_all() -> list[bytes | Exception]:
+        try:
+            return await asyncio.gather(*(fetcher.fetch(f"{site.url}/clips/{path}{name}")
+                                          for path in ("", "drip/", "drip-chunked/")), return_exceptions=True)
+        finally:
+            await fetcher.close()
+
+    try:
+        began = time.monotonic()
+        whole, dripped, dripped_chunked = asyncio.run(fetch_all())
+        took = time.monotonic() - began
+    finally:
+        site.close()
+    assert whole == site.clips[name]  # a body that comes quickly is taken whatever its size
+    for failure in (dripped, dripped_chunked):  # 20 bytes a second, below 100: each try stops within a second
+        assert isinstance(failure, JobInputError) and "slower than" in str(failure) and "(2 tries)" in str(failure)
+    assert took < 5
 
 
 def test_url_items_are_checked_when_submitted(redis_server, model):
