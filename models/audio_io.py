@@ -53,12 +53,18 @@ def _walk(root: Path) -> Iterator[Path]:
             yield Path(folder, name)
 
 
+# an offset's or a duration's most seconds (about 32 years): past any recording, and still a whole number of frames
+# at any sample rate (1e308 s, a finite float, made infinitely many frames: an OverflowError, not the request's error)
+MAX_STRETCH_S = 1e9
+
+
 def check_stretch(offset_s: float, duration_s: float | None, where: str = "") -> None:
-    """ValueError unless ``offset_s`` is 0 s or more and ``duration_s`` more than 0 s (or None: to the end)."""
-    if not (math.isfinite(offset_s) and offset_s >= 0):
-        raise ValueError(f"{where}an offset is 0 s or more, not {offset_s!r}")
-    if duration_s is not None and not (math.isfinite(duration_s) and duration_s > 0):
-        raise ValueError(f"{where}a duration is more than 0 s, not {duration_s!r}")
+    """ValueError unless ``offset_s`` is 0 s or more and ``duration_s`` more than 0 s (or None: to the end), each
+    at most MAX_STRETCH_S."""
+    if not (math.isfinite(offset_s) and 0 <= offset_s <= MAX_STRETCH_S):
+        raise ValueError(f"{where}an offset is 0 s or more (at most {MAX_STRETCH_S:g} s), not {offset_s!r}")
+    if duration_s is not None and not (math.isfinite(duration_s) and 0 < duration_s <= MAX_STRETCH_S):
+        raise ValueError(f"{where}a duration is more than 0 s (at most {MAX_STRETCH_S:g} s), not {duration_s!r}")
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field, model_validator
 from starlette.datastructures import UploadFile as StarletteUpload
 
-from models.audio_io import WHOLE, Stretch
+from models.audio_io import MAX_STRETCH_S, WHOLE, Stretch
 
 from .body_buffer import body_bytes
 from .config import Settings
@@ -66,8 +66,8 @@ class JobItem(BaseModel):
 
     path: str | None = None
     url: str | None = None
-    offset: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 0.0
-    duration: Annotated[float | None, Field(gt=0.0, allow_inf_nan=False)] = None
+    offset: Annotated[float, Field(ge=0.0, le=MAX_STRETCH_S, allow_inf_nan=False)] = 0.0
+    duration: Annotated[float | None, Field(gt=0.0, le=MAX_STRETCH_S, allow_inf_nan=False)] = None
 
     @property
     def stretch(self) -> Stretch | None:

@@ -52,7 +52,7 @@ def test_a_clip_is_the_stretch_of_the_samples_it_names(parity_audio, tmp_path):
 def test_a_clip_out_of_its_file_or_with_no_length_is_refused(parity_audio):
     with pytest.raises(AudioError, match="offset lies past the end"):
         read_audio(AudioClip(Path(parity_audio[0]), 60.0))
-    for offset, duration in ((-1.0, None), (float("nan"), None), (0.0, 0.0), (0.0, -2.0)):
+    for offset, duration in ((-1.0, None), (float("nan"), None), (0.0, 0.0), (0.0, -2.0), (1e308, None), (0.0, 1e308)):
         with pytest.raises(ValueError, match=r"an offset is 0 s or more|a duration is more than 0 s"):
             AudioClip(Path(parity_audio[0]), offset, duration)
 
@@ -305,7 +305,8 @@ def test_a_jobs_path_items_may_name_a_stretch_the_worker_reads_from_disk(redis_s
         lines = [json.loads(line) for line in
                  httpx.get(f"{running.url}/v1/jobs/{job['id']}/results", timeout=30).text.splitlines()]
         refused = [httpx.post(f"{running.url}/v1/jobs", json={"items": [{"path": str(long_file), **bad}]}, timeout=30)
-                   for bad in ({"offset": -1}, {"duration": 0}, {"offset": "ten"})]
+                   for bad in ({"offset": -1}, {"duration": 0}, {"offset": "ten"},
+                               {"offset": 1e308}, {"duration": 1e308})]  # finite, but infinitely many frames
     assert done["status"] == "completed_with_errors"
     assert [line["text"] for line in lines[:2]] == expected
     assert lines[0]["audio"] == f"{long_file} [0.5 s to 1.5 s]" and lines[1]["audio"] == f"{long_file} [1.5 s to end]"
