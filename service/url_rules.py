@@ -42,6 +42,8 @@ def url_parts(url: str) -> tuple[str, str, int, str]:
         raise UrlRefused(f"{url}: not a valid URL ({exc})") from exc
     if parsed.scheme not in SCHEMES or not parsed.host or parsed.port is None:
         raise UrlRefused(f"{url}: only http and https URLs are taken")
+    if not parsed.host.isprintable():  # a NUL byte, say: no name resolves to it, and socket calls raise ValueError
+        raise UrlRefused(f"{url}: not a valid URL (a control character in its host)")
     path = parsed.path or "/"
     resolved = posixpath.normpath(path) + ("/" if path.endswith("/") and path != "/" else "")
     return parsed.scheme, parsed.host.lower(), parsed.port, resolved.replace("//", "/")

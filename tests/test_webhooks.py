@@ -138,6 +138,7 @@ REFUSED_WITHOUT_PREFIXES = [
     # IPv6 addresses that carry a private IPv4 one: NAT64 (169.254.169.254), 6to4 (10.0.0.5), IPv4-compatible
     "http://[64:ff9b::a9fe:a9fe]/hook", "http://[2002:a00:5::1]/hook", "http://[::7f00:1]/hook",
     "http://[64:ff9b:1::1]/hook",
+    "http://hooks.example.com\x00/hook", "http://127.0.0.1\x00/hook",  # no host has a NUL byte
 ]
 
 
@@ -171,6 +172,9 @@ def test_webhook_urls_the_workers_would_not_post_to_are_refused_when_submitted(r
         (Settings(redis_url=redis_server.url), "https://hooks.example.com/x", "webhooks_disabled"),
         (Settings(redis_url=redis_server.url, webhook_secret=SECRET), hook.url(), "invalid_webhook_url"),
         (Settings(redis_url=redis_server.url, webhook_secret=SECRET), "gopher://hooks.example.com/",
+         "invalid_webhook_url"),
+        # a NUL byte in the host was a 500 (socket.inet_aton raises ValueError for it, not OSError)
+        (Settings(redis_url=redis_server.url, webhook_secret=SECRET), "http://hooks.example.com\x00/x",
          "invalid_webhook_url"),
         (Settings(redis_url=redis_server.url, webhook_secret=SECRET, webhook_url_prefixes=[hook.prefix()],
                   input_roots=[str(Path(parity_audio[0]).parent)]),
