@@ -39,10 +39,14 @@ from .engine_link import EngineLink
 from .formats import SubtitleLayout, cues, to_srt, to_vtt
 from .hotwords import split_hotwords
 from .http import (
+    BINARY_SCHEMA,
+    ERROR_DESCRIPTIONS,
+    ERROR_SCHEMA,
     ApiError,
     ApiKeyGate,
     ServiceDep,
     ServiceState,
+    error_responses,
     flag,
     install_error_handlers,
     read_upload,
@@ -338,15 +342,26 @@ def _form_list(form: FormData, name: str) -> list[str]:
 
 # --- routes ------------------------------------------------------------------------------------------------
 
-v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)], tags=["transcription"])
+v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)], tags=["transcription"],
+               responses=error_responses(400, 401))
 
+# what a transcription route may answer besides its own validation errors
+TRANSCRIBE_ERRORS = error_responses(413, 415, 429, 503, 504)
 
 TRANSCRIPTION_RESPONSES: dict[int | str, dict[str, Any]] = {200: {
     "description": "By `response_format`: `json` and `verbose_json` as JSON, `text`, `srt` and `vtt` as text; with "
                    "`stream=true`, server-sent events (`transcript.text.delta`, then `transcript.text.done`)",
     "content": {"application/json": {}, "text/plain": {}, "application/x-subrip": {}, "text/vtt": {},
                 "text/event-stream": {}},
-}}
+}, **TRANSCRIBE_ERRORS, **error_responses(404)}
+
+# the native route reads its body itself (a multipart form, or the audio as it is), so FastAPI cannot see it
+NATIVE_BODY = {"requestBody": {"required": True, "content": {
+    "multipart/form-data": {"schema": {"type": "object", "required": ["file"], "properties": {
+        "file": BINARY_SCHEMA, "multichannel": {"type": "boolean"}, "skip_silence": {"type": "boolean"},
+        "channel_names": {"type": "string"}, "hotwords": {"type": "array", "items": {"type": "string"}}}}},
+    **{media: {"schema": BINARY_SCHEMA} for media in ("audio/*", "video/*", "application/octet-stream")},
+}}}
 
 
 @v1.post("/audio/transcriptions", response_model=None, responses=TRANSCRIPTION_RESPONSES)
@@ -419,7 +434,8 @@ async def openai_transcriptions(
     return JSONResponse(body.model_dump(exclude_none=True))
 
 
-@v1.post("/transcribe", response_model=NativeTranscription, response_model_exclude_none=True)
+@v1.post("/transcribe", response_model=NativeTranscription, response_model_exclude_none=True,
+         responses=TRANSCRIBE_ERRORS, openapi_extra=NATIVE_BODY)
 async def native_transcribe(request: Request, service: ServiceDep,
                             multichannel: Annotated[str | None, Query()] = None,
                             skip_silence: Annotated[str | None, Query()] = None,
@@ -486,7 +502,7 @@ async def list_models(service: ServiceDep) -> ModelList:
     return ModelList(data=[_model_card(service)])
 
 
-@v1.get("/models/{model}", response_model=ModelCard)
+@v1.get("/models/{model}", response_model=ModelCard, responses=error_responses(404))
 async def retrieve_model(model: str, service: ServiceDep) -> ModelCard:
     """The served model (OpenAI's retrieve), by its id or one of its aliases; 404 for any other."""
     _check_model(service, model)
@@ -506,7 +522,8 @@ def _model_card(service: ServiceState) -> ModelCard:
 ops = APIRouter(tags=["operations"])
 
 
-@ops.get("/healthz")
+@ops.get("/healthz", responses={503: {"description": "The engine failed for good: restart the process",
+                                      "content": {"application/json": {}}}})
 async def healthz(service: ServiceDep) -> JSONResponse:
     """Alive: the process answers, and its engine has not failed for good (a failed warm-up, a broken GPU
     context): then only a new process can serve, so a liveness probe restarts it."""
@@ -516,7 +533,8 @@ async def healthz(service: ServiceDep) -> JSONResponse:
     return JSONResponse({"status": "ok"})
 
 
-@ops.get("/readyz")
+@ops.get("/readyz", responses={503: {"description": "Not ready: `problems` says why",
+                                     "content": {"application/json": {}}}})
 async def readyz(service: ServiceDep) -> JSONResponse:
     """Ready: model loaded, engine warm, Redis reachable when configured."""
     stack = service.stack
@@ -531,7 +549,8 @@ async def readyz(service: ServiceDep) -> JSONResponse:
     return JSONResponse({"status": "not ready" if problems else "ready", "problems": problems}, status)
 
 
-@ops.get("/metrics")
+@ops.get("/metrics", response_class=PlainTextResponse, responses={503: {  # Prometheus's text; its errors JSON
+    "description": ERROR_DESCRIPTIONS[503], "content": {"application/json": {"schema": ERROR_SCHEMA}}}})
 async def metrics(service: ServiceDep) -> Response:
     if service.metrics is None:
         raise ApiError(503, "the service is starting", type="server_error", code="not_ready")

@@ -88,6 +88,30 @@ class ServiceState:
         return self.stack.jobs if self.stack is not None else None
 
 
+ERROR_DESCRIPTIONS = {
+    400: "A parameter, a form field or the audio is refused (FastAPI's validation errors too: never a 422)",
+    401: "An API key is required (`Authorization: Bearer <key>`) and none valid was sent",
+    404: "No such model or job",
+    413: "The body or the audio exceeds a limit",
+    415: "The upload is not audio",
+    429: "The queue is full: retry after `Retry-After` seconds",
+    503: "Not ready, or the engine or the job store (Redis) unavailable: retry after `Retry-After` seconds",
+    504: "The transcription did not finish within the request timeout",
+}
+
+
+ERROR_SCHEMA = {"$ref": "#/components/schemas/ErrorResponse"}  # where a route's own media type is not JSON
+# an uploaded file, as FastAPI writes an UploadFile's, for the routes that read their bodies themselves
+BINARY_SCHEMA = {"type": "string", "contentMediaType": "application/octet-stream"}
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """A route's errors for its OpenAPI spec, each in the OpenAI shape; "4XX" stands for the other client errors
+    (405, 401 where keys are set) and keeps FastAPI from declaring its 422, which this API never sends."""
+    return {**{status: {"model": ErrorResponse, "description": ERROR_DESCRIPTIONS[status]} for status in statuses},
+            "4XX": {"model": ErrorResponse, "description": "Another client error"}}
+
+
 def _error_body(message: str, type: str, param: str | None, code: str | None) -> dict[str, Any]:
     return ErrorResponse.model_validate({"error": {"message": message, "type": type, "param": param,
                                                    "code": code}}).model_dump()

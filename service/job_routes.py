@@ -24,9 +24,11 @@ from .body_buffer import body_bytes
 from .config import Settings
 from .hotwords import split_hotwords
 from .http import (
+    BINARY_SCHEMA,
     ApiError,
     ServiceDep,
     ServiceState,
+    error_responses,
     flag,
     read_upload,
     request_hotwords,
@@ -57,7 +59,8 @@ T = TypeVar("T")
 
 MAX_IDEMPOTENCY_KEY_CHARS = 255  # as Stripe's: room for a UUID and a client's own prefix
 
-router = APIRouter(prefix="/v1/jobs", dependencies=[Depends(require_api_key)], tags=["jobs"])
+router = APIRouter(prefix="/v1/jobs", dependencies=[Depends(require_api_key)], tags=["jobs"],
+                   responses=error_responses(400, 401, 503))
 
 
 class JobItem(BaseModel):
@@ -92,6 +95,31 @@ class JobCreate(BaseModel):
     skip_silence: bool = False  # long quiet stretches left out (models.silence)
     channel_names: list[str] | None = None  # with multichannel: the speakers, one a channel in order
     hotwords: list[str] | None = None  # words and phrases made likelier (decoding.boosting)
+
+
+def _inlined(schema: dict[str, Any]) -> dict[str, Any]:
+    """A model's JSON schema with its ``$defs`` written where they are used: a schema in ``openapi_extra`` adds
+    nothing to the spec's components for its references to name."""
+    defs = schema.pop("$defs", {})
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, dict):
+            own = {key: inline(value) for key, value in node.items() if key != "$ref"}
+            return {**inline(defs[node["$ref"].rsplit("/", 1)[1]]), **own} if "$ref" in node else own
+        return [inline(value) for value in node] if isinstance(node, list) else node
+
+    return inline(schema)
+
+
+# the route reads its body itself (JSON items, or a multipart form of uploads), so FastAPI cannot see it
+JOB_BODY = {"requestBody": {"required": True, "content": {
+    "application/json": {"schema": _inlined(JobCreate.model_json_schema())},
+    "multipart/form-data": {"schema": {"type": "object", "required": ["files"], "properties": {
+        "files": {"type": "array", "items": BINARY_SCHEMA}, "webhook_url": {"type": "string"},
+        "priority": {"type": "string", "enum": [p.value for p in JobPriority]}, "multichannel": {"type": "boolean"},
+        "skip_silence": {"type": "boolean"}, "channel_names": {"type": "string"},
+        "hotwords": {"type": "array", "items": {"type": "string"}}}}},
+}}}
 
 
 def _store(service: ServiceState) -> JobStore:
@@ -192,7 +220,9 @@ def _check_webhook(url: str | None, settings: Settings) -> None:
         raise ApiError(400, str(exc), param="webhook_url", code="invalid_webhook_url") from exc
 
 
-@router.post("", status_code=202)
+@router.post("", status_code=202, openapi_extra=JOB_BODY, responses={
+    200: {"description": "The job an earlier submission with this `Idempotency-Key` made",
+          "content": {"application/json": {}}}, **error_responses(413)})
 async def create_job(request: Request, service: ServiceDep,
                      idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None) -> JSONResponse:
     """Submit a job: multipart `files` uploads, or JSON `{"items": [{"path": ...} | {"url": ...}]}` for audio the
@@ -248,12 +278,13 @@ async def list_jobs(request: Request, service: ServiceDep, limit: Annotated[int,
             "last_id": data[-1]["id"] if data else None, "has_more": more}
 
 
-@router.get("/{job_id}")
+@router.get("/{job_id}", responses=error_responses(404))
 async def get_job(job_id: str, request: Request, service: ServiceDep) -> dict[str, Any]:
     return (await _from_store(job_id, _store(service).get(job_id, request_owner(request)))).to_dict()
 
 
-@router.get("/{job_id}/results")
+@router.get("/{job_id}/results", response_class=Response, responses={
+    200: {"description": "A JSON line per item", "content": {"application/x-ndjson": {}}}, **error_responses(404)})
 async def job_results(job_id: str, request: Request, service: ServiceDep) -> Response:
     """One JSON line per item, in submission order, streamed a page of items at a time."""
     store = _store(service)
@@ -276,7 +307,7 @@ def _line(record: dict[str, Any]) -> bytes:
     return (json.dumps(record, ensure_ascii=False) + "\n").encode()
 
 
-@router.delete("/{job_id}")
+@router.delete("/{job_id}", responses=error_responses(404))
 async def cancel_job(job_id: str, request: Request, service: ServiceDep, purge: bool = False) -> dict[str, Any]:
     """Cancel: items not started are dropped; items in progress finish. With `purge=true`, delete the job now:
     its records, results and uploaded audio (items in progress finish, and their results are dropped)."""

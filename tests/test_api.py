@@ -677,11 +677,40 @@ def test_graceful_shutdown_finishes_queued_requests(hybrid, parity_audio):
     assert not running.thread.is_alive()
 
 
-def test_openapi_docs(server):
+def test_openapi_docs(server, parity_audio):
     spec = httpx.get(f"{server.url}/openapi.json").json()
     assert {"/v1/audio/transcriptions", "/v1/transcribe", "/healthz", "/readyz", "/metrics"} <= set(spec["paths"])
     answers = spec["paths"]["/v1/audio/transcriptions"]["post"]["responses"]["200"]["content"]
     assert {"application/json", "text/vtt", "text/event-stream"} <= set(answers)
+    # errors as they are sent: a refused parameter is a 400 in the OpenAI shape, never FastAPI's 422
+    error_schema = {"$ref": "#/components/schemas/ErrorResponse"}
+    for path, operations in spec["paths"].items():
+        for method, operation in operations.items():
+            assert "422" not in operation["responses"], (method, path)
+            if path.startswith("/v1"):
+                for status in ("400", "401", "4XX"):
+                    assert operation["responses"][status]["content"]["application/json"]["schema"] == error_schema
+    audio = Path(parity_audio[0]).read_bytes()
+    refusals = [("post", "/v1/audio/transcriptions", _post(server.url, audio, temperature="warm")),
+                ("post", "/v1/audio/transcriptions", _post(server.url, audio, model="gpt-9")),
+                ("post", "/v1/transcribe", httpx.post(f"{server.url}/v1/transcribe", content=b"{}",
+                                                      headers={"content-type": "application/json"})),
+                ("get", "/v1/models/{model}", httpx.get(f"{server.url}/v1/models/gpt-9")),
+                ("get", "/v1/jobs", httpx.get(f"{server.url}/v1/jobs")),  # no Redis here: 503
+                ("get", "/v1/jobs/{job_id}", httpx.get(f"{server.url}/v1/jobs/job_x"))]
+    for method, path, answer in refusals:
+        assert str(answer.status_code) in spec["paths"][path][method]["responses"], (path, answer.status_code)
+        assert set(answer.json()["error"]) == {"message", "type", "param", "code"}
+    # what the routes that read their own bodies take, and what /metrics answers in
+    native = spec["paths"]["/v1/transcribe"]["post"]["requestBody"]["content"]
+    assert native["multipart/form-data"]["schema"]["required"] == ["file"] and "audio/*" in native
+    job = spec["paths"]["/v1/jobs"]["post"]
+    assert job["requestBody"]["content"]["multipart/form-data"]["schema"]["required"] == ["files"]
+    assert job["requestBody"]["content"]["application/json"]["schema"]["required"] == ["items"]
+    assert {"200", "202", "413"} <= set(job["responses"])  # 200: an Idempotency-Key's earlier job
+    assert set(spec["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
+    results = spec["paths"]["/v1/jobs/{job_id}/results"]["get"]["responses"]["200"]["content"]
+    assert set(results) == {"application/x-ndjson"}
 
 
 def test_attention_kernel_setting_is_checked(monkeypatch):
