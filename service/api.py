@@ -26,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.datastructures import FormData
 from starlette.datastructures import UploadFile as StarletteUpload
 from starlette.requests import ClientDisconnect
+from starlette.routing import BaseRoute, Match
 
 from decoding.types import Hotwords
 from models.transcript import Transcript, Word, mean_logprob
@@ -627,7 +628,8 @@ def _app(service: ServiceState, lifespan: Callable[[FastAPI], Any]) -> FastAPI:
     app.add_middleware(BodyBufferMiddleware)  # bodies whole before a route reads them (service.body_buffer)
     app.add_middleware(BodyLimitMiddleware, limit_for=_body_limits(service.settings))
     app.add_middleware(ApiKeyGate, keys=service.settings.api_keys)  # outside the body limit: 401 before 413
-    app.add_middleware(RequestLogMiddleware, service=service)  # added last: outermost, so it sees every answer
+    # added last: outermost, so it sees every answer (routes: to name those the middleware answered before routing)
+    app.add_middleware(RequestLogMiddleware, service=service, routes=[*v1.routes, *jobs_router.routes])
     return app
 
 
@@ -652,8 +654,8 @@ class RequestLogMiddleware:
     Plain ASGI rather than BaseHTTPMiddleware, which would hide client disconnects from the routes.
     """
 
-    def __init__(self, app: Any, service: ServiceState):
-        self.app, self.service = app, service
+    def __init__(self, app: Any, service: ServiceState, routes: list[BaseRoute]):
+        self.app, self.service, self.routes = app, service, routes
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -675,9 +677,17 @@ class RequestLogMiddleware:
             await self.app(scope, receive, send_with_id)
         finally:
             elapsed = time.perf_counter() - started
-            route_path = getattr(scope.get("route"), "path", "unmatched")
+            route_path = getattr(scope.get("route"), "path", None) or self._route_of(scope)
             if route_path.startswith("/v1") and self.service.metrics is not None:
                 self.service.metrics.observe_request(route_path, status, elapsed)
             log.info("request", extra=log_fields(event="request", request_id=request_id, method=scope["method"],
                                                  path=scope["path"], status=status,
                                                  duration_ms=round(elapsed * 1000, 2)))
+
+    def _route_of(self, scope: dict) -> str:
+        """The route of a request answered before routing (a 401 from ApiKeyGate, a 413 from BodyLimitMiddleware):
+        counted as its route's like any other refusal; "unmatched" where no route has its path."""
+        for route in self.routes:
+            if route.matches(scope)[0] is not Match.NONE:
+                return getattr(route, "path", "unmatched")
+        return "unmatched"

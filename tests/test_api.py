@@ -544,6 +544,24 @@ def test_a_client_gone_mid_upload_is_a_499_not_a_server_error(server):
     assert server.metric("batchasr_requests_total", route % 500) == 0
 
 
+def test_requests_refused_before_routing_are_counted_under_their_route(hybrid, parity_audio):
+    """A 401 (no API key) and a 413 (a declared length past the limit) are answered by middleware before the
+    router names the route: they were missing from batchasr_requests_total, while the same 413 for an upload
+    that did not declare its length was counted."""
+    settings = Settings(api_keys=["k"], max_upload_bytes=100_000)
+    with run_server(settings, hybrid) as running:
+        assert httpx.get(f"{running.url}/v1/models").status_code == 401
+        assert httpx.get(f"{running.url}/v1/jobs/job_x").status_code == 401
+        large = httpx.post(f"{running.url}/v1/transcribe", content=bytes(2_000_000),
+                           headers={"authorization": "Bearer k", "content-type": "audio/wav"})
+        assert large.status_code == 413, large.text
+        assert httpx.get(f"{running.url}/v1/nope", headers={"authorization": "Bearer k"}).status_code == 404
+        assert running.metric("batchasr_requests_total", '{code="401",route="/v1/models"}') == 1
+        assert running.metric("batchasr_requests_total", '{code="401",route="/v1/jobs/{job_id}"}') == 1
+        assert running.metric("batchasr_requests_total", '{code="413",route="/v1/transcribe"}') == 1
+        assert "unmatched" not in httpx.get(f"{running.url}/metrics").text  # no route: not a route's request
+
+
 def test_a_file_part_whose_type_the_client_guessed_wrong_is_decoded_all_the_same(server, hybrid, parity_audio):
     """HTTP libraries guess a part's type from its file name: the OpenAI SDK sends a .ts recording (MPEG-TS) as
     text/vnd.trolltech.linguist. The bytes decide; a text file declared as text is still refused (415)."""
