@@ -17,6 +17,7 @@ from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field, model_validator
 from starlette.datastructures import UploadFile as StarletteUpload
+from starlette.exceptions import HTTPException
 
 from models.audio_io import MAX_STRETCH_S, WHOLE, Stretch
 
@@ -147,13 +148,20 @@ def job_too_large_message(limit: int) -> str:
 async def _form_uploads(request: Request, service: ServiceState) -> tuple[list[StarletteUpload], JobOptions]:
     """The uploads of a multipart submission (parsed: each in its temporary file), and its other fields."""
     # the body is limited as it arrives (service.body_limit): the files, their boundaries and the other fields
-    form = await request.form(max_files=service.settings.max_job_items)
+    limit = service.settings.max_job_items
+    try:
+        form = await request.form(max_files=limit)
+    except HTTPException as exc:  # Starlette's 400; too many files is the same refusal as a JSON job's 413
+        if "Too many files" not in str(exc.detail):
+            raise
+        raise ApiError(413, f"a job may have at most {limit} items (BATCHASR_MAX_JOB_ITEMS): submit more as "
+                       "several jobs", param="files", code="too_many_items") from exc
     uploads = [f for key in ("files", "file", "files[]") for f in form.getlist(key) if isinstance(f, StarletteUpload)]
     if not uploads:
         raise ApiError(400, "no audio: send one or more multipart `files` fields", param="files", code="missing_file")
-    limit = service.settings.max_job_upload_bytes
-    if sum(upload.size or 0 for upload in uploads) > limit:  # the audio alone, exactly
-        raise ApiError(413, job_too_large_message(limit), param="files", code="job_too_large")
+    most_bytes = service.settings.max_job_upload_bytes
+    if sum(upload.size or 0 for upload in uploads) > most_bytes:  # the audio alone, exactly
+        raise ApiError(413, job_too_large_message(most_bytes), param="files", code="job_too_large")
     webhook, priority = form.get("webhook_url"), form.get("priority") or JobPriority.NORMAL.value
     try:
         priority = JobPriority(priority)

@@ -794,7 +794,7 @@ def test_a_job_form_is_parsed_within_the_intake_budget(redis_server, model, pari
     assert len(held_while_parsed) == 1 and held_while_parsed[0] > 3 * len(clip)  # the whole body's room
 
 
-def test_a_json_job_is_bounded_in_items_and_bytes(redis_server, model, parity_audio, tmp_path):
+def test_a_job_is_bounded_in_items_and_bytes(redis_server, model, parity_audio, tmp_path):
     """A JSON job's items are validated and checked one by one: a body of the upload limit (1 GiB) made twenty
     million of them, gigabytes of memory and minutes of an event loop that every other request waits on (100,000
     took 5 s of /healthz). A JSON body is at most JSON_JOB_BYTES, refused as it arrives, and its items at most
@@ -807,6 +807,11 @@ def test_a_json_job_is_bounded_in_items_and_bytes(redis_server, model, parity_au
     with run_server(settings, model) as running:
         many = httpx.post(f"{running.url}/v1/jobs", json={"items": [item] * 6}, timeout=30)
         assert many.status_code == 413 and many.json()["error"]["code"] == "too_many_items", many.text
+        clip = (roots / "a.wav").read_bytes()
+        many_files = httpx.post(f"{running.url}/v1/jobs", files=[("files", (f"{i}.wav", clip)) for i in range(6)],
+                                timeout=30)  # the same limit for uploads, and the same answer
+        assert many_files.status_code == 413 and many_files.json()["error"]["code"] == "too_many_items", many_files.text
+        assert "at most 5 items" in many_files.json()["error"]["message"]
         body = json.dumps({"items": [item]}).encode()
         padded = body[:-1] + b" " * (JSON_JOB_BYTES + 1 - len(body)) + b"}"  # valid JSON, one byte too many
         large = httpx.post(f"{running.url}/v1/jobs", content=padded, headers={"content-type": "application/json"},
