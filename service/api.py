@@ -49,6 +49,8 @@ from .http import (
     ServiceState,
     error_responses,
     flag,
+    form_text,
+    form_texts,
     install_error_handlers,
     read_upload,
     request_hotwords,
@@ -338,7 +340,7 @@ def _token_logprobs(tokens: list[int], logprobs: list[float] | None, tokenizer: 
 
 def _form_list(form: FormData, name: str) -> list[str]:
     """A repeated form field, sent as ``name[]`` (OpenAI's SDKs) or plain ``name``."""
-    return [str(value) for key in (f"{name}[]", name) for value in form.getlist(key)]
+    return form_texts(form, f"{name}[]", name)
 
 
 # --- routes ------------------------------------------------------------------------------------------------
@@ -451,8 +453,8 @@ async def native_transcribe(request: Request, service: ServiceDep,
     content_type = request.headers.get("content-type", "")
     form = await request.form() if content_type.lower().startswith("multipart/form-data") else None
     apart, skip = _option("multichannel", multichannel, form), _option("skip_silence", skip_silence, form)
-    names = speaker_names(form.get("channel_names") if channel_names is None and form is not None else channel_names,
-                          apart)
+    names = speaker_names(form_text(form, "channel_names") if channel_names is None and form is not None
+                          else channel_names, apart)
     boosted = _hotwords(service, _hotword_fields(hotwords or [], form))
     if form is not None:
         upload = form.get("file")
@@ -477,7 +479,7 @@ async def native_transcribe(request: Request, service: ServiceDep,
 
 def _option(name: str, query_value: str | None, form: FormData | None) -> bool:
     """A true/false option from the query string, else from the multipart form; absent: false."""
-    value = form.get(name) if query_value is None and form is not None else query_value
+    value = form_text(form, name) if query_value is None and form is not None else query_value
     return flag(value or "", name)
 
 

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Protocol
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.datastructures import FormData
 from starlette.datastructures import UploadFile as StarletteUpload
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -231,6 +232,26 @@ def speaker_names(value: object, multichannel: bool, param: str = "channel_names
         return parse_names(value if isinstance(value, str) else ",".join(value))
     except (ValueError, TypeError) as exc:
         raise ApiError(400, f"`{param}`: {exc}", param=param, code="invalid_parameter") from exc
+
+
+def form_texts(form: FormData, *names: str) -> list[str]:
+    """A multipart form's values under ``names`` (a repeated field, or its ``name[]`` spelling too), in order; 400
+    where one came as a file: a text field sent with a filename was else dropped (a webhook URL, silently) or read
+    as the file object's description."""
+    values = []
+    for name in names:
+        for value in form.getlist(name):
+            if not isinstance(value, str):
+                raise ApiError(400, f"`{name}` is a text field, not a file: send it without a filename", param=name,
+                               code="invalid_parameter")
+            values.append(value)
+    return values
+
+
+def form_text(form: FormData, name: str) -> str | None:
+    """A multipart form's text field (its last value, as ``form.get``), or None; 400 where it came as a file."""
+    values = form_texts(form, name)
+    return values[-1] if values else None
 
 
 def flag(value: object, param: str) -> bool:

@@ -31,6 +31,8 @@ from .http import (
     ServiceState,
     error_responses,
     flag,
+    form_text,
+    form_texts,
     read_upload,
     request_hotwords,
     request_owner,
@@ -162,16 +164,16 @@ async def _form_uploads(request: Request, service: ServiceState) -> tuple[list[S
     most_bytes = service.settings.max_job_upload_bytes
     if sum(upload.size or 0 for upload in uploads) > most_bytes:  # the audio alone, exactly
         raise ApiError(413, job_too_large_message(most_bytes), param="files", code="job_too_large")
-    webhook, priority = form.get("webhook_url"), form.get("priority") or JobPriority.NORMAL.value
+    webhook, priority = form_text(form, "webhook_url"), form_text(form, "priority") or JobPriority.NORMAL.value
     try:
         priority = JobPriority(priority)
     except ValueError as exc:
         raise ApiError(400, f"priority must be one of {', '.join(p.value for p in JobPriority)}", param="priority",
                        code="invalid_priority") from exc
-    multichannel, skip_silence = (flag(form.get(name, ""), name) for name in ("multichannel", "skip_silence"))
-    names = speaker_names(form.get("channel_names"), multichannel)
-    hotwords = _job_hotwords(service, [str(value) for value in form.getlist("hotwords")])
-    return uploads, JobOptions(webhook if isinstance(webhook, str) else None, priority, multichannel, skip_silence,
+    multichannel, skip_silence = (flag(form_text(form, name) or "", name) for name in ("multichannel", "skip_silence"))
+    names = speaker_names(form_text(form, "channel_names"), multichannel)
+    hotwords = _job_hotwords(service, form_texts(form, "hotwords"))
+    return uploads, JobOptions(webhook, priority, multichannel, skip_silence,
                                owner=request_owner(request), channel_names=tuple(names), hotwords=hotwords)
 
 

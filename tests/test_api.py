@@ -671,6 +671,20 @@ def test_bad_parameters(server, parity_audio, form, status, param):
     assert response.json()["error"]["param"] == param
 
 
+def test_text_fields_sent_as_files_are_refused_not_read_as_a_file_object(server, parity_audio):
+    clip = ("a.wav", Path(parity_audio[0]).read_bytes(), "audio/wav")
+    for route, field, data in (("/v1/transcribe", "hotwords", {}), ("/v1/transcribe", "channel_names",
+                                                                      {"multichannel": "true"}),
+                               ("/v1/transcribe", "multichannel", {}),
+                               ("/v1/audio/transcriptions", "timestamp_granularities[]",
+                                {"response_format": "verbose_json"})):
+        files = [("file", clip), (field, ("field.txt", b"word"))]
+        refused = httpx.post(f"{server.url}{route}", files=files, data=data, timeout=60)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == field, (route, field, refused.text)
+        assert "UploadFile" not in refused.text
+    assert httpx.get(f"{server.url}/healthz").status_code == 200
+
+
 def test_missing_file_and_known_model_names(server, parity_audio):
     missing = httpx.post(f"{server.url}/v1/audio/transcriptions", data={"model": "whisper-1"})
     assert missing.status_code == 400 and missing.json()["error"]["param"] == "file"

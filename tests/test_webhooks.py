@@ -188,6 +188,10 @@ def test_webhook_urls_the_workers_would_not_post_to_are_refused_when_submitted(r
             if settings.input_roots:  # JSON submissions are checked the same way
                 body = {"items": [{"path": parity_audio[0]}], "webhook_url": url}
                 assert httpx.post(f"{running.url}/v1/jobs", json=body).json()["error"]["code"] == code
+            # the URL sent as a file part (a filename with it) was dropped: a job queued that would call no one
+            as_file = httpx.post(f"{running.url}/v1/jobs", files=[*_upload(parity_audio),
+                                                                  ("webhook_url", ("hook.txt", hook.url().encode()))])
+            assert as_file.status_code == 400 and as_file.json()["error"]["param"] == "webhook_url", as_file.text
     assert redis_server.client().xlen(ITEM_STREAM) == 0  # nothing was queued
     assert hook.received == []
 
