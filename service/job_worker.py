@@ -170,6 +170,8 @@ class JobConsumer:
         if room > 0 and loop.time() - self._last_reclaim >= self.options.reclaim_interval_s:
             self._last_reclaim = loop.time()
             messages += await self._reclaim(room)
+            if len(messages) == room:  # there may be more: look again as soon as there is room, not an interval on
+                self._last_reclaim = -math.inf
             await self.store.trim_acknowledged()
             if loop.time() - self._last_forgot >= FORGET_INTERVAL_S:
                 self._last_forgot = loop.time()

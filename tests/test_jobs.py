@@ -425,6 +425,25 @@ async def _run_consumer(settings: Settings, model, items: list[ItemInput], setup
         await stack.stop()
 
 
+def test_a_dead_workers_backlog_is_reclaimed_as_fast_as_there_is_room(redis_server, model, parity_audio, expected):
+    """A worker that dies holding many items: a consumer with room for two at a time looked for stalled items once
+    per reclaim interval, so taking back twelve took six intervals. Now a look that fills the room is followed
+    by another as soon as there is room again."""
+    items = _uploads(parity_audio, 12)
+
+    async def setup(consumer, store):
+        consumer.options = replace(consumer.options, prefetch=2, reclaim_interval_s=60.0)
+        job, _ = await store.submit(items)
+        assert len(await store.read_items("dead-worker", len(items), 0)) == len(items)  # taken, never finished
+        await asyncio.sleep(0.5)  # past the visibility timeout
+        return job
+
+    settings = Settings(redis_url=redis_server.url, job_visibility_timeout_s=0.3)
+    job, records = asyncio.run(_run_consumer(settings, model, items, setup, timeout_s=30))
+    assert job.finished and job.counts["completed"] == len(items)
+    _check_results(records, items, expected)
+
+
 def test_an_item_slower_than_the_visibility_timeout_stays_with_its_live_worker(redis_server, model, parity_audio,
                                                                                expected):
     """Its delivery's idle time is reset while it is worked on: without that it was reclaimed every timeout, run
