@@ -525,6 +525,7 @@ def _model_card(service: ServiceState) -> ModelCard:
 ops = APIRouter(tags=["operations"])
 
 
+@ops.head("/healthz", include_in_schema=False)  # uptime checkers and load balancers that ask with HEAD
 @ops.get("/healthz", responses={503: {"description": "The engine failed for good: restart the process",
                                       "content": {"application/json": {}}}})
 async def healthz(service: ServiceDep) -> JSONResponse:
@@ -536,6 +537,7 @@ async def healthz(service: ServiceDep) -> JSONResponse:
     return JSONResponse({"status": "ok"})
 
 
+@ops.head("/readyz", include_in_schema=False)
 @ops.get("/readyz", responses={503: {"description": "Not ready: `problems` says why",
                                      "content": {"application/json": {}}}})
 async def readyz(service: ServiceDep) -> JSONResponse:

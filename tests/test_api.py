@@ -685,6 +685,12 @@ def test_text_fields_sent_as_files_are_refused_not_read_as_a_file_object(server,
     assert httpx.get(f"{server.url}/healthz").status_code == 200
 
 
+def test_health_and_readiness_answer_head_too(server):
+    for path in ("/healthz", "/readyz"):
+        answer = httpx.head(f"{server.url}{path}")
+        assert answer.status_code == 200 and answer.content == b"", path
+
+
 def test_missing_file_and_known_model_names(server, parity_audio):
     missing = httpx.post(f"{server.url}/v1/audio/transcriptions", data={"model": "whisper-1"})
     assert missing.status_code == 400 and missing.json()["error"]["param"] == "file"
