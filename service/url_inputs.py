@@ -24,7 +24,6 @@ RETRY_DELAYS_S = (1.0, 3.0, 9.0)  # pauses before the 2nd, 3rd and 4th tries of 
 RETRYABLE_STATUS = {408, 425, 429}
 REDIRECT_STATUS = {301, 302, 303, 307, 308}
 MAX_REDIRECTS = 5
-CHUNK_BYTES = 1 << 20
 CONNECTIONS = 64  # to the media hosts, per consumer
 # the slowest body taken, on average once the first timeout has passed: a host that drips a byte just inside
 # each read's timeout would otherwise hold one of the consumer's items (and its prefetch slot) for days
@@ -108,18 +107,12 @@ class UrlFetcher:
             raise JobInputError(f"{url}: {declared} bytes exceeds the upload limit of {self.max_bytes} bytes")
         loop = asyncio.get_running_loop()
         began = loop.time()
-        if declared is not None and "Content-Encoding" not in response.headers:
-            try:  # its length is known and allowed: one buffer, no copies, read by a deadline its length sets
-                async with asyncio.timeout_at(began + self._allowed_s(declared)):
-                    return await response.read()
-            except TimeoutError:
-                raise self._too_slow() from None
         body = bytearray()
-        async for chunk in response.content.iter_chunked(CHUNK_BYTES):
+        async for chunk in response.content.iter_any():  # what has come, as it comes
             body += chunk
             if len(body) > self.max_bytes:
                 raise JobInputError(f"{url}: more than the upload limit of {self.max_bytes} bytes")
-            if loop.time() - began > self._allowed_s(len(body)):
+            if loop.time() - began > self._allowed_s(len(body)):  # a drip is caught early, whatever its length
                 raise self._too_slow()
         return bytes(body)
 
