@@ -113,6 +113,8 @@ class ContainerAudio:
         if not streams:
             raise UnreadableContainer(f"the {FORMAT_NAMES[self.format_name]} file has no audio stream")
         stream = streams[0]
+        if stream.codec_context is None:  # a codec this FFmpeg has no decoder for
+            raise UnreadableContainer(f"the {FORMAT_NAMES[self.format_name]} file's audio codec cannot be decoded")
         if stream.codec_context.sample_rate <= 0 or stream.codec_context.channels <= 0:
             raise UnreadableContainer("the audio stream states no sample rate or no channels")
         return stream

@@ -128,6 +128,12 @@ def _first_half(data: bytes) -> bytes:
     return data[: len(data) // 2]
 
 
+def _unknown_codec(data: bytes, codec: bytes) -> bytes:
+    """``data`` with its sample entry's codec renamed to one FFmpeg has no decoder for."""
+    at = data.index(codec)
+    return data[:at] + b"zzzz" + data[at + 4 :]
+
+
 BAD_CONTAINERS = {  # what is wrong -> (the file, given 10 s of speech and a folder; what the error says)
     "an M4A cut before its index": (lambda long, tmp: encode(long, "m4a")[:20_000], "not a readable MP4/M4A/MOV file"),
     "an M4A cut in its samples": (lambda long, tmp: _first_half(encode(
@@ -138,6 +144,8 @@ BAD_CONTAINERS = {  # what is wrong -> (the file, given 10 s of speech and a fol
     "random bytes behind an MP4 box": (lambda long, tmp: b"\x00\x00\x00\x18ftypmp42" + bytes(range(256)) * 20,
                                        "not a readable MP4/M4A/MOV file"),
     "an EBML header and nothing else": (lambda long, tmp: EBML_MAGIC, "not a readable Matroska/WebM file"),
+    "a codec FFmpeg cannot decode": (lambda long, tmp: _unknown_codec(encode(long, "3gp"), b"samr"),
+                                     "audio codec cannot be decoded"),
 }
 
 
