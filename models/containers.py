@@ -132,15 +132,21 @@ class ContainerAudio:
 
     def _decoded_blocks(self) -> Iterator[np.ndarray]:
         av = _av()
-        to_float = av.AudioResampler(format="fltp")  # the sample format only: rate and channels stay as they are
+        # the sample format only: rate and channels stay as they are. Interleaved, not planar: PyAV finds a planar
+        # frame's planes by reading its pointers up to a null one, past the end of them from 8 channels on (a 7.1
+        # file crashed the process)
+        to_float = av.AudioResampler(format="flt")
         try:
             for packet in self._container.demux(self._stream):
                 for frame in packet.decode():
                     if frame.sample_rate != self.samplerate:
                         raise UnreadableContainer(f"the sample rate changes mid-stream ({self.samplerate} Hz, then "
                                                   f"{frame.sample_rate} Hz)")
+                    if frame.layout.nb_channels != self.channels:
+                        raise UnreadableContainer(f"the number of channels changes mid-stream ({self.channels}, "
+                                                  f"then {frame.layout.nb_channels})")
                     for converted in to_float.resample(frame):
-                        yield converted.to_ndarray().T  # (channels, n) planar -> (n, channels)
+                        yield converted.to_ndarray().reshape(-1, self.channels)  # (1, n x channels) -> (n, channels)
         except (av.FFmpegError, ValueError) as exc:  # ValueError: the channel layout changed mid-stream
             if isinstance(exc, UnreadableContainer):
                 raise

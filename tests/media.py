@@ -22,12 +22,13 @@ CONTAINERS = {
     "amr": ("amr", "libopencore_amrnb", 8000),  # a phone call
     "3gp": ("3gp", "libopencore_amrnb", 8000),
 }
+LAYOUTS = {1: "mono", 2: "stereo", 6: "5.1", 8: "7.1"}  # FFmpeg's names for the channels of a file
 
 
 def encode(samples: np.ndarray, name: str, rate: int = 16000, channels: int = 1, video: bool = False,
            path: Path | None = None, options: dict | None = None) -> bytes:
     """Mono ``samples`` at ``rate`` as a file of kind ``name`` (CONTAINERS), optionally with ``channels`` copies
-    (or (2, n) ``samples``: a stereo file of those two channels) and a small video track (then an MP4 with AAC,
+    (or (channels, n) ``samples``: a file of those channels, LAYOUTS) and a small video track (then an MP4 with AAC,
     whatever ``name``); written to ``path`` when given (options such as ``movflags=faststart`` need a file), and
     returned."""
     muxer, codec, codec_rate = ("mp4", "aac", None) if video else CONTAINERS[name]
@@ -37,12 +38,13 @@ def encode(samples: np.ndarray, name: str, rate: int = 16000, channels: int = 1,
     planes = np.ascontiguousarray(planes, dtype=np.float32)
     target = str(path) if path else io.BytesIO()
     with av.open(target, "w", format=muxer, options=options or {}) as out:
-        audio = out.add_stream(codec, rate=rate, layout="mono" if len(planes) == 1 else "stereo")
+        audio = out.add_stream(codec, rate=rate, layout=LAYOUTS[len(planes)])
         if video:
             _add_video(out, seconds=planes.shape[1] / rate)
         for start in range(0, planes.shape[1], 4096):
-            frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(planes[:, start : start + 4096]), format="fltp",
-                                               layout=audio.layout.name)
+            # interleaved: PyAV's planar frames break from 8 channels on (models.containers)
+            interleaved = np.ascontiguousarray(planes[:, start : start + 4096].T).reshape(1, -1)
+            frame = av.AudioFrame.from_ndarray(interleaved, format="flt", layout=audio.layout.name)
             frame.sample_rate, frame.pts, frame.time_base = rate, start, Fraction(1, rate)
             out.mux(audio.encode(frame))
         out.mux(audio.encode())

@@ -146,6 +146,9 @@ BAD_CONTAINERS = {  # what is wrong -> (the file, given 10 s of speech and a fol
     "an EBML header and nothing else": (lambda long, tmp: EBML_MAGIC, "not a readable Matroska/WebM file"),
     "a codec FFmpeg cannot decode": (lambda long, tmp: _unknown_codec(encode(long, "3gp"), b"samr"),
                                      "audio codec cannot be decoded"),
+    # each ADTS frame says its channels: mono, then stereo (two files joined) was a ValueError, a 500
+    "AAC whose channels change mid-stream": (lambda long, tmp: encode(long, "aac") + encode(long, "aac", channels=2),
+                                             "number of channels changes mid-stream"),
 }
 
 
@@ -161,6 +164,18 @@ def test_bad_containers_get_clear_errors(tmp_path, speech, case):
         decode_audio_file(path, LIMITS)
     with pytest.raises(AudioError, match=message):  # and the Python API's
         read_audio(data)
+
+
+@pytest.mark.parametrize("name", ["mkv", "webm"])
+def test_audio_of_eight_channels_in_a_container_decodes(speech, name):
+    """7.1 sound (a film's track): PyAV's planar frames of 8 channels or more read pointers past their end, and
+    decoding one crashed the process."""
+    channels = np.stack([np.roll(speech, 800 * c) for c in range(8)])
+    data = encode(channels, name)
+    apart = decode_audio(data, LIMITS, multichannel=True)
+    assert apart.shape[0] == 8 and abs(apart.shape[1] - len(speech)) <= PADDING_S * 16000
+    np.testing.assert_allclose(decode_audio(data, LIMITS), apart.mean(axis=0), atol=1e-6)  # mixed, then resampled
+    np.testing.assert_array_equal(read_audio(data, mix=False), apart)
 
 
 def test_files_on_disk_decode_as_their_bytes_do(tmp_path, speech):
