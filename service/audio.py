@@ -192,6 +192,9 @@ def _read_resampled(f: sf.SoundFile, limits: AudioLimits, max_s: float, channels
     until the end of the data (not the header's claim); refused past ``max_s`` seconds, or once a block holds a
     sample that is not finite (NaN or infinity in spreads through the resampler's filter, so none is missed)."""
     max_frames = int(max_s * f.samplerate) + 1
+    # no more than a frame past the limit is read: a block is counted once resampled, and at a few Hz a block of
+    # BLOCK_FRAMES is hours at 16 kHz (a 300 kB Matroska file of 1 Hz FLAC stating no duration asked for 67 GB)
+    n_frames = max_frames + 1 if n_frames is None else min(n_frames, max_frames + 1)
     blocks, total = [], 0
     for read, block in decode_blocks(f, limits.sample_rate, BLOCK_FRAMES, mix=channels == 1,
                                      first_frame=first_frame, n_frames=n_frames):

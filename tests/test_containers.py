@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import tracemalloc
 from pathlib import Path
 
 import httpx
@@ -122,6 +123,22 @@ def test_containers_with_estimated_durations_are_held_to_the_limit_as_they_decod
     data = encode(np.tile(speech, 4), name)
     with pytest.raises(AudioTooLarge, match="longer than allowed"):
         decode_audio(data, AudioLimits(max_bytes=LIMITS.max_bytes, max_duration_s=5.0))
+
+
+def test_audio_at_a_low_rate_stating_no_length_is_read_no_further_than_the_limit():
+    """A block is resampled before it is counted: 2,000 s of 100 Hz FLAC in Matroska without its Duration (a
+    39 kB upload) was read whole, 128 MB at 16 kHz, to refuse 5 s of it (at 1 Hz, 67 GB for 300 kB)."""
+    data = bytearray(encode(np.zeros(200_000, dtype=np.float32), "mkv", rate=100))
+    at = data.index(b"\x44\x89\x88")  # Duration, an 8-byte float -> a Void element of the same 11 bytes
+    data[at : at + 11] = b"\xec\x89" + bytes(9)
+    tracemalloc.start()
+    try:
+        with pytest.raises(AudioTooLarge, match="longer than allowed"):
+            decode_audio(bytes(data), AudioLimits(max_bytes=LIMITS.max_bytes, max_duration_s=5.0))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * 1024 * 1024  # 5 s at 16 kHz is 320 kB of float32
 
 
 def _first_half(data: bytes) -> bytes:
