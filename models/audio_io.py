@@ -275,13 +275,28 @@ def _skip(f: Any, frames: int, block_frames: int) -> None:
         frames -= len(skipped)
 
 
+# the features' float32 power spectrum overflows from samples of about 1e16 (a square wave at the Nyquist
+# frequency), and larger finite samples reached the model as NaN features. Files read as floats are within 1;
+# integer full scales written as floats (32,768, 2^31) are far below this
+MAX_AMPLITUDE = 1e12
+
+
+def sample_problem(samples: np.ndarray) -> str | None:
+    """What makes ``samples`` unusable (NaN or infinite, or past ``MAX_AMPLITUDE``), or None."""
+    if not np.isfinite(samples).all():
+        return "contains NaN or infinite samples"
+    if samples.size and np.abs(samples).max() > MAX_AMPLITUDE:
+        return f"has samples past {MAX_AMPLITUDE:g} in magnitude"
+    return None
+
+
 def check_waveform(samples: np.ndarray, name: str) -> np.ndarray:
     if samples.ndim != 1:
         raise AudioError(f"{name}: expected a 1-D waveform, got shape {samples.shape}")
     if samples.size == 0:
         raise AudioError(f"{name}: audio has no samples")
-    if not np.isfinite(samples).all():
-        raise AudioError(f"{name}: audio contains NaN or infinite samples")
+    if problem := sample_problem(samples):
+        raise AudioError(f"{name}: audio {problem}")
     return samples
 
 

@@ -28,6 +28,7 @@ from models.audio_io import (
     declared_wav,
     decode_blocks,
     open_audio,
+    sample_problem,
     truncation_message,
 )
 from models.containers import UnreadableContainer
@@ -190,7 +191,8 @@ def _read_resampled(f: sf.SoundFile, limits: AudioLimits, max_s: float, channels
                     n_frames: int | None = None) -> np.ndarray:
     """Blocks resampled as they are read (mono, or ``channels`` apart; ``n_frames`` from ``first_frame``, or all),
     until the end of the data (not the header's claim); refused past ``max_s`` seconds, or once a block holds a
-    sample that is not finite (NaN or infinity in spreads through the resampler's filter, so none is missed)."""
+    sample that is not finite (NaN or infinity in spreads through the resampler's filter, so none is missed) or
+    is past ``MAX_AMPLITUDE``."""
     max_frames = int(max_s * f.samplerate) + 1
     # no more than a frame past the limit is read: a block is counted once resampled, and at a few Hz a block of
     # BLOCK_FRAMES is hours at 16 kHz (a 300 kB Matroska file of 1 Hz FLAC stating no duration asked for 67 GB)
@@ -201,7 +203,7 @@ def _read_resampled(f: sf.SoundFile, limits: AudioLimits, max_s: float, channels
         total += read
         if total > max_frames:
             raise AudioTooLarge(f"audio is longer than allowed: {_limit_text(max_s, channels)}")
-        if not np.isfinite(block).all():
-            raise AudioRequestError("the audio contains NaN or infinite samples")
+        if problem := sample_problem(block):
+            raise AudioRequestError(f"the audio {problem}")
         blocks.append(block)
     return np.concatenate(blocks)

@@ -8,8 +8,11 @@ import struct
 import numpy as np
 import pytest
 import soundfile as sf
+import torch
 
-from models.audio_io import read_audio, resample, to_mono
+from models.audio_io import MAX_AMPLITUDE, AudioError, check_waveform, read_audio, resample, to_mono
+from models.config import FeatureConfig
+from models.features import LogMelFeatures
 from service import audio
 from service.audio import AudioLimits, AudioRequestError, AudioTooLarge, decode_audio, decode_audio_file
 
@@ -50,6 +53,28 @@ def test_a_non_finite_sample_in_a_late_block_is_refused(monkeypatch):
     samples[40000, 1] = np.nan
     with pytest.raises(AudioRequestError, match="NaN or infinite"):
         decode_audio(_encode(samples, 48000, "WAV", "FLOAT"), LIMITS)
+
+
+def test_samples_too_loud_for_the_features_are_refused(tmp_path):
+    """A float WAV of finite samples of 1e20 passed the check for NaN and gave NaN features (the power spectrum
+    overflows float32 from about 1e16), transcribed as unknown tokens with NaN scores. The largest samples accepted
+    give finite features, even as a square wave at the Nyquist frequency, the spectrum's worst case."""
+    square = np.tile(np.float32([1, -1]), 8000)
+    featurizer = LogMelFeatures(FeatureConfig())
+    feats, _ = featurizer(torch.from_numpy(square * MAX_AMPLITUDE)[None], torch.tensor([len(square)]))
+    assert torch.isfinite(feats).all()
+    tone = np.sin(np.arange(16000) / 9).astype(np.float32)
+    loud = _encode(np.stack([tone, tone], axis=1) * 1e20, 16000, "WAV", "FLOAT")
+    for multichannel in (False, True):
+        with pytest.raises(AudioRequestError, match="samples past 1e\\+12 in magnitude"):
+            decode_audio(loud, LIMITS, multichannel)
+    (tmp_path / "loud.wav").write_bytes(loud)
+    with pytest.raises(AudioError, match="samples past"):  # the Python API's files, and its arrays
+        read_audio(tmp_path / "loud.wav")
+    with pytest.raises(AudioError, match="samples past"):
+        check_waveform(tone * 1e20, "audio[0]")
+    at_int16_scale = decode_audio(_encode(tone * 32768, 16000, "WAV", "FLOAT"), LIMITS)  # as some tools write floats
+    np.testing.assert_array_equal(at_int16_scale, tone * 32768)
 
 
 def test_audio_longer_than_the_limit_is_refused(monkeypatch):
