@@ -269,8 +269,12 @@ def _skip(f: Any, frames: int, block_frames: int) -> None:
     if frames <= 0:
         return
     if getattr(f, "seekable", lambda: False)():
-        f.seek(min(frames, f.frames))
-        return
+        target = min(frames, f.frames)
+        if f.seek(target) == target:
+            return
+        # libsndfile's seek in a damaged MP3 can land past the frames it counts, and soundfile's reads from there
+        # ask numpy for a negative length (a ValueError): read up to the stretch instead
+        f.seek(0)
     while frames > 0 and len(skipped := f.read(min(block_frames, frames), dtype="float32", always_2d=True)):
         frames -= len(skipped)
 

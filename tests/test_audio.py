@@ -10,7 +10,16 @@ import pytest
 import soundfile as sf
 import torch
 
-from models.audio_io import MAX_AMPLITUDE, AudioError, check_waveform, read_audio, resample, to_mono
+from models.audio_io import (
+    MAX_AMPLITUDE,
+    AudioClip,
+    AudioError,
+    Stretch,
+    check_waveform,
+    read_audio,
+    resample,
+    to_mono,
+)
 from models.config import FeatureConfig
 from models.features import LogMelFeatures
 from service import audio
@@ -107,6 +116,20 @@ def test_a_truncated_or_empty_file_on_disk_is_refused_with_the_reason(tmp_path):
     empty.write_bytes(b"")
     with pytest.raises(AudioRequestError, match="empty"):
         decode_audio_file(empty, LIMITS)
+
+
+def test_a_stretch_past_where_a_damaged_mp3_can_seek_is_an_audio_error(tmp_path):
+    """Two free-format MPEG layer I frame headers and a few bytes: libsndfile counts 2,073 frames and decodes 1,152,
+    and its seek to frame 2,072 landed at 5,912, where soundfile's next read asked numpy for a negative length. The
+    ValueError ended a manifest's run (a line that cannot be read is reported, and the rest transcribed) and failed
+    a job's item in numpy's words."""
+    path = tmp_path / "damaged.mp3"
+    path.write_bytes(bytes.fromhex("ffff000000ffff0000c7e207ffecaac658b2cc0120802608f5c454"))
+    offset_s = 2072 / 44100
+    with pytest.raises(AudioError, match="offset lies past the end"):
+        read_audio(AudioClip(path, offset_s))
+    with pytest.raises(AudioRequestError, match="no samples"):
+        decode_audio_file(path, LIMITS, stretch=Stretch(offset_s))
 
 
 @pytest.mark.parametrize("declared", [0xFFFFFFFF, 0x7FFFF000, 0x7FFF0000, 0x80000000],
