@@ -350,7 +350,8 @@ def _check_complete(source: str | Path | bytes | BinaryIO, name: str) -> None:
 def channels_first(samples: np.ndarray) -> np.ndarray:
     """``decode_blocks``' joined blocks with their channels kept, (samples,) or (samples, channels), as one
     contiguous waveform a row: (channels, samples)."""
-    return np.ascontiguousarray(samples.reshape(len(samples), -1).T)
+    # a column added, not a reshape: none of (0, -1) can be inferred for a file without samples
+    return np.ascontiguousarray((samples[:, None] if samples.ndim == 1 else samples).T)
 
 
 def check_channels(channels: np.ndarray, name: str) -> np.ndarray:

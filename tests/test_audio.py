@@ -118,6 +118,18 @@ def test_a_truncated_or_empty_file_on_disk_is_refused_with_the_reason(tmp_path):
         decode_audio_file(empty, LIMITS)
 
 
+@pytest.mark.parametrize(("channels", "rate"), [(1, 16000), (2, 16000), (2, 8000)])
+def test_audio_without_samples_read_with_its_channels_apart_is_an_audio_error(tmp_path, channels, rate):
+    """A WAV of no frames read with its channels apart (``transcribe --multichannel``) failed to reshape its samples:
+    a ValueError, which ended the run rather than being reported as that file's error."""
+    path = tmp_path / "empty.wav"
+    sf.write(path, np.zeros((0, channels), dtype=np.float32), rate)
+    with pytest.raises(AudioError, match="no samples"):
+        read_audio(path, mix=False)
+    with pytest.raises(AudioRequestError, match="no samples"):
+        decode_audio(path.read_bytes(), LIMITS, multichannel=True)
+
+
 def test_a_stretch_past_where_a_damaged_mp3_can_seek_is_an_audio_error(tmp_path):
     """Two free-format MPEG layer I frame headers and a few bytes: libsndfile counts 2,073 frames and decodes 1,152,
     and its seek to frame 2,072 landed at 5,912, where soundfile's next read asked numpy for a negative length. The
