@@ -26,6 +26,13 @@ BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 UNSURE_BELOW = 0.5  # a token less likely than this is counted unsure
 UNSURE_LOGPROB = math.log(UNSURE_BELOW)
 SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# the label values each labelled counter can take, exposed at 0 from the start: a series that first shows up at 1 has
+# no earlier sample for rate() or increase() to count from, so a dashboard would never see the first job that
+# failed, nor the first item dropped
+JOB_FINAL_STATUSES = ("completed", "completed_with_errors", "failed", "cancelled")
+JOB_ITEM_STATUSES = ("completed", "failed")
+WEBHOOK_OUTCOMES = ("delivered", "failed", "handed_back")
+DROP_REASONS = ("cancelled", "expired")
 
 
 class Metrics:
@@ -93,6 +100,10 @@ class Metrics:
                                        registry=r)
         self.hotword_items = Counter("batchasr_hotword_items", "Items that boost hotwords, in the engine's batches",
                                      registry=r)
+        for counter, values in ((self.jobs, JOB_FINAL_STATUSES), (self.job_items, JOB_ITEM_STATUSES),
+                                (self.webhooks, WEBHOOK_OUTCOMES), (self.dropped_items, DROP_REASONS)):
+            for value in values:
+                counter.labels(value)
         self._event_loop_cpu_seen = 0.0
         self._window: deque[tuple[float, float, float]] = deque()  # (time, audio_s, compute_s)
         self._lock = threading.Lock()

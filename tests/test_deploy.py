@@ -2,8 +2,9 @@
 
 No Docker engine or cluster is needed. docker-compose.yml is validated against the compose-spec schema kept in
 deploy/schemas (with jsonschema). Checks that need an optional tool skip without it: a Compose v2 CLI (`docker
-compose config`), kubernetes-validate (Kubernetes OpenAPI schemas), kubectl (`kubectl kustomize`) and locust
-(`pip install -e '.[loadtest]'`).
+compose config`), kubernetes-validate (Kubernetes OpenAPI schemas), kubectl (`kubectl kustomize`), promtool
+(Debian's `prometheus` package: the dashboard's and the autoscaler's PromQL evaluated over the service's own
+scrapes) and locust (`pip install -e '.[loadtest]'`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from service.config import Settings
-from service.jobs import GROUP, ITEM_STREAMS
+from service.jobs import GROUP, ITEM_STREAMS, JobStatus
 from service.metrics import Metrics
 
 REPO = Path(__file__).resolve().parent.parent
@@ -32,6 +33,7 @@ DASHBOARD = DEPLOY / "grafana" / "dashboards" / "batchasr.json"
 # The jobs issue's metric names (registered by service/metrics.py): the dashboard and autoscalers read them.
 JOB_METRIC_NAMES = {"batchasr_jobs_total", "batchasr_job_items_total", "batchasr_job_stream_lag"}
 CONSUMER_GROUP = GROUP
+FINAL_JOB_STATUSES = [s.value for s in JobStatus if s not in (JobStatus.QUEUED, JobStatus.IN_PROGRESS)]
 SAMPLE_SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count"),
                    "summary": ("", "_sum", "_count"), "info": ("_info",)}
 
@@ -103,6 +105,54 @@ def promql_metric_names(expr: str) -> set[str]:
 def dashboard_exprs() -> list[str]:
     panels = json.loads(DASHBOARD.read_text())["panels"]
     return [t["expr"] for p in panels for t in p.get("targets", [])]
+
+
+def dashboard_panel_exprs(title: str, rate_interval: str) -> list[str]:
+    """A panel's queries, with Grafana's ``$__rate_interval`` as given."""
+    (panel,) = [p for p in json.loads(DASHBOARD.read_text())["panels"] if p["title"] == title]
+    return [t["expr"].replace("$__rate_interval", rate_interval) for t in panel["targets"]]
+
+
+def adapter_rule() -> dict:
+    (rule,) = yaml.safe_load((K8S / "prometheus-adapter-values.yaml").read_text())["rules"]["custom"]
+    return rule
+
+
+def adapter_query(rule: dict, group_by: str, matchers: str) -> str:
+    """The metricsQuery as prometheus-adapter sends it, its template filled in."""
+    return rule["metricsQuery"].replace("<<.GroupBy>>", group_by).replace("<<.LabelMatchers>>", matchers)
+
+
+def promtool() -> str:
+    path = shutil.which("promtool")
+    if path is None:
+        pytest.skip("promtool not installed (Debian: apt-get install prometheus)")
+    return path
+
+
+def promtool_series(scrapes: list[str], labels: str = "") -> list[dict]:
+    """promtool's ``input_series`` for /metrics texts taken one interval apart (``labels``, such as ``pod="p"``,
+    added to each series as a scrape job would); a series missing from a scrape has no sample there."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    series: dict[str, list[str]] = {}
+    for i, text in enumerate(scrapes):
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                pairs = [*(f'{k}="{v}"' for k, v in sorted(sample.labels.items())), *filter(None, [labels])]
+                key = f"{sample.name}{{{','.join(pairs)}}}"
+                series.setdefault(key, ["_"] * len(scrapes))[i] = repr(float(sample.value))
+    return [{"series": key, "values": " ".join(values)} for key, values in series.items()]
+
+
+def promtool_test(tmp_path: Path, scrapes: list[str], interval: str, tests: list[dict], labels: str = "") -> None:
+    """``promtool test rules``: each of ``tests`` (expr, eval_time, exp_samples) evaluated over ``scrapes``."""
+    spec = {"rule_files": [], "tests": [{"interval": interval, "input_series": promtool_series(scrapes, labels),
+                                         "promql_expr_test": tests}]}
+    path = tmp_path / "promql_test.yml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    result = subprocess.run([promtool(), "test", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 # --- Dockerfile --------------------------------------------------------------------------------------------
@@ -237,6 +287,43 @@ def test_dashboard_panels_use_the_provisioned_datasource():
         for t in panel.get("targets", []):
             assert t["datasource"]["uid"] == source["uid"], panel["title"]
             assert t["expr"].count("(") == t["expr"].count(")"), panel["title"]
+
+
+def test_promtool_accepts_the_prometheus_config_and_every_query(tmp_path):
+    """Each dashboard query and the adapter's, as recording rules: promtool parses them as Prometheus would."""
+    tool = promtool()
+    result = subprocess.run([tool, "check", "config", str(DEPLOY / "prometheus.yml")], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    exprs = [e.replace("$__rate_interval", "1m") for e in dashboard_exprs()]
+    exprs.append(adapter_query(adapter_rule(), "namespace,pod", 'namespace="default",pod="p"'))
+    rules = {"groups": [{"name": "batchasr", "rules": [{"record": f"batchasr:query_{i}", "expr": expr}
+                                                        for i, expr in enumerate(exprs)]}]}
+    (tmp_path / "rules.yml").write_text(yaml.safe_dump(rules))
+    result = subprocess.run([tool, "check", "rules", str(tmp_path / "rules.yml")], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_dashboard_job_panels_count_the_first_job_and_item_of_each_status(tmp_path):
+    """Prometheus evaluates the job panels over two scrapes, one before a job and one after it finished with a failed
+    item. The counters by status used to appear only when first counted, at 1: rate() and increase() had no sample
+    before it to count from, and the panels showed neither the job nor its failed item."""
+    metrics = Metrics()
+    before = metrics.render().decode()
+    for status in ("completed", "completed", "failed"):
+        metrics.count_job_item(status)
+    metrics.count_job("completed_with_errors")
+    after = metrics.render().decode()
+    (items,) = dashboard_panel_exprs("Job items by status", "2m")
+    (jobs,) = dashboard_panel_exprs("Jobs by final status", "2m")
+    promtool_test(tmp_path, [before, after], "1m", [
+        {"expr": items, "eval_time": "1m", "exp_samples": [  # per second over the 2 min window
+            {"labels": '{status="completed"}', "value": 2 / 120}, {"labels": '{status="failed"}', "value": 1 / 120}]},
+        {"expr": jobs, "eval_time": "1m", "exp_samples": [
+            {"labels": f'{{status="{status}"}}', "value": float(status == "completed_with_errors")}
+            for status in FINAL_JOB_STATUSES]},
+    ])
 
 
 # --- Kubernetes --------------------------------------------------------------------------------------------

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from service import metrics as metrics_module
+from service.jobs import JobStatus
 from service.metrics import RTFX_WINDOW_S, Metrics
 
 
@@ -26,3 +29,17 @@ def test_the_recent_rtfx_is_of_the_last_window_as_of_the_scrape(monkeypatch):
     assert rtfx() == 0.0  # idle for a whole window
     assert metrics.registry.get_sample_value("batchasr_queue_wait_seconds_count", {"source": "http"}) == 1
     assert metrics.registry.get_sample_value("batchasr_queue_wait_seconds_count", {"source": "job"}) == 1
+
+
+def test_counters_by_status_are_exposed_at_zero_before_their_first_count():
+    """A labelled counter's series used to appear only when first counted, at 1: rate() and increase() need a sample
+    before that, so Prometheus never saw the first job of a status, the first failed item, the first dropped item."""
+    scraped = {(s.name, tuple(s.labels.values())): s.value
+               for family in text_string_to_metric_families(Metrics().render().decode()) for s in family.samples}
+    final = [s.value for s in JobStatus if s not in (JobStatus.QUEUED, JobStatus.IN_PROGRESS)]
+    expected = [*(("batchasr_jobs_total", status) for status in final),
+                *(("batchasr_job_items_total", status) for status in ("completed", "failed")),
+                *(("batchasr_webhooks_total", outcome) for outcome in ("delivered", "failed", "handed_back")),
+                *(("batchasr_dropped_items_total", reason) for reason in ("cancelled", "expired"))]
+    for name, value in expected:
+        assert scraped.get((name, (value,))) == 0.0, (name, value)
