@@ -326,6 +326,21 @@ def test_dashboard_job_panels_count_the_first_job_and_item_of_each_status(tmp_pa
     ])
 
 
+def test_adapter_query_gives_the_hpa_a_value_at_a_one_minute_scrape_interval(tmp_path):
+    """A pod scraped every minute (Prometheus's default, and the prometheus-community chart's), its HTTP requests
+    waiting 0.25 s each: the adapter's query reads 0.25 between scrapes too. Its [1m] window held one scrape there, and
+    gave the HPA no metric at all."""
+    metrics = Metrics()
+    scrapes = []
+    for _ in range(4):
+        scrapes.append(metrics.render().decode())
+        metrics.observe_batch(4, 8.0, 8.0, 8.0, 0.1, {}, [(0.25, True)] * 4 + [(30.0, False)])
+    query = adapter_query(adapter_rule(), "pod", 'namespace="default",pod="api-0"')
+    promtool_test(tmp_path, scrapes, "1m", [{"expr": query, "eval_time": "3m20s",
+                                             "exp_samples": [{"labels": '{pod="api-0"}', "value": 0.25}]}],
+                  labels='namespace="default",pod="api-0"')
+
+
 # --- Kubernetes --------------------------------------------------------------------------------------------
 
 
@@ -441,6 +456,9 @@ def test_k8s_api_hpa_reads_the_adapter_queue_wait_metric():
     assert {"batchasr_queue_wait_seconds_sum", "batchasr_queue_wait_seconds_count"} <= used
     # HTTP requests' waits only: job items wait by design, and would scale the API on bulk backlog
     assert 'source="http"' in rule["seriesQuery"] and rule["metricsQuery"].count('source="http"') == 2
+    # a rate needs two scrapes in its window: at Prometheus's default interval of 1 m, a [1m] window holds one
+    windows = re.findall(r"\[(\d+)m\]", rule["metricsQuery"])
+    assert windows and min(map(int, windows)) >= 2
     # more replicas than the PDB keeps: a node drain can always evict one
     assert hpa["spec"]["minReplicas"] > objects["PodDisruptionBudget", "batchasr-api"]["spec"]["minAvailable"]
 
