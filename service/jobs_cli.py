@@ -68,12 +68,14 @@ async def run_worker(settings: Settings, metrics_port: int | None) -> int:
         from prometheus_client import start_http_server
 
         start_http_server(metrics_port, registry=stack.metrics.registry)
+    loop_cpu = asyncio.create_task(stack.metrics.count_event_loop_cpu())  # the consumer's loop: no scrape runs on it
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stack.request_stop)
     log.info("worker consuming jobs from %s", redacted_url(settings.redis_url or ""))
     stack.start_consumer()
     await stack.wait_consumer()  # returns after a stop signal, with the items in hand finished and acked
+    loop_cpu.cancel()
     await stack.stop()
     if stack.engine.failed:  # the consumer stopped taking items; a new process may find the device working
         log.error("worker stopped: the engine failed: %s", stack.engine.error)

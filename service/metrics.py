@@ -6,6 +6,7 @@ same ratio over the last ``RTFX_WINDOW_S`` seconds, for dashboards without PromQ
 
 from __future__ import annotations
 
+import asyncio
 import math
 import threading
 import time
@@ -188,6 +189,13 @@ class Metrics:
         now = time.thread_time()
         self.add_event_loop_cpu(now - self._event_loop_cpu_seen)
         self._event_loop_cpu_seen = now
+
+    async def count_event_loop_cpu(self, every_s: float = 1.0) -> None:
+        """Count the event loop's CPU every ``every_s`` seconds, run as a task on it: for a process whose scrapes are
+        answered on a thread of their own (``--metrics-port``), where no scrape counts it."""
+        while True:
+            await asyncio.sleep(every_s)
+            self.observe_event_loop_cpu()
 
     def add_event_loop_cpu(self, seconds: float) -> None:
         """Another process's event-loop CPU (a front end's report)."""

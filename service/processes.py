@@ -195,6 +195,8 @@ async def run_engine_process(settings: Settings, http: bool = True, metrics_port
         from prometheus_client import start_http_server
 
         start_http_server(metrics_port, registry=stack.metrics.registry)
+    # scrapes on the metrics port's thread count no event loop's CPU: this one's is counted by a task of its own
+    loop_cpu = asyncio.create_task(stack.metrics.count_event_loop_cpu()) if metrics_port else None
     with tempfile.TemporaryDirectory(prefix="batchasr-") as private:  # created 0700: only this user connects
         engine_path = str(Path(private) / "engine.sock")
         server = EngineServer(stack, engine_path)
@@ -216,6 +218,8 @@ async def run_engine_process(settings: Settings, http: bool = True, metrics_port
         failed.cancel()
         log.info("stopping: front ends and consumers first, then the engine")
         watcher.cancel()
+        if loop_cpu is not None:
+            loop_cpu.cancel()
         if sock is not None:  # this copy first: else the port keeps listening, with no one to accept, until the
             sock.close()      # front ends have finished, and new connections wait there to be reset
         await pool.stop()

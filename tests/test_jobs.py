@@ -45,7 +45,7 @@ from service.runtime import READING_SHARE, build_stack
 from service.url_inputs import check_input_url
 from tests.conftest import long_recording
 from tests.redis_server import RedisServer
-from tests.servers import StreamedUpload, drain_jobs, free_port, run_server
+from tests.servers import StreamedUpload, drain_jobs, free_port, metric, run_server
 
 MODEL_FILE = "tdt.nemo"  # the fastest fixture: one encoder layer
 
@@ -183,6 +183,25 @@ def test_a_workers_log_does_not_show_the_redis_password(tmp_path, parity_dir, pa
         server.stop()
     assert f"worker consuming jobs from redis://:***@127.0.0.1:{server.port}/0" in output
     assert "hunter2" not in output
+
+
+def test_a_workers_metrics_port_counts_the_cpu_of_its_event_loop(redis_server, parity_dir, parity_audio):
+    """A worker takes job items in on its event loop, and its metrics port answers scrapes on a thread of its own:
+    nothing counted that loop's CPU, and batchasr_event_loop_cpu_seconds_total read 0 whatever it took in."""
+    job, _ = asyncio.run(JobStore.from_url(redis_server.url).submit(_uploads(parity_audio, 20)))
+    metrics_port = free_port()
+    started = time.monotonic()
+    worker = _worker(redis_server.url, "w-loop", parity_dir, "--metrics-port", str(metrics_port))
+    try:
+        _wait_for(lambda: _job_status(redis_server.client(), job.id).get("status") == "completed", 120,
+                  "job did not complete")
+        time.sleep(1.5)  # the loop's CPU is counted every second
+        loop_cpu_s = metric(f"http://127.0.0.1:{metrics_port}", "batchasr_event_loop_cpu_seconds_total")
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        output = worker.communicate(timeout=60)[0]
+    assert worker.returncode == 0, output
+    assert 0 < loop_cpu_s < time.monotonic() - started
 
 
 def test_a_worker_with_consumer_processes_counts_in_one_place_and_stops_cleanly(redis_server, parity_dir,
