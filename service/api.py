@@ -8,12 +8,8 @@ in a front-end process, over a link to the engine process (``service.processes``
 from __future__ import annotations
 
 import asyncio
-import bisect
 import json
 import logging
-import time
-import uuid
-import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -26,10 +22,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.datastructures import FormData
 from starlette.datastructures import UploadFile as StarletteUpload
 from starlette.requests import ClientDisconnect
-from starlette.routing import BaseRoute, Match
 
 from decoding.types import Hotwords
-from models.transcript import Transcript, Word, mean_logprob
 
 from .audio import AudioRequestError, decode_declared_audio
 from .batcher import Priority, QueueFull
@@ -37,7 +31,7 @@ from .body_buffer import BodyBufferMiddleware, body_bytes
 from .body_limit import FORM_OVERHEAD_BYTES, BodyLimitMiddleware, BodyTooLarge
 from .config import Settings
 from .engine_link import EngineLink
-from .formats import SubtitleLayout, cues, to_srt, to_vtt
+from .formats import SubtitleLayout, to_srt, to_vtt
 from .hotwords import split_hotwords
 from .http import (
     BINARY_SCHEMA,
@@ -60,24 +54,26 @@ from .http import (
 from .job_routes import is_multipart, job_too_large_message, json_job_too_large_message
 from .job_routes import router as jobs_router
 from .jobs import JSON_JOB_BYTES
-from .logs import log_fields
 from .metrics import Metrics
+from .request_log import RequestLogMiddleware
+from .response_bodies import (
+    conversation_body,
+    openai_logprobs,
+    openai_words,
+    transcript_segments,
+    word_timings,
+)
 from .runtime import build_frontend_stack, build_stack
 from .schemas import (
-    ChannelTranscription,
     ModelCard,
     ModelList,
     NativeTranscription,
-    OpenAIWord,
-    Segment,
     TokenLogprob,
     TranscriptionJSON,
     Usage,
-    UtteranceTiming,
     VerboseTranscription,
-    WordTiming,
 )
-from .transcriber import ConversationResult, QueuedRequest, RequestResult, TextDelta
+from .transcriber import QueuedRequest, RequestResult, TextDelta
 from .wire import EngineUnavailable
 
 if TYPE_CHECKING:  # front-end processes serve these routes without the model (or torch)
@@ -237,7 +233,7 @@ async def _transcription_events(queued: QueuedRequest, deltas: AsyncIterator[Tex
         while delta is not None:
             event: dict[str, Any] = {"type": "transcript.text.delta", "delta": delta.text}
             if logprobs_from is not None:
-                event["logprobs"] = _dumped(_token_logprobs(delta.tokens, delta.logprobs, logprobs_from,
+                event["logprobs"] = _dumped(openai_logprobs(delta.tokens, delta.logprobs, logprobs_from,
                                                             starts_text=delta.first_token == 0))
             yield _event(event)
             delta = await anext(deltas, None)
@@ -245,7 +241,7 @@ async def _transcription_events(queued: QueuedRequest, deltas: AsyncIterator[Tex
         transcript = result.transcript
         done: dict[str, Any] = {"type": "transcript.text.done", "text": transcript.text}
         if logprobs_from is not None:
-            done["logprobs"] = _dumped(_token_logprobs(transcript.tokens, transcript.token_logprobs, logprobs_from))
+            done["logprobs"] = _dumped(openai_logprobs(transcript.tokens, transcript.token_logprobs, logprobs_from))
         yield _event(done)
     except (QueueFull, TimeoutError, EngineUnavailable) as exc:
         yield _event({"type": "error", **_engine_error(exc).body()})
@@ -289,53 +285,6 @@ def _check_language(service: ServiceState, requested: str | None) -> str:
         raise ApiError(400, f"this model transcribes {', '.join(languages)}, not {requested!r}", param="language",
                        code="unsupported_language")
     return code
-
-
-def _word(w: Word, channel: int | None = None) -> WordTiming:
-    return WordTiming(word=w.word, start=w.start_s, end=w.end_s, confidence=w.confidence, channel=channel)
-
-
-def _words(words: list[Word]) -> list[WordTiming]:
-    return [_word(w) for w in words]
-
-
-def _openai_words(words: list[Word]) -> list[OpenAIWord]:
-    return [OpenAIWord(word=w.word, start=w.start_s, end=w.end_s, probability=w.confidence) for w in words]
-
-
-def _segments(transcript: Transcript, frame_s: float) -> list[Segment]:
-    """Subtitle-sized segments; each token goes to the last segment starting at or before its time."""
-    groups = cues(transcript.words)
-    starts = [cue.start_s for cue in groups]
-    tokens: list[list[int]] = [[] for _ in groups]
-    scores: list[list[float]] = [[] for _ in groups]
-    logprobs = transcript.token_logprobs or [0.0] * len(transcript.tokens)
-    for token, frame, logprob in zip(transcript.tokens, transcript.token_frames, logprobs, strict=True):
-        if groups:
-            group = max(0, bisect.bisect_right(starts, round(frame * frame_s, 3)) - 1)
-            tokens[group].append(token)
-            scores[group].append(logprob)
-    return [Segment(id=i, seek=0, start=c.start_s, end=c.end_s, text=c.text, tokens=tokens[i],
-                    avg_logprob=mean_logprob(scores[i]) or 0.0,
-                    compression_ratio=compression_ratio(c.text))
-            for i, c in enumerate(groups)]
-
-
-def compression_ratio(text: str) -> float:
-    """Whisper's repetition check: the text's UTF-8 bytes over their zlib-compressed size. A model stuck repeating
-    itself compresses well (Whisper takes above 2.4 as a failure); ordinary sentences stay near 1."""
-    data = text.encode()
-    return round(len(data) / len(zlib.compress(data)), 3) if data else 0.0
-
-
-def _token_logprobs(tokens: list[int], logprobs: list[float] | None, tokenizer: Tokenizer | None,
-                    starts_text: bool = True) -> list[TokenLogprob]:
-    """OpenAI's ``logprobs``: each token's text, log-probability and UTF-8 bytes."""
-    if tokenizer is None or logprobs is None:
-        return []
-    texts = tokenizer.token_texts(tokens, starts_text)
-    return [TokenLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
-            for text, logprob in zip(texts, logprobs, strict=True)]
 
 
 def _form_list(form: FormData, name: str) -> list[str]:
@@ -418,7 +367,7 @@ async def openai_transcriptions(
     result = await _transcribe(request, service, waveform, skip_silence, hotwords)
     transcript = result.transcript
     usage = Usage(seconds=round(transcript.duration_s, 3))
-    token_logprobs = _token_logprobs(transcript.tokens, transcript.token_logprobs, tokenizer) if logprobs else None
+    token_logprobs = openai_logprobs(transcript.tokens, transcript.token_logprobs, tokenizer) if logprobs else None
     if response_format == "text":
         return PlainTextResponse(transcript.text + "\n")
     if response_format == "srt":
@@ -429,10 +378,11 @@ async def openai_transcriptions(
         return JSONResponse(TranscriptionJSON(text=transcript.text, logprobs=token_logprobs, usage=usage)
                             .model_dump(exclude_none=True))
     wants = set(granularities) or {"segment"}
+    frame_s = service.stack.transcriber.config.frame_s
     body = VerboseTranscription(
         language=spoken, duration=round(transcript.duration_s, 3), text=transcript.text, usage=usage,
-        segments=_segments(transcript, service.stack.transcriber.config.frame_s) if "segment" in wants else None,
-        words=_openai_words(transcript.words) if "word" in wants else None, logprobs=token_logprobs,
+        segments=transcript_segments(transcript, frame_s) if "segment" in wants else None,
+        words=openai_words(transcript.words) if "word" in wants else None, logprobs=token_logprobs,
     )
     return JSONResponse(body.model_dump(exclude_none=True))
 
@@ -466,12 +416,12 @@ async def native_transcribe(request: Request, service: ServiceDep,
         channels = service.stack.transcriber.transcribe_channels(waveform, Priority.INTERACTIVE, skip, boosted)
         result = await _while_client_waits(request, channels)
         result.conversation.names = names
-        return _native_conversation(service, result)
+        return conversation_body(service, result)
     result = await _transcribe(request, service, waveform, skip, boosted)
     t = result.transcript
     return NativeTranscription(
         model=service.model_id, text=t.text, tokens=t.tokens, token_frames=t.token_frames,
-        token_logprobs=t.token_logprobs, avg_logprob=t.avg_logprob, words=_words(t.words),
+        token_logprobs=t.token_logprobs, avg_logprob=t.avg_logprob, words=word_timings(t.words),
         duration_s=round(t.duration_s, 6), queue_s=round(result.queue_s, 6), compute_s=round(result.compute_s, 6),
         rtfx=round(result.rtfx, 3), segments=result.n_segments,
     )
@@ -481,23 +431,6 @@ def _option(name: str, query_value: str | None, form: FormData | None) -> bool:
     """A true/false option from the query string, else from the multipart form; absent: false."""
     value = form_text(form, name) if query_value is None and form is not None else query_value
     return flag(value or "", name)
-
-
-def _native_conversation(service: ServiceState, result: ConversationResult) -> NativeTranscription:
-    conversation = result.conversation
-    return NativeTranscription(
-        model=service.model_id, text=conversation.text, avg_logprob=conversation.avg_logprob,
-        words=[_word(w, channel) for channel, w in conversation.timed_words()],
-        duration_s=round(conversation.duration_s, 6), queue_s=round(result.queue_s, 6),
-        compute_s=round(result.compute_s, 6), rtfx=round(result.rtfx, 3), segments=result.n_segments,
-        utterances=[UtteranceTiming(channel=u.channel, speaker=conversation.speaker(u.channel), start=u.start_s,
-                                    end=u.end_s, text=u.text) for u in conversation.utterances()],
-        channels=[ChannelTranscription(channel=i, name=conversation.names[i] if i < len(conversation.names) else None,
-                                       text=t.text, tokens=t.tokens, token_frames=t.token_frames,
-                                       token_logprobs=t.token_logprobs, avg_logprob=t.avg_logprob,
-                                       words=_words(t.words), duplicate_of=conversation.duplicates.get(i))
-                  for i, t in enumerate(conversation.channels)],
-    )
 
 
 @v1.get("/models", response_model=ModelList)
@@ -650,48 +583,3 @@ def _body_limits(settings: Settings) -> Callable[[str, str], BodyTooLarge]:
         return BodyTooLarge(limit + FORM_OVERHEAD_BYTES, f"upload exceeds the limit of {limit} bytes", "file",
                             "audio_too_large")
     return limit_for
-
-
-class RequestLogMiddleware:
-    """A request id on every response, one JSON log line and the request metrics per request.
-
-    Plain ASGI rather than BaseHTTPMiddleware, which would hide client disconnects from the routes.
-    """
-
-    def __init__(self, app: Any, service: ServiceState, routes: list[BaseRoute]):
-        self.app, self.service, self.routes = app, service, routes
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        headers = dict(scope.get("headers") or [])
-        request_id = headers.get(b"x-request-id", b"").decode("latin-1") or uuid.uuid4().hex
-        started = time.perf_counter()
-        status = 500
-
-        async def send_with_id(message: dict) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode("latin-1"))]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_with_id)
-        finally:
-            elapsed = time.perf_counter() - started
-            route_path = getattr(scope.get("route"), "path", None) or self._route_of(scope)
-            if route_path.startswith("/v1") and self.service.metrics is not None:
-                self.service.metrics.observe_request(route_path, status, elapsed)
-            log.info("request", extra=log_fields(event="request", request_id=request_id, method=scope["method"],
-                                                 path=scope["path"], status=status,
-                                                 duration_ms=round(elapsed * 1000, 2)))
-
-    def _route_of(self, scope: dict) -> str:
-        """The route of a request answered before routing (a 401 from ApiKeyGate, a 413 from BodyLimitMiddleware):
-        counted as its route's like any other refusal; "unmatched" where no route has its path."""
-        for route in self.routes:
-            if route.matches(scope)[0] is not Match.NONE:
-                return getattr(route, "path", "unmatched")
-        return "unmatched"

@@ -20,8 +20,8 @@ from openai.types.audio import (
 )
 
 from models import load_model
-from service.api import compression_ratio
 from service.config import Settings
+from service.response_bodies import compression_ratio
 from tests.conftest import long_recording
 from tests.servers import run_server
 

@@ -1,0 +1,60 @@
+"""One JSON log line, the request metrics and an ``x-request-id`` header for every HTTP request."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Any
+
+from starlette.routing import BaseRoute, Match
+
+from .http import ServiceState
+from .logs import log_fields
+
+log = logging.getLogger("batchasr.api")
+
+
+class RequestLogMiddleware:
+    """A request id on every response, one JSON log line and the request metrics per request.
+
+    Plain ASGI rather than BaseHTTPMiddleware, which would hide client disconnects from the routes.
+    """
+
+    def __init__(self, app: Any, service: ServiceState, routes: list[BaseRoute]):
+        self.app, self.service, self.routes = app, service, routes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        request_id = headers.get(b"x-request-id", b"").decode("latin-1") or uuid.uuid4().hex
+        started = time.perf_counter()
+        status = 500
+
+        async def send_with_id(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode("latin-1"))]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            elapsed = time.perf_counter() - started
+            route_path = getattr(scope.get("route"), "path", None) or self._route_of(scope)
+            if route_path.startswith("/v1") and self.service.metrics is not None:
+                self.service.metrics.observe_request(route_path, status, elapsed)
+            log.info("request", extra=log_fields(event="request", request_id=request_id, method=scope["method"],
+                                                 path=scope["path"], status=status,
+                                                 duration_ms=round(elapsed * 1000, 2)))
+
+    def _route_of(self, scope: dict) -> str:
+        """The route of a request answered before routing (a 401 from ApiKeyGate, a 413 from BodyLimitMiddleware):
+        counted as its route's like any other refusal; "unmatched" where no route has its path."""
+        for route in self.routes:
+            if route.matches(scope)[0] is not Match.NONE:
+                return getattr(route, "path", "unmatched")
+        return "unmatched"
