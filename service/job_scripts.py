@@ -1,0 +1,138 @@
+"""The job store's Lua scripts: each moves an item (or a delivery) from one state to the next in one atomic step,
+so that a worker that dies between two commands leaves no job half-counted."""
+
+# Scripts that let work finish run even when Redis is at its maxmemory (Redis 7 script flags): finishing an item
+# frees its upload, so refusing them would hold a full Redis full until its jobs expired.
+_ALLOW_OOM = "#!lua flags=allow-oom\n"
+
+# Keys written after submission (attempts, errors, results) expire with the job: an EXPIRE at submission does
+# nothing to a key that does not exist yet, and a job that never finished would leave them behind for ever.
+_EXPIRE_WITH_JOB = """
+local function expire_with_job(job_key, key)
+  local ttl = redis.call('PTTL', job_key)
+  if ttl > 0 then redis.call('PEXPIRE', key, ttl) end
+end
+"""
+
+# KEYS: job, states, attempts, inputs, upload. ARGV: index, now.
+# Returns {state, attempts[, input JSON, upload]}: the caller processes the item only if state is "in_progress",
+# and then gets its input in the same round trip (a missing one comes back as nil).
+START_ITEM = _ALLOW_OOM + _EXPIRE_WITH_JOB + """
+local state = redis.call('HGET', KEYS[2], ARGV[1])
+if state == false then return {'missing', 0} end
+if state == 'completed' or state == 'failed' or state == 'cancelled' then return {state, 0} end
+local attempts = redis.call('HINCRBY', KEYS[3], ARGV[1], 1)
+expire_with_job(KEYS[1], KEYS[3])
+if state == 'queued' then
+  redis.call('HSET', KEYS[2], ARGV[1], 'in_progress')
+  redis.call('HINCRBY', KEYS[1], 'n_queued', -1)
+  redis.call('HINCRBY', KEYS[1], 'n_in_progress', 1)
+  if redis.call('HGET', KEYS[1], 'status') == 'queued' then
+    redis.call('HSET', KEYS[1], 'status', 'in_progress', 'started_at', ARGV[2])
+  end
+end
+return {'in_progress', attempts, redis.call('HGET', KEYS[4], ARGV[1]), redis.call('GET', KEYS[5])}
+"""
+
+# The end of a job, shared by the scripts that finish items: once every item is finished, the job's status
+# and finish time; a job with a webhook also queues its delivery here, so no crash can end it without one.
+# Returns 1 (items left) or 2 (the job ended now).
+_END_JOB_IF_DONE = """
+local function end_job_if_done(job_key, webhook_stream, now, job_id)
+  local job = redis.call('HMGET', job_key, 'total', 'n_completed', 'n_failed', 'n_cancelled')
+  local total, completed, failed, cancelled = tonumber(job[1]), tonumber(job[2]), tonumber(job[3]), tonumber(job[4])
+  if completed + failed + cancelled < total then return 1 end
+  local status = 'completed'
+  if cancelled > 0 then status = 'cancelled'
+  elseif failed == total then status = 'failed'
+  elseif failed > 0 then status = 'completed_with_errors' end
+  redis.call('HSET', job_key, 'status', status, 'finished_at', now)
+  local hook = redis.call('HGET', job_key, 'webhook_url')
+  if hook and hook ~= '' then redis.call('XADD', webhook_stream, '*', 'job', job_id) end
+  return 2
+end
+"""
+
+# KEYS: job, states, results, errors, webhook stream, upload, dead-letter stream. ARGV: index, final state, result
+# JSON, error, now, audio_s, compute_s, job id, scored tokens, the sum of their log-probabilities, dead letters kept.
+# Writes the result only if none exists, and only while the job does (not once it has expired or been deleted);
+# drops the item's uploaded audio; dead-letters a failed item in the same step. Returns 0 (already finished, or no
+# job), 1 (finished), 2 (finished the job).
+FINISH_ITEM = _ALLOW_OOM + _END_JOB_IF_DONE + _EXPIRE_WITH_JOB + """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+if redis.call('HSETNX', KEYS[3], ARGV[1], ARGV[3]) == 0 then return 0 end
+expire_with_job(KEYS[1], KEYS[3])
+redis.call('DEL', KEYS[6])
+if ARGV[2] == 'failed' then
+  redis.call('XADD', KEYS[7], 'MAXLEN', '~', ARGV[11], '*', 'job', ARGV[8], 'index', ARGV[1], 'error', ARGV[4],
+             'at', ARGV[5])
+end
+local previous = redis.call('HGET', KEYS[2], ARGV[1])
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+redis.call('HINCRBY', KEYS[1], 'n_' .. previous, -1)
+redis.call('HINCRBY', KEYS[1], 'n_' .. ARGV[2], 1)
+if ARGV[4] ~= '' then
+  redis.call('HSET', KEYS[4], ARGV[1], ARGV[4])
+  expire_with_job(KEYS[1], KEYS[4])
+end
+redis.call('HINCRBYFLOAT', KEYS[1], 'audio_s', ARGV[6])
+redis.call('HINCRBYFLOAT', KEYS[1], 'compute_s', ARGV[7])
+if tonumber(ARGV[9]) > 0 then
+  redis.call('HINCRBY', KEYS[1], 'tokens', ARGV[9])
+  redis.call('HINCRBYFLOAT', KEYS[1], 'logprob_sum', ARGV[10])
+end
+return end_job_if_done(KEYS[1], KEYS[5], ARGV[5], ARGV[8])
+"""
+
+# KEYS: job, states, results, inputs, webhook stream. ARGV: now, job id, then item indices. Cancels those still
+# queued (a result record each: ARGV[3], item_record's for a cancelled item, with its audio set); returns 0 (none),
+# 1 (some) or 2 (and the job ended).
+CANCEL_QUEUED = _ALLOW_OOM + _END_JOB_IF_DONE + _EXPIRE_WITH_JOB + """
+local n = 0
+local record = cjson.decode(ARGV[3])
+for i = 4, #ARGV do
+  local index = ARGV[i]
+  if redis.call('HGET', KEYS[2], index) == 'queued' then
+    local input = redis.call('HGET', KEYS[4], index)
+    record['audio'] = cjson.null
+    if input then record['audio'] = cjson.decode(input)['audio'] end
+    if redis.call('HSETNX', KEYS[3], index, cjson.encode(record)) == 1 then
+      redis.call('HSET', KEYS[2], index, 'cancelled')
+      n = n + 1
+    end
+  end
+end
+if n == 0 then return 0 end
+expire_with_job(KEYS[1], KEYS[3])
+redis.call('HINCRBY', KEYS[1], 'n_queued', -n)
+redis.call('HINCRBY', KEYS[1], 'n_cancelled', n)
+return end_job_if_done(KEYS[1], KEYS[5], ARGV[1], ARGV[2])
+"""
+
+# KEYS: a hash. ARGV: field, value, ... Written only while the hash exists: a late write to an expired job would
+# leave a hash behind with no TTL.
+HSET_IF_EXISTS = """
+if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], unpack(ARGV)) return 1 end
+return 0
+"""
+
+# KEYS: job, errors. ARGV: index, error. An item's last error, kept while the job is, and as long.
+RECORD_ERROR = _EXPIRE_WITH_JOB + """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+expire_with_job(KEYS[1], KEYS[2])
+return 1
+"""
+
+# KEYS: stream. ARGV: group, consumer, then message ids. Renews the deliveries still the consumer's: one another
+# consumer has reclaimed (this one was stopped, or cut off, past the visibility timeout) stays with that one.
+KEEP_CLAIMED = _ALLOW_OOM + """
+local kept = 0
+for i = 3, #ARGV do
+  if #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2]) == 1 then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+    kept = kept + 1
+  end
+end
+return kept
+"""
