@@ -326,7 +326,10 @@ async def cancel_job(job_id: str, request: Request, service: ServiceDep, purge: 
         await _from_store(job_id, store.delete(job_id, request_owner(request)))
         return {"id": job_id, "object": "transcription.job.deleted", "deleted": True}
     await _from_store(job_id, store.get(job_id, request_owner(request)))
-    return (await _from_store(job_id, store.cancel(job_id))).to_dict()
+    job, ended = await _from_store(job_id, store.cancel(job_id))
+    if ended and service.metrics is not None:  # no item was in progress: no consumer finishes it, or counts it
+        service.metrics.count_job(job.status.value)
+    return job.to_dict()
 
 
 async def _from_store(job_id: str, work: Awaitable[T]) -> T:

@@ -551,9 +551,10 @@ class JobStore:
 
     # --- cancel ------------------------------------------------------------------------------------------
 
-    async def cancel(self, job_id: str) -> Job:
-        """Items not started yet are cancelled; items in progress finish. Returns the job after. A page of items
-        per script call (20k items took 7.7 s one by one, two round trips each)."""
+    async def cancel(self, job_id: str) -> tuple[Job, bool]:
+        """Items not started yet are cancelled; items in progress finish. Returns the job after, and whether this
+        call ended it (then it is this caller's to count: a job ends once). A page of items per script call (20k
+        items took 7.7 s one by one, two round trips each)."""
         job = await self.get(job_id)
         keys = [*(t.format(job_id=job_id) for t in (JOB_KEY, STATES_KEY, RESULTS_KEY, INPUTS_KEY)), WEBHOOK_STREAM]
         ended = False
@@ -563,7 +564,7 @@ class JobStore:
             ended |= int(await self._cancel_queued(keys=keys, args=[_now(), job_id, cancelled, *indices])) == 2
         if ended:
             await self._expire_finished(job_id)
-        return await self.get(job_id)
+        return await self.get(job_id), ended
 
     async def delete(self, job_id: str, owner: str | None = None) -> None:
         """Everything of the job, at once: its records and results, its uploaded audio, its place in its owner's

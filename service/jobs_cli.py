@@ -304,7 +304,8 @@ class _RedisClient:
             if purge:
                 await self.store.delete(job_id)
                 return {"id": job_id, "object": "transcription.job.deleted", "deleted": True}
-            return (await self.store.cancel(job_id)).to_dict()
+            job, _ = await self.store.cancel(job_id)  # straight in Redis: no process to count it in
+            return job.to_dict()
         except JobNotFound as exc:
             raise _no_such_job(job_id) from exc
 

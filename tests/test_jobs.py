@@ -646,7 +646,7 @@ def test_cancelled_results_expire_with_their_job_before_it_ends(redis_server):
         items = [ItemInput(audio=f"{i}.wav", url=f"https://media.example/{i}.wav") for i in range(3)]
         job, _ = await store.submit(items)
         await store.start_item(job.id, 1)
-        assert (await store.cancel(job.id)).status.value == "in_progress"
+        assert (await store.cancel(job.id))[0].status.value == "in_progress"
         assert 0 < await store.redis.ttl(RESULTS_KEY.format(job_id=job.id)) <= await store.redis.ttl(
             f"batchasr:job:{job.id}")
         await store.close()
@@ -681,7 +681,7 @@ def test_cancel_stops_unstarted_items(redis_server, model, parity_audio):
 
     async def body(store):
         state["job"], _ = await store.submit(items)
-        state["cancelled"] = await store.cancel(state["job"].id)
+        state["cancelled"], _ = await store.cancel(state["job"].id)
 
     asyncio.run(drain_jobs(Settings(redis_url=redis_server.url), model, body))
     cancelled = state["cancelled"]
@@ -693,6 +693,24 @@ def test_cancel_stops_unstarted_items(redis_server, model, parity_audio):
     assert not client.keys("batchasr:upload:*")  # inputs of a finished job are dropped
 
 
+def test_a_job_that_cancelling_ends_is_counted_once(redis_server, model, parity_audio):
+    """With no item in progress, the cancel ends the job: no consumer finishes it, so the route counts it (it was
+    never counted: Grafana's jobs by final status missed every job cancelled before it started)."""
+    store = JobStore.from_url(redis_server.url)
+
+    async def unseen_job() -> Job:  # queued before the server starts, its stream entries gone: no consumer takes one
+        job, _ = await store.submit(_uploads(parity_audio, 3))
+        await store.redis.xtrim(ITEM_STREAM, maxlen=0)
+        return job
+
+    job = asyncio.run(unseen_job())
+    with run_server(Settings(redis_url=redis_server.url), model) as running:
+        for _ in range(2):  # the second cancel finds nothing left to end
+            cancelled = httpx.delete(f"{running.url}/v1/jobs/{job.id}")
+            assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled", cancelled.text
+        assert running.metric("batchasr_jobs_total", '{status="cancelled"}') == 1
+
+
 def test_cancelling_a_large_job_spares_the_item_in_progress(redis_server):
     items = [ItemInput(audio=f"https://media.example/{i}.wav", url=f"https://media.example/{i}.wav")
              for i in range(2500)]
@@ -701,12 +719,13 @@ def test_cancelling_a_large_job_spares_the_item_in_progress(redis_server):
         store = JobStore.from_url(redis_server.url)
         job, _ = await store.submit(items, options=JobOptions(webhook_url="https://hooks.example.com/x"))
         await store.start_item(job.id, 1234)
-        cancelled = await store.cancel(job.id)  # across three pages of items
+        cancelled, ended = await store.cancel(job.id)  # across three pages of items
+        assert not ended  # an item is in progress: its consumer ends the job
         assert cancelled.status.value == "in_progress"
         assert cancelled.counts == {"queued": 0, "in_progress": 1, "completed": 0, "failed": 0, "cancelled": 2499}
         records = await store.results(job.id)
         assert records[0] == item_record(items[0].audio, "cancelled") and records[1234]["status"] == "in_progress"
-        assert (await store.cancel(job.id)).counts["cancelled"] == 2499  # again: nothing more to cancel
+        assert (await store.cancel(job.id))[0].counts["cancelled"] == 2499  # again: nothing more to cancel
         assert await store.finish_item(job.id, 1234, "completed", item_record(items[1234].audio, "completed")) == 2
         assert (await store.get(job.id)).status.value == "cancelled"
         assert await store.redis.xlen(WEBHOOK_STREAM) == 1  # its webhook, queued as the job ended
