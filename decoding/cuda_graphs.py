@@ -201,8 +201,10 @@ class LabelLoopingDecoder:
         if boosting and self.looper.reserve_boost(state, boost):
             self._graphs.pop(True, None)  # they read the table that was just replaced
         if self.mode != "eager" and boosting not in self._graphs:
-            self._graphs[boosting] = self._capture(state, boosting)  # before load: warm-up overwrites the state
-            self.n_captures += 1
+            graphs = self._capture(state, boosting)  # before load: warm-up overwrites the state
+            if graphs is not None:  # None: no graph could be captured, and "auto" runs eagerly from now on
+                self._graphs[boosting] = graphs
+                self.n_captures += 1
         self.looper.load(state, enc_proj, lengths, boost)
         if self.mode == "eager":
             self.looper.run_eager(state)
@@ -232,9 +234,10 @@ class LabelLoopingDecoder:
         self._state = self.looper.allocate(rows, frames, hidden, device, dtype)
         return self._state
 
-    def _capture(self, state: LabelLoopState, boosting: bool) -> _StageGraphs | _FullGraph:
+    def _capture(self, state: LabelLoopState, boosting: bool) -> _StageGraphs | _FullGraph | None:
         """Graphs of the search on ``state``, with the boosting stages or without (the flag is read in Python
-        while capturing, so each setting is a graph of its own)."""
+        while capturing, so each setting is a graph of its own). Under "auto" a capture that fails falls back a
+        mode (conditional -> no_while -> eager: None) with a warning that says why; a forced mode raises."""
         device = state.enc_proj.device
         if not self._streams:
             self._streams = [torch.cuda.Stream(device) for _ in range(N_STREAMS)]
@@ -243,15 +246,21 @@ class LabelLoopingDecoder:
         _warm_up(self.looper, state, streams)
         log.debug("label looping: capturing %s graphs for %d rows x %d frames%s", self.mode,
                   state.batch_capacity, state.frame_capacity, ", with hotwords" if boosting else "")
-        if self.mode == "no_while":
-            return _StageGraphs(self.looper, state, streams)
+        if self.mode == "conditional":
+            try:
+                return _FullGraph(self.looper, state, streams)
+            except (CudaPythonError, RuntimeError) as exc:
+                self._fall_back("no_while", "conditional-node", exc, device)
         try:
-            return _FullGraph(self.looper, state, streams)
-        except (CudaPythonError, RuntimeError) as exc:
-            if self.requested != "auto":
-                raise
-            log.warning("conditional-node capture failed (%s); label looping falls back to no_while mode", exc)
-            self.mode = "no_while"
-            self._graphs.clear()  # one mode for both settings
-            torch.cuda.synchronize(device)
             return _StageGraphs(self.looper, state, streams)
+        except RuntimeError as exc:  # an op of this torch (or cuDNN) that cannot be captured: serve uncaptured
+            self._fall_back("eager", "plain CUDA graph", exc, device)
+            return None
+
+    def _fall_back(self, mode: str, what: str, exc: Exception, device: torch.device) -> None:
+        if self.requested != "auto":
+            raise exc
+        log.warning("%s capture failed (%s); label looping falls back to %s mode", what, exc, mode)
+        self.mode = mode
+        self._graphs.clear()  # one mode for both settings
+        torch.cuda.synchronize(device)

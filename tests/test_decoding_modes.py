@@ -154,3 +154,37 @@ def test_batches_with_hotwords_get_graphs_of_their_own(monkeypatch):
     assert batch(6, small) == (4, 64)  # more rows: new buffers (and table); each set again when it is needed
     assert batch(6, None) == (5, 64)
     assert decoder.mode == "no_while"
+
+
+@pytest.mark.parametrize(("requested", "chosen"), [("auto", "conditional"), ("auto", "no_while"),
+                                                   ("no_while", "no_while"), ("conditional", "conditional")])
+def test_a_capture_that_fails_falls_back_under_auto_and_raises_when_forced(monkeypatch, caplog, requested, chosen):
+    """An op this torch (or cuDNN) cannot capture: "auto" falls back a mode at a time, down to eager, with a
+    warning that says why, and decodes as frame looping does (a failed plain-graph capture used to fail the
+    engine's warm-up); a forced mode raises."""
+
+    def no_capture(*args, **kwargs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(cuda_graphs, "choose_mode", lambda requested, device: ModeChoice(chosen, "test"))
+    monkeypatch.setattr(cuda_graphs, "capture_graph", no_capture)
+    monkeypatch.setattr(cuda_graphs, "_FullGraph", no_capture)
+    monkeypatch.setattr(cuda_graphs, "_warm_up", _cpu_warm_up)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    model = tiny_transducer(1, vocab=12, durations=(0, 1, 2, 3), max_symbols=3)
+    decoder = LabelLoopingDecoder(model.prediction, model.joint, model.durations, model.max_symbols, requested)
+    encoded, lengths = random_batch(7, [20, 9, 14], 20)
+    expected = frame_looping_greedy(encoded, lengths, model.prediction, model.joint, model.durations,
+                                    model.max_symbols)
+    if requested != "auto":
+        with pytest.raises(RuntimeError, match="stream is capturing"):
+            decoder(encoded, lengths)
+        return
+    with caplog.at_level(logging.WARNING, logger="decoding.cuda_graphs"):
+        assert decoder(encoded, lengths) == expected
+        assert decoder(encoded, lengths) == expected  # and again, eagerly, without trying to capture again
+    assert decoder.mode == "eager" and decoder.n_captures == 0
+    falls = [r.getMessage() for r in caplog.records if "falls back" in r.getMessage()]
+    assert falls[-1].startswith("plain CUDA graph capture failed (operation not permitted")
+    assert len(falls) == (2 if chosen == "conditional" else 1)
