@@ -46,6 +46,7 @@ class Settings(BaseSettings):
     max_duration_s: float = 4 * 3600.0  # multichannel requests: every channel's seconds count
     max_channels: int = 8  # channels a file may have: transcribed apart (multichannel) or mixed down
     request_timeout_s: float = 600.0
+    job_item_timeout_s: float = 3600.0  # one attempt at a job item, its wait behind HTTP requests included
     decode_threads: int = 4  # audio decoding runs in this many threads, off the event loop
     # HTTP front-end processes beside the engine's (service.processes); 0: the engine's process serves HTTP too
     frontends: int = 0

@@ -138,7 +138,7 @@ def build_frontend_stack(settings: Settings, link: EngineLink) -> FrontendStack:
     s = settings
     assert link.config is not None, "the link has not been greeted"
     transcriber = Transcriber(link, link.config, link.tokenizer, s.max_segment_s, s.segment_overlap_s,
-                              s.request_timeout_s, s.max_queue)
+                              s.request_timeout_s, s.max_queue, bulk_timeout_s=s.job_item_timeout_s)
     return FrontendStack(settings=s, engine=link, transcriber=transcriber, decode_pool=_decode_pool(s),
                          limits=_limits(s, link.config.features.sample_rate), jobs=_job_store(s))
 
@@ -157,7 +157,7 @@ def build_stack(settings: Settings, model: ASRModel, metrics: Metrics | None = N
     engine = Engine(model, batcher, metrics, decoder=s.decoder, scores=s.token_scores, hotword_boost=s.hotword_boost,
                     warmup_shapes=warmup_shapes(model.device, s.max_batch_size, longest_s, s.batch_audio_limit_s))
     transcriber = Transcriber(batcher, model.config, model.tokenizer, s.max_segment_s, s.segment_overlap_s,
-                              s.request_timeout_s, s.max_queue)
+                              s.request_timeout_s, s.max_queue, bulk_timeout_s=s.job_item_timeout_s)
     engine.start()
     return Stack(settings=s, model=model, metrics=metrics, batcher=batcher, engine=engine, transcriber=transcriber,
                  decode_pool=_decode_pool(s), limits=_limits(s, model.sample_rate), jobs=_job_store(s))

@@ -82,14 +82,18 @@ class TooManyPieces(AudioTooLarge):
 
 class Transcriber:
     def __init__(self, queue: WorkQueue, config: ModelConfig, tokenizer: Tokenizer | None, max_segment_s: float,
-                 segment_overlap_s: float, timeout_s: float, max_pieces: int | None = None):
+                 segment_overlap_s: float, timeout_s: float, max_pieces: int | None = None,
+                 bulk_timeout_s: float | None = None):
         self.queue = queue
         self.max_pieces = max_pieces  # the queue's size: a request of more pieces never fits
         self.config = config
         self.tokenizer = tokenizer
         self.max_segment_s = max_segment_s
         self.segment_overlap_s = segment_overlap_s
-        self.timeout_s = timeout_s
+        self.timeout_s = timeout_s  # a request's, whose client waits
+        # a job item's (its attempt is given up then, and tried again): it waits behind every request, and a
+        # recording of hours may take longer than a client would wait on a slow device
+        self.bulk_timeout_s = timeout_s if bulk_timeout_s is None else bulk_timeout_s
         self.sample_rate = config.features.sample_rate
         self.frame_samples = config.frame_samples
 
@@ -125,9 +129,10 @@ class Transcriber:
     def _request(self, waveform: np.ndarray, segments: list[Segment], priority: Priority, hotwords: Hotwords
                  ) -> QueuedRequest:
         """``waveform``'s pieces, not queued yet."""
-        items = [WorkItem(waveform[s.start : s.end], priority, self.timeout_s, hotwords, counted_samples=s.own_samples)
+        timeout_s = self.timeout_s if priority == Priority.INTERACTIVE else self.bulk_timeout_s
+        items = [WorkItem(waveform[s.start : s.end], priority, timeout_s, hotwords, counted_samples=s.own_samples)
                  for s in segments]
-        return QueuedRequest(self, len(waveform), segments, items, asyncio.get_running_loop().time() + self.timeout_s)
+        return QueuedRequest(self, len(waveform), segments, items, asyncio.get_running_loop().time() + timeout_s)
 
     def _queue(self, requests: list[QueuedRequest]) -> None:
         """Every piece of ``requests`` in one submission: all are queued or none (``QueueFull``)."""

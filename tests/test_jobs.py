@@ -280,6 +280,20 @@ def test_more_items_in_flight_than_redis_connections_wait_for_one(redis_server, 
     _check_results(asyncio.run(JobStore.from_url(redis_server.url).results(job_id)), items, expected)
 
 
+def test_a_job_item_has_its_own_timeout_not_the_http_requests(redis_server, model, parity_audio):
+    """A job item waits behind every HTTP request and may be hours long: it had REQUEST_TIMEOUT_S, a client's
+    wait, so a recording longer than that took on a slow device timed out on every attempt and failed. Here a
+    request timeout no 40 s recording meets, and the item's own (JOB_ITEM_TIMEOUT_S) that it does."""
+    recording, _ = long_recording(parity_audio, 40)
+    buffer = io.BytesIO()
+    sf.write(buffer, recording, 16000, format="FLAC")
+    items = [ItemInput(audio="long.flac", upload=buffer.getvalue())]
+    settings = Settings(redis_url=redis_server.url, request_timeout_s=0.01, job_item_timeout_s=120)
+    job, records = asyncio.run(_run_consumer(settings, model, items, timeout_s=60))
+    assert job.counts["completed"] == 1, records
+    assert records[0]["status"] == "completed" and records[0]["duration_s"] > 39
+
+
 def test_a_worker_holds_the_audio_of_its_items_in_flight_within_its_budget(redis_server, model, parity_audio):
     """Long recordings: a worker keeping 8 items in flight of 5 s segments holds at most 40 s of audio, so one
     30 s recording at a time, and each is transcribed."""
