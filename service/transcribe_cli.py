@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -29,27 +30,47 @@ def run_transcribe(args: argparse.Namespace, layout: SubtitleLayout) -> int:
     except (FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    try:
-        model = load_model(args.model, device=args.device, dtype=args.dtype,
-                           attention_kernel=args.attention_kernel or "auto")
-    except ValueError as exc:  # no CUDA here, an unknown device or dtype
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        outcomes = model.transcribe_iter([entry.clip for entry in inputs.entries], batch_size=args.batch_size,
-                                         decoder=args.decoder, decoder_algorithm=args.decoder_algorithm,
-                                         cuda_graphs=args.cuda_graphs, max_segment_s=args.max_segment_s or None,
-                                         return_errors=True, multichannel=args.multichannel,
-                                         skip_silence=args.skip_silence, hotwords=args.hotwords,
-                                         length_bucket_s=args.length_bucket_s)
-    except ValueError as exc:  # hotwords this model cannot boost, or bad options
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if args.output_dir is not None:
-        args.output_dir.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
-        out = sys.stdout if args.output is None else stack.enter_context(args.output.open("a", encoding="utf-8"))
+        try:  # where the results go, made before the model loads: a run that cannot keep them does not start
+            if args.output_dir is not None:
+                args.output_dir.mkdir(parents=True, exist_ok=True)
+            out = sys.stdout if args.output is None else args.output.open("a", encoding="utf-8")
+            if out is not sys.stdout:  # closed quietly: a write that failed is reported, and its rest cannot go either
+                stack.callback(_close_quietly, out)
+        except OSError as exc:
+            return _cannot_write(exc)
+        try:
+            model = load_model(args.model, device=args.device, dtype=args.dtype,
+                               attention_kernel=args.attention_kernel or "auto")
+        except ValueError as exc:  # no CUDA here, an unknown device or dtype
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        try:
+            outcomes = model.transcribe_iter([entry.clip for entry in inputs.entries], batch_size=args.batch_size,
+                                             decoder=args.decoder, decoder_algorithm=args.decoder_algorithm,
+                                             cuda_graphs=args.cuda_graphs, max_segment_s=args.max_segment_s or None,
+                                             return_errors=True, multichannel=args.multichannel,
+                                             skip_silence=args.skip_silence, hotwords=args.hotwords,
+                                             length_bucket_s=args.length_bucket_s)
+        except ValueError as exc:  # hotwords this model cannot boost, or bad options
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         return _write_results(args, inputs, outcomes, layout, out)
+
+
+def _close_quietly(out: TextIO) -> None:
+    with contextlib.suppress(OSError):
+        out.close()
+
+
+def _cannot_write(exc: OSError) -> int:
+    """A result that cannot be written (a full disk, an output path that cannot be made, a closed pipe) ends the
+    run, with status 2 rather than the 1 of an input that could not be read: every later result would fail alike.
+    What was written stays, for --skip-existing to resume from."""
+    print(f"error: cannot write the results: {exc}", file=sys.stderr)
+    if isinstance(exc, BrokenPipeError):  # nothing more reaches the reader, nor should Python's flush at exit try
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 2
 
 
 def _write_results(args: argparse.Namespace, inputs: TranscribeInputs, outcomes: Iterable, layout: SubtitleLayout,
@@ -74,16 +95,23 @@ def _write_results(args: argparse.Namespace, inputs: TranscribeInputs, outcomes:
             continue
         summary.add(entry.where, outcome)
         scored.add(entry, outcome.text)
-        if output is not None:
-            write_whole(output, render(outcome, str(entry.clip), args.format, layout))
-        elif args.format == "json":  # one array: written at the end
-            records.append(to_record(outcome, str(entry.clip)))
-        else:
-            out.write(transcript_line(entry, outcome) if args.format == "manifest"
-                      else render(outcome, str(entry.clip), args.format, layout))
-            out.flush()  # each result kept as it comes: a run cut short resumes with --skip-existing
+        try:
+            if output is not None:
+                write_whole(output, render(outcome, str(entry.clip), args.format, layout))
+            elif args.format == "json":  # one array: written at the end
+                records.append(to_record(outcome, str(entry.clip)))
+            else:
+                out.write(transcript_line(entry, outcome) if args.format == "manifest"
+                          else render(outcome, str(entry.clip), args.format, layout))
+                out.flush()  # each result kept as it comes: a run cut short resumes with --skip-existing
+        except OSError as exc:
+            return _cannot_write(exc)
     if args.format == "json" and args.output_dir is None:
-        out.write(json.dumps(records, ensure_ascii=False, indent=2) + "\n")
+        try:
+            out.write(json.dumps(records, ensure_ascii=False, indent=2) + "\n")
+            out.flush()
+        except OSError as exc:
+            return _cannot_write(exc)
     if failed:
         what = "manifest lines" if inputs.from_manifest else "files"
         print(f"{failed} of {len(inputs.entries)} {what} could not be read", file=sys.stderr)

@@ -135,6 +135,24 @@ def test_output_dir_mirrors_directories_refuses_clashes_and_resumes(parity_dir, 
     assert "--skip-existing resumes a run that writes --output FILE or --output-dir" in capsys.readouterr().err
 
 
+def test_results_that_cannot_be_written_end_the_run_with_an_error_line(parity_dir, parity_audio, tmp_path, capsys):
+    """An output that cannot be made, a full disk (/dev/full) or a reader gone (a closed pipe): status 2 and one
+    error line, not a traceback with the status 1 of an unreadable input."""
+    model = str(parity_dir / "tdt.nemo")
+    (tmp_path / "taken").write_text("a file where the output folder would go")
+    assert main(["transcribe", "--model", str(tmp_path / "never-loaded.nemo"), "--output-dir",
+                 str(tmp_path / "taken"), parity_audio[0]]) == 2  # refused before the model loads
+    assert capsys.readouterr().err.startswith("error: cannot write the results: ")
+    assert main(["transcribe", "--model", model, "--format", "jsonl", "--output", "/dev/full", *parity_audio[:2]]) == 2
+    assert capsys.readouterr().err == "error: cannot write the results: [Errno 28] No space left on device\n"
+    run = subprocess.Popen([sys.executable, "-m", "service.cli", "transcribe", "--model", model, *parity_audio[:3]],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run.stdout.close()  # as `| head -0` does
+    _, err = run.communicate(timeout=120)
+    assert run.returncode == 2
+    assert err == "error: cannot write the results: [Errno 32] Broken pipe\n"
+
+
 def test_an_empty_directory_is_an_error(tmp_path, capsys):
     assert main(["transcribe", str(tmp_path)]) == 2
     assert "no audio files found" in capsys.readouterr().err
