@@ -291,6 +291,10 @@ def cmd_submit(args: argparse.Namespace) -> int:
         if args.paths_not_bytes:
             inputs = [s if isinstance(s, str) else WorkerPath(AudioClip(s) if isinstance(s, Path) else s)
                       for s in inputs]
+        elif gone := next((s for s in inputs if isinstance(s, Path) and not s.is_file()), None):
+            # uploaded from here: a link to nothing (directories list them, for reading to report) is refused by
+            # name before any job is sent, as a manifest's missing file is
+            raise ValueError(f"{gone}: no such audio file")
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

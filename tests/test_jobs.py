@@ -1013,6 +1013,20 @@ def test_submit_cli_splits_more_audio_than_a_job_takes_into_several(redis_server
     assert keys == {f"batchasr:idempotency:set-1.{n}" for n in range(1, len(jobs) + 1)}  # one key per job
 
 
+def test_submit_cli_refuses_a_link_to_nothing_by_name_before_sending_a_job(redis_server, parity_audio, tmp_path):
+    """A directory's dead link is listed (for reading to report it): uploaded from here, it is refused by name, with
+    no job sent, not a traceback from measuring the job's bytes."""
+    folder = tmp_path / "calls"
+    folder.mkdir()
+    (folder / "a.wav").write_bytes(Path(parity_audio[0]).read_bytes())
+    (folder / "gone.wav").symlink_to(tmp_path / "deleted.wav")
+    result = subprocess.run([sys.executable, "-m", "service.cli", "submit", "--redis-url", redis_server.url,
+                             str(folder)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr == f"error: {folder / 'gone.wav'}: no such audio file\n"
+    assert not redis_server.client().keys("batchasr:job:*")
+
+
 def test_jobs_are_split_by_upload_bytes_in_order(tmp_path, monkeypatch):
     files = []
     for name, size in (("a", 100), ("b", 150), ("c", 400), ("d", 50), ("e", 60)):
