@@ -314,10 +314,18 @@ def cmd_submit(args: argparse.Namespace) -> int:
         except ValueError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
+        except OSError as exc:  # an output folder that cannot be made: refused before any job is sent
+            print(f"error: cannot write the results: {exc}", file=sys.stderr)
+            return 2
     from .manifest import ErrorRate
 
     scored = ErrorRate()  # of a manifest's lines with a reference, written with --format manifest
-    with open(args.output, "w", encoding="utf-8") if args.output else contextlib.nullcontext(sys.stdout) as out:
+    with contextlib.ExitStack() as stack:
+        try:  # opened before any job is sent: results that would have nowhere to go are refused first
+            out = stack.enter_context(open(args.output, "w", encoding="utf-8")) if args.output else sys.stdout
+        except OSError as exc:
+            print(f"error: cannot write the results: {exc}", file=sys.stderr)
+            return 2
         if args.format == "manifest":
             write_result = _manifest_writer(entries or [], out, scored)
         status = asyncio.run(run_submit(inputs, args.redis_url, args.server, args.api_key, args.wait, out,

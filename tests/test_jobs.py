@@ -1027,6 +1027,17 @@ def test_submit_cli_refuses_a_link_to_nothing_by_name_before_sending_a_job(redis
     assert not redis_server.client().keys("batchasr:job:*")
 
 
+def test_submit_cli_refuses_outputs_it_cannot_write_before_sending_a_job(redis_server, parity_audio, tmp_path):
+    (tmp_path / "taken").write_text("a file where the output folder would go")
+    for option in (["--output", str(tmp_path / "no-such-folder" / "results.jsonl")],
+                   ["--output-dir", str(tmp_path / "taken")]):
+        result = subprocess.run([sys.executable, "-m", "service.cli", "submit", "--redis-url", redis_server.url,
+                                 "--wait", *option, parity_audio[0]], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 2
+        assert result.stderr.startswith("error: cannot write the results: ") and "Traceback" not in result.stderr
+    assert not redis_server.client().keys("batchasr:job:*")
+
+
 def test_jobs_are_split_by_upload_bytes_in_order(tmp_path, monkeypatch):
     files = []
     for name, size in (("a", 100), ("b", 150), ("c", 400), ("d", 50), ("e", 60)):
