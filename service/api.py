@@ -50,6 +50,7 @@ from .http import (
     request_hotwords,
     require_api_key,
     speaker_names,
+    upload_too_large_message,
 )
 from .job_routes import is_multipart, job_too_large_message, json_job_too_large_message
 from .job_routes import router as jobs_router
@@ -95,13 +96,13 @@ async def _read_body(request: Request, service: ServiceState) -> bytes:
     limit = service.settings.max_upload_bytes
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, f"upload of {declared} bytes exceeds the limit of {limit} bytes", code="audio_too_large")
+        raise ApiError(413, upload_too_large_message(limit, declared), code="audio_too_large")
     chunks, size = [], 0
     try:
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
-                raise ApiError(413, f"upload exceeds the limit of {limit} bytes", code="audio_too_large")
+                raise ApiError(413, upload_too_large_message(limit), code="audio_too_large")
             chunks.append(chunk)
     except ClientDisconnect:  # gone mid-upload: nothing to answer, and not the server's failure
         raise ApiError(499, "client closed the request", code="client_closed") from None
@@ -580,6 +581,5 @@ def _body_limits(settings: Settings) -> Callable[[str, str], BodyTooLarge]:
             limit = settings.max_job_upload_bytes
             return BodyTooLarge(limit + FORM_OVERHEAD_BYTES, job_too_large_message(limit), "files", "job_too_large")
         limit = settings.max_upload_bytes
-        return BodyTooLarge(limit + FORM_OVERHEAD_BYTES, f"upload exceeds the limit of {limit} bytes", "file",
-                            "audio_too_large")
+        return BodyTooLarge(limit + FORM_OVERHEAD_BYTES, upload_too_large_message(limit), "file", "audio_too_large")
     return limit_for

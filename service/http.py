@@ -272,9 +272,15 @@ async def read_upload(upload: StarletteUpload | None, service: ServiceState, par
     limit = service.settings.max_upload_bytes
     name = f"{upload.filename}: " if upload.filename else ""
     if upload.size is not None and upload.size > limit:
-        raise ApiError(413, f"{name}upload of {upload.size} bytes exceeds the limit of {limit} bytes", param=param,
-                       code="audio_too_large")
+        raise ApiError(413, name + upload_too_large_message(limit, upload.size), param=param, code="audio_too_large")
     data = await upload.read(limit + 1)
     if len(data) > limit:
-        raise ApiError(413, f"{name}upload exceeds the limit of {limit} bytes", param=param, code="audio_too_large")
+        raise ApiError(413, name + upload_too_large_message(limit), param=param, code="audio_too_large")
     return data, upload.content_type
+
+
+def upload_too_large_message(limit: int, size: int | None = None) -> str:
+    """An upload past MAX_UPLOAD_BYTES (of ``size`` bytes, where it said), and where a longer recording can go."""
+    upload = "upload" if size is None else f"upload of {size} bytes"
+    return (f"{upload} exceeds the limit of {limit} bytes (BATCHASR_MAX_UPLOAD_BYTES); a longer recording can go as "
+            "a job item by path, which only the duration limit bounds")

@@ -21,6 +21,7 @@ import torch
 
 from models import load_model
 from service.config import Settings
+from service.http import upload_too_large_message
 from service.logs import JsonFormatter
 from tests.conftest import REPO, load_script, long_recording
 from tests.servers import StreamedUpload, run_server, send_head, serve_process, stream_transcription
@@ -647,7 +648,7 @@ def test_bodies_past_the_upload_limit_are_refused_as_they_arrive(hybrid):
             streamed = httpx.post(f"{running.url}{route}", content=upload,
                                   headers={"content-type": upload.content_type})
             assert streamed.status_code == 413, streamed.text
-            assert streamed.json()["error"] == {"message": "upload exceeds the limit of 50000 bytes",
+            assert streamed.json()["error"] == {"message": upload_too_large_message(50000),
                                                 "type": "invalid_request_error", "param": "file",
                                                 "code": "audio_too_large"}
             assert upload.sent < 20_000_000  # refused within a few MB (the socket's buffers), not at the end
