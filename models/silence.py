@@ -81,10 +81,20 @@ def speech_regions(waveform: np.ndarray, sample_rate: int, frame_samples: int, e
     return [(start // frame_samples * frame_samples, end) for start, end in regions]
 
 
+POWER_CHUNK_SAMPLES = 1 << 20  # samples squared at once: float64 copies of a whole recording were 4x its size
+
+
 def step_power(samples: np.ndarray, step: int) -> np.ndarray:
-    """Mean square of each whole step of ``step`` samples (a trailing part step is left out)."""
+    """Mean square of each whole step of ``step`` samples (a trailing part step is left out). A chunk of steps at
+    a time: each step's mean is its own, so the result is the same as at once."""
     n = len(samples) // step
-    return np.square(samples[: n * step].astype(np.float64)).reshape(n, step).mean(axis=1)
+    power = np.empty(n)
+    per_chunk = max(1, POWER_CHUNK_SAMPLES // step)
+    for first in range(0, n, per_chunk):
+        last = min(n, first + per_chunk)
+        chunk = samples[first * step : last * step].astype(np.float64)
+        power[first:last] = np.square(chunk, out=chunk).reshape(last - first, step).mean(axis=1)
+    return power
 
 
 def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
