@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from standardwebhooks.webhooks import Webhook
 
 from models import load_model
 from service.config import Settings
@@ -125,6 +126,8 @@ def test_completion_webhook_is_signed_and_its_delivery_recorded(redis_server, mo
     expected_sig = base64.b64encode(hmac.new(SECRET_RAW, signed, hashlib.sha256).digest()).decode()
     assert headers["webhook-signature"] == f"v1,{expected_sig}"
     assert abs(int(headers["webhook-timestamp"]) - time.time()) < 60
+    # and as a receiver checks it, with the Standard Webhooks library (its timestamp tolerance included)
+    assert Webhook(SECRET).verify(body, headers) == json.loads(body)
 
 
 REFUSED_WITHOUT_PREFIXES = [
