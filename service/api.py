@@ -270,7 +270,7 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 
 def _check_model(service: ServiceState, requested: str | None) -> None:
-    if requested and requested not in {service.model_id, *service.settings.model_aliases}:
+    if requested is not None and requested not in {service.model_id, *service.settings.model_aliases}:
         raise ApiError(404, f"the model `{requested}` does not exist; this server serves `{service.model_id}`",
                        param="model", code="model_not_found")
 
@@ -334,7 +334,7 @@ async def openai_transcriptions(
 ) -> Response:
     """OpenAI-compatible transcription (multipart); `skip_silence` (ours, e.g. the SDK's `extra_body`) leaves long
     quiet stretches out; `max_line_width` and `max_line_count` (Whisper's names) lay out srt and vtt cues."""
-    _check_model(service, model)
+    _check_model(service, model or None)
     spoken = _check_language(service, language)
     try:
         layout = SubtitleLayout(max_line_width, max_line_count)
@@ -439,9 +439,10 @@ async def list_models(service: ServiceDep) -> ModelList:
     return ModelList(data=[_model_card(service)])
 
 
-@v1.get("/models/{model}", response_model=ModelCard, responses=error_responses(404))
+@v1.get("/models/{model:path}", response_model=ModelCard, responses=error_responses(404))
 async def retrieve_model(model: str, service: ServiceDep) -> ModelCard:
-    """The served model (OpenAI's retrieve), by its id or one of its aliases; 404 for any other."""
+    """The served model (OpenAI's retrieve), by its id or one of its aliases; 404 for any other. An id may hold
+    slashes (`nvidia/parakeet-tdt-0.6b-v2`): OpenAI's clients send them encoded, and the path arrives decoded."""
     _check_model(service, model)
     return _model_card(service)
 

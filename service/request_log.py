@@ -44,7 +44,7 @@ class RequestLogMiddleware:
             await self.app(scope, receive, send_with_id)
         finally:
             elapsed = time.perf_counter() - started
-            route_path = getattr(scope.get("route"), "path", None) or self._route_of(scope)
+            route_path = _route_path(scope.get("route")) or self._route_of(scope)
             if route_path.startswith("/v1") and self.service.metrics is not None:
                 self.service.metrics.observe_request(route_path, status, elapsed)
             log.info("request", extra=log_fields(event="request", request_id=request_id, method=scope["method"],
@@ -56,5 +56,11 @@ class RequestLogMiddleware:
         counted as its route's like any other refusal; "unmatched" where no route has its path."""
         for route in self.routes:
             if route.matches(scope)[0] is not Match.NONE:
-                return getattr(route, "path", "unmatched")
+                return _route_path(route) or "unmatched"
         return "unmatched"
+
+
+def _route_path(route: Any) -> str | None:
+    """A route's path as its metrics label: without parameter types (``/v1/models/{model}``, not ``{model:path}``),
+    as the OpenAPI spec writes it."""
+    return getattr(route, "path_format", None) or getattr(route, "path", None)

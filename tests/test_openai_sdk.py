@@ -23,7 +23,7 @@ from models import load_model
 from service.config import Settings
 from service.response_bodies import compression_ratio
 from tests.conftest import long_recording
-from tests.servers import run_server
+from tests.servers import metric, run_server
 
 MODEL_ID = "parakeet-test"
 
@@ -77,6 +77,26 @@ def test_the_served_model_is_retrieved_by_its_id_or_an_alias(server, hybrid):
     with pytest.raises(openai.NotFoundError) as unknown:
         client.models.retrieve("gpt-4o-transcribe")
     assert unknown.value.code == "model_not_found"
+
+
+def test_a_model_id_with_slashes_is_retrieved_as_listed(hybrid, parity_audio):
+    """A Hugging Face style id (the client sends its slash encoded, the path arrives decoded) names the model in
+    each route; only ids it is not are unknown."""
+    served = "nvidia/parakeet-test"
+    settings = Settings(model_name=served, model_aliases=["whisper-1", "openai/whisper-large-v3"], max_wait_ms=10)
+    with run_server(settings, hybrid) as running:
+        client = _client(running.url)
+        listed = client.models.list().data[0]
+        assert listed.id == served
+        assert client.models.retrieve(served) == client.models.retrieve("openai/whisper-large-v3") == listed
+        for unknown in ("nvidia/parakeet-other", "nvidia"):
+            with pytest.raises(openai.NotFoundError) as not_found:
+                client.models.retrieve(unknown)
+            assert not_found.value.code == "model_not_found"
+        text = client.audio.transcriptions.create(file=Path(parity_audio[4]), model=served).text
+        assert text == hybrid.transcribe([parity_audio[4]])[0].text
+        assert httpx.get(f"{running.url}/v1/models/").status_code == 404  # no id: not the list, nor the model
+        assert metric(running.url, "batchasr_requests_total", '{code="200",route="/v1/models/{model}"}') == 2
 
 
 def test_the_clients_stream_yields_deltas_then_done(server, parity_audio, tmp_path):
