@@ -55,6 +55,7 @@ def test_each_response_format_parses_into_the_clients_types(server, hybrid, pari
     assert isinstance(as_json, Transcription) and as_json.text == expected.text
     assert as_json.usage is not None and as_json.usage.seconds == pytest.approx(expected.duration_s, abs=1e-3)
     assert create(response_format="text") == expected.text + "\n"
+    assert create(prompt="Acme Widgets, Dr. Smith.", temperature=0.8, chunking_strategy="auto").text == expected.text
     assert create(response_format="srt").startswith("1\n00:00:00,")
     assert create(response_format="vtt").startswith("WEBVTT\n\n")
     verbose = create(response_format="verbose_json", timestamp_granularities=["word", "segment"], language="en")
