@@ -281,6 +281,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
     from .jobs import JobOptions, JobPriority
     from .jobs_cli import WorkerPath, collect_audio, parse_size, run_submit
+    from .line_output import close_quietly
 
     try:
         job_bytes = parse_size(args.job_bytes)
@@ -322,7 +323,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
     scored = ErrorRate()  # of a manifest's lines with a reference, written with --format manifest
     with contextlib.ExitStack() as stack:
         try:  # opened before any job is sent: results that would have nowhere to go are refused first
-            out = stack.enter_context(open(args.output, "w", encoding="utf-8")) if args.output else sys.stdout
+            out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout  # noqa: SIM115 (closed below)
+            if out is not sys.stdout:  # closed quietly: a write that failed has been told, and its rest cannot go
+                stack.callback(close_quietly, out)
         except OSError as exc:
             print(f"error: cannot write the results: {exc}", file=sys.stderr)
             return 2

@@ -360,8 +360,16 @@ async def run_submit(inputs: list[Input], redis_url: str | None, server: str | N
                     for job in jobs]
         bar.close()
         for part, job in zip(parts, jobs, strict=True):
-            for source, record in zip(part, await _riding_out(lambda i=job["id"]: client.results(i)), strict=True):
-                write_result(source, {**record, "audio": str(source)})
+            results = await _riding_out(lambda i=job["id"]: client.results(i))
+            try:  # flushed a job at a time: a full disk or a closed pipe is told here, not as a traceback at exit
+                for source, record in zip(part, results, strict=True):
+                    write_result(source, {**record, "audio": str(source)})
+                output.flush()
+            except OSError as exc:
+                kept = ", ".join(j["id"] for j in jobs)
+                print(f"error: cannot write the results: {exc} (the jobs are kept, their results at "
+                      f"/v1/jobs/ID/results until they expire: {kept})", file=sys.stderr)
+                return 2
             print(f"job {job['id']}: {job['status']}, RTFx {job['rtfx']}", file=sys.stderr)
         return 0 if all(job["status"] == "completed" for job in jobs) else 1
     except (httpx.HTTPError, *REDIS_ERRORS) as exc:

@@ -3,10 +3,11 @@ it comes, so that a run cut short keeps what it did and ``--skip-existing`` resu
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 LINE_FORMATS = ("jsonl", "manifest")
 ADDED_FIELDS = ("pred_text", "avg_logprob", "duration")  # what a manifest line gains (service.manifest)
@@ -38,3 +39,10 @@ def lines_done(path: Path, format: str) -> Counter[str]:
             except (ValueError, AttributeError) as exc:
                 raise ValueError(f"{path}:{number}: not a result line this command wrote ({exc})") from exc
     return done
+
+
+def close_quietly(out: TextIO) -> None:
+    """Close a results file whose write failed (a full disk): the failure has been told, and the buffered rest
+    cannot go either, so its close raising the same error again is left unsaid."""
+    with contextlib.suppress(OSError):
+        out.close()

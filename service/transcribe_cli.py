@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TextIO
 
 from .formats import SubtitleLayout
-from .line_output import LINE_FORMATS
+from .line_output import LINE_FORMATS, close_quietly
 from .manifest import ManifestEntry
 
 
@@ -36,7 +36,7 @@ def run_transcribe(args: argparse.Namespace, layout: SubtitleLayout) -> int:
                 args.output_dir.mkdir(parents=True, exist_ok=True)
             out = sys.stdout if args.output is None else args.output.open("a", encoding="utf-8")
             if out is not sys.stdout:  # closed quietly: a write that failed is reported, and its rest cannot go either
-                stack.callback(_close_quietly, out)
+                stack.callback(close_quietly, out)
         except OSError as exc:
             return _cannot_write(exc)
         try:
@@ -56,11 +56,6 @@ def run_transcribe(args: argparse.Namespace, layout: SubtitleLayout) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         return _write_results(args, inputs, outcomes, layout, out)
-
-
-def _close_quietly(out: TextIO) -> None:
-    with contextlib.suppress(OSError):
-        out.close()
 
 
 def _cannot_write(exc: OSError) -> int:

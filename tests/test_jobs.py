@@ -1038,6 +1038,18 @@ def test_submit_cli_refuses_outputs_it_cannot_write_before_sending_a_job(redis_s
     assert not redis_server.client().keys("batchasr:job:*")
 
 
+def test_submit_cli_that_cannot_write_the_results_says_so_and_where_they_are_kept(redis_server, model, parity_audio):
+    """Results written once the jobs end, to a full disk: a traceback at exit (after "completed"), and nothing
+    said of where the results still are."""
+    with run_server(Settings(redis_url=redis_server.url), model) as running:
+        result = subprocess.run([sys.executable, "-m", "service.cli", "submit", "--server", running.url, "--wait",
+                                 "--output", "/dev/full", parity_audio[0]], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    job_id = redis_server.client().keys("batchasr:job:*:results")[0].decode().split(":")[2]
+    assert "error: cannot write the results: [Errno 28] No space left on device (the jobs are kept" in result.stderr
+    assert job_id in result.stderr
+
+
 def test_jobs_are_split_by_upload_bytes_in_order(tmp_path, monkeypatch):
     files = []
     for name, size in (("a", 100), ("b", 150), ("c", 400), ("d", 50), ("e", 60)):
