@@ -194,8 +194,10 @@ def _engine_error(exc: QueueFull | TimeoutError | EngineUnavailable) -> ApiError
         return ApiError(429, str(exc), type="rate_limit_error", code="queue_full",
                         headers={"Retry-After": str(exc.retry_after_s)})
     if isinstance(exc, TimeoutError):
+        # not to be sent again: it had the whole timeout, and OpenAI's clients (which retry a 5xx twice) would
+        # upload it again for as long each time
         return ApiError(504, "transcription did not finish within the request timeout", type="server_error",
-                        code="timeout")
+                        code="timeout", headers={"x-should-retry": "false"})
     return ApiError(503, str(exc), type="server_error", code="engine_unavailable", headers={"Retry-After": "5"})
 
 

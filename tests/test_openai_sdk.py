@@ -4,6 +4,7 @@ client's exceptions with our messages."""
 
 from __future__ import annotations
 
+import io
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -205,3 +206,19 @@ def test_a_full_queue_raises_rate_limit_errors(hybrid, parity_audio):
     refused = [o for o in outcomes if isinstance(o, openai.RateLimitError)]
     assert len(refused) == 2 and all(isinstance(o, str) for o in outcomes if o not in refused)
     assert refused[0].code == "queue_full" and int(refused[0].response.headers["retry-after"]) >= 1
+
+
+def test_a_request_past_the_timeout_is_a_504_the_client_does_not_send_again(hybrid, parity_audio):
+    """A 504 had the whole request timeout: OpenAI's client, retrying 5xx twice by default, uploaded it again
+    and waited as long each time. The answer says not to (x-should-retry: false), and it is sent once."""
+    recording, _ = long_recording(parity_audio, 40)  # far more work than the timeout leaves
+    upload = io.BytesIO()
+    sf.write(upload, recording, 16000, format="WAV")
+    with run_server(Settings(model_name=MODEL_ID, request_timeout_s=0.01), hybrid) as running:
+        client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="none", max_retries=2, timeout=60)
+        with pytest.raises(openai.InternalServerError) as raised:
+            client.audio.transcriptions.create(file=("long.wav", upload.getvalue()), model=MODEL_ID)
+        assert raised.value.status_code == 504 and raised.value.response.headers["x-should-retry"] == "false"
+        assert raised.value.body["code"] == "timeout"
+        assert running.metric("batchasr_requests_total",
+                              '{code="504",route="/v1/audio/transcriptions"}') == 1  # sent once
