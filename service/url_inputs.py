@@ -112,16 +112,10 @@ class UrlFetcher:
             body += chunk
             if len(body) > self.max_bytes:
                 raise JobInputError(f"{url}: more than the upload limit of {self.max_bytes} bytes")
-            if loop.time() - began > self._allowed_s(len(body)):  # a drip is caught early, whatever its length
-                raise self._too_slow()
+            # a drip is caught early, whatever the body's length: the time so far against what its bytes allow
+            if loop.time() - began > self.timeout_s + len(body) / self.min_bytes_per_s:
+                raise TimeoutError(f"the body came slower than {self.min_bytes_per_s / 1024:g} KiB/s")
         return bytes(body)
-
-    def _allowed_s(self, n_bytes: int) -> float:
-        """How long reading a body of ``n_bytes`` may take."""
-        return self.timeout_s + n_bytes / self.min_bytes_per_s
-
-    def _too_slow(self) -> TimeoutError:
-        return TimeoutError(f"the body came slower than {self.min_bytes_per_s / 1024:g} KiB/s")
 
     async def close(self) -> None:
         if self._session is not None:
