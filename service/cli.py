@@ -281,7 +281,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
     from .jobs import JobOptions, JobPriority
     from .jobs_cli import WorkerPath, collect_audio, parse_size, run_submit
-    from .line_output import close_quietly
+    from .line_output import cannot_write, open_results
 
     try:
         job_bytes = parse_size(args.job_bytes)
@@ -316,19 +316,15 @@ def cmd_submit(args: argparse.Namespace) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         except OSError as exc:  # an output folder that cannot be made: refused before any job is sent
-            print(f"error: cannot write the results: {exc}", file=sys.stderr)
-            return 2
+            return cannot_write(exc)
     from .manifest import ErrorRate
 
     scored = ErrorRate()  # of a manifest's lines with a reference, written with --format manifest
     with contextlib.ExitStack() as stack:
         try:  # opened before any job is sent: results that would have nowhere to go are refused first
-            out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout  # noqa: SIM115 (closed below)
-            if out is not sys.stdout:  # closed quietly: a write that failed has been told, and its rest cannot go
-                stack.callback(close_quietly, out)
+            out = open_results(stack, args.output, "w")
         except OSError as exc:
-            print(f"error: cannot write the results: {exc}", file=sys.stderr)
-            return 2
+            return cannot_write(exc)
         if args.format == "manifest":
             write_result = _manifest_writer(entries or [], out, scored)
         status = asyncio.run(run_submit(inputs, args.redis_url, args.server, args.api_key, args.wait, out,

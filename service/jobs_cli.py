@@ -32,6 +32,7 @@ from .jobs import (
     JobStatus,
     JobStore,
 )
+from .line_output import cannot_write
 from .logs import redacted_url
 from .output_files import is_url
 from .stretch_upload import stretch_upload, stretch_upload_size
@@ -367,9 +368,8 @@ async def run_submit(inputs: list[Input], redis_url: str | None, server: str | N
                 output.flush()
             except OSError as exc:
                 kept = ", ".join(j["id"] for j in jobs)
-                print(f"error: cannot write the results: {exc} (the jobs are kept, their results at "
-                      f"/v1/jobs/ID/results until they expire: {kept})", file=sys.stderr)
-                return 2
+                return cannot_write(exc, f" (the jobs are kept, their results at /v1/jobs/ID/results until they "
+                                         f"expire: {kept})")
             print(f"job {job['id']}: {job['status']}, RTFx {job['rtfx']}", file=sys.stderr)
         return 0 if all(job["status"] == "completed" for job in jobs) else 1
     except (httpx.HTTPError, *REDIS_ERRORS) as exc:

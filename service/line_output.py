@@ -1,10 +1,13 @@
 """``batchasr transcribe --output FILE``: results as lines of one file (jsonl, a manifest), each written and flushed as
-it comes, so that a run cut short keeps what it did and ``--skip-existing`` resumes it."""
+it comes, so that a run cut short keeps what it did and ``--skip-existing`` resumes it; and where ``transcribe``'s and
+``submit``'s results go, and what a failed write says."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
+import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any, TextIO
@@ -41,8 +44,27 @@ def lines_done(path: Path, format: str) -> Counter[str]:
     return done
 
 
-def close_quietly(out: TextIO) -> None:
-    """Close a results file whose write failed (a full disk): the failure has been told, and the buffered rest
-    cannot go either, so its close raising the same error again is left unsaid."""
+def open_results(stack: contextlib.ExitStack, path: str | Path | None, mode: str) -> TextIO:
+    """Where a command's results go: standard output, or ``path`` opened (``OSError`` where it cannot be) and
+    closed when ``stack`` ends, quietly: a write that failed has been told (``cannot_write``), and the buffered
+    rest cannot go either, so its close raising the same error again is left unsaid."""
+    if path is None:
+        return sys.stdout
+    out = open(path, mode, encoding="utf-8")  # noqa: SIM115 - closed by the stack
+    stack.callback(_close_quietly, out)
+    return out
+
+
+def _close_quietly(out: TextIO) -> None:
     with contextlib.suppress(OSError):
         out.close()
+
+
+def cannot_write(exc: OSError, detail: str = "") -> int:
+    """Results that cannot be written (a full disk, an output path that cannot be made, a closed pipe) end the
+    command with one error line and status 2: every later result would fail alike, and 1 means an input could not
+    be read. What was written stays."""
+    print(f"error: cannot write the results: {exc}{detail}", file=sys.stderr)
+    if isinstance(exc, BrokenPipeError):  # nothing more reaches the reader, nor should Python's flush at exit try
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 2

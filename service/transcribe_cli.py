@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -15,7 +14,7 @@ from pathlib import Path
 from typing import TextIO
 
 from .formats import SubtitleLayout
-from .line_output import LINE_FORMATS, close_quietly
+from .line_output import LINE_FORMATS, cannot_write, open_results
 from .manifest import ManifestEntry
 
 
@@ -34,11 +33,9 @@ def run_transcribe(args: argparse.Namespace, layout: SubtitleLayout) -> int:
         try:  # where the results go, made before the model loads: a run that cannot keep them does not start
             if args.output_dir is not None:
                 args.output_dir.mkdir(parents=True, exist_ok=True)
-            out = sys.stdout if args.output is None else args.output.open("a", encoding="utf-8")
-            if out is not sys.stdout:  # closed quietly: a write that failed is reported, and its rest cannot go either
-                stack.callback(close_quietly, out)
+            out = open_results(stack, args.output, "a")
         except OSError as exc:
-            return _cannot_write(exc)
+            return cannot_write(exc)
         try:
             model = load_model(args.model, device=args.device, dtype=args.dtype,
                                attention_kernel=args.attention_kernel or "auto")
@@ -56,16 +53,6 @@ def run_transcribe(args: argparse.Namespace, layout: SubtitleLayout) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         return _write_results(args, inputs, outcomes, layout, out)
-
-
-def _cannot_write(exc: OSError) -> int:
-    """A result that cannot be written (a full disk, an output path that cannot be made, a closed pipe) ends the
-    run, with status 2 rather than the 1 of an input that could not be read: every later result would fail alike.
-    What was written stays, for --skip-existing to resume from."""
-    print(f"error: cannot write the results: {exc}", file=sys.stderr)
-    if isinstance(exc, BrokenPipeError):  # nothing more reaches the reader, nor should Python's flush at exit try
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    return 2
 
 
 def _write_results(args: argparse.Namespace, inputs: TranscribeInputs, outcomes: Iterable, layout: SubtitleLayout,
@@ -100,13 +87,13 @@ def _write_results(args: argparse.Namespace, inputs: TranscribeInputs, outcomes:
                           else render(outcome, str(entry.clip), args.format, layout))
                 out.flush()  # each result kept as it comes: a run cut short resumes with --skip-existing
         except OSError as exc:
-            return _cannot_write(exc)
+            return cannot_write(exc)
     if args.format == "json" and args.output_dir is None:
         try:
             out.write(json.dumps(records, ensure_ascii=False, indent=2) + "\n")
             out.flush()
         except OSError as exc:
-            return _cannot_write(exc)
+            return cannot_write(exc)
     if failed:
         what = "manifest lines" if inputs.from_manifest else "files"
         print(f"{failed} of {len(inputs.entries)} {what} could not be read", file=sys.stderr)
