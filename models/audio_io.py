@@ -279,6 +279,15 @@ class BlockJoiner:
         self._out: np.ndarray | None = None
         self.filled = 0
 
+    @classmethod
+    def for_file(cls, f: Any, first_frame: int, n_frames: int | None, to_rate: int) -> BlockJoiner:
+        """Sized for what ``f`` states from ``first_frame`` on (at most ``n_frames``; None: to its end), resampled
+        to ``to_rate``; trusted up to PREALLOCATE_MAX_S."""
+        stated = max(f.frames - first_frame, 0)
+        if n_frames is not None:
+            stated = min(stated, n_frames)
+        return cls(min(_resampled_length(stated, f.samplerate, to_rate), int(PREALLOCATE_MAX_S * to_rate)))
+
     def add(self, block: np.ndarray) -> None:
         if self._out is None:
             self._out = np.empty((max(self._expected, len(block)), *block.shape[1:]), dtype=np.float32)
@@ -298,7 +307,7 @@ class BlockJoiner:
         return joined.copy() if len(self._out) - self.filled > len(self._out) // 8 else joined
 
 
-def resampled_length(frames: int, from_rate: int, to_rate: int) -> int:
+def _resampled_length(frames: int, from_rate: int, to_rate: int) -> int:
     """About how many samples ``frames`` at ``from_rate`` make at ``to_rate`` (a few over rather than under)."""
     return math.ceil(frames * to_rate / from_rate) + 8 if frames > 0 else 0
 
@@ -363,9 +372,7 @@ def read_audio(source: str | Path | bytes | BinaryIO | AudioClip, sample_rate: i
     try:
         with open_audio(handle) as f:
             first, count = (clip.stretch if clip is not None else WHOLE).frames(f.samplerate)
-            stated = max(f.frames - first, 0) if count is None else min(count, max(f.frames - first, 0))
-            joined = BlockJoiner(min(resampled_length(stated, f.samplerate, sample_rate),
-                                     int(PREALLOCATE_MAX_S * sample_rate)))
+            joined = BlockJoiner.for_file(f, first, count, sample_rate)
             for _, block in decode_blocks(f, sample_rate, mix=mix, first_frame=first, n_frames=count):
                 joined.add(block)
     except (sf.LibsndfileError, UnreadableContainer, RuntimeError, TypeError) as exc:

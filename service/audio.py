@@ -29,7 +29,6 @@ from models.audio_io import (
     declared_wav,
     decode_blocks,
     open_audio,
-    resampled_length,
     sample_problem,
     truncation_message,
 )
@@ -199,8 +198,7 @@ def _read_resampled(f: sf.SoundFile, limits: AudioLimits, max_s: float, channels
     # no more than a frame past the limit is read: a block is counted once resampled, and at a few Hz a block of
     # BLOCK_FRAMES is hours at 16 kHz (a 300 kB Matroska file of 1 Hz FLAC stating no duration asked for 67 GB)
     n_frames = max_frames + 1 if n_frames is None else min(n_frames, max_frames + 1)
-    stated = min(n_frames, max(f.frames - first_frame, 0))  # 0: a container that states no length
-    joined, total = BlockJoiner(resampled_length(stated, f.samplerate, limits.sample_rate)), 0
+    joined, total = BlockJoiner.for_file(f, first_frame, n_frames, limits.sample_rate), 0
     for read, block in decode_blocks(f, limits.sample_rate, BLOCK_FRAMES, mix=channels == 1,
                                      first_frame=first_frame, n_frames=n_frames):
         total += read
