@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 from starlette.datastructures import FormData
 from starlette.datastructures import UploadFile as StarletteUpload
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from decoding.types import Hotwords
 from models.conversation import parse_names
@@ -126,7 +127,9 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(exc.body(), exc.status, headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 405:
+            return _method_not_allowed(app, request)
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         return JSONResponse(_error_body(str(exc.detail), kind, None, None), exc.status_code,
                             headers=getattr(exc, "headers", None))
@@ -142,6 +145,19 @@ def install_error_handlers(app: FastAPI) -> None:
     async def unexpected(_: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error")
         return JSONResponse(_error_body(f"internal error: {type(exc).__name__}", "server_error", None, None), 500)
+
+
+HTTP_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE")
+
+
+def _method_not_allowed(app: FastAPI, request: Request) -> JSONResponse:
+    """405 naming every method the path takes: Starlette's Allow lists only the first route matching the path, so
+    PUT /v1/jobs answered "Allow: POST" although GET lists jobs (RFC 9110 asks for all of them)."""
+    allowed = [method for method in HTTP_METHODS
+               if any(route.matches({**request.scope, "method": method})[0] == Match.FULL for route in app.router.routes)]
+    message = f"{request.method} is not allowed on {request.url.path}; it takes {', '.join(allowed)}"
+    return JSONResponse(_error_body(message, "invalid_request_error", None, "method_not_allowed"), 405,
+                        headers={"Allow": ", ".join(allowed)})
 
 
 async def _service(request: Request) -> ServiceState:  # async: a sync dependency costs a thread hop

@@ -692,6 +692,15 @@ def test_health_and_readiness_answer_head_too(server):
         assert answer.status_code == 200 and answer.content == b"", path
 
 
+def test_a_method_the_path_does_not_take_is_405_naming_every_method_it_does(server):
+    """Allow listed only the first route of the path: PUT /v1/jobs said POST although GET lists jobs."""
+    for method, path, allowed in (("PUT", "/v1/jobs", "GET, POST"), ("POST", "/v1/jobs/some-id", "GET, DELETE"),
+                                  ("GET", "/v1/audio/transcriptions", "POST"), ("DELETE", "/healthz", "GET, HEAD")):
+        refused = httpx.request(method, f"{server.url}{path}")
+        assert refused.status_code == 405 and refused.headers["allow"] == allowed, (method, path)
+        assert refused.json()["error"]["code"] == "method_not_allowed" and allowed in refused.json()["error"]["message"]
+
+
 def test_missing_file_and_known_model_names(server, parity_audio):
     missing = httpx.post(f"{server.url}/v1/audio/transcriptions", data={"model": "whisper-1"})
     assert missing.status_code == 400 and missing.json()["error"]["param"] == "file"
