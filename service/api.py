@@ -55,6 +55,7 @@ from .http import (
 from .job_routes import is_multipart, job_too_large_message, json_job_too_large_message
 from .job_routes import router as jobs_router
 from .jobs import JSON_JOB_BYTES
+from .languages import language_name
 from .metrics import Metrics
 from .request_log import RequestLogMiddleware
 from .response_bodies import (
@@ -383,7 +384,7 @@ async def openai_transcriptions(
     wants = set(granularities) or {"segment"}
     frame_s = service.stack.transcriber.config.frame_s
     body = VerboseTranscription(
-        language=spoken, duration=round(transcript.duration_s, 3), text=transcript.text, usage=usage,
+        language=language_name(spoken), duration=round(transcript.duration_s, 3), text=transcript.text, usage=usage,
         segments=transcript_segments(transcript, frame_s) if "segment" in wants else None,
         words=openai_words(transcript.words) if "word" in wants else None, logprobs=token_logprobs,
     )

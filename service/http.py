@@ -153,8 +153,9 @@ HTTP_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE")
 def _method_not_allowed(app: FastAPI, request: Request) -> JSONResponse:
     """405 naming every method the path takes: Starlette's Allow lists only the first route matching the path, so
     PUT /v1/jobs answered "Allow: POST" although GET lists jobs (RFC 9110 asks for all of them)."""
+    routes = app.router.routes
     allowed = [method for method in HTTP_METHODS
-               if any(route.matches({**request.scope, "method": method})[0] == Match.FULL for route in app.router.routes)]
+               if any(route.matches({**request.scope, "method": method})[0] == Match.FULL for route in routes)]
     message = f"{request.method} is not allowed on {request.url.path}; it takes {', '.join(allowed)}"
     return JSONResponse(_error_body(message, "invalid_request_error", None, "method_not_allowed"), 405,
                         headers={"Allow": ", ".join(allowed)})

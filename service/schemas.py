@@ -69,7 +69,7 @@ class Segment(BaseModel):
 
 class VerboseTranscription(BaseModel):
     task: str = "transcribe"
-    language: str
+    language: str  # named as OpenAI names it, "english" (service.languages)
     duration: float
     text: str
     segments: list[Segment] | None = None

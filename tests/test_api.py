@@ -808,4 +808,4 @@ def test_languages_setting_takes_codes_and_none_takes_any(monkeypatch, hybrid, p
     with run_server(Settings(languages=[]), hybrid) as running:
         answer = _post(running.url, data, response_format="verbose_json", language="de")
         card = httpx.get(f"{running.url}/v1/models").json()["data"][0]
-    assert answer.status_code == 200 and answer.json()["language"] == "de" and card["languages"] == []
+    assert answer.status_code == 200 and answer.json()["language"] == "german" and card["languages"] == []
