@@ -22,10 +22,11 @@ _SPECIAL_PIECE = re.compile(r"^\[.*\]$|^<.*>$|^##|^▁|^\s*$")
 def split_boost(hotword: str) -> tuple[str, float | None]:
     """A hotword as given -> (its text, its own bonus or None). ``acme:3`` boosts "acme" by 3 (Deepgram's and
     Riva's way of writing it); a bonus is more than 0 and at most ``MAX_HOTWORD_BOOST``, else ValueError (also for
-    ``acme:inf``, ``acme:nan``, ``acme:1e9``). A colon followed by anything but a number is part of the phrase."""
+    ``acme:inf``, ``acme:nan``, ``acme:1e9``). A colon followed by anything but a number is part of the phrase, and
+    so is one between digits: ``at 10:05`` is a time, not "at 10" boosted by 5 (``model 3 :2`` boosts "model 3")."""
     phrase, colon, suffix = hotword.rpartition(":")
     try:
-        boost = float(suffix) if colon else None
+        boost = float(suffix) if colon and not phrase[-1:].isdigit() else None
     except ValueError:
         boost = None
     if boost is None:

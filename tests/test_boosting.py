@@ -187,6 +187,9 @@ def test_a_hotword_may_bring_its_own_bonus(model):
         with pytest.raises(ValueError, match="own boost is more than 0 and at most 10"):
             split_boost(bad)
     assert split_boost("at 10:30 am") == ("at 10:30 am", None)  # a colon inside the phrase is the phrase's
+    # and so is one between digits ("at 10" was boosted by 5); a space before the colon boosts such a phrase
+    assert split_boost("at 10:05") == ("at 10:05", None) and split_boost("ratio 16:9") == ("ratio 16:9", None)
+    assert split_boost("model 3 :2") == ("model 3", 2.0)
     acme = model.tokenizer.hotwords(["acme"])[0].tokens
     # given twice, a phrase is boosted once, by the last bonus given for it
     assert model.tokenizer.hotwords(["acme", "kappa", "acme:3"]) == (
