@@ -30,6 +30,10 @@ from models.segmenter import length_bucket_end
 # Batches are chosen among this many times max_batch_size waiting items. With lengths spread as speech's, a pool
 # of 4 batches left a quarter of each batch's samples padding, 16 leaves 7% (docs/benchmarks.md).
 POOL_FACTOR = 16
+# An item is worth starting only if this many batches' time is left before its deadline: its own batch, and on a GPU
+# the one staged ahead of it (service/staging.py). Past that it would finish after its client gave up: under
+# overload the engine spent most of its time so (loadtest/overload.py: a tenth of what it transcribed was answered).
+FINISH_BATCHES = 2
 
 
 class Priority(IntEnum):
@@ -134,6 +138,7 @@ class Batcher:
         self._cond = threading.Condition()
         self._closed = False
         self._throughput_audio_s_per_s = 0.0  # recent engine speed, for Retry-After
+        self._batch_s = 0.0  # recent time per batch: an item due sooner than FINISH_BATCHES of it is dropped
         self._on_drop = on_drop or (lambda reason: None)  # told "expired" or "cancelled" per dropped item
         # Dead items are looked for only when one may exist: a queued future was cancelled, or a deadline passed.
         self._maybe_cancelled = False
@@ -173,9 +178,8 @@ class Batcher:
     def record_throughput(self, audio_s: float, compute_s: float) -> None:
         """The engine reports each batch, so Retry-After reflects how fast the queue really drains."""
         if compute_s > 0:
-            rate = audio_s / compute_s
-            previous = self._throughput_audio_s_per_s
-            self._throughput_audio_s_per_s = rate if previous == 0 else 0.8 * previous + 0.2 * rate
+            self._throughput_audio_s_per_s = _recent(self._throughput_audio_s_per_s, audio_s / compute_s)
+            self._batch_s = _recent(self._batch_s, compute_s)
 
     def close(self) -> None:
         """Stop accepting; ``next_batch`` drains what is queued, then returns None."""
@@ -223,8 +227,10 @@ class Batcher:
         return None
 
     def _drop_dead_items(self) -> None:
+        """Drops cancelled items, and fails with TimeoutError those that could not be done before their deadline."""
         now = time.monotonic()
-        if not self._maybe_cancelled and now < self._next_deadline:
+        due_by = now + FINISH_BATCHES * self._batch_s  # an item due before this would be done too late
+        if not self._maybe_cancelled and due_by < self._next_deadline:
             return  # each look is a lock per queued item: thousands, between two batches
         self._maybe_cancelled = False  # before the look: a cancel during it asks for another
         next_deadline = math.inf
@@ -233,7 +239,7 @@ class Batcher:
             for item in queue:
                 if item.future.cancelled():
                     self._on_drop("cancelled")
-                elif now < item.deadline:
+                elif due_by < item.deadline:
                     alive.append(item)
                     next_deadline = min(next_deadline, item.deadline)
                 elif item.future.set_running_or_notify_cancel():
@@ -301,3 +307,8 @@ class Batcher:
             chosen.append(item)
             longest = new_longest
         return chosen
+
+
+def _recent(average: float, value: float) -> float:
+    """An average weighted toward recent values; the first value as it is."""
+    return value if average == 0 else 0.8 * average + 0.2 * value

@@ -141,6 +141,21 @@ def test_items_that_die_while_others_wait_are_dropped_where_they_stand():
     assert drops == ["expired", "cancelled"]
 
 
+def test_items_that_could_not_be_done_before_their_deadline_are_failed_instead_of_started():
+    """Under overload items were started with less time left than a batch takes: the engine transcribed for
+    clients already answered 504, and a tenth of its work reached anyone (loadtest/overload.py)."""
+    drops = []
+    b = _batcher(on_drop=drops.append, max_batch_size=2)
+    unknown_pace = _item(1, timeout_s=1.0)
+    b.submit([unknown_pace])
+    assert b.next_batch().items == [unknown_pace]  # no batch timed yet: nothing is judged too late
+    b.record_throughput(audio_s=2.0, compute_s=0.5)  # batches take 0.5 s: an item needs 1 s (its own, one ahead)
+    too_late, in_time = _item(1, timeout_s=0.8), _item(1, timeout_s=30.0)
+    b.submit([too_late, in_time])
+    assert b.next_batch().items == [in_time]
+    assert drops == ["expired"] and isinstance(too_late.future.exception(), TimeoutError)
+
+
 def test_close_drains_then_stops():
     b = _batcher(max_wait_ms=10_000)
     b.submit([_item(1)])

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 
 import pytest
 
@@ -197,3 +198,20 @@ def test_stream_latency_makes_its_recording_at_16_khz_whatever_the_clips_rate(tm
     (tmp_path / "notes.wav").write_text("not audio")
     with pytest.raises(SystemExit, match=r"notes\.wav"):
         script.recording(tmp_path, 7.0)
+
+
+def test_the_overload_script_runs_past_capacity_and_the_server_recovers(tmp_path):
+    """loadtest/overload.py in brief: arrivals at three times what the server answered, a one-second timeout."""
+    out = tmp_path / "overload.json"
+    command = [sys.executable, "loadtest/overload.py", "--timeout-s", "1", "--baseline-s", "3", "--overload-s", "6",
+               "--window-s", "2", "--concurrency", "4", "--batch-size", "4", "--out", str(out)]
+    subprocess.run(command, cwd=REPO, check=True, timeout=300, capture_output=True)
+    report = json.loads(out.read_text())
+    assert len(report["overload_windows"]) == 3 and report["arrivals_per_s"] > 0
+    answered = Counter()
+    for window in report["overload_windows"]:
+        answered.update(window["statuses"])
+    assert answered["504"] > 0 and set(answered) <= {"200", "504"}  # past capacity: timeouts, nothing else
+    assert sum(report["dropped_items"].values()) > 0  # the pieces of those past their time never ran
+    assert report["queue_depth_after"] == 0  # nothing left behind once the last answer is in
+    assert set(report["recovered"]["statuses"]) == {"200"}
