@@ -41,6 +41,7 @@ from .http import (
     ApiKeyGate,
     ServiceDep,
     ServiceState,
+    client_closed,
     error_responses,
     flag,
     form_text,
@@ -106,7 +107,7 @@ async def _read_body(request: Request, service: ServiceState) -> bytes:
                 raise ApiError(413, upload_too_large_message(limit), code="audio_too_large")
             chunks.append(chunk)
     except ClientDisconnect:  # gone mid-upload: nothing to answer, and not the server's failure
-        raise ApiError(499, "client closed the request", code="client_closed") from None
+        raise client_closed() from None
     return b"".join(chunks)
 
 
@@ -172,7 +173,7 @@ async def _while_client_waits(request: Request, work: Awaitable[T]) -> T:
         await asyncio.wait({task, client_gone}, return_when=asyncio.FIRST_COMPLETED)
         if not task.done():
             task.cancel()
-            raise ApiError(499, "client closed the request", code="client_closed")
+            raise client_closed()
         return task.result()
     except (QueueFull, TimeoutError, EngineUnavailable) as exc:
         raise _engine_error(exc) from exc

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 from starlette.datastructures import FormData
 from starlette.datastructures import UploadFile as StarletteUpload
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 
 from decoding.types import Hotwords
@@ -41,6 +42,11 @@ class ApiError(Exception):
     def body(self) -> dict[str, Any]:
         """The error in OpenAI's shape, ``{"error": {...}}``."""
         return _error_body(self.message, self.type, self.param, self.code)
+
+
+def client_closed() -> ApiError:
+    """What a request whose client left before it was whole is answered (nobody reads it) and counted as."""
+    return ApiError(499, "client closed the request", code="client_closed")
 
 
 class MetricsSink(Protocol):
@@ -126,8 +132,16 @@ def install_error_handlers(app: FastAPI) -> None:
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:
         return JSONResponse(exc.body(), exc.status, headers=exc.headers)
 
+    # a client gone while its form was read (the routes that parse their own forms meet it as it is, FastAPI's
+    # parsing as its 400 for a malformed body): nothing to answer, and not the server's failure nor the client's
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(_: Request, exc: ClientDisconnect) -> JSONResponse:
+        return await api_error(_, client_closed())
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if isinstance(exc.__cause__, ClientDisconnect):
+            return await api_error(request, client_closed())
         if exc.status_code == 405:
             return _method_not_allowed(app, request)
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"

@@ -545,6 +545,28 @@ def test_a_client_gone_mid_upload_is_a_499_not_a_server_error(server):
     assert server.metric("batchasr_requests_total", route % 500) == 0
 
 
+def test_a_client_gone_mid_form_is_a_499_not_a_server_error(hybrid, redis_server, caplog):
+    """The same for a multipart form cut off part way, on every route that takes one: the native route and jobs
+    (which parse their forms themselves) failed with an unhandled ClientDisconnect, answered 500 and logged it as
+    a server error; the OpenAI route answered 400, as for a malformed form."""
+    boundary = "gone-boundary"
+    part = (f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n'
+            "Content-Type: audio/wav\r\n\r\n").encode() + bytes(5000)
+    with run_server(Settings(redis_url=redis_server.url), hybrid) as running:
+        for path in ("/v1/transcribe", "/v1/audio/transcriptions", "/v1/jobs"):
+            with socket.create_connection(("127.0.0.1", int(running.url.rsplit(":", 1)[1]))) as conn:
+                conn.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\nContent-Type: "
+                             f"multipart/form-data; boundary={boundary}\r\n\r\n".encode() + part)
+            deadline = time.monotonic() + 10
+            while not running.metric("batchasr_requests_total", f'{{code="499",route="{path}"}}') and \
+                    time.monotonic() < deadline:
+                time.sleep(0.05)
+            codes = {code: running.metric("batchasr_requests_total", f'{{code="{code}",route="{path}"}}')
+                     for code in (400, 499, 500)}
+            assert codes == {400: 0, 499: 1, 500: 0}, path
+    assert not [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+
+
 def test_requests_refused_before_routing_are_counted_under_their_route(hybrid, parity_audio):
     """A 401 (no API key) and a 413 (a declared length past the limit) are answered by middleware before the
     router names the route: they were missing from batchasr_requests_total, while the same 413 for an upload
