@@ -22,9 +22,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from decoding import boosting
+from decoding import boosting, cuda_graphs
 from decoding.boosting import NULL_NODE, PHRASE_START_SHARE, BoostTable, build_boost_table
 from decoding.ctc import ctc_greedy
+from decoding.cuda_graphs import LabelLoopingDecoder, ModeChoice
 from decoding.frame_looping import frame_looping_greedy
 from decoding.label_looping import label_looping_greedy
 from decoding.types import Hotword
@@ -33,6 +34,8 @@ from models.tokenizer import MAX_HOTWORDS, split_boost
 from service.cli import main
 from service.config import Settings
 from tests.servers import run_server, wait_job
+from tests.test_cuda_conditional import Replayer
+from tests.test_decoding_modes import _cpu_warm_up
 from tests.test_label_looping import decoding_cases, random_batch, tiny_transducer
 
 CPU = torch.device("cpu")
@@ -57,6 +60,36 @@ def test_label_looping_boosts_as_frame_looping_does(case, data):
     for row, row_phrases in enumerate(phrases):
         if not row_phrases:  # a row without hotwords decodes as it would alone
             assert boosted[row] == plain[row]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(st.data(), st.booleans())
+def test_a_kept_decoder_gives_each_row_what_it_gives_alone_whatever_the_batches_before(monkeypatch, data, graphs):
+    """The service's decoder keeps its buffers (and on a GPU its graphs and hotword table) from batch to batch. Over
+    a run of batches of changing size, each row bringing its own hotwords or none, every row decodes as it does
+    alone with only its own: nothing of another row's phrases, nor of an earlier batch's, reaches it. (Above, the
+    boosted batch is checked against frame looping on the same table, which would share a leak.)"""
+    if graphs:  # no_while's bookkeeping on this CPU, each graph a stand-in replaying what it captured
+        monkeypatch.setattr(cuda_graphs, "choose_mode", lambda requested, device: ModeChoice("no_while", "test"))
+        monkeypatch.setattr(cuda_graphs, "capture_graph", lambda fn, stream: Replayer(fn))
+        monkeypatch.setattr(cuda_graphs, "_warm_up", _cpu_warm_up)
+        monkeypatch.setattr(torch.cuda, "Stream", lambda device: None)
+    vocab = data.draw(st.integers(2, 9))
+    model = tiny_transducer(data.draw(st.integers(0, 999)), vocab, data.draw(st.sampled_from(((), (0, 1, 2, 3, 4)))),
+                            data.draw(st.integers(1, 4)), data.draw(st.floats(-4.0, 4.0)))
+    args = (model.prediction, model.joint, model.durations, model.max_symbols)
+    decoder, weight = LabelLoopingDecoder(*args), data.draw(st.floats(0.5, 8.0))
+    for _ in range(data.draw(st.integers(1, 5))):
+        n_frames = data.draw(st.integers(0, 70))  # past FRAME_QUANTUM at times: the buffers grow
+        lengths = data.draw(st.lists(st.integers(0, n_frames), min_size=1, max_size=7))
+        phrases = [data.draw(_hotwords(vocab)) for _ in lengths]
+        encoded, lengths_t = random_batch(data.draw(st.integers(0, 9999)), lengths, n_frames)
+        together = decoder(encoded, lengths_t, build_boost_table(phrases, weight, CPU))
+        for row, own in enumerate(phrases):
+            alone = label_looping_greedy(encoded[row : row + 1, : lengths[row]], lengths_t[row : row + 1], *args,
+                                         boost=build_boost_table([own], weight, CPU))
+            assert together[row] == alone[0], (row, own)
 
 
 def _hotwords(vocab: int) -> st.SearchStrategy[tuple[Hotword, ...]]:
