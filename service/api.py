@@ -47,6 +47,7 @@ from .http import (
     form_text,
     form_texts,
     install_error_handlers,
+    internal_error,
     read_upload,
     request_hotwords,
     require_api_key,
@@ -98,13 +99,13 @@ async def _read_body(request: Request, service: ServiceState) -> bytes:
     limit = service.settings.max_upload_bytes
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, upload_too_large_message(limit, declared), code="audio_too_large")
+        raise ApiError(413, upload_too_large_message(limit, declared), param="file", code="audio_too_large")
     chunks, size = [], 0
     try:
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
-                raise ApiError(413, upload_too_large_message(limit), code="audio_too_large")
+                raise ApiError(413, upload_too_large_message(limit), param="file", code="audio_too_large")
             chunks.append(chunk)
     except ClientDisconnect:  # gone mid-upload: nothing to answer, and not the server's failure
         raise client_closed() from None
@@ -252,8 +253,7 @@ async def _transcription_events(queued: QueuedRequest, deltas: AsyncIterator[Tex
         yield _event({"type": "error", **_engine_error(exc).body()})
     except Exception as exc:  # a batch that failed (the headers are sent: the stream says so, as it promises)
         log.exception("transcription stream failed")
-        yield _event({"type": "error", **ApiError(500, f"internal error: {type(exc).__name__}",
-                                                  type="server_error").body()})
+        yield _event({"type": "error", **internal_error(exc).body()})
     finally:
         queued.cancel()
 
@@ -343,23 +343,26 @@ async def openai_transcriptions(
     try:
         layout = SubtitleLayout(max_line_width, max_line_count)
     except ValueError as exc:
-        raise ApiError(400, str(exc), param=str(exc).split()[0]) from exc
+        raise ApiError(400, str(exc), param=str(exc).split()[0], code="invalid_parameter") from exc
     if response_format not in RESPONSE_FORMATS:
-        raise ApiError(400, f"response_format must be one of {', '.join(RESPONSE_FORMATS)}", param="response_format")
+        raise ApiError(400, f"response_format must be one of {', '.join(RESPONSE_FORMATS)}", param="response_format",
+                       code="invalid_parameter")
     if stream and response_format not in STREAM_FORMATS:
-        raise ApiError(400, f"stream=true needs response_format {' or '.join(STREAM_FORMATS)}", param="stream")
+        raise ApiError(400, f"stream=true needs response_format {' or '.join(STREAM_FORMATS)}", param="stream",
+                       code="invalid_parameter")
     form = await request.form()
     granularities = _form_list(form, "timestamp_granularities")
     if bad := [g for g in granularities if g not in GRANULARITIES]:
         raise ApiError(400, f"timestamp_granularities[] must be word or segment, not {bad[0]!r}",
-                       param="timestamp_granularities[]")
+                       param="timestamp_granularities[]", code="invalid_parameter")
     include = _form_list(form, "include")
     if bad := [item for item in include if item not in INCLUDES]:
-        raise ApiError(400, f"include[] takes {' or '.join(INCLUDES)}, not {bad[0]!r}", param="include[]")
+        raise ApiError(400, f"include[] takes {' or '.join(INCLUDES)}, not {bad[0]!r}", param="include[]",
+                       code="invalid_parameter")
     logprobs = "logprobs" in include
     if logprobs and response_format not in LOGPROB_FORMATS:
         raise ApiError(400, f"include[]=logprobs needs response_format {' or '.join(LOGPROB_FORMATS)}",
-                       param="include[]")
+                       param="include[]", code="invalid_parameter")
     if logprobs and not service.settings.token_scores:
         raise ApiError(400, "this server does not score tokens (BATCHASR_TOKEN_SCORES is off): no logprobs",
                        param="include[]", code="logprobs_unavailable")

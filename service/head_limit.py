@@ -1,6 +1,7 @@
 """Request heads (the request line and the headers) bounded as they arrive: past ``MAX_HEAD_BYTES`` the answer is
 431, and a head not complete ``HEAD_TIMEOUT_S`` after the connection opened (or after its request began) ends the
-connection (408 if part of it came).
+connection (408 if part of it came). Both answer in the API's error shape (service.http), with an ``x-request-id``
+that the log line names, and close the connection.
 
 uvicorn's httptools parser keeps whatever head a client sends until its blank line, however long (h11's limit is
 16 KiB; httptools has none), and only then does the app see the request: a single connection could have the
@@ -13,8 +14,11 @@ descriptor the process may have. Every HTTP server of the service runs this prot
 from __future__ import annotations
 
 import asyncio
+import uuid
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from .http import ApiError, error_json
 
 MAX_HEAD_BYTES = 64 * 1024  # browsers and proxies send a few KiB; nginx's default buffers take 32 KiB
 HEAD_TIMEOUT_S = 60.0  # nginx's client_header_timeout
@@ -58,8 +62,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             end = data.find(b"\r\n\r\n")  # a read may hold the head's end and the body's start
             self._head_bytes += len(data) if end < 0 else end + 4
             if self._head_bytes > self.max_head_bytes:
-                self.logger.warning("request head over %d bytes: refused", self.max_head_bytes)
-                self._refuse(431, b"request header fields too large")
+                self._refuse(ApiError(431, f"the request head (request line and headers) exceeds "
+                                           f"{self.max_head_bytes} bytes", code="request_head_too_large"))
                 return
         super().data_received(data)
 
@@ -77,16 +81,23 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         if self.transport.is_closing():
             return
         if self._head_bytes:  # part of a head came: say why it ends
-            self._refuse(408, b"the request head did not arrive in time")
+            self._refuse(ApiError(408, f"the request head did not arrive within {self.head_timeout_s:g} s",
+                                  code="request_timeout"))
         else:
             self.transport.close()
 
-    def _refuse(self, status: int, message: bytes) -> None:
+    def _refuse(self, error: ApiError) -> None:
+        """``error`` written as the whole answer (the app never saw the request), then the connection closed."""
         self._head_bytes = None
         self._stop_head_timer()
+        request_id = uuid.uuid4().hex  # no head was read whole: a client's own id cannot be trusted to be in it
+        self.logger.warning("request refused before its head was whole: %d %s (request id %s)", error.status,
+                            error.code, request_id)
+        body = error_json(error)
         self.transport.write(b"".join([
-            STATUS_LINE[status], b"content-type: text/plain; charset=utf-8\r\n",
-            b"content-length: " + str(len(message)).encode() + b"\r\n", b"connection: close\r\n\r\n", message]))
+            STATUS_LINE[error.status], b"content-type: application/json\r\n",
+            b"content-length: " + str(len(body)).encode() + b"\r\n", b"connection: close\r\n",
+            b"x-request-id: " + request_id.encode() + b"\r\n\r\n", body]))
         self.transport.close()
 
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import logging
 import time
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from typing import Annotated, Any, Protocol
 
 from fastapi import Depends, FastAPI, Request
@@ -49,6 +49,17 @@ def client_closed() -> ApiError:
     return ApiError(499, "client closed the request", code="client_closed")
 
 
+def internal_error(exc: BaseException) -> ApiError:
+    """A failure of the server's own: the client hears its kind, the log has the rest."""
+    return ApiError(500, f"internal error: {type(exc).__name__}", type="server_error", code="internal_error")
+
+
+def error_json(error: ApiError) -> bytes:
+    """``error``'s body as the app's handlers send it (JSONResponse's compact JSON), for the refusals written
+    before the app runs: the same bytes whoever answers."""
+    return JSONResponse(error.body()).body
+
+
 class MetricsSink(Protocol):
     """Where the routes count requests and read the exposition: ``Metrics`` in the engine's process, or a
     front-end process's link to it."""
@@ -71,7 +82,7 @@ def request_hotwords(service: ServiceState, phrases: list[str]) -> Hotwords:
     except HotwordsUnavailable as exc:
         raise ApiError(400, str(exc), param="hotwords", code="hotwords_unavailable") from exc
     except ValueError as exc:
-        raise ApiError(400, str(exc), param="hotwords") from exc
+        raise ApiError(400, str(exc), param="hotwords", code="invalid_parameter") from exc
 
 
 @dataclass
@@ -145,7 +156,8 @@ def install_error_handlers(app: FastAPI) -> None:
         if exc.status_code == 405:
             return _method_not_allowed(app, request)
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return JSONResponse(_error_body(str(exc.detail), kind, None, None), exc.status_code,
+        message = f"no route {request.method} {request.url.path}" if exc.status_code == 404 else str(exc.detail)
+        return JSONResponse(_error_body(message, kind, None, starlette_error_code(exc.status_code)), exc.status_code,
                             headers=getattr(exc, "headers", None))
 
     @app.exception_handler(RequestValidationError)
@@ -156,9 +168,25 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(_error_body(message, "invalid_request_error", param, "invalid_parameter"), 400)
 
     @app.exception_handler(Exception)
-    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error")
-        return JSONResponse(_error_body(f"internal error: {type(exc).__name__}", "server_error", None, None), 500)
+        return await api_error(request, internal_error(exc))
+
+
+# the refusals Starlette and FastAPI raise themselves: the router's for a path no route has, and the 400 of a body
+# that cannot be parsed (a malformed multipart form, a part past the form's limits); 405 has its own handler
+STARLETTE_ERROR_CODES = {400: "invalid_body", 404: "route_not_found"}
+
+
+def starlette_error_code(status: int) -> str:
+    """The ``code`` of a refusal Starlette raised: ours where it has one, else the status's name
+    (``request_entity_too_large``), never null."""
+    if status in STARLETTE_ERROR_CODES:
+        return STARLETTE_ERROR_CODES[status]
+    try:
+        return HTTPStatus(status).phrase.lower().replace(" ", "_").replace("-", "_")
+    except ValueError:
+        return f"http_{status}"
 
 
 HTTP_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE")
@@ -231,7 +259,7 @@ class ApiKeyGate:
 async def send_error(send: Any, error: ApiError) -> None:
     """``error`` as a whole plain-ASGI response, from middleware that answers before the app runs; the connection
     closes, since the request's body may be left unread."""
-    body = json.dumps(error.body()).encode()
+    body = error_json(error)
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                (b"connection", b"close"), *((k.lower().encode(), v.encode()) for k, v in error.headers.items())]
     await send({"type": "http.response.start", "status": error.status, "headers": headers})

@@ -162,7 +162,7 @@ def test_a_batch_that_fails_mid_stream_ends_it_with_an_error_event(parity_dir, p
         assert httpx.get(f"{running.url}/healthz").status_code == 200
     assert events[0]["type"] == "transcript.text.delta"
     assert events[-1] == {"type": "error", "error": {"message": "internal error: RuntimeError", "type": "server_error",
-                                                     "param": None, "code": None}}
+                                                     "param": None, "code": "internal_error"}}
 
 
 def test_an_engine_thread_that_dies_answers_what_waits_and_is_not_ready(parity_dir, parity_audio):

@@ -1,0 +1,196 @@
+"""Every kind of refusal the service answers, driven over real sockets: each in OpenAI's error shape, with a code
+a client can match on, an X-Request-ID, and the same compact JSON whoever wrote it (a route, FastAPI's handlers,
+the middleware that answers before the app, or the protocol that reads request heads)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from models import load_model
+from service.config import Settings
+from service.head_limit import MAX_HEAD_BYTES
+from tests.servers import run_server
+
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+UPLOAD_LIMIT = 200_000
+CODE = re.compile(r"[a-z]+(_[a-z]+)*")
+
+
+@dataclass
+class Answer:
+    """An HTTP answer as it came off the wire: status, headers (lowercased names) and body."""
+
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+
+@pytest.fixture(scope="module")
+def hybrid(parity_dir):
+    return load_model(parity_dir / "tdt_ctc_hybrid.nemo", device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def server(hybrid):
+    with run_server(Settings(api_keys=[KEY], max_upload_bytes=UPLOAD_LIMIT, max_wait_ms=5), hybrid) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def clip(parity_audio) -> bytes:
+    return Path(parity_audio[0]).read_bytes()
+
+
+def check_refusal(answer: Answer | httpx.Response, status: int, code: str) -> dict:
+    """The error of a refusal, checked: its status, OpenAI's shape with ``code``, an X-Request-ID, and the bytes
+    JSONResponse writes (a middleware's answer once had spaces after its separators)."""
+    if isinstance(answer, httpx.Response):
+        answer = Answer(answer.status_code, dict(answer.headers), answer.content)
+    assert answer.status == status, answer.body
+    assert answer.headers["content-type"] == "application/json"
+    assert answer.headers.get("x-request-id"), answer.headers
+    body = json.loads(answer.body)
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    error = body["error"]
+    assert error["code"] == code and CODE.fullmatch(code), error
+    assert error["message"] and error["type"] in ("invalid_request_error", "authentication_error", "server_error")
+    assert answer.body == json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+    return error
+
+
+def _transcription(url: str, form: dict, file: tuple | None = None, **kwargs) -> httpx.Response:
+    files = {"file": file} if file else None
+    return httpx.post(f"{url}/v1/audio/transcriptions", data=form, files=files, headers=AUTH, timeout=60, **kwargs)
+
+
+# (what, request(url, clip), status, code, param)
+Request = Callable[[str, bytes], httpx.Response]
+CASES: list[tuple[str, Request, int, str, str | None]] = [
+    ("undecodable audio", lambda url, clip: httpx.post(
+        f"{url}/v1/transcribe", content=np.random.default_rng(0).bytes(20_000),
+        headers={**AUTH, "content-type": "audio/wav"}), 400, "invalid_audio", "file"),
+    ("no file", lambda url, clip: _transcription(url, {"model": "whisper-1"}), 400, "missing_file", "file"),
+    ("a field FastAPI validates (never a 422)", lambda url, clip: _transcription(
+        url, {"temperature": "warm"}, ("a.wav", clip, "audio/wav")), 400, "invalid_parameter", "temperature"),
+    ("unknown response_format", lambda url, clip: _transcription(
+        url, {"response_format": "xml"}, ("a.wav", clip, "audio/wav")), 400, "invalid_parameter", "response_format"),
+    ("stream with timings", lambda url, clip: _transcription(
+        url, {"stream": "true", "response_format": "srt"}, ("a.wav", clip, "audio/wav")), 400, "invalid_parameter",
+     "stream"),
+    ("unknown granularity", lambda url, clip: _transcription(
+        url, {"response_format": "verbose_json", "timestamp_granularities[]": "sentence"},
+        ("a.wav", clip, "audio/wav")), 400, "invalid_parameter", "timestamp_granularities[]"),
+    ("unknown include", lambda url, clip: _transcription(
+        url, {"include[]": "everything"}, ("a.wav", clip, "audio/wav")), 400, "invalid_parameter", "include[]"),
+    ("logprobs as text", lambda url, clip: _transcription(
+        url, {"include[]": "logprobs", "response_format": "text"}, ("a.wav", clip, "audio/wav")), 400,
+     "invalid_parameter", "include[]"),
+    ("subtitle layout out of range", lambda url, clip: _transcription(
+        url, {"response_format": "srt", "max_line_count": "11"}, ("a.wav", clip, "audio/wav")), 400,
+     "invalid_parameter", "max_line_count"),
+    ("a hotword's boost out of range", lambda url, clip: httpx.post(
+        f"{url}/v1/transcribe", params={"hotwords": "acme:99"}, content=clip,
+        headers={**AUTH, "content-type": "audio/wav"}), 400, "invalid_parameter", "hotwords"),
+    ("a text field sent as a file", lambda url, clip: httpx.post(
+        f"{url}/v1/transcribe", files=[("file", ("a.wav", clip, "audio/wav")), ("multichannel", ("f.txt", b"true"))],
+        headers=AUTH), 400, "invalid_parameter", "multichannel"),
+    ("unsupported language", lambda url, clip: _transcription(
+        url, {"language": "xx"}, ("a.wav", clip, "audio/wav")), 400, "unsupported_language", "language"),
+    ("a form FastAPI cannot parse", lambda url, clip: httpx.post(
+        f"{url}/v1/audio/transcriptions", content=b"--x\r\nnot a form", headers={
+            **AUTH, "content-type": "multipart/form-data"}), 400, "invalid_body", None),
+    ("a form the native route cannot parse", lambda url, clip: httpx.post(
+        f"{url}/v1/transcribe", content=b"--x\r\nnot a form", headers={
+            **AUTH, "content-type": "multipart/form-data"}), 400, "invalid_body", None),
+    ("no API key", lambda url, clip: httpx.get(f"{url}/v1/models"), 401, "invalid_api_key", None),
+    ("a wrong API key", lambda url, clip: httpx.post(
+        f"{url}/v1/transcribe", content=clip, headers={"Authorization": "Bearer nope", "content-type": "audio/wav"}),
+     401, "invalid_api_key", None),
+    ("no such route", lambda url, clip: httpx.get(f"{url}/v1/nope", headers=AUTH), 404, "route_not_found", None),
+    ("no such route outside /v1", lambda url, clip: httpx.get(f"{url}/nope"), 404, "route_not_found", None),
+    ("no such model", lambda url, clip: httpx.get(f"{url}/v1/models/gpt-9", headers=AUTH), 404, "model_not_found",
+     "model"),
+    ("a method the path does not take", lambda url, clip: httpx.put(f"{url}/v1/jobs", headers=AUTH), 405,
+     "method_not_allowed", None),
+    ("a declared body past the limit", lambda url, clip: httpx.post(
+        f"{url}/v1/transcribe", content=bytes(UPLOAD_LIMIT + (2 << 20)), headers={**AUTH, "content-type": "audio/wav"}),
+     413, "audio_too_large", "file"),
+    ("audio past the upload limit", lambda url, clip: httpx.post(
+        f"{url}/v1/transcribe", content=bytes(UPLOAD_LIMIT + 1), headers={**AUTH, "content-type": "audio/wav"}),
+     413, "audio_too_large", "file"),
+    ("not audio", lambda url, clip: _transcription(url, {}, ("notes.txt", b"plain text\n" * 50, "text/plain")), 415,
+     "unsupported_media_type", "file"),
+    ("jobs without Redis", lambda url, clip: httpx.post(
+        f"{url}/v1/jobs", json={"items": [{"path": "/a.wav"}]}, headers=AUTH), 503, "jobs_disabled", None),
+]
+
+
+@pytest.mark.parametrize(("request_", "status", "code", "param"), [case[1:] for case in CASES],
+                         ids=[case[0] for case in CASES])
+def test_each_refusal_has_the_error_shape_a_code_and_a_request_id(server, clip, request_, status, code, param):
+    error = check_refusal(request_(server.url, clip), status, code)
+    assert error["param"] == param
+
+
+def test_the_401_names_its_scheme_and_the_405_its_methods(server):
+    refused = httpx.get(f"{server.url}/v1/models")
+    assert check_refusal(refused, 401, "invalid_api_key")["type"] == "authentication_error"
+    assert refused.headers["www-authenticate"] == "Bearer"
+    not_allowed = httpx.put(f"{server.url}/v1/jobs", headers=AUTH)
+    assert not_allowed.headers["allow"] == "GET, POST"
+
+
+# --- refusals written before the app sees the request: raw sockets ------------------------------------------
+
+
+def _exchange(url: str, data: bytes, timeout_s: float = 30) -> Answer:
+    """``data`` sent on a fresh connection, then everything the server writes until it closes the connection."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=timeout_s) as conn:
+        with contextlib.suppress(OSError):  # refused part way: the answer is waiting
+            conn.sendall(data)
+        received = b""
+        while chunk := conn.recv(65536):
+            received += chunk
+    head, _, body = received.partition(b"\r\n\r\n")
+    status_line, *lines = head.decode("latin-1").split("\r\n")
+    headers = {name.strip().lower(): value.strip() for name, value in (line.split(":", 1) for line in lines)}
+    return Answer(int(status_line.split()[1]), headers, body)
+
+
+def test_a_request_head_past_the_limit_is_431_in_the_error_shape(server):
+    padding = b"a" * (MAX_HEAD_BYTES + 1000)
+    answer = _exchange(server.url, b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Padding: " + padding + b"\r\n\r\n")
+    error = check_refusal(answer, 431, "request_head_too_large")
+    assert str(MAX_HEAD_BYTES) in error["message"] and answer.headers["connection"] == "close"
+    assert int(answer.headers["content-length"]) == len(answer.body)
+
+
+def test_a_head_or_a_body_that_stops_arriving_is_408_in_the_error_shape(server, monkeypatch):
+    from service import body_buffer
+    from service.head_limit import BoundedHttpToolsProtocol
+
+    monkeypatch.setattr(BoundedHttpToolsProtocol, "head_timeout_s", 1.0)  # 60 s in service
+    monkeypatch.setattr(body_buffer, "BODY_IDLE_TIMEOUT_S", 1.0)
+    started = time.monotonic()
+    head = _exchange(server.url, b"POST /v1/transcribe HTTP/1.1\r\nHost: x\r\n")
+    assert time.monotonic() - started < 20
+    error = check_refusal(head, 408, "request_timeout")
+    assert "head" in error["message"] and head.headers["connection"] == "close"
+    body = _exchange(server.url, b"POST /v1/transcribe HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
+                     + b"\r\nContent-Type: audio/wav\r\nContent-Length: 100000\r\n\r\n" + bytes(1000))
+    error = check_refusal(body, 408, "request_timeout")
+    assert "body" in error["message"] and body.headers["connection"] == "close"
+    assert httpx.get(f"{server.url}/healthz").status_code == 200
