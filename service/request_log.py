@@ -9,7 +9,7 @@ from typing import Any
 
 from starlette.routing import BaseRoute, Match
 
-from .http import ServiceState
+from .http import ServiceState, internal_error, send_error
 from .logs import log_fields
 
 log = logging.getLogger("batchasr.api")
@@ -31,17 +31,22 @@ class RequestLogMiddleware:
         headers = dict(scope.get("headers") or [])
         request_id = headers.get(b"x-request-id", b"").decode("latin-1") or uuid.uuid4().hex
         started = time.perf_counter()
-        status = 500
+        status, answered = 500, False
 
         async def send_with_id(message: dict) -> None:
-            nonlocal status
+            nonlocal status, answered
             if message["type"] == "http.response.start":
-                status = message["status"]
+                status, answered = message["status"], True
                 message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode("latin-1"))]
             await send(message)
 
         try:
             await self.app(scope, receive, send_with_id)
+        except Exception as exc:
+            # answered here: Starlette's outermost middleware would send its 500 past this one, without the id
+            if not answered:
+                await send_error(send_with_id, internal_error(exc))
+            raise  # for that middleware's handler and the server to log it
         finally:
             elapsed = time.perf_counter() - started
             route_path = _route_path(scope.get("route")) or self._route_of(scope)

@@ -152,6 +152,25 @@ def test_the_401_names_its_scheme_and_the_405_its_methods(server):
     assert not_allowed.headers["allow"] == "GET, POST"
 
 
+def test_a_failure_of_the_server_is_a_500_with_its_code_and_request_id(server, hybrid, clip):
+    """The 500 Starlette's outermost middleware wrote went past the one that adds X-Request-ID."""
+    decode = hybrid.decode
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("CUDA error: out of memory")
+
+    hybrid.decode = failing
+    try:
+        answer = httpx.post(f"{server.url}/v1/transcribe", content=clip, headers={**AUTH, "content-type": "audio/wav"},
+                            timeout=60)
+    finally:
+        hybrid.decode = decode
+    error = check_refusal(answer, 500, "internal_error")
+    assert error == {"message": "internal error: RuntimeError", "type": "server_error", "param": None,
+                     "code": "internal_error"}
+    assert httpx.get(f"{server.url}/healthz").status_code == 200
+
+
 # --- refusals written before the app sees the request: raw sockets ------------------------------------------
 
 
