@@ -20,6 +20,10 @@ from .tokenizer import Tokenizer
 ENERGY_WINDOW_S = 0.1  # length of the window whose energy picks a cut point
 SEARCH_FRACTION = 0.3  # look for the cut in the last 30% of a segment
 NO_CUT = 1 << 62  # the last piece keeps everything after its start cut, even a TDT span past the end
+# the shortest pieces a recording may be cut into (``max_segment_s``), for the library, `batchasr transcribe` and the
+# service alike: cuts overlap by 2 s, so a shorter piece would be mostly overlap, and the cuts must move on past it
+MIN_SEGMENT_S = 5.0
+SEGMENT_TOO_SHORT = f"must be at least {MIN_SEGMENT_S:g} seconds"
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,20 @@ def _phrases(text: str) -> list[str]:
     return split_hotwords([text])
 
 
+def _segment_seconds(text: str) -> float:
+    """--max-segment-s: 0 (every file whole), or at least what the service's BATCHASR_MAX_SEGMENT_S takes; refused
+    here, before the model loads."""
+    from models.segmenter import MIN_SEGMENT_S, SEGMENT_TOO_SHORT
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if value != 0 and not value >= MIN_SEGMENT_S:  # NaN too
+        raise argparse.ArgumentTypeError(f"{SEGMENT_TOO_SHORT} (or 0: every file whole), not {text}")
+    return value
+
+
 def _names(text: str) -> list[str]:
     from models.conversation import parse_names
 
@@ -93,9 +107,10 @@ def _transcribe_parser(sub: argparse._SubParsersAction) -> None:
                    help="with --output-dir or --output: leave out inputs whose result is already there (to resume "
                         "a run)")
     _add_layout_options(p)
-    p.add_argument("--max-segment-s", type=float, default=30.0,
+    p.add_argument("--max-segment-s", type=_segment_seconds, default=30.0,
                    help="cut longer audio at quiet points into pieces this long, as the service does, and stitch "
-                        "them back (default: 30; 0: take every file whole, as NeMo does)")
+                        "them back (default: 30; at least 5, as BATCHASR_MAX_SEGMENT_S; 0: take every file whole, "
+                        "as NeMo does)")
     p.add_argument("audio", nargs="*", help="audio files (WAV, FLAC, OGG, MP3, M4A, MP4, WebM, ...: see the README) "
                                             "and directories of them")
     p.set_defaults(func=cmd_transcribe)

@@ -9,6 +9,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from decoding.types import HOTWORD_BOOST, MAX_HOTWORD_BOOST
+from models.segmenter import MIN_SEGMENT_S, SEGMENT_TOO_SHORT
 
 from .batcher import POOL_FACTOR
 
@@ -171,9 +172,9 @@ class Settings(BaseSettings):
 
     @field_validator("max_segment_s")
     @classmethod
-    def _segment_at_least_5_s(cls, value: float) -> float:
-        if value < 5:
-            raise ValueError("must be >= 5 seconds")
+    def _segment_long_enough(cls, value: float) -> float:
+        if not value >= MIN_SEGMENT_S:  # NaN too
+            raise ValueError(SEGMENT_TOO_SHORT)
         return value
 
     @model_validator(mode="after")

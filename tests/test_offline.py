@@ -113,9 +113,30 @@ def test_an_unreadable_input_comes_out_in_its_place_or_raises(model, parity_audi
         model.transcribe(inputs)
 
 
-def test_segment_length_is_checked(model):
-    with pytest.raises(ValueError, match="max_segment_s"):
-        model.transcribe([np.zeros(16000, dtype=np.float32)], max_segment_s=3)
+def test_the_library_the_command_and_the_service_take_the_same_shortest_segment(model, parity_dir, parity_audio,
+                                                                                capsys):
+    """`batchasr transcribe --max-segment-s 4.5` was taken (the library refused only 4 s or less) while the
+    service's BATCHASR_MAX_SEGMENT_S refused anything under 5: one minimum now, refused in the same words."""
+    from pydantic import ValidationError
+
+    from models.segmenter import MIN_SEGMENT_S
+
+    words = f"must be at least {MIN_SEGMENT_S:g} seconds"
+    assert MIN_SEGMENT_S == 5
+    for short in (4.5, 3, float("nan")):
+        with pytest.raises(ValueError, match=f"max_segment_s {words}"):
+            model.transcribe([np.zeros(16000, dtype=np.float32)], max_segment_s=short)
+        with pytest.raises(ValidationError, match=words):
+            Settings(max_segment_s=short)
+        with pytest.raises(SystemExit) as refused:  # before the model loads
+            main(["transcribe", "--model", str(parity_dir / "tdt.nemo"), "--max-segment-s", str(short),
+                  parity_audio[0]])
+        assert refused.value.code == 2 and f"--max-segment-s: {words} (or 0: every file whole)" in \
+            capsys.readouterr().err
+    assert Settings(max_segment_s=MIN_SEGMENT_S).max_segment_s == MIN_SEGMENT_S
+    assert model.transcribe([parity_audio[0]], max_segment_s=MIN_SEGMENT_S)[0].text
+    assert main(["transcribe", "--model", str(parity_dir / "tdt.nemo"), "--max-segment-s", "5", "--format", "text",
+                 parity_audio[0]]) == 0
 
 
 def test_integer_pcm_arrays_are_scaled_as_their_files_decode(model, parity_audio):
