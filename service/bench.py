@@ -127,6 +127,9 @@ def load_bench_model(name: str | None, device: str, dtype: str, seed: int,
         model = build_random_model(name, device=device, dtype=dtype, seed=seed)
         model.encoder.set_attention_kernel(resolve_attention_kernel(attention_kernel, model.device))
         return model, True
+    if name is not None and not Path(name).exists():  # a mistyped architecture is no missing file
+        raise ValueError(f"{name}: neither a checkpoint (no such file or directory) nor a built-in architecture "
+                         f"({', '.join(ARCHITECTURES)})")
     return load_model(name, device=device, dtype=dtype, attention_kernel=attention_kernel), False
 
 

@@ -226,3 +226,14 @@ def test_bench_counts_an_8_khz_models_audio_at_its_own_rate(parity_dir, parity_a
 def test_bench_wants_an_utterance(capsys):
     assert cli_main(["bench", "--device", "cpu", "--n-utterances", "0"]) == 2
     assert "--n-utterances must be >= 1" in capsys.readouterr().err
+
+
+def test_bench_names_the_architectures_when_the_model_is_neither_a_file_nor_one(capsys, tmp_path):
+    """`--model nosuch-arch` said only "no such file or directory", as if a file had been meant."""
+    from models.architectures import ARCHITECTURES
+
+    for name in ("nosuch-arch", str(tmp_path / "missing.nemo")):
+        assert cli_main(["bench", "--device", "cpu", "--model", name, "--n-utterances", "1"]) == 2
+        err = capsys.readouterr().err
+        assert f"error: {name}: neither a checkpoint (no such file or directory) nor a built-in architecture" in err
+        assert all(arch in err for arch in ARCHITECTURES), err
