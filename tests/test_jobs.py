@@ -152,6 +152,30 @@ def test_redis_restart_mid_job_loses_nothing(tmp_path, parity_dir, parity_audio,
         server.stop()
 
 
+def test_the_job_store_uses_no_connection_a_redis_restart_closed(tmp_path):
+    """redis-py's maintenance notifications (on by default over RESP3) stop its pool from checking that a connection
+    it hands out is still open: after a restart each pooled connection failed its next command once, so a server
+    answered 503 to a burst, or to light traffic for as long as it took to reach every connection."""
+    server = RedisServer(tmp_path, appendonly=True).start()
+
+    async def scenario() -> list[object]:
+        store = JobStore.from_url(server.url)
+        await asyncio.gather(*(store.redis.ping() for _ in range(32)))  # the pool holds 32 connections
+        await asyncio.to_thread(server.stop)
+        await asyncio.to_thread(server.start)  # same port and data
+        await asyncio.sleep(0.1)  # the closed connections' ends arrive
+        try:
+            return await asyncio.gather(*(store.redis.hlen("x") for _ in range(40)), return_exceptions=True)
+        finally:
+            await store.close()
+
+    try:
+        replies = asyncio.run(scenario())
+    finally:
+        server.stop()
+    assert replies == [0] * 40
+
+
 def test_worker_waits_for_redis_that_is_not_there_yet(tmp_path, parity_dir, parity_audio, expected):
     server = RedisServer(tmp_path)  # not started yet
     worker = _worker(server.url, "w-early", parity_dir)
