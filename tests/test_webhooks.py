@@ -410,3 +410,43 @@ def test_the_webhook_worker_makes_its_group_on_a_fresh_redis(redis_server):
 
     assert asyncio.run(scenario()) == 0
     assert redis_server.client().xinfo_groups(WEBHOOK_STREAM)[0]["name"] == GROUP.encode()
+
+
+def test_a_delivery_redis_restarted_under_is_made_again_once_it_is_back(tmp_path, receiver):
+    """Redis went away while a webhook was being posted: its outcome could not be recorded, so its entry stayed
+    pending (the append-only file kept it), and the worker, riding out the restart, reclaims and delivers it."""
+    from tests.redis_server import RedisServer
+
+    hook = receiver(None, 200)  # the first post is answered only once Redis is down
+    server = RedisServer(tmp_path, appendonly=True).start()
+
+    async def scenario() -> Job:
+        store = JobStore.from_url(server.url)
+        await store.ensure_group()
+        job_id = await _finished_job_with_webhook(store, hook.url())
+        stop = asyncio.Event()
+        worker = WebhookWorker(store, WebhookSender(SECRET, url_prefixes=[hook.prefix()]), "w", Metrics(),
+                               claim_idle_s=0.5, reclaim_interval_s=0.2)
+        running = asyncio.create_task(worker.run(stop, block_ms=100))
+        await asyncio.to_thread(_wait_for, lambda: hook.received, 10, "the first delivery never arrived")
+        await asyncio.to_thread(server.stop)
+        hook.release.set()
+        await asyncio.sleep(0.5)  # the delivery ends, and its outcome finds no Redis
+        await asyncio.to_thread(server.start)
+        job_key = f"batchasr:job:{job_id}"
+        await asyncio.to_thread(_wait_for, lambda: server.client().hget(job_key, "webhook_status") != b"pending", 30,
+                                "the delivery was not made again after the restart")
+        stop.set()
+        await running
+        await worker.close()
+        job = await store.get(job_id)
+        await store.close()
+        return job
+
+    try:
+        job = asyncio.run(scenario())
+        assert server.client().xpending(WEBHOOK_STREAM, GROUP)["pending"] == 0
+    finally:
+        server.stop()
+    assert (job.webhook_status, job.webhook_attempts) == ("delivered", 1)
+    assert len(hook.received) == 2 and len({headers["webhook-id"] for headers, _ in hook.received}) == 1
