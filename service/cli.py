@@ -1,4 +1,4 @@
-"""The ``batchasr`` command: transcribe | serve | worker | submit | bench.
+"""The ``batchasr`` command: transcribe | serve | worker | submit | jobs | bench.
 
 Each subcommand imports what it needs when it runs, so ``batchasr transcribe`` never loads the web stack.
 """
@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -255,8 +256,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 def _submit_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("submit", help="submit audio files (and directories of them) or URLs as one bulk job")
-    target = p.add_mutually_exclusive_group(required=True)
-    target.add_argument("--redis-url", help="submit straight into Redis")
+    target = p.add_mutually_exclusive_group()
+    target.add_argument("--redis-url", help="submit straight into Redis (default: BATCHASR_REDIS_URL)")
     target.add_argument("--server", help="submit through a batchasr server's /v1/jobs (e.g. http://host:8000)")
     p.add_argument("--api-key", help="Bearer key for --server")
     p.add_argument("--wait", action="store_true", help="wait for the job, with a progress bar, then print results")
@@ -291,6 +292,17 @@ def _submit_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_submit)
 
 
+def _has_target(args: argparse.Namespace) -> bool:
+    """submit, jobs: whether there is a server or a Redis to talk to; without --server or --redis-url, Redis is
+    BATCHASR_REDIS_URL's (as for the worker; blank: unset, as for the server). Said on stderr when there is none."""
+    if not (args.server or args.redis_url):
+        args.redis_url = os.environ.get("BATCHASR_REDIS_URL", "").strip() or None
+    if args.server or args.redis_url:
+        return True
+    print(f"error: {args.command} needs --server or --redis-url (or BATCHASR_REDIS_URL)", file=sys.stderr)
+    return False
+
+
 def cmd_submit(args: argparse.Namespace) -> int:
     from models.audio_io import AudioClip
 
@@ -298,6 +310,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from .jobs_cli import WorkerPath, collect_audio, parse_size, run_submit
     from .line_output import cannot_write, open_results
 
+    if not _has_target(args):
+        return 2
     try:
         job_bytes = parse_size(args.job_bytes)
         entries = _submitted_manifest(args)
@@ -438,10 +452,11 @@ def _result_files(args: argparse.Namespace, inputs: list) -> Callable[[Any, dict
 
 def _jobs_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("jobs", help="list bulk jobs, newest first; or cancel or purge some")
-    target = p.add_mutually_exclusive_group(required=True)
+    target = p.add_mutually_exclusive_group()
     target.add_argument("--server", help="a batchasr server's /v1/jobs: the jobs of --api-key (or, on a server "
                                          "without keys, every job)")
-    target.add_argument("--redis-url", help="straight from Redis: the jobs submitted without an API key")
+    target.add_argument("--redis-url", help="straight from Redis: the jobs submitted without an API key (default: "
+                                            "BATCHASR_REDIS_URL)")
     p.add_argument("--api-key", help="Bearer key for --server")
     p.add_argument("--status", choices=["queued", "in_progress", "completed", "completed_with_errors", "failed",
                                         "cancelled"], help="only jobs in this state")
@@ -458,6 +473,8 @@ def _jobs_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_jobs(args: argparse.Namespace) -> int:
     from .jobs_cli import run_end, run_list
 
+    if not _has_target(args):
+        return 2
     if args.cancel or args.purge:
         return asyncio.run(run_end(args.redis_url, args.server, args.api_key, args.cancel or args.purge,
                                    bool(args.purge), sys.stdout))

@@ -1013,6 +1013,29 @@ def test_submit_cli_to_unreachable_redis(parity_audio):
     assert result.returncode == 2 and "cannot reach Redis" in result.stderr
 
 
+def test_submit_and_jobs_cli_take_redis_from_the_environment_and_say_when_there_is_none(redis_server, parity_audio):
+    """As the worker does, `submit` and `jobs` read BATCHASR_REDIS_URL when no --redis-url (or --server) is given;
+    with neither they exit 2 saying what they need (argparse's "one of the arguments is required" did not name the
+    variable, and a set variable was ignored)."""
+    def run(*args: str, **env: str) -> subprocess.CompletedProcess:
+        environment = {k: v for k, v in os.environ.items() if k != "BATCHASR_REDIS_URL"} | env
+        return subprocess.run([sys.executable, "-m", "service.cli", *args], capture_output=True, text=True,
+                              timeout=60, env=environment)
+
+    submitted = run("submit", parity_audio[0], BATCHASR_REDIS_URL=redis_server.url)
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stderr.split()[1].rstrip(":")
+    listed = run("jobs", "--json", BATCHASR_REDIS_URL=redis_server.url)
+    assert listed.returncode == 0 and [json.loads(line)["id"] for line in listed.stdout.splitlines()] == [job_id]
+    elsewhere = f"redis://127.0.0.1:{free_port()}/0"  # an option given wins over the variable
+    assert "cannot reach Redis" in run("jobs", "--redis-url", elsewhere, BATCHASR_REDIS_URL=redis_server.url).stderr
+    for command in (["submit", parity_audio[0]], ["jobs"], ["jobs", "--cancel", job_id]):
+        refused = run(*command, BATCHASR_REDIS_URL=" ")  # blank: unset, as the server reads it
+        assert refused.returncode == 2
+        assert f"error: {command[0]} needs --server or --redis-url (or BATCHASR_REDIS_URL)" in refused.stderr
+    assert redis_server.client().hget(f"batchasr:job:{job_id}", "status") == b"queued"  # nothing cancelled
+
+
 def test_submit_cli_splits_more_audio_than_a_job_takes_into_several(redis_server, model, parity_audio, expected,
                                                                      tmp_path):
     sizes = [Path(p).stat().st_size for p in sorted(parity_audio)]
