@@ -390,13 +390,19 @@ def exact_float32(active: bool = True) -> Iterator[None]:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
 
 
+def parse_device(device: str | torch.device) -> torch.device:
+    """A device's name as torch reads it, whether or not this machine has it; ValueError for a name torch does not
+    know."""
+    try:
+        return torch.device(device)
+    except RuntimeError as exc:  # "gpu", "cuda:x"
+        raise ValueError(f"unknown device {str(device)!r}; choose auto, cpu, cuda or cuda:N") from exc
+
+
 def resolve_device(device: str | torch.device) -> torch.device:
     if str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(device)
-    except RuntimeError as exc:  # "gpu", "cuda:x"
-        raise ValueError(f"unknown device {str(device)!r}; choose auto, cpu, cuda or cuda:N") from exc
+    device = parse_device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' requested but CUDA is not available")
     return device

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
+    from .config import Settings
     from .formats import SubtitleLayout
     from .manifest import ErrorRate, ManifestEntry
 
@@ -167,22 +168,42 @@ def raise_open_files_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
+# the settings serve and worker take from their options: a bad value is named as the option that gave it
+SETTING_OPTIONS = {"model": "--model", "device": "--device", "dtype": "--dtype", "host": "--host", "port": "--port",
+                   "redis_url": "--redis-url", "attention_kernel": "--attention-kernel", "frontends": "--frontends",
+                   "worker_name": "--name"}
+
+
+def _read_settings(**options: object) -> Settings | None:
+    """Settings from the environment and the options that override it; None, with a line on stderr for each bad
+    setting (its variable or option, its value, what is wrong), where any is refused."""
+    from .config import InvalidSettings, get_settings
+
+    try:
+        return get_settings(**options)
+    except InvalidSettings as exc:
+        for line in exc.lines(SETTING_OPTIONS):
+            print(f"error: {line}", file=sys.stderr)
+        return None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
+    device = None if args.device == "auto" else args.device
+    dtype = None if args.dtype == "auto" else args.dtype
+    settings = _read_settings(model=args.model, device=device, dtype=dtype, host=args.host, port=args.port,
+                              redis_url=args.redis_url, attention_kernel=args.attention_kernel,
+                              frontends=args.frontends)
+    if settings is None:
+        return 2
     import uvicorn
 
     from .api import create_app
-    from .config import get_settings
     from .head_limit import HTTP_PROTOCOL
     from .logs import configure_json_logging
 
     level = logging.DEBUG if args.verbose else logging.INFO
     configure_json_logging(level)
     raise_open_files_limit()  # front-end processes inherit it
-    device = None if args.device == "auto" else args.device
-    dtype = None if args.dtype == "auto" else args.dtype
-    settings = get_settings(model=args.model, device=device, dtype=dtype, host=args.host, port=args.port,
-                            redis_url=args.redis_url, attention_kernel=args.attention_kernel,
-                            frontends=args.frontends)
     if settings.job_consumers and not settings.frontends:
         print("error: job consumer processes (BATCHASR_JOB_CONSUMERS) need front-end processes (--frontends)",
               file=sys.stderr)
@@ -235,15 +256,16 @@ def _worker_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from .config import get_settings
+    settings = _read_settings(model=args.model, device=None if args.device == "auto" else args.device,
+                              dtype=None if args.dtype == "auto" else args.dtype, redis_url=args.redis_url,
+                              worker_name=args.name, attention_kernel=args.attention_kernel)
+    if settings is None:
+        return 2
     from .jobs_cli import run_worker
     from .logs import configure_json_logging
 
     level = logging.DEBUG if args.verbose else logging.INFO
     configure_json_logging(level)
-    settings = get_settings(model=args.model, device=None if args.device == "auto" else args.device,
-                            dtype=None if args.dtype == "auto" else args.dtype, redis_url=args.redis_url,
-                            worker_name=args.name, attention_kernel=args.attention_kernel)
     if not settings.redis_url:
         print("error: a worker needs --redis-url (or BATCHASR_REDIS_URL)", file=sys.stderr)
         return 2

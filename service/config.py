@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
+import os
+import shlex
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Annotated
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from decoding.types import HOTWORD_BOOST, MAX_HOTWORD_BOOST
@@ -13,9 +18,13 @@ from models.segmenter import MIN_SEGMENT_S, SEGMENT_TOO_SHORT
 
 from .batcher import POOL_FACTOR
 
+ENV_PREFIX = "BATCHASR_"
+# an error names a bad setting's value: these are credentials, named as *** instead
+SECRET_SETTINGS = frozenset({"api_keys", "webhook_secret"})
+
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="BATCHASR_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")  # no .env file: the environment only
 
     # Model and device
     model: str | None = None  # a .nemo path; None: the embedded default model
@@ -98,7 +107,10 @@ class Settings(BaseSettings):
         """Accept ``a,b`` as well as a JSON list from the environment."""
         if isinstance(value, str):
             if value.lstrip().startswith("["):
-                return json.loads(value)
+                try:
+                    return json.loads(value)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"a list starting with [ must be JSON: {exc}") from None
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
 
@@ -117,11 +129,85 @@ class Settings(BaseSettings):
 
         return check_prefixes(value)
 
-    @field_validator("max_batch_size", "max_queue", "decode_threads", "job_prefetch", "max_job_items")
+    @field_validator("max_batch_size", "max_queue", "decode_threads", "job_prefetch", "max_job_items",
+                     "max_upload_bytes", "max_job_upload_bytes", "max_intake_bytes", "max_channels",
+                     "job_input_ttl_s", "job_result_ttl_s", "job_max_attempts")
     @classmethod
     def _positive(cls, value: int | None) -> int | None:
         if value is not None and value < 1:
             raise ValueError("must be >= 1")
+        return value
+
+    @field_validator("max_duration_s", "request_timeout_s", "job_item_timeout_s", "job_url_timeout_s",
+                     "job_visibility_timeout_s")
+    @classmethod
+    def _positive_seconds(cls, value: float) -> float:
+        if not 0 < value < math.inf:  # NaN too; infinity would be cast to int for timers
+            raise ValueError("must be a number of seconds > 0")
+        return value
+
+    @field_validator("max_wait_ms")
+    @classmethod
+    def _not_negative_wait(cls, value: float) -> float:
+        if not 0 <= value < math.inf:
+            raise ValueError("must be a number of milliseconds >= 0")
+        return value
+
+    @field_validator("port")
+    @classmethod
+    def _port(cls, value: int) -> int:
+        if not 0 <= value <= 65535:
+            raise ValueError("must be 0 to 65535")
+        return value
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        if value != "auto":  # whether this machine has it is for loading the model to tell
+            from models.asr_model import parse_device
+
+            parse_device(value)
+        return value
+
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, value: str) -> str:
+        from models.asr_model import DTYPES
+
+        if value != "auto" and value not in DTYPES:
+            raise ValueError(f"must be one of auto, {', '.join(DTYPES)}")
+        return value
+
+    @field_validator("decoder")
+    @classmethod
+    def _known_decoder(cls, value: str) -> str:
+        from models.asr_model import DECODERS
+
+        if value not in DECODERS:
+            raise ValueError(f"must be one of {', '.join(DECODERS)}")
+        return value
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, value: str | None) -> str | None:
+        if value is not None:
+            from redis.connection import parse_url  # the parsing the connection pool gives it
+
+            parse_url(value)
+        return value
+
+    @field_validator("webhook_secret")
+    @classmethod
+    def _webhook_secret(cls, value: str | None) -> str | None:
+        if value is not None:
+            import binascii
+
+            from .webhooks import secret_bytes  # decoded as each webhook is signed: a bad one failed every delivery
+
+            try:
+                secret_bytes(value)
+            except binascii.Error as exc:
+                raise ValueError(f"whsec_ must be followed by base64 ({exc})") from None
         return value
 
     @field_validator("frontends", "job_consumers")
@@ -163,11 +249,11 @@ class Settings(BaseSettings):
             raise ValueError(f"must be one of {', '.join(ATTENTION_KERNEL_OPTIONS)}")
         return value
 
-    @field_validator("length_bucket_s")
+    @field_validator("length_bucket_s", "max_batch_audio_s")
     @classmethod
     def _positive_bucket(cls, value: float | None) -> float | None:
-        if value is not None and value <= 0:
-            raise ValueError("must be > 0 seconds (or unset)")
+        if value is not None and not 0 < value < math.inf:
+            raise ValueError("must be a number of seconds > 0 (or unset)")
         return value
 
     @field_validator("max_segment_s")
@@ -177,15 +263,78 @@ class Settings(BaseSettings):
             raise ValueError(SEGMENT_TOO_SHORT)
         return value
 
-    @model_validator(mode="after")
-    def _overlap_under_half_a_segment(self) -> Settings:
-        # each cut must move on past the overlap it leaves behind, or long audio is never cut to the end
-        if not 0 <= self.segment_overlap_s < self.max_segment_s / 2:
-            raise ValueError(f"segment_overlap_s ({self.segment_overlap_s:g}) must be >= 0 and under half of "
-                             f"max_segment_s ({self.max_segment_s:g})")
-        return self
+    @field_validator("segment_overlap_s")
+    @classmethod
+    def _overlap_under_half_a_segment(cls, value: float, info: ValidationInfo) -> float:
+        # each cut must move on past the overlap it leaves behind, or long audio is never cut to the end;
+        # max_segment_s is validated first (declared first), and absent here when it was refused itself
+        segment_s = info.data.get("max_segment_s")
+        if segment_s is not None and not 0 <= value < segment_s / 2:
+            raise ValueError(f"must be >= 0 and under half of max_segment_s ({segment_s:g})")
+        return value
+
+
+@dataclass(frozen=True)
+class SettingProblem:
+    """A setting refused: the value given, what is wrong with it, and whether an override (a command-line option)
+    gave it rather than the environment."""
+
+    field: str
+    value: object
+    message: str
+    overridden: bool
+
+    def line(self, option_names: Mapping[str, str]) -> str:
+        """``BATCHASR_MAX_SEGMENT_S=4: must be ...``, or the option's name for an override's."""
+        where = option_names.get(self.field, self.field) if self.overridden else ENV_PREFIX + self.field.upper()
+        return f"{where}={shlex.quote(_shown(self.field, self.value))}: {self.message}"
+
+
+class InvalidSettings(ValueError):
+    """Settings refused, one ``SettingProblem`` per bad setting (its first error)."""
+
+    def __init__(self, problems: list[SettingProblem]):
+        super().__init__("\n".join(problem.line({}) for problem in problems))
+        self.problems = problems
+
+    def lines(self, option_names: Mapping[str, str]) -> list[str]:
+        return [problem.line(option_names) for problem in self.problems]
 
 
 def get_settings(**overrides: object) -> Settings:
-    """Settings from the environment, with explicit overrides (command-line options, tests)."""
-    return Settings(**{k: v for k, v in overrides.items() if v is not None})
+    """Settings from the environment, with explicit overrides (command-line options, tests); ``InvalidSettings``
+    naming each bad one."""
+    given = {k: v for k, v in overrides.items() if v is not None}
+    try:
+        return Settings(**given)
+    except ValidationError as exc:
+        raise InvalidSettings(_problems(exc, given)) from exc
+
+
+def _problems(exc: ValidationError, given: Mapping[str, object]) -> list[SettingProblem]:
+    problems: dict[str, SettingProblem] = {}
+    for error in exc.errors():
+        field = str(error["loc"][0]) if error["loc"] else ""
+        if field in problems:  # a list's other bad items: the first says what is wrong
+            continue
+        cause = error.get("ctx", {}).get("error")  # a validator's ValueError: its words, without "Value error, "
+        message = str(cause) if error["type"] == "value_error" and cause is not None else error["msg"]
+        overridden = field in given
+        # the environment's text as it was set (a list's error holds only its item)
+        value = given[field] if overridden else os.environ.get(ENV_PREFIX + field.upper(), error.get("input"))
+        problems[field] = SettingProblem(field, value, message, overridden)
+    return list(problems.values())
+
+
+def _shown(field: str, value: object) -> str:
+    """A bad setting's value as an error line shows it: credentials hidden."""
+    if field in SECRET_SETTINGS:
+        return "***"
+    if field == "redis_url":
+        from .logs import redacted_url
+
+        try:
+            return redacted_url(str(value))
+        except ValueError:  # not even a URL's shape
+            return "***"
+    return str(value)

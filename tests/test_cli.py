@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -16,10 +17,14 @@ from models import load_model
 from service.cli import main
 
 
-def test_console_script_runs(parity_dir, parity_audio):
+def _batchasr() -> list[str]:
+    """The command as a user runs it: the installed console script, else the module."""
     exe = shutil.which("batchasr")
-    command = [exe] if exe else [sys.executable, "-m", "service.cli"]
-    out = subprocess.run([*command, "transcribe", "--model", str(parity_dir / "tdt.nemo"), "--format", "jsonl",
+    return [exe] if exe else [sys.executable, "-m", "service.cli"]
+
+
+def test_console_script_runs(parity_dir, parity_audio):
+    out = subprocess.run([*_batchasr(), "transcribe", "--model", str(parity_dir / "tdt.nemo"), "--format", "jsonl",
                           parity_audio[0]], capture_output=True, text=True, check=True, timeout=120)
     record = json.loads(out.stdout)
     assert record["audio"] == parity_audio[0]
@@ -186,3 +191,31 @@ def test_directories_are_walked_through_linked_folders_and_a_dead_link_is_report
     captured = capsys.readouterr()
     assert [json.loads(line)["audio"] for line in captured.out.splitlines()] == [str(archive / "calls" / "a.wav")]
     assert "gone.wav" in captured.err and "1 of 2 files could not be read" in captured.err
+
+
+@pytest.mark.parametrize("command", ["serve", "worker"])
+def test_bad_settings_are_named_one_line_each_before_the_model_loads(command, tmp_path):
+    """A bad BATCHASR_* setting ended `serve` and `worker` in pydantic's traceback, naming the field rather than the
+    variable; some (an unknown decoder or dtype, a Redis URL of another scheme) only once the model had loaded."""
+    bad = {"BATCHASR_MAX_SEGMENT_S": "4", "BATCHASR_MAX_UPLOAD_BYTES": "-1", "BATCHASR_DECODER": "rnn",
+           "BATCHASR_PORT": "http", "BATCHASR_REDIS_URL": "http://:hunter2@cache:6379"}
+    env = {name: value for name, value in os.environ.items() if not name.startswith("BATCHASR_")}
+    env |= bad | {"BATCHASR_MODEL": str(tmp_path / "never-loaded.nemo")}  # loading it would be another error
+    run = subprocess.run([*_batchasr(), command], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr
+    assert "Traceback" not in run.stderr and "hunter2" not in run.stderr
+    assert run.stderr.splitlines() == [
+        "error: BATCHASR_DECODER=rnn: must be one of auto, ctc, rnnt, tdt",
+        "error: BATCHASR_PORT=http: Input should be a valid integer, unable to parse string as an integer",
+        "error: BATCHASR_MAX_UPLOAD_BYTES=-1: must be >= 1",
+        "error: BATCHASR_MAX_SEGMENT_S=4: must be at least 5 seconds",
+        "error: BATCHASR_REDIS_URL='http://:***@cache:6379': Redis URL must specify one of the following schemes "
+        "(redis://, rediss://, unix://)"]
+
+
+def test_a_bad_setting_given_as_an_option_is_named_as_the_option(capsys):
+    assert main(["serve", "--port", "70000", "--device", "gpu", "--frontends", "-1"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: --device=gpu: unknown device 'gpu'; choose auto, cpu, cuda or cuda:N",
+        "error: --port=70000: must be 0 to 65535",
+        "error: --frontends=-1: must be >= 0"]

@@ -88,6 +88,6 @@ def test_an_overlap_of_half_a_segment_or_more_is_refused():
     for overlap in (15, 31, 8):
         with pytest.raises(ValueError, match="under half the segment"):
             plan_segments(len(wave), wave, 16000, 30 if overlap != 8 else 5, overlap, FRAME)
-    with pytest.raises(ValidationError, match=r"segment_overlap_s \(8\) must be >= 0 and under half of max_segment_s"):
+    with pytest.raises(ValidationError, match=r"segment_overlap_s\n.* under half of max_segment_s \(5\)"):
         Settings(max_segment_s=5, segment_overlap_s=8)
     assert Settings(max_segment_s=5, segment_overlap_s=2).segment_overlap_s == 2
