@@ -35,8 +35,6 @@ from .formats import SubtitleLayout, to_srt, to_vtt
 from .hotwords import split_hotwords
 from .http import (
     BINARY_SCHEMA,
-    ERROR_DESCRIPTIONS,
-    ERROR_SCHEMA,
     ApiError,
     ApiKeyGate,
     ServiceDep,
@@ -300,10 +298,10 @@ def _form_list(form: FormData, name: str) -> list[str]:
 # --- routes ------------------------------------------------------------------------------------------------
 
 v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)], tags=["transcription"],
-               responses=error_responses(400, 401))
+               responses=error_responses(401))
 
-# what a transcription route may answer besides its own validation errors
-TRANSCRIBE_ERRORS = error_responses(413, 415, 429, 503, 504)
+# what a transcription route may answer
+TRANSCRIBE_ERRORS = error_responses(400, 413, 415, 429, 503, 504)
 
 TRANSCRIPTION_RESPONSES: dict[int | str, dict[str, Any]] = {200: {
     "description": "By `response_format`: `json` and `verbose_json` as JSON, `text`, `srt` and `vtt` as text; with "
@@ -468,8 +466,8 @@ ops = APIRouter(tags=["operations"])
 
 
 @ops.head("/healthz", include_in_schema=False)  # uptime checkers and load balancers that ask with HEAD
-@ops.get("/healthz", responses={503: {"description": "The engine failed for good: restart the process",
-                                      "content": {"application/json": {}}}})
+@ops.get("/healthz", responses={**error_responses(), 503: {
+    "description": "The engine failed for good: restart the process", "content": {"application/json": {}}}})
 async def healthz(service: ServiceDep) -> JSONResponse:
     """Alive: the process answers, and its engine has not failed for good (a failed warm-up, a broken GPU
     context): then only a new process can serve, so a liveness probe restarts it."""
@@ -480,8 +478,8 @@ async def healthz(service: ServiceDep) -> JSONResponse:
 
 
 @ops.head("/readyz", include_in_schema=False)
-@ops.get("/readyz", responses={503: {"description": "Not ready: `problems` says why",
-                                     "content": {"application/json": {}}}})
+@ops.get("/readyz", responses={**error_responses(), 503: {
+    "description": "Not ready: `problems` says why", "content": {"application/json": {}}}})
 async def readyz(service: ServiceDep) -> JSONResponse:
     """Ready: model loaded, engine warm, Redis reachable when configured."""
     stack = service.stack
@@ -496,8 +494,9 @@ async def readyz(service: ServiceDep) -> JSONResponse:
     return JSONResponse({"status": "not ready" if problems else "ready", "problems": problems}, status)
 
 
-@ops.get("/metrics", response_class=PlainTextResponse, responses={503: {  # Prometheus's text; its errors JSON
-    "description": ERROR_DESCRIPTIONS[503], "content": {"application/json": {"schema": ERROR_SCHEMA}}}})
+@ops.get("/metrics", response_class=Response, responses={  # Prometheus's text; its errors JSON, as any route's
+    200: {"description": "The metrics in Prometheus's text format", "content": {"text/plain": {}}},
+    **error_responses(503)})
 async def metrics(service: ServiceDep) -> Response:
     if service.metrics is None:
         raise ApiError(503, "the service is starting", type="server_error", code="not_ready")

@@ -110,27 +110,36 @@ class ServiceState:
 
 
 ERROR_DESCRIPTIONS = {
-    400: "A parameter, a form field or the audio is refused (FastAPI's validation errors too: never a 422)",
+    400: "A parameter, a form field or the audio is refused, or the body cannot be parsed (FastAPI's validation "
+         "errors too: never a 422)",
     401: "An API key is required (`Authorization: Bearer <key>`) and none valid was sent",
     404: "No such model or job",
+    405: "A method the path does not take: `Allow` names those it does",
+    408: "The request head did not arrive whole in time, or the body stopped arriving: the connection is closed",
     413: "The body or the audio exceeds a limit",
     415: "The upload is not audio",
     429: "The queue is full: retry after `Retry-After` seconds",
+    431: "The request head (request line and headers) is too large: the connection is closed",
+    500: "A failure of the server's own: its kind in the message, the rest in the log",
     503: "Not ready, or the engine or the job store (Redis) unavailable: retry after `Retry-After` seconds",
     504: "The transcription did not finish within the request timeout",
 }
-
-
-ERROR_SCHEMA = {"$ref": "#/components/schemas/ErrorResponse"}  # where a route's own media type is not JSON
+# what every route may answer: a request head too large or too slow is refused before routing (service.head_limit),
+# and any route may fail. A route that takes a body lists 413 itself (service.body_limit); its body's 408
+# (service.body_buffer) is the head's
+EVERY_ROUTE_ERRORS = (408, 431, 500)
 # an uploaded file, as FastAPI writes an UploadFile's, for the routes that read their bodies themselves
 BINARY_SCHEMA = {"type": "string", "contentMediaType": "application/octet-stream"}
 
 
 def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """A route's errors for its OpenAPI spec, each in the OpenAI shape; "4XX" stands for the other client errors
-    (405, 401 where keys are set) and keeps FastAPI from declaring its 422, which this API never sends."""
-    return {**{status: {"model": ErrorResponse, "description": ERROR_DESCRIPTIONS[status]} for status in statuses},
-            "4XX": {"model": ErrorResponse, "description": "Another client error"}}
+    """A route's errors for its OpenAPI spec, with ``EVERY_ROUTE_ERRORS``, each in the OpenAI shape. "4XX" stands
+    for a 405, answered for a path rather than a route, and keeps FastAPI from declaring its 422, which this API
+    never sends."""
+    return {**{status: {"model": ErrorResponse, "description": ERROR_DESCRIPTIONS[status]}
+               for status in (*statuses, *EVERY_ROUTE_ERRORS)},
+            "4XX": {"model": ErrorResponse, "description": "Another client error: 405 for a method the path does not "
+                                                           "take (`Allow` names those it does)"}}
 
 
 def _error_body(message: str, type: str, param: str | None, code: str | None) -> dict[str, Any]:

@@ -63,7 +63,7 @@ T = TypeVar("T")
 MAX_IDEMPOTENCY_KEY_CHARS = 255  # as Stripe's: room for a UUID and a client's own prefix
 
 router = APIRouter(prefix="/v1/jobs", dependencies=[Depends(require_api_key)], tags=["jobs"],
-                   responses=error_responses(400, 401, 503))
+                   responses=error_responses(401, 503))
 
 
 class JobItem(BaseModel):
@@ -232,7 +232,7 @@ def _check_webhook(url: str | None, settings: Settings) -> None:
 
 @router.post("", status_code=202, openapi_extra=JOB_BODY, responses={
     200: {"description": "The job an earlier submission with this `Idempotency-Key` made",
-          "content": {"application/json": {}}}, **error_responses(413)})
+          "content": {"application/json": {}}}, **error_responses(400, 413)})
 async def create_job(request: Request, service: ServiceDep,
                      idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None) -> JSONResponse:
     """Submit a job: multipart `files` uploads, or JSON `{"items": [{"path": ...} | {"url": ...}]}` for audio the
@@ -270,7 +270,7 @@ async def _submit(store: JobStore, settings: Settings, items: list[ItemInput], o
     return JSONResponse(job.to_dict(), status_code=202 if created else 200)
 
 
-@router.get("")
+@router.get("", responses=error_responses(400))
 async def list_jobs(request: Request, service: ServiceDep, limit: Annotated[int, Query(ge=1, le=100)] = 20,
                     after: str | None = None, status: JobStatus | None = None) -> dict[str, Any]:
     """Your jobs, newest first, `limit` at a time (of one `status`, if given): pass the page's `last_id` as `after`
@@ -317,7 +317,7 @@ def _line(record: dict[str, Any]) -> bytes:
     return (json.dumps(record, ensure_ascii=False) + "\n").encode()
 
 
-@router.delete("/{job_id}", responses=error_responses(404))
+@router.delete("/{job_id}", responses=error_responses(400, 404))
 async def cancel_job(job_id: str, request: Request, service: ServiceDep, purge: bool = False) -> dict[str, Any]:
     """Cancel: items not started are dropped; items in progress finish. With `purge=true`, delete the job now:
     its records, results and uploaded audio (items in progress finish, and their results are dropped)."""

@@ -6,10 +6,13 @@ from pydantic import BaseModel
 
 
 class ErrorDetail(BaseModel):
+    """All four in every refusal: `param` names the field at fault (null where none is), `code` what a client can
+    match on."""
+
     message: str
     type: str
-    param: str | None = None
-    code: str | None = None
+    param: str | None
+    code: str | None
 
 
 class ErrorResponse(BaseModel):

@@ -21,7 +21,7 @@ import torch
 
 from models import load_model
 from service.config import Settings
-from service.http import upload_too_large_message
+from service.http import ERROR_DESCRIPTIONS, EVERY_ROUTE_ERRORS, upload_too_large_message
 from service.logs import JsonFormatter
 from tests.conftest import REPO, load_script, long_recording
 from tests.servers import StreamedUpload, run_server, send_head, serve_process, stream_transcription
@@ -752,14 +752,24 @@ def test_openapi_docs(server, parity_audio):
     assert {"/v1/audio/transcriptions", "/v1/transcribe", "/healthz", "/readyz", "/metrics"} <= set(spec["paths"])
     answers = spec["paths"]["/v1/audio/transcriptions"]["post"]["responses"]["200"]["content"]
     assert {"application/json", "text/vtt", "text/event-stream"} <= set(answers)
-    # errors as they are sent: a refused parameter is a 400 in the OpenAI shape, never FastAPI's 422
+    # errors as they are sent: a refused parameter is a 400 in the OpenAI shape, never FastAPI's 422; each status
+    # described, and those any route may answer on every route (a body's 413 on each that takes one, a key's 401
+    # on each under /v1)
     error_schema = {"$ref": "#/components/schemas/ErrorResponse"}
+    probes = {"/healthz", "/readyz"}  # their 503 is their own {"status": ...}, as a probe reads it
     for path, operations in spec["paths"].items():
         for method, operation in operations.items():
-            assert "422" not in operation["responses"], (method, path)
-            if path.startswith("/v1"):
-                for status in ("400", "401", "4XX"):
-                    assert operation["responses"][status]["content"]["application/json"]["schema"] == error_schema
+            responses = operation["responses"]
+            errors = {status for status in responses if status[0] in "45"}
+            must = {*map(str, EVERY_ROUTE_ERRORS), "4XX", *(["401"] if path.startswith("/v1") else []),
+                    *(["413"] if "requestBody" in operation else [])}
+            assert "422" not in errors and must <= errors, (method, path, errors)
+            for status in errors - ({"503"} if path in probes else set()):
+                assert responses[status]["content"] == {"application/json": {"schema": error_schema}}, (path, status)
+                assert status == "4XX" or responses[status]["description"] == ERROR_DESCRIPTIONS[int(status)]
+    # the schema is what the service sends: all four fields, every time
+    detail = spec["components"]["schemas"]["ErrorDetail"]
+    assert set(detail["properties"]) == set(detail["required"]) == {"message", "type", "param", "code"}
     audio = Path(parity_audio[0]).read_bytes()
     refusals = [("post", "/v1/audio/transcriptions", _post(server.url, audio, temperature="warm")),
                 ("post", "/v1/audio/transcriptions", _post(server.url, audio, model="gpt-9")),
@@ -770,7 +780,7 @@ def test_openapi_docs(server, parity_audio):
                 ("get", "/v1/jobs/{job_id}", httpx.get(f"{server.url}/v1/jobs/job_x"))]
     for method, path, answer in refusals:
         assert str(answer.status_code) in spec["paths"][path][method]["responses"], (path, answer.status_code)
-        assert set(answer.json()["error"]) == {"message", "type", "param", "code"}
+        assert set(answer.json()["error"]) == set(detail["required"])
     # what the routes that read their own bodies take, and what /metrics answers in
     native = spec["paths"]["/v1/transcribe"]["post"]["requestBody"]["content"]
     assert native["multipart/form-data"]["schema"]["required"] == ["file"] and "audio/*" in native

@@ -20,6 +20,7 @@ import pytest
 from models import load_model
 from service.config import Settings
 from service.head_limit import MAX_HEAD_BYTES
+from service.http import ERROR_DESCRIPTIONS
 from tests.servers import run_server
 
 KEY = "test-key"
@@ -49,6 +50,11 @@ def server(hybrid):
 
 
 @pytest.fixture(scope="module")
+def spec(server) -> dict:
+    return httpx.get(f"{server.url}/openapi.json").json()
+
+
+@pytest.fixture(scope="module")
 def clip(parity_audio) -> bytes:
     return Path(parity_audio[0]).read_bytes()
 
@@ -68,6 +74,15 @@ def check_refusal(answer: Answer | httpx.Response, status: int, code: str) -> di
     assert error["message"] and error["type"] in ("invalid_request_error", "authentication_error", "server_error")
     assert answer.body == json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
     return error
+
+
+def check_documented(spec: dict, method: str, path: str, status: int) -> None:
+    """``status`` described in the OpenAPI document, and listed on the route that answered it (if one did: an
+    unknown path, or a method the path does not take, has none)."""
+    assert status in ERROR_DESCRIPTIONS, status
+    for template, operations in spec["paths"].items():
+        if re.fullmatch(re.sub(r"\{[^}]+\}", "[^/]+", template), path) and method.lower() in operations:
+            assert str(status) in operations[method.lower()]["responses"], (method, path, status)
 
 
 def _transcription(url: str, form: dict, file: tuple | None = None, **kwargs) -> httpx.Response:
@@ -139,9 +154,11 @@ CASES: list[tuple[str, Request, int, str, str | None]] = [
 
 @pytest.mark.parametrize(("request_", "status", "code", "param"), [case[1:] for case in CASES],
                          ids=[case[0] for case in CASES])
-def test_each_refusal_has_the_error_shape_a_code_and_a_request_id(server, clip, request_, status, code, param):
-    error = check_refusal(request_(server.url, clip), status, code)
+def test_each_refusal_has_the_error_shape_a_code_and_a_request_id(server, spec, clip, request_, status, code, param):
+    answer = request_(server.url, clip)
+    error = check_refusal(answer, status, code)
     assert error["param"] == param
+    check_documented(spec, answer.request.method, answer.request.url.path, status)
 
 
 def test_the_401_names_its_scheme_and_the_405_its_methods(server):
@@ -152,7 +169,7 @@ def test_the_401_names_its_scheme_and_the_405_its_methods(server):
     assert not_allowed.headers["allow"] == "GET, POST"
 
 
-def test_a_failure_of_the_server_is_a_500_with_its_code_and_request_id(server, hybrid, clip):
+def test_a_failure_of_the_server_is_a_500_with_its_code_and_request_id(server, spec, hybrid, clip):
     """The 500 Starlette's outermost middleware wrote went past the one that adds X-Request-ID."""
     decode = hybrid.decode
 
@@ -166,6 +183,7 @@ def test_a_failure_of_the_server_is_a_500_with_its_code_and_request_id(server, h
     finally:
         hybrid.decode = decode
     error = check_refusal(answer, 500, "internal_error")
+    check_documented(spec, "POST", "/v1/transcribe", 500)
     assert error == {"message": "internal error: RuntimeError", "type": "server_error", "param": None,
                      "code": "internal_error"}
     assert httpx.get(f"{server.url}/healthz").status_code == 200
@@ -189,15 +207,16 @@ def _exchange(url: str, data: bytes, timeout_s: float = 30) -> Answer:
     return Answer(int(status_line.split()[1]), headers, body)
 
 
-def test_a_request_head_past_the_limit_is_431_in_the_error_shape(server):
+def test_a_request_head_past_the_limit_is_431_in_the_error_shape(server, spec):
     padding = b"a" * (MAX_HEAD_BYTES + 1000)
     answer = _exchange(server.url, b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Padding: " + padding + b"\r\n\r\n")
     error = check_refusal(answer, 431, "request_head_too_large")
+    check_documented(spec, "GET", "/v1/models", 431)
     assert str(MAX_HEAD_BYTES) in error["message"] and answer.headers["connection"] == "close"
     assert int(answer.headers["content-length"]) == len(answer.body)
 
 
-def test_a_head_or_a_body_that_stops_arriving_is_408_in_the_error_shape(server, monkeypatch):
+def test_a_head_or_a_body_that_stops_arriving_is_408_in_the_error_shape(server, spec, monkeypatch):
     from service import body_buffer
     from service.head_limit import BoundedHttpToolsProtocol
 
@@ -212,4 +231,5 @@ def test_a_head_or_a_body_that_stops_arriving_is_408_in_the_error_shape(server, 
                      + b"\r\nContent-Type: audio/wav\r\nContent-Length: 100000\r\n\r\n" + bytes(1000))
     error = check_refusal(body, 408, "request_timeout")
     assert "body" in error["message"] and body.headers["connection"] == "close"
+    check_documented(spec, "POST", "/v1/transcribe", 408)
     assert httpx.get(f"{server.url}/healthz").status_code == 200
