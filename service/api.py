@@ -12,6 +12,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
@@ -32,6 +33,7 @@ from .body_limit import FORM_OVERHEAD_BYTES, BodyLimitMiddleware, BodyTooLarge
 from .config import Settings
 from .engine_link import EngineLink
 from .formats import SubtitleLayout, to_srt, to_vtt
+from .head_limit import HEAD_REFUSED
 from .hotwords import split_hotwords
 from .http import (
     BINARY_SCHEMA,
@@ -57,7 +59,7 @@ from .job_routes import router as jobs_router
 from .jobs import JSON_JOB_BYTES
 from .languages import language_name
 from .metrics import Metrics
-from .request_log import RequestLogMiddleware
+from .request_log import RequestLogMiddleware, observe_refused_head
 from .response_bodies import (
     conversation_body,
     openai_logprobs,
@@ -523,7 +525,7 @@ def create_app(settings: Settings, model: ASRModel | None = None) -> FastAPI:
     service = ServiceState(settings=settings, model_id=model_id(settings), metrics=Metrics())
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         loaded = model
         if loaded is None:
             from models.asr_model import load_model
@@ -534,7 +536,7 @@ def create_app(settings: Settings, model: ASRModel | None = None) -> FastAPI:
         if stack.jobs is not None:
             stack.start_consumer()
         try:
-            yield
+            yield lifespan_state(service)
         finally:
             service.accepting = False
             await stack.stop()  # finishes job items in hand and what is queued first
@@ -549,17 +551,23 @@ def create_frontend_app(settings: Settings, engine_path: str, on_engine_lost: Ca
     service = ServiceState(settings=settings, model_id=model_id(settings))
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         link = await EngineLink.connect(engine_path, on_engine_lost)
         stack = service.stack = build_frontend_stack(settings, link)
         service.metrics = link
         try:
-            yield
+            yield lifespan_state(service)
         finally:
             service.accepting = False
             await stack.stop()  # the server has finished its requests by now
 
     return _app(service, lifespan)
+
+
+def lifespan_state(service: ServiceState) -> dict[str, Any]:
+    """The app's lifespan state (ASGI's), which uvicorn hands its protocols too: how the one that reads request
+    heads counts and logs the requests it refuses before the app sees them (service.head_limit)."""
+    return {HEAD_REFUSED: partial(observe_refused_head, service)}
 
 
 def _app(service: ServiceState, lifespan: Callable[[FastAPI], Any]) -> FastAPI:

@@ -9,12 +9,16 @@ server hold gigabytes of one header, before any API key is checked. Nor does uvi
 has sent nothing, or half a head: each such connection was kept for good, so a client could hold open every file
 descriptor the process may have. Every HTTP server of the service runs this protocol (``HTTP_PROTOCOL``:
 ``batchasr serve`` and its front ends).
+
+The app never sees these requests. To count and log them as it does the others, it puts a ``HeadRefused`` in its
+lifespan state (ASGI's, which uvicorn hands its protocols) under ``HEAD_REFUSED`` (service.request_log).
 """
 
 from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Callable
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
@@ -22,6 +26,8 @@ from .http import ApiError, error_json
 
 MAX_HEAD_BYTES = 64 * 1024  # browsers and proxies send a few KiB; nginx's default buffers take 32 KiB
 HEAD_TIMEOUT_S = 60.0  # nginx's client_header_timeout
+HEAD_REFUSED = "batchasr.head_refused"  # the lifespan state's key for a ``HeadRefused``
+HeadRefused = Callable[[ApiError, str, float], None]  # (the refusal, its request id, seconds since the head began)
 
 
 class BoundedHttpToolsProtocol(HttpToolsProtocol):
@@ -32,6 +38,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     head_timeout_s = HEAD_TIMEOUT_S
     _head_bytes: int | None = None  # of the head being read (None: its headers are complete, a body may come)
     _head_timer: asyncio.TimerHandle | None = None
+    _head_started = 0.0  # the loop's time at the head's first byte
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -59,6 +66,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         # counted before the parser sees them: a head may come whole in one read (a client's writes coalesce), and
         # once parsed it would have been held and passed on, however long
         if self._head_bytes is not None and not self.transport.is_closing():
+            if not self._head_bytes:
+                self._head_started = self.loop.time()
             end = data.find(b"\r\n\r\n")  # a read may hold the head's end and the body's start
             self._head_bytes += len(data) if end < 0 else end + 4
             if self._head_bytes > self.max_head_bytes:
@@ -91,8 +100,12 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._head_bytes = None
         self._stop_head_timer()
         request_id = uuid.uuid4().hex  # no head was read whole: a client's own id cannot be trusted to be in it
-        self.logger.warning("request refused before its head was whole: %d %s (request id %s)", error.status,
-                            error.code, request_id)
+        observe: HeadRefused | None = self.app_state.get(HEAD_REFUSED)
+        if observe is not None:
+            observe(error, request_id, self.loop.time() - self._head_started)
+        else:  # an app without the service's lifespan
+            self.logger.warning("request refused before its head was whole: %d %s (request id %s)", error.status,
+                                error.code, request_id)
         body = error_json(error)
         self.transport.write(b"".join([
             STATUS_LINE[error.status], b"content-type: application/json\r\n",

@@ -9,10 +9,12 @@ from typing import Any
 
 from starlette.routing import BaseRoute, Match
 
-from .http import ServiceState, internal_error, send_error
+from .http import ApiError, ServiceState, internal_error, send_error
 from .logs import log_fields
 
 log = logging.getLogger("batchasr.api")
+
+UNMATCHED = "unmatched"  # the route label of a request no route can be named for
 
 
 class RequestLogMiddleware:
@@ -61,8 +63,19 @@ class RequestLogMiddleware:
         counted as its route's like any other refusal; "unmatched" where no route has its path."""
         for route in self.routes:
             if route.matches(scope)[0] is not Match.NONE:
-                return _route_path(route) or "unmatched"
-        return "unmatched"
+                return _route_path(route) or UNMATCHED
+        return UNMATCHED
+
+
+def observe_refused_head(service: ServiceState, error: ApiError, request_id: str, duration_s: float) -> None:
+    """A request the server refused before its head was whole (service.head_limit: 431, or 408), which the app
+    never saw: counted under route "unmatched", since no route was matched, and logged as any request is (a
+    warning: a client that sends such heads may be an attack)."""
+    if service.metrics is not None:
+        service.metrics.observe_request(UNMATCHED, error.status, duration_s)
+    log.warning("request", extra=log_fields(event="request", request_id=request_id, method=None, path=None,
+                                            status=error.status, code=error.code,
+                                            duration_ms=round(duration_s * 1000, 2)))
 
 
 def _route_path(route: Any) -> str | None:

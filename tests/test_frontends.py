@@ -171,7 +171,11 @@ def test_bad_input_is_refused_by_the_front_end_and_nothing_breaks(server, parity
 
 
 def test_a_front_end_refuses_a_request_head_past_the_limit(server):
+    labels = '{code="431",route="unmatched"}'
+    counted = server.metric("batchasr_requests_total", labels)
     assert send_head(server.url, 100_000, path="/v1/models") == b"HTTP/1.1 431 Request Header Fields Too Large"
+    # counted in the front end's engine process, as its other answers are
+    assert _eventually(lambda: server.metric("batchasr_requests_total", labels) == counted + 1)
     assert send_head(server.url, 4_000, path="/v1/models") == b"HTTP/1.1 200 OK"
 
 

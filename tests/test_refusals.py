@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import re
 import socket
 import time
@@ -207,25 +208,43 @@ def _exchange(url: str, data: bytes, timeout_s: float = 30) -> Answer:
     return Answer(int(status_line.split()[1]), headers, body)
 
 
-def test_a_request_head_past_the_limit_is_431_in_the_error_shape(server, spec):
+def check_head_refusal_observed(server, caplog, answer: Answer, counted_before: float) -> None:
+    """A refusal written before the app saw the request, counted and logged as the app's answers are: under route
+    "unmatched" (they were neither counted nor logged as requests, only warned of)."""
+    labels = f'{{code="{answer.status}",route="unmatched"}}'
+    assert server.metric("batchasr_requests_total", labels) == counted_before + 1
+    lines = [fields for record in caplog.records if (fields := getattr(record, "fields", {})).get("request_id")
+             == answer.headers["x-request-id"]]
+    assert len(lines) == 1 and lines[0]["event"] == "request" and lines[0]["status"] == answer.status, lines
+    assert lines[0]["code"] == json.loads(answer.body)["error"]["code"] and lines[0]["duration_ms"] >= 0
+
+
+def test_a_request_head_past_the_limit_is_431_in_the_error_shape(server, spec, caplog):
+    counted = server.metric("batchasr_requests_total", '{code="431",route="unmatched"}')
     padding = b"a" * (MAX_HEAD_BYTES + 1000)
-    answer = _exchange(server.url, b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Padding: " + padding + b"\r\n\r\n")
+    with caplog.at_level(logging.INFO, logger="batchasr.api"):
+        answer = _exchange(server.url, b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Padding: " + padding +
+                           b"\r\n\r\n")
     error = check_refusal(answer, 431, "request_head_too_large")
+    check_head_refusal_observed(server, caplog, answer, counted)
     check_documented(spec, "GET", "/v1/models", 431)
     assert str(MAX_HEAD_BYTES) in error["message"] and answer.headers["connection"] == "close"
     assert int(answer.headers["content-length"]) == len(answer.body)
 
 
-def test_a_head_or_a_body_that_stops_arriving_is_408_in_the_error_shape(server, spec, monkeypatch):
+def test_a_head_or_a_body_that_stops_arriving_is_408_in_the_error_shape(server, spec, monkeypatch, caplog):
     from service import body_buffer
     from service.head_limit import BoundedHttpToolsProtocol
 
     monkeypatch.setattr(BoundedHttpToolsProtocol, "head_timeout_s", 1.0)  # 60 s in service
     monkeypatch.setattr(body_buffer, "BODY_IDLE_TIMEOUT_S", 1.0)
+    counted = server.metric("batchasr_requests_total", '{code="408",route="unmatched"}')
     started = time.monotonic()
-    head = _exchange(server.url, b"POST /v1/transcribe HTTP/1.1\r\nHost: x\r\n")
+    with caplog.at_level(logging.INFO, logger="batchasr.api"):
+        head = _exchange(server.url, b"POST /v1/transcribe HTTP/1.1\r\nHost: x\r\n")
     assert time.monotonic() - started < 20
     error = check_refusal(head, 408, "request_timeout")
+    check_head_refusal_observed(server, caplog, head, counted)
     assert "head" in error["message"] and head.headers["connection"] == "close"
     body = _exchange(server.url, b"POST /v1/transcribe HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
                      + b"\r\nContent-Type: audio/wav\r\nContent-Length: 100000\r\n\r\n" + bytes(1000))
