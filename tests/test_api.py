@@ -735,11 +735,14 @@ def test_missing_file_and_known_model_names(server, parity_audio):
 
 
 def test_graceful_shutdown_finishes_queued_requests(hybrid, parity_audio):
-    settings = Settings(max_wait_ms=800, max_batch_size=64)
+    settings = Settings(max_wait_ms=3000, max_batch_size=64)
     data = Path(parity_audio[2]).read_bytes()
     with run_server(settings, hybrid) as running, ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(_post, running.url, data) for _ in range(4)]
-        time.sleep(0.3)  # they are queued, waiting for the batch to fill
+        # all four queued, waiting for the batch to fill (a fixed sleep raced their connects on a busy machine)
+        deadline = time.monotonic() + 30
+        while running.metric("batchasr_queue_depth") < 4 and time.monotonic() < deadline:
+            time.sleep(0.02)
         running.server.should_exit = True
         responses = [f.result() for f in futures]
         running.thread.join(30)
