@@ -176,9 +176,12 @@ SETTING_OPTIONS = {"model": "--model", "device": "--device", "dtype": "--dtype",
 
 def _read_settings(**options: object) -> Settings | None:
     """Settings from the environment and the options that override it; None, with a line on stderr for each bad
-    setting (its variable or option, its value, what is wrong), where any is refused."""
-    from .config import InvalidSettings, get_settings
+    setting (its variable or option, its value, what is wrong), where any is refused. A variable that no setting
+    reads is warned of."""
+    from .config import InvalidSettings, get_settings, unread_variables
 
+    for line in unread_variables():
+        print(f"warning: {line}", file=sys.stderr)
     try:
         return get_settings(**options)
     except InvalidSettings as exc:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import os
@@ -19,6 +20,10 @@ from models.segmenter import MIN_SEGMENT_S, SEGMENT_TOO_SHORT
 from .batcher import POOL_FACTOR
 
 ENV_PREFIX = "BATCHASR_"
+# BATCHASR_* variables that are not settings: the conditional-node switch (decoding.cuda_conditional), the parity
+# fixtures' folder (tests), and docker-compose's choice of GPU for each engine
+OTHER_VARIABLES = frozenset({"BATCHASR_CONDITIONAL_NODES", "BATCHASR_PARITY_DIR", "BATCHASR_API_GPU",
+                             "BATCHASR_WORKER_GPU"})
 # an error names a bad setting's value: these are credentials, named as *** instead
 SECRET_SETTINGS = frozenset({"api_keys", "webhook_secret"})
 
@@ -309,6 +314,21 @@ def get_settings(**overrides: object) -> Settings:
         return Settings(**given)
     except ValidationError as exc:
         raise InvalidSettings(_problems(exc, given)) from exc
+
+
+def unread_variables(environ: Mapping[str, str] = os.environ) -> list[str]:
+    """A line for each ``BATCHASR_*`` variable set that nothing reads, with the setting it most likely meant: a
+    misspelt setting is otherwise ignored without a word, and its default taken."""
+    known = sorted({ENV_PREFIX + name.upper() for name in Settings.model_fields} | OTHER_VARIABLES)
+    lines = []
+    for name in sorted(environ):
+        if name.upper().startswith(ENV_PREFIX) and name.upper() not in known:
+            # compared without the prefix, which every name shares
+            close = difflib.get_close_matches(name.upper()[len(ENV_PREFIX):], [k[len(ENV_PREFIX):] for k in known],
+                                              n=1, cutoff=0.75)
+            meant = f"; did you mean {ENV_PREFIX}{close[0]}?" if close else ""
+            lines.append(f"{name} is not a setting and is ignored{meant}")
+    return lines
 
 
 def _problems(exc: ValidationError, given: Mapping[str, object]) -> list[SettingProblem]:

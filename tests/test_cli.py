@@ -213,6 +213,20 @@ def test_bad_settings_are_named_one_line_each_before_the_model_loads(command, tm
         "(redis://, rediss://, unix://)"]
 
 
+def test_a_variable_no_setting_reads_is_warned_of_with_the_setting_it_likely_meant(monkeypatch, capsys):
+    """BATCHASR_MAX_UPLOAD_BYTE=... was ignored without a word, and the default limit taken."""
+    for name in [n for n in os.environ if n.startswith("BATCHASR_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("BATCHASR_MAX_UPLOAD_BYTE", "1000")
+    monkeypatch.setenv("BATCHASR_LOGGING", "debug")
+    monkeypatch.setenv("BATCHASR_CONDITIONAL_NODES", "0")  # read by the decoder, not a setting: no warning
+    assert main(["serve", "--port", "70000"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "warning: BATCHASR_LOGGING is not a setting and is ignored",
+        "warning: BATCHASR_MAX_UPLOAD_BYTE is not a setting and is ignored; did you mean BATCHASR_MAX_UPLOAD_BYTES?",
+        "error: --port=70000: must be 0 to 65535"]
+
+
 def test_a_bad_setting_given_as_an_option_is_named_as_the_option(capsys):
     assert main(["serve", "--port", "70000", "--device", "gpu", "--frontends", "-1"]) == 2
     assert capsys.readouterr().err.splitlines() == [
