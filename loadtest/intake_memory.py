@@ -1,9 +1,12 @@
 """The server's peak memory while many long uploads arrive at once: `batchasr serve` in a process of its own,
-`--clients` uploads of `--minutes` of 48 kHz stereo WAV sent together, then the process's peak resident set
-(VmHWM) read from /proc. Run it with different BATCHASR_MAX_INTAKE_BYTES to see what the intake budget holds.
+`--clients` uploads of `--minutes` of WAV (48 kHz stereo unless `--rate`, `--channels`) sent together, as raw
+bodies to /v1/transcribe or as multipart forms to /v1/audio/transcriptions (`--route`), then the process's peak
+resident set (VmHWM) read from /proc. Run it with different BATCHASR_MAX_INTAKE_BYTES to see what the intake
+budget holds, or with one long upload to see what an upload costs beside its decoded samples.
 
     python loadtest/intake_memory.py --clients 24 --minutes 4 --intake-mib 256
     python loadtest/intake_memory.py --clients 24 --minutes 4 --intake-mib 65536
+    python loadtest/intake_memory.py --clients 1 --minutes 210 --rate 16000 --channels 1 --route multipart
 """
 
 from __future__ import annotations
@@ -28,11 +31,11 @@ sys.path.insert(0, str(REPO))
 from tests.servers import free_port, wait_ready  # noqa: E402
 
 
-def long_wav(minutes: float, rate: int = 48000) -> bytes:
+def long_wav(minutes: float, rate: int = 48000, channels: int = 2) -> bytes:
     t = np.arange(int(minutes * 60 * rate)) / rate
     tone = (0.2 * np.sin(2 * np.pi * 220 * t)).astype(np.float32)
     buffer = io.BytesIO()
-    sf.write(buffer, np.stack([tone, tone], axis=1), rate, format="WAV", subtype="PCM_16")
+    sf.write(buffer, np.repeat(tone[:, None], channels, axis=1), rate, format="WAV", subtype="PCM_16")
     return buffer.getvalue()
 
 
@@ -43,10 +46,15 @@ def peak_rss_mib(pid: int) -> float:
     raise RuntimeError("no VmHWM")
 
 
-async def send_all(url: str, data: bytes, clients: int) -> list[int]:
+async def send_all(url: str, data: bytes, clients: int, route: str = "raw") -> list[int]:
     async with httpx.AsyncClient(timeout=1800) as client:
         async def one() -> int:
-            response = await client.post(f"{url}/v1/transcribe", content=data, headers={"content-type": "audio/wav"})
+            if route == "multipart":
+                response = await client.post(f"{url}/v1/audio/transcriptions",
+                                             files={"file": ("long.wav", data, "audio/wav")})
+            else:
+                response = await client.post(f"{url}/v1/transcribe", content=data,
+                                             headers={"content-type": "audio/wav"})
             return response.status_code
         return await asyncio.gather(*(one() for _ in range(clients)))
 
@@ -56,12 +64,17 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=24)
     parser.add_argument("--minutes", type=float, default=4.0)
     parser.add_argument("--intake-mib", type=int, default=2048)
+    parser.add_argument("--rate", type=int, default=48000, help="the WAV's sample rate")
+    parser.add_argument("--channels", type=int, default=2, help="the WAV's channels (mixed down by the server)")
+    parser.add_argument("--route", choices=("raw", "multipart"), default="raw",
+                        help="a raw body to /v1/transcribe, or a multipart form to /v1/audio/transcriptions")
     parser.add_argument("--model", default=None, help="a .nemo (default: the embedded model)")
     args = parser.parse_args()
-    data = long_wav(args.minutes)
+    data = long_wav(args.minutes, args.rate, args.channels)
     port = free_port()
     env = {**os.environ, "BATCHASR_MAX_INTAKE_BYTES": str(args.intake_mib * 2**20), "BATCHASR_PORT": str(port),
-           "BATCHASR_MAX_DURATION_S": "36000"}
+           "BATCHASR_MAX_DURATION_S": "36000", "BATCHASR_MAX_UPLOAD_BYTES": str(max(len(data), 200 * 2**20)),
+           "BATCHASR_REQUEST_TIMEOUT_S": "3600"}
     command = [sys.executable, "-m", "service.cli", "serve", *(["--model", args.model] if args.model else [])]
     log = Path(tempfile.gettempdir()) / f"intake_memory_serve_{port}.log"
     with log.open("wb") as out:
@@ -75,11 +88,12 @@ def main() -> None:
             raise SystemExit(f"the server {why}; the end of its output ({log}):\n{tail}")
         idle = peak_rss_mib(server.pid)
         started = time.perf_counter()
-        codes = asyncio.run(send_all(url, data, args.clients))
+        codes = asyncio.run(send_all(url, data, args.clients, args.route))
         wall_s = time.perf_counter() - started
-        print(f"{args.clients} uploads of {len(data) / 2**20:.0f} MiB ({args.minutes:g} min 48 kHz stereo), intake "
-              f"budget {args.intake_mib} MiB: peak RSS {peak_rss_mib(server.pid):.0f} MiB (ready: {idle:.0f} MiB), "
-              f"{wall_s:.1f} s, statuses {sorted(set(codes))}")
+        print(f"{args.clients} {args.route} uploads of {len(data) / 2**20:.0f} MiB ({args.minutes:g} min "
+              f"{args.rate / 1000:g} kHz, {args.channels} channels), intake budget {args.intake_mib} MiB: peak RSS "
+              f"{peak_rss_mib(server.pid):.0f} MiB (ready: {idle:.0f} MiB), {wall_s:.1f} s, statuses "
+              f"{sorted(set(codes))}")
     finally:
         server.terminate()
         server.wait(60)

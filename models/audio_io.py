@@ -194,7 +194,7 @@ def open_audio(source: str | Path | BinaryIO) -> Any:
         format_name = "aac" if container_format(_read_at(source, tag_bytes)) == "aac" else None
     if format_name is not None:
         return ContainerAudio(source, format_name)
-    return _soundfile().SoundFile(source)
+    return _soundfile().SoundFile(source, mode="r")  # a file object's own mode may be "w+b" (a temporary file)
 
 
 def _read_at(source: str | Path | BinaryIO, offset: int) -> bytes:
@@ -383,11 +383,17 @@ def read_audio(source: str | Path | bytes | BinaryIO | AudioClip, sample_rate: i
     return check_waveform(samples, name) if mix else check_channels(channels_first(samples), name)
 
 
-def declared_wav(source: str | Path | bytes | bytearray) -> tuple[WavData | None, int]:
+def declared_wav(source: str | Path | bytes | bytearray | BinaryIO) -> tuple[WavData | None, int]:
     """What a WAV's header declares of its data (``wav_data``; None for other formats) and the whole length of
-    ``source`` in bytes, from its first ``WAV_HEADER_BYTES``."""
+    ``source`` in bytes, from its first ``WAV_HEADER_BYTES`` (a file object's from where it stands, left there)."""
     if isinstance(source, (bytes, bytearray)):
         return wav_data(bytes(source[:WAV_HEADER_BYTES])), len(source)
+    if not isinstance(source, (str, Path)):
+        start = source.tell()
+        head = source.read(WAV_HEADER_BYTES)
+        end = source.seek(0, io.SEEK_END)
+        source.seek(start)
+        return wav_data(head), end - start
     with open(source, "rb") as f:
         return wav_data(f.read(WAV_HEADER_BYTES)), os.fstat(f.fileno()).st_size
 

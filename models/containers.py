@@ -90,7 +90,8 @@ class ContainerAudio:
         self.format_name = format_name
         self._file = open(source, "rb") if isinstance(source, (str, Path)) else None  # noqa: SIM115 - closed in close()
         try:
-            self._container = av.open(self._file or source, format=format_name, metadata_errors="replace",
+            # mode given: PyAV otherwise takes a file object's own, and a temporary file's "w+b" opened it for writing
+            self._container = av.open(self._file or source, mode="r", format=format_name, metadata_errors="replace",
                                       io_open=_refuse_nested_open)
         except (av.FFmpegError, PermissionError, UnicodeError) as exc:
             self._close_file()

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, BinaryIO, TypeVar
 
 import numpy as np
 from fastapi import APIRouter, Depends, FastAPI, Form, Query, Request, UploadFile
@@ -28,7 +28,7 @@ from decoding.types import Hotwords
 
 from .audio import AudioRequestError, decode_declared_audio
 from .batcher import Priority, QueueFull
-from .body_buffer import BodyBufferMiddleware, body_bytes
+from .body_buffer import BodyBufferMiddleware, body_bytes, take_body
 from .body_limit import FORM_OVERHEAD_BYTES, BodyLimitMiddleware, BodyTooLarge
 from .config import Settings
 from .engine_link import EngineLink
@@ -41,6 +41,7 @@ from .http import (
     ApiKeyGate,
     ServiceDep,
     ServiceState,
+    check_upload_size,
     client_closed,
     error_responses,
     flag,
@@ -112,8 +113,8 @@ async def _read_body(request: Request, service: ServiceState) -> bytes:
     return b"".join(chunks)
 
 
-async def _decode(service: ServiceState, data: bytes, content_type: str | None, multichannel: bool = False
-                  ) -> np.ndarray:
+async def _decode(service: ServiceState, data: bytes | BinaryIO, content_type: str | None,
+                  multichannel: bool = False) -> np.ndarray:
     """An upload's waveform (or, with ``multichannel``, one per channel), decoded off the event loop, once the
     service takes requests."""
     stack = service.stack
@@ -130,19 +131,31 @@ async def _decode(service: ServiceState, data: bytes, content_type: str | None, 
 
 async def _decoded_upload(service: ServiceState, upload: StarletteUpload | None, multichannel: bool = False
                           ) -> np.ndarray:
-    """A multipart upload, read and decoded within the process's intake budget (service.intake)."""
+    """A multipart upload, decoded within the process's intake budget (service.intake) from the form's temporary
+    file."""
     size = 0 if upload is None else service.settings.max_upload_bytes if upload.size is None else upload.size
     async with service.intake.hold(size):
+        if upload is not None and upload.size is not None:  # the form is parsed: the file is whole, its size known
+            check_upload_size(upload, service)
+            await upload.seek(0)
+            return await _decode(service, upload.file, upload.content_type, multichannel)
         data, content_type = await read_upload(upload, service)
         return await _decode(service, data, content_type, multichannel)
 
 
 async def _decoded_body(request: Request, service: ServiceState, multichannel: bool = False) -> np.ndarray:
-    """The raw audio body, read and decoded within the intake budget; until there is room, it waits whole in its
-    temporary file (service.body_buffer)."""
+    """The raw audio body, decoded within the intake budget from the temporary file it waits in, whole, until there
+    is room (service.body_buffer)."""
     async with service.intake.hold(body_bytes(request.scope, service.settings.max_upload_bytes)):
-        data = await _read_body(request, service)
-        return await _decode(service, data, request.headers.get("content-type"), multichannel)
+        content_type = request.headers.get("content-type")
+        whole = take_body(request.scope)
+        if whole is None:  # not received whole (or an app without the buffer): read from the client
+            return await _decode(service, await _read_body(request, service), content_type, multichannel)
+        size = body_bytes(request.scope, 0)
+        limit = service.settings.max_upload_bytes
+        if size > limit:
+            raise ApiError(413, upload_too_large_message(limit, size), param="file", code="audio_too_large")
+        return await _decode(service, whole, content_type, multichannel)
 
 
 async def _transcribe(request: Request, service: ServiceState, waveform: np.ndarray, skip_silence: bool = False,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import io
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import soundfile as sf
@@ -86,14 +87,14 @@ def declared_as_audio(content_type: str | None) -> bool:
     return media in ACCEPTED_MEDIA_TYPES or media.startswith(ACCEPTED_MEDIA_PREFIXES)
 
 
-def decode_declared_audio(data: bytes, content_type: str | None, limits: AudioLimits, multichannel: bool = False
-                          ) -> np.ndarray:
+def decode_declared_audio(upload: bytes | BinaryIO, content_type: str | None, limits: AudioLimits,
+                          multichannel: bool = False) -> np.ndarray:
     """``decode_audio``, for an upload whose type was declared by its client. A type that is not audio is a guess
     as often as not (HTTP libraries guess a file part's type from its name: a ``.ts`` recording goes as Qt's
     translation files), so the bytes decide; what is declared as something else and does not decode is refused
     as that (415), not as broken audio."""
     try:
-        return decode_audio(data, limits, multichannel)
+        return decode_audio(upload, limits, multichannel)
     except (AudioTooLarge, TooManyChannels, UnsupportedSampleRate):  # audio over a limit, whatever declared
         raise
     except AudioRequestError as exc:
@@ -115,17 +116,27 @@ def stretch_frames(stretch: Stretch, rate: int, total: int) -> tuple[int, int | 
     return first, count
 
 
-def decode_audio(data: bytes, limits: AudioLimits, multichannel: bool = False, stretch: Stretch = WHOLE
-                 ) -> np.ndarray:
+def decode_audio(upload: bytes | BinaryIO, limits: AudioLimits, multichannel: bool = False,
+                 stretch: Stretch = WHOLE) -> np.ndarray:
     """Decode an upload (libsndfile's formats, or a media container through FFmpeg), resampled to
     ``limits.sample_rate``, float32: mono (samples,), or with ``multichannel`` each channel apart
-    (channels, samples); of ``stretch`` only."""
-    if len(data) == 0:
+    (channels, samples); of ``stretch`` only. ``upload`` is its bytes, or a file holding them from its start (a
+    request's temporary file, read where it lies rather than copied into memory whole first)."""
+    size = len(upload) if isinstance(upload, (bytes, bytearray)) else _file_size(upload)
+    if size == 0:
         raise AudioRequestError("the uploaded file is empty")
-    if len(data) > limits.max_bytes:
-        raise AudioTooLarge(f"upload of {len(data)} bytes exceeds the limit of {limits.max_bytes} bytes")
-    _check_wav_header(data, limits, stretch is WHOLE)
-    return _decode(io.BytesIO(data), limits, multichannel, stretch)
+    if size > limits.max_bytes:
+        raise AudioTooLarge(f"upload of {size} bytes exceeds the limit of {limits.max_bytes} bytes")
+    _check_wav_header(upload, limits, stretch is WHOLE)
+    return _decode(io.BytesIO(upload) if isinstance(upload, (bytes, bytearray)) else upload, limits, multichannel,
+                   stretch)
+
+
+def _file_size(f: BinaryIO) -> int:
+    f.seek(0)
+    size = f.seek(0, io.SEEK_END)
+    f.seek(0)
+    return size
 
 
 def decode_audio_file(path: Path, limits: AudioLimits, multichannel: bool = False, stretch: Stretch = WHOLE
@@ -139,7 +150,7 @@ def decode_audio_file(path: Path, limits: AudioLimits, multichannel: bool = Fals
     return _decode(path, limits, multichannel, stretch)
 
 
-def _decode(source: io.BytesIO | Path, limits: AudioLimits, multichannel: bool, stretch: Stretch) -> np.ndarray:
+def _decode(source: BinaryIO | Path, limits: AudioLimits, multichannel: bool, stretch: Stretch) -> np.ndarray:
     try:
         with open_audio(source) as f:
             # the duration limit counts seconds, and a second costs its samples: 60 s of silence at 655,350 Hz is a
@@ -174,7 +185,7 @@ def _limit_text(max_s: float, channels: int) -> str:
     return f"the limit for {channels} channels transcribed apart is {max_s:.0f} s (their seconds count together)"
 
 
-def _check_wav_header(source: bytes | Path, limits: AudioLimits, whole: bool = True) -> None:
+def _check_wav_header(source: bytes | BinaryIO | Path, limits: AudioLimits, whole: bool = True) -> None:
     """RIFF/WAVE: the data chunk's declared size against the limit and against the bytes really there; a header
     claiming hours is refused before reading further."""
     declared, total_bytes = declared_wav(source)

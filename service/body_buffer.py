@@ -11,13 +11,15 @@ holds a connection and a file for a while, never room in the budget or a parser'
 The app sees what it would have seen from the client, only later: the body's bytes, then its end, or the refusal
 of a body past its limit (service.body_limit) or the client's leaving, at the point where they came. A body that
 stops arriving for ``BODY_IDLE_TIMEOUT_S`` is answered 408 and its connection closed, rather than kept for good.
+A route may instead take a whole body's file (``take_body``) and read it where it lies: an audio upload is decoded
+from it, not first copied into memory whole.
 """
 
 from __future__ import annotations
 
 import asyncio
 from tempfile import SpooledTemporaryFile
-from typing import Any
+from typing import Any, BinaryIO
 
 from starlette.datastructures import UploadFile
 
@@ -28,6 +30,26 @@ REPLAY_CHUNK_BYTES = 1 << 20
 NO_BODY_METHODS = ("GET", "HEAD", "OPTIONS", "DELETE")
 BODY_IDLE_TIMEOUT_S = 60.0  # between two pieces of a body (nginx's client_body_timeout)
 BODY_BYTES = "batchasr.body_bytes"  # the scope's key for the size of the body received (``body_bytes``)
+BODY_FILE = "batchasr.body_file"  # the scope's key for a body received whole (``take_body``)
+
+
+class WholeBody:
+    """A body that arrived whole, in its temporary file; once taken, the app is not sent its bytes as well."""
+
+    def __init__(self, file: BinaryIO):
+        self.file = file
+        self.taken = False
+
+
+def take_body(scope: dict) -> BinaryIO | None:
+    """The request's body as a file, at its start, to be read (not closed) before the request ends; None where it
+    did not arrive whole (past its limit, or its client left: the body's messages say so) or was taken already."""
+    whole: WholeBody | None = scope.pop(BODY_FILE, None)
+    if whole is None:
+        return None
+    whole.taken = True
+    whole.file.seek(0)
+    return whole.file
 
 
 def body_bytes(scope: dict, otherwise: int) -> int:
@@ -67,9 +89,14 @@ class BodyBufferMiddleware:
                     break
             await body.seek(0)
             left = scope[BODY_BYTES] = body.size or 0  # routes hold room for it in the intake budget
+            whole = WholeBody(body.file)
+            if isinstance(end, dict) and end["type"] == "http.request":
+                scope[BODY_FILE] = whole
 
             async def replay() -> dict:
                 nonlocal left, end
+                if whole.taken:
+                    left = 0
                 if left:
                     chunk = await body.read(min(left, REPLAY_CHUNK_BYTES))
                     left = left - len(chunk) if chunk else 0

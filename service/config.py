@@ -56,7 +56,7 @@ class Settings(BaseSettings):
     max_upload_bytes: int = 200 * 1024 * 1024
     # one job submission's body: its uploads wait in Redis for the workers (larger sets: paths or URLs)
     max_job_upload_bytes: int = 1024 * 1024 * 1024
-    # upload bytes a process holds in memory at once, read and not yet decoded (service.intake)
+    # upload bytes a process reads or decodes at once, or for a job holds until Redis has them (service.intake)
     max_intake_bytes: int = 2 * 1024 * 1024 * 1024
     max_duration_s: float = 4 * 3600.0  # multichannel requests: every channel's seconds count
     max_channels: int = 8  # channels a file may have: transcribed apart (multichannel) or mixed down

@@ -337,14 +337,21 @@ async def read_upload(upload: StarletteUpload | None, service: ServiceState, par
     """An uploaded file's bytes, refused (413) past the upload limit whether or not it declared its size."""
     if upload is None:
         raise ApiError(400, f"no audio: send a multipart `{param}` field", param=param, code="missing_file")
+    check_upload_size(upload, service, param)
     limit = service.settings.max_upload_bytes
-    name = f"{upload.filename}: " if upload.filename else ""
-    if upload.size is not None and upload.size > limit:
-        raise ApiError(413, name + upload_too_large_message(limit, upload.size), param=param, code="audio_too_large")
     data = await upload.read(limit + 1)
     if len(data) > limit:
+        name = f"{upload.filename}: " if upload.filename else ""
         raise ApiError(413, name + upload_too_large_message(limit), param=param, code="audio_too_large")
     return data, upload.content_type
+
+
+def check_upload_size(upload: StarletteUpload, service: ServiceState, param: str = "file") -> None:
+    """413 for an uploaded file whose size is known and past the upload limit."""
+    limit = service.settings.max_upload_bytes
+    if upload.size is not None and upload.size > limit:
+        name = f"{upload.filename}: " if upload.filename else ""
+        raise ApiError(413, name + upload_too_large_message(limit, upload.size), param=param, code="audio_too_large")
 
 
 def upload_too_large_message(limit: int, size: int | None = None) -> str:

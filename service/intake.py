@@ -1,12 +1,13 @@
-"""How many bytes of uploads a process holds in memory at once, read and not yet decoded (or, for a job, not yet
-written to Redis).
+"""How many bytes of uploads a process reads and decodes at once (or, for a job, holds until Redis has them).
 
 The body limit bounds one upload (service.body_limit), and the decode pool how many are decoded at once; this
-bounds the uploads read and waiting for it. Without it, a hundred clients sending 200 MB each would have the
-process hold 20 GB. A request waits for room before it reads its upload, which meanwhile stays in its temporary
-file: every body is received whole into one before its route runs (service.body_buffer), so a client that sends
-slowly, or stops, holds no room while it does. Requests are let in first come, first served, so a large
-upload is not passed over for ever by smaller ones; one larger than the whole budget goes in alone.
+bounds the bytes let in together: the uploads being decoded, whose samples grow with them (an upload is decoded
+from its temporary file, not first copied into memory), and a job's on their way to Redis, which without it a
+hundred clients sending 200 MB each would have the process hold at once (20 GB). A request waits for room before
+it reads its upload, which meanwhile stays in its temporary file: every body is received whole into one before
+its route runs (service.body_buffer), so a client that sends slowly, or stops, holds no room while it does.
+Requests are let in first come, first served, so a large upload is not passed over for ever by smaller ones; one
+larger than the whole budget goes in alone.
 """
 
 from __future__ import annotations

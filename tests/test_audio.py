@@ -6,6 +6,7 @@ import io
 import struct
 import tracemalloc
 from pathlib import Path
+from tempfile import SpooledTemporaryFile
 
 import numpy as np
 import pytest
@@ -119,6 +120,28 @@ def test_a_truncated_or_empty_file_on_disk_is_refused_with_the_reason(tmp_path):
     empty.write_bytes(b"")
     with pytest.raises(AudioRequestError, match="empty"):
         decode_audio_file(empty, LIMITS)
+
+
+@pytest.mark.parametrize("in_memory", [True, False])
+def test_an_upload_decodes_from_its_temporary_file_within_the_same_limits(in_memory):
+    rng = np.random.default_rng(8)
+    data = _encode((0.1 * rng.standard_normal((44100 * 3, 2))).astype(np.float32), 44100, "FLAC")
+    wav = _encode(np.zeros(16000 * 2, dtype=np.float32), 16000, "WAV", "PCM_16")
+
+    def spooled(content: bytes) -> SpooledTemporaryFile:
+        upload = SpooledTemporaryFile(max_size=len(content) + 1 if in_memory else 1)  # noqa: SIM115 - test's own
+        upload.write(content)
+        return upload  # left at its end: the decoder reads it from its start
+
+    np.testing.assert_array_equal(decode_audio(spooled(data), LIMITS), decode_audio(data, LIMITS))
+    with pytest.raises(AudioTooLarge, match=f"upload of {len(data)} bytes"):
+        decode_audio(spooled(data), AudioLimits(max_bytes=len(data) - 1, max_duration_s=60.0))
+    with pytest.raises(AudioTooLarge, match="per its header"):
+        decode_audio(spooled(wav), AudioLimits(max_bytes=LIMITS.max_bytes, max_duration_s=1.0))
+    with pytest.raises(AudioRequestError, match="truncated"):
+        decode_audio(spooled(wav[: len(wav) // 2]), LIMITS)
+    with pytest.raises(AudioRequestError, match="empty"):
+        decode_audio(spooled(b""), LIMITS)
 
 
 @pytest.mark.parametrize(("channels", "rate"), [(1, 16000), (2, 16000), (2, 8000)])

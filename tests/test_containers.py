@@ -7,6 +7,7 @@ import io
 import json
 import tracemalloc
 from pathlib import Path
+from tempfile import SpooledTemporaryFile
 
 import httpx
 import numpy as np
@@ -203,6 +204,20 @@ def test_files_on_disk_decode_as_their_bytes_do(tmp_path, speech):
         np.testing.assert_array_equal(read_audio(path), decode_audio(data, LIMITS))
 
 
+@pytest.mark.parametrize("name", sorted(CONTAINERS))
+@pytest.mark.parametrize("in_memory", [True, False])
+def test_uploads_decode_from_a_temporary_file_as_their_bytes_do(speech, name, in_memory):
+    """A request's upload is decoded from the temporary file it was received into. One still in memory says its
+    mode is "w+b", and PyAV, taking a file object's own mode, opened it for writing: "no audio stream"."""
+    data = encode(speech, name)
+    with SpooledTemporaryFile(max_size=len(data) + 1 if in_memory else 1) as upload:
+        upload.write(data)
+        upload.seek(0)
+        np.testing.assert_array_equal(decode_audio(upload, LIMITS), decode_audio(data, LIMITS))
+        upload.seek(0)
+        assert upload.read() == data  # read, not written
+
+
 def test_directories_are_walked_for_container_files(tmp_path, speech):
     for name in ("a.m4a", "b.webm", "c.mp4", "d.MKV", "e.txt"):
         (tmp_path / name).write_bytes(b"x")
@@ -231,6 +246,17 @@ def test_uploads_in_containers_give_the_wav_text(server, name, content_type, vid
                  for body, kind in ((wav, "audio/wav"), (data, content_type))]
         assert [t.status_code for t in texts] == [200, 200], texts[1].text
         assert texts[1].text == texts[0].text, (name, path.name)
+
+
+@pytest.mark.parametrize(("name", "content_type"), [("m4a", "audio/mp4"), ("webm", "audio/webm"), ("ts", "video/mp2t")])
+def test_raw_bodies_in_containers_give_the_wav_text(server, name, content_type):
+    """A raw body is decoded from the file it was received into (in memory when small, as these are)."""
+    wav = (DATA / "voice_000142.wav").read_bytes()
+    data = encode(sf.read(io.BytesIO(wav), dtype="float32")[0], name)
+    texts = [httpx.post(f"{server.url}/v1/transcribe", content=body, headers={"content-type": kind}, timeout=60)
+             for body, kind in ((wav, "audio/wav"), (data, content_type))]
+    assert [t.status_code for t in texts] == [200, 200], texts[1].text
+    assert texts[1].json()["text"] == texts[0].json()["text"]
 
 
 def test_a_bad_container_upload_is_a_400_and_the_server_stays_healthy(server, speech):
