@@ -23,7 +23,7 @@ from typing import Any, BinaryIO
 
 from starlette.datastructures import UploadFile
 
-from .http import ApiError, send_error
+from .http import ApiError, no_room_for_body, send_error
 
 SPOOL_MEMORY_BYTES = 1 << 20  # as Starlette spools a multipart file: larger bodies wait on disk
 REPLAY_CHUNK_BYTES = 1 << 20
@@ -84,7 +84,13 @@ class BodyBufferMiddleware:
                 if message["type"] != "http.request":  # the client left part way
                     end = message
                     break
-                await body.write(message.get("body", b""))
+                try:
+                    await body.write(message.get("body", b""))
+                except OSError as exc:  # the disk is full: the client may send it again once others' are done
+                    if (refusal := no_room_for_body(exc)) is None:
+                        raise
+                    await send_error(send, refusal)
+                    return
                 if not message.get("more_body", False):
                     break
             await body.seek(0)

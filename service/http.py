@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import logging
+import tempfile
 import time
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -47,6 +49,21 @@ class ApiError(Exception):
 def client_closed() -> ApiError:
     """What a request whose client left before it was whole is answered (nobody reads it) and counted as."""
     return ApiError(499, "client closed the request", code="client_closed")
+
+
+DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
+NO_ROOM_RETRY_S = 10
+
+
+def no_room_for_body(exc: OSError) -> ApiError | None:
+    """A 503 for a request body the server had no disk to hold (the temporary files' disk full, or its quota used;
+    other requests' bodies are let go as they finish, so it may fit when sent again), logged; None for another
+    failure."""
+    if exc.errno not in DISK_FULL:
+        return None
+    log.warning("no room for a request body in %s: %s", tempfile.gettempdir(), exc.strerror)
+    return ApiError(503, "the server has no disk space left to receive the request body; send it again later",
+                    type="server_error", code="no_space", headers={"Retry-After": str(NO_ROOM_RETRY_S)})
 
 
 def internal_error(exc: BaseException) -> ApiError:
@@ -121,7 +138,8 @@ ERROR_DESCRIPTIONS = {
     429: "The queue is full: retry after `Retry-After` seconds",
     431: "The request head (request line and headers) is too large: the connection is closed",
     500: "A failure of the server's own: its kind in the message, the rest in the log",
-    503: "Not ready, or the engine or the job store (Redis) unavailable: retry after `Retry-After` seconds",
+    503: "Not ready, the engine or the job store (Redis) unavailable, or no disk left for the request body: retry "
+         "after `Retry-After` seconds",
     504: "The transcription did not finish within the request timeout",
 }
 # what every route may answer: a request head too large or too slow is refused before routing (service.head_limit),
@@ -158,10 +176,19 @@ def install_error_handlers(app: FastAPI) -> None:
     async def client_gone(_: Request, exc: ClientDisconnect) -> JSONResponse:
         return await api_error(_, client_closed())
 
+    # a form's file that found its disk full as it was parsed: by the route, or by FastAPI (as its 400)
+    @app.exception_handler(OSError)
+    async def os_error(request: Request, exc: OSError) -> JSONResponse:
+        if (refusal := no_room_for_body(exc)) is not None:
+            return await api_error(request, refusal)
+        return await unexpected(request, exc)
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if isinstance(exc.__cause__, ClientDisconnect):
             return await api_error(request, client_closed())
+        if isinstance(exc.__cause__, OSError) and (refusal := no_room_for_body(exc.__cause__)) is not None:
+            return await api_error(request, refusal)
         if exc.status_code == 405:
             return _method_not_allowed(app, request)
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"

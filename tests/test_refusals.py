@@ -9,6 +9,8 @@ import json
 import logging
 import re
 import socket
+import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -252,3 +254,41 @@ def test_a_head_or_a_body_that_stops_arriving_is_408_in_the_error_shape(server, 
     assert "body" in error["message"] and body.headers["connection"] == "close"
     check_documented(spec, "POST", "/v1/transcribe", 408)
     assert httpx.get(f"{server.url}/healthz").status_code == 200
+
+
+@pytest.fixture
+def small_disk(tmp_path, monkeypatch):
+    """A 1.5 MiB filesystem of its own (tmpfs) as the temporary files' folder; skipped where mounting is not
+    allowed."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1536k", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    monkeypatch.setattr(tempfile, "tempdir", str(disk))
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_a_body_the_disk_has_no_room_for_is_a_503_to_send_again(server, spec, clip, small_disk, caplog):
+    """A full disk ended a request in a 500 (OSError), as if the server were broken, where room comes back once
+    other requests' bodies are done."""
+    body = clip * (1_150_000 // len(clip) + 1)  # past the first MiB, which waits in memory, but within the limit
+    ballast = small_disk / "ballast"
+    ballast.write_bytes(bytes(1 << 20))  # half a MiB left: too little for the body
+    with caplog.at_level(logging.WARNING, logger="batchasr.api"):
+        raw = httpx.post(f"{server.url}/v1/transcribe", content=body, headers={**AUTH, "content-type": "audio/wav"})
+    assert check_refusal(raw, 503, "no_space")["type"] == "server_error"
+    assert raw.headers["retry-after"] == "10" and raw.headers["connection"] == "close"
+    assert "no room for a request body" in caplog.text
+    ballast.unlink()  # room for the body, not for the form's file as well
+    forms = [_transcription(server.url, {}, ("a.wav", body, "audio/wav")),  # parsed by FastAPI
+             httpx.post(f"{server.url}/v1/transcribe", files={"file": ("a.wav", body, "audio/wav")}, headers=AUTH)]
+    for form in forms:
+        check_refusal(form, 503, "no_space")
+        check_documented(spec, "POST", form.request.url.path, 503)
+    assert list(small_disk.iterdir()) == []  # nothing left behind
+    assert httpx.post(f"{server.url}/v1/transcribe", content=clip, headers={**AUTH, "content-type": "audio/wav"}
+                      ).status_code == 200
