@@ -7,7 +7,7 @@ import json
 import math
 import os
 import shlex
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -188,9 +188,7 @@ class Settings(BaseSettings):
     def _known_decoder(cls, value: str) -> str:
         from models.asr_model import DECODERS
 
-        if value not in DECODERS:
-            raise ValueError(f"must be one of {', '.join(DECODERS)}")
-        return value
+        return _one_of(value, DECODERS)
 
     @field_validator("redis_url")
     @classmethod
@@ -250,9 +248,7 @@ class Settings(BaseSettings):
     def _known_attention_kernel(cls, value: str) -> str:
         from models.fastconformer import ATTENTION_KERNEL_OPTIONS
 
-        if value not in ATTENTION_KERNEL_OPTIONS:
-            raise ValueError(f"must be one of {', '.join(ATTENTION_KERNEL_OPTIONS)}")
-        return value
+        return _one_of(value, ATTENTION_KERNEL_OPTIONS)
 
     @field_validator("length_bucket_s", "max_batch_audio_s")
     @classmethod
@@ -314,6 +310,13 @@ def get_settings(**overrides: object) -> Settings:
         return Settings(**given)
     except ValidationError as exc:
         raise InvalidSettings(_problems(exc, given)) from exc
+
+
+def _one_of(value: str, choices: Iterable[str]) -> str:
+    """``value``, refused unless it is one of ``choices`` (a setting's names: a decoder, an attention kernel)."""
+    if value not in choices:
+        raise ValueError(f"must be one of {', '.join(choices)}")
+    return value
 
 
 def unread_variables(environ: Mapping[str, str] = os.environ) -> list[str]:
