@@ -20,8 +20,9 @@ import socket
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol
+from typing import BinaryIO, Protocol
 
+import numpy as np
 import redis.asyncio as aioredis
 
 from models.audio_io import WHOLE, Stretch
@@ -295,7 +296,8 @@ class JobConsumer:
 
     async def _load(self, record: dict, upload: bytes | None, multichannel: bool):
         """The item's waveform (or its channels'): a file decoded straight from disk, whatever its size (only its
-        duration is limited); uploaded or fetched bytes decoded from memory."""
+        duration is limited); a URL's body from the temporary file it was fetched into; uploaded bytes from
+        memory."""
         loop = asyncio.get_running_loop()
         stretch = Stretch(record["offset_s"], record["duration_s"]) if "offset_s" in record else WHOLE
         if "path" in record:
@@ -306,12 +308,12 @@ class JobConsumer:
             if self.urls is None:
                 raise JobInputError(f"{record['url']}: URL inputs are disabled on this worker "
                                     "(BATCHASR_INPUT_URL_PREFIXES)")
-            data = await self.urls.fetch(record["url"])
-        elif upload is None:
+            body = await self.urls.fetch(record["url"])
+            return await loop.run_in_executor(self.decode_pool, _decode_and_close, body, self.limits, multichannel,
+                                              stretch)
+        if upload is None:
             raise JobInputError("the uploaded audio expired before it was processed")
-        else:
-            data = upload
-        return await loop.run_in_executor(self.decode_pool, decode_audio, data, self.limits, multichannel, stretch)
+        return await loop.run_in_executor(self.decode_pool, decode_audio, upload, self.limits, multichannel, stretch)
 
     async def _fail(self, job_id: str, index: int, audio: str | None, error: str) -> None:
         outcome = await self.store.finish_item(job_id, index, "failed", item_record(audio, "failed", error=error),
@@ -327,3 +329,10 @@ class JobConsumer:
         if outcome == 2:
             job = await self.store.get(job_id)
             self.metrics.count_job(job.status.value)
+
+
+def _decode_and_close(body: BinaryIO, limits: AudioLimits, multichannel: bool, stretch: Stretch) -> np.ndarray:
+    """``decode_audio`` of a fetched body, decoded where it was received and closed by the thread that reads it:
+    never under it, should the item's task be cancelled while the decode runs."""
+    with body:
+        return decode_audio(body, limits, multichannel, stretch)

@@ -8,11 +8,19 @@ after dot segments are resolved (percent-encoded ones too), and every redirect i
 A fetch that fails for a reason that may pass (the connection, a timeout, a body that comes slower than
 ``MIN_BYTES_PER_S``, HTTP 5xx, 408, 425 or 429) is tried again after a pause; other failures (HTTP 4xx, too large,
 outside the prefixes) fail the item at once.
+
+A body is received into a temporary file (in memory up to ``SPOOL_MEMORY_BYTES``, on disk past that) and decoded
+from there: the consumer fetches up to ``CONNECTIONS`` at once, and recordings of hours held whole in memory (grown
+as they came, then copied) would take gigabytes each. A disk with no room for one is ``NoRoomForInput``: the item is
+tried again later rather than failed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
+from tempfile import SpooledTemporaryFile
+from typing import BinaryIO
 
 import aiohttp
 from yarl import URL
@@ -28,6 +36,11 @@ CONNECTIONS = 64  # to the media hosts, per consumer
 # the slowest body taken, on average once the first timeout has passed: a host that drips a byte just inside
 # each read's timeout would otherwise hold one of the consumer's items (and its prefetch slot) for days
 MIN_BYTES_PER_S = 32 * 1024
+SPOOL_MEMORY_BYTES = 1 << 20  # as a request body waits (service.body_buffer): larger ones on disk
+
+
+class NoRoomForInput(RuntimeError):
+    """No disk left for a fetched body: a failure of the worker's, not the item's (tried again later)."""
 
 
 class _MayPass(Exception):
@@ -62,8 +75,9 @@ class UrlFetcher:
         self._timeout = aiohttp.ClientTimeout(total=None, connect=timeout_s, sock_read=timeout_s)
         self._session: aiohttp.ClientSession | None = None  # made on the event loop, at the first fetch
 
-    async def fetch(self, url: str) -> bytes:
-        """The body at ``url``; JobInputError (the item fails) when it cannot be had."""
+    async def fetch(self, url: str) -> BinaryIO:
+        """The body at ``url``, in a temporary file at its start, for the caller to close; JobInputError (the item
+        fails) when it cannot be had."""
         check_input_url(url, self.prefixes)  # again here: items written to Redis directly skip the API's check
         failure: _MayPass | None = None
         for delay in (0.0, *self.retry_delays_s):
@@ -75,7 +89,7 @@ class UrlFetcher:
         tries = 1 + len(self.retry_delays_s)
         raise JobInputError(f"{url}: {failure} ({tries} tries)")
 
-    async def _get(self, url: str) -> bytes:
+    async def _get(self, url: str) -> BinaryIO:
         if self._session is None:
             self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=CONNECTIONS),
                                                   timeout=self._timeout)
@@ -101,22 +115,38 @@ class UrlFetcher:
         if status != 200:
             raise JobInputError(f"{url}: HTTP {status} {response.reason}")
 
-    async def _read(self, url: str, response: aiohttp.ClientResponse) -> bytes:
+    async def _read(self, url: str, response: aiohttp.ClientResponse) -> BinaryIO:
         declared = response.content_length
         if declared is not None and declared > self.max_bytes:
             raise JobInputError(f"{url}: {declared} bytes exceeds the upload limit of {self.max_bytes} bytes")
         loop = asyncio.get_running_loop()
         began = loop.time()
-        body = bytearray()
-        async for chunk in response.content.iter_any():  # what has come, as it comes
-            body += chunk
-            if len(body) > self.max_bytes:
-                raise JobInputError(f"{url}: more than the upload limit of {self.max_bytes} bytes")
-            # a drip is caught early, whatever the body's length: the time so far against what its bytes allow
-            if loop.time() - began > self.timeout_s + len(body) / self.min_bytes_per_s:
-                raise TimeoutError(f"the body came slower than {self.min_bytes_per_s / 1024:g} KiB/s")
-        return bytes(body)
+        body, size = SpooledTemporaryFile(max_size=SPOOL_MEMORY_BYTES), 0  # noqa: SIM115 - the caller's to close
+        try:
+            async for chunk in response.content.iter_any():  # what has come, as it comes
+                size += len(chunk)
+                if size > self.max_bytes:
+                    raise JobInputError(f"{url}: more than the upload limit of {self.max_bytes} bytes")
+                # a drip is caught early, whatever the body's length: the time so far against what its bytes allow
+                if loop.time() - began > self.timeout_s + size / self.min_bytes_per_s:
+                    raise TimeoutError(f"the body came slower than {self.min_bytes_per_s / 1024:g} KiB/s")
+                _write(body, chunk, url)
+            body.seek(0)
+            return body
+        except BaseException:
+            body.close()
+            raise
 
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
+
+
+def _write(body: BinaryIO, chunk: bytes, url: str) -> None:
+    """A chunk into the body's file (the page cache takes it: no wait worth a thread), or ``NoRoomForInput``."""
+    try:
+        body.write(chunk)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise NoRoomForInput(f"{url}: no disk space left for its body ({exc.strerror})") from exc
+        raise

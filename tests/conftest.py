@@ -5,7 +5,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from types import ModuleType
 
@@ -81,3 +83,19 @@ def long_recording(paths: list[str] | list[Path], seconds: float, gap_s: float =
         total += len(clip) + len(gap)
     joined = np.concatenate([x for clip in pieces for x in (clip, gap)])
     return joined, pieces
+
+
+@pytest.fixture
+def small_disk(tmp_path, monkeypatch):
+    """A 1.5 MiB filesystem of its own (tmpfs) as the temporary files' folder; skipped where mounting is not
+    allowed."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1536k", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    monkeypatch.setattr(tempfile, "tempdir", str(disk))
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import io
 import json
 import os
@@ -11,11 +12,13 @@ import subprocess
 import sys
 import threading
 import time
+import tracemalloc
 from dataclasses import replace
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 import soundfile as sf
 import torch
@@ -1356,9 +1359,13 @@ def test_a_url_whose_body_drips_is_given_up_and_tried_again(parity_audio):
     fetcher = url_inputs.UrlFetcher([f"{site.url}/clips/"], 1 << 20, timeout_s=0.5, retry_delays_s=(0.0,),
                                     min_bytes_per_s=100)
 
+    async def fetch(url: str) -> bytes:
+        with await fetcher.fetch(url) as body:
+            return body.read()
+
     async def fetch_all() -> list[bytes | Exception]:
         try:
-            return await asyncio.gather(*(fetcher.fetch(f"{site.url}/clips/{path}{name}")
+            return await asyncio.gather(*(fetch(f"{site.url}/clips/{path}{name}")
                                           for path in ("", "drip/", "drip-chunked/")), return_exceptions=True)
         finally:
             await fetcher.close()
@@ -1373,6 +1380,64 @@ def test_a_url_whose_body_drips_is_given_up_and_tried_again(parity_audio):
     for failure in (dripped, dripped_chunked):  # 20 bytes a second, below 100: each try stops within a second
         assert isinstance(failure, JobInputError) and "slower than" in str(failure) and "(2 tries)" in str(failure)
     assert took < 5
+
+
+@pytest.fixture
+def file_site(tmp_path):
+    """A real HTTP server for the files of a folder; yields (folder, base URL)."""
+    folder = tmp_path / "site"
+    folder.mkdir()
+    class Quiet(SimpleHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(folder)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield folder, f"http://127.0.0.1:{server.server_address[1]}/"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _fetch(url: str, prefix: str) -> bytes:
+    fetcher = url_inputs.UrlFetcher([prefix], 1 << 30, retry_delays_s=())
+
+    async def fetch() -> bytes:
+        try:
+            with await fetcher.fetch(url) as body:
+                return body.read(64)  # a head: what it holds whole is measured, not what this test reads of it
+        finally:
+            await fetcher.close()
+
+    return asyncio.run(fetch())
+
+
+def test_a_fetched_body_waits_in_a_temporary_file_not_in_memory(file_site):
+    """A URL's body grew in a bytearray, then was copied to bytes: three times its size in memory at once, for each
+    of the consumer's 64 fetches."""
+    folder, base = file_site
+    recording = np.random.default_rng(5).bytes(24 << 20)
+    (folder / "long.flac").write_bytes(recording)
+    tracemalloc.start()
+    try:
+        head = _fetch(base + "long.flac", base)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert head == recording[:64]
+    assert peak < 4 << 20, f"{peak / 2**20:.1f} MiB held fetching 24 MiB"
+
+
+def test_a_fetch_with_no_disk_left_is_the_workers_failure_not_the_items(file_site, small_disk):
+    """Failed as the item's (JobInputError, or an OSError: failed at once), a full disk would lose every item
+    fetched meanwhile; NoRoomForInput is retried like any failure of the worker's."""
+    folder, base = file_site
+    (folder / "long.flac").write_bytes(bytes(2 << 20))  # past the 1.5 MiB disk
+    with pytest.raises(url_inputs.NoRoomForInput, match="no disk space left"):
+        _fetch(base + "long.flac", base)
+    assert not isinstance(url_inputs.NoRoomForInput("x"), (OSError, ValueError, JobInputError))
+    assert list(small_disk.iterdir()) == []  # the part received is gone
 
 
 def test_url_items_are_checked_when_submitted(redis_server, model):

@@ -9,8 +9,6 @@ import json
 import logging
 import re
 import socket
-import subprocess
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -254,22 +252,6 @@ def test_a_head_or_a_body_that_stops_arriving_is_408_in_the_error_shape(server, 
     assert "body" in error["message"] and body.headers["connection"] == "close"
     check_documented(spec, "POST", "/v1/transcribe", 408)
     assert httpx.get(f"{server.url}/healthz").status_code == 200
-
-
-@pytest.fixture
-def small_disk(tmp_path, monkeypatch):
-    """A 1.5 MiB filesystem of its own (tmpfs) as the temporary files' folder; skipped where mounting is not
-    allowed."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1536k", "tmpfs", str(disk)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
-    monkeypatch.setattr(tempfile, "tempdir", str(disk))
-    try:
-        yield disk
-    finally:
-        subprocess.run(["umount", str(disk)], check=True)
 
 
 def test_a_body_the_disk_has_no_room_for_is_a_503_to_send_again(server, spec, clip, small_disk, caplog):
