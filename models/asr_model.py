@@ -403,8 +403,11 @@ def resolve_device(device: str | torch.device) -> torch.device:
     if str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = parse_device(device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' requested but CUDA is not available")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("CUDA is not available on this machine (no GPU, or none torch can use)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"there is no {device}: this machine has {torch.cuda.device_count()} GPU(s)")
     return device
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
-    from .config import Settings
+    from .config import SettingProblem, Settings
     from .formats import SubtitleLayout
     from .manifest import ErrorRate, ManifestEntry
 
@@ -183,11 +183,32 @@ def _read_settings(**options: object) -> Settings | None:
     for line in unread_variables():
         print(f"warning: {line}", file=sys.stderr)
     try:
-        return get_settings(**options)
+        settings = get_settings(**options)
     except InvalidSettings as exc:
         for line in exc.lines(SETTING_OPTIONS):
             print(f"error: {line}", file=sys.stderr)
         return None
+    problems = _model_and_device_problems(settings, {k for k, v in options.items() if v is not None})
+    for problem in problems:
+        print(f"error: {problem.line(SETTING_OPTIONS)}", file=sys.stderr)
+    return None if problems else settings
+
+
+def _model_and_device_problems(settings: Settings, given: set[str]) -> list[SettingProblem]:
+    """What would stop the model loading that can be told at once: a model file that is not there, a device this
+    machine lacks (found by the server's start-up as a traceback in its log, and exit status 3)."""
+    from models.asr_model import resolve_device
+
+    from .config import SettingProblem
+
+    problems: list[SettingProblem] = []
+    if settings.model is not None and not Path(settings.model).exists():
+        problems.append(SettingProblem("model", settings.model, "no such file", "model" in given))
+    try:
+        resolve_device(settings.device)
+    except ValueError as exc:
+        problems.append(SettingProblem("device", settings.device, str(exc), "device" in given))
+    return problems
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile as sf
+import torch
 
 from models import load_model
 from service.cli import main
@@ -225,6 +226,20 @@ def test_a_variable_no_setting_reads_is_warned_of_with_the_setting_it_likely_mea
         "warning: BATCHASR_LOGGING is not a setting and is ignored",
         "warning: BATCHASR_MAX_UPLOAD_BYTE is not a setting and is ignored; did you mean BATCHASR_MAX_UPLOAD_BYTES?",
         "error: --port=70000: must be 0 to 65535"]
+
+
+@pytest.mark.parametrize("command", ["serve", "worker"])
+def test_a_missing_model_or_an_absent_gpu_is_named_before_the_server_starts(command, monkeypatch, capsys, tmp_path):
+    """Both were found by the server's start-up: a traceback in its JSON log, and exit status 3."""
+    for name in [n for n in os.environ if n.startswith("BATCHASR_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("BATCHASR_MODEL", str(tmp_path / "gone.nemo"))
+    assert main([command, "--device", "cuda:99", "--redis-url", "redis://127.0.0.1:1"]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == f"error: BATCHASR_MODEL={tmp_path / 'gone.nemo'}: no such file"
+    no_gpu = ("CUDA is not available on this machine" if not torch.cuda.is_available()
+              else "there is no cuda:99")
+    assert len(lines) == 2 and lines[1].startswith("error: --device=cuda:99: " + no_gpu), lines
 
 
 def test_a_bad_setting_given_as_an_option_is_named_as_the_option(capsys):
