@@ -18,6 +18,7 @@ from it, not first copied into memory whole.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from tempfile import SpooledTemporaryFile
 from typing import Any, BinaryIO
 
@@ -33,12 +34,12 @@ BODY_BYTES = "batchasr.body_bytes"  # the scope's key for the size of the body r
 BODY_FILE = "batchasr.body_file"  # the scope's key for a body received whole (``take_body``)
 
 
+@dataclass
 class WholeBody:
     """A body that arrived whole, in its temporary file; once taken, the app is not sent its bytes as well."""
 
-    def __init__(self, file: BinaryIO):
-        self.file = file
-        self.taken = False
+    file: BinaryIO
+    taken: bool = False
 
 
 def take_body(scope: dict) -> BinaryIO | None:
