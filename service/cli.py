@@ -188,6 +188,10 @@ def _read_settings(**options: object) -> Settings | None:
         for line in exc.lines(SETTING_OPTIONS):
             print(f"error: {line}", file=sys.stderr)
         return None
+    for root in settings.input_roots:  # a volume not mounted: every job item naming a file under it would fail
+        if not Path(root).is_dir():
+            print(f"warning: BATCHASR_INPUT_ROOTS: {root} is not a directory here; job items under it will fail "
+                  "as not found", file=sys.stderr)
     problems = _model_and_device_problems(settings, {k for k, v in options.items() if v is not None})
     for problem in problems:
         print(f"error: {problem.line(SETTING_OPTIONS)}", file=sys.stderr)

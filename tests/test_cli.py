@@ -230,12 +230,16 @@ def test_a_variable_no_setting_reads_is_warned_of_with_the_setting_it_likely_mea
 
 @pytest.mark.parametrize("command", ["serve", "worker"])
 def test_a_missing_model_or_an_absent_gpu_is_named_before_the_server_starts(command, monkeypatch, capsys, tmp_path):
-    """Both were found by the server's start-up: a traceback in its JSON log, and exit status 3."""
+    """Both were found by the server's start-up: a traceback in its JSON log, and exit status 3. An input root that
+    is not there (a volume not mounted) is warned of."""
     for name in [n for n in os.environ if n.startswith("BATCHASR_")]:
         monkeypatch.delenv(name)
     monkeypatch.setenv("BATCHASR_MODEL", str(tmp_path / "gone.nemo"))
+    monkeypatch.setenv("BATCHASR_INPUT_ROOTS", f"{tmp_path},{tmp_path / 'unmounted'}")
     assert main([command, "--device", "cuda:99", "--redis-url", "redis://127.0.0.1:1"]) == 2
-    lines = capsys.readouterr().err.splitlines()
+    warning, *lines = capsys.readouterr().err.splitlines()
+    assert warning == (f"warning: BATCHASR_INPUT_ROOTS: {tmp_path / 'unmounted'} is not a directory here; job items "
+                       "under it will fail as not found")  # the root that is there: no word
     assert lines[0] == f"error: BATCHASR_MODEL={tmp_path / 'gone.nemo'}: no such file"
     no_gpu = ("CUDA is not available on this machine" if not torch.cuda.is_available()
               else "there is no cuda:99")
