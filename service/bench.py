@@ -262,7 +262,7 @@ def save_random_checkpoint(name: str, path: Path, device: str, waveforms: list[n
     tokenizer = synthetic_tokenizer(model.config.vocab_size, seed)
     raw = copy.deepcopy(ARCHITECTURES[name])
     raw["tokenizer"] = {"dir": None, "type": "bpe"}
-    save_nemo(model, raw, tokenizer, path, torch.float32, compress=False)
+    save_nemo(model, raw, tokenizer, path, torch.float32)
     return shift
 
 

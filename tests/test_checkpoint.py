@@ -301,7 +301,7 @@ def test_an_exported_model_has_what_nemos_loader_asks_for(tmp_path):
     source = open_checkpoint(DEFAULT_MODEL)
     model = load_model(DEFAULT_MODEL, device="cpu", dtype="float32")
     path = tmp_path / "exported.nemo"
-    save_nemo(model, source.raw_config, source.tokenizer_model, path, compress=False)
+    save_nemo(model, source.raw_config, source.tokenizer_model, path)
     members = {name.removeprefix("./"): data for name, data in _members(path).items()}
     cfg = yaml.safe_load(members["model_config.yaml"])
     assert {"enc_hidden", "pred_hidden", "joint_hidden", "tdt_durations"} <= set(cfg["model_defaults"])
