@@ -322,16 +322,18 @@ class JobStore:
                     pipe.multi()
                     if key is not None:  # set with the job, in one transaction (over a key whose job is gone)
                         pipe.set(key, job_id, ex=self.result_ttl_s)
-                    self._queue_job(pipe, job_id, items, options, key)
+                    fields = self._queue_job(pipe, job_id, items, options, key)
                     await pipe.execute()
                     break
                 except aioredis.WatchError:  # another request with this key got there first: take its job
                     continue
-        return await self.get(job_id), True
+        # as written, not read back: a purge (or a Redis that lost it) a moment later made the submission a 500
+        return _job_from_fields(job_id, {name: str(value) for name, value in fields.items()}), True
 
     def _queue_job(self, pipe: Any, job_id: str, items: list[ItemInput], options: JobOptions,
-                   idempotency_key: str | None) -> None:
-        """The writes that create a job and queue its items, added to ``pipe`` (a transaction)."""
+                   idempotency_key: str | None) -> dict[str, Any]:
+        """The writes that create a job and queue its items, added to ``pipe`` (a transaction); returns the job's
+        fields as written."""
         inputs, states = {}, {}
         for index, item in enumerate(items):
             record: dict[str, Any] = {"audio": item.audio}
@@ -355,14 +357,15 @@ class JobStore:
             inputs[index] = json.dumps(record)
             states[index] = "queued"
         created_at, kept_s = _now(), self.input_ttl_s + self.result_ttl_s
-        pipe.hset(JOB_KEY.format(job_id=job_id), mapping={
+        fields = {
             "status": JobStatus.QUEUED.value, "created_at": created_at, "owner": options.owner, "total": len(items),
             "idempotency_key": idempotency_key or "", "n_queued": len(items),
             "n_in_progress": 0, "n_completed": 0, "n_failed": 0, "n_cancelled": 0, "audio_s": 0, "compute_s": 0,
             "webhook_url": options.webhook_url or "", "webhook_status": "pending" if options.webhook_url else "",
             "priority": options.priority.value, "multichannel": int(options.multichannel),
             "skip_silence": int(options.skip_silence), "channel_names": json.dumps(list(options.channel_names)),
-            "hotwords": json.dumps(list(options.hotwords))})
+            "hotwords": json.dumps(list(options.hotwords))}
+        pipe.hset(JOB_KEY.format(job_id=job_id), mapping=fields)
         pipe.hset(INPUTS_KEY.format(job_id=job_id), mapping=inputs)
         pipe.hset(STATES_KEY.format(job_id=job_id), mapping=states)
         for index in range(len(items)):
@@ -374,6 +377,7 @@ class JobStore:
         pipe.zadd(owned, {job_id: float(created_at)})
         pipe.zremrangebyscore(owned, 0, float(created_at) - kept_s)
         pipe.expire(owned, kept_s)
+        return fields
 
     # --- reading -----------------------------------------------------------------------------------------
 
@@ -681,7 +685,11 @@ def _no_maintenance_notifications() -> dict[str, Any]:
 
 def _job(job_id: str, raw: dict[bytes, bytes]) -> Job:
     """A job from its hash."""
-    h = {k.decode(): v.decode() for k, v in raw.items()}
+    return _job_from_fields(job_id, {k.decode(): v.decode() for k, v in raw.items()})
+
+
+def _job_from_fields(job_id: str, h: dict[str, str]) -> Job:
+    """A job from its hash's fields, as text."""
 
     def opt(name: str) -> float | None:
         return float(h[name]) if h.get(name) else None

@@ -40,6 +40,7 @@ from service.jobs import (
     Job,
     JobInputError,
     JobOptions,
+    JobPriority,
     JobStore,
     item_record,
 )
@@ -770,6 +771,33 @@ def test_cancelling_a_large_job_spares_the_item_in_progress(redis_server):
         assert await store.finish_item(job.id, 1234, "completed", item_record(items[1234].audio, "completed")) == 2
         assert (await store.get(job.id)).status.value == "cancelled"
         assert await store.redis.xlen(WEBHOOK_STREAM) == 1  # its webhook, queued as the job ended
+        await store.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_submission_answers_with_its_job_as_written_even_if_it_is_purged_at_once(redis_server):
+    """The job was read back from Redis to answer the submission: one purged (or lost) in that moment made the
+    submission a 500, though it had been queued."""
+    items = [ItemInput(audio="https://media.example/a.wav", url="https://media.example/a.wav")]
+    options = JobOptions(webhook_url="https://hooks.example.com/x", priority=JobPriority.HIGH, multichannel=True,
+                         skip_silence=True, owner="owner-1", channel_names=("agent", "caller"), hotwords=("acme",))
+
+    async def scenario() -> None:
+        store = JobStore.from_url(redis_server.url)
+        job, created = await store.submit(items, "key-1", options)
+        assert created and job.to_dict() == (await store.get(job.id)).to_dict()  # what a reader sees
+        real_hgetall, purges = store.redis.hgetall, []
+
+        async def purged_first(name, *args):  # the job is purged the moment before any read of it
+            if not purges:
+                purges.append(name)
+                await store.delete(str(name).split(":")[2])
+            return await real_hgetall(name, *args)
+
+        store.redis.hgetall = purged_first
+        second, created = await store.submit(items, options=options)
+        assert created and second.status.value == "queued" and second.counts["queued"] == 1
         await store.close()
 
     asyncio.run(scenario())
