@@ -53,6 +53,7 @@ from .http import (
     request_hotwords,
     require_api_key,
     speaker_names,
+    upload_too_large,
     upload_too_large_message,
 )
 from .job_routes import is_multipart, job_too_large_message, json_job_too_large_message
@@ -100,13 +101,13 @@ async def _read_body(request: Request, service: ServiceState) -> bytes:
     limit = service.settings.max_upload_bytes
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, upload_too_large_message(limit, declared), param="file", code="audio_too_large")
+        raise upload_too_large(limit, int(declared))
     chunks, size = [], 0
     try:
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
-                raise ApiError(413, upload_too_large_message(limit), param="file", code="audio_too_large")
+                raise upload_too_large(limit)
             chunks.append(chunk)
     except ClientDisconnect:  # gone mid-upload: nothing to answer, and not the server's failure
         raise client_closed() from None
@@ -154,7 +155,7 @@ async def _decoded_body(request: Request, service: ServiceState, multichannel: b
         size = body_bytes(request.scope, 0)
         limit = service.settings.max_upload_bytes
         if size > limit:
-            raise ApiError(413, upload_too_large_message(limit, size), param="file", code="audio_too_large")
+            raise upload_too_large(limit, size)
         return await _decode(service, whole, content_type, multichannel)
 
 

@@ -5,7 +5,7 @@ comes as fast as the client sends it: one that declared a large body and sent no
 budget for as long as it liked, and a dozen such connections stopped every upload of the process (job
 submissions too). Likewise a multipart form cut off part way sat half-parsed in memory (its fields, and its files
 of up to 1 MiB each) for as long as its client kept the connection open. Received here first, in memory up to
-``SPOOL_MEMORY_BYTES`` and on disk past that, a body reaches its route only once it is whole: a stalled client
+``spool.SPOOL_MEMORY_BYTES`` and on disk past that, a body reaches its route only once it is whole: a stalled client
 holds a connection and a file for a while, never room in the budget or a parser's memory.
 
 The app sees what it would have seen from the client, only later: the body's bytes, then its end, or the refusal
@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from tempfile import SpooledTemporaryFile
 from typing import Any, BinaryIO
 
 from starlette.datastructures import UploadFile
 
 from .http import ApiError, no_room_for_body, send_error
+from .spool import spooled_file
 
-SPOOL_MEMORY_BYTES = 1 << 20  # as Starlette spools a multipart file: larger bodies wait on disk
 REPLAY_CHUNK_BYTES = 1 << 20
 NO_BODY_METHODS = ("GET", "HEAD", "OPTIONS", "DELETE")
 BODY_IDLE_TIMEOUT_S = 60.0  # between two pieces of a body (nginx's client_body_timeout)
@@ -69,7 +68,7 @@ class BodyBufferMiddleware:
         if scope["type"] != "http" or scope["method"] in NO_BODY_METHODS:
             await self.app(scope, receive, send)
             return
-        body = UploadFile(SpooledTemporaryFile(max_size=SPOOL_MEMORY_BYTES), size=0)  # noqa: SIM115 - closed below
+        body = UploadFile(spooled_file(), size=0)  # closed below
         end: dict | Exception | None = {"type": "http.request", "body": b"", "more_body": False}
         try:
             while True:

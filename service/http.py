@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import hmac
 import logging
@@ -30,6 +29,7 @@ from .intake import IntakeBudget
 from .jobs import ANONYMOUS, JobStore
 from .runtime import FrontendStack, Stack
 from .schemas import ErrorResponse
+from .spool import disk_full
 
 log = logging.getLogger("batchasr.api")
 
@@ -51,7 +51,6 @@ def client_closed() -> ApiError:
     return ApiError(499, "client closed the request", code="client_closed")
 
 
-DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 NO_ROOM_RETRY_S = 10
 
 
@@ -59,7 +58,7 @@ def no_room_for_body(exc: OSError) -> ApiError | None:
     """A 503 for a request body the server had no disk to hold (the temporary files' disk full, or its quota used;
     other requests' bodies are let go as they finish, so it may fit when sent again), logged; None for another
     failure."""
-    if exc.errno not in DISK_FULL:
+    if not disk_full(exc):
         return None
     log.warning("no room for a request body in %s: %s", tempfile.gettempdir(), exc.strerror)
     return ApiError(503, "the server has no disk space left to receive the request body; send it again later",
@@ -368,8 +367,7 @@ async def read_upload(upload: StarletteUpload | None, service: ServiceState, par
     limit = service.settings.max_upload_bytes
     data = await upload.read(limit + 1)
     if len(data) > limit:
-        name = f"{upload.filename}: " if upload.filename else ""
-        raise ApiError(413, name + upload_too_large_message(limit), param=param, code="audio_too_large")
+        raise upload_too_large(limit, name=upload.filename, param=param)
     return data, upload.content_type
 
 
@@ -377,8 +375,15 @@ def check_upload_size(upload: StarletteUpload, service: ServiceState, param: str
     """413 for an uploaded file whose size is known and past the upload limit."""
     limit = service.settings.max_upload_bytes
     if upload.size is not None and upload.size > limit:
-        name = f"{upload.filename}: " if upload.filename else ""
-        raise ApiError(413, name + upload_too_large_message(limit, upload.size), param=param, code="audio_too_large")
+        raise upload_too_large(limit, upload.size, upload.filename, param)
+
+
+def upload_too_large(limit: int, size: int | None = None, name: str | None = None, param: str = "file"
+                     ) -> ApiError:
+    """The 413 of an upload past MAX_UPLOAD_BYTES (of ``size`` bytes, where that is known; a form's file by its
+    ``name``)."""
+    prefix = f"{name}: " if name else ""
+    return ApiError(413, prefix + upload_too_large_message(limit, size), param=param, code="audio_too_large")
 
 
 def upload_too_large_message(limit: int, size: int | None = None) -> str:

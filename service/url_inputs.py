@@ -9,7 +9,7 @@ A fetch that fails for a reason that may pass (the connection, a timeout, a body
 ``MIN_BYTES_PER_S``, HTTP 5xx, 408, 425 or 429) is tried again after a pause; other failures (HTTP 4xx, too large,
 outside the prefixes) fail the item at once.
 
-A body is received into a temporary file (in memory up to ``SPOOL_MEMORY_BYTES``, on disk past that) and decoded
+A body is received into a temporary file (service.spool: in memory up to its first MiB, on disk past that) and decoded
 from there: the consumer fetches up to ``CONNECTIONS`` at once, and recordings of hours held whole in memory (grown
 as they came, then copied) would take gigabytes each. A disk with no room for one is ``NoRoomForInput``: the item is
 tried again later rather than failed.
@@ -18,14 +18,13 @@ tried again later rather than failed.
 from __future__ import annotations
 
 import asyncio
-import errno
-from tempfile import SpooledTemporaryFile
 from typing import BinaryIO
 
 import aiohttp
 from yarl import URL
 
 from .jobs import JobInputError
+from .spool import disk_full, spooled_file
 from .url_rules import UrlRefused, check_under_prefixes
 
 RETRY_DELAYS_S = (1.0, 3.0, 9.0)  # pauses before the 2nd, 3rd and 4th tries of a fetch that may succeed later
@@ -36,7 +35,6 @@ CONNECTIONS = 64  # to the media hosts, per consumer
 # the slowest body taken, on average once the first timeout has passed: a host that drips a byte just inside
 # each read's timeout would otherwise hold one of the consumer's items (and its prefetch slot) for days
 MIN_BYTES_PER_S = 32 * 1024
-SPOOL_MEMORY_BYTES = 1 << 20  # as a request body waits (service.body_buffer): larger ones on disk
 
 
 class NoRoomForInput(RuntimeError):
@@ -121,7 +119,7 @@ class UrlFetcher:
             raise JobInputError(f"{url}: {declared} bytes exceeds the upload limit of {self.max_bytes} bytes")
         loop = asyncio.get_running_loop()
         began = loop.time()
-        body, size = SpooledTemporaryFile(max_size=SPOOL_MEMORY_BYTES), 0  # noqa: SIM115 - the caller's to close
+        body, size = spooled_file(), 0  # the caller's to close
         try:
             async for chunk in response.content.iter_any():  # what has come, as it comes
                 size += len(chunk)
@@ -147,6 +145,6 @@ def _write(body: BinaryIO, chunk: bytes, url: str) -> None:
     try:
         body.write(chunk)
     except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        if disk_full(exc):
             raise NoRoomForInput(f"{url}: no disk space left for its body ({exc.strerror})") from exc
         raise
