@@ -1,18 +1,24 @@
 """The server's peak memory while many long uploads arrive at once: `batchasr serve` in a process of its own,
 `--clients` uploads of `--minutes` of WAV (48 kHz stereo unless `--rate`, `--channels`) sent together, as raw
-bodies to /v1/transcribe or as multipart forms to /v1/audio/transcriptions (`--route`), then the process's peak
-resident set (VmHWM) read from /proc. Run it with different BATCHASR_MAX_INTAKE_BYTES to see what the intake
-budget holds, or with one long upload to see what an upload costs beside its decoded samples.
+bodies to /v1/transcribe, as multipart forms to /v1/audio/transcriptions, or as bulk jobs of `--files` uploads
+each to /v1/jobs (`--route`), then the process's peak resident set (VmHWM) read from /proc. Run it with different
+BATCHASR_MAX_INTAKE_BYTES to see what the intake budget holds, or with one long upload to see what an upload costs
+beside its decoded samples.
+
+Jobs need Redis: a private redis-server is started, and the server runs one HTTP front end (`--frontends 1`) so
+that what a submission costs (the front end's peak) is measured apart from the engine that transcribes the items.
 
     python loadtest/intake_memory.py --clients 24 --minutes 4 --intake-mib 256
     python loadtest/intake_memory.py --clients 24 --minutes 4 --intake-mib 65536
     python loadtest/intake_memory.py --clients 1 --minutes 210 --rate 16000 --channels 1 --route multipart
+    python loadtest/intake_memory.py --clients 4 --files 8 --minutes 4 --route job
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import io
 import os
 import subprocess
@@ -23,11 +29,13 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import psutil
 import soundfile as sf
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from tests.redis_server import RedisServer  # noqa: E402
 from tests.servers import free_port, wait_ready  # noqa: E402
 
 
@@ -46,10 +54,13 @@ def peak_rss_mib(pid: int) -> float:
     raise RuntimeError("no VmHWM")
 
 
-async def send_all(url: str, data: bytes, clients: int, route: str = "raw") -> list[int]:
+async def send_all(url: str, data: bytes, clients: int, route: str = "raw", files: int = 1) -> list[int]:
     async with httpx.AsyncClient(timeout=1800) as client:
         async def one() -> int:
-            if route == "multipart":
+            if route == "job":
+                response = await client.post(f"{url}/v1/jobs", files=[("files", (f"long{i}.wav", data, "audio/wav"))
+                                                                      for i in range(files)])
+            elif route == "multipart":
                 response = await client.post(f"{url}/v1/audio/transcriptions",
                                              files={"file": ("long.wav", data, "audio/wav")})
             else:
@@ -66,8 +77,9 @@ def main() -> None:
     parser.add_argument("--intake-mib", type=int, default=2048)
     parser.add_argument("--rate", type=int, default=48000, help="the WAV's sample rate")
     parser.add_argument("--channels", type=int, default=2, help="the WAV's channels (mixed down by the server)")
-    parser.add_argument("--route", choices=("raw", "multipart"), default="raw",
-                        help="a raw body to /v1/transcribe, or a multipart form to /v1/audio/transcriptions")
+    parser.add_argument("--route", choices=("raw", "multipart", "job"), default="raw",
+                        help="a raw body to /v1/transcribe, a multipart form to /v1/audio/transcriptions, or a job")
+    parser.add_argument("--files", type=int, default=1, help="uploads in each job (--route job)")
     parser.add_argument("--model", default=None, help="a .nemo (default: the embedded model)")
     args = parser.parse_args()
     data = long_wav(args.minutes, args.rate, args.channels)
@@ -75,6 +87,17 @@ def main() -> None:
     env = {**os.environ, "BATCHASR_MAX_INTAKE_BYTES": str(args.intake_mib * 2**20), "BATCHASR_PORT": str(port),
            "BATCHASR_MAX_DURATION_S": "36000", "BATCHASR_MAX_UPLOAD_BYTES": str(max(len(data), 200 * 2**20)),
            "BATCHASR_REQUEST_TIMEOUT_S": "3600"}
+    with contextlib.ExitStack() as stack:
+        if args.route == "job":
+            redis_dir = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+            redis = RedisServer(redis_dir).start()
+            stack.callback(redis.stop)
+            env |= {"BATCHASR_REDIS_URL": redis.url, "BATCHASR_FRONTENDS": "1",
+                    "BATCHASR_MAX_JOB_UPLOAD_BYTES": str(max(len(data) * args.files, 2**30))}
+        measure(args, data, env, port)
+
+
+def measure(args: argparse.Namespace, data: bytes, env: dict[str, str], port: int) -> None:
     command = [sys.executable, "-m", "service.cli", "serve", *(["--model", args.model] if args.model else [])]
     log = Path(tempfile.gettempdir()) / f"intake_memory_serve_{port}.log"
     with log.open("wb") as out:
@@ -86,18 +109,26 @@ def main() -> None:
             # the ends of its JSON log lines: a traceback's reason is at the end of its line
             tail = "\n".join(line[-300:] for line in log.read_text(errors="replace").splitlines()[-10:])
             raise SystemExit(f"the server {why}; the end of its output ({log}):\n{tail}")
-        idle = peak_rss_mib(server.pid)
+        # jobs: the front end parses and stores each submission (the engine's process transcribes the items)
+        measured = max(psutil.Process(server.pid).children(), key=lambda p: p.memory_info().rss) \
+            if args.route == "job" else psutil.Process(server.pid)
+        idle = peak_rss_mib(measured.pid)
         started = time.perf_counter()
-        codes = asyncio.run(send_all(url, data, args.clients, args.route))
+        codes = asyncio.run(send_all(url, data, args.clients, args.route, args.files))
         wall_s = time.perf_counter() - started
-        print(f"{args.clients} {args.route} uploads of {len(data) / 2**20:.0f} MiB ({args.minutes:g} min "
-              f"{args.rate / 1000:g} kHz, {args.channels} channels), intake budget {args.intake_mib} MiB: peak RSS "
-              f"{peak_rss_mib(server.pid):.0f} MiB (ready: {idle:.0f} MiB), {wall_s:.1f} s, statuses "
+        what = f"jobs of {args.files} uploads" if args.route == "job" else f"{args.route} uploads"
+        whose = "the front end's peak RSS" if args.route == "job" else "peak RSS"
+        print(f"{args.clients} {what} of {len(data) / 2**20:.0f} MiB ({args.minutes:g} min "
+              f"{args.rate / 1000:g} kHz, {args.channels} channels), intake budget {args.intake_mib} MiB: {whose} "
+              f"{peak_rss_mib(measured.pid):.0f} MiB (ready: {idle:.0f} MiB), {wall_s:.1f} s, statuses "
               f"{sorted(set(codes))}")
     finally:
-        server.terminate()
+        if args.route == "job":  # its items are not waited for
+            for process in [*psutil.Process(server.pid).children(recursive=True), server]:
+                process.kill()
+        else:
+            server.terminate()
         server.wait(60)
-
 
 if __name__ == "__main__":
     main()

@@ -29,11 +29,11 @@ from .http import (
     ApiError,
     ServiceDep,
     ServiceState,
+    check_upload_size,
     error_responses,
     flag,
     form_text,
     form_texts,
-    read_upload,
     request_hotwords,
     request_owner,
     require_api_key,
@@ -177,11 +177,13 @@ async def _form_uploads(request: Request, service: ServiceState) -> tuple[list[S
                                owner=request_owner(request), channel_names=tuple(names), hotwords=hotwords)
 
 
-async def _read_uploads(uploads: list[StarletteUpload], service: ServiceState) -> list[ItemInput]:
+def _upload_items(uploads: list[StarletteUpload], service: ServiceState) -> list[ItemInput]:
+    """The items of a form's files: each read from its temporary file as the job is written (service.job_uploads),
+    not into memory first."""
     items = []
     for upload in uploads:
-        data, _ = await read_upload(upload, service, param="files")
-        items.append(ItemInput(audio=upload.filename or f"item{len(items)}", upload=data))
+        check_upload_size(upload, service, param="files")  # the form's parser counted each file's bytes
+        items.append(ItemInput(audio=upload.filename or f"item{len(items)}", upload=upload.file))
     return items
 
 
@@ -242,8 +244,8 @@ async def create_job(request: Request, service: ServiceDep,
         raise ApiError(400, f"Idempotency-Key: at most {MAX_IDEMPOTENCY_KEY_CHARS} characters",
                        param="Idempotency-Key", code="invalid_idempotency_key")
     store = _store(service)
-    # parsed, read and written to Redis in turn (service.intake): a form's fields, and its files of up to 1 MiB
-    # each, are held in memory from the moment it is parsed, and so are a JSON job's items
+    # parsed and written to Redis in turn (service.intake): a form's fields, and its files of up to 1 MiB each
+    # (larger ones wait on disk), are held in memory from the moment it is parsed, and so are a JSON job's items
     async with service.intake.hold(body_bytes(request.scope, service.settings.max_job_upload_bytes)):
         if not is_multipart(request.headers.get("content-type", "")):
             items, options = await _json_items(request, service)
@@ -251,7 +253,7 @@ async def create_job(request: Request, service: ServiceDep,
             return await _submit(store, service.settings, items, options, idempotency_key)
         uploads, options = await _form_uploads(request, service)
         _check_webhook(options.webhook_url, service.settings)  # before the uploads are read
-        items = await _read_uploads(uploads, service)
+        items = _upload_items(uploads, service)
         return await _submit(store, service.settings, items, options, idempotency_key)
 
 

@@ -136,3 +136,10 @@ for i = 3, #ARGV do
 end
 return kept
 """
+
+# KEYS: a job's uploads, written already (service.job_uploads). ARGV: seconds. Their input TTL, given in the job's
+# transaction: one command for all of them, not one each (a job of 100,000 small files spent 1.7 s on those).
+EXPIRE_ALL = """
+for _, key in ipairs(KEYS) do redis.call('EXPIRE', key, ARGV[1]) end
+return #KEYS
+"""

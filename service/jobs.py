@@ -5,7 +5,8 @@ every state change of an item runs as one Lua script, so an item redelivered aft
 second result or be counted twice. Workers take a higher priority's items before any of a lower one.
 
 Per job: a hash (status, times, counters), and per-item hashes keyed by the item's index: inputs, states,
-attempts, errors, results. Uploaded audio lives in its own keys with a TTL.
+attempts, errors, results. Uploaded audio lives in its own keys with a TTL, written a piece at a time before the
+job (service.job_uploads).
 """
 
 from __future__ import annotations
@@ -29,7 +30,16 @@ from redis.exceptions import OutOfMemoryError
 from models.audio_io import Stretch
 from models.transcript import rounded
 
-from .job_scripts import CANCEL_QUEUED, FINISH_ITEM, HSET_IF_EXISTS, KEEP_CLAIMED, RECORD_ERROR, START_ITEM
+from .job_scripts import (
+    CANCEL_QUEUED,
+    EXPIRE_ALL,
+    FINISH_ITEM,
+    HSET_IF_EXISTS,
+    KEEP_CLAIMED,
+    RECORD_ERROR,
+    START_ITEM,
+)
+from .job_uploads import Upload, UploadChanged, upload_size, write_uploads
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +156,7 @@ class ItemInput:
     audio: str  # what the submitter called it (file name, path or URL)
     path: str | None = None  # a file under the input roots
     url: str | None = None  # an http(s) URL under the input URL prefixes
-    upload: bytes | None = None  # the audio itself
+    upload: Upload | None = None  # the audio itself, or a file holding it (read when the job is submitted)
     stretch: Stretch | None = None  # a path's or URL's: the seconds of it to transcribe (a NeMo manifest's)
 
     def __post_init__(self) -> None:
@@ -267,6 +277,7 @@ class JobStore:
         self._cancel_queued = client.register_script(CANCEL_QUEUED)
         self._record_error = client.register_script(RECORD_ERROR)
         self._keep_claimed = client.register_script(KEEP_CLAIMED)
+        self._expire_all = client.register_script(EXPIRE_ALL)
 
     @classmethod
     def from_url(cls, url: str, max_connections: int = 128, **kwargs: Any) -> JobStore:
@@ -299,36 +310,71 @@ class JobStore:
         options = options or JobOptions()
         if not items:
             raise JobInputError("a job needs at least one item")
-        for item in items:
-            if item.upload is not None and len(item.upload) > self.max_upload_bytes:
-                raise JobInputError(f"{item.audio}: {len(item.upload)} bytes exceeds the upload limit "
-                                    f"of {self.max_upload_bytes}")
         job_id = "job_" + secrets.token_urlsafe(18)  # random and unguessable
+        uploads = {UPLOAD_KEY.format(job_id=job_id, index=index): item
+                   for index, item in enumerate(items) if item.upload is not None}
+        for item in uploads.values():
+            try:
+                size = upload_size(item.upload)
+            except UploadChanged as exc:
+                raise JobInputError(f"{item.audio}: {exc}") from exc
+            if size > self.max_upload_bytes:
+                raise JobInputError(f"{item.audio}: {size} bytes exceeds the upload limit of {self.max_upload_bytes}")
         await self.ensure_group()
         key = None
         if idempotency_key:  # one owner's key never names another's job
             owned = idempotency_key if options.owner == ANONYMOUS else f"{options.owner}:{idempotency_key}"
             key = IDEMPOTENCY_KEY.format(key=owned)
+            if (job := await self._job_named_by(self.redis, key)) is not None:
+                return job, False  # a retried submission: nothing of it is written again
+        try:
+            try:
+                await write_uploads(self.redis, {key: item.upload for key, item in uploads.items()})
+            except UploadChanged as exc:
+                raise JobInputError(f"{uploads[exc.key].audio}: {exc}") from exc
+            job, created = await self._create(job_id, items, options, key, list(uploads))
+        except BaseException:
+            await self._discard(uploads)
+            raise
+        if not created:  # another request with this key wrote its job while these uploads were written
+            await self._discard(uploads)
+        return job, created
+
+    async def _create(self, job_id: str, items: list[ItemInput], options: JobOptions, key: str | None,
+                      uploads: list[str]) -> tuple[Job, bool]:
+        """The job's transaction (its ``uploads`` written already: it gives them the input TTL); the job an
+        idempotency ``key`` names if it has one by now."""
         async with self.redis.pipeline(transaction=True) as pipe:
             while True:
                 try:
                     if key is not None:
                         await pipe.watch(key)
-                        existing = await pipe.get(key)
-                        job = await self._get_or_none(existing.decode()) if existing is not None else None
-                        if job is not None:
+                        if (job := await self._job_named_by(pipe, key)) is not None:
                             await pipe.reset()
                             return job, False
                     pipe.multi()
                     if key is not None:  # set with the job, in one transaction (over a key whose job is gone)
                         pipe.set(key, job_id, ex=self.result_ttl_s)
                     fields = self._queue_job(pipe, job_id, items, options, key)
+                    if uploads:
+                        await self._expire_all(keys=uploads, args=[self.input_ttl_s], client=pipe)
                     await pipe.execute()
                     break
                 except aioredis.WatchError:  # another request with this key got there first: take its job
                     continue
         # as written, not read back: a purge (or a Redis that lost it) a moment later made the submission a 500
         return _job_from_fields(job_id, {name: str(value) for name, value in fields.items()}), True
+
+    async def _job_named_by(self, reader: Any, key: str) -> Job | None:
+        """The job an idempotency key names, if it is still there (``reader``: the client, or a watching pipe)."""
+        existing = await reader.get(key)
+        return await self._get_or_none(existing.decode()) if existing is not None else None
+
+    async def _discard(self, uploads: dict[str, Upload]) -> None:
+        """Uploads written for a job that was not: deleted now if Redis answers (else their staging TTL ends them)."""
+        if uploads:
+            with contextlib.suppress(*REDIS_ERRORS):
+                await self.redis.delete(*uploads)
 
     def _queue_job(self, pipe: Any, job_id: str, items: list[ItemInput], options: JobOptions,
                    idempotency_key: str | None) -> dict[str, Any]:
@@ -345,9 +391,7 @@ class JobStore:
             if options.hotwords:
                 record["hotwords"] = list(options.hotwords)
             if item.upload is not None:
-                upload_key = UPLOAD_KEY.format(job_id=job_id, index=index)
-                pipe.set(upload_key, item.upload, ex=self.input_ttl_s)
-                record["upload"] = upload_key
+                record["upload"] = UPLOAD_KEY.format(job_id=job_id, index=index)  # written already
             elif item.url is not None:
                 record["url"] = item.url
             else:

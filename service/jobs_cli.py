@@ -176,8 +176,8 @@ def upload_size(source: Input, multichannel: bool = False) -> int:
 
 
 def item_input(source: Input, multichannel: bool = False) -> ItemInput:
-    """A job item for a local file (its bytes, uploaded), a URL (fetched by the worker) or a stretch of a file
-    (``stretch_upload``)."""
+    """A job item for a local file (uploaded: read as the job is written), a URL (fetched by the worker) or a
+    stretch of a file (``stretch_upload``)."""
     if isinstance(source, str):
         return ItemInput(audio=source, url=source)
     if isinstance(source, WorkerPath):
@@ -186,7 +186,7 @@ def item_input(source: Input, multichannel: bool = False) -> ItemInput:
         return ItemInput(audio=str(clip), path=source.item()["path"], stretch=stretch)
     if isinstance(source, AudioClip):
         return ItemInput(audio=str(source), upload=stretch_upload(source, multichannel)[1])
-    return ItemInput(audio=str(source), upload=source.read_bytes())
+    return ItemInput(audio=str(source), upload=source)
 
 
 class Progress:

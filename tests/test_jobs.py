@@ -857,6 +857,7 @@ def test_a_submission_redis_refused_for_memory_leaves_its_idempotency_key_free(r
         assert full.status_code == 503 and full.json()["error"]["code"] == "job_store_full", full.text
         assert full.headers["retry-after"] == "30"
         assert client.xlen(ITEM_STREAM) == 0 and client.keys("batchasr:idempotency:*") == []
+        assert client.keys("batchasr:upload:*") == []  # those written before Redis was full are deleted
         client.config_set("maxmemory", 0)
         retried = httpx.post(f"{running.url}/v1/jobs", files=files, headers=headers)
         assert retried.status_code == 202, retried.text

@@ -1,0 +1,195 @@
+"""A job's uploads are written into Redis a piece at a time before the job (service.job_uploads): byte for byte,
+within a few pieces of memory, and nothing left behind by a submission that fails."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import time
+import tracemalloc
+
+import httpx
+import numpy as np
+import pytest
+import soundfile as sf
+
+from models import load_model
+from service import job_uploads
+from service.config import Settings
+from service.job_uploads import STAGING_TTL_S, write_uploads
+from service.jobs import INPUTS_KEY, ITEM_STREAM, UPLOAD_KEY, ItemInput, JobInputError, JobStore
+from tests.servers import run_server
+
+UPLOADS = "batchasr:upload:*"
+
+
+@pytest.fixture(scope="module")
+def model(parity_dir):
+    return load_model(parity_dir / "tdt.nemo", device="cpu", dtype="float32")  # the fastest: one encoder layer
+
+
+def _bytes(n: int, seed: int = 0) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+def test_uploads_of_each_kind_and_size_are_written_byte_for_byte(redis_server, tmp_path, monkeypatch):
+    monkeypatch.setattr(job_uploads, "PIECE_BYTES", 1000)  # pieces and round trips small enough to count
+    monkeypatch.setattr(job_uploads, "ROUND_TRIP_KEYS", 3)
+    sizes = [0, 1, 999, 1000, 1001, 3005, 10]
+    contents = [_bytes(n, seed) for seed, n in enumerate(sizes)]
+    on_disk = tmp_path / "audio.bin"
+    on_disk.write_bytes(contents[5])
+    kinds = [contents[0], io.BytesIO(contents[1]), contents[2], on_disk.parent / "small.bin", contents[4], on_disk,
+             io.BytesIO(contents[6])]
+    kinds[3].write_bytes(contents[3])
+    kinds[1].seek(1)  # an open file is read from its start, wherever it was left
+    uploads = {f"batchasr:upload:job_x:{i}": upload for i, upload in enumerate(kinds)}
+
+    async def scenario() -> None:
+        store = JobStore.from_url(redis_server.url)
+        await write_uploads(store.redis, uploads)
+        await store.close()
+
+    asyncio.run(scenario())
+    client = redis_server.client()
+    assert [client.get(key) for key in uploads] == contents
+    assert all(STAGING_TTL_S - 10 < client.ttl(key) <= STAGING_TTL_S for key in uploads)
+
+
+def test_a_jobs_uploads_take_the_input_ttl_with_the_job(redis_server, tmp_path):
+    path = tmp_path / "long.bin"
+    path.write_bytes(_bytes(job_uploads.PIECE_BYTES * 2 + 7))
+
+    async def scenario() -> str:
+        store = JobStore.from_url(redis_server.url, input_ttl_s=7 * 86400)
+        job, _ = await store.submit([ItemInput(audio="long.bin", upload=path), ItemInput(audio="b", upload=b"abc")])
+        await store.close()
+        return job.id
+
+    job_id = asyncio.run(scenario())
+    client = redis_server.client()
+    assert client.get(UPLOAD_KEY.format(job_id=job_id, index=0)) == path.read_bytes()
+    assert client.get(UPLOAD_KEY.format(job_id=job_id, index=1)) == b"abc"
+    assert all(client.ttl(UPLOAD_KEY.format(job_id=job_id, index=i)) > 7 * 86400 - 10 for i in (0, 1))
+
+
+def test_a_large_upload_is_never_in_memory_whole(redis_server, tmp_path):
+    """A submission held all its uploads at once (up to MAX_JOB_UPLOAD_BYTES, 1 GiB); now a few pieces."""
+    path = tmp_path / "long.bin"
+    path.write_bytes(_bytes(24 * 2**20))
+
+    async def scenario() -> tuple[str, int]:
+        store = JobStore.from_url(redis_server.url)
+        await store.ensure_group()  # the connection and its buffers first: they are not the upload's
+        tracemalloc.start()
+        try:
+            with path.open("rb") as file:
+                job, _ = await store.submit([ItemInput(audio="long.bin", upload=file)])
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        await store.close()
+        return job.id, peak
+
+    job_id, peak = asyncio.run(scenario())
+    assert peak < 3 * job_uploads.PIECE_BYTES, f"{peak / 2**20:.1f} MiB for a 24 MiB upload"
+    assert redis_server.client().get(UPLOAD_KEY.format(job_id=job_id, index=0)) == path.read_bytes()
+
+
+def test_a_file_that_changes_while_its_job_is_written_is_refused_by_name_and_nothing_is_left(redis_server,
+                                                                                               tmp_path):
+    first, second = tmp_path / "first.wav", tmp_path / "second.wav"
+    first.write_bytes(_bytes(5000))
+    second.write_bytes(_bytes(job_uploads.PIECE_BYTES + 5000))
+
+    async def scenario() -> None:
+        store = JobStore.from_url(redis_server.url)
+        setrange = store.redis.setrange
+
+        async def truncated_meanwhile(*args):  # after its first piece was written
+            second.write_bytes(_bytes(100))
+            return await setrange(*args)
+
+        store.redis.setrange = truncated_meanwhile
+        with pytest.raises(JobInputError, match=r"second\.wav: the file changed while it was being read"):
+            await store.submit([ItemInput(audio="first.wav", upload=first),
+                                ItemInput(audio="second.wav", upload=second)])
+        second.unlink()
+        with pytest.raises(JobInputError, match=r"second\.wav: the file cannot be read"):
+            await store.submit([ItemInput(audio="second.wav", upload=second)])
+        await store.close()
+
+    asyncio.run(scenario())
+    client = redis_server.client()
+    assert client.keys(UPLOADS) == [] and client.xlen(ITEM_STREAM) == 0
+
+
+def test_a_job_redis_fails_to_write_leaves_no_upload(redis_server):
+    async def scenario() -> None:
+        store = JobStore.from_url(redis_server.url)
+
+        async def redis_gone(*args, **kwargs):
+            raise ConnectionError("Redis went away")
+
+        store._create = redis_gone
+        with pytest.raises(ConnectionError):
+            await store.submit([ItemInput(audio="a", upload=b"x" * 100),
+                                ItemInput(audio="b", upload=_bytes(job_uploads.PIECE_BYTES + 1))])
+        await store.close()
+
+    asyncio.run(scenario())
+    assert redis_server.client().keys(UPLOADS) == []
+
+
+def test_a_repeated_submission_writes_no_upload_again_and_racing_ones_keep_one_jobs(redis_server):
+    client = redis_server.client()
+    large = _bytes(job_uploads.PIECE_BYTES + 1)
+
+    def pieces_written() -> int:
+        return int(client.info("commandstats").get("cmdstat_setrange", {}).get("calls", 0))
+
+    async def scenario() -> tuple[str, int]:
+        stores = [JobStore.from_url(redis_server.url) for _ in range(6)]
+        # at once, each writes its uploads before its transaction finds the key taken: the losers' are deleted
+        outcomes = await asyncio.gather(*(store.submit([ItemInput(audio="a", upload=large)], "nightly")
+                                          for store in stores))
+        assert sum(created for _, created in outcomes) == 1 and len({job.id for job, _ in outcomes}) == 1
+        before = pieces_written()
+        again, created = await stores[0].submit([ItemInput(audio="a", upload=large)], "nightly")
+        assert not created and again.id == outcomes[0][0].id
+        for store in stores:
+            await store.close()
+        return again.id, pieces_written() - before
+
+    job_id, written_again = asyncio.run(scenario())
+    assert written_again == 0
+    assert client.keys(UPLOADS) == [UPLOAD_KEY.format(job_id=job_id, index=0).encode()]
+    assert client.hlen(INPUTS_KEY.format(job_id=job_id)) == 1
+
+
+def test_a_job_form_of_long_files_is_transcribed_as_sent(redis_server, model, parity_audio, tmp_path):
+    """Files past the form's memory (1 MiB) and past a piece (4 MiB) go from their temporary files into Redis."""
+    clip, rate = sf.read(parity_audio[0], dtype="float32")
+    speech = np.tile(np.concatenate([clip, np.zeros(rate // 2, np.float32)]), 8)
+    stereo_48k = np.repeat(np.interp(np.arange(len(speech) * 3) / 3, np.arange(len(speech)), speech)[:, None], 2, 1)
+    path = tmp_path / "long.wav"
+    sf.write(path, stereo_48k, 48000, subtype="PCM_16")
+    assert path.stat().st_size > job_uploads.PIECE_BYTES
+    with run_server(Settings(redis_url=redis_server.url, max_wait_ms=20), model) as running:
+        direct = httpx.post(f"{running.url}/v1/transcribe", content=path.read_bytes(),
+                            headers={"content-type": "audio/wav"}, timeout=120)
+        assert direct.status_code == 200, direct.text
+        files = [("files", ("long.wav", path.read_bytes(), "audio/wav")),
+                 ("files", ("short.wav", b"RIFF", "audio/wav"))]
+        submitted = httpx.post(f"{running.url}/v1/jobs", files=files, timeout=60)
+        assert submitted.status_code == 202, submitted.text
+        job_url = f"{running.url}/v1/jobs/{submitted.json()['id']}"
+        deadline = time.monotonic() + 60
+        while httpx.get(job_url).json()["status"] in ("queued", "in_progress") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        records = [json.loads(line) for line in httpx.get(f"{job_url}/results").text.splitlines()]
+    assert records[0]["status"] == "completed" and records[0]["text"] == direct.json()["text"]
+    assert records[0]["duration_s"] == pytest.approx(len(stereo_48k) / 48000, abs=0.01)
+    assert records[1]["status"] == "failed"  # four bytes of a WAV header: the item's error, not the job's
+    assert redis_server.client().keys(UPLOADS) == []  # freed with their results
