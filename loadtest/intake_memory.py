@@ -11,7 +11,7 @@ that what a submission costs (the front end's peak) is measured apart from the e
     python loadtest/intake_memory.py --clients 24 --minutes 4 --intake-mib 256
     python loadtest/intake_memory.py --clients 24 --minutes 4 --intake-mib 65536
     python loadtest/intake_memory.py --clients 1 --minutes 210 --rate 16000 --channels 1 --route multipart
-    python loadtest/intake_memory.py --clients 4 --files 8 --minutes 4 --route job
+    python loadtest/intake_memory.py --clients 4 --files 8 --minutes 4 --route job [--transcribed]
 """
 
 from __future__ import annotations
@@ -54,9 +54,10 @@ def peak_rss_mib(pid: int) -> float:
     raise RuntimeError("no VmHWM")
 
 
-async def send_all(url: str, data: bytes, clients: int, route: str = "raw", files: int = 1) -> list[int]:
+async def send_all(url: str, data: bytes, clients: int, route: str = "raw", files: int = 1
+                   ) -> list[httpx.Response]:
     async with httpx.AsyncClient(timeout=1800) as client:
-        async def one() -> int:
+        async def one() -> httpx.Response:
             if route == "job":
                 response = await client.post(f"{url}/v1/jobs", files=[("files", (f"long{i}.wav", data, "audio/wav"))
                                                                       for i in range(files)])
@@ -66,8 +67,18 @@ async def send_all(url: str, data: bytes, clients: int, route: str = "raw", file
             else:
                 response = await client.post(f"{url}/v1/transcribe", content=data,
                                              headers={"content-type": "audio/wav"})
-            return response.status_code
+            return response
         return await asyncio.gather(*(one() for _ in range(clients)))
+
+
+async def wait_for_jobs(url: str, job_ids: list[str]) -> list[str]:
+    """Each job's status once all have finished."""
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        while True:
+            jobs = [(await client.get(f"/v1/jobs/{job_id}")).json() for job_id in job_ids]
+            if all(job["status"] not in ("queued", "in_progress") for job in jobs):
+                return [job["status"] for job in jobs]
+            await asyncio.sleep(0.5)
 
 
 def main() -> None:
@@ -80,6 +91,8 @@ def main() -> None:
     parser.add_argument("--route", choices=("raw", "multipart", "job"), default="raw",
                         help="a raw body to /v1/transcribe, a multipart form to /v1/audio/transcriptions, or a job")
     parser.add_argument("--files", type=int, default=1, help="uploads in each job (--route job)")
+    parser.add_argument("--transcribed", action="store_true",
+                        help="jobs: wait until they finish and give the engine process's peak as well (the worker's)")
     parser.add_argument("--model", default=None, help="a .nemo (default: the embedded model)")
     args = parser.parse_args()
     data = long_wav(args.minutes, args.rate, args.channels)
@@ -114,7 +127,8 @@ def measure(args: argparse.Namespace, data: bytes, env: dict[str, str], port: in
             if args.route == "job" else psutil.Process(server.pid)
         idle = peak_rss_mib(measured.pid)
         started = time.perf_counter()
-        codes = asyncio.run(send_all(url, data, args.clients, args.route, args.files))
+        responses = asyncio.run(send_all(url, data, args.clients, args.route, args.files))
+        codes = [response.status_code for response in responses]
         wall_s = time.perf_counter() - started
         what = f"jobs of {args.files} uploads" if args.route == "job" else f"{args.route} uploads"
         whose = "the front end's peak RSS" if args.route == "job" else "peak RSS"
@@ -122,6 +136,11 @@ def measure(args: argparse.Namespace, data: bytes, env: dict[str, str], port: in
               f"{args.rate / 1000:g} kHz, {args.channels} channels), intake budget {args.intake_mib} MiB: {whose} "
               f"{peak_rss_mib(measured.pid):.0f} MiB (ready: {idle:.0f} MiB), {wall_s:.1f} s, statuses "
               f"{sorted(set(codes))}")
+        if args.route == "job" and args.transcribed and codes == [202] * len(codes):
+            started = time.perf_counter()
+            statuses = asyncio.run(wait_for_jobs(url, [response.json()["id"] for response in responses]))
+            print(f"transcribed: the engine process's peak RSS {peak_rss_mib(server.pid):.0f} MiB, "
+                  f"{time.perf_counter() - started:.1f} s, jobs {sorted(set(statuses))}")
     finally:
         if args.route == "job":  # its items are not waited for
             for process in [*psutil.Process(server.pid).children(recursive=True), server]:

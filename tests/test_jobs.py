@@ -363,6 +363,41 @@ def test_a_worker_holds_the_audio_of_its_items_in_flight_within_its_budget(redis
     assert max(held) == pytest.approx(len(recording) / 16000)  # one at a time: the budget holds one
 
 
+def test_a_workers_item_holds_its_samples_not_its_uploads_bytes_while_transcribed(redis_server, model, parity_audio,
+                                                                                   tmp_path):
+    """The budget counts decoded seconds; an item's upload stayed in memory beside them until the item ended, three
+    times its samples for a 48 kHz stereo WAV."""
+    clip, _ = sf.read(parity_audio[0], dtype="float32")
+    stereo_48k = np.repeat(np.interp(np.arange(len(clip) * 3) / 3, np.arange(len(clip)), clip)[:, None], 2, 1)
+    path = tmp_path / "long.wav"  # submitted from the file: the test holds none of its bytes
+    sf.write(path, np.tile(stereo_48k, (20, 1)), 48000, subtype="PCM_16")
+    largest_held: list[int] = []
+
+    async def setup(consumer, store):
+        transcribe = consumer.transcriber.transcribe
+
+        async def look_then_transcribe(*args, **kwargs):
+            for _ in range(100):  # the decoding thread lets its arguments go a moment after its result is in
+                largest = max(trace.size for trace in tracemalloc.take_snapshot().traces)
+                if largest < path.stat().st_size / 2:
+                    break
+                await asyncio.sleep(0.01)
+            largest_held.append(largest)
+            return await transcribe(*args, **kwargs)
+
+        consumer.transcriber.transcribe = look_then_transcribe
+        return (await store.submit([ItemInput(audio="long.wav", upload=path)]))[0]
+
+    tracemalloc.start()
+    try:
+        job, records = asyncio.run(_run_consumer(Settings(redis_url=redis_server.url), model, [], setup))
+    finally:
+        tracemalloc.stop()
+    assert job.status.value == "completed" and records[0]["text"]
+    size = path.stat().st_size
+    assert len(largest_held) == 1 and largest_held[0] < size / 2, f"{largest_held[0]} bytes held of a {size} upload"
+
+
 def test_a_worker_whose_gpu_broke_stops_taking_items_and_another_finishes_them(redis_server, model, parity_audio,
                                                                                expected):
     """A broken CUDA context fails every batch after it. A worker that went on taking items would fail each one
