@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from redis.exceptions import ResponseError
+
 Upload = bytes | Path | BinaryIO  # the audio itself, a file that holds it, or an open file (read from its start)
 
 PIECE_BYTES = 4 * 1024 * 1024  # read and written at once; smaller uploads go whole, several in a round trip
@@ -22,9 +24,10 @@ ROUND_TRIP_KEYS = 1000  # small uploads in one round trip at most (many tiny fil
 STAGING_TTL_S = 3600  # an upload whose job is not written yet: gone by itself if the process writing it dies
 
 
-class UploadChanged(ValueError):
-    """A file that could not be read, or did not hold the bytes it measured, when its upload was written (it was
-    removed or changed meanwhile). ``key``: the upload's, where write_uploads says which."""
+class UploadRefused(ValueError):
+    """An upload that cannot be written: a file that could not be read, or did not hold the bytes it measured (it
+    was removed or changed meanwhile), or one larger than Redis stores in a value. ``key``: the upload's, where
+    write_uploads says which."""
 
     def __init__(self, message: str, key: str | None = None):
         super().__init__(message)
@@ -38,7 +41,7 @@ def upload_size(upload: Upload) -> int:
     try:
         return upload.stat().st_size if isinstance(upload, Path) else upload.seek(0, io.SEEK_END)
     except OSError as exc:
-        raise UploadChanged(f"the file cannot be read: {exc}") from exc
+        raise UploadRefused(f"the file cannot be read: {exc}") from exc
 
 
 @contextlib.contextmanager
@@ -66,8 +69,8 @@ async def write_uploads(redis: Any, uploads: dict[str, Upload]) -> None:
                     await _write_in_pieces(redis, key, upload, size)
                     continue
                 pipe.set(key, await _read_whole(upload, size), ex=STAGING_TTL_S)
-            except UploadChanged as exc:
-                raise UploadChanged(str(exc), key) from exc
+            except UploadRefused as exc:
+                raise UploadRefused(str(exc), key) from exc
             pending += size
             if pending >= PIECE_BYTES or len(pipe) >= ROUND_TRIP_KEYS:
                 await pipe.execute()
@@ -89,7 +92,13 @@ async def _write_in_pieces(redis: Any, key: str, upload: Upload, size: int) -> N
     async with redis.pipeline(transaction=False) as pipe:
         pipe.setrange(key, size - 1, b"\0")
         pipe.expire(key, STAGING_TTL_S)
-        await pipe.execute()
+        try:
+            await pipe.execute()
+        except ResponseError as exc:  # past proto-max-bulk-len (512 MiB unless configured): nothing was written
+            if "proto-max-bulk-len" not in str(exc):
+                raise
+            raise UploadRefused(f"{size} bytes is more than this Redis stores in one value (its proto-max-bulk-len): "
+                                "submit it as a path or URL") from exc
     with opened(upload) as file:
         offset = 0
         while offset < size:
@@ -97,7 +106,7 @@ async def _write_in_pieces(redis: Any, key: str, upload: Upload, size: int) -> N
             await redis.setrange(key, offset, _exactly(await _read(file, want), want))
             offset += want
         if await _read(file, 1):
-            raise UploadChanged(f"the file grew past the {size} bytes it had while it was being read")
+            raise UploadRefused(f"the file grew past the {size} bytes it had while it was being read")
 
 
 async def _read(file: BinaryIO, size: int) -> bytes:
@@ -106,10 +115,10 @@ async def _read(file: BinaryIO, size: int) -> bytes:
     try:
         return await asyncio.to_thread(file.read, size)
     except OSError as exc:
-        raise UploadChanged(f"the file cannot be read: {exc}") from exc
+        raise UploadRefused(f"the file cannot be read: {exc}") from exc
 
 
 def _exactly(data: bytes, size: int) -> bytes:
     if len(data) != size:
-        raise UploadChanged(f"the file changed while it was being read (expected {size} bytes, read {len(data)})")
+        raise UploadRefused(f"the file changed while it was being read (expected {size} bytes, read {len(data)})")
     return data

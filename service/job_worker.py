@@ -260,7 +260,7 @@ class JobConsumer:
         if start.state != "in_progress":
             return  # finished, cancelled or expired meanwhile: just acknowledge
         record, upload, attempts = start.record, start.upload, start.attempts
-        del start  # the upload's bytes go once decoded (below), not when the item ends (48 kHz stereo WAV: 3x its samples)
+        del start  # the upload goes once decoded (below), not when the item ends (48 kHz stereo WAV: 3x its samples)
         audio = record.get("audio")
         if attempts > self.options.max_attempts:
             last = await self.store.last_error(job_id, index) or "the worker died while processing it"

@@ -39,7 +39,7 @@ from .job_scripts import (
     RECORD_ERROR,
     START_ITEM,
 )
-from .job_uploads import Upload, UploadChanged, upload_size, write_uploads
+from .job_uploads import Upload, UploadRefused, upload_size, write_uploads
 
 log = logging.getLogger(__name__)
 
@@ -316,7 +316,7 @@ class JobStore:
         for item in uploads.values():
             try:
                 size = upload_size(item.upload)
-            except UploadChanged as exc:
+            except UploadRefused as exc:
                 raise JobInputError(f"{item.audio}: {exc}") from exc
             if size > self.max_upload_bytes:
                 raise JobInputError(f"{item.audio}: {size} bytes exceeds the upload limit of {self.max_upload_bytes}")
@@ -330,7 +330,7 @@ class JobStore:
         try:
             try:
                 await write_uploads(self.redis, {key: item.upload for key, item in uploads.items()})
-            except UploadChanged as exc:
+            except UploadRefused as exc:
                 raise JobInputError(f"{uploads[exc.key].audio}: {exc}") from exc
             job, created = await self._create(job_id, items, options, key, list(uploads))
         except BaseException:

@@ -142,6 +142,21 @@ def test_a_job_redis_fails_to_write_leaves_no_upload(redis_server):
     assert redis_server.client().keys(UPLOADS) == []
 
 
+def test_an_upload_larger_than_redis_stores_is_refused_by_name(redis_server):
+    """Redis keeps a value to proto-max-bulk-len (512 MiB by default, below what MAX_UPLOAD_BYTES may be set to)."""
+    redis_server.client().config_set("proto-max-bulk-len", 2**20)  # its least
+
+    async def scenario() -> None:
+        store = JobStore.from_url(redis_server.url)
+        with pytest.raises(JobInputError, match=r"^big\.wav: 6000000 bytes is more than this Redis stores in one"):
+            await store.submit([ItemInput(audio="small.wav", upload=b"x" * 1000),
+                                ItemInput(audio="big.wav", upload=b"x" * 6_000_000)])
+        await store.close()
+
+    asyncio.run(scenario())
+    assert redis_server.client().keys(UPLOADS) == []
+
+
 def test_a_repeated_submission_writes_no_upload_again_and_racing_ones_keep_one_jobs(redis_server):
     client = redis_server.client()
     large = _bytes(job_uploads.PIECE_BYTES + 1)
