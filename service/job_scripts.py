@@ -15,8 +15,9 @@ end
 """
 
 # KEYS: job, states, attempts, inputs, upload. ARGV: index, now.
-# Returns {state, attempts[, input JSON, upload]}: the caller processes the item only if state is "in_progress",
-# and then gets its input in the same round trip (a missing one comes back as nil).
+# Returns {state, attempts[, input JSON, upload size]}: the caller processes the item only if state is
+# "in_progress", and then gets its input in the same round trip (a missing one comes back as nil, a missing upload
+# as -1).
 START_ITEM = _ALLOW_OOM + _EXPIRE_WITH_JOB + """
 local state = redis.call('HGET', KEYS[2], ARGV[1])
 if state == false then return {'missing', 0} end
@@ -31,7 +32,9 @@ if state == 'queued' then
     redis.call('HSET', KEYS[1], 'status', 'in_progress', 'started_at', ARGV[2])
   end
 end
-return {'in_progress', attempts, redis.call('HGET', KEYS[4], ARGV[1]), redis.call('GET', KEYS[5])}
+local upload = -1  -- the upload's bytes (read a piece at a time, service.job_uploads), -1 if there is none
+if redis.call('EXISTS', KEYS[5]) == 1 then upload = redis.call('STRLEN', KEYS[5]) end
+return {'in_progress', attempts, redis.call('HGET', KEYS[4], ARGV[1]), upload}
 """
 
 # The end of a job, shared by the scripts that finish items: once every item is finished, the job's status

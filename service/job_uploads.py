@@ -1,9 +1,12 @@
-"""A job's uploaded audio, written into Redis a piece at a time before the job that names it (service.jobs).
+"""A job's uploaded audio, written into Redis a piece at a time before the job that names it (service.jobs), and
+read back by the worker the same way.
 
 The uploads went in the job's one transaction, so the process submitting it held all of them in memory at once:
 up to MAX_JOB_UPLOAD_BYTES (1 GiB) for each submission. Now each is read from its file and written into a key that
 only its job will name, with a short TTL; the job's transaction gives the keys the input TTL. A submission that
-fails in between deletes what it wrote; one whose process dies leaves keys that expire by themselves.
+fails in between deletes what it wrote; one whose process dies leaves keys that expire by themselves. A worker
+reads an upload into a temporary file (service.spool) and decodes it from there: read whole, up to
+MAX_UPLOAD_BYTES (200 MiB) an item stayed in memory beside its samples while it was decoded.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from redis.exceptions import ResponseError
+
+from .spool import spooled_file, write_body
 
 Upload = bytes | Path | BinaryIO  # the audio itself, a file that holds it, or an open file (read from its start)
 
@@ -122,3 +127,24 @@ def _exactly(data: bytes, size: int) -> bytes:
     if len(data) != size:
         raise UploadRefused(f"the file changed while it was being read (expected {size} bytes, read {len(data)})")
     return data
+
+
+async def read_upload(redis: Any, key: str, size: int) -> BinaryIO:
+    """An upload of ``size`` bytes, read a piece at a time into a temporary file, at its start; the caller closes
+    it. ``UploadRefused`` if it is gone before it is read whole (its job purged meanwhile); a disk with no room for
+    it is ``service.spool.NoRoomForInput``."""
+    body = spooled_file()
+    try:
+        offset = 0
+        while offset < size:
+            piece = await redis.getrange(key, offset, min(offset + PIECE_BYTES, size) - 1)
+            if not piece:
+                raise UploadRefused(f"the upload went after {offset} of its {size} bytes were read (purged?)", key)
+            write_body(body, piece, "an upload")
+            offset += len(piece)
+            del piece  # not held while the next one arrives
+        body.seek(0)
+        return body
+    except BaseException:
+        body.close()
+        raise

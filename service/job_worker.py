@@ -259,8 +259,7 @@ class JobConsumer:
         start = await self.store.start_item(job_id, index)
         if start.state != "in_progress":
             return  # finished, cancelled or expired meanwhile: just acknowledge
-        record, upload, attempts = start.record, start.upload, start.attempts
-        del start  # the upload goes once decoded (below), not when the item ends (48 kHz stereo WAV: 3x its samples)
+        record, upload_bytes, attempts = start.record, start.upload_bytes, start.attempts
         audio = record.get("audio")
         if attempts > self.options.max_attempts:
             last = await self.store.last_error(job_id, index) or "the worker died while processing it"
@@ -269,12 +268,10 @@ class JobConsumer:
         multichannel, skip_silence = bool(record.get("multichannel")), bool(record.get("skip_silence"))
         try:  # checked at submission through HTTP; a job written straight into Redis is checked here
             hotwords = hotword_tokens(record.get("hotwords") or [], self.transcriber.tokenizer)
-            waveform = await self._load(record, upload, multichannel)
+            waveform = await self._load(record, upload_bytes, multichannel)
         except (AudioRequestError, JobInputError, OSError, ValueError) as exc:
             await self._fail(job_id, index, audio, str(exc))
             return
-        finally:
-            del upload
         share.decoded(waveform.size / self.limits.sample_rate)  # every channel's samples
         while True:
             try:
@@ -297,10 +294,10 @@ class JobConsumer:
                                                compute_s=result.compute_s, logprobs=transcript.token_logprobs)
         await self._after_finish(job_id, "completed", outcome)
 
-    async def _load(self, record: dict, upload: bytes | None, multichannel: bool):
+    async def _load(self, record: dict, upload_bytes: int | None, multichannel: bool):
         """The item's waveform (or its channels'): a file decoded straight from disk, whatever its size (only its
-        duration is limited); a URL's body from the temporary file it was fetched into; uploaded bytes from
-        memory."""
+        duration is limited); a URL's body from the temporary file it was fetched into, and an upload's from the
+        one it was read into from Redis."""
         loop = asyncio.get_running_loop()
         stretch = Stretch(record["offset_s"], record["duration_s"]) if "offset_s" in record else WHOLE
         if "path" in record:
@@ -312,11 +309,11 @@ class JobConsumer:
                 raise JobInputError(f"{record['url']}: URL inputs are disabled on this worker "
                                     "(BATCHASR_INPUT_URL_PREFIXES)")
             body = await self.urls.fetch(record["url"])
-            return await loop.run_in_executor(self.decode_pool, _decode_and_close, body, self.limits, multichannel,
-                                              stretch)
-        if upload is None:
+        elif upload_bytes is None:
             raise JobInputError("the uploaded audio expired before it was processed")
-        return await loop.run_in_executor(self.decode_pool, decode_audio, upload, self.limits, multichannel, stretch)
+        else:
+            body = await self.store.read_upload(record, upload_bytes)
+        return await loop.run_in_executor(self.decode_pool, _decode_and_close, body, self.limits, multichannel, stretch)
 
     async def _fail(self, job_id: str, index: int, audio: str | None, error: str) -> None:
         outcome = await self.store.finish_item(job_id, index, "failed", item_record(audio, "failed", error=error),
@@ -335,7 +332,7 @@ class JobConsumer:
 
 
 def _decode_and_close(body: BinaryIO, limits: AudioLimits, multichannel: bool, stretch: Stretch) -> np.ndarray:
-    """``decode_audio`` of a fetched body, decoded where it was received and closed by the thread that reads it:
+    """``decode_audio`` of a fetched or read body, decoded where it was received and closed by the thread that reads it:
     never under it, should the item's task be cancelled while the decode runs."""
     with body:
         return decode_audio(body, limits, multichannel, stretch)

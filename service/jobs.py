@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import redis.asyncio as aioredis
 from redis.exceptions import OutOfMemoryError
@@ -39,7 +39,7 @@ from .job_scripts import (
     RECORD_ERROR,
     START_ITEM,
 )
-from .job_uploads import Upload, UploadRefused, upload_size, write_uploads
+from .job_uploads import Upload, UploadRefused, read_upload, upload_size, write_uploads
 
 log = logging.getLogger(__name__)
 
@@ -180,11 +180,11 @@ class JobOptions:
 @dataclass(frozen=True)
 class ItemStart:
     """What a consumer learns when it starts an item: its state, deliveries so far, and (in progress) its input
-    record and uploaded audio (None once expired, or for a path input)."""
+    record and its upload's size (None once expired, or for a path or URL input: read it with ``read_upload``)."""
     state: str
     attempts: int
     record: dict[str, Any] = field(default_factory=dict)
-    upload: bytes | None = None
+    upload_bytes: int | None = None
 
 
 @dataclass
@@ -549,10 +549,15 @@ class JobStore:
         state = state.decode() if isinstance(state, bytes) else state
         if state != "in_progress":
             return ItemStart(state, int(attempts))
-        raw_input, upload = item
+        raw_input, upload_bytes = item
         if raw_input is None:
             raise JobNotFound(f"{job_id}/{index}")
-        return ItemStart(state, int(attempts), json.loads(raw_input), upload)
+        return ItemStart(state, int(attempts), json.loads(raw_input), None if upload_bytes < 0 else upload_bytes)
+
+    async def read_upload(self, record: dict[str, Any], size: int) -> BinaryIO:
+        """The upload an item's input ``record`` names, of ``size`` bytes (``ItemStart``), in a temporary file
+        read a piece at a time (service.job_uploads); the caller closes it."""
+        return await read_upload(self.redis, record["upload"], size)
 
     async def finish_item(self, job_id: str, index: int, state: str, result: dict[str, Any], error: str = "",
                           audio_s: float = 0.0, compute_s: float = 0.0, logprobs: list[float] | None = None) -> int:

@@ -24,7 +24,7 @@ import aiohttp
 from yarl import URL
 
 from .jobs import JobInputError
-from .spool import disk_full, spooled_file
+from .spool import spooled_file, write_body
 from .url_rules import UrlRefused, check_under_prefixes
 
 RETRY_DELAYS_S = (1.0, 3.0, 9.0)  # pauses before the 2nd, 3rd and 4th tries of a fetch that may succeed later
@@ -35,10 +35,6 @@ CONNECTIONS = 64  # to the media hosts, per consumer
 # the slowest body taken, on average once the first timeout has passed: a host that drips a byte just inside
 # each read's timeout would otherwise hold one of the consumer's items (and its prefetch slot) for days
 MIN_BYTES_PER_S = 32 * 1024
-
-
-class NoRoomForInput(RuntimeError):
-    """No disk left for a fetched body: a failure of the worker's, not the item's (tried again later)."""
 
 
 class _MayPass(Exception):
@@ -128,7 +124,7 @@ class UrlFetcher:
                 # a drip is caught early, whatever the body's length: the time so far against what its bytes allow
                 if loop.time() - began > self.timeout_s + size / self.min_bytes_per_s:
                     raise TimeoutError(f"the body came slower than {self.min_bytes_per_s / 1024:g} KiB/s")
-                _write(body, chunk, url)
+                write_body(body, chunk, url)
             body.seek(0)
             return body
         except BaseException:
@@ -140,11 +136,3 @@ class UrlFetcher:
             await self._session.close()
 
 
-def _write(body: BinaryIO, chunk: bytes, url: str) -> None:
-    """A chunk into the body's file (the page cache takes it: no wait worth a thread), or ``NoRoomForInput``."""
-    try:
-        body.write(chunk)
-    except OSError as exc:
-        if disk_full(exc):
-            raise NoRoomForInput(f"{url}: no disk space left for its body ({exc.strerror})") from exc
-        raise

@@ -17,8 +17,9 @@ import soundfile as sf
 from models import load_model
 from service import job_uploads
 from service.config import Settings
-from service.job_uploads import STAGING_TTL_S, write_uploads
+from service.job_uploads import STAGING_TTL_S, UploadRefused, read_upload, write_uploads
 from service.jobs import INPUTS_KEY, ITEM_STREAM, UPLOAD_KEY, ItemInput, JobInputError, JobStore
+from service.spool import NoRoomForInput
 from tests.servers import run_server
 
 UPLOADS = "batchasr:upload:*"
@@ -208,3 +209,77 @@ def test_a_job_form_of_long_files_is_transcribed_as_sent(redis_server, model, pa
     assert records[0]["duration_s"] == pytest.approx(len(stereo_48k) / 48000, abs=0.01)
     assert records[1]["status"] == "failed"  # four bytes of a WAV header: the item's error, not the job's
     assert redis_server.client().keys(UPLOADS) == []  # freed with their results
+
+
+# --- a worker reads them back --------------------------------------------------------------------------------------
+
+
+def _read_back(redis_server, upload: bytes, *, before_each_piece=None) -> bytes:
+    key = "batchasr:upload:job_x:0"
+    redis_server.client().set(key, upload)
+
+    async def scenario() -> bytes:
+        store = JobStore.from_url(redis_server.url)
+        if before_each_piece is not None:
+            getrange = store.redis.getrange
+
+            async def watched(*args):
+                before_each_piece(key)
+                return await getrange(*args)
+
+            store.redis.getrange = watched
+        try:
+            with await read_upload(store.redis, key, len(upload)) as body:
+                return body.read()
+        finally:
+            await store.close()
+
+    return asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("size", [0, 1, 4 * 2**20 - 1, 4 * 2**20, 4 * 2**20 + 1, 9 * 2**20 + 5])
+def test_an_upload_is_read_back_byte_for_byte(redis_server, size):
+    upload = _bytes(size, seed=size % 7)
+    assert _read_back(redis_server, upload) == upload
+
+
+def test_an_upload_is_read_into_a_file_a_piece_at_a_time(redis_server):
+    """Read whole, up to MAX_UPLOAD_BYTES (200 MiB) an item was in a worker's memory beside its samples."""
+    upload = _bytes(24 * 2**20)
+    redis_server.client().set("batchasr:upload:job_x:0", upload)
+
+    async def scenario() -> tuple[bytes, int]:
+        store = JobStore.from_url(redis_server.url)
+        await store.ensure_group()  # the connection and its buffers first: they are not the upload's
+        tracemalloc.start()
+        try:
+            body = await read_upload(store.redis, "batchasr:upload:job_x:0", len(upload))
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        with body:
+            read = body.read()
+        await store.close()
+        return read, peak
+
+    read, peak = asyncio.run(scenario())
+    assert read == upload and peak < 3 * job_uploads.PIECE_BYTES, f"{peak / 2**20:.1f} MiB held reading 24 MiB"
+
+
+def test_an_upload_that_goes_while_it_is_read_is_refused(redis_server):
+    pieces = []
+
+    def purge_after_the_first(key: str) -> None:
+        pieces.append(key)
+        if len(pieces) == 2:
+            redis_server.client().delete(key)
+
+    with pytest.raises(UploadRefused, match=r"the upload went after 4194304 of its 9437184 bytes were read"):
+        _read_back(redis_server, _bytes(9 * 2**20), before_each_piece=purge_after_the_first)
+
+
+def test_a_disk_with_no_room_for_an_upload_is_the_workers_failure(redis_server, small_disk):
+    """As for a URL's body: the item is tried again later rather than failed, and nothing is left on the disk."""
+    with pytest.raises(NoRoomForInput, match="no disk space left"):
+        _read_back(redis_server, _bytes(2 * 2**20))
+    assert list(small_disk.iterdir()) == []

@@ -46,6 +46,7 @@ from service.jobs import (
 )
 from service.jobs_cli import parse_size, run_submit, split_into_jobs
 from service.runtime import READING_SHARE, build_stack
+from service.spool import NoRoomForInput
 from service.url_inputs import check_input_url
 from tests.conftest import long_recording
 from tests.redis_server import RedisServer
@@ -1498,9 +1499,9 @@ def test_a_fetch_with_no_disk_left_is_the_workers_failure_not_the_items(file_sit
     fetched meanwhile; NoRoomForInput is retried like any failure of the worker's."""
     folder, base = file_site
     (folder / "long.flac").write_bytes(bytes(2 << 20))  # past the 1.5 MiB disk
-    with pytest.raises(url_inputs.NoRoomForInput, match="no disk space left"):
+    with pytest.raises(NoRoomForInput, match="no disk space left"):
         _fetch(base + "long.flac", base)
-    assert not isinstance(url_inputs.NoRoomForInput("x"), (OSError, ValueError, JobInputError))
+    assert not isinstance(NoRoomForInput("x"), (OSError, ValueError, JobInputError))
     assert list(small_disk.iterdir()) == []  # the part received is gone
 
 
