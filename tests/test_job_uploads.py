@@ -18,8 +18,18 @@ from models import load_model
 from service import job_uploads
 from service.config import Settings
 from service.job_uploads import STAGING_TTL_S, UploadRefused, read_upload, write_uploads
-from service.jobs import INPUTS_KEY, ITEM_STREAM, UPLOAD_KEY, ItemInput, JobInputError, JobStore
+from service.jobs import (
+    INPUTS_KEY,
+    ITEM_STREAM,
+    ITEM_STREAMS,
+    REDIS_ERRORS,
+    UPLOAD_KEY,
+    ItemInput,
+    JobInputError,
+    JobStore,
+)
 from service.spool import NoRoomForInput
+from tests.redis_server import RedisServer
 from tests.servers import run_server
 
 UPLOADS = "batchasr:upload:*"
@@ -156,6 +166,34 @@ def test_an_upload_larger_than_redis_stores_is_refused_by_name(redis_server):
 
     asyncio.run(scenario())
     assert redis_server.client().keys(UPLOADS) == []
+
+
+def test_an_upload_left_by_redis_going_away_mid_write_expires_by_itself(tmp_path):
+    """Nothing can delete it while Redis is gone: its staging TTL does, and no job names it meanwhile."""
+    server = RedisServer(tmp_path, appendonly=True).start()
+    try:
+        async def scenario() -> None:
+            store = JobStore.from_url(server.url)
+            setrange = store.redis.setrange
+
+            async def gone_after_the_first_piece(*args):
+                await setrange(*args)
+                server.stop()
+                return await setrange(*args)
+
+            store.redis.setrange = gone_after_the_first_piece
+            with pytest.raises(REDIS_ERRORS):
+                await store.submit([ItemInput(audio="long.wav", upload=_bytes(3 * job_uploads.PIECE_BYTES))])
+            await store.close()
+
+        asyncio.run(scenario())
+        server.start()  # the append-only file brings back what was written
+        client = server.client()
+        [key] = client.keys(UPLOADS)
+        assert 0 < client.ttl(key) <= STAGING_TTL_S and client.keys("batchasr:job:*") == []
+        assert all(client.xlen(stream) == 0 for stream in ITEM_STREAMS.values())
+    finally:
+        server.stop()
 
 
 def test_a_repeated_submission_writes_no_upload_again_and_racing_ones_keep_one_jobs(redis_server):
