@@ -40,11 +40,11 @@ async def time_submissions(url: str, shapes: list[tuple[int, int]], repeat: int)
         await store.close()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), help="ITEMSxBYTES each")
     parser.add_argument("--repeat", type=int, default=3)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes]
     with tempfile.TemporaryDirectory() as directory:
         redis = RedisServer(Path(directory)).start()

@@ -215,3 +215,26 @@ def test_the_overload_script_runs_past_capacity_and_the_server_recovers(tmp_path
     assert sum(report["dropped_items"].values()) > 0  # the pieces of those past their time never ran
     assert report["queue_depth_after"] == 0  # nothing left behind once the last answer is in
     assert set(report["recovered"]["statuses"]) == {"200"}
+
+
+def test_job_submit_time_reports_each_shape(capsys):
+    script = load_script(REPO / "loadtest" / "job_submit_time.py")
+    script.main(["--shapes", "50x100", "2x5000000", "--repeat", "2"])
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["50 items of 100 bytes (0 MiB)",
+                                                      "2 items of 5000000 bytes (10 MiB)"]
+    assert all("best of 2" in line for line in lines)
+
+
+def test_intake_memory_measures_job_submissions_and_their_transcription():
+    import subprocess
+    import sys
+
+    command = [sys.executable, "loadtest/intake_memory.py", "--route", "job", "--clients", "2", "--files", "2",
+               "--minutes", "0.05", "--transcribed"]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-2000:]
+    submitted, transcribed = result.stdout.splitlines()
+    assert submitted.startswith("2 jobs of 2 uploads of 1 MiB (0.05 min") and "the front end's peak RSS" in submitted
+    assert submitted.endswith("statuses [202]")
+    assert "the engine process's peak RSS" in transcribed and transcribed.endswith("jobs ['completed']")
