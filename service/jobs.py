@@ -329,7 +329,7 @@ class JobStore:
                 return job, False  # a retried submission: nothing of it is written again
         try:
             try:
-                await write_uploads(self.redis, {key: item.upload for key, item in uploads.items()})
+                await write_uploads(self.redis, {name: item.upload for name, item in uploads.items()})
             except UploadRefused as exc:
                 raise JobInputError(f"{uploads[exc.key].audio}: {exc}") from exc
             job, created = await self._create(job_id, items, options, key, list(uploads))
