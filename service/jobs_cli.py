@@ -10,7 +10,7 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO, TypeVar
@@ -265,10 +265,14 @@ class _ServerClient:
         response.raise_for_status()
         return response.json()
 
-    async def results(self, job_id: str) -> list[dict[str, Any]]:
-        response = await self.http.get(f"/v1/jobs/{job_id}/results")
-        _raise_for_missing_job(response, job_id)
-        return [json.loads(line) for line in response.text.splitlines() if line]
+    async def results(self, job_id: str) -> AsyncIterator[dict[str, Any]]:
+        async with self.http.stream("GET", f"/v1/jobs/{job_id}/results") as response:
+            if response.status_code == 404:
+                await response.aread()
+            _raise_for_missing_job(response, job_id)
+            async for line in response.aiter_lines():
+                if line:
+                    yield json.loads(line)
 
     async def list_jobs(self, limit: int, after: str | None, status: str | None) -> tuple[list[dict[str, Any]], bool]:
         params = {"limit": limit, **({"after": after} if after else {}), **({"status": status} if status else {})}
@@ -310,9 +314,10 @@ class _RedisClient:
         except JobNotFound as exc:
             raise _no_such_job(job_id) from exc
 
-    async def results(self, job_id: str) -> list[dict[str, Any]]:
+    async def results(self, job_id: str) -> AsyncIterator[dict[str, Any]]:
         try:
-            return await self.store.results(job_id)
+            async for record in self.store.iter_results(job_id):
+                yield record
         except JobNotFound as exc:
             raise _no_such_job(job_id) from exc
 
@@ -361,10 +366,10 @@ async def run_submit(inputs: list[Input], redis_url: str | None, server: str | N
                     for job in jobs]
         bar.close()
         for part, job in zip(parts, jobs, strict=True):
-            results = await _riding_out(lambda i=job["id"]: client.results(i))
             try:  # flushed a job at a time: a full disk or a closed pipe is told here, not as a traceback at exit
-                for source, record in zip(part, results, strict=True):
-                    write_result(source, {**record, "audio": str(source)})
+                async with contextlib.aclosing(_results_in_order(client, job["id"], part)) as results:
+                    async for source, record in results:
+                        write_result(source, {**record, "audio": str(source)})
                 output.flush()
             except OSError as exc:
                 kept = ", ".join(j["id"] for j in jobs)
@@ -386,20 +391,60 @@ async def run_submit(inputs: list[Input], redis_url: str | None, server: str | N
         await client.close()
 
 
+class _Outage:
+    """A server or Redis that cannot be reached while the jobs are followed: tried again with backoff for up to
+    ``WAIT_OUTAGE_S``: a poll that met a Redis restart ended the wait (and lost the results' output) while the job
+    went on."""
+
+    def __init__(self) -> None:
+        self.deadline, self.backoff_s = time.monotonic() + WAIT_OUTAGE_S, 1.0
+
+    async def ride_out(self, exc: Exception) -> None:
+        """Wait before the next try, or raise ``exc``: it is not an outage, or the outage lasted too long."""
+        away = not isinstance(exc, httpx.HTTPStatusError) or exc.response.status_code in OUTAGE_STATUSES
+        if not away or time.monotonic() + self.backoff_s > self.deadline:
+            raise exc
+        print(f"\nwarning: following the jobs: {exc}; trying again in {self.backoff_s:.0f} s", file=sys.stderr)
+        await asyncio.sleep(self.backoff_s)
+        self.backoff_s = min(2 * self.backoff_s, 30.0)
+
+
+OUTAGE_ERRORS = (httpx.TransportError, httpx.HTTPStatusError, *REDIS_ERRORS)
+
+
 async def _riding_out(call: Callable[[], Awaitable[T]]) -> T:
-    """``call()``, tried again while the server or Redis cannot be reached, for up to ``WAIT_OUTAGE_S``: a poll that
-    met a Redis restart ended the wait (and lost the results' output) while the job went on."""
-    deadline, backoff_s = time.monotonic() + WAIT_OUTAGE_S, 1.0
+    """``call()``, tried again through an outage (``_Outage``)."""
+    outage = _Outage()
     while True:
         try:
             return await call()
-        except (httpx.TransportError, httpx.HTTPStatusError, *REDIS_ERRORS) as exc:
-            away = not isinstance(exc, httpx.HTTPStatusError) or exc.response.status_code in OUTAGE_STATUSES
-            if not away or time.monotonic() + backoff_s > deadline:
-                raise
-            print(f"\nwarning: following the jobs: {exc}; trying again in {backoff_s:.0f} s", file=sys.stderr)
-        await asyncio.sleep(backoff_s)
-        backoff_s = min(2 * backoff_s, 30.0)
+        except OUTAGE_ERRORS as exc:
+            await outage.ride_out(exc)
+
+
+async def _results_in_order(client: _ServerClient | _RedisClient, job_id: str, sources: list[Input]
+                            ) -> AsyncIterator[tuple[Input, dict[str, Any]]]:
+    """Each of a job's items with its result, as they stream in: a job of 100,000 items was a list of results
+    in memory first (12 KB each as Python objects). Through an outage the results are fetched again from the
+    start, and those already given skipped. ValueError if they do not match the items one for one."""
+    given, outage = 0, _Outage()
+    while True:
+        try:
+            seen = 0
+            async with contextlib.aclosing(client.results(job_id)) as records:
+                async for record in records:
+                    seen += 1
+                    if seen <= given:
+                        continue
+                    if given == len(sources):
+                        raise ValueError(f"job {job_id}: more results than its {len(sources)} items")
+                    given += 1
+                    yield sources[given - 1], record
+            break
+        except OUTAGE_ERRORS as exc:
+            await outage.ride_out(exc)
+    if given != len(sources):
+        raise ValueError(f"job {job_id}: {given} results for its {len(sources)} items")
 
 
 def _overall(jobs: list[dict[str, Any]]) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from models.asr_model import ASRModel
 from service.api import create_app
 from service.config import Settings
 from service.head_limit import HTTP_PROTOCOL
-from service.jobs import JobStore
+from service.jobs import ItemInput, JobStore
 from service.runtime import build_stack
 
 
@@ -40,6 +40,24 @@ async def drain_jobs(settings: Settings, model: ASRModel, body: Callable[[JobSto
         await stack.make_consumer().drain()
     finally:
         await stack.stop()
+
+
+def finished_job(url: str, n: int, words_each: int = 0) -> tuple[str, list[Path]]:
+    """A job of ``n`` path items, each finished with a result naming its index (and ``words_each`` words)."""
+    words = [{"word": f"w{i}", "start": i * 0.4, "end": i * 0.4 + 0.3, "confidence": 0.9} for i in range(words_each)]
+    sources = [Path(f"/audio/{i:06d}.wav") for i in range(n)]
+
+    async def scenario() -> str:
+        store = JobStore.from_url(url)
+        job, _ = await store.submit([ItemInput(audio=str(p), path=str(p)) for p in sources])
+        for index in range(n):
+            await store.start_item(job.id, index)
+            await store.finish_item(job.id, index, "completed", {"audio": str(sources[index]), "status": "completed",
+                                                                  "text": f"item {index}", "words": words})
+        await store.close()
+        return job.id
+
+    return asyncio.run(scenario()), sources
 
 
 def free_port() -> int:

@@ -238,3 +238,10 @@ def test_intake_memory_measures_job_submissions_and_their_transcription():
     assert submitted.startswith("2 jobs of 2 uploads of 1 MiB (0.05 min") and "the front end's peak RSS" in submitted
     assert submitted.endswith("statuses [202]")
     assert "the engine process's peak RSS" in transcribed and transcribed.endswith("jobs ['completed']")
+
+
+def test_results_memory_reports_both_ways(capsys):
+    script = load_script(REPO / "loadtest" / "results_memory.py")
+    script.main(["--items", "300"])
+    listed, streamed = capsys.readouterr().out.splitlines()
+    assert listed.startswith("300 results as a list: peak") and streamed.startswith("300 results streamed: peak")

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import time
+import tracemalloc
 from pathlib import Path
 
 import httpx
@@ -18,7 +19,7 @@ from models import load_model
 from service.config import Settings
 from service.http import owner_of
 from service.jobs import JOB_KEY, OWNER_JOBS_KEY, ItemInput, JobStore
-from tests.servers import run_server
+from tests.servers import finished_job, run_server
 
 KEYS = ("key-of-team-a", "key-of-team-b")
 
@@ -209,3 +210,84 @@ def test_keys_written_after_submission_expire_with_their_job(redis_server):
     for template in ("batchasr:job:{job_id}:attempts", "batchasr:job:{job_id}:errors",
                      "batchasr:job:{job_id}:results"):
         assert 0 < client.ttl(template.format(job_id=job_id)) <= 1200, template
+
+
+# --- submit --wait: a job's results as they stream in ----------------------------------------------------------
+
+
+def test_submit_wait_streams_a_jobs_results_rather_than_holding_them(redis_server):
+    """A job of 100,000 items was a list of its results in memory before the first line was written: 12 KB each
+    as Python objects (1.2 GB)."""
+    from service.jobs_cli import _RedisClient, _results_in_order
+
+    job_id, sources = finished_job(redis_server.url, 6000, words_each=25)
+
+    async def scenario() -> tuple[int, int]:
+        client = _RedisClient(redis_server.url)
+        await client.store.get(job_id)  # the connection first: it is not the results'
+        count = 0
+        tracemalloc.start()
+        try:
+            async for source, record in _results_in_order(client, job_id, sources):
+                assert record["text"] == f"item {count}" and source == sources[count]
+                count += 1
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+            await client.close()
+        return count, peak
+
+    count, peak = asyncio.run(scenario())
+    assert count == 6000 and peak < 25 * 2**20, f"{peak / 2**20:.0f} MiB held for 6,000 results"
+
+
+def test_submit_wait_resumes_a_jobs_results_after_an_outage_without_repeating_any(tmp_path, capsys):
+    from service.jobs import RESULTS_PAGE
+    from service.jobs_cli import _RedisClient, _results_in_order
+    from tests.redis_server import RedisServer
+
+    server = RedisServer(tmp_path, appendonly=True).start()  # the job outlives the restart
+    try:
+        job_id, sources = finished_job(server.url, RESULTS_PAGE + 500)
+
+        async def scenario() -> list[str]:
+            async def start_again_soon() -> None:
+                await asyncio.sleep(0.5)
+                await asyncio.to_thread(server.start)
+
+            client, texts, restarting = _RedisClient(server.url), [], []
+            try:
+                async for _, record in _results_in_order(client, job_id, sources):
+                    texts.append(record["text"])
+                    if len(texts) == RESULTS_PAGE:  # the first page is in: Redis goes away for a moment
+                        await asyncio.to_thread(server.stop)
+                        restarting.append(asyncio.create_task(start_again_soon()))
+                await restarting[0]
+            finally:
+                await client.close()
+            return texts
+
+        texts = asyncio.run(scenario())
+    finally:
+        server.stop()
+    assert texts == [f"item {i}" for i in range(RESULTS_PAGE + 500)]  # each once, in order
+    assert "trying again" in capsys.readouterr().err
+
+
+def test_submit_wait_says_when_a_jobs_results_do_not_match_its_inputs(redis_server):
+    from service.jobs_cli import _RedisClient, _results_in_order
+
+    job_id, sources = finished_job(redis_server.url, 5)
+
+    async def read_all(given: list[Path]) -> None:
+        client = _RedisClient(redis_server.url)
+        try:
+            async for _ in _results_in_order(client, job_id, given):
+                pass
+        finally:
+            await client.close()
+
+    with pytest.raises(ValueError, match=r"more results than its 3 items"):
+        asyncio.run(read_all(sources[:3]))
+    with pytest.raises(ValueError, match=r"5 results for its 7 items"):
+        asyncio.run(read_all([*sources, Path("a.wav"), Path("b.wav")]))

@@ -1,0 +1,59 @@
+"""What `batchasr submit --wait` holds in memory to write a job's results: a private redis-server, a job of
+`--items` path items finished with results of 25 words each, then the results read as one list (as the job store's
+`results` gives them) and streamed as `submit --wait` writes them (`service.jobs_cli`), with each one's peak
+traced Python memory.
+
+    python loadtest/results_memory.py --items 20000
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+import tracemalloc
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from service.jobs_cli import _RedisClient, _results_in_order  # noqa: E402
+from tests.redis_server import RedisServer  # noqa: E402
+from tests.servers import finished_job  # noqa: E402
+
+
+async def measure(url: str, job_id: str, sources: list[Path]) -> None:
+    client = _RedisClient(url)
+    try:
+        await client.store.get(job_id)  # the connection first: it is not the results'
+        tracemalloc.start()
+        records = await client.store.results(job_id)
+        print(f"{len(records)} results as a list: peak {tracemalloc.get_traced_memory()[1] / 2**20:.0f} MiB")
+        del records
+        tracemalloc.stop()
+        tracemalloc.start()
+        count = 0
+        async for _ in _results_in_order(client, job_id, sources):
+            count += 1
+        print(f"{count} results streamed: peak {tracemalloc.get_traced_memory()[1] / 2**20:.0f} MiB")
+        tracemalloc.stop()
+    finally:
+        await client.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--items", type=int, default=20000)
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as directory:
+        redis = RedisServer(Path(directory)).start()
+        try:
+            job_id, sources = finished_job(redis.url, args.items, words_each=25)
+            asyncio.run(measure(redis.url, job_id, sources))
+        finally:
+            redis.stop()
+
+
+if __name__ == "__main__":
+    main()
