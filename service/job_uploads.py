@@ -31,8 +31,8 @@ STAGING_TTL_S = 3600  # an upload whose job is not written yet: gone by itself i
 
 class UploadRefused(ValueError):
     """An upload that cannot be written: a file that could not be read, or did not hold the bytes it measured (it
-    was removed or changed meanwhile), or one larger than Redis stores in a value. ``key``: the upload's, where
-    write_uploads says which."""
+    was removed or changed meanwhile), or one larger than Redis stores in a value; or, read back, one gone before
+    it was read whole. ``key``: the upload's, where known."""
 
     def __init__(self, message: str, key: str | None = None):
         super().__init__(message)
