@@ -50,6 +50,7 @@ from .jobs import (
     JobPriority,
     JobStatus,
     JobStore,
+    UploadTooLarge,
     resolve_input_path,
 )
 from .url_inputs import check_input_url
@@ -262,6 +263,8 @@ async def _submit(store: JobStore, settings: Settings, items: list[ItemInput], o
     try:
         await asyncio.to_thread(_check_inputs, items, settings)  # a path each: the file system, off the event loop
         job, created = await store.submit(items, idempotency_key, options)
+    except UploadTooLarge as exc:  # larger than its Redis stores in one value: the form's limits let it through
+        raise ApiError(413, str(exc), param="files", code="audio_too_large") from exc
     except JobInputError as exc:
         raise ApiError(400, str(exc), param="items", code="invalid_input") from exc
     except REDIS_ERRORS as exc:

@@ -32,11 +32,11 @@ STAGING_TTL_S = 3600  # an upload whose job is not written yet: gone by itself i
 class UploadRefused(ValueError):
     """An upload that cannot be written: a file that could not be read, or did not hold the bytes it measured (it
     was removed or changed meanwhile), or one larger than Redis stores in a value; or, read back, one gone before
-    it was read whole. ``key``: the upload's, where known."""
+    it was read whole. ``key``: the upload's, where known; ``too_large``: it is larger than Redis stores."""
 
-    def __init__(self, message: str, key: str | None = None):
+    def __init__(self, message: str, key: str | None = None, too_large: bool = False):
         super().__init__(message)
-        self.key = key
+        self.key, self.too_large = key, too_large
 
 
 def upload_size(upload: Upload) -> int:
@@ -75,7 +75,7 @@ async def write_uploads(redis: Any, uploads: dict[str, Upload]) -> None:
                     continue
                 pipe.set(key, await _read_whole(upload, size), ex=STAGING_TTL_S)
             except UploadRefused as exc:
-                raise UploadRefused(str(exc), key) from exc
+                raise UploadRefused(str(exc), key, exc.too_large) from exc
             pending += size
             if pending >= PIECE_BYTES or len(pipe) >= ROUND_TRIP_KEYS:
                 await pipe.execute()
@@ -103,7 +103,7 @@ async def _write_in_pieces(redis: Any, key: str, upload: Upload, size: int) -> N
             if "proto-max-bulk-len" not in str(exc):
                 raise
             raise UploadRefused(f"{size} bytes is more than this Redis stores in one value (its proto-max-bulk-len): "
-                                "submit it as a path or URL") from exc
+                                "submit it as a path or URL", key, too_large=True) from exc
     with opened(upload) as file:
         offset = 0
         while offset < size:

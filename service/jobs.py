@@ -112,6 +112,10 @@ class JobInputError(ValueError):
     prefixes or that cannot be fetched, too large)."""
 
 
+class UploadTooLarge(JobInputError):
+    """An upload past the upload limit, or larger than Redis stores in one value (HTTP: 413)."""
+
+
 async def step_until_stopped(stop: asyncio.Event, step: Callable[[], Awaitable[object]], what: str,
                              on_failure: Callable[[Exception], None] = lambda exc: None,
                              until: Callable[[], bool] = lambda: False) -> None:
@@ -319,7 +323,7 @@ class JobStore:
             except UploadRefused as exc:
                 raise JobInputError(f"{item.audio}: {exc}") from exc
             if size > self.max_upload_bytes:
-                raise JobInputError(f"{item.audio}: {size} bytes exceeds the upload limit of {self.max_upload_bytes}")
+                raise UploadTooLarge(f"{item.audio}: {size} bytes exceeds the upload limit of {self.max_upload_bytes}")
         await self.ensure_group()
         key = None
         if idempotency_key:  # one owner's key never names another's job
@@ -331,7 +335,8 @@ class JobStore:
             try:
                 await write_uploads(self.redis, {name: item.upload for name, item in uploads.items()})
             except UploadRefused as exc:
-                raise JobInputError(f"{uploads[exc.key].audio}: {exc}") from exc
+                error = UploadTooLarge if exc.too_large else JobInputError
+                raise error(f"{uploads[exc.key].audio}: {exc}") from exc
             job, created = await self._create(job_id, items, options, key, list(uploads))
         except BaseException:
             await self._discard(uploads)

@@ -27,6 +27,7 @@ from service.jobs import (
     ItemInput,
     JobInputError,
     JobStore,
+    UploadTooLarge,
 )
 from service.spool import NoRoomForInput
 from tests.redis_server import RedisServer
@@ -159,13 +160,28 @@ def test_an_upload_larger_than_redis_stores_is_refused_by_name(redis_server):
 
     async def scenario() -> None:
         store = JobStore.from_url(redis_server.url)
-        with pytest.raises(JobInputError, match=r"^big\.wav: 6000000 bytes is more than this Redis stores in one"):
+        with pytest.raises(UploadTooLarge, match=r"^big\.wav: 6000000 bytes is more than this Redis stores in one"):
             await store.submit([ItemInput(audio="small.wav", upload=b"x" * 1000),
                                 ItemInput(audio="big.wav", upload=b"x" * 6_000_000)])
         await store.close()
 
     asyncio.run(scenario())
     assert redis_server.client().keys(UPLOADS) == []
+
+
+def test_an_upload_larger_than_redis_stores_is_a_413_over_http(redis_server, model):
+    redis_server.client().config_set("proto-max-bulk-len", 2**20)
+    with run_server(Settings(redis_url=redis_server.url), model) as running:
+        files = [("files", ("small.wav", b"x" * 1000, "audio/wav")),
+                 ("files", ("big.wav", bytes(6_000_000), "audio/wav"))]
+        refused = httpx.post(f"{running.url}/v1/jobs", files=files, timeout=60)
+        assert refused.status_code == 413, refused.text
+        error = refused.json()["error"]
+        assert (error["code"], error["param"]) == ("audio_too_large", "files")
+        assert error["message"].startswith("big.wav: 6000000 bytes is more than this Redis stores in one value")
+        assert httpx.get(f"{running.url}/healthz").status_code == 200
+    client = redis_server.client()
+    assert client.keys(UPLOADS) == [] and client.xlen(ITEM_STREAM) == 0
 
 
 def test_an_upload_left_by_redis_going_away_mid_write_expires_by_itself(tmp_path):
