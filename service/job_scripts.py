@@ -14,10 +14,10 @@ local function expire_with_job(job_key, key)
 end
 """
 
-# KEYS: job, states, attempts, inputs, upload. ARGV: index, now.
-# Returns {state, attempts[, input JSON, upload size]}: the caller processes the item only if state is
+# KEYS: job, states, attempts, inputs, upload. ARGV: index, now, the largest upload returned whole.
+# Returns {state, attempts[, input JSON, upload size[, upload]]}: the caller processes the item only if state is
 # "in_progress", and then gets its input in the same round trip (a missing one comes back as nil, a missing upload
-# as -1).
+# as size -1), and a small upload with it (a larger one it reads a piece at a time: service.job_uploads).
 START_ITEM = _ALLOW_OOM + _EXPIRE_WITH_JOB + """
 local state = redis.call('HGET', KEYS[2], ARGV[1])
 if state == false then return {'missing', 0} end
@@ -32,9 +32,11 @@ if state == 'queued' then
     redis.call('HSET', KEYS[1], 'status', 'in_progress', 'started_at', ARGV[2])
   end
 end
-local upload = -1  -- the upload's bytes (read a piece at a time, service.job_uploads), -1 if there is none
-if redis.call('EXISTS', KEYS[5]) == 1 then upload = redis.call('STRLEN', KEYS[5]) end
-return {'in_progress', attempts, redis.call('HGET', KEYS[4], ARGV[1]), upload}
+local input = redis.call('HGET', KEYS[4], ARGV[1])
+if redis.call('EXISTS', KEYS[5]) == 0 then return {'in_progress', attempts, input, -1} end
+local size = redis.call('STRLEN', KEYS[5])
+if size > tonumber(ARGV[3]) then return {'in_progress', attempts, input, size} end
+return {'in_progress', attempts, input, size, redis.call('GET', KEYS[5])}
 """
 
 # The end of a job, shared by the scripts that finish items: once every item is finished, the job's status

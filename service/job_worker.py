@@ -35,6 +35,7 @@ from .formats import to_record
 from .jobs import (
     ITEM_STREAMS,
     REDIS_ERRORS,
+    ItemStart,
     JobInputError,
     JobPriority,
     JobStore,
@@ -259,7 +260,7 @@ class JobConsumer:
         start = await self.store.start_item(job_id, index)
         if start.state != "in_progress":
             return  # finished, cancelled or expired meanwhile: just acknowledge
-        record, upload_bytes, attempts = start.record, start.upload_bytes, start.attempts
+        record, attempts = start.record, start.attempts
         audio = record.get("audio")
         if attempts > self.options.max_attempts:
             last = await self.store.last_error(job_id, index) or "the worker died while processing it"
@@ -268,7 +269,8 @@ class JobConsumer:
         multichannel, skip_silence = bool(record.get("multichannel")), bool(record.get("skip_silence"))
         try:  # checked at submission through HTTP; a job written straight into Redis is checked here
             hotwords = hotword_tokens(record.get("hotwords") or [], self.transcriber.tokenizer)
-            waveform = await self._load(record, upload_bytes, multichannel)
+            waveform = await self._load(start, multichannel)
+            del start  # a small upload's bytes with it: gone once decoded, not when the item ends
         except (AudioRequestError, JobInputError, OSError, ValueError) as exc:
             await self._fail(job_id, index, audio, str(exc))
             return
@@ -294,11 +296,11 @@ class JobConsumer:
                                                compute_s=result.compute_s, logprobs=transcript.token_logprobs)
         await self._after_finish(job_id, "completed", outcome)
 
-    async def _load(self, record: dict, upload_bytes: int | None, multichannel: bool):
+    async def _load(self, start: ItemStart, multichannel: bool):
         """The item's waveform (or its channels'): a file decoded straight from disk, whatever its size (only its
         duration is limited); a URL's body from the temporary file it was fetched into, and an upload's from the
         one it was read into from Redis."""
-        loop = asyncio.get_running_loop()
+        loop, record = asyncio.get_running_loop(), start.record
         stretch = Stretch(record["offset_s"], record["duration_s"]) if "offset_s" in record else WHOLE
         if "path" in record:
             path = resolve_input_path(record["path"], self.input_roots)
@@ -309,10 +311,10 @@ class JobConsumer:
                 raise JobInputError(f"{record['url']}: URL inputs are disabled on this worker "
                                     "(BATCHASR_INPUT_URL_PREFIXES)")
             body = await self.urls.fetch(record["url"])
-        elif upload_bytes is None:
+        elif start.upload_bytes is None:
             raise JobInputError("the uploaded audio expired before it was processed")
         else:
-            body = await self.store.read_upload(record, upload_bytes)
+            body = await self.store.read_upload(start)
         return await loop.run_in_executor(self.decode_pool, _decode_and_close, body, self.limits, multichannel, stretch)
 
     async def _fail(self, job_id: str, index: int, audio: str | None, error: str) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import json
 import logging
 import re
@@ -40,6 +41,7 @@ from .job_scripts import (
     START_ITEM,
 )
 from .job_uploads import Upload, UploadRefused, read_upload, upload_size, write_uploads
+from .spool import SPOOL_MEMORY_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +75,9 @@ MAX_JOB_ITEMS = 100_000  # items in one job by default (BATCHASR_MAX_JOB_ITEMS):
 # a JSON submission's body: paths and URLs, no audio. Its items are validated and checked one by one, and a body of
 # the upload limit (1 GiB) made twenty million of them, and gigabytes of memory
 JSON_JOB_BYTES = 64 * 1024 * 1024
+# an upload this small comes with its item's start, in the same round trip: a temporary file would hold it in
+# memory all the same (service.spool), and a GETRANGE a clip costs a worker's event loop at thousands a second
+INLINE_UPLOAD_BYTES = SPOOL_MEMORY_BYTES
 JOB_ID = re.compile(r"job_[A-Za-z0-9_-]{1,64}")  # what submit makes ("job_" and 24 of token_urlsafe's characters)
 
 
@@ -184,11 +189,13 @@ class JobOptions:
 @dataclass(frozen=True)
 class ItemStart:
     """What a consumer learns when it starts an item: its state, deliveries so far, and (in progress) its input
-    record and its upload's size (None once expired, or for a path or URL input: read it with ``read_upload``)."""
+    record, its upload's size (None once expired, or for a path or URL input) and, up to INLINE_UPLOAD_BYTES, the
+    upload itself (a larger one: ``read_upload``)."""
     state: str
     attempts: int
     record: dict[str, Any] = field(default_factory=dict)
     upload_bytes: int | None = None
+    upload: bytes | None = None
 
 
 @dataclass
@@ -550,19 +557,22 @@ class JobStore:
         """Mark the item in progress (unless it is finished) and read its input, in one round trip."""
         keys = [JOB_KEY.format(job_id=job_id), STATES_KEY.format(job_id=job_id), ATTEMPTS_KEY.format(job_id=job_id),
                 INPUTS_KEY.format(job_id=job_id), UPLOAD_KEY.format(job_id=job_id, index=index)]
-        state, attempts, *item = await self._start(keys=keys, args=[index, _now()])
+        state, attempts, *item = await self._start(keys=keys, args=[index, _now(), INLINE_UPLOAD_BYTES])
         state = state.decode() if isinstance(state, bytes) else state
         if state != "in_progress":
             return ItemStart(state, int(attempts))
-        raw_input, upload_bytes = item
+        raw_input, upload_bytes, *upload = item
         if raw_input is None:
             raise JobNotFound(f"{job_id}/{index}")
-        return ItemStart(state, int(attempts), json.loads(raw_input), None if upload_bytes < 0 else upload_bytes)
+        return ItemStart(state, int(attempts), json.loads(raw_input), None if upload_bytes < 0 else upload_bytes,
+                         upload[0] if upload else None)
 
-    async def read_upload(self, record: dict[str, Any], size: int) -> BinaryIO:
-        """The upload an item's input ``record`` names, of ``size`` bytes (``ItemStart``), in a temporary file
-        read a piece at a time (service.job_uploads); the caller closes it."""
-        return await read_upload(self.redis, record["upload"], size)
+    async def read_upload(self, start: ItemStart) -> BinaryIO:
+        """A started item's upload as a file, the caller's to close: the bytes ``start`` brought, or a temporary
+        file read a piece at a time (service.job_uploads)."""
+        if start.upload is not None:
+            return io.BytesIO(start.upload)
+        return await read_upload(self.redis, start.record["upload"], start.upload_bytes or 0)
 
     async def finish_item(self, job_id: str, index: int, state: str, result: dict[str, Any], error: str = "",
                           audio_s: float = 0.0, compute_s: float = 0.0, logprobs: list[float] | None = None) -> int:

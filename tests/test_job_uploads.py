@@ -19,6 +19,7 @@ from service import job_uploads
 from service.config import Settings
 from service.job_uploads import STAGING_TTL_S, UploadRefused, read_upload, write_uploads
 from service.jobs import (
+    INLINE_UPLOAD_BYTES,
     INPUTS_KEY,
     ITEM_STREAM,
     ITEM_STREAMS,
@@ -330,6 +331,32 @@ def test_an_upload_that_goes_while_it_is_read_is_refused(redis_server):
 
     with pytest.raises(UploadRefused, match=r"the upload went after 4194304 of its 9437184 bytes were read"):
         _read_back(redis_server, _bytes(9 * 2**20), before_each_piece=purge_after_the_first)
+
+
+def test_a_small_upload_comes_with_its_items_start_and_a_larger_one_is_read_in_pieces(redis_server):
+    """A GETRANGE a clip would cost a worker's event loop a command an item, at thousands of items a second."""
+    small, large = _bytes(1000), _bytes(INLINE_UPLOAD_BYTES + 1)
+    client = redis_server.client()
+
+    def pieces_read() -> int:
+        return int(client.info("commandstats").get("cmdstat_getrange", {}).get("calls", 0))
+
+    async def scenario() -> list[tuple[int | None, bool, bytes, int]]:
+        store = JobStore.from_url(redis_server.url)
+        job, _ = await store.submit([ItemInput(audio="small.wav", upload=small),
+                                     ItemInput(audio="large.wav", upload=large)])
+        seen = []
+        for index in (0, 1):
+            start, before = await store.start_item(job.id, index), pieces_read()
+            with await store.read_upload(start) as body:
+                seen.append((start.upload_bytes, start.upload is not None, body.read(), pieces_read() - before))
+        await store.close()
+        return seen
+
+    (small_size, small_inline, small_read, small_pieces), (large_size, large_inline, large_read, large_pieces) = \
+        asyncio.run(scenario())
+    assert (small_size, small_inline, small_read, small_pieces) == (1000, True, small, 0)
+    assert (large_size, large_inline, large_read, large_pieces) == (len(large), False, large, 1)
 
 
 def test_a_disk_with_no_room_for_an_upload_is_the_workers_failure(redis_server, small_disk):
