@@ -62,14 +62,13 @@ def opened(upload: Upload) -> Iterator[BinaryIO]:
         yield upload
 
 
-async def write_uploads(redis: Any, uploads: dict[str, Upload]) -> None:
-    """Each upload into its key (with STAGING_TTL_S), at most about PIECE_BYTES of them in memory at once. Files
-    are read in a thread: a form's uploads lie on disk."""
+async def write_uploads(redis: Any, uploads: dict[str, tuple[Upload, int]]) -> None:
+    """Each upload into its key (with STAGING_TTL_S), given with its size as measured (``upload_size``), at most
+    about PIECE_BYTES of them in memory at once. Files are read in a thread: a form's uploads lie on disk."""
     async with redis.pipeline(transaction=False) as pipe:
         pending = 0
-        for key, upload in uploads.items():
+        for key, (upload, size) in uploads.items():
             try:
-                size = upload_size(upload)
                 if size > PIECE_BYTES:
                     await _write_in_pieces(redis, key, upload, size)
                     continue

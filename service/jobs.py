@@ -19,7 +19,7 @@ import logging
 import re
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -324,13 +324,15 @@ class JobStore:
         job_id = "job_" + secrets.token_urlsafe(18)  # random and unguessable
         uploads = {UPLOAD_KEY.format(job_id=job_id, index=index): item
                    for index, item in enumerate(items) if item.upload is not None}
-        for item in uploads.values():
+        sizes = {}  # measured once: what is written is what the limit was checked against
+        for name, item in uploads.items():
             try:
-                size = upload_size(item.upload)
+                sizes[name] = upload_size(item.upload)
             except UploadRefused as exc:
                 raise JobInputError(f"{item.audio}: {exc}") from exc
-            if size > self.max_upload_bytes:
-                raise UploadTooLarge(f"{item.audio}: {size} bytes exceeds the upload limit of {self.max_upload_bytes}")
+            if sizes[name] > self.max_upload_bytes:
+                raise UploadTooLarge(f"{item.audio}: {sizes[name]} bytes exceeds the upload limit of "
+                                     f"{self.max_upload_bytes}")
         await self.ensure_group()
         key = None
         if idempotency_key:  # one owner's key never names another's job
@@ -340,7 +342,7 @@ class JobStore:
                 return job, False  # a retried submission: nothing of it is written again
         try:
             try:
-                await write_uploads(self.redis, {name: item.upload for name, item in uploads.items()})
+                await write_uploads(self.redis, {name: (item.upload, sizes[name]) for name, item in uploads.items()})
             except UploadRefused as exc:
                 error = UploadTooLarge if exc.too_large else JobInputError
                 raise error(f"{uploads[exc.key].audio}: {exc}") from exc
@@ -382,7 +384,7 @@ class JobStore:
         existing = await reader.get(key)
         return await self._get_or_none(existing.decode()) if existing is not None else None
 
-    async def _discard(self, uploads: dict[str, Upload]) -> None:
+    async def _discard(self, uploads: Collection[str]) -> None:
         """Uploads written for a job that was not: deleted now if Redis answers (else their staging TTL ends them)."""
         if uploads:
             with contextlib.suppress(*REDIS_ERRORS):

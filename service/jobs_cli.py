@@ -48,6 +48,7 @@ FINAL_STATUSES = {"completed", "completed_with_errors", "failed", "cancelled"}
 # failover, a front end restarting) before it gives up: the jobs go on regardless
 WAIT_OUTAGE_S = 300.0
 OUTAGE_STATUSES = (502, 503, 504)  # a server's answers that say it, or its Redis, is away for now
+OUTAGE_ERRORS = (httpx.TransportError, httpx.HTTPStatusError, *REDIS_ERRORS)  # what submit --wait rides out
 
 
 # --- worker -------------------------------------------------------------------------------------------------
@@ -267,9 +268,7 @@ class _ServerClient:
 
     async def results(self, job_id: str) -> AsyncIterator[dict[str, Any]]:
         async with self.http.stream("GET", f"/v1/jobs/{job_id}/results") as response:
-            if response.status_code == 404:
-                await response.aread()
-            _raise_for_missing_job(response, job_id)
+            _raise_for_missing_job(response, job_id)  # by its status: the body is not read
             async for line in response.aiter_lines():
                 if line:
                     yield json.loads(line)
@@ -408,8 +407,6 @@ class _Outage:
         await asyncio.sleep(self.backoff_s)
         self.backoff_s = min(2 * self.backoff_s, 30.0)
 
-
-OUTAGE_ERRORS = (httpx.TransportError, httpx.HTTPStatusError, *REDIS_ERRORS)
 
 
 async def _riding_out(call: Callable[[], Awaitable[T]]) -> T:

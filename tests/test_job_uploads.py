@@ -17,7 +17,7 @@ import soundfile as sf
 from models import load_model
 from service import job_uploads
 from service.config import Settings
-from service.job_uploads import STAGING_TTL_S, UploadRefused, read_upload, write_uploads
+from service.job_uploads import STAGING_TTL_S, UploadRefused, read_upload, upload_size, write_uploads
 from service.jobs import (
     INLINE_UPLOAD_BYTES,
     INPUTS_KEY,
@@ -61,7 +61,7 @@ def test_uploads_of_each_kind_and_size_are_written_byte_for_byte(redis_server, t
 
     async def scenario() -> None:
         store = JobStore.from_url(redis_server.url)
-        await write_uploads(store.redis, uploads)
+        await write_uploads(store.redis, {key: (upload, upload_size(upload)) for key, upload in uploads.items()})
         await store.close()
 
     asyncio.run(scenario())
