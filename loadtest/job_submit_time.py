@@ -17,7 +17,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from service.jobs import ItemInput, JobStore  # noqa: E402
+from service.job_types import ItemInput  # noqa: E402
+from service.jobs import JobStore  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
 
 SHAPES = ("100000x200", "5000x50000", "100x2000000", "20x20000000")  # items x bytes each

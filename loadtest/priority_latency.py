@@ -20,7 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from service.jobs import ItemInput, JobOptions, JobPriority, JobStore
+from service.job_types import ItemInput, JobOptions, JobPriority
+from service.jobs import JobStore
 from tests.redis_server import RedisServer
 
 AUDIO = Path(__file__).resolve().parent.parent / "tests" / "data" / "default_model"

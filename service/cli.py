@@ -356,7 +356,7 @@ def _has_target(args: argparse.Namespace) -> bool:
 def cmd_submit(args: argparse.Namespace) -> int:
     from models.audio_io import AudioClip
 
-    from .jobs import JobOptions, JobPriority
+    from .job_types import JobOptions, JobPriority
     from .jobs_cli import WorkerPath, collect_audio, parse_size, run_submit
     from .line_output import cannot_write, open_results
 

@@ -26,7 +26,8 @@ from models.tokenizer import HotwordsUnavailable, hotword_tokens
 
 from .config import Settings
 from .intake import IntakeBudget
-from .jobs import ANONYMOUS, JobStore
+from .job_types import ANONYMOUS
+from .jobs import JobStore
 from .runtime import FrontendStack, Stack
 from .schemas import ErrorResponse
 from .spool import disk_full

@@ -39,20 +39,18 @@ from .http import (
     require_api_key,
     speaker_names,
 )
-from .jobs import (
-    JSON_JOB_BYTES,
-    REDIS_ERRORS,
-    REDIS_FULL,
+from .job_types import (
     ItemInput,
     JobInputError,
     JobNotFound,
     JobOptions,
     JobPriority,
     JobStatus,
-    JobStore,
     UploadTooLarge,
     resolve_input_path,
 )
+from .jobs import JSON_JOB_BYTES, JobStore
+from .redis_outages import REDIS_ERRORS, REDIS_FULL
 from .url_inputs import check_input_url
 from .url_rules import UrlRefused
 from .webhooks import check_webhook_url

@@ -32,18 +32,10 @@ from .audio import AudioLimits, AudioRequestError, decode_audio, decode_audio_fi
 from .audio_budget import AudioBudget, AudioClaim
 from .batcher import Priority, QueueFull
 from .formats import to_record
-from .jobs import (
-    ITEM_STREAMS,
-    REDIS_ERRORS,
-    ItemStart,
-    JobInputError,
-    JobPriority,
-    JobStore,
-    group_lost,
-    item_record,
-    resolve_input_path,
-    step_until_stopped,
-)
+from .job_keys import ITEM_STREAMS
+from .job_types import ItemStart, JobInputError, JobPriority, item_record, resolve_input_path
+from .jobs import JobStore
+from .redis_outages import REDIS_ERRORS, group_lost, step_until_stopped
 from .transcriber import TooManyPieces, Transcriber
 from .url_inputs import UrlFetcher
 from .webhook_worker import WebhookWorker

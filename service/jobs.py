@@ -1,36 +1,44 @@
-"""Bulk jobs on Redis Streams: the key schema, submission, item state changes (service.job_scripts), results, cancel.
+"""Bulk jobs on Redis Streams: submission, item state changes (service.job_scripts), results, cancel, and the
+upkeep of the streams.
 
 Delivery is at-least-once (a consumer group on each priority's stream; stuck deliveries are reclaimed), and
 every state change of an item runs as one Lua script, so an item redelivered after a crash can never write a
 second result or be counted twice. Workers take a higher priority's items before any of a lower one.
 
-Per job: a hash (status, times, counters), and per-item hashes keyed by the item's index: inputs, states,
-attempts, errors, results. Uploaded audio lives in its own keys with a TTL, written a piece at a time before the
-job (service.job_uploads).
+Per job (service.job_keys): a hash (status, times, counters), and per-item hashes keyed by the item's index:
+inputs, states, attempts, errors, results. Uploaded audio lives in its own keys with a TTL, written a piece at a
+time before the job (service.job_uploads). What a job is, its items and options: service.job_types.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import io
 import json
-import logging
-import re
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection
-from dataclasses import dataclass, field
-from enum import Enum
-from pathlib import Path
+from collections.abc import AsyncIterator, Collection
 from typing import Any, BinaryIO
 
 import redis.asyncio as aioredis
-from redis.exceptions import OutOfMemoryError
 
-from models.audio_io import Stretch
-from models.transcript import rounded
-
+from .job_keys import (
+    ATTEMPTS_KEY,
+    DEAD_LETTER_STREAM,
+    ERRORS_KEY,
+    GROUP,
+    IDEMPOTENCY_KEY,
+    INPUTS_KEY,
+    ITEM_STREAMS,
+    JOB_ID,
+    JOB_KEY,
+    JOB_KEYS,
+    OWNER_JOBS_KEY,
+    RESULTS_KEY,
+    STATES_KEY,
+    UPLOAD_KEY,
+    WEBHOOK_STREAM,
+)
 from .job_scripts import (
     CANCEL_QUEUED,
     EXPIRE_ALL,
@@ -40,37 +48,28 @@ from .job_scripts import (
     RECORD_ERROR,
     START_ITEM,
 )
-from .job_uploads import Upload, UploadRefused, read_upload, upload_size, write_uploads
+from .job_types import (
+    ANONYMOUS,
+    ItemInput,
+    ItemStart,
+    Job,
+    JobInputError,
+    JobNotFound,
+    JobOptions,
+    JobStatus,
+    UploadTooLarge,
+    item_record,
+    job_from_fields,
+)
+from .job_uploads import UploadRefused, read_upload, upload_size, write_uploads
+from .redis_outages import REDIS_ERRORS, REDIS_FULL
 from .spool import SPOOL_MEMORY_BYTES
 
-log = logging.getLogger(__name__)
-
-# --- the key schema, in one place ----------------------------------------------------------------------------
-PREFIX = "batchasr"
-ITEM_STREAM = f"{PREFIX}:items"  # XADD job=<id> index=<i>; consumer group GROUP (normal priority's items)
-DEAD_LETTER_STREAM = f"{PREFIX}:items:dead"  # items that failed for good, with their last error
 MAX_CLAIM_LOOKS = 16  # XAUTOCLAIM calls one look for stalled deliveries may make (each sees 10 per one asked for)
 DEAD_LETTERS_KEPT = 100_000  # the newest dead letters the stream keeps (about; a noeviction Redis must not fill)
-# XADD job=<id> in the same script that finishes a job with a webhook; consumer group GROUP delivers it
-WEBHOOK_STREAM = f"{PREFIX}:webhooks"
-GROUP = "workers"
 RESULTS_PAGE = 1000  # items read (results) or cancelled per round trip
-POOL_WAIT_S = 30.0  # a command waits this long for a free connection before it counts as Redis unreachable
-JOB_KEY = PREFIX + ":job:{job_id}"  # hash: status, created_at, started_at, finished_at, total, n_<state>, ...
-INPUTS_KEY = PREFIX + ":job:{job_id}:inputs"  # hash index -> JSON {"audio", "path" | "url" | "upload"}
-STATES_KEY = PREFIX + ":job:{job_id}:states"  # hash index -> queued | in_progress | completed | failed | cancelled
-ATTEMPTS_KEY = PREFIX + ":job:{job_id}:attempts"  # hash index -> deliveries started
-ERRORS_KEY = PREFIX + ":job:{job_id}:errors"  # hash index -> last error
-RESULTS_KEY = PREFIX + ":job:{job_id}:results"  # hash index -> result JSON, written once (HSETNX)
-UPLOAD_KEY = PREFIX + ":upload:{job_id}:{index}"  # audio bytes, with the input TTL
-IDEMPOTENCY_KEY = PREFIX + ":idempotency:{key}"  # -> job id (the key prefixed with its owner, but for ANONYMOUS)
-OWNER_JOBS_KEY = PREFIX + ":owner:{owner}:jobs"  # sorted set: the owner's job ids, scored by creation time
-ANONYMOUS = "anonymous"  # the owner of jobs submitted without an API key (no keys set, or straight into Redis)
 LIST_PAGE = 100  # job ids read per round trip when listing
-REDIS_ERRORS = (aioredis.ConnectionError, aioredis.TimeoutError, ConnectionError, OSError)
-REDIS_FULL = OutOfMemoryError  # Redis at its maxmemory (with noeviction, as a job store must be) refused a write
-MAX_BACKOFF_S = 30.0  # the longest a consumer waits before trying an unreachable Redis again
-JOB_KEYS = (JOB_KEY, INPUTS_KEY, STATES_KEY, ATTEMPTS_KEY, ERRORS_KEY, RESULTS_KEY)
+POOL_WAIT_S = 30.0  # a command waits this long for a free connection before it counts as Redis unreachable
 MAX_JOB_ITEMS = 100_000  # items in one job by default (BATCHASR_MAX_JOB_ITEMS): more go as several jobs
 # a JSON submission's body: paths and URLs, no audio. Its items are validated and checked one by one, and a body of
 # the upload limit (1 GiB) made twenty million of them, and gigabytes of memory
@@ -78,199 +77,11 @@ JSON_JOB_BYTES = 64 * 1024 * 1024
 # an upload this small comes with its item's start, in the same round trip: a temporary file would hold it in
 # memory all the same (service.spool), and a GETRANGE a clip costs a worker's event loop at thousands a second
 INLINE_UPLOAD_BYTES = SPOOL_MEMORY_BYTES
-JOB_ID = re.compile(r"job_[A-Za-z0-9_-]{1,64}")  # what submit makes ("job_" and 24 of token_urlsafe's characters)
-
-
-class JobPriority(str, Enum):
-    """Which stream a job's items go on. Workers read the high stream first, then normal, then low: a small
-    urgent job is not queued behind a backfill of thousands of hours."""
-
-    HIGH = "high"
-    NORMAL = "normal"
-    LOW = "low"
-
-
-# each priority's item stream, in the order workers read them
-ITEM_STREAMS = {JobPriority.HIGH: f"{PREFIX}:items:high", JobPriority.NORMAL: ITEM_STREAM,
-                JobPriority.LOW: f"{PREFIX}:items:low"}
-
-
-class JobStatus(str, Enum):
-    QUEUED = "queued"
-    IN_PROGRESS = "in_progress"
-    COMPLETED = "completed"
-    COMPLETED_WITH_ERRORS = "completed_with_errors"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-
-
-ITEM_STATES = ("queued", "in_progress", "completed", "failed", "cancelled")
-FINAL_ITEM_STATES = ("completed", "failed", "cancelled")
-
-
-class JobNotFound(KeyError):
-    pass
-
-
-class JobInputError(ValueError):
-    """An input that cannot be taken (no items, a path outside the input roots, a URL outside the input URL
-    prefixes or that cannot be fetched, too large)."""
-
-
-class UploadTooLarge(JobInputError):
-    """An upload past the upload limit, or larger than Redis stores in one value (HTTP: 413)."""
-
-
-async def step_until_stopped(stop: asyncio.Event, step: Callable[[], Awaitable[object]], what: str,
-                             on_failure: Callable[[Exception], None] = lambda exc: None,
-                             until: Callable[[], bool] = lambda: False) -> None:
-    """Runs ``step`` until ``stop`` is set (or ``until()`` is true), outliving every failure: Redis unreachable,
-    Redis refusing (full, read-only, a lost group) or a bug. A consumer that stopped would strand its stream,
-    silently; so each failure is logged, handed to ``on_failure`` and waited out, from 1 s doubling to
-    ``MAX_BACKOFF_S``, or less if ``stop`` is set meanwhile."""
-    backoff_s = 1.0
-    while not stop.is_set() and not until():
-        try:
-            await step()
-            backoff_s = 1.0
-            continue
-        except Exception as exc:
-            if isinstance(exc, REDIS_ERRORS):
-                log.warning("%s: redis unreachable (%s); retrying in %.0f s", what, exc, backoff_s)
-            elif isinstance(exc, aioredis.RedisError):
-                log.warning("%s: redis refused (%s: %s); retrying in %.0f s", what, type(exc).__name__, exc,
-                            backoff_s)
-            else:
-                log.exception("%s failed; retrying in %.0f s", what, backoff_s)
-            on_failure(exc)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), backoff_s)
-        backoff_s = min(MAX_BACKOFF_S, backoff_s * 2)
-
-
-def group_lost(exc: Exception) -> bool:
-    """Whether a consumer must make its group again: Redis was away (and may be back without its data) or said
-    the group is not there."""
-    return isinstance(exc, REDIS_ERRORS) or "NOGROUP" in str(exc)
 
 
 def _now() -> str:
     return f"{time.time():.3f}"
 
-
-@dataclass(frozen=True)
-class ItemInput:
-    """One item's audio: exactly one of a path, a URL, or the bytes themselves."""
-
-    audio: str  # what the submitter called it (file name, path or URL)
-    path: str | None = None  # a file under the input roots
-    url: str | None = None  # an http(s) URL under the input URL prefixes
-    upload: Upload | None = None  # the audio itself, or a file holding it (read when the job is submitted)
-    stretch: Stretch | None = None  # a path's or URL's: the seconds of it to transcribe (a NeMo manifest's)
-
-    def __post_init__(self) -> None:
-        if sum(source is not None for source in (self.path, self.url, self.upload)) != 1:
-            raise JobInputError(f"{self.audio}: an item needs exactly one of a path, a URL or uploaded audio")
-
-
-@dataclass(frozen=True)
-class JobOptions:
-    """What a submission asks for besides its items."""
-
-    webhook_url: str | None = None  # POSTed to when the job finishes (service.webhooks)
-    priority: JobPriority = JobPriority.NORMAL  # workers take high before normal, normal before low
-    multichannel: bool = False  # each channel of every item transcribed apart (models.conversation)
-    skip_silence: bool = False  # long quiet stretches left out (models.silence)
-    owner: str = ANONYMOUS  # who may see the job (service.http.owner_of: a hash of the submitter's API key)
-    channel_names: tuple[str, ...] = ()  # with multichannel: the speakers, one a channel in order
-    hotwords: tuple[str, ...] = ()  # words and phrases made likelier (decoding.boosting)
-
-
-@dataclass(frozen=True)
-class ItemStart:
-    """What a consumer learns when it starts an item: its state, deliveries so far, and (in progress) its input
-    record, its upload's size (None once expired, or for a path or URL input) and, up to INLINE_UPLOAD_BYTES, the
-    upload itself (a larger one: ``read_upload``)."""
-    state: str
-    attempts: int
-    record: dict[str, Any] = field(default_factory=dict)
-    upload_bytes: int | None = None
-    upload: bytes | None = None
-
-
-@dataclass
-class Job:
-    id: str
-    status: JobStatus
-    total_items: int
-    counts: dict[str, int]
-    created_at: float
-    started_at: float | None
-    finished_at: float | None
-    audio_s: float
-    compute_s: float
-    priority: JobPriority = JobPriority.NORMAL
-    tokens: int = 0  # scored tokens of the items completed
-    logprob_sum: float = 0.0  # the sum of their log-probabilities
-    multichannel: bool = False
-    skip_silence: bool = False
-    owner: str = ANONYMOUS
-    channel_names: tuple[str, ...] = ()
-    hotwords: tuple[str, ...] = ()
-    webhook_url: str | None = None
-    webhook_status: str | None = None  # pending | delivered | failed, when the job has a webhook
-    webhook_attempts: int = 0
-    webhook_error: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def rtfx(self) -> float:
-        return self.audio_s / self.compute_s if self.compute_s > 0 else 0.0
-
-    @property
-    def avg_logprob(self) -> float | None:
-        """The mean token log-probability over the items completed so far: a falling one while a job runs says its
-        audio is harder than expected (noisy, another language) before anyone reads a result."""
-        return rounded(self.logprob_sum / self.tokens) if self.tokens else None
-
-    @property
-    def finished(self) -> bool:
-        return self.finished_at is not None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "object": "transcription.job", "status": self.status.value,
-                "priority": self.priority.value, "multichannel": self.multichannel,
-                "skip_silence": self.skip_silence, **({"channel_names": list(self.channel_names)}
-                                                      if self.channel_names else {}),
-                **({"hotwords": list(self.hotwords)} if self.hotwords else {}),
-                "total_items": self.total_items, "counts": self.counts,
-                "created_at": self.created_at,
-                "started_at": self.started_at, "finished_at": self.finished_at, "audio_s": round(self.audio_s, 3),
-                "compute_s": round(self.compute_s, 3), "rtfx": round(self.rtfx, 2), "avg_logprob": self.avg_logprob,
-                **self._webhook_dict()}
-
-    def _webhook_dict(self) -> dict[str, Any]:
-        if not self.webhook_url:
-            return {}
-        return {"webhook": {"url": self.webhook_url, "status": self.webhook_status or "pending",
-                            "attempts": self.webhook_attempts, "error": self.webhook_error}}
-
-
-def resolve_input_path(path: str, roots: list[str]) -> Path:
-    """The real path of ``path`` if it lies under one of ``roots`` (symlinks followed); else JobInputError."""
-    if not roots:
-        raise JobInputError("path inputs are disabled: the server has no input roots (BATCHASR_INPUT_ROOTS)")
-    try:
-        real = Path(path).resolve()
-        under_roots = any(real.is_relative_to(Path(root).resolve()) for root in roots)
-        found = under_roots and real.is_file()
-    except (ValueError, OSError) as exc:  # a NUL byte, a name too long: the client's error, not the server's
-        raise JobInputError(f"{path!r}: not a usable path ({exc})") from exc
-    if not under_roots:
-        raise JobInputError(f"{path}: outside the input roots; refused")
-    if not found:
-        raise JobInputError(f"{path}: no such file under the input roots")
-    return real
 
 
 class JobStore:
@@ -377,7 +188,7 @@ class JobStore:
                 except aioredis.WatchError:  # another request with this key got there first: take its job
                     continue
         # as written, not read back: a purge (or a Redis that lost it) a moment later made the submission a 500
-        return _job_from_fields(job_id, {name: str(value) for name, value in fields.items()}), True
+        return job_from_fields(job_id, {name: str(value) for name, value in fields.items()}), True
 
     async def _job_named_by(self, reader: Any, key: str) -> Job | None:
         """The job an idempotency key names, if it is still there (``reader``: the client, or a watching pipe)."""
@@ -751,26 +562,7 @@ def _no_maintenance_notifications() -> dict[str, Any]:
 
 def _job(job_id: str, raw: dict[bytes, bytes]) -> Job:
     """A job from its hash."""
-    return _job_from_fields(job_id, {k.decode(): v.decode() for k, v in raw.items()})
-
-
-def _job_from_fields(job_id: str, h: dict[str, str]) -> Job:
-    """A job from its hash's fields, as text."""
-
-    def opt(name: str) -> float | None:
-        return float(h[name]) if h.get(name) else None
-
-    return Job(id=job_id, status=JobStatus(h["status"]), total_items=int(h["total"]),
-               counts={s: int(h.get(f"n_{s}", 0)) for s in ITEM_STATES}, created_at=float(h["created_at"]),
-               started_at=opt("started_at"), finished_at=opt("finished_at"), audio_s=float(h["audio_s"]),
-               compute_s=float(h["compute_s"]), priority=JobPriority(h.get("priority") or "normal"),
-               tokens=int(h.get("tokens", 0)), logprob_sum=float(h.get("logprob_sum", 0)),
-               multichannel=h.get("multichannel") == "1", skip_silence=h.get("skip_silence") == "1",
-               owner=h.get("owner") or ANONYMOUS, channel_names=tuple(json.loads(h.get("channel_names") or "[]")),
-               hotwords=tuple(json.loads(h.get("hotwords") or "[]")),
-               webhook_url=h.get("webhook_url") or None,
-               webhook_status=h.get("webhook_status") or None, webhook_attempts=int(h.get("webhook_attempts", 0)),
-               webhook_error=h.get("webhook_error") or None)
+    return job_from_fields(job_id, {k.decode(): v.decode() for k, v in raw.items()})
 
 
 def _workers_group(groups: list[dict[str, Any]] | Exception) -> dict[str, Any] | None:
@@ -784,13 +576,3 @@ def _deliveries(reply: Any) -> list[tuple[str, bytes, dict]]:
     """XREADGROUP's reply as (stream, message id, fields) tuples."""
     return [(stream.decode() if isinstance(stream, bytes) else stream, message_id, fields)
             for stream, entries in reply or [] for message_id, fields in entries]
-
-
-def item_record(audio: str | None, status: str, text: str | None = None, tokens: list[int] | None = None,
-                words: list[dict[str, Any]] | None = None, duration_s: float | None = None,
-                error: str | None = None, token_logprobs: list[float] | None = None,
-                avg_logprob: float | None = None, **conversation: Any) -> dict[str, Any]:
-    """One line of a job's results (the same keys whatever the outcome; a multichannel item's result adds its
-    ``utterances`` and ``channels``, as ``formats.to_record`` writes them)."""
-    return {"audio": audio, "status": status, "text": text, "tokens": tokens, "token_logprobs": token_logprobs,
-            "avg_logprob": avg_logprob, "words": words, "duration_s": duration_s, "error": error, **conversation}

@@ -20,21 +20,12 @@ import httpx
 from models.audio_io import AudioClip, find_audio_files
 
 from .config import Settings
-from .jobs import (
-    ANONYMOUS,
-    JSON_JOB_BYTES,
-    MAX_JOB_ITEMS,
-    REDIS_ERRORS,
-    REDIS_FULL,
-    ItemInput,
-    JobNotFound,
-    JobOptions,
-    JobStatus,
-    JobStore,
-)
+from .job_types import ANONYMOUS, ItemInput, JobNotFound, JobOptions, JobStatus
+from .jobs import JSON_JOB_BYTES, MAX_JOB_ITEMS, JobStore
 from .line_output import cannot_write
 from .logs import redacted_url
 from .output_files import is_url
+from .redis_outages import REDIS_ERRORS, REDIS_FULL
 from .stretch_upload import stretch_upload, stretch_upload_size
 
 log = logging.getLogger(__name__)

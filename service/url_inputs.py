@@ -23,7 +23,7 @@ from typing import BinaryIO
 import aiohttp
 from yarl import URL
 
-from .jobs import JobInputError
+from .job_types import JobInputError
 from .spool import spooled_file, write_body
 from .url_rules import UrlRefused, check_under_prefixes
 

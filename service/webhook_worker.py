@@ -14,7 +14,10 @@ import logging
 import math
 from typing import Protocol
 
-from .jobs import GROUP, REDIS_ERRORS, WEBHOOK_STREAM, JobNotFound, JobStore, group_lost, step_until_stopped
+from .job_keys import GROUP, WEBHOOK_STREAM
+from .job_types import JobNotFound
+from .jobs import JobStore
+from .redis_outages import REDIS_ERRORS, group_lost, step_until_stopped
 from .webhooks import Delivery, WebhookSender
 
 log = logging.getLogger(__name__)

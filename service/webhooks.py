@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from .jobs import Job
+from .job_types import Job
 from .url_rules import NoPublicAddress, PublicAddressResolver, UrlRefused, check_public_url, check_under_prefixes
 
 log = logging.getLogger(__name__)

@@ -26,7 +26,8 @@ from models.asr_model import ASRModel
 from service.api import create_app
 from service.config import Settings
 from service.head_limit import HTTP_PROTOCOL
-from service.jobs import ItemInput, JobStore
+from service.job_types import ItemInput
+from service.jobs import JobStore
 from service.runtime import build_stack
 
 

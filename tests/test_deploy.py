@@ -23,7 +23,8 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from service.config import Settings
-from service.jobs import GROUP, ITEM_STREAMS, JobStatus
+from service.job_keys import GROUP, ITEM_STREAMS
+from service.job_types import JobStatus
 from service.metrics import Metrics
 
 REPO = Path(__file__).resolve().parent.parent

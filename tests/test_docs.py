@@ -14,7 +14,7 @@ from prometheus_client.metrics import MetricWrapperBase
 
 from service.cli import build_parser
 from service.config import OTHER_VARIABLES, Settings
-from service.jobs import DEAD_LETTER_STREAM, GROUP, ITEM_STREAMS, WEBHOOK_STREAM
+from service.job_keys import DEAD_LETTER_STREAM, GROUP, ITEM_STREAMS, WEBHOOK_STREAM
 from service.metrics import Metrics
 
 REPO = Path(__file__).resolve().parent.parent

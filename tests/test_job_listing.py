@@ -18,7 +18,9 @@ import redis
 from models import load_model
 from service.config import Settings
 from service.http import owner_of
-from service.jobs import JOB_KEY, OWNER_JOBS_KEY, ItemInput, JobStore
+from service.job_keys import JOB_KEY, OWNER_JOBS_KEY
+from service.job_types import ItemInput
+from service.jobs import JobStore
 from tests.servers import finished_job, run_server
 
 KEYS = ("key-of-team-a", "key-of-team-b")

@@ -14,7 +14,9 @@ import pytest
 
 from models import load_model
 from service.config import Settings
-from service.jobs import GROUP, ITEM_STREAM, ITEM_STREAMS, ItemInput, JobOptions, JobPriority, JobStore
+from service.job_keys import GROUP, ITEM_STREAM, ITEM_STREAMS
+from service.job_types import ItemInput, JobOptions, JobPriority
+from service.jobs import JobStore
 from service.runtime import build_stack
 from tests.servers import drain_jobs, run_server
 

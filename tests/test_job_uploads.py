@@ -17,19 +17,11 @@ import soundfile as sf
 from models import load_model
 from service import job_uploads
 from service.config import Settings
+from service.job_keys import INPUTS_KEY, ITEM_STREAM, ITEM_STREAMS, UPLOAD_KEY
+from service.job_types import ItemInput, JobInputError, UploadTooLarge
 from service.job_uploads import STAGING_TTL_S, UploadRefused, read_upload, upload_size, write_uploads
-from service.jobs import (
-    INLINE_UPLOAD_BYTES,
-    INPUTS_KEY,
-    ITEM_STREAM,
-    ITEM_STREAMS,
-    REDIS_ERRORS,
-    UPLOAD_KEY,
-    ItemInput,
-    JobInputError,
-    JobStore,
-    UploadTooLarge,
-)
+from service.jobs import INLINE_UPLOAD_BYTES, JobStore
+from service.redis_outages import REDIS_ERRORS
 from service.spool import NoRoomForInput
 from tests.redis_server import RedisServer
 from tests.servers import run_server

@@ -28,22 +28,9 @@ from models import load_model
 from service import jobs_cli, url_inputs
 from service.batcher import POOL_FACTOR
 from service.config import Settings
-from service.jobs import (
-    DEAD_LETTER_STREAM,
-    GROUP,
-    ITEM_STREAM,
-    JSON_JOB_BYTES,
-    MAX_JOB_ITEMS,
-    RESULTS_KEY,
-    WEBHOOK_STREAM,
-    ItemInput,
-    Job,
-    JobInputError,
-    JobOptions,
-    JobPriority,
-    JobStore,
-    item_record,
-)
+from service.job_keys import DEAD_LETTER_STREAM, GROUP, ITEM_STREAM, RESULTS_KEY, WEBHOOK_STREAM
+from service.job_types import ItemInput, Job, JobInputError, JobOptions, JobPriority, item_record
+from service.jobs import JSON_JOB_BYTES, MAX_JOB_ITEMS, JobStore
 from service.jobs_cli import parse_size, run_submit, split_into_jobs
 from service.runtime import READING_SHARE, build_stack
 from service.spool import NoRoomForInput

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client.parser import text_string_to_metric_families
 
 from service import metrics as metrics_module
-from service.jobs import JobStatus
+from service.job_types import JobStatus
 from service.metrics import RTFX_WINDOW_S, Metrics
 
 

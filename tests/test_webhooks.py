@@ -22,7 +22,9 @@ from standardwebhooks.webhooks import Webhook
 
 from models import load_model
 from service.config import Settings
-from service.jobs import GROUP, ITEM_STREAM, WEBHOOK_STREAM, ItemInput, Job, JobOptions, JobStatus, JobStore
+from service.job_keys import GROUP, ITEM_STREAM, WEBHOOK_STREAM
+from service.job_types import ItemInput, Job, JobOptions, JobStatus
+from service.jobs import JobStore
 from service.metrics import Metrics
 from service.url_rules import NoPublicAddress, PublicAddressResolver, UrlRefused
 from service.webhook_worker import WebhookWorker

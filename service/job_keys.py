@@ -1,0 +1,32 @@
+"""The Redis key schema of bulk jobs, in one place: the streams items and webhooks are queued on, and the keys of
+a job's records (service.jobs writes and reads them; service.job_scripts' Lua scripts are handed them)."""
+
+from __future__ import annotations
+
+import re
+
+from .job_types import JobPriority
+
+PREFIX = "batchasr"
+ITEM_STREAM = f"{PREFIX}:items"  # XADD job=<id> index=<i>; consumer group GROUP (normal priority's items)
+DEAD_LETTER_STREAM = f"{PREFIX}:items:dead"  # items that failed for good, with their last error
+# XADD job=<id> in the same script that finishes a job with a webhook; consumer group GROUP delivers it
+WEBHOOK_STREAM = f"{PREFIX}:webhooks"
+GROUP = "workers"
+# each priority's item stream, in the order workers read them
+ITEM_STREAMS = {JobPriority.HIGH: f"{PREFIX}:items:high", JobPriority.NORMAL: ITEM_STREAM,
+                JobPriority.LOW: f"{PREFIX}:items:low"}
+
+JOB_KEY = PREFIX + ":job:{job_id}"  # hash: status, created_at, started_at, finished_at, total, n_<state>, ...
+INPUTS_KEY = PREFIX + ":job:{job_id}:inputs"  # hash index -> JSON {"audio", "path" | "url" | "upload"}
+STATES_KEY = PREFIX + ":job:{job_id}:states"  # hash index -> queued | in_progress | completed | failed | cancelled
+ATTEMPTS_KEY = PREFIX + ":job:{job_id}:attempts"  # hash index -> deliveries started
+ERRORS_KEY = PREFIX + ":job:{job_id}:errors"  # hash index -> last error
+RESULTS_KEY = PREFIX + ":job:{job_id}:results"  # hash index -> result JSON, written once (HSETNX)
+JOB_KEYS = (JOB_KEY, INPUTS_KEY, STATES_KEY, ATTEMPTS_KEY, ERRORS_KEY, RESULTS_KEY)  # a job's records, one TTL
+UPLOAD_KEY = PREFIX + ":upload:{job_id}:{index}"  # audio bytes, with the input TTL
+IDEMPOTENCY_KEY = PREFIX + ":idempotency:{key}"  # -> job id (the key prefixed with its owner, but for ANONYMOUS)
+OWNER_JOBS_KEY = PREFIX + ":owner:{owner}:jobs"  # sorted set: the owner's job ids, scored by creation time
+# what submit makes ("job_" and 24 of token_urlsafe's characters); a client's id is checked against it before it
+# names a key, since `job_x:inputs` would read another hash
+JOB_ID = re.compile(r"job_[A-Za-z0-9_-]{1,64}")

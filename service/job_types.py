@@ -1,0 +1,196 @@
+"""What a bulk job is: its priorities and states, its items' inputs, the options a submission takes, a job as
+read back and an item's result record, and the errors of taking one. Storage is service.jobs'."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from models.audio_io import Stretch
+from models.transcript import rounded
+
+from .job_uploads import Upload
+
+ANONYMOUS = "anonymous"  # the owner of jobs submitted without an API key (no keys set, or straight into Redis)
+
+
+class JobPriority(str, Enum):
+    """Which stream a job's items go on. Workers read the high stream first, then normal, then low: a small
+    urgent job is not queued behind a backfill of thousands of hours."""
+
+    HIGH = "high"
+    NORMAL = "normal"
+    LOW = "low"
+
+
+class JobStatus(str, Enum):
+    QUEUED = "queued"
+    IN_PROGRESS = "in_progress"
+    COMPLETED = "completed"
+    COMPLETED_WITH_ERRORS = "completed_with_errors"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+ITEM_STATES = ("queued", "in_progress", "completed", "failed", "cancelled")
+FINAL_ITEM_STATES = ("completed", "failed", "cancelled")
+
+
+class JobNotFound(KeyError):
+    pass
+
+
+class JobInputError(ValueError):
+    """An input that cannot be taken (no items, a path outside the input roots, a URL outside the input URL
+    prefixes or that cannot be fetched, too large)."""
+
+
+class UploadTooLarge(JobInputError):
+    """An upload past the upload limit, or larger than Redis stores in one value (HTTP: 413)."""
+
+
+@dataclass(frozen=True)
+class ItemInput:
+    """One item's audio: exactly one of a path, a URL, or the bytes themselves."""
+
+    audio: str  # what the submitter called it (file name, path or URL)
+    path: str | None = None  # a file under the input roots
+    url: str | None = None  # an http(s) URL under the input URL prefixes
+    upload: Upload | None = None  # the audio itself, or a file holding it (read when the job is submitted)
+    stretch: Stretch | None = None  # a path's or URL's: the seconds of it to transcribe (a NeMo manifest's)
+
+    def __post_init__(self) -> None:
+        if sum(source is not None for source in (self.path, self.url, self.upload)) != 1:
+            raise JobInputError(f"{self.audio}: an item needs exactly one of a path, a URL or uploaded audio")
+
+
+@dataclass(frozen=True)
+class JobOptions:
+    """What a submission asks for besides its items."""
+
+    webhook_url: str | None = None  # POSTed to when the job finishes (service.webhooks)
+    priority: JobPriority = JobPriority.NORMAL  # workers take high before normal, normal before low
+    multichannel: bool = False  # each channel of every item transcribed apart (models.conversation)
+    skip_silence: bool = False  # long quiet stretches left out (models.silence)
+    owner: str = ANONYMOUS  # who may see the job (service.http.owner_of: a hash of the submitter's API key)
+    channel_names: tuple[str, ...] = ()  # with multichannel: the speakers, one a channel in order
+    hotwords: tuple[str, ...] = ()  # words and phrases made likelier (decoding.boosting)
+
+
+@dataclass(frozen=True)
+class ItemStart:
+    """What a consumer learns when it starts an item: its state, deliveries so far, and (in progress) its input
+    record, its upload's size (None once expired, or for a path or URL input) and, up to INLINE_UPLOAD_BYTES, the
+    upload itself (a larger one: ``read_upload``)."""
+    state: str
+    attempts: int
+    record: dict[str, Any] = field(default_factory=dict)
+    upload_bytes: int | None = None
+    upload: bytes | None = None
+
+
+@dataclass
+class Job:
+    id: str
+    status: JobStatus
+    total_items: int
+    counts: dict[str, int]
+    created_at: float
+    started_at: float | None
+    finished_at: float | None
+    audio_s: float
+    compute_s: float
+    priority: JobPriority = JobPriority.NORMAL
+    tokens: int = 0  # scored tokens of the items completed
+    logprob_sum: float = 0.0  # the sum of their log-probabilities
+    multichannel: bool = False
+    skip_silence: bool = False
+    owner: str = ANONYMOUS
+    channel_names: tuple[str, ...] = ()
+    hotwords: tuple[str, ...] = ()
+    webhook_url: str | None = None
+    webhook_status: str | None = None  # pending | delivered | failed, when the job has a webhook
+    webhook_attempts: int = 0
+    webhook_error: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def rtfx(self) -> float:
+        return self.audio_s / self.compute_s if self.compute_s > 0 else 0.0
+
+    @property
+    def avg_logprob(self) -> float | None:
+        """The mean token log-probability over the items completed so far: a falling one while a job runs says its
+        audio is harder than expected (noisy, another language) before anyone reads a result."""
+        return rounded(self.logprob_sum / self.tokens) if self.tokens else None
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_at is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "object": "transcription.job", "status": self.status.value,
+                "priority": self.priority.value, "multichannel": self.multichannel,
+                "skip_silence": self.skip_silence, **({"channel_names": list(self.channel_names)}
+                                                      if self.channel_names else {}),
+                **({"hotwords": list(self.hotwords)} if self.hotwords else {}),
+                "total_items": self.total_items, "counts": self.counts,
+                "created_at": self.created_at,
+                "started_at": self.started_at, "finished_at": self.finished_at, "audio_s": round(self.audio_s, 3),
+                "compute_s": round(self.compute_s, 3), "rtfx": round(self.rtfx, 2), "avg_logprob": self.avg_logprob,
+                **self._webhook_dict()}
+
+    def _webhook_dict(self) -> dict[str, Any]:
+        if not self.webhook_url:
+            return {}
+        return {"webhook": {"url": self.webhook_url, "status": self.webhook_status or "pending",
+                            "attempts": self.webhook_attempts, "error": self.webhook_error}}
+
+
+def resolve_input_path(path: str, roots: list[str]) -> Path:
+    """The real path of ``path`` if it lies under one of ``roots`` (symlinks followed); else JobInputError."""
+    if not roots:
+        raise JobInputError("path inputs are disabled: the server has no input roots (BATCHASR_INPUT_ROOTS)")
+    try:
+        real = Path(path).resolve()
+        under_roots = any(real.is_relative_to(Path(root).resolve()) for root in roots)
+        found = under_roots and real.is_file()
+    except (ValueError, OSError) as exc:  # a NUL byte, a name too long: the client's error, not the server's
+        raise JobInputError(f"{path!r}: not a usable path ({exc})") from exc
+    if not under_roots:
+        raise JobInputError(f"{path}: outside the input roots; refused")
+    if not found:
+        raise JobInputError(f"{path}: no such file under the input roots")
+    return real
+
+
+def job_from_fields(job_id: str, h: dict[str, str]) -> Job:
+    """A job from its hash's fields, as text."""
+
+    def opt(name: str) -> float | None:
+        return float(h[name]) if h.get(name) else None
+
+    return Job(id=job_id, status=JobStatus(h["status"]), total_items=int(h["total"]),
+               counts={s: int(h.get(f"n_{s}", 0)) for s in ITEM_STATES}, created_at=float(h["created_at"]),
+               started_at=opt("started_at"), finished_at=opt("finished_at"), audio_s=float(h["audio_s"]),
+               compute_s=float(h["compute_s"]), priority=JobPriority(h.get("priority") or "normal"),
+               tokens=int(h.get("tokens", 0)), logprob_sum=float(h.get("logprob_sum", 0)),
+               multichannel=h.get("multichannel") == "1", skip_silence=h.get("skip_silence") == "1",
+               owner=h.get("owner") or ANONYMOUS, channel_names=tuple(json.loads(h.get("channel_names") or "[]")),
+               hotwords=tuple(json.loads(h.get("hotwords") or "[]")),
+               webhook_url=h.get("webhook_url") or None,
+               webhook_status=h.get("webhook_status") or None, webhook_attempts=int(h.get("webhook_attempts", 0)),
+               webhook_error=h.get("webhook_error") or None)
+
+
+def item_record(audio: str | None, status: str, text: str | None = None, tokens: list[int] | None = None,
+                words: list[dict[str, Any]] | None = None, duration_s: float | None = None,
+                error: str | None = None, token_logprobs: list[float] | None = None,
+                avg_logprob: float | None = None, **conversation: Any) -> dict[str, Any]:
+    """One line of a job's results (the same keys whatever the outcome; a multichannel item's result adds its
+    ``utterances`` and ``channels``, as ``formats.to_record`` writes them)."""
+    return {"audio": audio, "status": status, "text": text, "tokens": tokens, "token_logprobs": token_logprobs,
+            "avg_logprob": avg_logprob, "words": words, "duration_s": duration_s, "error": error, **conversation}

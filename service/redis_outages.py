@@ -1,0 +1,50 @@
+"""What Redis going away looks like, and the loop a consumer runs so that it outlives that."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+
+import redis.asyncio as aioredis
+from redis.exceptions import OutOfMemoryError
+
+log = logging.getLogger(__name__)
+
+REDIS_ERRORS = (aioredis.ConnectionError, aioredis.TimeoutError, ConnectionError, OSError)
+REDIS_FULL = OutOfMemoryError  # Redis at its maxmemory (with noeviction, as a job store must be) refused a write
+MAX_BACKOFF_S = 30.0  # the longest a consumer waits before trying an unreachable Redis again
+
+
+async def step_until_stopped(stop: asyncio.Event, step: Callable[[], Awaitable[object]], what: str,
+                             on_failure: Callable[[Exception], None] = lambda exc: None,
+                             until: Callable[[], bool] = lambda: False) -> None:
+    """Runs ``step`` until ``stop`` is set (or ``until()`` is true), outliving every failure: Redis unreachable,
+    Redis refusing (full, read-only, a lost group) or a bug. A consumer that stopped would strand its stream,
+    silently; so each failure is logged, handed to ``on_failure`` and waited out, from 1 s doubling to
+    ``MAX_BACKOFF_S``, or less if ``stop`` is set meanwhile."""
+    backoff_s = 1.0
+    while not stop.is_set() and not until():
+        try:
+            await step()
+            backoff_s = 1.0
+            continue
+        except Exception as exc:
+            if isinstance(exc, REDIS_ERRORS):
+                log.warning("%s: redis unreachable (%s); retrying in %.0f s", what, exc, backoff_s)
+            elif isinstance(exc, aioredis.RedisError):
+                log.warning("%s: redis refused (%s: %s); retrying in %.0f s", what, type(exc).__name__, exc,
+                            backoff_s)
+            else:
+                log.exception("%s failed; retrying in %.0f s", what, backoff_s)
+            on_failure(exc)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), backoff_s)
+        backoff_s = min(MAX_BACKOFF_S, backoff_s * 2)
+
+
+def group_lost(exc: Exception) -> bool:
+    """Whether a consumer must make its group again: Redis was away (and may be back without its data) or said
+    the group is not there."""
+    return isinstance(exc, REDIS_ERRORS) or "NOGROUP" in str(exc)
