@@ -128,6 +128,9 @@ class EngineLink:
     def observe_job_stream_lag(self, lag: int) -> None:
         self._send(MetricCall("observe_job_stream_lag", (lag,)))
 
+    def observe_job_store_risks(self, risks: tuple[str, ...]) -> None:
+        self._send(MetricCall("observe_job_store_risks", (risks,)))
+
     def count_job_items_reclaimed(self, n: int) -> None:
         self._send(MetricCall("count_job_items_reclaimed", (n,)))
 

@@ -64,6 +64,8 @@ class JobMetrics(Protocol):
 
     def observe_job_stream_lag(self, lag: int) -> None: ...
 
+    def observe_job_store_risks(self, risks: tuple[str, ...]) -> None: ...
+
     def count_job_items_reclaimed(self, n: int) -> None: ...
 
     def count_job_item_dead_lettered(self) -> None: ...
@@ -86,6 +88,7 @@ class ConsumerOptions:
     max_audio_s: float = math.inf  # decoded job audio held at once (service.audio_budget)
     first_item_s: float = 30.0  # the length items are expected to have until some are seen
     max_reading: int = 64  # items fetched and decoded at once
+    store_check_interval_s: float = 60.0  # how often Redis's settings are read for risks to jobs
 
 
 class JobConsumer:
@@ -111,6 +114,8 @@ class JobConsumer:
         self._last_kept = 0.0
         self._last_forgot = -math.inf
         self._group_ready = False  # made once, and again after an error (a Redis that lost it)
+        self._last_store_check = -math.inf
+        self._store_risks: dict[str, str] = {}  # those last read (JobStore.durability_risks)
         self.connected = False
 
     # --- loops -----------------------------------------------------------------------------------------
@@ -150,11 +155,15 @@ class JobConsumer:
 
     async def _step(self, block_ms: int | None = None) -> int:
         """Start what fits in the prefetch window and the audio budget; returns how many items were started."""
+        loop = asyncio.get_running_loop()
         if not self._group_ready:
             await self.store.ensure_group()
             self._group_ready = True
+            self._last_store_check = -math.inf  # Redis may be another now (restarted, failed over): read it again
         self.connected = True
-        loop = asyncio.get_running_loop()
+        if loop.time() - self._last_store_check >= self.options.store_check_interval_s:
+            self._last_store_check = loop.time()
+            await self._check_store()
         if loop.time() - self._last_kept >= self.options.visibility_timeout_s / 3:
             self._last_kept = loop.time()
             for stream, held in self._held.items():
@@ -187,6 +196,17 @@ class JobConsumer:
             task.add_done_callback(lambda _, held=held, message_id=message_id: held.discard(message_id))
         self.metrics.observe_job_stream_lag(await self.store.stream_lag())
         return len(messages)
+
+    async def _check_store(self) -> None:
+        """Warn of each setting of Redis that would lose jobs without an error as it appears (Redis's own log says
+        nothing of them; Sidekiq warns of the eviction policy the same way), and export them as a metric."""
+        risks = await self.store.durability_risks()
+        for name in risks.keys() - self._store_risks.keys():
+            log.warning("jobs at risk (%s): %s", name, risks[name])
+        for name in self._store_risks.keys() - risks.keys():
+            log.info("jobs no longer at risk (%s): Redis's setting changed", name)
+        self._store_risks = risks
+        self.metrics.observe_job_store_risks(tuple(risks))
 
     async def _reclaim(self, count: int) -> list[tuple[str, bytes, dict]]:
         claimed = []

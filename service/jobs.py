@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Collection
@@ -77,6 +78,8 @@ JSON_JOB_BYTES = 64 * 1024 * 1024
 # an upload this small comes with its item's start, in the same round trip: a temporary file would hold it in
 # memory all the same (service.spool), and a GETRANGE a clip costs a worker's event loop at thousands a second
 INLINE_UPLOAD_BYTES = SPOOL_MEMORY_BYTES
+
+log = logging.getLogger(__name__)
 
 
 def _now() -> str:
@@ -540,6 +543,29 @@ class JobStore:
             if start in (b"0-0", "0-0") or len(claimed) >= count:
                 break
         return start, claimed
+
+    async def durability_risks(self) -> dict[str, str]:
+        """What in Redis's settings would lose jobs without an error: each risk's name (``metrics.JOB_STORE_RISKS``)
+        and why; none: nothing known. Read with INFO, which managed services allow where they refuse CONFIG."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.info("memory")
+        pipe.info("persistence")
+        try:
+            memory, persistence = await pipe.execute()
+        except aioredis.ResponseError as exc:  # a proxy or an ACL that refuses INFO: nothing can be said
+            log.info("cannot read Redis's settings (%s): its eviction policy and persistence are not checked", exc)
+            return {}
+        risks = {}
+        policy = memory.get("maxmemory_policy", "noeviction")
+        if policy != "noeviction":
+            # every job key has a TTL, so the volatile-* policies take them as readily as allkeys-* ones
+            risks["eviction"] = (f"Redis's maxmemory-policy is {policy}: once full it deletes keys to make room, and "
+                                 "jobs, their audio and their results go without an error. Set maxmemory-policy "
+                                 "noeviction: a full Redis then refuses new jobs (503 job_store_full) and loses none")
+        if not int(persistence.get("aof_enabled", 1)):
+            risks["no_appendonly"] = ("Redis has appendonly off: a restart loses the jobs written since its last "
+                                      "snapshot (all of them, without snapshots). Set appendonly yes")
+        return risks
 
     async def ping(self) -> bool:
         try:

@@ -18,10 +18,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 disable_created_metrics()  # the *_created series only add cardinality for our dashboards
 
 RTFX_WINDOW_S = 60.0
-# what a job consumer may count (``JobMetrics``); a consumer process's link calls these by name
-# what a front-end or consumer process may have the engine's process count for it (service.engine_link)
-FORWARDED_METRIC_CALLS = ("observe_job_stream_lag", "count_job_items_reclaimed", "count_job_item_dead_lettered",
-                    "count_job_item", "count_job", "count_webhook", "observe_intake_wait")
+# what a front-end or consumer process may have the engine's process count for it (service.engine_link), by name
+FORWARDED_METRIC_CALLS = ("observe_job_stream_lag", "observe_job_store_risks", "count_job_items_reclaimed",
+                          "count_job_item_dead_lettered", "count_job_item", "count_job", "count_webhook",
+                          "observe_intake_wait")
 INTAKE_WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 UNSURE_BELOW = 0.5  # a token less likely than this is counted unsure
@@ -34,6 +34,8 @@ JOB_FINAL_STATUSES = ("completed", "completed_with_errors", "failed", "cancelled
 JOB_ITEM_STATUSES = ("completed", "failed")
 WEBHOOK_OUTCOMES = ("delivered", "failed", "handed_back")
 DROP_REASONS = ("cancelled", "expired")
+# what in Redis's settings would lose jobs silently (JobStore.durability_risks)
+JOB_STORE_RISKS = ("eviction", "no_appendonly")
 
 
 class Metrics:
@@ -78,6 +80,12 @@ class Metrics:
         self.intake_wait_seconds = Histogram(
             "batchasr_intake_wait_seconds", "Time uploads waited for room in their process's intake budget "
             "(MAX_INTAKE_BYTES) before being read", buckets=INTAKE_WAIT_BUCKETS, registry=r)
+        self.job_store_risk = Gauge("batchasr_job_store_risk", "1 where Redis's settings would lose jobs without an "
+                                    "error (eviction: a maxmemory-policy other than noeviction; no_appendonly: a "
+                                    "restart loses what its last snapshot lacks), as job consumers last read them",
+                                    ["risk"], registry=r)
+        for risk in JOB_STORE_RISKS:
+            self.job_store_risk.labels(risk)
         self.gpu_memory_bytes = Gauge("batchasr_gpu_memory_bytes", "GPU memory held by the engine", registry=r)
         self.dropped_items = Counter("batchasr_dropped_items", "Queued items dropped before the engine",
                                      ["reason"], registry=r)
@@ -160,6 +168,10 @@ class Metrics:
     # the job consumer's counts: method calls, so that a consumer in another process can make them over its link
     def observe_job_stream_lag(self, lag: int) -> None:
         self.job_stream_lag.set(lag)
+
+    def observe_job_store_risks(self, risks: tuple[str, ...]) -> None:
+        for risk in JOB_STORE_RISKS:
+            self.job_store_risk.labels(risk).set(int(risk in risks))
 
     def count_job_items_reclaimed(self, n: int) -> None:
         self.job_items_reclaimed.inc(n)

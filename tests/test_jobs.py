@@ -241,6 +241,9 @@ def test_a_worker_with_consumer_processes_counts_in_one_place_and_stops_cleanly(
         assert 'batchasr_job_items_total{status="failed"} 1.0' in text
         assert "batchasr_job_items_dead_lettered_total 1.0" in text
         assert 'batchasr_jobs_total{status="completed_with_errors"} 1.0' in text
+        # the test's Redis keeps nothing on disk: the consumers said so, over their links
+        assert 'batchasr_job_store_risk{risk="no_appendonly"} 1.0' in text
+        assert 'batchasr_job_store_risk{risk="eviction"} 0.0' in text
     finally:
         worker.send_signal(signal.SIGTERM)
         output = worker.communicate(timeout=60)[0]
