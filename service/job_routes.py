@@ -50,7 +50,7 @@ from .job_types import (
     resolve_input_path,
 )
 from .jobs import JSON_JOB_BYTES, JobStore
-from .redis_outages import REDIS_ERRORS, REDIS_FULL
+from .redis_outages import REDIS_ERRORS, REDIS_FULL, outage
 from .url_inputs import check_input_url
 from .url_rules import UrlRefused
 from .webhooks import check_webhook_url
@@ -347,6 +347,6 @@ async def _from_store(job_id: str, work: Awaitable[T]) -> T:
 
 def _redis_down(exc: Exception) -> ApiError:
     # the client hears that, not where: Redis's address (and its errors' other detail) is the operator's, in the log
-    log.warning("job store unreachable: %s", exc)
-    return ApiError(503, "the job store (Redis) is unreachable; retry later", type="server_error",
+    log.warning("job store %s: %s", outage(exc), exc)
+    return ApiError(503, f"the job store (Redis) is {outage(exc)}; retry later", type="server_error",
                     code="redis_unavailable", headers={"Retry-After": "5"})

@@ -8,11 +8,13 @@ import logging
 from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
-from redis.exceptions import OutOfMemoryError
+from redis.exceptions import OutOfMemoryError, ReadOnlyError
 
 log = logging.getLogger(__name__)
 
-REDIS_ERRORS = (aioredis.ConnectionError, aioredis.TimeoutError, ConnectionError, OSError)
+# Redis unreachable, or a replica refusing writes (a failover under way, or a URL that names a replica): both pass,
+# and both are waited out alike; nothing of a job is written while either lasts
+REDIS_ERRORS = (aioredis.ConnectionError, aioredis.TimeoutError, ReadOnlyError, ConnectionError, OSError)
 REDIS_FULL = OutOfMemoryError  # Redis at its maxmemory (with noeviction, as a job store must be) refused a write
 MAX_BACKOFF_S = 30.0  # the longest a consumer waits before trying an unreachable Redis again
 
@@ -32,7 +34,7 @@ async def step_until_stopped(stop: asyncio.Event, step: Callable[[], Awaitable[o
             continue
         except Exception as exc:
             if isinstance(exc, REDIS_ERRORS):
-                log.warning("%s: redis unreachable (%s); retrying in %.0f s", what, exc, backoff_s)
+                log.warning("%s: redis %s (%s); retrying in %.0f s", what, outage(exc), exc, backoff_s)
             elif isinstance(exc, aioredis.RedisError):
                 log.warning("%s: redis refused (%s: %s); retrying in %.0f s", what, type(exc).__name__, exc,
                             backoff_s)
@@ -48,3 +50,8 @@ def group_lost(exc: Exception) -> bool:
     """Whether a consumer must make its group again: Redis was away (and may be back without its data) or said
     the group is not there."""
     return isinstance(exc, REDIS_ERRORS) or "NOGROUP" in str(exc)
+
+
+def outage(exc: Exception) -> str:
+    """What one of ``REDIS_ERRORS`` says of Redis, in a word or two."""
+    return "read-only" if isinstance(exc, ReadOnlyError) else "unreachable"
