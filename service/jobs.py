@@ -63,7 +63,7 @@ from .job_types import (
     job_from_fields,
 )
 from .job_uploads import UploadRefused, read_upload, upload_size, write_uploads
-from .redis_outages import REDIS_ERRORS, REDIS_FULL
+from .redis_outages import REDIS_ERRORS, REDIS_FULL, reconnect_on_read_only
 from .spool import SPOOL_MEMORY_BYTES
 
 MAX_CLAIM_LOOKS = 16  # XAUTOCLAIM calls one look for stalled deliveries may make (each sees 10 per one asked for)
@@ -112,7 +112,7 @@ class JobStore:
         pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=POOL_WAIT_S,
                                                         socket_connect_timeout=5, socket_timeout=30,
                                                         health_check_interval=30, **_no_maintenance_notifications())
-        return cls(aioredis.Redis.from_pool(pool), **kwargs)
+        return cls(aioredis.Redis.from_pool(reconnect_on_read_only(pool)), **kwargs)
 
     async def ensure_group(self) -> None:
         """The consumer group on the item and webhook streams (again after a Redis that lost them), in one round

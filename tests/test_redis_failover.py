@@ -1,6 +1,7 @@
 """A Redis that refuses writes for a while: a replica (a failover in progress, or a URL that names a replica). Its
 refusals are an outage, as Redis unreachable is: 503 with Retry-After, nothing of a job half written, consumers
-waiting it out; once the address takes writes again (promoted), all goes on."""
+waiting it out; once the address takes writes again (promoted, or a failover moved it to the new primary), all goes
+on."""
 
 from __future__ import annotations
 
@@ -70,3 +71,76 @@ def test_http_answers_503_while_redis_is_read_only_and_goes_on_once_it_takes_wri
         job = wait_job(running.url, accepted.json()["id"], timeout_s=90)
         assert job["status"] == "completed" and job["counts"]["completed"] == 3
         assert httpx.delete(f"{running.url}/v1/jobs/{job['id']}").status_code == 200
+
+
+class Endpoint:
+    """One address for a Redis that a failover moves, as a managed service's primary endpoint (a DNS name) or a
+    Kubernetes Service does: a TCP proxy whose new connections go to ``target``; those open stay where they went."""
+
+    def __init__(self, target: int):
+        self.target = target
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._pipe_to_target, "127.0.0.1", 0)
+        return f"redis://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/0"
+
+    async def _pipe_to_target(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        upstream_reader, upstream_writer = await asyncio.open_connection("127.0.0.1", self.target)
+
+        async def copy(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+            try:
+                while data := await source.read(1 << 16):
+                    sink.write(data)
+                    await sink.drain()
+            except (ConnectionError, asyncio.CancelledError):
+                pass
+            finally:
+                sink.close()
+
+        await asyncio.gather(copy(reader, upstream_writer), copy(upstream_reader, writer))
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+
+def test_after_a_failover_behind_one_address_the_store_reaches_the_new_primary(tmp_path):
+    """A failover behind one address demotes the old primary to a replica, which keeps its clients' connections:
+    each pooled connection then met READONLY on every command for as long as it lived (redis-py keeps a connection
+    through an error reply). A connection that meets READONLY now closes, and the next one made reaches the new
+    primary."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    old, new = RedisServer(tmp_path / "a").start(), RedisServer(tmp_path / "b").start()
+    new.client().replicaof("127.0.0.1", old.port)
+
+    async def scenario() -> None:
+        endpoint = Endpoint(old.port)
+        store = JobStore.from_url(await endpoint.start())
+        try:
+            first, _ = await store.submit([ItemInput(audio="a.wav", url="https://media.example/a.wav")])
+            assert old.client().wait(1, 5000) == 1  # the replica has the job
+            new.client().replicaof("no", "one")  # the failover: promoted, and the old primary demoted under it
+            old.client().replicaof("127.0.0.1", new.port)
+            endpoint.target = new.port
+            outcomes = []
+            for _ in range(5):
+                try:
+                    await store.submit([ItemInput(audio="b.wav", url="https://media.example/b.wav")])
+                    outcomes.append("queued")
+                except REDIS_ERRORS as exc:
+                    outcomes.append(type(exc).__name__)
+            # the one pooled connection (submissions one at a time) refused once, and closed
+            assert outcomes == ["ReadOnlyError"] + ["queued"] * 4, outcomes
+            assert (await store.get(first.id)).total_items == 1
+            assert new.client().hlen(f"batchasr:job:{first.id}") > 0
+        finally:
+            await store.close()
+            await endpoint.stop()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        old.stop()
+        new.stop()
