@@ -2,33 +2,30 @@
 
 ``create_app(settings)`` builds everything; the model loads and warms up in the lifespan, and shutdown
 stops accepting, lets queued work finish, then stops the engine. ``create_frontend_app`` serves the same routes
-in a front-end process, over a link to the engine process (``service.processes``).
+in a front-end process, over a link to the engine process (``service.processes``). A request's audio is read
+and decoded by ``service.request_audio``, and transcribed (or streamed) by ``service.request_transcription``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, BinaryIO, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any
 
-import numpy as np
 from fastapi import APIRouter, Depends, FastAPI, Form, Query, Request, UploadFile
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.datastructures import FormData
 from starlette.datastructures import UploadFile as StarletteUpload
-from starlette.requests import ClientDisconnect
 
 from decoding.types import Hotwords
 
-from .audio import AudioRequestError, decode_declared_audio
-from .batcher import Priority, QueueFull
-from .body_buffer import BodyBufferMiddleware, body_bytes, take_body
+from .batcher import Priority
+from .body_buffer import BodyBufferMiddleware
 from .body_limit import FORM_OVERHEAD_BYTES, BodyLimitMiddleware, BodyTooLarge
 from .config import Settings
 from .engine_link import EngineLink
@@ -41,19 +38,14 @@ from .http import (
     ApiKeyGate,
     ServiceDep,
     ServiceState,
-    check_upload_size,
-    client_closed,
     error_responses,
     flag,
     form_text,
     form_texts,
     install_error_handlers,
-    internal_error,
-    read_upload,
     request_hotwords,
     require_api_key,
     speaker_names,
-    upload_too_large,
     upload_too_large_message,
 )
 from .job_routes import is_multipart, job_too_large_message, json_job_too_large_message
@@ -61,7 +53,9 @@ from .job_routes import router as jobs_router
 from .jobs import JSON_JOB_BYTES
 from .languages import language_name
 from .metrics import Metrics
+from .request_audio import decoded_body, decoded_upload
 from .request_log import RequestLogMiddleware, observe_refused_head
+from .request_transcription import stream_transcription, transcribe, while_client_waits
 from .response_bodies import (
     conversation_body,
     openai_logprobs,
@@ -74,17 +68,14 @@ from .schemas import (
     ModelCard,
     ModelList,
     NativeTranscription,
-    TokenLogprob,
     TranscriptionJSON,
     Usage,
     VerboseTranscription,
 )
-from .transcriber import QueuedRequest, RequestResult, TextDelta
 from .wire import EngineUnavailable
 
 if TYPE_CHECKING:  # front-end processes serve these routes without the model (or torch)
     from models.asr_model import ASRModel
-    from models.tokenizer import Tokenizer
 
 log = logging.getLogger("batchasr.api")
 
@@ -93,79 +84,6 @@ STREAM_FORMATS = ("json", "text")  # as OpenAI's: the stream's events carry text
 GRANULARITIES = ("word", "segment")
 INCLUDES = ("logprobs",)
 LOGPROB_FORMATS = ("json", "verbose_json")  # OpenAI gives logprobs in JSON only (and in the stream's events)
-
-T = TypeVar("T")
-
-
-async def _read_body(request: Request, service: ServiceState) -> bytes:
-    limit = service.settings.max_upload_bytes
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
-        raise upload_too_large(limit, int(declared))
-    chunks, size = [], 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise upload_too_large(limit)
-            chunks.append(chunk)
-    except ClientDisconnect:  # gone mid-upload: nothing to answer, and not the server's failure
-        raise client_closed() from None
-    return b"".join(chunks)
-
-
-async def _decode(service: ServiceState, data: bytes | BinaryIO, content_type: str | None,
-                  multichannel: bool = False) -> np.ndarray:
-    """An upload's waveform (or, with ``multichannel``, one per channel), decoded off the event loop, once the
-    service takes requests."""
-    stack = service.stack
-    if not service.accepting or stack is None or not stack.engine.ready:
-        raise ApiError(503, "the service is not ready", type="server_error", code="not_ready",
-                       headers={"Retry-After": "5"})
-    try:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(stack.decode_pool, decode_declared_audio, data, content_type, stack.limits,
-                                          multichannel)
-    except AudioRequestError as exc:
-        raise _audio_error(exc) from exc
-
-
-async def _decoded_upload(service: ServiceState, upload: StarletteUpload | None, multichannel: bool = False
-                          ) -> np.ndarray:
-    """A multipart upload, decoded within the process's intake budget (service.intake) from the form's temporary
-    file."""
-    size = 0 if upload is None else service.settings.max_upload_bytes if upload.size is None else upload.size
-    async with service.intake.hold(size):
-        if upload is not None and upload.size is not None:  # the form is parsed: the file is whole, its size known
-            check_upload_size(upload, service)
-            await upload.seek(0)
-            return await _decode(service, upload.file, upload.content_type, multichannel)
-        data, content_type = await read_upload(upload, service)
-        return await _decode(service, data, content_type, multichannel)
-
-
-async def _decoded_body(request: Request, service: ServiceState, multichannel: bool = False) -> np.ndarray:
-    """The raw audio body, decoded within the intake budget from the temporary file it waits in, whole, until there
-    is room (service.body_buffer)."""
-    async with service.intake.hold(body_bytes(request.scope, service.settings.max_upload_bytes)):
-        content_type = request.headers.get("content-type")
-        whole = take_body(request.scope)
-        if whole is None:  # not received whole (or an app without the buffer): read from the client
-            return await _decode(service, await _read_body(request, service), content_type, multichannel)
-        size = body_bytes(request.scope, 0)
-        limit = service.settings.max_upload_bytes
-        if size > limit:
-            raise upload_too_large(limit, size)
-        return await _decode(service, whole, content_type, multichannel)
-
-
-async def _transcribe(request: Request, service: ServiceState, waveform: np.ndarray, skip_silence: bool = False,
-                      hotwords: Hotwords = ()) -> RequestResult:
-    """Queue, and await the result; drop the work if the client goes away."""
-    assert service.stack is not None
-    transcriber = service.stack.transcriber
-    return await _while_client_waits(request, transcriber.transcribe(waveform, Priority.INTERACTIVE, skip_silence,
-                                                                     hotwords))
 
 
 def _hotwords(service: ServiceState, values: list[str]) -> Hotwords:
@@ -177,114 +95,6 @@ def _hotword_fields(query: list[str], form: FormData | None) -> list[str]:
     """A transcription request's ``hotwords``: the query string's (every value: the parameter may be repeated), else
     the multipart form's (``hotwords`` or ``hotwords[]``)."""
     return query or ([] if form is None else _form_list(form, "hotwords"))
-
-
-async def _while_client_waits(request: Request, work: Awaitable[T]) -> T:
-    """Await ``work`` unless the client goes away first (then it is cancelled: its queued pieces never reach the
-    engine, and the answer is 499); its failures become the API's errors."""
-    task = asyncio.ensure_future(work)
-    client_gone = asyncio.ensure_future(_wait_for_disconnect(request))
-    try:
-        await asyncio.wait({task, client_gone}, return_when=asyncio.FIRST_COMPLETED)
-        if not task.done():
-            task.cancel()
-            raise client_closed()
-        return task.result()
-    except (QueueFull, TimeoutError, EngineUnavailable) as exc:
-        raise _engine_error(exc) from exc
-    except AudioRequestError as exc:  # more pieces than the queue holds
-        raise _audio_error(exc) from exc
-    finally:
-        for pending in (task, client_gone):
-            if not pending.done():
-                pending.cancel()
-
-
-def _audio_error(exc: AudioRequestError) -> ApiError:
-    """Audio the service refuses (unreadable, too long, too many pieces), as the API says it."""
-    return ApiError(exc.status, str(exc), param="file", code=exc.code)
-
-
-def _engine_error(exc: QueueFull | TimeoutError | EngineUnavailable) -> ApiError:
-    """Why the engine did not transcribe a request, as the API says it."""
-    if isinstance(exc, QueueFull):
-        return ApiError(429, str(exc), type="rate_limit_error", code="queue_full",
-                        headers={"Retry-After": str(exc.retry_after_s)})
-    if isinstance(exc, TimeoutError):
-        # not to be sent again: it had the whole timeout, and OpenAI's clients (which retry a 5xx twice) would
-        # upload it again for as long each time
-        return ApiError(504, "transcription did not finish within the request timeout", type="server_error",
-                        code="timeout", headers={"x-should-retry": "false"})
-    return ApiError(503, str(exc), type="server_error", code="engine_unavailable", headers={"Retry-After": "5"})
-
-
-async def _stream_transcription(request: Request, service: ServiceState, waveform: np.ndarray, skip_silence: bool,
-                                logprobs: bool = False, hotwords: Hotwords = ()
-                                ) -> StreamingResponse:
-    """OpenAI's transcription stream (server-sent events): ``transcript.text.delta`` as the leading pieces of the
-    audio finish, then ``transcript.text.done`` with the whole text (and, with ``logprobs``, every token's).
-    Failures before the first event answer with their status codes, as without streaming; a later one ends the
-    stream with an ``error`` event."""
-    assert service.stack is not None
-    try:
-        queued = await service.stack.transcriber.submit(waveform, Priority.INTERACTIVE, skip_silence,
-                                                        hotwords=hotwords)
-    except (QueueFull, EngineUnavailable) as exc:
-        raise _engine_error(exc) from exc
-    except AudioRequestError as exc:  # more pieces than the queue holds
-        raise _audio_error(exc) from exc
-    deltas = queued.text_deltas()
-    try:
-        first = await _while_client_waits(request, anext(deltas, None))
-    except BaseException:
-        queued.cancel()
-        raise
-    tokenizer = service.stack.transcriber.tokenizer if logprobs else None
-    return StreamingResponse(_transcription_events(queued, deltas, first, tokenizer), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
-
-
-async def _transcription_events(queued: QueuedRequest, deltas: AsyncIterator[TextDelta], first: TextDelta | None,
-                                logprobs_from: Tokenizer | None = None) -> AsyncIterator[bytes]:
-    """The stream's events (with ``logprobs_from``, each carrying its tokens' logprobs). A client that goes away
-    cancels this (Starlette listens for it), which drops the pieces still queued."""
-    try:
-        delta = first
-        while delta is not None:
-            event: dict[str, Any] = {"type": "transcript.text.delta", "delta": delta.text}
-            if logprobs_from is not None:
-                event["logprobs"] = _dumped(openai_logprobs(delta.tokens, delta.logprobs, logprobs_from,
-                                                            starts_text=delta.first_token == 0))
-            yield _event(event)
-            delta = await anext(deltas, None)
-        result = await queued.result()  # every piece is done by now
-        transcript = result.transcript
-        done: dict[str, Any] = {"type": "transcript.text.done", "text": transcript.text}
-        if logprobs_from is not None:
-            done["logprobs"] = _dumped(openai_logprobs(transcript.tokens, transcript.token_logprobs, logprobs_from))
-        yield _event(done)
-    except (QueueFull, TimeoutError, EngineUnavailable) as exc:
-        yield _event({"type": "error", **_engine_error(exc).body()})
-    except Exception as exc:  # a batch that failed (the headers are sent: the stream says so, as it promises)
-        log.exception("transcription stream failed")
-        yield _event({"type": "error", **internal_error(exc).body()})
-    finally:
-        queued.cancel()
-
-
-def _dumped(logprobs: list[TokenLogprob]) -> list[dict[str, Any]]:
-    return [p.model_dump() for p in logprobs]
-
-
-def _event(data: dict[str, Any]) -> bytes:
-    return f"event: {data['type']}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
-
-
-async def _wait_for_disconnect(request: Request) -> None:
-    """Returns when the client goes away. With the body read, the server's next message is the disconnect, so
-    one waiting receive replaces polling (which cost the event loop a wake-up per request every 100 ms)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 def _check_model(service: ServiceState, requested: str | None) -> None:
@@ -381,12 +191,12 @@ async def openai_transcriptions(
         raise ApiError(400, "this server does not score tokens (BATCHASR_TOKEN_SCORES is off): no logprobs",
                        param="include[]", code="logprobs_unavailable")
     hotwords = _hotwords(service, _hotword_fields(request.query_params.getlist("hotwords"), form))
-    waveform = await _decoded_upload(service, file)
+    waveform = await decoded_upload(service, file)
     assert service.stack is not None
     tokenizer = service.stack.transcriber.tokenizer
     if stream:
-        return await _stream_transcription(request, service, waveform, skip_silence, logprobs, hotwords)
-    result = await _transcribe(request, service, waveform, skip_silence, hotwords)
+        return await stream_transcription(request, service, waveform, skip_silence, logprobs, hotwords)
+    result = await transcribe(request, service, waveform, skip_silence, hotwords)
     transcript = result.transcript
     usage = Usage(seconds=round(transcript.duration_s, 3))
     token_logprobs = openai_logprobs(transcript.tokens, transcript.token_logprobs, tokenizer) if logprobs else None
@@ -430,16 +240,16 @@ async def native_transcribe(request: Request, service: ServiceDep,
     boosted = _hotwords(service, _hotword_fields(hotwords or [], form))
     if form is not None:
         upload = form.get("file")
-        waveform = await _decoded_upload(service, upload if isinstance(upload, StarletteUpload) else None, apart)
+        waveform = await decoded_upload(service, upload if isinstance(upload, StarletteUpload) else None, apart)
     else:
-        waveform = await _decoded_body(request, service, apart)
+        waveform = await decoded_body(request, service, apart)
     if apart:
         assert service.stack is not None
         channels = service.stack.transcriber.transcribe_channels(waveform, Priority.INTERACTIVE, skip, boosted)
-        result = await _while_client_waits(request, channels)
+        result = await while_client_waits(request, channels)
         result.conversation.names = names
         return conversation_body(service, result)
-    result = await _transcribe(request, service, waveform, skip, boosted)
+    result = await transcribe(request, service, waveform, skip, boosted)
     t = result.transcript
     return NativeTranscription(
         model=service.model_id, text=t.text, tokens=t.tokens, token_frames=t.token_frames,

@@ -10,8 +10,8 @@ import pytest
 
 from models import load_model
 from models.transcript import Transcript
-from service.api import _transcription_events
 from service.batcher import Batcher, ItemResult, QueueFull, WorkItem
+from service.request_transcription import transcription_events
 from service.transcriber import TextDelta, Transcriber
 from tests.conftest import long_recording
 from tests.servers import parse_event
@@ -73,7 +73,7 @@ def test_a_piece_that_fails_mid_stream_ends_it_with_an_error_event_and_drops_the
         deltas = queued.text_deltas()
         first = await asyncio.wait_for(_first_after(items[0], deltas), 30)
         items[1].future.set_exception(TimeoutError("the request's deadline passed"))
-        events = [parse_event(chunk.decode()) async for chunk in _transcription_events(queued, deltas, first)]
+        events = [parse_event(chunk.decode()) async for chunk in transcription_events(queued, deltas, first)]
         return events, batcher
 
     async def _first_after(item: WorkItem, deltas):

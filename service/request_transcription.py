@@ -1,0 +1,143 @@
+"""A transcription request's work on the engine: queued, and awaited while its client waits (dropped if it goes),
+or streamed as OpenAI's server-sent events; the engine's refusals as the API words them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import numpy as np
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from decoding.types import Hotwords
+
+from .audio import AudioRequestError
+from .batcher import Priority, QueueFull
+from .http import ApiError, ServiceState, client_closed, internal_error
+from .request_audio import audio_error
+from .response_bodies import openai_logprobs
+from .schemas import TokenLogprob
+from .transcriber import QueuedRequest, RequestResult, TextDelta
+from .wire import EngineUnavailable
+
+if TYPE_CHECKING:  # front-end processes serve these routes without the model (or torch)
+    from models.tokenizer import Tokenizer
+
+log = logging.getLogger("batchasr.api")
+
+T = TypeVar("T")
+
+
+async def transcribe(request: Request, service: ServiceState, waveform: np.ndarray, skip_silence: bool = False,
+                     hotwords: Hotwords = ()) -> RequestResult:
+    """Queue, and await the result; drop the work if the client goes away."""
+    assert service.stack is not None
+    transcriber = service.stack.transcriber
+    return await while_client_waits(request, transcriber.transcribe(waveform, Priority.INTERACTIVE, skip_silence,
+                                                                     hotwords))
+
+
+async def while_client_waits(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work`` unless the client goes away first (then it is cancelled: its queued pieces never reach the
+    engine, and the answer is 499); its failures become the API's errors."""
+    task = asyncio.ensure_future(work)
+    client_gone = asyncio.ensure_future(wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, client_gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            task.cancel()
+            raise client_closed()
+        return task.result()
+    except (QueueFull, TimeoutError, EngineUnavailable) as exc:
+        raise engine_error(exc) from exc
+    except AudioRequestError as exc:  # more pieces than the queue holds
+        raise audio_error(exc) from exc
+    finally:
+        for pending in (task, client_gone):
+            if not pending.done():
+                pending.cancel()
+
+
+def engine_error(exc: QueueFull | TimeoutError | EngineUnavailable) -> ApiError:
+    """Why the engine did not transcribe a request, as the API says it."""
+    if isinstance(exc, QueueFull):
+        return ApiError(429, str(exc), type="rate_limit_error", code="queue_full",
+                        headers={"Retry-After": str(exc.retry_after_s)})
+    if isinstance(exc, TimeoutError):
+        # not to be sent again: it had the whole timeout, and OpenAI's clients (which retry a 5xx twice) would
+        # upload it again for as long each time
+        return ApiError(504, "transcription did not finish within the request timeout", type="server_error",
+                        code="timeout", headers={"x-should-retry": "false"})
+    return ApiError(503, str(exc), type="server_error", code="engine_unavailable", headers={"Retry-After": "5"})
+
+
+async def stream_transcription(request: Request, service: ServiceState, waveform: np.ndarray, skip_silence: bool,
+                               logprobs: bool = False, hotwords: Hotwords = ()) -> StreamingResponse:
+    """OpenAI's transcription stream (server-sent events): ``transcript.text.delta`` as the leading pieces of the
+    audio finish, then ``transcript.text.done`` with the whole text (and, with ``logprobs``, every token's).
+    Failures before the first event answer with their status codes, as without streaming; a later one ends the
+    stream with an ``error`` event."""
+    assert service.stack is not None
+    try:
+        queued = await service.stack.transcriber.submit(waveform, Priority.INTERACTIVE, skip_silence,
+                                                        hotwords=hotwords)
+    except (QueueFull, EngineUnavailable) as exc:
+        raise engine_error(exc) from exc
+    except AudioRequestError as exc:  # more pieces than the queue holds
+        raise audio_error(exc) from exc
+    deltas = queued.text_deltas()
+    try:
+        first = await while_client_waits(request, anext(deltas, None))
+    except BaseException:
+        queued.cancel()
+        raise
+    tokenizer = service.stack.transcriber.tokenizer if logprobs else None
+    return StreamingResponse(transcription_events(queued, deltas, first, tokenizer), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+async def transcription_events(queued: QueuedRequest, deltas: AsyncIterator[TextDelta], first: TextDelta | None,
+                               logprobs_from: Tokenizer | None = None) -> AsyncIterator[bytes]:
+    """The stream's events (with ``logprobs_from``, each carrying its tokens' logprobs). A client that goes away
+    cancels this (Starlette listens for it), which drops the pieces still queued."""
+    try:
+        delta = first
+        while delta is not None:
+            event: dict[str, Any] = {"type": "transcript.text.delta", "delta": delta.text}
+            if logprobs_from is not None:
+                event["logprobs"] = _dumped(openai_logprobs(delta.tokens, delta.logprobs, logprobs_from,
+                                                            starts_text=delta.first_token == 0))
+            yield _event(event)
+            delta = await anext(deltas, None)
+        result = await queued.result()  # every piece is done by now
+        transcript = result.transcript
+        done: dict[str, Any] = {"type": "transcript.text.done", "text": transcript.text}
+        if logprobs_from is not None:
+            done["logprobs"] = _dumped(openai_logprobs(transcript.tokens, transcript.token_logprobs, logprobs_from))
+        yield _event(done)
+    except (QueueFull, TimeoutError, EngineUnavailable) as exc:
+        yield _event({"type": "error", **engine_error(exc).body()})
+    except Exception as exc:  # a batch that failed (the headers are sent: the stream says so, as it promises)
+        log.exception("transcription stream failed")
+        yield _event({"type": "error", **internal_error(exc).body()})
+    finally:
+        queued.cancel()
+
+
+def _dumped(logprobs: list[TokenLogprob]) -> list[dict[str, Any]]:
+    return [p.model_dump() for p in logprobs]
+
+
+def _event(data: dict[str, Any]) -> bytes:
+    return f"event: {data['type']}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    """Returns when the client goes away. With the body read, the server's next message is the disconnect, so
+    one waiting receive replaces polling (which cost the event loop a wake-up per request every 100 ms)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
