@@ -342,6 +342,131 @@ def test_adapter_query_gives_the_hpa_a_value_at_a_one_minute_scrape_interval(tmp
                   labels='namespace="default",pod="api-0"')
 
 
+# --- alerting rules ------------------------------------------------------------------------------------------
+
+
+ALERTS = DEPLOY / "alerts.yml"
+
+
+def alert_rules() -> list[dict]:
+    return [rule for group in yaml.safe_load(ALERTS.read_text())["groups"] for rule in group["rules"]]
+
+
+def test_alerts_load_and_use_only_metrics_the_service_exports():
+    result = subprocess.run([promtool(), "check", "rules", str(ALERTS)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    used = set().union(*(promql_metric_names(rule["expr"]) for rule in alert_rules()))
+    assert used and not used - service_metric_names(), sorted(used - service_metric_names())
+    assert all(rule["labels"]["severity"] in ("warning", "critical") and rule["annotations"]["summary"]
+               for rule in alert_rules())
+    # Prometheus loads them from beside its config, in the container as here
+    assert yaml.safe_load((DEPLOY / "prometheus.yml").read_text())["rule_files"] == ["alerts.yml"]
+    assert "./deploy/alerts.yml:/etc/prometheus/alerts.yml:ro" in compose()["services"]["prometheus"]["volumes"]
+
+
+def promtool_alerts(tmp_path: Path, scrapes: list[str], tests: list[dict]) -> None:
+    """``promtool test rules``: the alerts firing (``exp_alerts``: their labels) at each ``eval_time`` over
+    ``scrapes`` taken a minute apart. Their annotations are left out: what is tested is when each fires."""
+    groups = yaml.safe_load(ALERTS.read_text())["groups"]
+    for group in groups:
+        for rule in group["rules"]:
+            rule.pop("annotations", None)
+    (tmp_path / "alerts.yml").write_text(yaml.safe_dump({"groups": groups}))
+    spec = {"rule_files": ["alerts.yml"], "evaluation_interval": "1m",
+            "tests": [{"interval": "1m", "input_series": promtool_series(scrapes), "alert_rule_test": tests}]}
+    (tmp_path / "alerts_test.yml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    result = subprocess.run([promtool(), "test", "rules", str(tmp_path / "alerts_test.yml")], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def minutes_of(metrics: Metrics, minutes: int, each_minute=lambda minute: None) -> list[str]:
+    """A scrape of ``metrics`` a minute for ``minutes`` minutes, ``each_minute(minute)`` counted before each."""
+    scrapes = []
+    for minute in range(minutes):
+        each_minute(minute)
+        scrapes.append(metrics.render().decode())
+    return scrapes
+
+
+def test_jobs_stalled_fires_a_quarter_hour_after_a_backlog_stops_moving(tmp_path):
+    """Items finish every minute for ten minutes, then none does while the backlog stays: nothing finished in the
+    15 min window from about minute 25, and the alert fires 15 min after that; a backlog that keeps moving never."""
+    stopping = Metrics()
+    stopping.observe_job_stream_lag(7)
+    moving = Metrics()
+    moving.observe_job_stream_lag(7)
+
+    def minute(m: int) -> None:
+        if m < 10:
+            stopping.count_job_item("completed")
+
+    promtool_alerts(tmp_path, minutes_of(stopping, 50, minute), [
+        {"eval_time": "30m", "alertname": "BatchasrJobsStalled", "exp_alerts": []},
+        {"eval_time": "45m", "alertname": "BatchasrJobsStalled",
+         "exp_alerts": [{"exp_labels": {"severity": "critical"}}]}])
+    promtool_alerts(tmp_path, minutes_of(moving, 50, lambda m: moving.count_job_item("completed")), [
+        {"eval_time": "45m", "alertname": "BatchasrJobsStalled", "exp_alerts": []}])
+
+
+def test_job_store_at_risk_fires_with_the_risk_the_consumers_read(tmp_path):
+    metrics = Metrics()
+    promtool_alerts(tmp_path, minutes_of(metrics, 30, lambda minute: metrics.observe_job_store_risks(
+        ("no_appendonly",) if minute >= 5 else ())), [
+        {"eval_time": "10m", "alertname": "BatchasrJobStoreAtRisk", "exp_alerts": []},
+        {"eval_time": "20m", "alertname": "BatchasrJobStoreAtRisk",
+         "exp_alerts": [{"exp_labels": {"severity": "warning", "risk": "no_appendonly"}}]}])
+
+
+def test_dead_letters_and_failed_webhooks_fire_for_half_an_hour(tmp_path):
+    metrics = Metrics()
+
+    def minute(m: int) -> None:
+        if m == 3:
+            metrics.count_job_item_dead_lettered()
+            metrics.count_webhook("failed")
+
+    scrapes = minutes_of(metrics, 50, minute)
+    firing = [{"exp_labels": {"severity": "warning"}}]
+    promtool_alerts(tmp_path, scrapes, [
+        {"eval_time": f"{at}m", "alertname": name, "exp_alerts": firing if at == 10 else []}
+        for name in ("BatchasrJobItemsDeadLettered", "BatchasrWebhooksFailing") for at in (2, 10, 45)])
+
+
+def test_server_errors_fire_past_one_request_in_twenty_and_a_full_queue_after_a_quarter_hour(tmp_path):
+    metrics = Metrics()
+
+    def minute(m: int) -> None:
+        for _ in range(10):
+            metrics.observe_request("transcriptions", 200, 0.2)
+        metrics.observe_request("transcriptions", 503, 0.01)  # 1 in 11: 9%
+        metrics.observe_request("transcriptions", 429, 0.01)
+
+    critical, warning = [{"exp_labels": {"severity": "critical"}}], [{"exp_labels": {"severity": "warning"}}]
+    promtool_alerts(tmp_path, minutes_of(metrics, 40, minute), [
+        {"eval_time": "8m", "alertname": "BatchasrServerErrors", "exp_alerts": []},
+        {"eval_time": "20m", "alertname": "BatchasrServerErrors", "exp_alerts": critical},
+        {"eval_time": "12m", "alertname": "BatchasrQueueFull", "exp_alerts": []},
+        {"eval_time": "30m", "alertname": "BatchasrQueueFull", "exp_alerts": warning}])
+    healthy = Metrics()
+    scrapes = minutes_of(healthy, 40, lambda m: healthy.observe_request("transcriptions", 200, 0.2))
+    promtool_alerts(tmp_path, scrapes, [{"eval_time": "30m", "alertname": name, "exp_alerts": []}
+                                        for name in ("BatchasrServerErrors", "BatchasrQueueFull")])
+
+
+def test_queue_wait_fires_on_http_waits_not_on_job_items_waiting(tmp_path):
+    """Job items wait behind HTTP requests by design (a lower priority): only HTTP's wait counts."""
+    for http_wait_s, firing in ((8.0, [{"exp_labels": {"severity": "warning"}}]), (0.5, [])):
+        metrics = Metrics()
+        waits = [(http_wait_s, True)] * 4 + [(60.0, False)] * 4  # (seconds, from HTTP) per item of a batch
+
+        def minute(m: int, metrics: Metrics = metrics, waits: list = waits) -> None:
+            metrics.observe_batch(8, 16.0, 16.0, 16.0, 0.2, {}, waits)
+
+        promtool_alerts(tmp_path, minutes_of(metrics, 30, minute), [
+            {"eval_time": "25m", "alertname": "BatchasrQueueWaitHigh", "exp_alerts": firing}])
+
+
 # --- Kubernetes --------------------------------------------------------------------------------------------
 
 
