@@ -517,17 +517,19 @@ def _jobs_parser(sub: argparse._SubParsersAction) -> None:
                                                                         "not started are dropped")
     action.add_argument("--purge", nargs="+", metavar="JOB_ID", help="delete these jobs at once instead of "
                                                                        "listing: records, results, uploaded audio")
+    action.add_argument("--retry", nargs="+", metavar="JOB_ID", help="queue these jobs' failed items again instead "
+                                                                       "of listing (those of paths and URLs)")
     p.set_defaults(func=cmd_jobs)
 
 
 def cmd_jobs(args: argparse.Namespace) -> int:
-    from .jobs_cli import run_end, run_list
+    from .jobs_cli import run_action, run_list
 
     if not _has_target(args):
         return 2
-    if args.cancel or args.purge:
-        return asyncio.run(run_end(args.redis_url, args.server, args.api_key, args.cancel or args.purge,
-                                   bool(args.purge), sys.stdout))
+    for action in ("cancel", "purge", "retry"):
+        if job_ids := getattr(args, action):
+            return asyncio.run(run_action(args.redis_url, args.server, args.api_key, job_ids, action, sys.stdout))
     if args.limit < 1:
         print("error: --limit must be at least 1", file=sys.stderr)
         return 2

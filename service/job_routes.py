@@ -268,8 +268,7 @@ async def _submit(store: JobStore, settings: Settings, items: list[ItemInput], o
     except REDIS_ERRORS as exc:
         raise _redis_down(exc) from exc
     except REDIS_FULL as exc:  # nothing of the job was written: the same request (and key) can be sent again
-        raise ApiError(503, "the job store (Redis) is out of memory; nothing was queued, retry later",
-                       type="server_error", code="job_store_full", headers={"Retry-After": "30"}) from exc
+        raise _store_full("nothing was queued") from exc
     return JSONResponse(job.to_dict(), status_code=202 if created else 200)
 
 
@@ -335,6 +334,20 @@ async def cancel_job(job_id: str, request: Request, service: ServiceDep, purge: 
     return job.to_dict()
 
 
+@router.post("/{job_id}/retry", responses=error_responses(404, 503))
+async def retry_job(job_id: str, request: Request, service: ServiceDep) -> dict[str, Any]:
+    """Queue the job's failed items again, each from a first attempt: those of a path or a URL (an uploaded item's
+    audio is not kept past its failure: submit it again). The job is in progress until they finish, and its webhook
+    is sent again then. Answers the job, with `retried_items` (queued again) and `unretried_items` (failed uploads,
+    left as they were)."""
+    store = _store(service)
+    try:
+        job, retried, unretried = await _from_store(job_id, store.retry_failed(job_id, request_owner(request)))
+    except REDIS_FULL as exc:
+        raise _store_full("failed items not queued again by then are left as they were") from exc
+    return {**job.to_dict(), "retried_items": retried, "unretried_items": unretried}
+
+
 async def _from_store(job_id: str, work: Awaitable[T]) -> T:
     """``work`` on one job in the store, its failures as the API words them."""
     try:
@@ -343,6 +356,11 @@ async def _from_store(job_id: str, work: Awaitable[T]) -> T:
         raise ApiError(404, f"no job `{job_id}` (it may have expired)", param="job_id", code="job_not_found") from exc
     except REDIS_ERRORS as exc:
         raise _redis_down(exc) from exc
+
+
+def _store_full(what_happened: str) -> ApiError:
+    return ApiError(503, f"the job store (Redis) is out of memory; {what_happened}, retry later", type="server_error",
+                    code="job_store_full", headers={"Retry-After": "30"})
 
 
 def _redis_down(exc: Exception) -> ApiError:

@@ -114,6 +114,45 @@ redis.call('HINCRBY', KEYS[1], 'n_cancelled', n)
 return end_job_if_done(KEYS[1], KEYS[5], ARGV[1], ARGV[2])
 """
 
+# KEYS: job, states, results, errors, attempts, inputs, the job's item stream, then the job's other keys (inputs,
+# states, attempts, errors, results: given the TTL a new job's have). ARGV: job id, that TTL in ms, then item indices.
+# Queues those that failed again, from a first attempt, but for uploads (their audio went with their result): the
+# job is in progress until they finish, and its webhook, if it has one, is owed again. New work, which a full Redis
+# refuses as it does a submission: its flags declared (none, so not allow-oom), Redis 7 checks memory before the
+# script runs, not at a write part way through. Returns {items queued again, failed items left as they were}.
+RETRY_FAILED = """#!lua
+if redis.call('EXISTS', KEYS[1]) == 0 then return {0, 0} end
+local queued, kept = 0, 0
+for i = 3, #ARGV do
+  local index = ARGV[i]
+  if redis.call('HGET', KEYS[2], index) == 'failed' then
+    local input = redis.call('HGET', KEYS[6], index)
+    if input and not cjson.decode(input)['upload'] then
+      redis.call('HSET', KEYS[2], index, 'queued')
+      redis.call('HDEL', KEYS[3], index)
+      redis.call('HDEL', KEYS[4], index)
+      redis.call('HDEL', KEYS[5], index)
+      redis.call('XADD', KEYS[7], '*', 'job', ARGV[1], 'index', index)
+      queued = queued + 1
+    else
+      kept = kept + 1
+    end
+  end
+end
+if queued == 0 then return {0, kept} end
+redis.call('HINCRBY', KEYS[1], 'n_failed', -queued)
+redis.call('HINCRBY', KEYS[1], 'n_queued', queued)
+redis.call('HSET', KEYS[1], 'status', 'in_progress')
+redis.call('HDEL', KEYS[1], 'finished_at')
+local hook = redis.call('HGET', KEYS[1], 'webhook_url')
+if hook and hook ~= '' then
+  redis.call('HSET', KEYS[1], 'webhook_status', 'pending', 'webhook_attempts', 0, 'webhook_error', '')
+end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+for i = 8, #KEYS do redis.call('PEXPIRE', KEYS[i], ARGV[2]) end
+return {queued, kept}
+"""
+
 # KEYS: a hash. ARGV: field, value, ... Written only while the hash exists: a late write to an expired job would
 # leave a hash behind with no TTL.
 HSET_IF_EXISTS = """

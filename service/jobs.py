@@ -47,6 +47,7 @@ from .job_scripts import (
     HSET_IF_EXISTS,
     KEEP_CLAIMED,
     RECORD_ERROR,
+    RETRY_FAILED,
     START_ITEM,
 )
 from .job_types import (
@@ -103,6 +104,7 @@ class JobStore:
         self._record_error = client.register_script(RECORD_ERROR)
         self._keep_claimed = client.register_script(KEEP_CLAIMED)
         self._expire_all = client.register_script(EXPIRE_ALL)
+        self._retry_failed = client.register_script(RETRY_FAILED)
 
     @classmethod
     def from_url(cls, url: str, max_connections: int = 128, **kwargs: Any) -> JobStore:
@@ -449,6 +451,23 @@ class JobStore:
         if ended:
             await self._expire_finished(job_id)
         return await self.get(job_id), ended
+
+    async def retry_failed(self, job_id: str, owner: str | None = None) -> tuple[Job, int, int]:
+        """Queue the job's failed items again, each from a first attempt, on its priority's stream: those of a path
+        or a URL (an upload's audio went with its failure). The job is in progress until they finish, and then ends
+        (and is counted, and its webhook sent) again; its records keep a new job's TTL meanwhile. Returns the job
+        after, the items queued again and the failed items left as they were (``JobNotFound`` as ``get``)."""
+        job = await self.get(job_id, owner)
+        keys = [JOB_KEY.format(job_id=job_id), *(t.format(job_id=job_id) for t in (STATES_KEY, RESULTS_KEY,
+                ERRORS_KEY, ATTEMPTS_KEY, INPUTS_KEY)), ITEM_STREAMS[job.priority],
+                *(t.format(job_id=job_id) for t in JOB_KEYS[1:])]
+        kept_ms = (self.input_ttl_s + self.result_ttl_s) * 1000
+        queued = left = 0
+        for first in range(0, job.total_items, RESULTS_PAGE):
+            indices = range(first, min(first + RESULTS_PAGE, job.total_items))
+            n_queued, n_left = await self._retry_failed(keys=keys, args=[job_id, kept_ms, *indices])
+            queued, left = queued + int(n_queued), left + int(n_left)
+        return await self.get(job_id), queued, left
 
     async def delete(self, job_id: str, owner: str | None = None) -> None:
         """Everything of the job, at once: its records and results, its uploaded audio, its place in its owner's

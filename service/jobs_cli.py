@@ -13,7 +13,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO, TypeVar
+from typing import Any, Literal, TextIO, TypeVar
 
 import httpx
 
@@ -29,6 +29,7 @@ from .redis_outages import REDIS_ERRORS, REDIS_FULL
 from .stretch_upload import stretch_upload, stretch_upload_size
 
 log = logging.getLogger(__name__)
+JobAction = Literal["cancel", "purge", "retry"]  # what `batchasr jobs` may do to jobs instead of listing them
 T = TypeVar("T")
 
 JOB_BYTES = 256 * 1024 * 1024  # uploads per job by default: well under a server's MAX_JOB_UPLOAD_BYTES (1 GiB)
@@ -250,8 +251,12 @@ class _ServerClient:
         _raise_for_missing_job(response, job_id)
         return response.json()
 
-    async def end(self, job_id: str, purge: bool) -> dict[str, Any]:
-        response = await self.http.delete(f"/v1/jobs/{job_id}", params={"purge": "true"} if purge else {})
+    async def act(self, job_id: str, action: JobAction) -> dict[str, Any]:
+        if action == "retry":
+            response = await self.http.post(f"/v1/jobs/{job_id}/retry")
+        else:
+            purge = {"purge": "true"} if action == "purge" else {}
+            response = await self.http.delete(f"/v1/jobs/{job_id}", params=purge)
         if response.is_client_error:
             raise ValueError(f"{job_id}: {response.json()['error']['message']}")
         response.raise_for_status()
@@ -293,12 +298,15 @@ class _RedisClient:
         except JobNotFound as exc:
             raise _no_such_job(job_id) from exc
 
-    async def end(self, job_id: str, purge: bool) -> dict[str, Any]:
+    async def act(self, job_id: str, action: JobAction) -> dict[str, Any]:
         # straight in Redis, any job: whoever reaches Redis runs the store
         try:
-            if purge:
+            if action == "purge":
                 await self.store.delete(job_id)
                 return {"id": job_id, "object": "transcription.job.deleted", "deleted": True}
+            if action == "retry":
+                job, retried, unretried = await self.store.retry_failed(job_id)
+                return {**job.to_dict(), "retried_items": retried, "unretried_items": unretried}
             job, _ = await self.store.cancel(job_id)  # straight in Redis: no process to count it in
             return job.to_dict()
         except JobNotFound as exc:
@@ -463,14 +471,15 @@ async def run_list(redis_url: str | None, server: str | None, api_key: str | Non
     return await _with_client(redis_url, server, api_key, newest)
 
 
-async def run_end(redis_url: str | None, server: str | None, api_key: str | None, job_ids: list[str], purge: bool,
-                  output: TextIO) -> int:
-    """Cancel each job (items not started are dropped), or with ``purge`` delete it at once; a JSON line each."""
-    async def end_all(client: _ServerClient | _RedisClient) -> None:
+async def run_action(redis_url: str | None, server: str | None, api_key: str | None, job_ids: list[str],
+                     action: JobAction, output: TextIO) -> int:
+    """Cancel each job (items not started are dropped), purge it (delete it at once), or retry its failed items; a
+    JSON line each."""
+    async def act_on_all(client: _ServerClient | _RedisClient) -> None:
         for job_id in job_ids:
-            output.write(json.dumps(await client.end(job_id, purge)) + "\n")
+            output.write(json.dumps(await client.act(job_id, action)) + "\n")
 
-    return await _with_client(redis_url, server, api_key, end_all)
+    return await _with_client(redis_url, server, api_key, act_on_all)
 
 
 async def _with_client(redis_url: str | None, server: str | None, api_key: str | None,
