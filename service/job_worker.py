@@ -116,6 +116,7 @@ class JobConsumer:
         self._group_ready = False  # made once, and again after an error (a Redis that lost it)
         self._last_store_check = -math.inf
         self._store_risks: dict[str, str] = {}  # those last read (JobStore.durability_risks)
+        self._store_unreadable = False  # INFO refused at the last look
         self.connected = False
 
     # --- loops -----------------------------------------------------------------------------------------
@@ -201,6 +202,13 @@ class JobConsumer:
         """Warn of each setting of Redis that would lose jobs without an error as it appears (Redis's own log says
         nothing of them; Sidekiq warns of the eviction policy the same way), and export them as a metric."""
         risks = await self.store.durability_risks()
+        if risks is None:  # unknown: said once, and nothing exported as a risk
+            if not self._store_unreadable:
+                log.info("cannot read Redis's settings (INFO refused): its eviction policy and persistence are not "
+                         "checked; run it with maxmemory-policy noeviction and appendonly yes")
+            self._store_unreadable, risks = True, {}
+        else:
+            self._store_unreadable = False
         for name in risks.keys() - self._store_risks.keys():
             log.warning("jobs at risk (%s): %s", name, risks[name])
         for name in self._store_risks.keys() - risks.keys():

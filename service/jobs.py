@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Collection
@@ -80,7 +79,6 @@ JSON_JOB_BYTES = 64 * 1024 * 1024
 # memory all the same (service.spool), and a GETRANGE a clip costs a worker's event loop at thousands a second
 INLINE_UPLOAD_BYTES = SPOOL_MEMORY_BYTES
 
-log = logging.getLogger(__name__)
 
 
 def _now() -> str:
@@ -563,17 +561,17 @@ class JobStore:
                 break
         return start, claimed
 
-    async def durability_risks(self) -> dict[str, str]:
+    async def durability_risks(self) -> dict[str, str] | None:
         """What in Redis's settings would lose jobs without an error: each risk's name (``metrics.JOB_STORE_RISKS``)
-        and why; none: nothing known. Read with INFO, which managed services allow where they refuse CONFIG."""
+        and why. Read with INFO, which managed services allow where they refuse CONFIG; None where INFO is refused
+        too (a proxy, or an ACL without it): nothing can be said."""
         pipe = self.redis.pipeline(transaction=False)
         pipe.info("memory")
         pipe.info("persistence")
         try:
             memory, persistence = await pipe.execute()
-        except aioredis.ResponseError as exc:  # a proxy or an ACL that refuses INFO: nothing can be said
-            log.info("cannot read Redis's settings (%s): its eviction policy and persistence are not checked", exc)
-            return {}
+        except aioredis.ResponseError:
+            return None
         risks = {}
         policy = memory.get("maxmemory_policy", "noeviction")
         if policy != "noeviction":

@@ -117,3 +117,34 @@ def test_a_consumer_warns_of_each_risk_once_as_it_appears_and_exports_them(durab
     cleared = [r.getMessage() for r in caplog.records if "no longer at risk" in r.getMessage()]
     assert sorted(cleared) == ["jobs no longer at risk (eviction): Redis's setting changed",
                                "jobs no longer at risk (no_appendonly): Redis's setting changed"]
+
+
+def test_a_redis_that_refuses_info_is_said_once_and_nothing_is_exported_as_a_risk(durable_redis, parity_dir, caplog):
+    """An ACL (or a proxy) may refuse INFO: nothing can be said of the settings then, and the consumer says so once,
+    not at every look, and goes on."""
+    client = durable_redis.client()
+    client.acl_setuser("jobs", enabled=True, passwords=["+secret"], keys=["*"], channels=["*"],
+                       commands=["+@all", "-info"])
+    url = f"redis://jobs:secret@127.0.0.1:{durable_redis.port}/0"
+    model = load_model(parity_dir / "tdt.nemo", device="cpu", dtype="float32")
+
+    async def scenario() -> None:
+        store = JobStore.from_url(url)
+        assert await store.durability_risks() is None
+        await store.close()
+        stack = build_stack(Settings(redis_url=url), model)
+        consumer = stack.make_consumer()
+        consumer.options = replace(consumer.options, store_check_interval_s=0.05, block_ms=50)
+        stop = asyncio.Event()
+        task = asyncio.create_task(consumer.run(stop))
+        await asyncio.sleep(0.6)  # a dozen looks
+        assert stack.metrics.job_store_risk.labels("eviction")._value.get() == 0
+        stop.set()
+        await task
+        await stack.stop()
+
+    with caplog.at_level(logging.INFO, logger="service.job_worker"):
+        asyncio.run(scenario())
+    said = [r for r in caplog.records if "cannot read Redis's settings" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.INFO
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
