@@ -114,8 +114,8 @@ redis.call('HINCRBY', KEYS[1], 'n_cancelled', n)
 return end_job_if_done(KEYS[1], KEYS[5], ARGV[1], ARGV[2])
 """
 
-# KEYS: job, states, results, errors, attempts, inputs, the job's item stream, then the job's other keys (inputs,
-# states, attempts, errors, results: given the TTL a new job's have). ARGV: job id, that TTL in ms, then item indices.
+# KEYS: job, states, results, errors, attempts, inputs (all of the job's records: given the TTL a new job's have),
+# the job's item stream. ARGV: job id, that TTL in ms, then item indices.
 # Queues those that failed again, from a first attempt, but for uploads (their audio went with their result): the
 # job is in progress until they finish, and its webhook, if it has one, is owed again. New work, which a full Redis
 # refuses as it does a submission: its flags declared (none, so not allow-oom), Redis 7 checks memory before the
@@ -148,8 +148,7 @@ local hook = redis.call('HGET', KEYS[1], 'webhook_url')
 if hook and hook ~= '' then
   redis.call('HSET', KEYS[1], 'webhook_status', 'pending', 'webhook_attempts', 0, 'webhook_error', '')
 end
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-for i = 8, #KEYS do redis.call('PEXPIRE', KEYS[i], ARGV[2]) end
+for i = 1, 6 do redis.call('PEXPIRE', KEYS[i], ARGV[2]) end
 return {queued, kept}
 """
 

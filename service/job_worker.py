@@ -115,8 +115,7 @@ class JobConsumer:
         self._last_forgot = -math.inf
         self._group_ready = False  # made once, and again after an error (a Redis that lost it)
         self._last_store_check = -math.inf
-        self._store_risks: dict[str, str] = {}  # those last read (JobStore.durability_risks)
-        self._store_unreadable = False  # INFO refused at the last look
+        self._store_risks: dict[str, str] | None = {}  # those last read (JobStore.durability_risks; None: unknown)
         self.connected = False
 
     # --- loops -----------------------------------------------------------------------------------------
@@ -202,19 +201,16 @@ class JobConsumer:
         """Warn of each setting of Redis that would lose jobs without an error as it appears (Redis's own log says
         nothing of them; Sidekiq warns of the eviction policy the same way), and export them as a metric."""
         risks = await self.store.durability_risks()
-        if risks is None:  # unknown: said once, and nothing exported as a risk
-            if not self._store_unreadable:
-                log.info("cannot read Redis's settings (INFO refused): its eviction policy and persistence are not "
-                         "checked; run it with maxmemory-policy noeviction and appendonly yes")
-            self._store_unreadable, risks = True, {}
-        else:
-            self._store_unreadable = False
-        for name in risks.keys() - self._store_risks.keys():
-            log.warning("jobs at risk (%s): %s", name, risks[name])
-        for name in self._store_risks.keys() - risks.keys():
+        if risks is None and self._store_risks is not None:  # unknown now: said once, and no risk exported
+            log.info("cannot read Redis's settings (INFO refused): its eviction policy and persistence are not "
+                     "checked; run it with maxmemory-policy noeviction and appendonly yes")
+        now, before = risks or {}, self._store_risks or {}
+        for name in now.keys() - before.keys():
+            log.warning("jobs at risk (%s): %s", name, now[name])
+        for name in before.keys() - now.keys():
             log.info("jobs no longer at risk (%s): Redis's setting changed", name)
         self._store_risks = risks
-        self.metrics.observe_job_store_risks(tuple(risks))
+        self.metrics.observe_job_store_risks(tuple(now))
 
     async def _reclaim(self, count: int) -> list[tuple[str, bytes, dict]]:
         claimed = []

@@ -80,10 +80,8 @@ JSON_JOB_BYTES = 64 * 1024 * 1024
 INLINE_UPLOAD_BYTES = SPOOL_MEMORY_BYTES
 
 
-
 def _now() -> str:
     return f"{time.time():.3f}"
-
 
 
 class JobStore:
@@ -456,9 +454,8 @@ class JobStore:
         (and is counted, and its webhook sent) again; its records keep a new job's TTL meanwhile. Returns the job
         after, the items queued again and the failed items left as they were (``JobNotFound`` as ``get``)."""
         job = await self.get(job_id, owner)
-        keys = [JOB_KEY.format(job_id=job_id), *(t.format(job_id=job_id) for t in (STATES_KEY, RESULTS_KEY,
-                ERRORS_KEY, ATTEMPTS_KEY, INPUTS_KEY)), ITEM_STREAMS[job.priority],
-                *(t.format(job_id=job_id) for t in JOB_KEYS[1:])]
+        keys = [*(t.format(job_id=job_id) for t in (JOB_KEY, STATES_KEY, RESULTS_KEY, ERRORS_KEY, ATTEMPTS_KEY,
+                                                    INPUTS_KEY)), ITEM_STREAMS[job.priority]]
         kept_ms = (self.input_ttl_s + self.result_ttl_s) * 1000
         queued = left = 0
         for first in range(0, job.total_items, RESULTS_PAGE):

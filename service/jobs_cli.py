@@ -407,7 +407,6 @@ class _Outage:
         self.backoff_s = min(2 * self.backoff_s, 30.0)
 
 
-
 async def _riding_out(call: Callable[[], Awaitable[T]]) -> T:
     """``call()``, tried again through an outage (``_Outage``)."""
     outage = _Outage()
