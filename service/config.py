@@ -194,9 +194,9 @@ class Settings(BaseSettings):
     @classmethod
     def _redis_url(cls, value: str | None) -> str | None:
         if value is not None:
-            from redis.connection import parse_url  # the parsing the connection pool gives it
+            from .redis_pools import check_url
 
-            parse_url(value)
+            check_url(value)
         return value
 
     @field_validator("webhook_secret")

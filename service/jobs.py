@@ -64,6 +64,7 @@ from .job_types import (
 )
 from .job_uploads import UploadRefused, read_upload, upload_size, write_uploads
 from .redis_outages import REDIS_ERRORS, REDIS_FULL, reconnect_on_read_only
+from .redis_pools import close_pool, connection_pool
 from .spool import SPOOL_MEMORY_BYTES
 
 MAX_CLAIM_LOOKS = 16  # XAUTOCLAIM calls one look for stalled deliveries may make (each sees 10 per one asked for)
@@ -104,12 +105,12 @@ class JobStore:
 
     @classmethod
     def from_url(cls, url: str, max_connections: int = 128, **kwargs: Any) -> JobStore:
-        """A client whose commands wait for a free connection past ``max_connections`` in use. redis-py's
+        """A client of the Redis ``url`` names (one server, or Sentinel's primary: see service.redis_pools) whose
+        commands wait for a free connection past ``max_connections`` in use. redis-py's
         default pool raises "Too many connections" there instead, which looks like Redis going away: a worker
         with more items in flight than the pool holds left them unacknowledged until the visibility timeout."""
-        pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=POOL_WAIT_S,
-                                                        socket_connect_timeout=5, socket_timeout=30,
-                                                        health_check_interval=30, **_no_maintenance_notifications())
+        pool = connection_pool(url, max_connections, POOL_WAIT_S, socket_connect_timeout=5, socket_timeout=30,
+                               health_check_interval=30, **_no_maintenance_notifications())
         return cls(aioredis.Redis.from_pool(reconnect_on_read_only(pool)), **kwargs)
 
     async def ensure_group(self) -> None:
@@ -589,6 +590,7 @@ class JobStore:
 
     async def close(self) -> None:
         await self.redis.aclose()
+        await close_pool(self.redis.connection_pool)
 
 
 def _no_maintenance_notifications() -> dict[str, Any]:

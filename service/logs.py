@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 
 class JsonFormatter(logging.Formatter):
@@ -25,15 +25,20 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, ensure_ascii=False)
 
 
+SECRET_QUERY_PARAMETERS = ("sentinel_password",)
+
+
 def redacted_url(url: str) -> str:
-    """``url`` with its password (``redis://:secret@host``) as ``***``: for logs, which travel further than
-    settings do."""
+    """``url`` with its passwords (``redis://:secret@host``, a Sentinel URL's ``?sentinel_password=secret``) as
+    ``***``: for logs, which travel further than settings do."""
     parts = urlsplit(url)
-    if parts.password is None:
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    if parts.password is None and not any(name in SECRET_QUERY_PARAMETERS for name, _ in query):
         return url
-    user = parts.username or ""
-    host = parts.netloc.rsplit("@", 1)[1]
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+    if parts.password is not None:
+        parts = parts._replace(netloc=f"{parts.username or ''}:***@{parts.netloc.rsplit('@', 1)[1]}")
+    shown = [(name, "***" if name in SECRET_QUERY_PARAMETERS else value) for name, value in query]
+    return urlunsplit(parts._replace(query=urlencode(shown, safe="*")))
 
 
 def log_fields(**fields: object) -> dict[str, dict[str, object]]:

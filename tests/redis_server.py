@@ -50,3 +50,80 @@ class RedisServer:
 
     def client(self) -> redis.Redis:
         return redis.Redis(port=self.port, password=self.password)
+
+
+class RedisSentinel:
+    """A private Redis Sentinel (``redis-server --sentinel``) watching ``primary`` as ``service``, with a quorum of
+    one, so that ``SENTINEL FAILOVER`` promotes a replica at once. ``replicas`` are told it as known (else it learns
+    them from the primary's INFO, within 10 s)."""
+
+    def __init__(self, directory: Path, primary: RedisServer, replicas: tuple[RedisServer, ...] = (),
+                 service: str = "jobs", password: str | None = None):
+        self.directory = directory
+        self.primary = primary
+        self.replicas = replicas
+        self.service = service
+        self.password = password
+        self.port = free_port()
+        self.process: subprocess.Popen | None = None
+
+    def url(self, db: int = 0) -> str:
+        """A Sentinel URL for the service, with the servers' password and (if it has one) the sentinel's."""
+        auth = f":{self.primary.password}@" if self.primary.password else ""
+        query = f"?sentinel_password={self.password}" if self.password else ""
+        return f"redis+sentinel://{auth}127.0.0.1:{self.port}/{self.service}/{db}{query}"
+
+    def start(self) -> RedisSentinel:
+        lines = [f"port {self.port}", "bind 127.0.0.1", f"dir {self.directory}",
+                 f"sentinel monitor {self.service} 127.0.0.1 {self.primary.port} 1",
+                 f"sentinel down-after-milliseconds {self.service} 2000",
+                 f"sentinel failover-timeout {self.service} 10000"]
+        lines += [f"sentinel known-replica {self.service} 127.0.0.1 {replica.port}" for replica in self.replicas]
+        lines += [f"sentinel auth-pass {self.service} {self.primary.password}"] if self.primary.password else []
+        lines += [f"requirepass {self.password}"] if self.password else []
+        config = self.directory / "sentinel.conf"  # sentinel rewrites it as it learns the topology
+        config.write_text("\n".join(lines) + "\n")
+        self.process = subprocess.Popen([shutil.which("redis-server") or "redis-server", str(config), "--sentinel"],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                if self.primary_port() == self.primary.port:
+                    return self
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        raise RuntimeError("redis sentinel did not start")
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(port=self.port, password=self.password)
+
+    def primary_port(self) -> int:
+        return int(self.client().sentinel_get_master_addr_by_name(self.service)[1])
+
+    def fail_over(self, to: RedisServer, timeout_s: float = 30) -> None:
+        """Promote ``to`` (the one replica) and wait until the sentinel names it primary and it takes writes."""
+        self.client().execute_command("SENTINEL", "FAILOVER", self.service)
+        deadline = time.monotonic() + timeout_s
+        while self.primary_port() != to.port or to.client().info("replication")["role"] != "master":
+            assert time.monotonic() < deadline, "the failover did not finish"
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            self.process.wait(10)
+            self.process = None
+
+
+def start_replica(directory: Path, primary: RedisServer) -> RedisServer:
+    """A private redis-server replicating ``primary`` (with its password), once it has synced."""
+    replica = RedisServer(directory, password=primary.password).start()
+    client = replica.client()
+    if primary.password:
+        client.config_set("masterauth", primary.password)
+    client.replicaof("127.0.0.1", primary.port)
+    deadline = time.monotonic() + 10
+    while client.info("replication").get("master_link_status") != "up":
+        assert time.monotonic() < deadline, "the replica did not sync"
+        time.sleep(0.05)
+    return replica

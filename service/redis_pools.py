@@ -1,0 +1,143 @@
+"""The connection pool a Redis URL leads to: one server (``redis://``, ``rediss://``, ``unix://``) or the primary that
+Redis Sentinel names (``redis+sentinel://``, ``rediss+sentinel://``), which the pool follows through failovers.
+
+A Sentinel URL lists the sentinels and names the monitored service (the name in ``sentinel monitor``)::
+
+    redis+sentinel://[[user]:password@]host[:port][,host[:port]...]/service[/db][?sentinel_password=...]
+
+The user and password are the Redis servers'; sentinels that ask for their own are given ``sentinel_username`` and
+``sentinel_password`` (sentinels without one refuse a password). Port 26379 by default.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+import redis.asyncio as aioredis
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
+
+SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
+SENTINEL_PORT = 26379
+SENTINEL_SECRETS = ("sentinel_password",)  # query parameters that logs show as ***
+SENTINEL_TIMEOUT_S = 5.0  # a sentinel that answers no faster is passed over for the next one
+PRIMARY_CHECK_S = 1.0  # how often a pool in use asks the sentinels which server is primary
+
+
+@dataclass(frozen=True)
+class SentinelURL:
+    sentinels: tuple[tuple[str, int], ...]
+    service: str
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+    sentinel_username: str | None = None
+    sentinel_password: str | None = None
+    tls: bool = False
+
+
+def is_sentinel_url(url: str) -> bool:
+    return urlsplit(url).scheme in SENTINEL_SCHEMES
+
+
+def check_url(url: str) -> None:
+    """Raise ValueError saying what is wrong with ``url`` as a Redis URL, before anything connects with it."""
+    if is_sentinel_url(url):
+        parse_sentinel_url(url)
+    else:
+        from redis.connection import parse_url  # the parsing the connection pool gives it
+
+        parse_url(url)
+
+
+def parse_sentinel_url(url: str) -> SentinelURL:
+    parts = urlsplit(url)
+    if parts.scheme not in SENTINEL_SCHEMES:
+        raise ValueError(f"a Sentinel URL starts {' or '.join(s + '://' for s in SENTINEL_SCHEMES)}")
+    hosts = parts.netloc.rpartition("@")[2]
+    sentinels = tuple(_host_port(address) for address in hosts.split(",") if address)
+    if not sentinels:
+        raise ValueError("a Sentinel URL names at least one sentinel: redis+sentinel://host:26379/service")
+    path = [unquote(segment) for segment in parts.path.split("/") if segment]
+    if not path:
+        raise ValueError("a Sentinel URL names the monitored service after the hosts: redis+sentinel://host/service")
+    if len(path) > 2 or (len(path) == 2 and not path[1].isdigit()):
+        raise ValueError(f"a Sentinel URL's path is /service or /service/db, not {parts.path}")
+    query = {name: values[-1] for name, values in parse_qs(parts.query).items()}
+    unknown = set(query) - {"sentinel_username", "sentinel_password"}
+    if unknown:
+        raise ValueError(f"unknown Sentinel URL parameter(s): {', '.join(sorted(unknown))} "
+                         "(known: sentinel_username, sentinel_password)")
+    return SentinelURL(sentinels, path[0], int(path[1]) if len(path) == 2 else 0,
+                       unquote(parts.username) if parts.username else None,
+                       unquote(parts.password) if parts.password is not None else None,
+                       query.get("sentinel_username"), query.get("sentinel_password"),
+                       parts.scheme == "rediss+sentinel")
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    host, port = address, ""
+    if address.startswith("["):  # [IPv6]:port
+        host, _, rest = address[1:].partition("]")
+        port = rest.removeprefix(":")
+    elif ":" in address:
+        host, _, port = address.rpartition(":")
+    if not host:
+        raise ValueError(f"no host in sentinel address {address!r}")
+    if port and not (port.isdigit() and 0 < int(port) < 65536):
+        raise ValueError(f"bad port in sentinel address {address!r}")
+    return host, int(port) if port else SENTINEL_PORT
+
+
+class _BlockingSentinelPool(SentinelConnectionPool, aioredis.BlockingConnectionPool):
+    """Sentinel's pool (connections to whichever server is primary now) with the blocking pool's wait for a free
+    connection past ``max_connections``, rather than a "Too many connections" error that reads as an outage.
+
+    redis-py asks the sentinels only as it opens a connection, so after a failover the pooled connections went on
+    writing to the old primary until Sentinel got round to demoting it (seconds later), and its data was dropped
+    then, jobs with it. So the primary's address is asked again every ``PRIMARY_CHECK_S`` as connections are handed
+    out; a change closes those to the old one (the idle at once, those in use as they come back)."""
+
+    _checked_at = -math.inf
+
+    async def get_connection(self, *args: Any, **kwargs: Any) -> Any:
+        if time.monotonic() - self._checked_at >= PRIMARY_CHECK_S:
+            self._checked_at = time.monotonic()  # before the await: one look for all the callers meanwhile
+            # sentinels unreachable: the connections open still reach the primary; a new one fails as an outage
+            with contextlib.suppress(aioredis.RedisError, OSError):
+                await self.get_master_address()
+        return await super().get_connection(*args, **kwargs)
+
+    async def release(self, connection: Any) -> None:
+        if self.master_address is not None and (connection.host, connection.port) != self.master_address:
+            await connection.disconnect()  # it was in use as the primary moved: its next use connects to the new one
+        await super().release(connection)
+
+
+def connection_pool(url: str, max_connections: int, timeout: float, **options: Any) -> aioredis.ConnectionPool:
+    """The pool for ``url``: commands beyond ``max_connections`` in use wait up to ``timeout`` for a free one.
+    ``options`` (socket timeouts and the like) apply to the Redis servers and, for their socket timeouts, to the
+    sentinels."""
+    if not is_sentinel_url(url):
+        return aioredis.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=timeout,
+                                                        **options)
+    address = parse_sentinel_url(url)
+    credentials = {"username": address.username, "password": address.password, "db": address.db}
+    sentinel_options = {"socket_connect_timeout": SENTINEL_TIMEOUT_S, "socket_timeout": SENTINEL_TIMEOUT_S,
+                        "username": address.sentinel_username, "password": address.sentinel_password,
+                        "ssl": address.tls}
+    sentinel = Sentinel(address.sentinels, sentinel_kwargs=sentinel_options)
+    return _BlockingSentinelPool(address.service, sentinel, max_connections=max_connections, timeout=timeout,
+                                 ssl=address.tls, **credentials, **options)
+
+
+async def close_pool(pool: aioredis.ConnectionPool) -> None:
+    """Close what ``pool`` opened beyond its own connections: a Sentinel pool's connections to the sentinels."""
+    if isinstance(pool, SentinelConnectionPool):
+        for client in pool.sentinel_manager.sentinels:
+            with contextlib.suppress(Exception):
+                await client.aclose()
