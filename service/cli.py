@@ -344,13 +344,25 @@ def _submit_parser(sub: argparse._SubParsersAction) -> None:
 
 def _has_target(args: argparse.Namespace) -> bool:
     """submit, jobs: whether there is a server or a Redis to talk to; without --server or --redis-url, Redis is
-    BATCHASR_REDIS_URL's (as for the worker; blank: unset, as for the server). Said on stderr when there is none."""
-    if not (args.server or args.redis_url):
+    BATCHASR_REDIS_URL's (as for the worker; blank: unset, as for the server). Said on stderr when there is none, or
+    the Redis URL is not one."""
+    from .config import SettingProblem
+    from .redis_pools import check_url
+
+    from_environment = not (args.server or args.redis_url)
+    if from_environment:
         args.redis_url = os.environ.get("BATCHASR_REDIS_URL", "").strip() or None
-    if args.server or args.redis_url:
-        return True
-    print(f"error: {args.command} needs --server or --redis-url (or BATCHASR_REDIS_URL)", file=sys.stderr)
-    return False
+    if not (args.server or args.redis_url):
+        print(f"error: {args.command} needs --server or --redis-url (or BATCHASR_REDIS_URL)", file=sys.stderr)
+        return False
+    if args.redis_url and not args.server:
+        try:
+            check_url(args.redis_url)
+        except ValueError as exc:  # said as the server says a bad setting, not as a traceback
+            problem = SettingProblem("redis_url", args.redis_url, str(exc), overridden=not from_environment)
+            print(f"error: {problem.line({'redis_url': '--redis-url'})}", file=sys.stderr)
+            return False
+    return True
 
 
 def cmd_submit(args: argparse.Namespace) -> int:

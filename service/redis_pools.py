@@ -19,7 +19,9 @@ from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import redis.asyncio as aioredis
-from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
+from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import MasterNotFoundError, Sentinel, SentinelConnectionPool
+from redis.backoff import NoBackoff
 
 SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
 SENTINEL_PORT = 26379
@@ -93,6 +95,28 @@ def _host_port(address: str) -> tuple[str, int]:
     return host, int(port) if port else SENTINEL_PORT
 
 
+class _Sentinels(Sentinel):
+    """redis-py's Sentinel, but when no sentinel names a primary its error says what each one answered, by its
+    address (redis-py's quotes each sentinel's client whole: a line of connection settings apiece)."""
+
+    async def discover_master(self, service_name: str) -> tuple[str, int]:
+        answers = []
+        for number, sentinel in enumerate(self.sentinels):
+            settings = sentinel.connection_pool.connection_kwargs
+            address = f"{settings.get('host')}:{settings.get('port')}"
+            try:
+                masters = await sentinel.sentinel_masters()
+            except (aioredis.ConnectionError, aioredis.TimeoutError) as exc:
+                answers.append(f"{address}: {exc}")
+                continue
+            state = masters.get(service_name)
+            if state and self.check_master_state(state, service_name):
+                self.sentinels[0], self.sentinels[number] = sentinel, self.sentinels[0]  # asked first from now on
+                return state["ip"], state["port"]
+            answers.append(f"{address}: {'its primary is down' if state else 'it watches no such service'}")
+        raise MasterNotFoundError(f"no sentinel names a primary for {service_name!r} ({'; '.join(answers)})")
+
+
 class _BlockingSentinelPool(SentinelConnectionPool, aioredis.BlockingConnectionPool):
     """Sentinel's pool (connections to whichever server is primary now) with the blocking pool's wait for a free
     connection past ``max_connections``, rather than a "Too many connections" error that reads as an outage.
@@ -129,8 +153,10 @@ def connection_pool(url: str, max_connections: int, timeout: float, **options: A
     credentials = {"username": address.username, "password": address.password, "db": address.db}
     sentinel_options = {"socket_connect_timeout": SENTINEL_TIMEOUT_S, "socket_timeout": SENTINEL_TIMEOUT_S,
                         "username": address.sentinel_username, "password": address.sentinel_password,
-                        "ssl": address.tls}
-    sentinel = Sentinel(address.sentinels, sentinel_kwargs=sentinel_options)
+                        "ssl": address.tls,
+                        # redis-py retries a sentinel 10 times with backoff (4 s when it is down): the next is asked
+                        "retry": Retry(NoBackoff(), 0)}
+    sentinel = _Sentinels(address.sentinels, sentinel_kwargs=sentinel_options)
     return _BlockingSentinelPool(address.service, sentinel, max_connections=max_connections, timeout=timeout,
                                  ssl=address.tls, **credentials, **options)
 

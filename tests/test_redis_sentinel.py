@@ -96,17 +96,43 @@ def test_the_store_follows_a_failover_to_the_promoted_replica(sentinel):
     asyncio.run(scenario())
 
 
-def test_sentinels_unreachable_are_an_outage(tmp_path):
-    async def scenario() -> None:
-        store = JobStore.from_url(f"redis+sentinel://127.0.0.1:{free_port()}/jobs")
+def test_sentinels_unreachable_are_an_outage_that_says_what_each_answered(sentinel):
+    """redis-py's error quoted each sentinel's client whole (a line of connection settings apiece); this one names
+    each sentinel by its address and says what it answered."""
+    gone = free_port()
+
+    async def refusal(url: str) -> str:
+        store = JobStore.from_url(url)
         try:
             assert not await store.ping()
-            with pytest.raises(REDIS_ERRORS):
+            with pytest.raises(REDIS_ERRORS) as refused:
                 await store.submit([URL_ITEM])
+            return str(refused.value)
         finally:
             await store.close()
 
+    async def scenario() -> None:
+        message = await refusal(f"redis+sentinel://127.0.0.1:{gone},127.0.0.1:{sentinel.port}/other"
+                                f"?sentinel_password={sentinel.password}")
+        assert message.startswith(f"no sentinel names a primary for 'other' (127.0.0.1:{gone}: Error 111"), message
+        assert message.endswith(f"; 127.0.0.1:{sentinel.port}: it watches no such service)"), message
+        wrong_password = await refusal(sentinel.url().replace("sentinel-secret", "guess"))
+        assert f"127.0.0.1:{sentinel.port}: invalid username-password pair" in wrong_password, wrong_password
+
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("command", ["submit", "jobs"])
+def test_the_job_commands_name_a_bad_redis_url_in_a_line(command, monkeypatch, capsys, parity_audio):
+    args = [parity_audio[0]] if command == "submit" else []
+    assert main([command, "--redis-url", "redis+sentinel://:secret@s1", *args]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: --redis-url='redis+sentinel://:***@s1': a Sentinel URL names the monitored service after the hosts: "
+        "redis+sentinel://host/service"]
+    monkeypatch.setenv("BATCHASR_REDIS_URL", "redis://s1:99999/0")
+    assert main([command, *args]) == 2
+    assert capsys.readouterr().err.splitlines() == ["error: BATCHASR_REDIS_URL=redis://s1:99999/0: Port out of range "
+                                                    "0-65535"]
 
 
 def test_a_job_queued_before_the_primary_dies_finishes_on_the_promoted_replica(sentinel, parity_dir, parity_audio):
