@@ -9,13 +9,27 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import OutOfMemoryError, ReadOnlyError
+from redis._parsers.base import BaseParser
+from redis.exceptions import OutOfMemoryError, ReadOnlyError, ResponseError
 
 log = logging.getLogger(__name__)
 
-# Redis unreachable, or a replica refusing writes (a failover under way, or a URL that names a replica): both pass,
-# and both are waited out alike; nothing of a job is written while either lasts
-REDIS_ERRORS = (aioredis.ConnectionError, aioredis.TimeoutError, ReadOnlyError, ConnectionError, OSError)
+
+
+class NoReplicasError(ResponseError):
+    """NOREPLICAS: a primary run with ``min-replicas-to-write`` refusing writes while fewer replicas than that are in
+    sync: it is cut off from them, or a failover has promoted one (the setting keeps a primary on the losing side of
+    a failover from taking writes that the failover then drops)."""
+
+
+# redis-py has no class of its own for this reply (a plain ResponseError: a 500); parsed to ours, it is an outage
+BaseParser.EXCEPTION_CLASSES.setdefault("NOREPLICAS", NoReplicasError)
+
+# Redis unreachable, a replica refusing writes (a failover under way, or a URL that names a replica), or a primary
+# without the replicas it is told to write to: all pass, and are waited out alike; nothing of a job is written while
+# any lasts
+REDIS_ERRORS = (aioredis.ConnectionError, aioredis.TimeoutError, ReadOnlyError, NoReplicasError, ConnectionError,
+                OSError)
 REDIS_FULL = OutOfMemoryError  # Redis at its maxmemory (with noeviction, as a job store must be) refused a write
 MAX_BACKOFF_S = 30.0  # the longest a consumer waits before trying an unreachable Redis again
 
@@ -55,7 +69,9 @@ def group_lost(exc: Exception) -> bool:
 
 def outage(exc: Exception) -> str:
     """What one of ``REDIS_ERRORS`` says of Redis, in a word or two."""
-    return "read-only" if isinstance(exc, ReadOnlyError) else "unreachable"
+    if isinstance(exc, ReadOnlyError):
+        return "read-only"
+    return "without the replicas it writes to" if isinstance(exc, NoReplicasError) else "unreachable"
 
 
 class _ClosesOnReadOnly:

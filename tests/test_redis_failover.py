@@ -1,12 +1,14 @@
-"""A Redis that refuses writes for a while: a replica (a failover in progress, or a URL that names a replica). Its
-refusals are an outage, as Redis unreachable is: 503 with Retry-After, nothing of a job half written, consumers
+"""A Redis that refuses writes for a while: a replica (a failover in progress, or a URL that names a replica), or a
+primary without the replicas ``min-replicas-to-write`` asks for (cut off from them by a failover). Its refusals are
+an outage, as Redis unreachable is: 503 with Retry-After, nothing of a job half written, consumers
 waiting it out; once the address takes writes again (promoted, or a failover moved it to the new primary), all goes
 on."""
 
 from __future__ import annotations
 
 import asyncio
-import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -17,54 +19,66 @@ from service.config import Settings
 from service.job_types import ItemInput
 from service.jobs import JobStore
 from service.redis_outages import REDIS_ERRORS
-from tests.redis_server import RedisServer
+from tests.redis_server import RedisServer, start_replica
 from tests.servers import run_server, wait_job
 
 
-@pytest.fixture
-def replica(tmp_path):
-    """A replica of a primary (both private redis-servers); promote it with ``REPLICAOF NO ONE``."""
+@dataclass
+class RefusingWrites:
+    server: RedisServer
+    says: str  # what the 503 calls it
+    take_writes: Callable[[], object]  # what makes it take them again
+
+
+@pytest.fixture(params=["replica", "no_replicas"])
+def refusing(request, tmp_path):
+    """A Redis that refuses writes: a replica of a primary (both private redis-servers; promoted with ``REPLICAOF NO
+    ONE``), or a primary told to write only with a replica in sync, and without one (``min-replicas-to-write``, which
+    keeps a primary cut off by a failover from taking writes the failover drops)."""
+    if request.param == "no_replicas":
+        server = RedisServer(tmp_path).start()
+        server.client().config_set("min-replicas-to-write", 1)
+        yield RefusingWrites(server, "without the replicas it writes to",
+                             lambda: server.client().config_set("min-replicas-to-write", 0))
+        server.stop()
+        return
     (tmp_path / "primary").mkdir()
     (tmp_path / "replica").mkdir()
     primary = RedisServer(tmp_path / "primary").start()
-    server = RedisServer(tmp_path / "replica").start()
-    server.client().replicaof("127.0.0.1", primary.port)
-    deadline = time.monotonic() + 10
-    while server.client().info("replication").get("master_link_status") != "up":
-        assert time.monotonic() < deadline, "the replica did not sync"
-        time.sleep(0.05)
-    yield server
+    server = start_replica(tmp_path / "replica", primary)
+    yield RefusingWrites(server, "read-only", lambda: server.client().replicaof("no", "one"))
     server.stop()
     primary.stop()
 
 
-def test_a_read_only_redis_refuses_a_submission_as_an_outage(replica, parity_audio):
+def test_a_redis_refusing_writes_refuses_a_submission_as_an_outage(refusing, parity_audio):
     async def scenario() -> None:
-        store = JobStore.from_url(replica.url)
+        store = JobStore.from_url(refusing.server.url)
         try:
             for items in ([ItemInput(audio="a.wav", upload=Path(parity_audio[0]).read_bytes())],
                           [ItemInput(audio="big.wav", upload=bytes(6 << 20))],  # written in pieces
                           [ItemInput(audio="a.wav", url="https://media.example/a.wav")]):
                 with pytest.raises(REDIS_ERRORS):
                     await store.submit(items, idempotency_key="k")
+            assert refusing.server.client().keys("batchasr:*") == []  # nothing of them written
         finally:
             await store.close()
 
     asyncio.run(scenario())
 
 
-def test_http_answers_503_while_redis_is_read_only_and_goes_on_once_it_takes_writes(replica, parity_dir,
-                                                                                    parity_audio):
+def test_http_answers_503_while_redis_refuses_writes_and_goes_on_once_it_takes_them(refusing, parity_dir,
+                                                                                     parity_audio):
     model = load_model(parity_dir / "tdt.nemo", device="cpu", dtype="float32")
     files = [("files", (Path(p).name, Path(p).read_bytes(), "audio/wav")) for p in parity_audio[:3]]
-    with run_server(Settings(redis_url=replica.url, max_wait_ms=20), model) as running:
+    with run_server(Settings(redis_url=refusing.server.url, max_wait_ms=20), model) as running:
         refused = httpx.post(f"{running.url}/v1/jobs", files=files, headers={"Idempotency-Key": "n-1"}, timeout=60)
         assert refused.status_code == 503, refused.text
         error = refused.json()["error"]
-        assert error["code"] == "redis_unavailable" and "read-only" in error["message"]
+        assert error["code"] == "redis_unavailable" and refusing.says in error["message"]
         assert refused.headers["retry-after"]
         assert httpx.get(f"{running.url}/healthz").status_code == 200
-        replica.client().replicaof("no", "one")  # promoted: the same address takes writes now
+        refusing.take_writes()  # promoted, or a replica back: the same address takes writes now
         accepted = httpx.post(f"{running.url}/v1/jobs", files=files, headers={"Idempotency-Key": "n-1"}, timeout=60)
         assert accepted.status_code == 202, accepted.text
         # the server's own consumer met the refusals too (XREADGROUP writes), and waited them out

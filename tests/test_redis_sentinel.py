@@ -5,6 +5,9 @@ real sentinel."""
 from __future__ import annotations
 
 import asyncio
+import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -174,3 +177,16 @@ async def _submit_through_outage(store: JobStore, timeout_s: float = 30):
             if time.monotonic() > deadline:
                 raise
             await asyncio.sleep(0.2)
+
+
+def test_no_job_accepted_is_lost_across_a_forced_failover_with_min_replicas_to_write():
+    """loadtest/failover_loss.py's setting for Sentinel deployments: the old primary, up but cut off from its promoted
+    replica, refuses writes (503s) rather than taking jobs that its demotion then drops."""
+    result = subprocess.run([sys.executable, "loadtest/failover_loss.py", "--min-replicas-to-write", "1",
+                             "--clients", "4", "--after-s", "0"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    found = re.search(r"(\d+) jobs accepted, (\d+) of them lost; refused: \{'without the replicas it writes to': (\d+)",
+                      result.stdout)
+    assert found, result.stdout
+    accepted, lost, refused = map(int, found.groups())
+    assert accepted > 0 and refused > 0 and lost == 0, result.stdout
