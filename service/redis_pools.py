@@ -25,7 +25,6 @@ from redis.backoff import NoBackoff
 
 SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
 SENTINEL_PORT = 26379
-SENTINEL_SECRETS = ("sentinel_password",)  # query parameters that logs show as ***
 SENTINEL_TIMEOUT_S = 5.0  # a sentinel that answers no faster is passed over for the next one
 PRIMARY_CHECK_S = 1.0  # how often a pool in use asks the sentinels which server is primary
 
@@ -144,8 +143,8 @@ class _BlockingSentinelPool(SentinelConnectionPool, aioredis.BlockingConnectionP
 
 def connection_pool(url: str, max_connections: int, timeout: float, **options: Any) -> aioredis.ConnectionPool:
     """The pool for ``url``: commands beyond ``max_connections`` in use wait up to ``timeout`` for a free one.
-    ``options`` (socket timeouts and the like) apply to the Redis servers and, for their socket timeouts, to the
-    sentinels."""
+    ``options`` (socket timeouts and the like) apply to the Redis servers; sentinels are given
+    ``SENTINEL_TIMEOUT_S``."""
     if not is_sentinel_url(url):
         return aioredis.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=timeout,
                                                         **options)
