@@ -345,7 +345,7 @@ async def retry_job(job_id: str, request: Request, service: ServiceDep) -> dict[
         job, retried, unretried = await _from_store(job_id, store.retry_failed(job_id, request_owner(request)))
     except REDIS_FULL as exc:
         raise _store_full("failed items not queued again by then are left as they were") from exc
-    return {**job.to_dict(), "retried_items": retried, "unretried_items": unretried}
+    return job.retried_dict(retried, unretried)
 
 
 async def _from_store(job_id: str, work: Awaitable[T]) -> T:

@@ -143,6 +143,11 @@ class Job:
                 "compute_s": round(self.compute_s, 3), "rtfx": round(self.rtfx, 2), "avg_logprob": self.avg_logprob,
                 **self._webhook_dict()}
 
+    def retried_dict(self, retried: int, unretried: int) -> dict[str, Any]:
+        """What retrying the job's failed items answers (the HTTP route and `batchasr jobs --retry` alike): the job,
+        with how many were queued again and how many (failed uploads) were left."""
+        return {**self.to_dict(), "retried_items": retried, "unretried_items": unretried}
+
     def _webhook_dict(self) -> dict[str, Any]:
         if not self.webhook_url:
             return {}

@@ -63,7 +63,7 @@ from .job_types import (
     job_from_fields,
 )
 from .job_uploads import UploadRefused, read_upload, upload_size, write_uploads
-from .redis_outages import REDIS_ERRORS, REDIS_FULL, reconnect_on_read_only
+from .redis_outages import REDIS_ERRORS, REDIS_FULL
 from .redis_pools import close_pool, connection_pool
 from .spool import SPOOL_MEMORY_BYTES
 
@@ -109,9 +109,7 @@ class JobStore:
         commands wait for a free connection past ``max_connections`` in use. redis-py's
         default pool raises "Too many connections" there instead, which looks like Redis going away: a worker
         with more items in flight than the pool holds left them unacknowledged until the visibility timeout."""
-        pool = connection_pool(url, max_connections, POOL_WAIT_S, socket_connect_timeout=5, socket_timeout=30,
-                               health_check_interval=30, **_no_maintenance_notifications())
-        return cls(aioredis.Redis.from_pool(reconnect_on_read_only(pool)), **kwargs)
+        return cls(aioredis.Redis.from_pool(connection_pool(url, max_connections, POOL_WAIT_S)), **kwargs)
 
     async def ensure_group(self) -> None:
         """The consumer group on the item and webhook streams (again after a Redis that lost them), in one round
@@ -591,15 +589,6 @@ class JobStore:
     async def close(self) -> None:
         await self.redis.aclose()
         await close_pool(self.redis.connection_pool)
-
-
-def _no_maintenance_notifications() -> dict[str, Any]:
-    """The pool option that turns off redis-py's maintenance notifications (redis-py 8 turns them on over RESP3, its
-    default; earlier versions have none). With them on, the pool hands out connections without checking that Redis
-    has not closed them: after a Redis restart each pooled connection failed its next command once, so 27 of a burst
-    of 40 commands failed (503s), and light traffic met the rest one by one as it reached deeper into the pool."""
-    config = getattr(aioredis.connection, "MaintNotificationsConfig", None)
-    return {} if config is None else {"maint_notifications_config": config(enabled=False)}
 
 
 def _job(job_id: str, raw: dict[bytes, bytes]) -> Job:

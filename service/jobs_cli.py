@@ -306,7 +306,7 @@ class _RedisClient:
                 return {"id": job_id, "object": "transcription.job.deleted", "deleted": True}
             if action == "retry":
                 job, retried, unretried = await self.store.retry_failed(job_id)
-                return {**job.to_dict(), "retried_items": retried, "unretried_items": unretried}
+                return job.retried_dict(retried, unretried)
             job, _ = await self.store.cancel(job_id)  # straight in Redis: no process to count it in
             return job.to_dict()
         except JobNotFound as exc:

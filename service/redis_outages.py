@@ -6,14 +6,12 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import redis.asyncio as aioredis
 from redis._parsers.base import BaseParser
 from redis.exceptions import OutOfMemoryError, ReadOnlyError, ResponseError
 
 log = logging.getLogger(__name__)
-
 
 
 class NoReplicasError(ResponseError):
@@ -72,25 +70,3 @@ def outage(exc: Exception) -> str:
     if isinstance(exc, ReadOnlyError):
         return "read-only"
     return "without the replicas it writes to" if isinstance(exc, NoReplicasError) else "unreachable"
-
-
-class _ClosesOnReadOnly:
-    """Mixed into a pool's connection class: a connection that meets READONLY closes itself. The address it reached
-    serves a replica now (a failover moved the primary behind one name, as managed Redis services and Kubernetes
-    Services do), and only a connection made afresh reaches the primary the name leads to now; redis-py keeps a
-    connection through an error reply, so every command sent on it failed for as long as it lived."""
-
-    async def read_response(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return await super().read_response(*args, **kwargs)  # type: ignore[misc]
-        except ReadOnlyError:
-            await self.disconnect()  # type: ignore[attr-defined]
-            raise
-
-
-def reconnect_on_read_only(pool: aioredis.ConnectionPool) -> aioredis.ConnectionPool:
-    """``pool``, its connections closing on READONLY (whatever their class: TCP, TLS or a Unix socket)."""
-    base = pool.connection_class
-    if not issubclass(base, _ClosesOnReadOnly):
-        pool.connection_class = type(base.__name__, (_ClosesOnReadOnly, base), {})
-    return pool

@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import redis
@@ -25,28 +26,15 @@ class RedisServer:
         return f"redis://{f':{self.password}@' if self.password else ''}127.0.0.1:{self.port}/0"
 
     def start(self) -> RedisServer:
-        exe = shutil.which("redis-server")
-        if exe is None:
-            raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
-        args = [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.directory), "--save", ""]
+        args = ["--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.directory), "--save", ""]
         args += ["--appendonly", "yes", "--appendfsync", "always"] if self.appendonly else ["--appendonly", "no"]
         args += ["--requirepass", self.password] if self.password else []
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = self.client()
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                if client.ping():
-                    return self
-            except redis.ConnectionError:
-                time.sleep(0.05)
-        raise RuntimeError("redis-server did not start")
+        self.process = _launch(args, self.client().ping, "redis-server")
+        return self
 
     def stop(self) -> None:
-        if self.process is not None:
-            self.process.terminate()  # SIGTERM: redis flushes its append-only file and exits
-            self.process.wait(10)
-            self.process = None
+        _terminate(self.process)  # SIGTERM: redis flushes its append-only file and exits
+        self.process = None
 
     def client(self) -> redis.Redis:
         return redis.Redis(port=self.port, password=self.password)
@@ -83,16 +71,9 @@ class RedisSentinel:
         lines += [f"requirepass {self.password}"] if self.password else []
         config = self.directory / "sentinel.conf"  # sentinel rewrites it as it learns the topology
         config.write_text("\n".join(lines) + "\n")
-        self.process = subprocess.Popen([shutil.which("redis-server") or "redis-server", str(config), "--sentinel"],
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                if self.primary_port() == self.primary.port:
-                    return self
-            except redis.ConnectionError:
-                time.sleep(0.05)
-        raise RuntimeError("redis sentinel did not start")
+        self.process = _launch([str(config), "--sentinel"], lambda: self.primary_port() == self.primary.port,
+                               "redis sentinel")
+        return self
 
     def client(self) -> redis.Redis:
         return redis.Redis(port=self.port, password=self.password)
@@ -109,10 +90,8 @@ class RedisSentinel:
             time.sleep(0.1)
 
     def stop(self) -> None:
-        if self.process is not None:
-            self.process.terminate()
-            self.process.wait(10)
-            self.process = None
+        _terminate(self.process)
+        self.process = None
 
 
 def start_replica(directory: Path, primary: RedisServer) -> RedisServer:
@@ -127,3 +106,26 @@ def start_replica(directory: Path, primary: RedisServer) -> RedisServer:
         assert time.monotonic() < deadline, "the replica did not sync"
         time.sleep(0.05)
     return replica
+
+
+def _launch(args: list[str], answers: Callable[[], object], what: str) -> subprocess.Popen:
+    """``redis-server args``, once ``answers()`` is true (a refused connection meanwhile: not up yet)."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
+    process = subprocess.Popen([exe, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            if answers():
+                return process
+        except redis.ConnectionError:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError(f"{what} did not start")
+
+
+def _terminate(process: subprocess.Popen | None) -> None:
+    if process is not None:
+        process.terminate()
+        process.wait(10)
