@@ -5,6 +5,7 @@ forced failover mid-run; then every job the store said it queued is looked for o
     python loadtest/failover_loss.py                           # the store as it ships
     python loadtest/failover_loss.py --primary-check-s 1e9     # redis-py's pool alone: asks Sentinel only to connect
     python loadtest/failover_loss.py --min-replicas-to-write 1 # servers that refuse writes without a replica in sync
+    python loadtest/failover_loss.py --wait-replicas 1         # the store confirms each write with a replica first
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ async def submit_until(store: JobStore, stop: asyncio.Event, accepted: list[str]
         await asyncio.sleep(0.01)
 
 
-async def measure(sentinel: RedisSentinel, old: RedisServer, new: RedisServer, clients: int, after_s: float) -> None:
-    store = JobStore.from_url(sentinel.url())
+async def measure(sentinel: RedisSentinel, old: RedisServer, new: RedisServer, clients: int, after_s: float,
+                  wait_replicas: int) -> None:
+    store = JobStore.from_url(sentinel.url() + (f"?wait_replicas={wait_replicas}" if wait_replicas else ""))
     accepted: list[str] = []
     refused: Counter = Counter()
     stop = asyncio.Event()
@@ -61,7 +63,8 @@ async def measure(sentinel: RedisSentinel, old: RedisServer, new: RedisServer, c
         await asyncio.sleep(0.1)
     client = new.client()
     lost = sum(not client.exists(f"batchasr:job:{job_id}") for job_id in accepted)
-    print(f"primary check every {redis_pools.PRIMARY_CHECK_S:g} s: {len(accepted)} jobs accepted, {lost} of them "
+    print(f"primary check every {redis_pools.PRIMARY_CHECK_S:g} s, wait_replicas {wait_replicas}: {len(accepted)} "
+          f"jobs accepted, {lost} of them "
           f"lost; refused: {dict(refused) or 'none'}; old primary demoted {demoted_s:.1f} s after Sentinel switched")
 
 
@@ -71,6 +74,7 @@ def main() -> None:
     parser.add_argument("--primary-check-s", type=float, default=redis_pools.PRIMARY_CHECK_S,
                         help="how often the store asks the sentinels which server is primary")
     parser.add_argument("--min-replicas-to-write", type=int, default=0, help="set on both servers")
+    parser.add_argument("--wait-replicas", type=int, default=0, help="the Redis URL's wait_replicas")
     parser.add_argument("--after-s", type=float, default=3.0, help="submissions go on this long after the demotion")
     args = parser.parse_args()
     redis_pools.PRIMARY_CHECK_S = args.primary_check_s
@@ -85,7 +89,7 @@ def main() -> None:
             for server in (primary, replica):
                 server.client().config_set("min-replicas-to-write", args.min_replicas_to_write)
                 server.client().config_set("min-replicas-max-lag", 1)
-            asyncio.run(measure(sentinel, primary, replica, args.clients, args.after_s))
+            asyncio.run(measure(sentinel, primary, replica, args.clients, args.after_s, args.wait_replicas))
         finally:
             sentinel.stop()
             replica.stop()

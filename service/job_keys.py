@@ -27,6 +27,8 @@ JOB_KEYS = (JOB_KEY, INPUTS_KEY, STATES_KEY, ATTEMPTS_KEY, ERRORS_KEY, RESULTS_K
 UPLOAD_KEY = PREFIX + ":upload:{job_id}:{index}"  # audio bytes, with the input TTL
 IDEMPOTENCY_KEY = PREFIX + ":idempotency:{key}"  # -> job id (the key prefixed with its owner, but for ANONYMOUS)
 OWNER_JOBS_KEY = PREFIX + ":owner:{owner}:jobs"  # sorted set: the owner's job ids, scored by creation time
+# INCR before a WAIT: a write on the waiting connection that follows the writes to confirm (JobStore.wait_replicas)
+REPLICATION_MARK_KEY = f"{PREFIX}:replication-mark"
 # what submit makes ("job_" and 24 of token_urlsafe's characters); a client's id is checked against it before it
 # names a key, since `job_x:inputs` would read another hash
 JOB_ID = re.compile(r"job_[A-Za-z0-9_-]{1,64}")

@@ -34,6 +34,7 @@ from .job_keys import (
     JOB_KEY,
     JOB_KEYS,
     OWNER_JOBS_KEY,
+    REPLICATION_MARK_KEY,
     RESULTS_KEY,
     STATES_KEY,
     UPLOAD_KEY,
@@ -63,8 +64,8 @@ from .job_types import (
     job_from_fields,
 )
 from .job_uploads import UploadRefused, read_upload, upload_size, write_uploads
-from .redis_outages import REDIS_ERRORS, REDIS_FULL
-from .redis_pools import close_pool, connection_pool
+from .redis_outages import REDIS_ERRORS, REDIS_FULL, NotReplicatedError
+from .redis_pools import close_pool, connection_pool, split_wait_replicas
 from .spool import SPOOL_MEMORY_BYTES
 
 MAX_CLAIM_LOOKS = 16  # XAUTOCLAIM calls one look for stalled deliveries may make (each sees 10 per one asked for)
@@ -72,6 +73,7 @@ DEAD_LETTERS_KEPT = 100_000  # the newest dead letters the stream keeps (about; 
 RESULTS_PAGE = 1000  # items read (results) or cancelled per round trip
 LIST_PAGE = 100  # job ids read per round trip when listing
 POOL_WAIT_S = 30.0  # a command waits this long for a free connection before it counts as Redis unreachable
+REPLICA_WAIT_MS = 1000  # how long a write waits for the replicas wait_replicas asks for before it is refused
 MAX_JOB_ITEMS = 100_000  # items in one job by default (BATCHASR_MAX_JOB_ITEMS): more go as several jobs
 # a JSON submission's body: paths and URLs, no audio. Its items are validated and checked one by one, and a body of
 # the upload limit (1 GiB) made twenty million of them, and gigabytes of memory
@@ -86,11 +88,17 @@ def _now() -> str:
 
 
 class JobStore:
-    """Everything jobs do in Redis. One instance per process; safe to share between tasks."""
+    """Everything jobs do in Redis. One instance per process; safe to share between tasks.
+
+    With ``wait_replicas``, what the store acknowledges to a client (a job accepted, cancelled, retried, deleted)
+    is first confirmed by that many replicas (Redis's WAIT), or refused as ``NotReplicatedError``: a failover to one
+    of them cannot drop it. The workers' own writes need no wait: a replica holds a prefix of the primary's writes,
+    so a result lost in a failover went with its acknowledgement, and the item is delivered again."""
 
     def __init__(self, client: aioredis.Redis, input_ttl_s: int = 7 * 86400, result_ttl_s: int = 7 * 86400,
-                 max_upload_bytes: int = 200 * 1024 * 1024):
+                 max_upload_bytes: int = 200 * 1024 * 1024, wait_replicas: int = 0):
         self.redis = client
+        self.wait_replicas = wait_replicas
         self.input_ttl_s = input_ttl_s
         self.result_ttl_s = result_ttl_s
         self.max_upload_bytes = max_upload_bytes
@@ -108,8 +116,11 @@ class JobStore:
         """A client of the Redis ``url`` names (one server, or Sentinel's primary: see service.redis_pools) whose
         commands wait for a free connection past ``max_connections`` in use. redis-py's
         default pool raises "Too many connections" there instead, which looks like Redis going away: a worker
-        with more items in flight than the pool holds left them unacknowledged until the visibility timeout."""
-        return cls(aioredis.Redis.from_pool(connection_pool(url, max_connections, POOL_WAIT_S)), **kwargs)
+        with more items in flight than the pool holds left them unacknowledged until the visibility timeout.
+        The URL's ``wait_replicas`` parameter is the store's ``wait_replicas``."""
+        url, wait_replicas = split_wait_replicas(url)
+        pool = connection_pool(url, max_connections, POOL_WAIT_S)
+        return cls(aioredis.Redis.from_pool(pool), wait_replicas=wait_replicas, **kwargs)
 
     async def ensure_group(self) -> None:
         """The consumer group on the item and webhook streams (again after a Redis that lost them), in one round
@@ -150,6 +161,7 @@ class JobStore:
             owned = idempotency_key if options.owner == ANONYMOUS else f"{options.owner}:{idempotency_key}"
             key = IDEMPOTENCY_KEY.format(key=owned)
             if (job := await self._job_named_by(self.redis, key)) is not None:
+                await self._confirm_replicated()  # it may be the retry of one refused as unconfirmed
                 return job, False  # a retried submission: nothing of it is written again
         try:
             try:
@@ -163,6 +175,7 @@ class JobStore:
             raise
         if not created:  # another request with this key wrote its job while these uploads were written
             await self._discard(uploads)
+        await self._confirm_replicated()
         return job, created
 
     async def _create(self, job_id: str, items: list[ItemInput], options: JobOptions, key: str | None,
@@ -189,6 +202,21 @@ class JobStore:
                     continue
         # as written, not read back: a purge (or a Redis that lost it) a moment later made the submission a 500
         return job_from_fields(job_id, {name: str(value) for name, value in fields.items()}), True
+
+    async def _confirm_replicated(self) -> None:
+        """With ``wait_replicas``: return once that many replicas hold every write made so far, or raise
+        ``NotReplicatedError`` after ``REPLICA_WAIT_MS``. WAIT counts only the writes of the connection it is sent
+        on, and the pool's are many, so a mark is written first on the waiting one: it follows in the replication
+        stream every write that has been answered, and a replica that holds it holds them all."""
+        if not self.wait_replicas:
+            return
+        pipe = self.redis.pipeline(transaction=False)  # one connection, in order; WAIT in a MULTI would not wait
+        pipe.incr(REPLICATION_MARK_KEY)
+        pipe.wait(self.wait_replicas, REPLICA_WAIT_MS)
+        _, confirmed = await pipe.execute()
+        if confirmed < self.wait_replicas:
+            raise NotReplicatedError(f"{confirmed} of the {self.wait_replicas} replica(s) asked for confirmed the "
+                                     f"write within {REPLICA_WAIT_MS} ms")
 
     async def _job_named_by(self, reader: Any, key: str) -> Job | None:
         """The job an idempotency key names, if it is still there (``reader``: the client, or a watching pipe)."""
@@ -445,6 +473,7 @@ class JobStore:
             ended |= int(await self._cancel_queued(keys=keys, args=[_now(), job_id, cancelled, *indices])) == 2
         if ended:
             await self._expire_finished(job_id)
+        await self._confirm_replicated()
         return await self.get(job_id), ended
 
     async def retry_failed(self, job_id: str, owner: str | None = None) -> tuple[Job, int, int]:
@@ -461,6 +490,7 @@ class JobStore:
             indices = range(first, min(first + RESULTS_PAGE, job.total_items))
             n_queued, n_left = await self._retry_failed(keys=keys, args=[job_id, kept_ms, *indices])
             queued, left = queued + int(n_queued), left + int(n_left)
+        await self._confirm_replicated()
         return await self.get(job_id), queued, left
 
     async def delete(self, job_id: str, owner: str | None = None) -> None:
@@ -479,6 +509,7 @@ class JobStore:
             pipe.delete(idempotency_key)
         pipe.zrem(OWNER_JOBS_KEY.format(owner=job.owner), job_id)
         await pipe.execute()
+        await self._confirm_replicated()
 
     async def trim_acknowledged(self) -> None:
         """Drop the item and webhook streams' entries before the oldest one the workers have not acknowledged.
@@ -564,8 +595,9 @@ class JobStore:
         pipe = self.redis.pipeline(transaction=False)
         pipe.info("memory")
         pipe.info("persistence")
+        pipe.info("replication")
         try:
-            memory, persistence = await pipe.execute()
+            memory, persistence, replication = await pipe.execute()
         except aioredis.ResponseError:
             return None
         risks = {}
@@ -578,6 +610,12 @@ class JobStore:
         if not int(persistence.get("aof_enabled", 1)):
             risks["no_appendonly"] = ("Redis has appendonly off: a restart loses the jobs written since its last "
                                       "snapshot (all of them, without snapshots). Set appendonly yes")
+        replicas = int(replication.get("connected_slaves", 0))
+        if replicas and not self.wait_replicas:
+            risks["unconfirmed_replication"] = (
+                f"Redis has {replicas} replica(s) and the store acknowledges writes before they reach one: a failover "
+                "drops the jobs accepted in the moments before it, and those an old primary cut off from the new one "
+                "takes meanwhile. Add wait_replicas=1 to the Redis URL")
         return risks
 
     async def ping(self) -> bool:

@@ -35,7 +35,7 @@ JOB_ITEM_STATUSES = ("completed", "failed")
 WEBHOOK_OUTCOMES = ("delivered", "failed", "handed_back")
 DROP_REASONS = ("cancelled", "expired")
 # what in Redis's settings would lose jobs silently (JobStore.durability_risks)
-JOB_STORE_RISKS = ("eviction", "no_appendonly")
+JOB_STORE_RISKS = ("eviction", "no_appendonly", "unconfirmed_replication")
 
 
 class Metrics:
@@ -82,7 +82,8 @@ class Metrics:
             "(MAX_INTAKE_BYTES) before being read", buckets=INTAKE_WAIT_BUCKETS, registry=r)
         self.job_store_risk = Gauge("batchasr_job_store_risk", "1 where Redis's settings would lose jobs without an "
                                     "error (eviction: a maxmemory-policy other than noeviction; no_appendonly: a "
-                                    "restart loses what its last snapshot lacks), as job consumers last read them",
+                                    "restart loses what its last snapshot lacks; unconfirmed_replication: replicas, "
+                                    "and no wait_replicas in the Redis URL), as job consumers last read them",
                                     ["risk"], registry=r)
         for risk in JOB_STORE_RISKS:
             self.job_store_risk.labels(risk)

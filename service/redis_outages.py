@@ -20,14 +20,20 @@ class NoReplicasError(ResponseError):
     a failover from taking writes that the failover then drops)."""
 
 
+class NotReplicatedError(aioredis.RedisError):
+    """Writes the primary took that fewer replicas than the job store's ``wait_replicas`` confirmed in time: the
+    replicas are behind or cut off, or a failover has promoted one. Not acknowledged, so the caller tries again
+    (what it wrote may yet stay: a retried submission without an idempotency key may then make a second job)."""
+
+
 # redis-py has no class of its own for this reply (a plain ResponseError: a 500); parsed to ours, it is an outage
 BaseParser.EXCEPTION_CLASSES.setdefault("NOREPLICAS", NoReplicasError)
 
 # Redis unreachable, a replica refusing writes (a failover under way, or a URL that names a replica), or a primary
-# without the replicas it is told to write to: all pass, and are waited out alike; nothing of a job is written while
-# any lasts
-REDIS_ERRORS = (aioredis.ConnectionError, aioredis.TimeoutError, ReadOnlyError, NoReplicasError, ConnectionError,
-                OSError)
+# without the replicas it is told to write to (refusing writes, or leaving them unconfirmed): all pass, and are
+# waited out alike; nothing of a job is acknowledged while any lasts
+REDIS_ERRORS = (aioredis.ConnectionError, aioredis.TimeoutError, ReadOnlyError, NoReplicasError, NotReplicatedError,
+                ConnectionError, OSError)
 REDIS_FULL = OutOfMemoryError  # Redis at its maxmemory (with noeviction, as a job store must be) refused a write
 MAX_BACKOFF_S = 30.0  # the longest a consumer waits before trying an unreachable Redis again
 
@@ -69,4 +75,6 @@ def outage(exc: Exception) -> str:
     """What one of ``REDIS_ERRORS`` says of Redis, in a word or two."""
     if isinstance(exc, ReadOnlyError):
         return "read-only"
-    return "without the replicas it writes to" if isinstance(exc, NoReplicasError) else "unreachable"
+    if isinstance(exc, (NoReplicasError, NotReplicatedError)):
+        return "without the replicas it writes to"
+    return "unreachable"

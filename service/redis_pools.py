@@ -7,6 +7,11 @@ A Sentinel URL lists the sentinels and names the monitored service (the name in 
 
 The user and password are the Redis servers'; sentinels that ask for their own are given ``sentinel_username`` and
 ``sentinel_password`` (sentinels without one refuse a password). Port 26379 by default.
+
+Any of these URLs may end ``?wait_replicas=N`` (``&wait_replicas=N``): the job store then confirms that N replicas
+hold a write before it acknowledges it (a job accepted, cancelled, retried or deleted), so a failover to one of them
+cannot drop it (``JobStore.wait_replicas``). Replication is otherwise asynchronous: the writes of the moments before
+a failover, or of an old primary cut off from the one promoted, are gone with it.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import math
 import time
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import parse_qs, parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -28,6 +33,7 @@ SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
 SENTINEL_PORT = 26379
 SENTINEL_TIMEOUT_S = 5.0  # a sentinel that answers no faster is passed over for the next one
 PRIMARY_CHECK_S = 1.0  # how often a pool in use asks the sentinels which server is primary
+WAIT_REPLICAS = "wait_replicas"  # the URL parameter the job store takes for itself (not redis-py's)
 
 
 @dataclass(frozen=True)
@@ -48,12 +54,27 @@ def is_sentinel_url(url: str) -> bool:
 
 def check_url(url: str) -> None:
     """Raise ValueError saying what is wrong with ``url`` as a Redis URL, before anything connects with it."""
+    url, _ = split_wait_replicas(url)
     if is_sentinel_url(url):
         parse_sentinel_url(url)
     else:
         from redis.connection import parse_url  # the parsing the connection pool gives it
 
         parse_url(url)
+
+
+def split_wait_replicas(url: str) -> tuple[str, int]:
+    """``url`` without its ``wait_replicas`` parameter, and the number it gives (0 without one)."""
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    values = [value for name, value in query if name == WAIT_REPLICAS]
+    if not values:
+        return url, 0
+    if not (values[-1].isdigit() and int(values[-1]) <= 100):
+        raise ValueError(f"{WAIT_REPLICAS} is the number of replicas (0 to 100) that must hold a write before it is "
+                         f"acknowledged, not {values[-1]!r}")
+    rest = urlencode([(name, value) for name, value in query if name != WAIT_REPLICAS])
+    return urlunsplit(parts._replace(query=rest)), int(values[-1])
 
 
 def parse_sentinel_url(url: str) -> SentinelURL:
@@ -73,7 +94,7 @@ def parse_sentinel_url(url: str) -> SentinelURL:
     unknown = set(query) - {"sentinel_username", "sentinel_password"}
     if unknown:
         raise ValueError(f"unknown Sentinel URL parameter(s): {', '.join(sorted(unknown))} "
-                         "(known: sentinel_username, sentinel_password)")
+                         f"(known: sentinel_username, sentinel_password, {WAIT_REPLICAS})")
     return SentinelURL(sentinels, path[0], int(path[1]) if len(path) == 2 else 0,
                        unquote(parts.username) if parts.username else None,
                        unquote(parts.password) if parts.password is not None else None,
@@ -145,7 +166,8 @@ class _BlockingSentinelPool(SentinelConnectionPool, aioredis.BlockingConnectionP
 def connection_pool(url: str, max_connections: int, timeout: float) -> aioredis.ConnectionPool:
     """The pool for ``url``: commands beyond ``max_connections`` in use wait up to ``timeout`` for a free one; its
     connections close on READONLY and are checked as they are handed out (``_no_maintenance_notifications``).
-    Sentinels are given ``SENTINEL_TIMEOUT_S``."""
+    Sentinels are given ``SENTINEL_TIMEOUT_S``. A ``wait_replicas`` parameter is the job store's, and left out."""
+    url, _ = split_wait_replicas(url)
     options = {"socket_connect_timeout": 5, "socket_timeout": 30, "health_check_interval": 30,
                **_no_maintenance_notifications()}
     if not is_sentinel_url(url):

@@ -18,6 +18,8 @@ from service.metrics import JOB_STORE_RISKS
 from service.runtime import build_stack
 from tests.redis_server import RedisServer
 
+NO_RISK = dict.fromkeys(JOB_STORE_RISKS, 0)
+
 
 @pytest.fixture
 def durable_redis(tmp_path):
@@ -94,15 +96,16 @@ def test_a_consumer_warns_of_each_risk_once_as_it_appears_and_exports_them(durab
         task = asyncio.create_task(consumer.run(stop))
         try:
             await asyncio.sleep(0.5)  # several checks of a Redis as it should be
-            assert exported() == {"eviction": 0, "no_appendonly": 0}
+            assert exported() == NO_RISK
             client.config_set("maxmemory-policy", "allkeys-lru")
             await wait_for(lambda: exported()["eviction"] == 1, "eviction not exported")
             client.config_set("appendonly", "no")
-            await wait_for(lambda: exported() == {"eviction": 1, "no_appendonly": 1}, "no_appendonly not exported")
+            both = {**NO_RISK, "eviction": 1, "no_appendonly": 1}
+            await wait_for(lambda: exported() == both, "no_appendonly not exported")
             await asyncio.sleep(0.5)  # checked again and again: warned of once each
             client.config_set("maxmemory-policy", "noeviction")
             client.config_set("appendonly", "yes")
-            await wait_for(lambda: exported() == {"eviction": 0, "no_appendonly": 0}, "risks not cleared")
+            await wait_for(lambda: exported() == NO_RISK, "risks not cleared")
         finally:
             stop.set()
             await task

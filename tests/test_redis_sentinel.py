@@ -179,14 +179,15 @@ async def _submit_through_outage(store: JobStore, timeout_s: float = 30):
             await asyncio.sleep(0.2)
 
 
-def test_no_job_accepted_is_lost_across_a_forced_failover_with_min_replicas_to_write():
-    """loadtest/failover_loss.py's setting for Sentinel deployments: the old primary, up but cut off from its promoted
-    replica, refuses writes (503s) rather than taking jobs that its demotion then drops."""
-    result = subprocess.run([sys.executable, "loadtest/failover_loss.py", "--min-replicas-to-write", "1",
+def test_no_job_accepted_is_lost_across_a_forced_failover_with_wait_replicas():
+    """loadtest/failover_loss.py's setting for Sentinel deployments: a job is accepted once the replica holds it, so
+    the failover to it keeps every one; the old primary, up but cut off from it, takes writes no replica confirms,
+    and those are refused (503s), not acknowledged and then dropped by its demotion. (``min-replicas-to-write`` alone
+    narrows that window to its ``min-replicas-max-lag``, and a run in CI lost 3 of 586 jobs in it.)"""
+    result = subprocess.run([sys.executable, "loadtest/failover_loss.py", "--wait-replicas", "1",
                              "--clients", "4", "--after-s", "0"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    found = re.search(r"(\d+) jobs accepted, (\d+) of them lost; refused: \{'without the replicas it writes to': (\d+)",
-                      result.stdout)
+    found = re.search(r"(\d+) jobs accepted, (\d+) of them lost", result.stdout)
     assert found, result.stdout
-    accepted, lost, refused = map(int, found.groups())
-    assert accepted > 0 and refused > 0 and lost == 0, result.stdout
+    accepted, lost = map(int, found.groups())
+    assert accepted > 0 and lost == 0, result.stdout  # 923 lost without wait_replicas (docs/benchmarks.md)

@@ -1,0 +1,144 @@
+"""``wait_replicas`` in the Redis URL: what the job store acknowledges (a job accepted, cancelled, retried, deleted) a
+replica has confirmed first, so a failover to it keeps it; unconfirmed in time, it is refused as an outage (503
+with Retry-After) and the client tries again. Against a real primary and its replica, paused (SIGSTOP) to stand
+for one cut off or behind."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from models import load_model
+from service.cli import main
+from service.config import Settings
+from service.job_keys import JOB_KEY
+from service.job_types import ItemInput
+from service.jobs import JobStore
+from service.redis_outages import REDIS_ERRORS, NotReplicatedError, outage
+from service.redis_pools import split_wait_replicas
+from tests.redis_server import RedisServer, start_replica
+from tests.servers import run_server, wait_job
+
+URL_ITEM = ItemInput(audio="a.wav", url="https://media.example/a.wav")
+
+
+@dataclass
+class Replicated:
+    primary: RedisServer
+    replica: RedisServer
+
+    @property
+    def url(self) -> str:
+        return self.primary.url
+
+    def holds(self, job_id: str) -> bool:
+        return bool(self.replica.client().exists(JOB_KEY.format(job_id=job_id)))
+
+
+@pytest.fixture
+def replicated(tmp_path):
+    """A primary and its replica, in sync."""
+    (tmp_path / "primary").mkdir()
+    (tmp_path / "replica").mkdir()
+    primary = RedisServer(tmp_path / "primary").start()
+    replica = start_replica(tmp_path / "replica", primary)
+    yield Replicated(primary, replica)
+    replica.stop()
+    primary.stop()
+
+
+@contextmanager
+def paused(server: RedisServer):
+    """``server`` stopped in its tracks (it acknowledges nothing), then let go on."""
+    os.kill(server.process.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(server.process.pid, signal.SIGCONT)
+
+
+@pytest.mark.parametrize("url, expected", [
+    ("redis://h:6379/0", ("redis://h:6379/0", 0)),
+    ("redis://h:6379/0?wait_replicas=1", ("redis://h:6379/0", 1)),
+    ("rediss://:pw@h/2?ssl_cert_reqs=none&wait_replicas=2", ("rediss://:pw@h/2?ssl_cert_reqs=none", 2)),
+    ("redis+sentinel://s1,s2/jobs?wait_replicas=1&sentinel_password=x%26y",
+     ("redis+sentinel://s1,s2/jobs?sentinel_password=x%26y", 1)),
+])
+def test_wait_replicas_is_taken_from_the_url_and_the_rest_left_to_the_pool(url, expected):
+    assert split_wait_replicas(url) == expected
+
+
+@pytest.mark.parametrize("value", ["two", "-1", "101", ""])
+def test_a_bad_wait_replicas_is_named_before_the_server_starts(value, capsys):
+    url = f"redis://127.0.0.1:6379/0?wait_replicas={value}"
+    with pytest.raises(ValueError, match="wait_replicas is the number of replicas"):
+        Settings(redis_url=url)
+    assert main(["worker", "--redis-url", url]) == 2
+    assert f"not {value!r}" in capsys.readouterr().err
+
+
+def test_writes_a_replica_has_not_confirmed_are_refused_as_an_outage_and_go_through_once_it_has(replicated):
+    async def scenario() -> None:
+        store = JobStore.from_url(replicated.url + "?wait_replicas=1")
+        unconfirmed = JobStore.from_url(replicated.url)  # the same servers, without the setting
+        too_many = JobStore.from_url(replicated.url + "?wait_replicas=2")
+        try:
+            job, _ = await store.submit([URL_ITEM])
+            assert replicated.holds(job.id)  # there when acknowledged
+            with paused(replicated.replica):
+                await unconfirmed.submit([URL_ITEM])  # acknowledged, though no replica holds it
+                for write in (lambda: store.submit([URL_ITEM], idempotency_key="k"), lambda: store.cancel(job.id),
+                              lambda: store.retry_failed(job.id), lambda: store.delete(job.id)):
+                    with pytest.raises(NotReplicatedError, match="0 of the 1 replica") as refused:
+                        await write()
+                    assert isinstance(refused.value, REDIS_ERRORS)
+                    assert outage(refused.value) == "without the replicas it writes to"
+            again, created = await store.submit([URL_ITEM], idempotency_key="k")  # the retry: the job first written
+            assert not created and replicated.holds(again.id)
+            with pytest.raises(NotReplicatedError, match="1 of the 2 replica"):  # more than there are
+                await too_many.submit([URL_ITEM])
+        finally:
+            for client in (store, unconfirmed, too_many):
+                await client.close()
+
+    asyncio.run(scenario())
+
+
+def test_the_store_names_replicas_without_wait_replicas_a_risk(replicated):
+    async def risks(url: str) -> dict[str, str]:
+        store = JobStore.from_url(url)
+        try:
+            return await store.durability_risks()
+        finally:
+            await store.close()
+
+    said = asyncio.run(risks(replicated.url))["unconfirmed_replication"]
+    assert "1 replica(s)" in said and "Add wait_replicas=1 to the Redis URL" in said
+    assert "unconfirmed_replication" not in asyncio.run(risks(replicated.url + "?wait_replicas=1"))
+    assert "unconfirmed_replication" not in asyncio.run(risks(replicated.replica.url))  # a replica has none of its own
+
+
+def test_http_answers_503_while_no_replica_confirms_and_the_retry_takes_the_job_written(replicated, parity_dir,
+                                                                                        parity_audio):
+    model = load_model(parity_dir / "tdt.nemo", device="cpu", dtype="float32")
+    files = [("files", (Path(p).name, Path(p).read_bytes(), "audio/wav")) for p in parity_audio[:2]]
+    headers = {"Idempotency-Key": "batch-7"}
+    with run_server(Settings(redis_url=replicated.url + "?wait_replicas=1", max_wait_ms=20), model) as running:
+        with paused(replicated.replica):
+            refused = httpx.post(f"{running.url}/v1/jobs", files=files, headers=headers, timeout=60)
+        assert refused.status_code == 503, refused.text
+        error = refused.json()["error"]
+        assert error["code"] == "redis_unavailable" and "without the replicas it writes to" in error["message"]
+        assert refused.headers["retry-after"]
+        retried = httpx.post(f"{running.url}/v1/jobs", files=files, headers=headers, timeout=60)
+        assert retried.status_code == 200, retried.text  # the job the refused request wrote, not a second one
+        job = wait_job(running.url, retried.json()["id"], timeout_s=90)
+        assert job["status"] == "completed" and job["counts"]["completed"] == 2, job
+        assert httpx.get(f"{running.url}/v1/jobs").json()["data"] == [job]
