@@ -312,7 +312,8 @@ def _submit_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", help="Bearer key for --server")
     p.add_argument("--wait", action="store_true", help="wait for the job, with a progress bar, then print results")
     p.add_argument("--output", type=Path, help="write result lines here instead of stdout")
-    p.add_argument("--idempotency-key", help="resubmitting with the same key returns the same job")
+    p.add_argument("--idempotency-key", help="resubmitting with the same key returns the same job (default: a key of "
+                   "this command's own, under which it tries a job again through an outage)")
     p.add_argument("--webhook-url", help="POSTed to (signed) when the job finishes; the server must allow it")
     p.add_argument("--priority", choices=["high", "normal", "low"], default="normal",
                    help="workers take high jobs' items before normal ones', and normal before low (default normal)")

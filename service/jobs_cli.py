@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import secrets
 import signal
 import sys
 import time
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any, Literal, TextIO, TypeVar
 
 import httpx
+import redis.asyncio as aioredis
 
 from models.audio_io import AudioClip, find_audio_files
 
@@ -36,11 +38,13 @@ JOB_BYTES = 256 * 1024 * 1024  # uploads per job by default: well under a server
 JSON_FIELDS_ROOM = 1 << 20  # of a JSON job's body, left for its fields beside the items (webhook, hotwords, ...)
 SIZE_SUFFIXES = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3}
 FINAL_STATUSES = {"completed", "completed_with_errors", "failed", "cancelled"}
-# while following its jobs, how long submit --wait rides out a server or Redis it cannot reach (a Redis restart or
-# failover, a front end restarting) before it gives up: the jobs go on regardless
+# how long submit rides out a server or Redis it cannot reach or that refuses for now (a Redis restart or failover, a
+# front end restarting), submitting or following its jobs, before it gives up: jobs submitted go on regardless
 WAIT_OUTAGE_S = 300.0
 OUTAGE_STATUSES = (502, 503, 504)  # a server's answers that say it, or its Redis, is away for now
-OUTAGE_ERRORS = (httpx.TransportError, httpx.HTTPStatusError, *REDIS_ERRORS)  # what submit --wait rides out
+OUTAGE_ERRORS = (httpx.TransportError, httpx.HTTPStatusError, *REDIS_ERRORS)  # what submit rides out
+# a first try that meets one of these has reached nothing: a wrong address most likely, said at once
+NOTHING_THERE = (httpx.ConnectError, aioredis.ConnectionError)
 
 
 # --- worker -------------------------------------------------------------------------------------------------
@@ -335,9 +339,9 @@ async def run_submit(inputs: list[Input], redis_url: str | None, server: str | N
                      progress: Callable[[], Progress] = Progress, job_bytes: int = JOB_BYTES,
                      options: JobOptions | None = None,
                      write_result: Callable[[Input, dict[str, Any]], None] | None = None) -> int:
-    """Submit ``inputs`` as one job, or as several of at most ``job_bytes`` of uploads each (in input order; with
-    an idempotency key, the n-th job's key is ``KEY.n``); with ``wait``, follow them and write every result in
-    input order: a JSON line each to ``output``, or as ``write_result(input, record)`` does."""
+    """Submit ``inputs`` as one job, or as several of at most ``job_bytes`` of uploads each (in input order; the n-th
+    job's idempotency key is ``KEY.n``, KEY one of its own where none is given); with ``wait``, follow them and
+    write every result in input order: a JSON line each to ``output``, or as ``write_result(input, record)`` does."""
     if write_result is None:
         def write_result(source: Input, record: dict[str, Any]) -> None:
             output.write(json.dumps(record, ensure_ascii=False) + "\n")
@@ -345,11 +349,12 @@ async def run_submit(inputs: list[Input], redis_url: str | None, server: str | N
     options = options or JobOptions()
     client = _ServerClient(server, api_key) if server else _RedisClient(redis_url or "")
     parts = split_into_jobs(inputs, job_bytes, options.multichannel)
+    idempotency_key = idempotency_key or f"submit-{secrets.token_urlsafe(16)}"  # a job's tries make one job
     try:
         jobs = []
         for number, part in enumerate(parts, start=1):
-            key = f"{idempotency_key}.{number}" if idempotency_key and len(parts) > 1 else idempotency_key
-            jobs.append(await client.submit(part, key, options))
+            key = f"{idempotency_key}.{number}" if len(parts) > 1 else idempotency_key
+            jobs.append(await _submitted(client, part, key, options, first=number == 1))
             print(f"job {jobs[-1]['id']}: {jobs[-1]['total_items']} items", file=sys.stderr)
         if not wait:
             output.writelines(json.dumps(job) + "\n" for job in jobs)
@@ -389,22 +394,39 @@ async def run_submit(inputs: list[Input], redis_url: str | None, server: str | N
         await client.close()
 
 
-class _Outage:
-    """A server or Redis that cannot be reached while the jobs are followed: tried again with backoff for up to
-    ``WAIT_OUTAGE_S``: a poll that met a Redis restart ended the wait (and lost the results' output) while the job
-    went on."""
+async def _submitted(client: _ServerClient | _RedisClient, part: list[Input], key: str, options: JobOptions,
+                     first: bool) -> dict[str, Any]:
+    """``client.submit``, tried again through an outage (``_Outage``) under the same idempotency key, so a try whose
+    answer was lost, or that was refused after its job was written (no replica confirmed it: ``wait_replicas``),
+    gets that job rather than making a second. Only the first job's first try is not tried again if it reaches
+    nothing at all (``NOTHING_THERE``)."""
+    outage = _Outage("submitting")
+    while True:
+        try:
+            return await client.submit(part, key, options)
+        except OUTAGE_ERRORS as exc:
+            if first and outage.tries == 0 and isinstance(exc, NOTHING_THERE):
+                raise
+            await outage.ride_out(exc)
 
-    def __init__(self) -> None:
-        self.deadline, self.backoff_s = time.monotonic() + WAIT_OUTAGE_S, 1.0
+
+class _Outage:
+    """A server or Redis that cannot be reached, or refuses for now, while the jobs are submitted or followed: tried
+    again with backoff for up to ``WAIT_OUTAGE_S``: a poll that met a Redis restart ended the wait (and lost the
+    results' output) while the job went on, and a submission that met a failover ended the command."""
+
+    def __init__(self, doing: str = "following the jobs") -> None:
+        self.doing = doing
+        self.deadline, self.backoff_s, self.tries = time.monotonic() + WAIT_OUTAGE_S, 1.0, 0
 
     async def ride_out(self, exc: Exception) -> None:
         """Wait before the next try, or raise ``exc``: it is not an outage, or the outage lasted too long."""
         away = not isinstance(exc, httpx.HTTPStatusError) or exc.response.status_code in OUTAGE_STATUSES
         if not away or time.monotonic() + self.backoff_s > self.deadline:
             raise exc
-        print(f"\nwarning: following the jobs: {exc}; trying again in {self.backoff_s:.0f} s", file=sys.stderr)
+        print(f"\nwarning: {self.doing}: {exc}; trying again in {self.backoff_s:.0f} s", file=sys.stderr)
         await asyncio.sleep(self.backoff_s)
-        self.backoff_s = min(2 * self.backoff_s, 30.0)
+        self.backoff_s, self.tries = min(2 * self.backoff_s, 30.0), self.tries + 1
 
 
 async def _riding_out(call: Callable[[], Awaitable[T]]) -> T:

@@ -26,7 +26,9 @@ class RedisServer:
         return f"redis://{f':{self.password}@' if self.password else ''}127.0.0.1:{self.port}/0"
 
     def start(self) -> RedisServer:
-        args = ["--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.directory), "--save", ""]
+        args = ["--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.directory), "--save", "",
+                # a replica syncs at once, not after the 5 s Redis waits by default for others to share the transfer
+                "--repl-diskless-sync-delay", "0"]
         args += ["--appendonly", "yes", "--appendfsync", "always"] if self.appendonly else ["--appendonly", "no"]
         args += ["--requirepass", self.password] if self.password else []
         self.process = _launch(args, self.client().ping, "redis-server")

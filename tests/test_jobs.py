@@ -1064,11 +1064,14 @@ def test_http_without_redis_and_with_redis_down(model, parity_audio, tmp_path):
     server.stop()
 
 
-def test_submit_cli_to_unreachable_redis(parity_audio):
-    result = subprocess.run([sys.executable, "-m", "service.cli", "submit", "--redis-url",
-                             f"redis://127.0.0.1:{free_port()}/0", parity_audio[0]], capture_output=True, text=True,
-                            timeout=60)
-    assert result.returncode == 2 and "cannot reach Redis" in result.stderr
+@pytest.mark.parametrize("target, said", [("--redis-url", "Redis"), ("--server", "the server")])
+def test_submit_cli_to_an_address_that_answers_nothing_says_so_at_once(parity_audio, target, said):
+    """Not tried again for minutes as an outage is (a wrong address, most likely): nothing there was ever reached."""
+    address = f"{'redis' if target == '--redis-url' else 'http'}://127.0.0.1:{free_port()}"
+    result = subprocess.run([sys.executable, "-m", "service.cli", "submit", target, address, parity_audio[0]],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and f"cannot reach {said}" in result.stderr, result.stderr
+    assert "trying again" not in result.stderr
 
 
 def test_submit_and_jobs_cli_take_redis_from_the_environment_and_say_when_there_is_none(redis_server, parity_audio):

@@ -6,6 +6,8 @@ for one cut off or behind."""
 from __future__ import annotations
 
 import asyncio
+import io
+import json
 import os
 import signal
 from contextlib import contextmanager
@@ -21,6 +23,7 @@ from service.config import Settings
 from service.job_keys import JOB_KEY
 from service.job_types import ItemInput
 from service.jobs import JobStore
+from service.jobs_cli import run_submit
 from service.redis_outages import REDIS_ERRORS, NotReplicatedError, outage
 from service.redis_pools import split_wait_replicas
 from tests.redis_server import RedisServer, start_replica
@@ -142,3 +145,33 @@ def test_http_answers_503_while_no_replica_confirms_and_the_retry_takes_the_job_
         job = wait_job(running.url, retried.json()["id"], timeout_s=90)
         assert job["status"] == "completed" and job["counts"]["completed"] == 2, job
         assert httpx.get(f"{running.url}/v1/jobs").json()["data"] == [job]
+
+
+@pytest.mark.parametrize("through", ["redis", "server"])
+def test_submit_rides_out_refusals_under_one_idempotency_key_and_makes_one_job(replicated, parity_dir, parity_audio,
+                                                                               capsys, through):
+    """`batchasr submit` tries a refused submission again (a 503 from the server, an outage from Redis) under the
+    same idempotency key, one of its own where none is given: each refused try here wrote its job before no replica
+    confirmed it, and the try that goes through gets that job, not a second one."""
+    url = replicated.url + "?wait_replicas=1"
+
+    async def scenario(server_url: str | None) -> tuple[int, str]:
+        out = io.StringIO()
+        with paused(replicated.replica):
+            submitting = asyncio.create_task(run_submit([Path(parity_audio[0])], None if server_url else url,
+                                                        server_url, None, False, out))
+            await asyncio.sleep(2.5)  # a try a second or so, each refused
+            assert not submitting.done()
+        return await submitting, out.getvalue()
+
+    if through == "server":
+        model = load_model(parity_dir / "tdt.nemo", device="cpu", dtype="float32")
+        with run_server(Settings(redis_url=url), model) as running:
+            code, out = asyncio.run(scenario(running.url))
+    else:
+        code, out = asyncio.run(scenario(None))
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "warning: submitting: " in err and "trying again" in err
+    jobs = [key.decode() for key in replicated.primary.client().keys("batchasr:job:*") if key.count(b":") == 2]
+    assert jobs == [JOB_KEY.format(job_id=json.loads(out)["id"])]
