@@ -1,6 +1,6 @@
 """What `batchasr submit --wait` holds in memory to write a job's results: a private redis-server, a job of
 `--items` path items finished with results of 25 words each, then the results read as one list (as the job store's
-`results` gives them) and streamed as `submit --wait` writes them (`service.jobs_cli`), with each one's peak
+`results` gives them) and streamed as `submit --wait` writes them (`service.job_clients`), with each one's peak
 traced Python memory.
 
     python loadtest/results_memory.py --items 20000
@@ -18,13 +18,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from service.jobs_cli import _RedisClient, _results_in_order  # noqa: E402
+from service.job_clients import RedisClient, results_in_order  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
 from tests.servers import finished_job  # noqa: E402
 
 
 async def measure(url: str, job_id: str, sources: list[Path]) -> None:
-    client = _RedisClient(url)
+    client = RedisClient(url)
     try:
         await client.store.get(job_id)  # the connection first: it is not the results'
         tracemalloc.start()
@@ -34,7 +34,7 @@ async def measure(url: str, job_id: str, sources: list[Path]) -> None:
         tracemalloc.stop()
         tracemalloc.start()
         count = 0
-        async for _ in _results_in_order(client, job_id, sources):
+        async for _ in results_in_order(client, job_id, sources):
             count += 1
         print(f"{count} results streamed: peak {tracemalloc.get_traced_memory()[1] / 2**20:.0f} MiB")
         tracemalloc.stop()

@@ -370,8 +370,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from models.audio_io import AudioClip
 
     from .job_types import JobOptions, JobPriority
-    from .jobs_cli import WorkerPath, collect_audio, parse_size, run_submit
+    from .jobs_cli import run_submit
     from .line_output import cannot_write, open_results
+    from .submit_inputs import WorkerPath, collect_audio, parse_size
 
     if not _has_target(args):
         return 2
@@ -490,8 +491,8 @@ def _result_files(args: argparse.Namespace, inputs: list) -> Callable[[Any, dict
     """``submit --output-dir``: each completed item's result written to its own file, whole; a failed item's error
     on stderr. ValueError if two inputs would share a file."""
     from .formats import from_record, render
-    from .jobs_cli import WorkerPath
     from .output_files import is_url, output_names, write_whole
+    from .submit_inputs import WorkerPath
 
     suffix = f".{args.format}"
     layout = _layout(args)

@@ -220,17 +220,17 @@ def test_keys_written_after_submission_expire_with_their_job(redis_server):
 def test_submit_wait_streams_a_jobs_results_rather_than_holding_them(redis_server):
     """A job of 100,000 items was a list of its results in memory before the first line was written: 12 KB each
     as Python objects (1.2 GB)."""
-    from service.jobs_cli import _RedisClient, _results_in_order
+    from service.job_clients import RedisClient, results_in_order
 
     job_id, sources = finished_job(redis_server.url, 6000, words_each=25)
 
     async def scenario() -> tuple[int, int]:
-        client = _RedisClient(redis_server.url)
+        client = RedisClient(redis_server.url)
         await client.store.get(job_id)  # the connection first: it is not the results'
         count = 0
         tracemalloc.start()
         try:
-            async for source, record in _results_in_order(client, job_id, sources):
+            async for source, record in results_in_order(client, job_id, sources):
                 assert record["text"] == f"item {count}" and source == sources[count]
                 count += 1
             peak = tracemalloc.get_traced_memory()[1]
@@ -244,8 +244,8 @@ def test_submit_wait_streams_a_jobs_results_rather_than_holding_them(redis_serve
 
 
 def test_submit_wait_resumes_a_jobs_results_after_an_outage_without_repeating_any(tmp_path, capsys):
+    from service.job_clients import RedisClient, results_in_order
     from service.jobs import RESULTS_PAGE
-    from service.jobs_cli import _RedisClient, _results_in_order
     from tests.redis_server import RedisServer
 
     server = RedisServer(tmp_path, appendonly=True).start()  # the job outlives the restart
@@ -257,9 +257,9 @@ def test_submit_wait_resumes_a_jobs_results_after_an_outage_without_repeating_an
                 await asyncio.sleep(0.5)
                 await asyncio.to_thread(server.start)
 
-            client, texts, restarting = _RedisClient(server.url), [], []
+            client, texts, restarting = RedisClient(server.url), [], []
             try:
-                async for _, record in _results_in_order(client, job_id, sources):
+                async for _, record in results_in_order(client, job_id, sources):
                     texts.append(record["text"])
                     if len(texts) == RESULTS_PAGE:  # the first page is in: Redis goes away for a moment
                         await asyncio.to_thread(server.stop)
@@ -277,14 +277,14 @@ def test_submit_wait_resumes_a_jobs_results_after_an_outage_without_repeating_an
 
 
 def test_submit_wait_says_when_a_jobs_results_do_not_match_its_inputs(redis_server):
-    from service.jobs_cli import _RedisClient, _results_in_order
+    from service.job_clients import RedisClient, results_in_order
 
     job_id, sources = finished_job(redis_server.url, 5)
 
     async def read_all(given: list[Path]) -> None:
-        client = _RedisClient(redis_server.url)
+        client = RedisClient(redis_server.url)
         try:
-            async for _ in _results_in_order(client, job_id, given):
+            async for _ in results_in_order(client, job_id, given):
                 pass
         finally:
             await client.close()

@@ -25,15 +25,16 @@ import torch
 from redis.exceptions import OutOfMemoryError
 
 from models import load_model
-from service import jobs_cli, url_inputs
+from service import submit_inputs, url_inputs
 from service.batcher import POOL_FACTOR
 from service.config import Settings
 from service.job_keys import DEAD_LETTER_STREAM, GROUP, ITEM_STREAM, RESULTS_KEY, WEBHOOK_STREAM
 from service.job_types import ItemInput, Job, JobInputError, JobOptions, JobPriority, item_record
 from service.jobs import JSON_JOB_BYTES, MAX_JOB_ITEMS, JobStore
-from service.jobs_cli import parse_size, run_submit, split_into_jobs
+from service.jobs_cli import run_submit
 from service.runtime import READING_SHARE, build_stack
 from service.spool import NoRoomForInput
+from service.submit_inputs import parse_size, split_into_jobs
 from service.url_inputs import check_input_url
 from tests.conftest import long_recording
 from tests.redis_server import RedisServer
@@ -1171,7 +1172,7 @@ def test_jobs_are_split_by_upload_bytes_in_order(tmp_path, monkeypatch):
     # URLs and workers' paths go as JSON: their jobs' bodies stay within what the server takes
     urls = [f"https://media.example/{i:04d}.wav" for i in range(10)]
     item_bytes = len(json.dumps({"url": urls[0]})) + 2
-    monkeypatch.setattr(jobs_cli, "JSON_JOB_BYTES", jobs_cli.JSON_FIELDS_ROOM + 3 * item_bytes)
+    monkeypatch.setattr(submit_inputs, "JSON_JOB_BYTES", submit_inputs.JSON_FIELDS_ROOM + 3 * item_bytes)
     assert split_into_jobs(urls, 10_000) == [urls[:3], urls[3:6], urls[6:9], urls[9:]]
     assert parse_size("256M") == 256 * 1024**2 and parse_size("300k") == 300 * 1024 and parse_size("12") == 12
     for bad in ("", "M", "-1", "1.5G", "0", "12T"):

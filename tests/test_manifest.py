@@ -18,9 +18,9 @@ from models.audio_io import AudioError, read_audio, resample
 from models.wer import edit_distance
 from service.cli import main
 from service.config import Settings
-from service.jobs_cli import upload_size
 from service.manifest import ErrorRate, ManifestEntry, words_for_scoring
 from service.stretch_upload import HEADER_BYTES, stretch_upload
+from service.submit_inputs import upload_size
 from tests.media import encode
 from tests.servers import run_server, wait_job
 

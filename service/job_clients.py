@@ -1,0 +1,227 @@
+"""The job commands' clients: of a batchasr server's /v1/jobs (``ServerClient``) or of Redis itself
+(``RedisClient``), alike to their callers, and the riding out of an outage of either (``Outage``)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import httpx
+import redis.asyncio as aioredis
+
+from .job_types import ANONYMOUS, JobNotFound, JobOptions, JobStatus
+from .jobs import JobStore
+from .redis_outages import REDIS_ERRORS
+from .stretch_upload import stretch_upload
+from .submit_inputs import Input, item_input, json_item, sent_as_json
+
+JobAction = Literal["cancel", "purge", "retry"]  # what `batchasr jobs` may do to jobs instead of listing them
+T = TypeVar("T")
+
+# how long submit rides out a server or Redis it cannot reach or that refuses for now (a Redis restart or failover, a
+# front end restarting), submitting or following its jobs, before it gives up: jobs submitted go on regardless
+WAIT_OUTAGE_S = 300.0
+OUTAGE_STATUSES = (502, 503, 504)  # a server's answers that say it, or its Redis, is away for now
+OUTAGE_ERRORS = (httpx.TransportError, httpx.HTTPStatusError, *REDIS_ERRORS)  # what submit rides out
+# a first try that meets one of these has reached nothing: a wrong address most likely, said at once
+NOTHING_THERE = (httpx.ConnectError, aioredis.ConnectionError)
+
+
+def _no_such_job(job_id: str) -> ValueError:
+    return ValueError(f"{job_id}: no such job (it expired or was purged)")
+
+
+def _raise_for_missing_job(response: httpx.Response, job_id: str) -> None:
+    """A job that is gone (expired, purged) is the job's news, not a server that cannot be reached."""
+    if response.status_code == 404:
+        raise _no_such_job(job_id)
+    response.raise_for_status()
+
+
+class ServerClient:
+    def __init__(self, url: str, api_key: str | None):
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, timeout=300)
+
+    async def submit(self, inputs: list[Input], idempotency_key: str | None, options: JobOptions) -> dict[str, Any]:
+        """Files (and stretches) as multipart uploads; URLs and workers' paths as a JSON job (the server fetches or
+        reads them)."""
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        sent = [source for source in inputs if sent_as_json(source)]
+        fields = {"webhook_url": options.webhook_url, "priority": options.priority.value,
+                  "multichannel": options.multichannel, "skip_silence": options.skip_silence}
+        if sent:  # split_into_jobs keeps them apart from uploads
+            items = [json_item(s) for s in sent]
+            body = {"items": items, **fields, "channel_names": list(options.channel_names),
+                    "hotwords": list(options.hotwords)}
+            response = await self.http.post("/v1/jobs", json=body, headers=headers)
+        else:
+            with contextlib.ExitStack() as files:  # streamed from disk, not read into memory first
+                parts = [("files", (p.name, files.enter_context(open(p, "rb")), "application/octet-stream")
+                          if isinstance(p, Path) else stretch_upload(p, options.multichannel))
+                         for p in inputs if not sent_as_json(p)]
+                form = {name: str(value).lower() for name, value in fields.items() if value is not None}
+                if options.channel_names:
+                    form["channel_names"] = ",".join(options.channel_names)
+                if options.hotwords:
+                    form["hotwords"] = ",".join(options.hotwords)
+                response = await self.http.post("/v1/jobs", files=parts, data=form, headers=headers)
+        if response.is_client_error:  # the server's reason (a URL it does not take, ...), not just the status
+            raise ValueError(f"the server refused the job: {response.json()['error']['message']}")
+        response.raise_for_status()
+        return response.json()
+
+    async def get(self, job_id: str) -> dict[str, Any]:
+        response = await self.http.get(f"/v1/jobs/{job_id}")
+        _raise_for_missing_job(response, job_id)
+        return response.json()
+
+    async def act(self, job_id: str, action: JobAction) -> dict[str, Any]:
+        if action == "retry":
+            response = await self.http.post(f"/v1/jobs/{job_id}/retry")
+        else:
+            purge = {"purge": "true"} if action == "purge" else {}
+            response = await self.http.delete(f"/v1/jobs/{job_id}", params=purge)
+        if response.is_client_error:
+            raise ValueError(f"{job_id}: {response.json()['error']['message']}")
+        response.raise_for_status()
+        return response.json()
+
+    async def results(self, job_id: str) -> AsyncIterator[dict[str, Any]]:
+        async with self.http.stream("GET", f"/v1/jobs/{job_id}/results") as response:
+            _raise_for_missing_job(response, job_id)  # by its status: the body is not read
+            async for line in response.aiter_lines():
+                if line:
+                    yield json.loads(line)
+
+    async def list_jobs(self, limit: int, after: str | None, status: str | None) -> tuple[list[dict[str, Any]], bool]:
+        params = {"limit": limit, **({"after": after} if after else {}), **({"status": status} if status else {})}
+        response = await self.http.get("/v1/jobs", params=params)
+        if response.is_client_error:
+            raise ValueError(response.json()["error"]["message"])
+        response.raise_for_status()
+        page = response.json()
+        return page["data"], page["has_more"]
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+
+class RedisClient:
+    def __init__(self, url: str):
+        self.store = JobStore.from_url(url)
+
+    async def submit(self, inputs: list[Input], idempotency_key: str | None, options: JobOptions) -> dict[str, Any]:
+        # the workers check the webhook URL against their own settings when they post (and record a refusal)
+        job, _ = await self.store.submit([item_input(source, options.multichannel) for source in inputs],
+                                         idempotency_key, options)
+        return job.to_dict()
+
+    async def get(self, job_id: str) -> dict[str, Any]:
+        try:
+            return (await self.store.get(job_id)).to_dict()
+        except JobNotFound as exc:
+            raise _no_such_job(job_id) from exc
+
+    async def act(self, job_id: str, action: JobAction) -> dict[str, Any]:
+        # straight in Redis, any job: whoever reaches Redis runs the store
+        try:
+            if action == "purge":
+                await self.store.delete(job_id)
+                return {"id": job_id, "object": "transcription.job.deleted", "deleted": True}
+            if action == "retry":
+                job, retried, unretried = await self.store.retry_failed(job_id)
+                return job.retried_dict(retried, unretried)
+            job, _ = await self.store.cancel(job_id)  # straight in Redis: no process to count it in
+            return job.to_dict()
+        except JobNotFound as exc:
+            raise _no_such_job(job_id) from exc
+
+    async def results(self, job_id: str) -> AsyncIterator[dict[str, Any]]:
+        try:
+            async for record in self.store.iter_results(job_id):
+                yield record
+        except JobNotFound as exc:
+            raise _no_such_job(job_id) from exc
+
+    async def list_jobs(self, limit: int, after: str | None, status: str | None) -> tuple[list[dict[str, Any]], bool]:
+        try:  # straight from Redis: the jobs submitted without an API key
+            jobs, more = await self.store.list_jobs(ANONYMOUS, limit, after, JobStatus(status) if status else None)
+        except JobNotFound as exc:
+            raise ValueError(f"no job {after} in the list") from exc
+        return [job.to_dict() for job in jobs], more
+
+    async def close(self) -> None:
+        await self.store.close()
+
+
+JobClient = ServerClient | RedisClient
+
+
+def client_for(redis_url: str | None, server: str | None, api_key: str | None) -> JobClient:
+    """A client of the server where one is named, else of Redis."""
+    return ServerClient(server, api_key) if server else RedisClient(redis_url or "")
+
+
+class Outage:
+    """A server or Redis that cannot be reached, or refuses for now, while the jobs are submitted or followed: tried
+    again with backoff for up to ``WAIT_OUTAGE_S``: a poll that met a Redis restart ended the wait (and lost the
+    results' output) while the job went on, and a submission that met a failover ended the command."""
+
+    def __init__(self, doing: str = "following the jobs") -> None:
+        self.doing = doing
+        self.deadline, self.backoff_s, self.tries = time.monotonic() + WAIT_OUTAGE_S, 1.0, 0
+
+    async def ride_out(self, exc: Exception) -> None:
+        """Wait before the next try, or raise ``exc``: it is not an outage, or the outage lasted too long."""
+        away = not isinstance(exc, httpx.HTTPStatusError) or exc.response.status_code in OUTAGE_STATUSES
+        if not away or time.monotonic() + self.backoff_s > self.deadline:
+            raise exc
+        print(f"\nwarning: {self.doing}: {exc}; trying again in {self.backoff_s:.0f} s", file=sys.stderr)
+        await asyncio.sleep(self.backoff_s)
+        self.backoff_s, self.tries = min(2 * self.backoff_s, 30.0), self.tries + 1
+
+
+async def riding_out(call: Callable[[], Awaitable[T]], doing: str = "following the jobs",
+                     unreached_ends: bool = False) -> T:
+    """``call()``, tried again through an outage (``Outage``); with ``unreached_ends``, not after a first try that
+    reached nothing at all (``NOTHING_THERE``)."""
+    outage = Outage(doing)
+    while True:
+        try:
+            return await call()
+        except OUTAGE_ERRORS as exc:
+            if unreached_ends and outage.tries == 0 and isinstance(exc, NOTHING_THERE):
+                raise
+            await outage.ride_out(exc)
+
+
+async def results_in_order(client: JobClient, job_id: str, sources: list[Input]
+                            ) -> AsyncIterator[tuple[Input, dict[str, Any]]]:
+    """Each of a job's items with its result, as they stream in: a job of 100,000 items was a list of results
+    in memory first (12 KB each as Python objects). Through an outage the results are fetched again from the
+    start, and those already given skipped. ValueError if they do not match the items one for one."""
+    given, outage = 0, Outage()
+    while True:
+        try:
+            seen = 0
+            async with contextlib.aclosing(client.results(job_id)) as records:
+                async for record in records:
+                    seen += 1
+                    if seen <= given:
+                        continue
+                    if given == len(sources):
+                        raise ValueError(f"job {job_id}: more results than its {len(sources)} items")
+                    given += 1
+                    yield sources[given - 1], record
+            break
+        except OUTAGE_ERRORS as exc:
+            await outage.ride_out(exc)
+    if given != len(sources):
+        raise ValueError(f"job {job_id}: {given} results for its {len(sources)} items")
