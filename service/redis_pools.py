@@ -21,7 +21,7 @@ import math
 import time
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qs, parse_qsl, unquote, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qs, parse_qsl, unquote, urlencode, urlsplit
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -65,8 +65,8 @@ def check_url(url: str) -> None:
 
 def split_wait_replicas(url: str) -> tuple[str, int]:
     """``url`` without its ``wait_replicas`` parameter, and the number it gives (0 without one)."""
-    parts = urlsplit(url)
-    query = parse_qsl(parts.query, keep_blank_values=True)
+    base, _, query_string = url.partition("?")  # not urlunsplit: it writes unix:///path as unix:/path
+    query = parse_qsl(query_string, keep_blank_values=True)
     values = [value for name, value in query if name == WAIT_REPLICAS]
     if not values:
         return url, 0
@@ -74,7 +74,7 @@ def split_wait_replicas(url: str) -> tuple[str, int]:
         raise ValueError(f"{WAIT_REPLICAS} is the number of replicas (0 to 100) that must hold a write before it is "
                          f"acknowledged, not {values[-1]!r}")
     rest = urlencode([(name, value) for name, value in query if name != WAIT_REPLICAS])
-    return urlunsplit(parts._replace(query=rest)), int(values[-1])
+    return base + (f"?{rest}" if rest else ""), int(values[-1])
 
 
 def parse_sentinel_url(url: str) -> SentinelURL:

@@ -25,7 +25,7 @@ from service.job_types import ItemInput
 from service.jobs import JobStore
 from service.jobs_cli import run_submit
 from service.redis_outages import REDIS_ERRORS, NotReplicatedError, outage
-from service.redis_pools import split_wait_replicas
+from service.redis_pools import check_url, split_wait_replicas
 from tests.redis_server import RedisServer, start_replica
 from tests.servers import run_server, wait_job
 
@@ -70,12 +70,15 @@ def paused(server: RedisServer):
 @pytest.mark.parametrize("url, expected", [
     ("redis://h:6379/0", ("redis://h:6379/0", 0)),
     ("redis://h:6379/0?wait_replicas=1", ("redis://h:6379/0", 1)),
+    ("unix:///run/redis.sock?db=2&wait_replicas=1", ("unix:///run/redis.sock?db=2", 1)),
+    ("unix:///run/redis.sock?wait_replicas=1", ("unix:///run/redis.sock", 1)),
     ("rediss://:pw@h/2?ssl_cert_reqs=none&wait_replicas=2", ("rediss://:pw@h/2?ssl_cert_reqs=none", 2)),
     ("redis+sentinel://s1,s2/jobs?wait_replicas=1&sentinel_password=x%26y",
      ("redis+sentinel://s1,s2/jobs?sentinel_password=x%26y", 1)),
 ])
 def test_wait_replicas_is_taken_from_the_url_and_the_rest_left_to_the_pool(url, expected):
     assert split_wait_replicas(url) == expected
+    check_url(url)  # what is left is a URL the pool takes
 
 
 @pytest.mark.parametrize("value", ["two", "-1", "101", ""])
