@@ -91,7 +91,7 @@ def parse_sentinel_url(url: str) -> SentinelURL:
     if len(path) > 2 or (len(path) == 2 and not path[1].isdigit()):
         raise ValueError(f"a Sentinel URL's path is /service or /service/db, not {parts.path}")
     query = {name: values[-1] for name, values in parse_qs(parts.query).items()}
-    unknown = set(query) - {"sentinel_username", "sentinel_password"}
+    unknown = set(query) - {"sentinel_username", "sentinel_password", WAIT_REPLICAS}  # the last: the store's
     if unknown:
         raise ValueError(f"unknown Sentinel URL parameter(s): {', '.join(sorted(unknown))} "
                          f"(known: sentinel_username, sentinel_password, {WAIT_REPLICAS})")
