@@ -202,11 +202,10 @@ async def riding_out(call: Callable[[], Awaitable[T]], doing: str = "following t
             await outage.ride_out(exc)
 
 
-async def results_in_order(client: JobClient, job_id: str, sources: list[Input]
-                            ) -> AsyncIterator[tuple[Input, dict[str, Any]]]:
-    """Each of a job's items with its result, as they stream in: a job of 100,000 items was a list of results
-    in memory first (12 KB each as Python objects). Through an outage the results are fetched again from the
-    start, and those already given skipped. ValueError if they do not match the items one for one."""
+async def job_records(client: JobClient, job_id: str, total_items: int) -> AsyncIterator[dict[str, Any]]:
+    """A job's results, one per item in item order, as they stream in (a job of 100,000 items was a list of results
+    in memory first: 12 KB each as Python objects). Through an outage they are fetched again from the start, and
+    those already given skipped. ValueError if there are not ``total_items`` of them."""
     given, outage = 0, Outage()
     while True:
         try:
@@ -216,12 +215,22 @@ async def results_in_order(client: JobClient, job_id: str, sources: list[Input]
                     seen += 1
                     if seen <= given:
                         continue
-                    if given == len(sources):
-                        raise ValueError(f"job {job_id}: more results than its {len(sources)} items")
+                    if given == total_items:
+                        raise ValueError(f"job {job_id}: more results than its {total_items} items")
                     given += 1
-                    yield sources[given - 1], record
+                    yield record
             break
         except OUTAGE_ERRORS as exc:
             await outage.ride_out(exc)
-    if given != len(sources):
-        raise ValueError(f"job {job_id}: {given} results for its {len(sources)} items")
+    if given != total_items:
+        raise ValueError(f"job {job_id}: {given} results for its {total_items} items")
+
+
+async def results_in_order(client: JobClient, job_id: str, sources: list[Input]
+                           ) -> AsyncIterator[tuple[Input, dict[str, Any]]]:
+    """Each of a job's items (``sources``, as submitted) with its result, as they stream in (``job_records``)."""
+    async with contextlib.aclosing(job_records(client, job_id, len(sources))) as records:
+        index = 0
+        async for record in records:
+            yield sources[index], record
+            index += 1

@@ -1,6 +1,6 @@
 """`batchasr worker` (a job consumer for scale-out), `batchasr submit` (a bulk job from files, URLs or a manifest's
-stretches of files; what it sends: service.submit_inputs) and `batchasr jobs` (list, cancel, purge, retry), through
-a server or straight in Redis (service.job_clients)."""
+stretches of files; what it sends: service.submit_inputs) and `batchasr jobs` (list, cancel, purge, retry, or write
+their results), through a server or straight in Redis (service.job_clients)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from typing import Any, TextIO
 import httpx
 
 from .config import Settings
-from .job_clients import JobAction, JobClient, client_for, results_in_order, riding_out
+from .job_clients import JobAction, JobClient, client_for, job_records, results_in_order, riding_out
 from .job_types import JobOptions
 from .line_output import cannot_write
 from .logs import redacted_url
@@ -70,8 +70,9 @@ async def run_worker(settings: Settings, metrics_port: int | None) -> int:
 class Progress:
     """One line on stderr, redrawn: done/total, failures, elapsed."""
 
-    def __init__(self, stream: TextIO = sys.stderr, width: int = 30):
-        self.stream, self.width, self.started = stream, width, time.monotonic()
+    def __init__(self, stream: TextIO | None = None, width: int = 30):
+        # stderr as it is now, not as it was when this module was imported (a test's capture, closed since)
+        self.stream, self.width, self.started = stream or sys.stderr, width, time.monotonic()
 
     def update(self, job: dict[str, Any]) -> None:
         total = max(1, job["total_items"])
@@ -116,15 +117,7 @@ async def run_submit(inputs: list[Input], redis_url: str | None, server: str | N
         if not wait:
             output.writelines(json.dumps(job) + "\n" for job in jobs)
             return 0
-        bar = progress()
-        while True:
-            bar.update(_overall(jobs))
-            if all(job["status"] in FINAL_STATUSES for job in jobs):
-                break
-            await asyncio.sleep(poll_s)
-            jobs = [job if job["status"] in FINAL_STATUSES else await riding_out(lambda i=job["id"]: client.get(i))
-                    for job in jobs]
-        bar.close()
+        jobs = await _followed(client, jobs, progress, poll_s)
         for part, job in zip(parts, jobs, strict=True):
             try:  # flushed a job at a time: a full disk or a closed pipe is told here, not as a traceback at exit
                 async with contextlib.aclosing(results_in_order(client, job["id"], part)) as results:
@@ -135,7 +128,7 @@ async def run_submit(inputs: list[Input], redis_url: str | None, server: str | N
                 kept = ", ".join(j["id"] for j in jobs)
                 return cannot_write(exc, f" (the jobs are kept, their results at /v1/jobs/ID/results until they "
                                          f"expire: {kept})")
-            print(f"job {job['id']}: {job['status']}, RTFx {job['rtfx']}", file=sys.stderr)
+            print(_how_it_stands(job), file=sys.stderr)
         return 0 if all(job["status"] == "completed" for job in jobs) else 1
     except (httpx.HTTPError, *REDIS_ERRORS) as exc:
         print(f"error: cannot reach {'the server' if server else 'Redis'}: {exc}", file=sys.stderr)
@@ -149,6 +142,21 @@ async def run_submit(inputs: list[Input], redis_url: str | None, server: str | N
         return 2
     finally:
         await client.close()
+
+
+async def _followed(client: JobClient, jobs: list[dict[str, Any]], progress: Callable[[], Progress], poll_s: float
+                    ) -> list[dict[str, Any]]:
+    """The jobs once each has ended, polled every ``poll_s`` (through outages) with a progress bar meanwhile."""
+    bar = progress()
+    while True:
+        bar.update(_overall(jobs))
+        if all(job["status"] in FINAL_STATUSES for job in jobs):
+            break
+        await asyncio.sleep(poll_s)
+        jobs = [job if job["status"] in FINAL_STATUSES else await riding_out(lambda i=job["id"]: client.get(i))
+                for job in jobs]
+    bar.close()
+    return jobs
 
 
 def _overall(jobs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -190,13 +198,55 @@ async def run_action(redis_url: str | None, server: str | None, api_key: str | N
     return await _with_client(redis_url, server, api_key, act_on_all)
 
 
+# --- results ------------------------------------------------------------------------------------------------
+
+
+async def run_results(redis_url: str | None, server: str | None, api_key: str | None, job_ids: list[str], wait: bool,
+                      output: TextIO, write_result: Callable[[dict[str, Any]], None] | None = None,
+                      poll_s: float = 1.0, progress: Callable[[], Progress] = Progress) -> int:
+    """Each job's results in turn, one per item in item order (an item not ended says its state): a JSON line each to
+    ``output``, the record as the job holds it (``audio``: the name the item was submitted under), or as
+    ``write_result(record)`` does; with ``wait``, once every job has ended, a progress bar meanwhile. Exit status 0
+    when every item completed, 1 when one failed, was cancelled or has not ended yet."""
+    if write_result is None:
+        def write_result(record: dict[str, Any]) -> None:
+            output.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+    async def collect(client: JobClient) -> int:
+        # a first job that cannot be reached at all is a wrong address most likely, said at once
+        jobs = [await riding_out(lambda i=job_id: client.get(i), "reading the jobs", unreached_ends=number == 0)
+                for number, job_id in enumerate(job_ids)]
+        if wait:
+            jobs = await _followed(client, jobs, progress, poll_s)
+        for job in jobs:
+            try:  # flushed a job at a time: a full disk or a closed pipe is told here, not as a traceback at exit
+                async with contextlib.aclosing(job_records(client, job["id"], job["total_items"])) as records:
+                    async for record in records:
+                        write_result(record)
+                output.flush()
+            except OSError as exc:
+                return cannot_write(exc)
+            print(_how_it_stands(job), file=sys.stderr)
+        return 0 if all(job["status"] == "completed" for job in jobs) else 1
+
+    return await _with_client(redis_url, server, api_key, collect)
+
+
+def _how_it_stands(job: dict[str, Any]) -> str:
+    if job["status"] in FINAL_STATUSES:
+        return f"job {job['id']}: {job['status']}, RTFx {job['rtfx']}"
+    ended = sum(job["counts"][state] for state in ("completed", "failed", "cancelled"))
+    return (f"job {job['id']}: {job['status']}, {ended} of {job['total_items']} items ended (--wait waits for the "
+            "rest)")
+
+
 async def _with_client(redis_url: str | None, server: str | None, api_key: str | None,
-                       work: Callable[[JobClient], Awaitable[None]]) -> int:
-    """``work`` with a client of the server or of Redis; its failures as an exit status, said on stderr."""
+                       work: Callable[[JobClient], Awaitable[int | None]]) -> int:
+    """``work`` with a client of the server or of Redis: its exit status (None: 0), or its failures as one, said on
+    stderr."""
     client = client_for(redis_url, server, api_key)
     try:
-        await work(client)
-        return 0
+        return await work(client) or 0
     except (httpx.HTTPError, *REDIS_ERRORS) as exc:
         print(f"error: cannot reach {'the server' if server else 'Redis'}: {exc}", file=sys.stderr)
         return 2

@@ -1,8 +1,9 @@
-"""Results written one file per input under an output directory (`batchasr transcribe` and `batchasr submit`
-with ``--output-dir``): how each is named, and writing each whole."""
+"""Results written one file per input under an output directory (`batchasr transcribe`, `batchasr submit` and
+`batchasr jobs --results` with ``--output-dir``): how each is named, and writing each whole."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from pathlib import Path, PurePosixPath
 from urllib.parse import unquote, urlsplit
@@ -12,6 +13,11 @@ from models.audio_io import find_audio_files
 
 def is_url(text: str) -> bool:
     return text.startswith(("http://", "https://"))
+
+
+def file_suffix(format: str) -> str:
+    """The file name suffix of a result in ``format``: ``.txt`` for text, as editors and whisper name it."""
+    return ".txt" if format == "text" else f".{format}"
 
 
 def output_names(arguments: Iterable[str], suffix: str, files: bool = True) -> dict[Path | str, Path]:
@@ -34,6 +40,34 @@ def output_names(arguments: Iterable[str], suffix: str, files: bool = True) -> d
             raise ValueError(f"{seen[name]} and {source} would both be written as {name}: give them in separate runs")
         seen[name] = source
     return named
+
+
+STRETCH_LABEL = re.compile(r" \[[^\]]*\]$")  # a stretch of a recording, as AudioClip names it: "a.wav [1 s to 5 s]"
+
+
+class RecordedNames:
+    """Names for the results of a job's items, known only by the names they were submitted under (``jobs --results
+    --output-dir``): a URL by its path's last part, anything else (a path, an upload's file name) by its path as
+    given, inside the output directory whatever that path says (its root and any ``..`` dropped: the names are
+    whoever submitted's); a name already given in this run gets a number, in order (``call.srt``, ``call.2.srt``)."""
+
+    def __init__(self, suffix: str) -> None:
+        self.suffix = suffix
+        self.given: set[Path] = set()
+
+    def name(self, audio: str) -> Path:
+        if is_url(audio):
+            name = Path(PurePosixPath(unquote(urlsplit(audio).path)).name or "index")
+        else:
+            parts = [part for part in PurePosixPath(STRETCH_LABEL.sub("", audio)).parts if part not in ("/", ".", "..")]
+            name = Path(*parts) if parts else Path("item")
+        name = name.with_name(name.stem + self.suffix)
+        stem, number = name.stem, 1
+        while name in self.given:
+            number += 1
+            name = name.with_name(f"{stem}.{number}{self.suffix}")
+        self.given.add(name)
+        return name
 
 
 def write_whole(path: Path, text: str) -> None:

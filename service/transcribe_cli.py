@@ -114,7 +114,7 @@ def _transcribe_inputs(args: argparse.Namespace) -> TranscribeInputs:
     """What ``transcribe`` was given, checked before any model loads; ValueError (or FileNotFoundError) saying
     what is wrong."""
     from .manifest import file_entries, read_manifest
-    from .output_files import output_names
+    from .output_files import file_suffix, output_names
 
     if bool(args.manifest) == bool(args.audio):
         raise ValueError("give audio files and directories, or --manifest, not both" if args.audio
@@ -136,7 +136,7 @@ def _transcribe_inputs(args: argparse.Namespace) -> TranscribeInputs:
         if args.format in ("srt", "vtt") and len(entries) > 1:
             raise ValueError(f"--format {args.format} prints one transcript; the manifest has {len(entries)}")
         return _left_to_do(args, TranscribeInputs(entries, [None] * len(entries), from_manifest=True))
-    named = output_names(args.audio, f".{args.format}", files=args.output_dir is not None)  # else one stream
+    named = output_names(args.audio, file_suffix(args.format), files=args.output_dir is not None)  # else one stream
     if not named:
         raise ValueError("no audio files found")
     if args.format in ("srt", "vtt") and len(named) > 1 and args.output_dir is None:

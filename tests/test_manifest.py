@@ -344,5 +344,5 @@ def test_submit_paths_sends_where_the_files_are_not_their_bytes(redis_server, pa
         assert main(["submit", "--server", running.url, "--paths", "--wait", "--output-dir", str(tmp_path / "txt"),
                      "--format", "text", str(first)]) == 0
         outside = main(["submit", "--server", running.url, "--paths", parity_audio[0]])
-    assert (tmp_path / "txt" / f"{first.stem}.text").read_text() == expected[0] + "\n"
+    assert (tmp_path / "txt" / f"{first.stem}.txt").read_text() == expected[0] + "\n"
     assert outside == 2 and "outside the input roots" in capsys.readouterr().err

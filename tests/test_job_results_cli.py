@@ -1,0 +1,167 @@
+"""`batchasr jobs --results`: the results of jobs submitted earlier (by `submit` without `--wait`, or by one that was
+cut short), as lines or a file per item, waited for or as they stand. Against a real redis-server and a real
+server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from models import load_model
+from service.cli import main
+from service.config import Settings
+from service.jobs import JobStore
+from service.output_files import RecordedNames
+from tests.servers import run_server
+
+KEYS = ("key-of-team-a", "key-of-team-b")
+
+
+@pytest.fixture(scope="module")
+def model(parity_dir):
+    return load_model(parity_dir / "tdt.nemo", device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def expected(model, parity_audio) -> dict[str, str]:
+    return {Path(p).name: t.text for p, t in zip(parity_audio, model.transcribe(parity_audio), strict=True)}
+
+
+def _cli(*arguments: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "service.cli", *arguments], capture_output=True, text=True,
+                          timeout=120)
+
+
+def _calls(tmp_path: Path, parity_audio: list[str]) -> Path:
+    """Two days of calls, one clip under the same name on both, and a file that is not audio."""
+    calls = tmp_path / "calls"
+    for day, clips in (("day1", parity_audio[:2]), ("day2", [parity_audio[0], parity_audio[2]])):
+        (calls / day).mkdir(parents=True)
+        for clip in clips:
+            (calls / day / Path(clip).name).write_bytes(Path(clip).read_bytes())
+    (calls / "day2" / "broken.wav").write_bytes(b"RIFF....not audio at all")
+    return calls
+
+
+def test_results_of_a_job_submitted_earlier_as_they_stand_then_once_it_ends(redis_server, model, parity_audio,
+                                                                           expected, tmp_path):
+    calls = _calls(tmp_path, parity_audio)
+    submitted = _cli("submit", "--redis-url", redis_server.url, str(calls))  # no --wait: the job id, and done
+    assert submitted.returncode == 0, submitted.stderr
+    job = json.loads(submitted.stdout)
+    order = sorted(p for p in calls.rglob("*.wav"))  # as submit walks them
+    assert job["total_items"] == len(order) == 5
+
+    # no worker yet: every item says it is queued, and the exit status that the job has not ended
+    standing = _cli("jobs", "--redis-url", redis_server.url, "--results", job["id"])
+    assert standing.returncode == 1, standing.stderr
+    assert [json.loads(line)["status"] for line in standing.stdout.splitlines()] == ["queued"] * 5
+    assert f"job {job['id']}: queued, 0 of 5 items ended (--wait waits for the rest)" in standing.stderr
+
+    out = tmp_path / "results.jsonl"
+    with run_server(Settings(redis_url=redis_server.url), model):  # its job consumer works the job
+        waited = _cli("jobs", "--redis-url", redis_server.url, "--results", job["id"], "--wait", "--output", str(out))
+    assert waited.returncode == 1, waited.stderr  # broken.wav failed
+    assert f"job {job['id']}: completed_with_errors" in waited.stderr and "5/5 items" in waited.stderr
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [record["audio"] for record in records] == [str(p) for p in order]  # the names submitted, in item order
+    for path, record in zip(order, records, strict=True):
+        if path.name == "broken.wav":
+            assert record["status"] == "failed" and "cannot decode audio" in record["error"]
+        else:
+            assert record["status"] == "completed" and record["text"] == expected[path.name]
+
+    # a file per item: the paths as submitted, inside the folder; the failed item on stderr, with no file
+    subtitles = tmp_path / "subtitles"
+    files = _cli("jobs", "--redis-url", redis_server.url, "--results", job["id"], "--output-dir", str(subtitles),
+                 "--format", "srt")
+    assert files.returncode == 1 and "broken.wav: failed: cannot decode audio" in files.stderr
+    inside = Path(*calls.parts[1:])  # the submitted paths are absolute: their root is dropped
+    written = sorted(p.relative_to(subtitles / inside) for p in subtitles.rglob("*.srt"))
+    assert written == sorted(p.relative_to(calls).with_suffix(".srt") for p in order if p.name != "broken.wav")
+    first = subtitles / inside / "day1" / Path(parity_audio[0]).with_suffix(".srt").name
+    assert first.read_text().startswith("1\n00:00:00,")
+    assert expected[Path(parity_audio[0]).name].split()[0] in first.read_text()
+
+
+def test_results_through_a_server_are_the_keys_own_and_names_met_again_are_numbered(redis_server, model,
+                                                                                    parity_audio, expected, tmp_path):
+    calls = _calls(tmp_path, parity_audio)
+    (calls / "day2" / "broken.wav").unlink()
+    with run_server(Settings(redis_url=redis_server.url, api_keys=list(KEYS)), model) as running:
+        as_a = ("--server", running.url, "--api-key", KEYS[0])
+        submitted = _cli("submit", *as_a, str(calls))
+        assert submitted.returncode == 0, submitted.stderr
+        job_id = json.loads(submitted.stdout)["id"]
+        # uploads through a server keep their file names only: the clip of both days is one name, met twice
+        out = tmp_path / "texts"
+        waited = _cli("jobs", *as_a, "--results", job_id, "--wait", "--output-dir", str(out), "--format", "text")
+        assert waited.returncode == 0, waited.stderr
+        clip = Path(parity_audio[0])
+        assert sorted(p.name for p in out.iterdir()) == sorted(
+            [f"{clip.stem}.txt", f"{clip.stem}.2.txt", Path(parity_audio[1]).stem + ".txt",
+             Path(parity_audio[2]).stem + ".txt"])
+        assert (out / f"{clip.stem}.2.txt").read_text() == expected[clip.name] + "\n"
+        # another key's job is not there for it; the jobs before it are written, and the status says so
+        refused = _cli("jobs", "--server", running.url, "--api-key", KEYS[1], "--results", job_id)
+        assert refused.returncode == 2 and f"{job_id}: no such job" in refused.stderr and not refused.stdout
+        lines = _cli("jobs", *as_a, "--results", job_id)
+        assert lines.returncode == 0, lines.stderr
+        texts = [json.loads(line)["text"] for line in lines.stdout.splitlines()]
+        assert texts == [expected[p.name] for p in sorted(calls.rglob("*.wav"))]
+        assert httpx.get(f"{running.url}/v1/jobs/{job_id}", headers={"Authorization": f"Bearer {KEYS[0]}"}
+                         ).json()["status"] == "completed"
+
+
+def test_results_of_a_job_purged_while_waited_for_say_so(redis_server, parity_audio, capsys):
+    async def scenario() -> int:
+        from service.jobs_cli import run_results
+        from service.submit_inputs import item_input
+
+        store = JobStore.from_url(redis_server.url)
+        job, _ = await store.submit([item_input(Path(parity_audio[0]))])
+        waiting = asyncio.create_task(run_results(redis_server.url, None, None, [job.id], True, sys.stdout,
+                                                  poll_s=0.05))
+        await asyncio.sleep(0.3)  # no worker: it waits
+        await store.delete(job.id)
+        code = await waiting
+        await store.close()
+        return code
+
+    assert asyncio.run(scenario()) == 2
+    assert "no such job (it expired or was purged)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("options", "said"), [
+    (["--wait"], "--wait: these say how --results are written, and there is no --results"),
+    (["--output", "x.jsonl", "--format", "srt"], "--output, --format: these say how --results are written"),
+    (["--results", "job_x", "--output", "x.jsonl", "--output-dir", "d"], "give one"),
+    (["--results", "job_x", "--format", "srt"], "--format is the format of --output-dir's files"),
+    (["--results", "job_x", "--output-dir", "d", "--format", "srt", "--max-line-count", "0"], "max_line_count"),
+])
+def test_misplaced_results_options_are_refused_before_anything_is_read(options, said, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["jobs", "--redis-url", "redis://127.0.0.1:1/0", *options]) == 2
+    assert said in capsys.readouterr().err
+    assert not (tmp_path / "x.jsonl").exists()
+
+
+def test_results_from_a_redis_that_answers_nothing_say_so_at_once(capsys):
+    assert main(["jobs", "--redis-url", "redis://127.0.0.1:1/0", "--results", "job_x", "--wait"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot reach Redis" in err and "trying again" not in err
+
+
+def test_recorded_names_stay_inside_the_folder_and_are_numbered_when_met_again():
+    names = RecordedNames(".srt")
+    given = ["a.wav", "a.wav", "/data/x/b.flac", "../../etc/cron.d/job", "https://h/x/c%20d.mp3?sig=1",
+             "call.wav [0.5 s to 2 s]", "call.wav [2 s to end]", "", "./a.wav"]
+    assert [str(names.name(audio)) for audio in given] == [
+        "a.srt", "a.2.srt", "data/x/b.srt", "etc/cron.d/job.srt", "c d.srt", "call.srt", "call.2.srt", "item.srt",
+        "a.3.srt"]
