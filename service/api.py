@@ -46,6 +46,7 @@ from .http import (
     request_hotwords,
     require_api_key,
     speaker_names,
+    subtitle_layout,
     upload_too_large_message,
 )
 from .job_routes import is_multipart, job_too_large_message, json_job_too_large_message
@@ -164,10 +165,7 @@ async def openai_transcriptions(
     quiet stretches out; `max_line_width` and `max_line_count` (Whisper's names) lay out srt and vtt cues."""
     _check_model(service, model or None)
     spoken = _check_language(service, language)
-    try:
-        layout = SubtitleLayout(max_line_width, max_line_count)
-    except ValueError as exc:
-        raise ApiError(400, str(exc), param=str(exc).split()[0], code="invalid_parameter") from exc
+    layout = subtitle_layout(max_line_width, max_line_count)
     if response_format not in RESPONSE_FORMATS:
         raise ApiError(400, f"response_format must be one of {', '.join(RESPONSE_FORMATS)}", param="response_format",
                        code="invalid_parameter")

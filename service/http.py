@@ -25,6 +25,7 @@ from models.conversation import parse_names
 from models.tokenizer import HotwordsUnavailable, hotword_tokens
 
 from .config import Settings
+from .formats import SubtitleLayout
 from .intake import IntakeBudget
 from .job_types import ANONYMOUS
 from .jobs import JobStore
@@ -130,10 +131,12 @@ ERROR_DESCRIPTIONS = {
     400: "A parameter, a form field or the audio is refused, or the body cannot be parsed (FastAPI's validation "
          "errors too: never a 422)",
     401: "An API key is required (`Authorization: Bearer <key>`) and none valid was sent",
-    404: "No such model or job",
+    404: "No such model, job or job item",
     405: "A method the path does not take: `Allow` names those it does",
     408: "The request head did not arrive whole in time, or the body stopped arriving: the connection is closed",
     413: "The body or the audio exceeds a limit",
+    409: "A job item with no transcript yet, or none to give: not completed (queued, running, failed or "
+         "cancelled)",
     415: "The upload is not audio",
     429: "The queue is full: retry after `Retry-After` seconds",
     431: "The request head (request line and headers) is too large: the connection is closed",
@@ -148,6 +151,14 @@ ERROR_DESCRIPTIONS = {
 EVERY_ROUTE_ERRORS = (408, 431, 500)
 # an uploaded file, as FastAPI writes an UploadFile's, for the routes that read their bodies themselves
 BINARY_SCHEMA = {"type": "string", "contentMediaType": "application/octet-stream"}
+
+
+def subtitle_layout(max_line_width: int, max_line_count: int) -> SubtitleLayout:
+    """Whisper's srt and vtt layout options (``max_line_width``, ``max_line_count``); 400 for one out of range."""
+    try:
+        return SubtitleLayout(max_line_width, max_line_count)
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param=str(exc).split()[0], code="invalid_parameter") from exc
 
 
 def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:

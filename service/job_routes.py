@@ -1,5 +1,5 @@
 """Bulk job routes: submit (uploads, paths under the input roots, URLs under the input URL prefixes), list, status,
-results, cancel.
+results (all, or one item's as text or subtitles), cancel, retry.
 
 A job belongs to the API key that submitted it: only requests with that key see it, list it or cancel it (another
 key gets 404, as for a job that does not exist). Without API keys every client is one owner.
@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Depends, Header, Query, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field, model_validator
 from starlette.datastructures import UploadFile as StarletteUpload
 from starlette.exceptions import HTTPException
@@ -23,6 +23,7 @@ from models.audio_io import MAX_STRETCH_S, WHOLE, Stretch
 
 from .body_buffer import body_bytes
 from .config import Settings
+from .formats import SubtitleLayout, from_record, render
 from .hotwords import split_hotwords
 from .http import (
     BINARY_SCHEMA,
@@ -38,6 +39,7 @@ from .http import (
     request_owner,
     require_api_key,
     speaker_names,
+    subtitle_layout,
 )
 from .job_types import (
     ItemInput,
@@ -313,6 +315,39 @@ async def job_results(job_id: str, request: Request, service: ServiceDep) -> Res
             yield _line(record)
 
     return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+
+# one item's transcript as a file of its own: the media types of /v1/audio/transcriptions's formats
+ITEM_MEDIA_TYPES = {"text": "text/plain", "srt": "application/x-subrip", "vtt": "text/vtt"}
+
+
+@router.get("/{job_id}/results/{index}", response_class=Response, responses={
+    200: {"description": "The item's record (json), or its transcript as text, SRT or WebVTT",
+          "content": {"application/json": {}, **{media: {} for media in ITEM_MEDIA_TYPES.values()}}},
+    **error_responses(400, 404, 409)})
+async def job_item_result(job_id: str, index: int, request: Request, service: ServiceDep,
+                          response_format: str = "json", max_line_width: int = SubtitleLayout.max_line_width,
+                          max_line_count: int = SubtitleLayout.max_line_count) -> Response:
+    """One item's result (`index`: its place in the job, from 0): its record, as its line of `/results` gives it
+    (`json`, whatever its state), or its transcript as `text`, `srt` or `vtt` (cues laid out by Whisper's
+    `max_line_width` and `max_line_count`), which an item not completed has none of (409 `item_not_completed`, saying
+    its state and error)."""
+    layout = subtitle_layout(max_line_width, max_line_count)
+    if response_format not in ("json", *ITEM_MEDIA_TYPES):
+        raise ApiError(400, f"response_format must be one of json, {', '.join(ITEM_MEDIA_TYPES)}",
+                       param="response_format", code="invalid_parameter")
+    try:
+        record = await _from_store(job_id, _store(service).result(job_id, index, request_owner(request)))
+    except IndexError as exc:
+        raise ApiError(404, str(exc), param="index", code="item_not_found") from exc
+    if response_format == "json":
+        return JSONResponse(record)
+    if record["status"] != "completed":
+        error = f" ({record['error']})" if record.get("error") else ""
+        raise ApiError(409, f"item {index} is {record['status']}{error}: it has no transcript", param="index",
+                       code="item_not_completed")
+    return PlainTextResponse(render(from_record(record), record["audio"] or "", response_format, layout),
+                             media_type=ITEM_MEDIA_TYPES[response_format])
 
 
 def _line(record: dict[str, Any]) -> bytes:

@@ -17,7 +17,7 @@ import io
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator, Collection
+from collections.abc import AsyncIterator, Collection, Sequence
 from typing import Any, BinaryIO
 
 import redis.asyncio as aioredis
@@ -356,19 +356,29 @@ class JobStore:
         """``results`` a page of items at a time (one round trip each): a job of 100k items is neither read in
         one reply that holds Redis up, nor held whole. JobNotFound before the first record."""
         job = await self.get(job_id)
-        keys = [t.format(job_id=job_id) for t in (RESULTS_KEY, INPUTS_KEY, STATES_KEY, ERRORS_KEY)]
         for first in range(0, job.total_items, page):
-            indices = list(range(first, min(first + page, job.total_items)))
-            pipe = self.redis.pipeline(transaction=False)
-            for key in keys:
-                pipe.hmget(key, indices)
-            results, inputs, states, errors = await pipe.execute()
-            for i, result in enumerate(results):
-                if result is not None:
-                    yield json.loads(result)
-                    continue
-                yield item_record(json.loads(inputs[i])["audio"] if inputs[i] else None,
-                                  (states[i] or b"queued").decode(), error=errors[i].decode() if errors[i] else None)
+            for record in await self._records(job_id, range(first, min(first + page, job.total_items))):
+                yield record
+
+    async def result(self, job_id: str, index: int, owner: str | None = None) -> dict[str, Any]:
+        """One item's record, as ``results`` gives it; ``JobNotFound`` for no such job (as ``get``), ``IndexError``
+        for no such item."""
+        job = await self.get(job_id, owner)
+        if not 0 <= index < job.total_items:
+            raise IndexError(f"job {job_id} has {job.total_items} items: no item {index}")
+        return (await self._records(job_id, [index]))[0]
+
+    async def _records(self, job_id: str, indices: Sequence[int]) -> list[dict[str, Any]]:
+        """The records of the items at ``indices``, in one round trip: the result of each that has one, else its
+        state (queued where none is written yet) and error."""
+        pipe = self.redis.pipeline(transaction=False)
+        for template in (RESULTS_KEY, INPUTS_KEY, STATES_KEY, ERRORS_KEY):
+            pipe.hmget(template.format(job_id=job_id), list(indices))
+        results, inputs, states, errors = await pipe.execute()
+        return [json.loads(result) if result is not None else
+                item_record(json.loads(inputs[i])["audio"] if inputs[i] else None, (states[i] or b"queued").decode(),
+                            error=errors[i].decode() if errors[i] else None)
+                for i, result in enumerate(results)]
 
     # --- item deliveries and transitions (used by the consumer) -----------------------------------------------
 

@@ -1,6 +1,6 @@
-"""`batchasr jobs --results`: the results of jobs submitted earlier (by `submit` without `--wait`, or by one that was
-cut short), as lines or a file per item, waited for or as they stand. Against a real redis-server and a real
-server."""
+"""The results of jobs submitted earlier (by `submit` without `--wait`, or by one that was cut short): `batchasr jobs
+--results`, as lines or a file per item, waited for or as they stand; and one item's through HTTP, as its record,
+text or subtitles. Against a real redis-server and a real server."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -117,6 +118,54 @@ def test_results_through_a_server_are_the_keys_own_and_names_met_again_are_numbe
         assert texts == [expected[p.name] for p in sorted(calls.rglob("*.wav"))]
         assert httpx.get(f"{running.url}/v1/jobs/{job_id}", headers={"Authorization": f"Bearer {KEYS[0]}"}
                          ).json()["status"] == "completed"
+
+
+def _item(url: str, job_id: str, index: object, key: str = KEYS[0], **params: object) -> httpx.Response:
+    return httpx.get(f"{url}/v1/jobs/{job_id}/results/{index}", params=params,
+                     headers={"Authorization": f"Bearer {key}"}, timeout=30)
+
+
+def test_one_items_result_through_http_as_its_record_text_or_subtitles(redis_server, model, parity_audio, expected):
+    clip = Path(parity_audio[0])
+    files = [("files", (clip.name, clip.read_bytes(), "audio/wav")),
+             ("files", ("broken.wav", b"RIFF....not audio at all", "audio/wav"))]
+    with run_server(Settings(redis_url=redis_server.url, api_keys=list(KEYS)), model) as running:
+        auth = {"Authorization": f"Bearer {KEYS[0]}"}
+        job_id = httpx.post(f"{running.url}/v1/jobs", files=files, headers=auth, timeout=60).json()["id"]
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{running.url}/v1/jobs/{job_id}", headers=auth).json()["finished_at"] is None:
+            assert time.monotonic() < deadline, "the job did not finish"
+            time.sleep(0.05)
+        lines = httpx.get(f"{running.url}/v1/jobs/{job_id}/results", headers=auth).text.splitlines()
+        assert [_item(running.url, job_id, i).json() for i in (0, 1)] == [json.loads(line) for line in lines]
+
+        text = _item(running.url, job_id, 0, response_format="text")
+        assert text.headers["content-type"].startswith("text/plain") and text.text == expected[clip.name] + "\n"
+        srt = _item(running.url, job_id, 0, response_format="srt", max_line_width=12)
+        assert srt.headers["content-type"].startswith("application/x-subrip")
+        cues = [cue.splitlines() for cue in srt.text.strip().split("\n\n")]
+        assert [cue[0] for cue in cues] == [str(n) for n in range(1, len(cues) + 1)]
+        assert all(" --> " in cue[1] and all(len(line) <= 12 for line in cue[2:]) for cue in cues)
+        assert " ".join(line for cue in cues for line in cue[2:]) == expected[clip.name]
+        vtt = _item(running.url, job_id, 0, response_format="vtt")
+        assert vtt.headers["content-type"].startswith("text/vtt") and vtt.text.startswith("WEBVTT\n")
+
+        failed = _item(running.url, job_id, 1, response_format="srt")
+        assert failed.status_code == 409, failed.text
+        error = failed.json()["error"]
+        assert (error["code"], error["param"]) == ("item_not_completed", "index")
+        assert error["message"].startswith("item 1 is failed (") and "cannot decode audio" in error["message"]
+        for index, params, status, code in ((2, {}, 404, "item_not_found"), (-1, {}, 404, "item_not_found"),
+                                            ("first", {}, 400, None), (0, {"response_format": "docx"}, 400,
+                                                                       "invalid_parameter"),
+                                            (0, {"response_format": "srt", "max_line_count": 0}, 400,
+                                             "invalid_parameter")):
+            refused = _item(running.url, job_id, index, **params)
+            assert refused.status_code == status, (index, params, refused.text)
+            assert code is None or refused.json()["error"]["code"] == code
+        other = _item(running.url, job_id, 0, key=KEYS[1])
+        assert other.status_code == 404 and other.json()["error"]["code"] == "job_not_found"
+        assert _item(running.url, "job_nothing", 0).json()["error"]["code"] == "job_not_found"
 
 
 def test_results_of_a_job_purged_while_waited_for_say_so(redis_server, parity_audio, capsys):
