@@ -93,8 +93,8 @@ class ServerClient:
         response.raise_for_status()
         return response.json()
 
-    async def results(self, job_id: str) -> AsyncIterator[dict[str, Any]]:
-        async with self.http.stream("GET", f"/v1/jobs/{job_id}/results") as response:
+    async def results(self, job_id: str, start: int = 0) -> AsyncIterator[dict[str, Any]]:
+        async with self.http.stream("GET", f"/v1/jobs/{job_id}/results", params={"start": start}) as response:
             _raise_for_missing_job(response, job_id)  # by its status: the body is not read
             async for line in response.aiter_lines():
                 if line:
@@ -143,9 +143,9 @@ class RedisClient:
         except JobNotFound as exc:
             raise _no_such_job(job_id) from exc
 
-    async def results(self, job_id: str) -> AsyncIterator[dict[str, Any]]:
+    async def results(self, job_id: str, start: int = 0) -> AsyncIterator[dict[str, Any]]:
         try:
-            async for record in self.store.iter_results(job_id):
+            async for record in self.store.iter_results(job_id, start=start):
                 yield record
         except JobNotFound as exc:
             raise _no_such_job(job_id) from exc
@@ -204,17 +204,14 @@ async def riding_out(call: Callable[[], Awaitable[T]], doing: str = "following t
 
 async def job_records(client: JobClient, job_id: str, total_items: int) -> AsyncIterator[dict[str, Any]]:
     """A job's results, one per item in item order, as they stream in (a job of 100,000 items was a list of results
-    in memory first: 12 KB each as Python objects). Through an outage they are fetched again from the start, and
-    those already given skipped. ValueError if there are not ``total_items`` of them."""
+    in memory first: 12 KB each as Python objects). Through an outage they are fetched again from the first not
+    given yet (they were fetched from the start, and a job's first 99,000 results again for its last 1,000).
+    ValueError if there are not ``total_items`` of them."""
     given, outage = 0, Outage()
     while True:
         try:
-            seen = 0
-            async with contextlib.aclosing(client.results(job_id)) as records:
+            async with contextlib.aclosing(client.results(job_id, given)) as records:
                 async for record in records:
-                    seen += 1
-                    if seen <= given:
-                        continue
                     if given == total_items:
                         raise ValueError(f"job {job_id}: more results than its {total_items} items")
                     given += 1

@@ -299,11 +299,13 @@ async def get_job(job_id: str, request: Request, service: ServiceDep) -> dict[st
 
 @router.get("/{job_id}/results", response_class=Response, responses={
     200: {"description": "A JSON line per item", "content": {"application/x-ndjson": {}}}, **error_responses(404)})
-async def job_results(job_id: str, request: Request, service: ServiceDep) -> Response:
-    """One JSON line per item, in submission order, streamed a page of items at a time."""
+async def job_results(job_id: str, request: Request, service: ServiceDep,
+                      start: Annotated[int, Query(ge=0)] = 0) -> Response:
+    """One JSON line per item, in submission order, streamed a page of items at a time; from item `start` on (from
+    0), so a download cut short goes on from the lines it has."""
     store = _store(service)
     await _from_store(job_id, store.get(job_id, request_owner(request)))
-    records = store.iter_results(job_id)
+    records = store.iter_results(job_id, start=start)
     # the job's absence (404) or Redis's (503) still answer with a status: they come before the first record
     first = await _from_store(job_id, anext(records, None))
     if first is None:

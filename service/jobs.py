@@ -352,11 +352,12 @@ class JobStore:
         """One record per item, in submission order; unfinished items say their state."""
         return [record async for record in self.iter_results(job_id)]
 
-    async def iter_results(self, job_id: str, page: int = RESULTS_PAGE) -> AsyncIterator[dict[str, Any]]:
-        """``results`` a page of items at a time (one round trip each): a job of 100k items is neither read in
-        one reply that holds Redis up, nor held whole. JobNotFound before the first record."""
+    async def iter_results(self, job_id: str, page: int = RESULTS_PAGE, start: int = 0
+                           ) -> AsyncIterator[dict[str, Any]]:
+        """``results`` from item ``start`` on, a page of items at a time (one round trip each): a job of 100k items
+        is neither read in one reply that holds Redis up, nor held whole. JobNotFound before the first record."""
         job = await self.get(job_id)
-        for first in range(0, job.total_items, page):
+        for first in range(start, job.total_items, page):
             for record in await self._records(job_id, range(first, min(first + page, job.total_items))):
                 yield record
 

@@ -5,11 +5,14 @@ text or subtitles. Against a real redis-server and a real server."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -17,8 +20,10 @@ import pytest
 from models import load_model
 from service.cli import main
 from service.config import Settings
+from service.job_clients import RedisClient, job_records
 from service.jobs import JobStore
 from service.output_files import RecordedNames
+from service.submit_inputs import item_input
 from tests.servers import run_server
 
 KEYS = ("key-of-team-a", "key-of-team-b")
@@ -138,6 +143,12 @@ def test_one_items_result_through_http_as_its_record_text_or_subtitles(redis_ser
             time.sleep(0.05)
         lines = httpx.get(f"{running.url}/v1/jobs/{job_id}/results", headers=auth).text.splitlines()
         assert [_item(running.url, job_id, i).json() for i in (0, 1)] == [json.loads(line) for line in lines]
+        # the lines from one on: a download cut short goes on from the lines it has
+        for start, wanted in ((1, lines[1:]), (2, []), (7, [])):
+            response = httpx.get(f"{running.url}/v1/jobs/{job_id}/results", params={"start": start}, headers=auth)
+            assert response.status_code == 200 and response.text.splitlines() == wanted, (start, response.text)
+        negative = httpx.get(f"{running.url}/v1/jobs/{job_id}/results", params={"start": -1}, headers=auth)
+        assert negative.status_code == 400 and negative.json()["error"]["param"] == "start", negative.text
 
         text = _item(running.url, job_id, 0, response_format="text")
         assert text.headers["content-type"].startswith("text/plain") and text.text == expected[clip.name] + "\n"
@@ -171,7 +182,6 @@ def test_one_items_result_through_http_as_its_record_text_or_subtitles(redis_ser
 def test_results_of_a_job_purged_while_waited_for_say_so(redis_server, parity_audio, capsys):
     async def scenario() -> int:
         from service.jobs_cli import run_results
-        from service.submit_inputs import item_input
 
         store = JobStore.from_url(redis_server.url)
         job, _ = await store.submit([item_input(Path(parity_audio[0]))])
@@ -214,3 +224,40 @@ def test_recorded_names_stay_inside_the_folder_and_are_numbered_when_met_again()
     assert [str(names.name(audio)) for audio in given] == [
         "a.srt", "a.2.srt", "data/x/b.srt", "etc/cron.d/job.srt", "c d.srt", "call.srt", "call.2.srt", "item.srt",
         "a.3.srt"]
+
+
+class CutShort(RedisClient):
+    """Redis's jobs, whose first results stream breaks off after two records, as a connection Redis's restart
+    closes does."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.starts: list[int] = []
+
+    async def results(self, job_id: str, start: int = 0) -> AsyncIterator[dict[str, Any]]:
+        self.starts.append(start)
+        given = 0
+        async for record in super().results(job_id, start):
+            if len(self.starts) == 1 and given == 2:
+                raise ConnectionError("Connection closed by server.")
+            given += 1
+            yield record
+
+
+def test_results_cut_short_go_on_from_the_first_not_given(redis_server, parity_audio, capsys):
+    async def scenario() -> tuple[list[dict], list[dict], list[int]]:
+        store = JobStore.from_url(redis_server.url)
+        job, _ = await store.submit([item_input(Path(p)) for p in parity_audio[:5]])
+        whole = await store.results(job.id)
+        await store.close()
+        client = CutShort(redis_server.url)
+        try:
+            async with contextlib.aclosing(job_records(client, job.id, 5)) as records:
+                return [record async for record in records], whole, client.starts
+        finally:
+            await client.close()
+
+    given, whole, starts = asyncio.run(scenario())
+    assert given == whole and len(given) == 5
+    assert starts == [0, 2]  # not from the start again
+    assert "trying again" in capsys.readouterr().err
