@@ -33,8 +33,12 @@ OUTAGE_ERRORS = (httpx.TransportError, httpx.HTTPStatusError, *REDIS_ERRORS)  # 
 NOTHING_THERE = (httpx.ConnectError, aioredis.ConnectionError)
 
 
-def _no_such_job(job_id: str) -> ValueError:
-    return ValueError(f"{job_id}: no such job (it expired or was purged)")
+class NoSuchJob(ValueError):
+    """A job that is not there: it expired, was purged, or is another API key's."""
+
+
+def _no_such_job(job_id: str) -> NoSuchJob:
+    return NoSuchJob(f"{job_id}: no such job (it expired or was purged)")
 
 
 def _raise_for_missing_job(response: httpx.Response, job_id: str) -> None:
@@ -88,6 +92,8 @@ class ServerClient:
         else:
             purge = {"purge": "true"} if action == "purge" else {}
             response = await self.http.delete(f"/v1/jobs/{job_id}", params=purge)
+        if response.status_code == 404:
+            raise _no_such_job(job_id)
         if response.is_client_error:
             raise ValueError(f"{job_id}: {response.json()['error']['message']}")
         response.raise_for_status()

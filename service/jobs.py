@@ -508,7 +508,12 @@ class JobStore:
         """Everything of the job, at once: its records and results, its uploaded audio, its place in its owner's
         list and its idempotency key (``JobNotFound`` as ``get``). Items not started never start; an item in
         progress finishes, and its result is dropped (``finish_item`` writes nothing for a job that is gone)."""
-        job = await self.get(job_id, owner)
+        try:
+            job = await self.get(job_id, owner)
+        except JobNotFound:
+            # it may be the retry of a delete refused as unconfirmed: that the job is gone, a replica holds first
+            await self._confirm_replicated()
+            raise
         job_key = JOB_KEY.format(job_id=job_id)
         idempotency_key = await self.redis.hget(job_key, "idempotency_key")
         pipe = self.redis.pipeline(transaction=True)

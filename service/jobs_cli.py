@@ -18,7 +18,15 @@ from typing import Any, TextIO
 import httpx
 
 from .config import Settings
-from .job_clients import JobAction, JobClient, client_for, job_records, results_in_order, riding_out
+from .job_clients import (
+    JobAction,
+    JobClient,
+    NoSuchJob,
+    client_for,
+    job_records,
+    results_in_order,
+    riding_out,
+)
 from .job_types import JobOptions
 from .line_output import cannot_write
 from .logs import redacted_url
@@ -190,12 +198,36 @@ async def run_list(redis_url: str | None, server: str | None, api_key: str | Non
 async def run_action(redis_url: str | None, server: str | None, api_key: str | None, job_ids: list[str],
                      action: JobAction, output: TextIO) -> int:
     """Cancel each job (items not started are dropped), purge it (delete it at once), or retry its failed items; a
-    JSON line each."""
+    JSON line each. Each is tried again through an outage, as submit does."""
     async def act_on_all(client: JobClient) -> None:
-        for job_id in job_ids:
-            output.write(json.dumps(await client.act(job_id, action)) + "\n")
+        for number, job_id in enumerate(job_ids):
+            output.write(json.dumps(await _acted_on(client, job_id, action, first=number == 0)) + "\n")
 
     return await _with_client(redis_url, server, api_key, act_on_all)
+
+
+ACTING = {"cancel": "cancelling", "purge": "purging", "retry": "retrying"}
+
+
+async def _acted_on(client: JobClient, job_id: str, action: JobAction, first: bool) -> dict[str, Any]:
+    """``action`` done to the job, tried again through an outage: cancelling again does no more, and a retry's
+    second try finds the failed items queued already (it answers for itself: none retried); a purge whose later try
+    finds the job gone was done by a try the outage cut short (refused after Redis deleted it: no replica had
+    confirmed it yet), and so it is answered as done. ``first``: the command's first try, which ends at once where
+    it reaches nothing at all (a wrong address)."""
+    tries = 0
+
+    async def once() -> dict[str, Any]:
+        nonlocal tries
+        tries += 1
+        try:
+            return await client.act(job_id, action)
+        except NoSuchJob:
+            if action == "purge" and tries > 1:
+                return {"id": job_id, "object": "transcription.job.deleted", "deleted": True}
+            raise
+
+    return await riding_out(once, f"{ACTING[action]} job {job_id}", unreached_ends=first)
 
 
 # --- results ------------------------------------------------------------------------------------------------

@@ -171,7 +171,7 @@ def test_purge_deletes_everything_of_a_job_at_once(redis_server, model, parity_a
         command = [sys.executable, "-m", "service.cli", "jobs", "--server", url]
         refused = subprocess.run([*command, "--api-key", KEYS[1], "--purge", again], capture_output=True, text=True,
                                  timeout=60)
-        assert refused.returncode == 2 and f"{again}: no job" in refused.stderr
+        assert refused.returncode == 2 and f"{again}: no such job" in refused.stderr
         purged = subprocess.run([*command, "--api-key", KEYS[0], "--purge", again], capture_output=True, text=True,
                                 timeout=60)
         assert purged.returncode == 0 and json.loads(purged.stdout)["deleted"] is True

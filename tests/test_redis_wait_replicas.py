@@ -23,7 +23,7 @@ from service.config import Settings
 from service.job_keys import JOB_KEY
 from service.job_types import ItemInput
 from service.jobs import JobStore
-from service.jobs_cli import run_submit
+from service.jobs_cli import run_action, run_submit
 from service.redis_outages import REDIS_ERRORS, NotReplicatedError, outage
 from service.redis_pools import check_url, split_wait_replicas
 from tests.redis_server import RedisServer, start_replica
@@ -178,3 +178,43 @@ def test_submit_rides_out_refusals_under_one_idempotency_key_and_makes_one_job(r
     assert "warning: submitting: " in err and "trying again" in err
     jobs = [key.decode() for key in replicated.primary.client().keys("batchasr:job:*") if key.count(b":") == 2]
     assert jobs == [JOB_KEY.format(job_id=json.loads(out)["id"])]
+
+
+@pytest.mark.parametrize("through", ["redis", "server"])
+def test_jobs_cancel_and_purge_ride_out_refusals_and_a_purge_a_refused_try_did_is_done(replicated, parity_dir, capsys,
+                                                                                      through):
+    """`batchasr jobs --cancel`/`--purge` through refusals (a 503 from the server, an outage from Redis): each is
+    tried again until a replica confirms it. A refused purge had deleted the job already (Redis refuses only after
+    the write, which no replica confirmed), so the try that goes through finds no job: that is the purge done, not
+    an error."""
+    url = replicated.url + "?wait_replicas=1"
+
+    async def scenario(server_url: str | None) -> list[tuple[int, list[dict]]]:
+        store = JobStore.from_url(url)
+        jobs = [(await store.submit([URL_ITEM]))[0].id for _ in range(2)]  # no worker of its own: queued
+        await store.close()
+        answers = []
+        for action, job_id in (("cancel", jobs[0]), ("purge", jobs[1])):
+            out = io.StringIO()
+            with paused(replicated.replica):
+                acting = asyncio.create_task(run_action(None if server_url else url, server_url, None, [job_id],
+                                                        action, out))
+                await asyncio.sleep(2.5)  # a try a second or so, each refused
+                assert not acting.done()
+            answers.append((await acting, [json.loads(line) for line in out.getvalue().splitlines()]))
+        assert replicated.holds(jobs[0]) and not replicated.primary.client().exists(JOB_KEY.format(job_id=jobs[1]))
+        return answers
+
+    if through == "server":
+        model = load_model(parity_dir / "tdt.nemo", device="cpu", dtype="float32")
+        with run_server(Settings(redis_url=url), model) as running:
+            (cancel_code, cancelled), (purge_code, purged) = asyncio.run(scenario(running.url))
+    else:
+        (cancel_code, cancelled), (purge_code, purged) = asyncio.run(scenario(None))
+    err = capsys.readouterr().err
+    assert (cancel_code, purge_code) == (0, 0), err
+    # through the server, its consumer may have failed the item (its URL is nowhere) before the cancel: all one
+    ended_first = through == "server" and cancelled[0]["finished_at"] is not None
+    assert [job["status"] for job in cancelled] == ["cancelled"] or ended_first
+    assert [answer["deleted"] for answer in purged] == [True]
+    assert "warning: cancelling job " in err and "warning: purging job " in err and "trying again" in err
