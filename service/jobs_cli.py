@@ -76,24 +76,39 @@ async def run_worker(settings: Settings, metrics_port: int | None) -> int:
 
 
 class Progress:
-    """One line on stderr, redrawn: done/total, failures, elapsed."""
+    """One line on stderr, redrawn: done/total, failures, elapsed, and about how long is left at the rate items
+    have ended since the line was first drawn (a job followed when half done is not taken for half done in no
+    time)."""
 
-    def __init__(self, stream: TextIO | None = None, width: int = 30):
+    def __init__(self, stream: TextIO | None = None, width: int = 30, clock: Callable[[], float] = time.monotonic):
         # stderr as it is now, not as it was when this module was imported (a test's capture, closed since)
-        self.stream, self.width, self.started = stream or sys.stderr, width, time.monotonic()
+        self.stream, self.width, self.clock = stream or sys.stderr, width, clock
+        self.started, self.done_at_start, self.drawn = clock(), None, 0
 
     def update(self, job: dict[str, Any]) -> None:
         total = max(1, job["total_items"])
         counts = job["counts"]
         done = counts["completed"] + counts["failed"] + counts["cancelled"]
+        if self.done_at_start is None:
+            self.done_at_start = done
+        elapsed, progressed = self.clock() - self.started, done - self.done_at_start
         filled = int(self.width * done / total)
         bar = "#" * filled + "." * (self.width - filled)
-        self.stream.write(f"\r[{bar}] {done}/{total} items, {counts['failed']} failed, "
-                          f"{time.monotonic() - self.started:.1f} s  ")
+        line = f"[{bar}] {done}/{total} items, {counts['failed']} failed, {elapsed:.1f} s"
+        if progressed and done < total:
+            line += f", about {_spoken(elapsed / progressed * (total - done))} left"
+        self.stream.write(f"\r{line.ljust(self.drawn)}")  # over all of the line before, however long it was
+        self.drawn = len(line)
         self.stream.flush()
 
     def close(self) -> None:
         self.stream.write("\n")
+
+
+def _spoken(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.0f} min" if seconds < 90 * 60 else f"{seconds / 3600:.1f} h"
 
 
 async def run_submit(inputs: list[Input], redis_url: str | None, server: str | None, api_key: str | None, wait: bool,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -261,3 +262,29 @@ def test_results_cut_short_go_on_from_the_first_not_given(redis_server, parity_a
     assert given == whole and len(given) == 5
     assert starts == [0, 2]  # not from the start again
     assert "trying again" in capsys.readouterr().err
+
+
+def test_the_progress_line_says_how_long_is_left_at_the_rate_since_it_was_first_drawn():
+    from service.jobs_cli import Progress
+
+    def job(completed: int, failed: int = 0) -> dict:
+        return {"total_items": 100, "counts": {"completed": completed, "failed": failed, "cancelled": 0}}
+
+    now = [1000.0]
+    out = io.StringIO()
+    bar = Progress(out, width=10, clock=lambda: now[0])
+    lines = []
+    for seconds, state in ((0, job(40)), (30, job(55, 5)), (600, job(70, 5)), (36000, job(72, 5)),
+                           (36060, job(99, 1))):
+        now[0] = 1000.0 + seconds
+        bar.update(state)
+        lines.append(out.getvalue().split("\r")[-1])
+    bar.close()
+    # a job followed when 40 were done: the rate is that of the items ended since (20 in 30 s), not 40 in no time
+    assert lines[0] == "[####......] 40/100 items, 0 failed, 0.0 s"
+    assert lines[1] == "[######....] 60/100 items, 5 failed, 30.0 s, about 60 s left"
+    assert lines[2] == "[#######...] 75/100 items, 5 failed, 600.0 s, about 7 min left"
+    assert lines[3] == "[#######...] 77/100 items, 5 failed, 36000.0 s, about 6.2 h left"
+    # nothing left once every item has ended, drawn over all of the longer line before
+    assert lines[4] == "[##########] 100/100 items, 1 failed, 36060.0 s".ljust(len(lines[3]))
+    assert out.getvalue().endswith("\n")
