@@ -87,9 +87,13 @@ def test_a_kept_decoder_gives_each_row_what_it_gives_alone_whatever_the_batches_
         encoded, lengths_t = random_batch(data.draw(st.integers(0, 9999)), lengths, n_frames)
         together = decoder(encoded, lengths_t, build_boost_table(phrases, weight, CPU))
         for row, own in enumerate(phrases):
-            alone = label_looping_greedy(encoded[row : row + 1, : lengths[row]], lengths_t[row : row + 1], *args,
-                                         boost=build_boost_table([own], weight, CPU))
-            assert together[row] == alone[0], (row, own)
+            # "alone": the same batch, decoded afresh, with no phrases but this row's. Not the row in a batch of
+            # its own: float32 results move by a rounding with the batch's size (not with the other rows' content),
+            # and a near tie the bonus makes may then go the other way (hypothesis found one: 203 labels alike, the
+            # 204th not, with or without the kept decoder)
+            only_own = [own if other == row else () for other in range(len(phrases))]
+            alone = label_looping_greedy(encoded, lengths_t, *args, boost=build_boost_table(only_own, weight, CPU))
+            assert together[row] == alone[row], (row, own)
 
 
 def _hotwords(vocab: int) -> st.SearchStrategy[tuple[Hotword, ...]]:
