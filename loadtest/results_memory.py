@@ -1,7 +1,8 @@
 """What `batchasr submit --wait` holds in memory to write a job's results: a private redis-server, a job of
 `--items` path items finished with results of 25 words each, then the results read as one list (as the job store's
 `results` gives them) and streamed as `submit --wait` writes them (`service.job_clients`), with each one's peak
-traced Python memory.
+traced Python memory; then what a download an outage cut short with 1,000 results to go costs to finish: read from
+where it stopped (`start`), or from the start again, skipping what it has (as it was done before `start`).
 
     python loadtest/results_memory.py --items 20000
 """
@@ -12,6 +13,7 @@ import argparse
 import asyncio
 import sys
 import tempfile
+import time
 import tracemalloc
 from pathlib import Path
 
@@ -21,6 +23,8 @@ sys.path.insert(0, str(REPO))
 from service.job_clients import RedisClient, results_in_order  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
 from tests.servers import finished_job  # noqa: E402
+
+RESUMED_TAIL = 1000  # results still to come when the outage struck
 
 
 async def measure(url: str, job_id: str, sources: list[Path]) -> None:
@@ -38,6 +42,12 @@ async def measure(url: str, job_id: str, sources: list[Path]) -> None:
             count += 1
         print(f"{count} results streamed: peak {tracemalloc.get_traced_memory()[1] / 2**20:.0f} MiB")
         tracemalloc.stop()
+        tail = max(0, len(sources) - RESUMED_TAIL)
+        for label, start in (("from where it stopped", tail), ("from the start again, skipping", 0)):
+            began = time.perf_counter()
+            read = sum([1 async for _ in client.results(job_id, start)])
+            print(f"the last {len(sources) - tail} after an outage, {label}: {read} read, "
+                  f"{time.perf_counter() - began:.2f} s")
     finally:
         await client.close()
 
