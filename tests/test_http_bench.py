@@ -242,6 +242,8 @@ def test_intake_memory_measures_job_submissions_and_their_transcription():
 
 def test_results_memory_reports_both_ways(capsys):
     script = load_script(REPO / "loadtest" / "results_memory.py")
-    script.main(["--items", "300"])
-    listed, streamed = capsys.readouterr().out.splitlines()
+    script.main(["--items", "300", "--tail", "100"])
+    listed, streamed, resumed, again = capsys.readouterr().out.splitlines()
     assert listed.startswith("300 results as a list: peak") and streamed.startswith("300 results streamed: peak")
+    assert resumed.startswith("the last 100 after an outage, from where it stopped: 100 read, ")
+    assert again.startswith("the last 100 after an outage, from the start again, skipping: 300 read, ")
