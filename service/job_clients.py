@@ -15,7 +15,7 @@ from typing import Any, Literal, TypeVar
 import httpx
 import redis.asyncio as aioredis
 
-from .job_types import ANONYMOUS, JobNotFound, JobOptions, JobStatus
+from .job_types import ANONYMOUS, JobNotFound, JobOptions, JobStatus, deleted_job
 from .jobs import JobStore
 from .redis_outages import REDIS_ERRORS
 from .stretch_upload import stretch_upload
@@ -140,7 +140,7 @@ class RedisClient:
         try:
             if action == "purge":
                 await self.store.delete(job_id)
-                return {"id": job_id, "object": "transcription.job.deleted", "deleted": True}
+                return deleted_job(job_id)
             if action == "retry":
                 job, retried, unretried = await self.store.retry_failed(job_id)
                 return job.retried_dict(retried, unretried)

@@ -49,6 +49,7 @@ from .job_types import (
     JobPriority,
     JobStatus,
     UploadTooLarge,
+    deleted_job,
     resolve_input_path,
 )
 from .jobs import JSON_JOB_BYTES, JobStore
@@ -363,7 +364,7 @@ async def cancel_job(job_id: str, request: Request, service: ServiceDep, purge: 
     store = _store(service)
     if purge:
         await _from_store(job_id, store.delete(job_id, request_owner(request)))
-        return {"id": job_id, "object": "transcription.job.deleted", "deleted": True}
+        return deleted_job(job_id)
     await _from_store(job_id, store.get(job_id, request_owner(request)))
     job, ended = await _from_store(job_id, store.cancel(job_id))
     if ended and service.metrics is not None:  # no item was in progress: no consumer finishes it, or counts it

@@ -191,6 +191,11 @@ def job_from_fields(job_id: str, h: dict[str, str]) -> Job:
                webhook_error=h.get("webhook_error") or None)
 
 
+def deleted_job(job_id: str) -> dict[str, Any]:
+    """What purging a job answers (the HTTP route and `batchasr jobs --purge` alike, through a server or Redis)."""
+    return {"id": job_id, "object": "transcription.job.deleted", "deleted": True}
+
+
 def item_record(audio: str | None, status: str, text: str | None = None, tokens: list[int] | None = None,
                 words: list[dict[str, Any]] | None = None, duration_s: float | None = None,
                 error: str | None = None, token_logprobs: list[float] | None = None,

@@ -27,7 +27,7 @@ from .job_clients import (
     results_in_order,
     riding_out,
 )
-from .job_types import JobOptions
+from .job_types import FINAL_ITEM_STATES, JobOptions, deleted_job
 from .line_output import cannot_write
 from .logs import redacted_url
 from .redis_outages import REDIS_ERRORS, REDIS_FULL
@@ -87,14 +87,13 @@ class Progress:
 
     def update(self, job: dict[str, Any]) -> None:
         total = max(1, job["total_items"])
-        counts = job["counts"]
-        done = counts["completed"] + counts["failed"] + counts["cancelled"]
+        done = _items_ended(job)
         if self.done_at_start is None:
             self.done_at_start = done
         elapsed, progressed = self.clock() - self.started, done - self.done_at_start
         filled = int(self.width * done / total)
         bar = "#" * filled + "." * (self.width - filled)
-        line = f"[{bar}] {done}/{total} items, {counts['failed']} failed, {elapsed:.1f} s"
+        line = f"[{bar}] {done}/{total} items, {job['counts']['failed']} failed, {elapsed:.1f} s"
         if progressed and done < total:
             line += f", about {_spoken(elapsed / progressed * (total - done))} left"
         self.stream.write(f"\r{line.ljust(self.drawn)}")  # over all of the line before, however long it was
@@ -184,7 +183,7 @@ async def _followed(client: JobClient, jobs: list[dict[str, Any]], progress: Cal
 
 def _overall(jobs: list[dict[str, Any]]) -> dict[str, Any]:
     """The jobs' progress as one job's, for the progress bar."""
-    counts = {state: sum(job["counts"][state] for job in jobs) for state in ("completed", "failed", "cancelled")}
+    counts = {state: sum(job["counts"][state] for job in jobs) for state in FINAL_ITEM_STATES}
     return {"total_items": sum(job["total_items"] for job in jobs), "counts": counts}
 
 
@@ -239,7 +238,7 @@ async def _acted_on(client: JobClient, job_id: str, action: JobAction, first: bo
             return await client.act(job_id, action)
         except NoSuchJob:
             if action == "purge" and tries > 1:
-                return {"id": job_id, "object": "transcription.job.deleted", "deleted": True}
+                return deleted_job(job_id)
             raise
 
     return await riding_out(once, f"{ACTING[action]} job {job_id}", unreached_ends=first)
@@ -282,9 +281,13 @@ async def run_results(redis_url: str | None, server: str | None, api_key: str | 
 def _how_it_stands(job: dict[str, Any]) -> str:
     if job["status"] in FINAL_STATUSES:
         return f"job {job['id']}: {job['status']}, RTFx {job['rtfx']}"
-    ended = sum(job["counts"][state] for state in ("completed", "failed", "cancelled"))
-    return (f"job {job['id']}: {job['status']}, {ended} of {job['total_items']} items ended (--wait waits for the "
-            "rest)")
+    return (f"job {job['id']}: {job['status']}, {_items_ended(job)} of {job['total_items']} items ended (--wait waits "
+            "for the rest)")
+
+
+def _items_ended(job: dict[str, Any]) -> int:
+    """The job's items completed, failed or cancelled (``GET /v1/jobs/{id}``'s counts)."""
+    return sum(job["counts"][state] for state in FINAL_ITEM_STATES)
 
 
 async def _with_client(redis_url: str | None, server: str | None, api_key: str | None,
@@ -309,11 +312,9 @@ def format_jobs(jobs: list[dict[str, Any]]) -> str:
     token log-probability of the items done (a falling one: harder audio than expected)."""
     rows = [("ID", "STATUS", "PRIORITY", "DONE", "FAILED", "CREATED (UTC)", "AUDIO_S", "RTFX", "AVG_LOGPROB")]
     for job in jobs:
-        counts = job["counts"]
-        done = counts["completed"] + counts["failed"] + counts["cancelled"]
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(job["created_at"]))
-        rows.append((job["id"], job["status"], job["priority"], f"{done}/{job['total_items']}", str(counts["failed"]),
-                     created, f"{job['audio_s']:.1f}", f"{job['rtfx']:.1f}",
+        rows.append((job["id"], job["status"], job["priority"], f"{_items_ended(job)}/{job['total_items']}",
+                     str(job["counts"]["failed"]), created, f"{job['audio_s']:.1f}", f"{job['rtfx']:.1f}",
                      "-" if job.get("avg_logprob") is None else f"{job['avg_logprob']:.3f}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() + "\n"

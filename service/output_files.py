@@ -20,6 +20,11 @@ def file_suffix(format: str) -> str:
     return ".txt" if format == "text" else f".{format}"
 
 
+def _url_name(url: str) -> Path:
+    """A URL's result named by its path's last part (``index`` for none): ``https://h/x/c%20d.mp3?sig=1`` is c d.mp3."""
+    return Path(PurePosixPath(unquote(urlsplit(url).path)).name or "index")
+
+
 def output_names(arguments: Iterable[str], suffix: str, files: bool = True) -> dict[Path | str, Path]:
     """Each input the arguments name, and the name of its result: a file given by name as <stem><suffix>, a file
     found under a directory at its path inside it, a URL by the last part of its path. With ``files`` (results
@@ -27,7 +32,7 @@ def output_names(arguments: Iterable[str], suffix: str, files: bool = True) -> d
     named: dict[Path | str, Path] = {}
     for argument in arguments:
         if is_url(argument):
-            named[argument] = Path(PurePosixPath(unquote(urlsplit(argument).path)).name or "index").with_suffix(suffix)
+            named[argument] = _url_name(argument).with_suffix(suffix)
             continue
         root = Path(argument)
         for path in find_audio_files([argument]):
@@ -57,7 +62,7 @@ class RecordedNames:
 
     def name(self, audio: str) -> Path:
         if is_url(audio):
-            name = Path(PurePosixPath(unquote(urlsplit(audio).path)).name or "index")
+            name = _url_name(audio)
         else:
             parts = [part for part in PurePosixPath(STRETCH_LABEL.sub("", audio)).parts if part not in ("/", ".", "..")]
             name = Path(*parts) if parts else Path("item")
