@@ -166,8 +166,8 @@ class _BlockingSentinelPool(SentinelConnectionPool, aioredis.BlockingConnectionP
 def connection_pool(url: str, max_connections: int, timeout: float) -> aioredis.ConnectionPool:
     """The pool for ``url``: commands beyond ``max_connections`` in use wait up to ``timeout`` for a free one; its
     connections close on READONLY and are checked as they are handed out (``_no_maintenance_notifications``).
-    Sentinels are given ``SENTINEL_TIMEOUT_S``. A ``wait_replicas`` parameter is the job store's, and left out."""
-    url, _ = split_wait_replicas(url)
+    Sentinels are given ``SENTINEL_TIMEOUT_S``. ``url`` has no ``wait_replicas`` parameter: that is the job store's
+    (``JobStore.from_url`` takes it out)."""
     options = {"socket_connect_timeout": 5, "socket_timeout": 30, "health_check_interval": 30,
                **_no_maintenance_notifications()}
     if not is_sentinel_url(url):
