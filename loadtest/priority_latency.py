@@ -1,6 +1,7 @@
 """How long an urgent job waits behind a backlog: a `batchasr worker` (a process of its own, on a private Redis)
-works through a backfill of ``--backlog`` items; a few seconds in, a small job is submitted, once at the
-backfill's own priority (what every job got before priorities) and once at high priority.
+works through a backfill of ``--backlog`` items; a few seconds in, a small job is submitted: once at the
+backfill's own priority (what every job got before priorities), once at high priority, and once at the backfill's
+priority but by another API key (owner) than the backfill's.
 
     python loadtest/priority_latency.py [--model M] [--backlog 2000] [--urgent 8] [--delay-s 3]
 
@@ -20,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from service.http import owner_of
 from service.job_types import ItemInput, JobOptions, JobPriority
 from service.jobs import JobStore
 from tests.redis_server import RedisServer
@@ -46,11 +48,20 @@ async def wait_done(store: JobStore, job_id: str, worker: subprocess.Popen, log:
     return job.finished_at
 
 
-async def one_run(redis_url: str, args: argparse.Namespace, urgent_priority: JobPriority,
-                  log: Path) -> dict[str, float]:
+# each run: (what it is, the backfill's job options, the urgent job's)
+RUNS = (
+    ("urgent job at the backlog's priority (normal)", JobOptions(), JobOptions()),
+    ("urgent job at high priority, backlog low", JobOptions(priority=JobPriority.LOW),
+     JobOptions(priority=JobPriority.HIGH)),
+    ("urgent job of another API key, both normal", JobOptions(owner=owner_of("backfill-key")),
+     JobOptions(owner=owner_of("urgent-key"))),
+)
+
+
+async def one_run(redis_url: str, args: argparse.Namespace, backfill_options: JobOptions,
+                  urgent_options: JobOptions, log: Path) -> dict[str, float]:
     store = JobStore.from_url(redis_url)
-    backfill_priority = JobPriority.LOW if urgent_priority == JobPriority.HIGH else JobPriority.NORMAL
-    backfill, _ = await store.submit(uploads(args.backlog), options=JobOptions(priority=backfill_priority))
+    backfill, _ = await store.submit(uploads(args.backlog), options=backfill_options)
     model = ["--model", args.model] if args.model else []
     with log.open("wb") as out:
         worker = subprocess.Popen([sys.executable, "-m", "service.cli", "worker", *model, "--redis-url", redis_url,
@@ -62,7 +73,7 @@ async def one_run(redis_url: str, args: argparse.Namespace, urgent_priority: Job
             await asyncio.sleep(0.1)
         await asyncio.sleep(args.delay_s)
         submitted = time.time()
-        urgent, _ = await store.submit(uploads(args.urgent), options=JobOptions(priority=urgent_priority))
+        urgent, _ = await store.submit(uploads(args.urgent), options=urgent_options)
         urgent_done = await wait_done(store, urgent.id, worker, log)
         backfill_done = await wait_done(store, backfill.id, worker, log)
         started = (await store.get(backfill.id)).started_at
@@ -80,12 +91,12 @@ def main() -> None:
     parser.add_argument("--urgent", type=int, default=8)
     parser.add_argument("--delay-s", type=float, default=3.0)
     args = parser.parse_args()
-    for priority, label in ((JobPriority.NORMAL, "urgent job at the backlog's priority (normal)"),
-                            (JobPriority.HIGH, "urgent job at high priority, backlog low")):
+    for label, backfill_options, urgent_options in RUNS:
         with tempfile.TemporaryDirectory() as directory:
             redis_server = RedisServer(Path(directory)).start()
             try:
-                result = asyncio.run(one_run(redis_server.url, args, priority, Path(directory) / "worker.log"))
+                result = asyncio.run(one_run(redis_server.url, args, backfill_options, urgent_options,
+                                             Path(directory) / "worker.log"))
             except RuntimeError as exc:
                 raise SystemExit(f"priority_latency: {exc}") from exc
             finally:

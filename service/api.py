@@ -44,6 +44,7 @@ from .http import (
     form_texts,
     install_error_handlers,
     request_hotwords,
+    request_owner,
     require_api_key,
     speaker_names,
     subtitle_layout,
@@ -243,7 +244,8 @@ async def native_transcribe(request: Request, service: ServiceDep,
         waveform = await decoded_body(request, service, apart)
     if apart:
         assert service.stack is not None
-        channels = service.stack.transcriber.transcribe_channels(waveform, Priority.INTERACTIVE, skip, boosted)
+        channels = service.stack.transcriber.transcribe_channels(waveform, Priority.INTERACTIVE, skip, boosted,
+                                                                 request_owner(request))
         result = await while_client_waits(request, channels)
         result.conversation.names = names
         return conversation_body(service, result)

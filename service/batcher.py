@@ -1,8 +1,12 @@
 """Dynamic batching: one queue per engine; CPU bookkeeping only, never touches the model.
 
-Invariant: the oldest waiting item of the most urgent priority is in the next batch, so nothing starves;
+Invariant: the first waiting item of the most urgent priority is in the next batch, so nothing starves;
 the rest of the batch is chosen among waiting items of similar length, so little compute goes to padding.
-A batch is released when it is full or when its oldest item has waited ``max_wait_ms``.
+A batch is released when it is full or when its first item has waited ``max_wait_ms``.
+
+Within a priority, items wait in the order of their turn: each owner's items (a job's owner, its API key) take
+turns in proportion to their audio, so one owner's backfill already held here does not keep another owner's items
+waiting until it is done (fair queueing by virtual time; items without an owner, one owner, keep their order).
 
 With ``length_bucket_s`` every batch has one shape per bucket: it takes pieces of one length bucket only, is
 padded to the bucket's end, and to as many rows (at most ``max_batch_size``) as fit ``max_batch_audio_s`` there.
@@ -12,6 +16,7 @@ row count change how kernels round: docs/benchmarks.md), at the cost of computin
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 import threading
@@ -76,7 +81,9 @@ class WorkItem:
     # the samples of its recording it accounts for (RTFx): a piece's own, without the overlap the next piece
     # transcribes too; None: all of its own
     counted_samples: int | None = None
+    owner: str = ""  # whose turn it takes among its priority's items (Batcher: a job's owner; "": everyone else)
     n_samples: int = field(init=False)  # an attribute, not a property: batch forming reads it thousands of times
+    turn: int = field(init=False, default=0)  # its place in its priority's queue, set when queued (Batcher.submit)
 
     def __post_init__(self) -> None:
         self.n_samples = len(self.waveform)
@@ -134,7 +141,11 @@ class Batcher:
         self.max_wait_s = max_wait_ms / 1000
         self.max_queue = max_queue
         self.sample_rate = sample_rate
-        self._queues: dict[Priority, deque[WorkItem]] = {p: deque() for p in Priority}
+        self._queues: dict[Priority, deque[WorkItem]] = {p: deque() for p in Priority}  # each in order of turn
+        # fair queueing, per priority: the turn the last item taken into a batch began at (virtual time), and each
+        # owner's last item's turn; an owner's next item's turn is its audio after the later of the two
+        self._served: dict[Priority, int] = dict.fromkeys(Priority, 0)
+        self._owner_turns: dict[Priority, dict[str, int]] = {p: {} for p in Priority}
         self._cond = threading.Condition()
         self._closed = False
         self._throughput_audio_s_per_s = 0.0  # recent engine speed, for Retry-After
@@ -154,10 +165,22 @@ class Batcher:
             if self.depth + len(items) > self.max_queue:
                 raise QueueFull(self._retry_after_s())
             for item in items:
-                self._queues[item.priority].append(item)
+                self._enqueue(item)
                 item.future.add_done_callback(self._note_cancelled)
                 self._next_deadline = min(self._next_deadline, item.deadline)
             self._cond.notify_all()
+
+    def _enqueue(self, item: WorkItem) -> None:
+        """Into its priority's queue at its turn: after its owner's items before it, and after the others' items
+        whose turns come before its own (one owner's turns only ever grow, so those stay in the order they came)."""
+        turns = self._owner_turns[item.priority]
+        item.turn = max(turns.get(item.owner, 0), self._served[item.priority]) + max(1, item.n_samples)
+        turns[item.owner] = item.turn
+        queue = self._queues[item.priority]
+        if not queue or queue[-1].turn <= item.turn:
+            queue.append(item)
+        else:
+            queue.insert(bisect.bisect_right(queue, item.turn, key=_turn), item)
 
     def _note_cancelled(self, future: Future) -> None:
         if future.cancelled():
@@ -269,6 +292,7 @@ class Batcher:
                 pool = list(itertools.islice(self._queues[priority], pool_size))
                 chosen = self._pick_similar(anchor, pool, chosen)
         taken = {id(item) for item in chosen}
+        self._advance_turns(chosen)
         for queue in self._queues.values():  # every chosen item is in a queue's first pool_size
             head = [queue.popleft() for _ in range(min(pool_size, len(queue)))]
             queue.extendleft(reversed([item for item in head if id(item) not in taken]))
@@ -285,6 +309,18 @@ class Batcher:
         # also has (padding every bucket to max_batch_size rows went past the limit, and past what was warmed up)
         rows = max(1, min(self.max_batch_size, self.max_padded_samples // bucket_end))
         return Batch(items, pad_to=bucket_end, pad_rows=rows)
+
+    def _advance_turns(self, chosen: list[WorkItem]) -> None:
+        """Each priority's virtual time moves to where the first of its items taken began: an owner with nothing
+        queued comes back at the head of the line, not behind the turns the others' held items were given. (The
+        first, not the last: the rest of a batch is picked by length from far down the queue.)"""
+        for priority in {item.priority for item in chosen}:
+            began = min(item.turn - max(1, item.n_samples) for item in chosen if item.priority == priority)
+            if began > self._served[priority]:
+                self._served[priority] = began
+                turns = self._owner_turns[priority]  # those at or behind it count as none: dropped
+                for owner in [owner for owner, turn in turns.items() if turn <= began]:
+                    del turns[owner]
 
     def _pick_similar(self, anchor: WorkItem, pool: list[WorkItem], chosen: list[WorkItem]) -> list[WorkItem]:
         """Add pool items closest in length to the anchor (of its length bucket, with buckets) while size and
@@ -307,6 +343,10 @@ class Batcher:
             chosen.append(item)
             longest = new_longest
         return chosen
+
+
+def _turn(item: WorkItem) -> int:
+    return item.turn
 
 
 def _recent(average: float, value: float) -> float:

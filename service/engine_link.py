@@ -115,7 +115,7 @@ class EngineLink:
             self._pending[item_id] = item.future
             item.future.add_done_callback(lambda f, i=item_id: self._maybe_cancelled(i, f))
         self._send(Submit(ids, tuple(item.n_samples for item in items), int(items[0].priority), items[0].timeout_s,
-                          items[0].hotwords, tuple(item.counted_samples or 0 for item in items)),
+                          items[0].hotwords, tuple(item.counted_samples or 0 for item in items), items[0].owner),
                    [item.waveform for item in items])
 
     def observe_request(self, route: str, code: int, duration_s: float) -> None:

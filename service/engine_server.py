@@ -152,8 +152,8 @@ class EngineServer:
     def _submit(self, front_end: _FrontEnd, message: Submit, payload: bytearray) -> None:
         pieces = split_samples(payload, message.lengths)
         counted = message.counted or (None,) * len(pieces)
-        items = [WorkItem(piece, Priority(message.priority), message.timeout_s, message.hotwords, counted_samples=n)
-                 for piece, n in zip(pieces, counted, strict=True)]
+        items = [WorkItem(piece, Priority(message.priority), message.timeout_s, message.hotwords, counted_samples=n,
+                          owner=message.owner) for piece, n in zip(pieces, counted, strict=True)]
         try:
             self.stack.batcher.submit(items)
         except (QueueFull, BatcherClosed) as exc:

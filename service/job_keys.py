@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from .job_types import JobPriority
+from .job_types import ANONYMOUS, JobPriority
 
 PREFIX = "batchasr"
 ITEM_STREAM = f"{PREFIX}:items"  # XADD job=<id> index=<i>; consumer group GROUP (normal priority's items)
@@ -13,9 +13,14 @@ DEAD_LETTER_STREAM = f"{PREFIX}:items:dead"  # items that failed for good, with 
 # XADD job=<id> in the same script that finishes a job with a webhook; consumer group GROUP delivers it
 WEBHOOK_STREAM = f"{PREFIX}:webhooks"
 GROUP = "workers"
-# each priority's item stream, in the order workers read them
+# each priority's item stream, in the order workers read them: the anonymous owner's (jobs submitted without API
+# keys, or straight into Redis); another owner's items go on a stream of their own beside it (item_stream)
 ITEM_STREAMS = {JobPriority.HIGH: f"{PREFIX}:items:high", JobPriority.NORMAL: ITEM_STREAM,
                 JobPriority.LOW: f"{PREFIX}:items:low"}
+OWNER_STREAM_MARK = ":owner:"  # an owner's stream is its priority's stream, this, and the owner
+# hash: every owner's item stream -> its priority, written with the first job that queues items there; workers read
+# from each stream listed, and from every priority's own stream, which is never listed
+OWNER_STREAMS_KEY = f"{PREFIX}:item-streams"
 
 JOB_KEY = PREFIX + ":job:{job_id}"  # hash: status, created_at, started_at, finished_at, total, n_<state>, ...
 INPUTS_KEY = PREFIX + ":job:{job_id}:inputs"  # hash index -> JSON {"audio", "path" | "url" | "upload"}
@@ -32,3 +37,25 @@ REPLICATION_MARK_KEY = f"{PREFIX}:replication-mark"
 # what submit makes ("job_" and 24 of token_urlsafe's characters); a client's id is checked against it before it
 # names a key, since `job_x:inputs` would read another hash
 JOB_ID = re.compile(r"job_[A-Za-z0-9_-]{1,64}")
+
+
+def item_stream(priority: JobPriority, owner: str) -> str:
+    """The stream a job's items are queued on: one per priority and owner, so that workers can take each owner's
+    share of a priority in turn (``JobStore.read_items``) and one owner's backfill does not hold up another's jobs.
+    The anonymous owner's is the priority's own stream (the one every job used before owners had their own)."""
+    if owner == ANONYMOUS:
+        return ITEM_STREAMS[priority]
+    return ITEM_STREAMS[priority] + OWNER_STREAM_MARK + owner
+
+
+def stream_priority(stream: str) -> JobPriority:
+    """The priority of the items ``stream`` holds (``KeyError`` for a stream that holds no items)."""
+    return _PRIORITY_OF[stream.partition(OWNER_STREAM_MARK)[0]]
+
+
+def stream_owner(stream: str) -> str:
+    """The owner of the jobs whose items ``stream`` holds (an item stream's)."""
+    return stream.partition(OWNER_STREAM_MARK)[2] or ANONYMOUS
+
+
+_PRIORITY_OF = {stream: priority for priority, stream in ITEM_STREAMS.items()}

@@ -18,8 +18,8 @@ ANONYMOUS = "anonymous"  # the owner of jobs submitted without an API key (no ke
 
 
 class JobPriority(str, Enum):
-    """Which stream a job's items go on. Workers read the high stream first, then normal, then low: a small
-    urgent job is not queued behind a backfill of thousands of hours."""
+    """Which streams a job's items go on (with its owner: service.job_keys.item_stream). Workers read the high
+    ones first, then normal, then low: a small urgent job is not queued behind a backfill of thousands of hours."""
 
     HIGH = "high"
     NORMAL = "normal"

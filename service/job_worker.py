@@ -1,6 +1,6 @@
-"""The job consumer: reads items from the streams (a job's priority picks its stream; higher ones are read
-first), feeds them to the batcher behind HTTP requests and in their job's priority, writes each result once,
-then acknowledges.
+"""The job consumer: reads items from the streams (a job's priority and owner pick its stream; higher priorities
+are read first, and each owner's stream in turn), feeds them to the batcher behind HTTP requests and in their job's
+priority, writes each result once, then acknowledges.
 
 Failure handling: bad audio or a refused input fails its item at once (dead-lettered); any other error
 leaves the delivery unacknowledged, so it is reclaimed (XAUTOCLAIM) after the visibility timeout, and an
@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import socket
+from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from .audio import AudioLimits, AudioRequestError, decode_audio, decode_audio_fi
 from .audio_budget import AudioBudget, AudioClaim
 from .batcher import Priority, QueueFull
 from .formats import to_record
-from .job_keys import ITEM_STREAMS
+from .job_keys import stream_owner, stream_priority
 from .job_types import ItemStart, JobInputError, JobPriority, item_record, resolve_input_path
 from .jobs import JobStore
 from .redis_outages import REDIS_ERRORS, group_lost, step_until_stopped
@@ -45,10 +46,10 @@ log = logging.getLogger(__name__)
 
 # what an item's result keeps of formats.to_record (a multichannel item's adds its utterances and channels)
 RESULT_KEYS = ("text", "tokens", "token_logprobs", "avg_logprob", "words", "duration_s", "utterances", "channels")
-# an item's place in the batcher, by the stream it came from: a high job's items go ahead of the normal and low
-# items a worker already holds, not just ahead of those still in Redis
-BATCHER_PRIORITY = {ITEM_STREAMS[JobPriority.HIGH]: Priority.BULK_HIGH, ITEM_STREAMS[JobPriority.NORMAL]: Priority.BULK,
-                    ITEM_STREAMS[JobPriority.LOW]: Priority.BULK_LOW}
+# an item's place in the batcher, by its job's priority: a high job's items go ahead of the normal and low items a
+# worker already holds, not just ahead of those still in Redis
+BATCHER_PRIORITY = {JobPriority.HIGH: Priority.BULK_HIGH, JobPriority.NORMAL: Priority.BULK,
+                    JobPriority.LOW: Priority.BULK_LOW}
 
 
 FORGET_INTERVAL_S = 600.0  # how often a consumer deletes the names of consumers gone from the group
@@ -107,7 +108,7 @@ class JobConsumer:
         self.decode_pool = decode_pool
         self.webhook_deliveries = WebhookWorker(store, webhooks, options.name, metrics)
         self._in_flight: set[asyncio.Task] = set()
-        self._held: dict[str, set[bytes]] = {stream: set() for stream in ITEM_STREAMS.values()}  # deliveries in hand
+        self._held: dict[str, set[bytes]] = defaultdict(set)  # deliveries in hand, by stream
         self.audio = AudioBudget(options.max_audio_s, options.first_item_s, options.max_reading)
         self._last_reclaim = 0.0
         self._reclaim_from: dict[str, bytes | str] = {}  # per stream, where the next look for stalled items goes on
@@ -166,7 +167,7 @@ class JobConsumer:
             await self._check_store()
         if loop.time() - self._last_kept >= self.options.visibility_timeout_s / 3:
             self._last_kept = loop.time()
-            for stream, held in self._held.items():
+            for stream, held in list(self._held.items()):
                 await self.store.keep_claimed(stream, self.options.name, list(held))
         room = self.audio.room(self.options.prefetch - len(self._in_flight))
         messages: list[tuple[str, bytes, dict]] = []  # (stream, message id, fields)
@@ -214,7 +215,7 @@ class JobConsumer:
 
     async def _reclaim(self, count: int) -> list[tuple[str, bytes, dict]]:
         claimed = []
-        for stream in ITEM_STREAMS.values():  # the higher priorities' first
+        for stream in await self.store.streams_with_pending():  # the higher priorities' first
             if len(claimed) < count:
                 self._reclaim_from[stream], stalled = await self.store.claim_stalled(
                     stream, self.options.name, self.options.visibility_timeout_s, count - len(claimed),
@@ -239,7 +240,7 @@ class JobConsumer:
             await self._discard(stream, message_id, fields)
             return
         try:
-            await self._process(job_id, index, share, BATCHER_PRIORITY[stream])
+            await self._process(job_id, index, share, BATCHER_PRIORITY[stream_priority(stream)], stream_owner(stream))
             await self.store.ack_item(stream, message_id)
         except TimeoutError as exc:  # the transcription or a fetch took too long (an OSError, but not Redis's)
             log.warning("item %s/%d timed out; it will be retried", job_id, index)
@@ -270,9 +271,9 @@ class JobConsumer:
         except REDIS_ERRORS as exc:
             log.warning("redis error discarding %s (%s); it will come back", message_id.decode(), exc)
 
-    async def _process(self, job_id: str, index: int, share: AudioClaim, priority: Priority) -> None:
-        """``share``: the item's part of the consumer's audio budget, told its length once decoded; ``priority``:
-        its place in the batcher."""
+    async def _process(self, job_id: str, index: int, share: AudioClaim, priority: Priority, owner: str) -> None:
+        """``share``: the item's part of the consumer's audio budget, told its length once decoded; ``priority``
+        and ``owner`` (its job's): its place in the batcher."""
         start = await self.store.start_item(job_id, index)
         if start.state != "in_progress":
             return  # finished, cancelled or expired meanwhile: just acknowledge
@@ -294,11 +295,12 @@ class JobConsumer:
         while True:
             try:
                 if multichannel:
-                    result = await self.transcriber.transcribe_channels(waveform, priority, skip_silence, hotwords)
+                    result = await self.transcriber.transcribe_channels(waveform, priority, skip_silence, hotwords,
+                                                                        owner)
                     transcript = result.conversation
                     transcript.names = record.get("channel_names") or []
                 else:
-                    result = await self.transcriber.transcribe(waveform, priority, skip_silence, hotwords)
+                    result = await self.transcriber.transcribe(waveform, priority, skip_silence, hotwords, owner)
                     transcript = result.transcript
                 break
             except QueueFull:  # HTTP traffic holds the queue; bulk work waits its turn

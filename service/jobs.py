@@ -1,9 +1,10 @@
 """Bulk jobs on Redis Streams: submission, item state changes (service.job_scripts), results, cancel, and the
 upkeep of the streams.
 
-Delivery is at-least-once (a consumer group on each priority's stream; stuck deliveries are reclaimed), and
-every state change of an item runs as one Lua script, so an item redelivered after a crash can never write a
-second result or be counted twice. Workers take a higher priority's items before any of a lower one.
+Delivery is at-least-once (a consumer group on each stream; stuck deliveries are reclaimed), and every state
+change of an item runs as one Lua script, so an item redelivered after a crash can never write a second result or
+be counted twice. A job's items go on a stream of its priority and its owner (service.job_keys.item_stream):
+workers take a higher priority's items before any of a lower one, and within a priority each owner's in turn.
 
 Per job (service.job_keys): a hash (status, times, counters), and per-item hashes keyed by the item's index:
 inputs, states, attempts, errors, results. Uploaded audio lives in its own keys with a TTL, written a piece at a
@@ -34,11 +35,14 @@ from .job_keys import (
     JOB_KEY,
     JOB_KEYS,
     OWNER_JOBS_KEY,
+    OWNER_STREAMS_KEY,
     REPLICATION_MARK_KEY,
     RESULTS_KEY,
     STATES_KEY,
     UPLOAD_KEY,
     WEBHOOK_STREAM,
+    item_stream,
+    stream_priority,
 )
 from .job_scripts import (
     CANCEL_QUEUED,
@@ -58,6 +62,7 @@ from .job_types import (
     JobInputError,
     JobNotFound,
     JobOptions,
+    JobPriority,
     JobStatus,
     UploadTooLarge,
     item_record,
@@ -99,6 +104,7 @@ class JobStore:
                  max_upload_bytes: int = 200 * 1024 * 1024, wait_replicas: int = 0):
         self.redis = client
         self.wait_replicas = wait_replicas
+        self._turn = 0  # which owner's stream a share of less than one each goes to first (fair_shares)
         self.input_ttl_s = input_ttl_s
         self.result_ttl_s = result_ttl_s
         self.max_upload_bytes = max_upload_bytes
@@ -123,16 +129,45 @@ class JobStore:
         return cls(aioredis.Redis.from_pool(pool), wait_replicas=wait_replicas, **kwargs)
 
     async def ensure_group(self) -> None:
-        """The consumer group on the item and webhook streams (again after a Redis that lost them), in one round
-        trip."""
+        """The consumer group on every item stream and the webhook stream (again after a Redis that lost them)."""
+        await self._make_groups(await self._every_item_stream())
+
+    async def _make_groups(self, streams: Collection[str], listed: dict[str, str] | None = None) -> None:
+        """The consumer group on ``streams``, the priorities' own and the webhook stream; and ``listed`` (an owner's
+        stream -> its priority) written to the streams workers read, in the same round trip."""
         pipe = self.redis.pipeline(transaction=False)
-        for stream in (*ITEM_STREAMS.values(), WEBHOOK_STREAM):
+        for stream in dict.fromkeys((*ITEM_STREAMS.values(), WEBHOOK_STREAM, *streams)):
             pipe.xgroup_create(stream, GROUP, id="0", mkstream=True)
-        for reply in await pipe.execute(raise_on_error=False):
+        if listed:
+            pipe.hset(OWNER_STREAMS_KEY, mapping=listed)
+        replies = await pipe.execute(raise_on_error=False)
+        if listed and isinstance(replies[-1], Exception):  # unlisted, a stream's items would never be read
+            raise replies[-1]
+        for reply in replies:
             # BUSYGROUP: there already; a full Redis refuses even that, and one that has lost the group says NOGROUP
             # to the next read, which asks again
             if isinstance(reply, Exception) and "BUSYGROUP" not in str(reply) and not isinstance(reply, REDIS_FULL):
                 raise reply
+
+    async def _open_stream(self, priority: JobPriority, owner: str) -> str:
+        """The stream a job of ``priority`` and ``owner`` queues its items on, with its group, and listed for the
+        workers if it is an owner's: before any item goes there (a group made later reads it from the start all the
+        same, but a stream not listed is never read)."""
+        stream = item_stream(priority, owner)
+        await self._make_groups([stream], None if stream == ITEM_STREAMS[priority] else {stream: priority.value})
+        return stream
+
+    async def item_streams(self) -> dict[JobPriority, list[str]]:
+        """Every item stream, by priority in the order workers read them: the priority's own stream (the anonymous
+        owner's), then each other owner's (one round trip)."""
+        streams = {priority: [stream] for priority, stream in ITEM_STREAMS.items()}
+        for stream, priority in sorted((await self.redis.hgetall(OWNER_STREAMS_KEY)).items()):
+            with contextlib.suppress(ValueError):  # not one of ours: skipped rather than read
+                streams[JobPriority(priority.decode())].append(stream.decode())
+        return streams
+
+    async def _every_item_stream(self) -> list[str]:
+        return [stream for streams in (await self.item_streams()).values() for stream in streams]
 
     # --- submission --------------------------------------------------------------------------------------
 
@@ -155,7 +190,7 @@ class JobStore:
             if sizes[name] > self.max_upload_bytes:
                 raise UploadTooLarge(f"{item.audio}: {sizes[name]} bytes exceeds the upload limit of "
                                      f"{self.max_upload_bytes}")
-        await self.ensure_group()
+        stream = await self._open_stream(options.priority, options.owner)
         key = None
         if idempotency_key:  # one owner's key never names another's job
             owned = idempotency_key if options.owner == ANONYMOUS else f"{options.owner}:{idempotency_key}"
@@ -169,7 +204,7 @@ class JobStore:
             except UploadRefused as exc:
                 error = UploadTooLarge if exc.too_large else JobInputError
                 raise error(f"{uploads[exc.key].audio}: {exc}") from exc
-            job, created = await self._create(job_id, items, options, key, list(uploads))
+            job, created = await self._create(job_id, items, options, key, list(uploads), stream)
         except BaseException:
             await self._discard(uploads)
             raise
@@ -179,9 +214,9 @@ class JobStore:
         return job, created
 
     async def _create(self, job_id: str, items: list[ItemInput], options: JobOptions, key: str | None,
-                      uploads: list[str]) -> tuple[Job, bool]:
-        """The job's transaction (its ``uploads`` written already: it gives them the input TTL); the job an
-        idempotency ``key`` names if it has one by now."""
+                      uploads: list[str], stream: str) -> tuple[Job, bool]:
+        """The job's transaction (its ``uploads`` written already: it gives them the input TTL), queueing its items
+        on ``stream``; the job an idempotency ``key`` names if it has one by now."""
         async with self.redis.pipeline(transaction=True) as pipe:
             while True:
                 try:
@@ -193,7 +228,7 @@ class JobStore:
                     pipe.multi()
                     if key is not None:  # set with the job, in one transaction (over a key whose job is gone)
                         pipe.set(key, job_id, ex=self.result_ttl_s)
-                    fields = self._queue_job(pipe, job_id, items, options, key)
+                    fields = self._queue_job(pipe, job_id, items, options, key, stream)
                     if uploads:
                         await self._expire_all(keys=uploads, args=[self.input_ttl_s], client=pipe)
                     await pipe.execute()
@@ -230,7 +265,7 @@ class JobStore:
                 await self.redis.delete(*uploads)
 
     def _queue_job(self, pipe: Any, job_id: str, items: list[ItemInput], options: JobOptions,
-                   idempotency_key: str | None) -> dict[str, Any]:
+                   idempotency_key: str | None, stream: str) -> dict[str, Any]:
         """The writes that create a job and queue its items, added to ``pipe`` (a transaction); returns the job's
         fields as written."""
         inputs, states = {}, {}
@@ -266,7 +301,7 @@ class JobStore:
         pipe.hset(INPUTS_KEY.format(job_id=job_id), mapping=inputs)
         pipe.hset(STATES_KEY.format(job_id=job_id), mapping=states)
         for index in range(len(items)):
-            pipe.xadd(ITEM_STREAMS[options.priority], {"job": job_id, "index": index})
+            pipe.xadd(stream, {"job": job_id, "index": index})
         for template in JOB_KEYS:
             pipe.expire(template.format(job_id=job_id), kept_s)
         # the owner's list: ids of jobs long expired are dropped here, those expired early (finished) when listed
@@ -384,21 +419,57 @@ class JobStore:
     # --- item deliveries and transitions (used by the consumer) -----------------------------------------------
 
     async def read_items(self, consumer: str, count: int, block_ms: int) -> list[tuple[str, bytes, dict]]:
-        """Up to about ``count`` new deliveries for ``consumer``, as (stream, message id, fields): the high
-        stream's first, then normal's, then low's. With none waiting on any, waits up to ``block_ms`` for the
-        first to come on any stream (taking up to count // 3 from each, at least one: at most two over ``count``
-        when it is below three)."""
+        """Up to ``count`` new deliveries for ``consumer``, as (stream, message id, fields): the high priority's
+        first, then normal's, then low's, and within a priority an equal share to each owner's stream with items
+        waiting (``fair_shares``), so that one owner's backfill does not hold up another's job. With none waiting
+        on any, waits up to ``block_ms`` for the first to come on any stream (taking up to count // streams from
+        each, at least one: a few over a ``count`` below the streams'). Three round trips."""
+        streams = await self._every_item_stream()
+        waiting = await self._waiting(streams)
+        shares: dict[str, int] = {}
+        for priority in ITEM_STREAMS:
+            same_priority = {stream: n for stream, n in waiting.items() if stream_priority(stream) == priority}
+            shares |= fair_shares(same_priority, count - sum(shares.values()), self._turn)
+        self._turn += 1
         taken: list[tuple[str, bytes, dict]] = []
-        for stream in ITEM_STREAMS.values():
-            if len(taken) >= count:
-                break
-            reply = await self.redis.xreadgroup(GROUP, consumer, {stream: ">"}, count=count - len(taken))
-            taken += _deliveries(reply)
+        if any(shares.values()):
+            by_share: dict[int, list[str]] = {}
+            for stream, share in shares.items():
+                if share:
+                    by_share.setdefault(share, []).append(stream)
+            pipe = self.redis.pipeline(transaction=False)
+            for share, names in by_share.items():  # XREADGROUP's COUNT is per stream: one call per share
+                pipe.xreadgroup(GROUP, consumer, dict.fromkeys(names, ">"), count=share)
+            for reply in await pipe.execute():
+                taken += _deliveries(reply)
         if taken or block_ms <= 0:
             return taken
-        per_stream = max(1, count // len(ITEM_STREAMS))
-        return _deliveries(await self.redis.xreadgroup(GROUP, consumer, dict.fromkeys(ITEM_STREAMS.values(), ">"),
+        per_stream = max(1, count // len(streams))
+        return _deliveries(await self.redis.xreadgroup(GROUP, consumer, dict.fromkeys(streams, ">"),
                                                        count=per_stream, block=block_ms))
+
+    async def _waiting(self, streams: list[str]) -> dict[str, int | None]:
+        """How many items each stream holds not yet delivered to the workers' group: None where that is not known
+        (Redis cannot count it; or the stream has no group, which the read then says), and no entry for a stream
+        that does not exist."""
+        return {stream: None if group is None or group.get("lag") is None else int(group["lag"])
+                for stream, group in (await self._groups(streams)).items()}
+
+    async def _groups(self, streams: list[str]) -> dict[str, dict[str, Any] | None]:
+        """The workers' group on each of ``streams`` as XINFO GROUPS describes it, in one round trip: None for a
+        stream with no such group, no entry for one that does not exist."""
+        pipe = self.redis.pipeline(transaction=False)
+        for stream in streams:
+            pipe.xinfo_groups(stream)
+        return {stream: _workers_group(groups)
+                for stream, groups in zip(streams, await pipe.execute(raise_on_error=False), strict=True)
+                if not isinstance(groups, Exception)}  # an error: no such stream
+
+    async def streams_with_pending(self) -> list[str]:
+        """The item streams holding deliveries not acknowledged yet, the higher priorities' first: where stalled
+        ones may be (two round trips, rather than a look at every owner's stream)."""
+        groups = await self._groups(await self._every_item_stream())
+        return [stream for stream, group in groups.items() if group is not None and int(group.get("pending") or 0)]
 
     async def ack_item(self, stream: str, message_id: bytes) -> None:
         await self.redis.xack(stream, GROUP, message_id)
@@ -488,13 +559,14 @@ class JobStore:
         return await self.get(job_id), ended
 
     async def retry_failed(self, job_id: str, owner: str | None = None) -> tuple[Job, int, int]:
-        """Queue the job's failed items again, each from a first attempt, on its priority's stream: those of a path
+        """Queue the job's failed items again, each from a first attempt, on its owner's stream: those of a path
         or a URL (an upload's audio went with its failure). The job is in progress until they finish, and then ends
         (and is counted, and its webhook sent) again; its records keep a new job's TTL meanwhile. Returns the job
         after, the items queued again and the failed items left as they were (``JobNotFound`` as ``get``)."""
         job = await self.get(job_id, owner)
+        stream = await self._open_stream(job.priority, job.owner)  # the job may be older than owners' streams
         keys = [*(t.format(job_id=job_id) for t in (JOB_KEY, STATES_KEY, RESULTS_KEY, ERRORS_KEY, ATTEMPTS_KEY,
-                                                    INPUTS_KEY)), ITEM_STREAMS[job.priority]]
+                                                    INPUTS_KEY)), stream]
         kept_ms = (self.input_ttl_s + self.result_ttl_s) * 1000
         queued = left = 0
         for first in range(0, job.total_items, RESULTS_PAGE):
@@ -530,24 +602,29 @@ class JobStore:
     async def trim_acknowledged(self) -> None:
         """Drop the item and webhook streams' entries before the oldest one the workers have not acknowledged.
         Without this the item stream keeps an entry for every item ever submitted: 48 bytes each, about 0.5 GB
-        of Redis memory per 10 M items. (Another consumer group on these streams would lose entries.)"""
-        for stream in (*ITEM_STREAMS.values(), WEBHOOK_STREAM):
-            group = await self._group(stream)
-            if group is None:
-                continue
-            # all acknowledged (also since XINFO said otherwise): keep from the last one delivered, since what comes
-            # after it is not delivered yet
-            keep_from = group["last-delivered-id"]
-            if group["pending"]:
-                keep_from = (await self.redis.xpending(stream, GROUP))["min"] or keep_from
-            await self.redis.xtrim(stream, minid=keep_from, approximate=False)
+        of Redis memory per 10 M items. (Another consumer group on these streams would lose entries.) Four round
+        trips, however many owners' streams there are."""
+        groups = {stream: group for stream, group in
+                  (await self._groups([*await self._every_item_stream(), WEBHOOK_STREAM])).items() if group is not None}
+        # all acknowledged: keep from the last one delivered, since what comes after it is not delivered yet
+        keep_from = {stream: group["last-delivered-id"] for stream, group in groups.items()}
+        holding = [stream for stream, group in groups.items() if group["pending"]]
+        pipe = self.redis.pipeline(transaction=False)
+        for stream in holding:
+            pipe.xpending(stream, GROUP)
+        for stream, pending in zip(holding, await pipe.execute(), strict=True):
+            keep_from[stream] = pending["min"] or keep_from[stream]  # acknowledged since XINFO said otherwise
+        pipe = self.redis.pipeline(transaction=False)
+        for stream, first_kept in keep_from.items():
+            pipe.xtrim(stream, minid=first_kept, approximate=False)
+        await pipe.execute()
 
     async def forget_gone_consumers(self, idle_s: float) -> int:
         """Delete the group's consumers that hold nothing and have been idle ``idle_s`` or longer: the names of
         workers gone (a restart is a new host-pid name), which would otherwise pile up in the group for good. One
         still alive loses nothing: it holds no delivery, and its next read makes it again. Returns how many."""
         forgotten = 0
-        for stream in (*ITEM_STREAMS.values(), WEBHOOK_STREAM):
+        for stream in (*await self._every_item_stream(), WEBHOOK_STREAM):
             try:
                 consumers = await self.redis.xinfo_consumers(stream, GROUP)
             except aioredis.ResponseError:  # no stream or no group yet
@@ -558,23 +635,10 @@ class JobStore:
         return forgotten
 
     async def stream_lag(self) -> int:
-        """Items not yet delivered to a consumer plus those delivered and not acknowledged, over every priority
-        (one round trip)."""
-        pipe = self.redis.pipeline(transaction=False)
-        for stream in ITEM_STREAMS.values():
-            pipe.xinfo_groups(stream)
-        lag = 0
-        for groups in await pipe.execute(raise_on_error=False):
-            group = _workers_group(groups)
-            lag += 0 if group is None else int(group.get("lag") or 0) + int(group.get("pending") or 0)
-        return lag
-
-    async def _group(self, stream: str) -> dict[str, Any] | None:
-        """The workers' group on ``stream`` as XINFO GROUPS describes it; None before there is one."""
-        try:
-            return _workers_group(await self.redis.xinfo_groups(stream))
-        except aioredis.ResponseError:  # no stream yet
-            return None
+        """Items not yet delivered to a consumer plus those delivered and not acknowledged, over every stream
+        (two round trips)."""
+        return sum(int(group.get("lag") or 0) + int(group.get("pending") or 0)
+                   for group in (await self._groups(await self._every_item_stream())).values() if group is not None)
 
     async def keep_claimed(self, stream: str, consumer: str, message_ids: list[bytes]) -> int:
         """Reset the idle time of deliveries ``consumer`` is still working on, so that an item that takes longer
@@ -643,6 +707,30 @@ class JobStore:
     async def close(self) -> None:
         await self.redis.aclose()
         await close_pool(self.redis.connection_pool)
+
+
+def fair_shares(waiting: dict[str, int | None], count: int, turn: int = 0) -> dict[str, int]:
+    """How many of ``count`` items to read from each stream, given how many each holds (``waiting``; None: not
+    known, so as many as it is given): equal shares, and what a stream holding fewer than its share leaves goes to
+    the others in equal shares again (max-min fairness). Shares of less than one each go to the streams in turn,
+    from the ``turn``-th on: a later read gives them to the next ones."""
+    left = {stream: count if n is None else n for stream, n in waiting.items()}
+    shares = dict.fromkeys(waiting, 0)
+    open_ = [stream for stream, n in left.items() if n > 0]
+    while open_ and count > 0:
+        share = count // len(open_)
+        if share == 0:  # fewer than one each: one each for the next ``count`` of them
+            first = turn % len(open_)
+            for stream in (open_[first:] + open_[:first])[:count]:
+                shares[stream] += 1
+            break
+        for stream in open_:
+            given = min(share, left[stream])
+            shares[stream] += given
+            left[stream] -= given
+            count -= given
+        open_ = [stream for stream in open_ if left[stream] > 0]
+    return shares
 
 
 def _job(job_id: str, raw: dict[bytes, bytes]) -> Job:

@@ -17,7 +17,7 @@ from decoding.types import Hotwords
 
 from .audio import AudioRequestError
 from .batcher import Priority, QueueFull
-from .http import ApiError, ServiceState, client_closed, internal_error
+from .http import ApiError, ServiceState, client_closed, internal_error, request_owner
 from .request_audio import audio_error
 from .response_bodies import openai_logprobs
 from .schemas import TokenLogprob
@@ -34,11 +34,12 @@ T = TypeVar("T")
 
 async def transcribe(request: Request, service: ServiceState, waveform: np.ndarray, skip_silence: bool = False,
                      hotwords: Hotwords = ()) -> RequestResult:
-    """Queue, and await the result; drop the work if the client goes away."""
+    """Queue, and await the result; drop the work if the client goes away. Each API key's requests take turns
+    with the others' (batcher.WorkItem.owner)."""
     assert service.stack is not None
     transcriber = service.stack.transcriber
     return await while_client_waits(request, transcriber.transcribe(waveform, Priority.INTERACTIVE, skip_silence,
-                                                                     hotwords))
+                                                                     hotwords, request_owner(request)))
 
 
 async def while_client_waits(request: Request, work: Awaitable[T]) -> T:
@@ -84,7 +85,7 @@ async def stream_transcription(request: Request, service: ServiceState, waveform
     assert service.stack is not None
     try:
         queued = await service.stack.transcriber.submit(waveform, Priority.INTERACTIVE, skip_silence,
-                                                        hotwords=hotwords)
+                                                        hotwords=hotwords, owner=request_owner(request))
     except (QueueFull, EngineUnavailable) as exc:
         raise engine_error(exc) from exc
     except AudioRequestError as exc:  # more pieces than the queue holds

@@ -105,13 +105,13 @@ class Transcriber:
                            skip_silence, elsewhere)
 
     async def submit(self, waveform: np.ndarray, priority: Priority = Priority.INTERACTIVE, skip_silence: bool = False,
-                     elsewhere: Elsewhere | None = None, hotwords: Hotwords = ()) -> QueuedRequest:
+                     elsewhere: Elsewhere | None = None, hotwords: Hotwords = (), owner: str = "") -> QueuedRequest:
         """Cut ``waveform`` and queue its pieces (raises ``QueueFull``, or ``TooManyPieces`` for audio that never
-        fits the queue), each boosting ``hotwords`` (as tokens).
+        fits the queue), each boosting ``hotwords`` (as tokens) and taking ``owner``'s turns (batcher.WorkItem).
         The caller must ``cancel`` the request when it is done with it: that drops pieces still queued."""
         segments = await self._segments(waveform, skip_silence, elsewhere)
         self._check_fits(len(segments))
-        request = self._request(waveform, segments, priority, hotwords)
+        request = self._request(waveform, segments, priority, hotwords, owner)
         self._queue([request])
         return request
 
@@ -126,12 +126,12 @@ class Transcriber:
             raise TooManyPieces(f"the audio makes {n_pieces} pieces to transcribe, more than the queue ever "
                                 f"holds ({self.max_pieces}): send it in parts")
 
-    def _request(self, waveform: np.ndarray, segments: list[Segment], priority: Priority, hotwords: Hotwords
-                 ) -> QueuedRequest:
+    def _request(self, waveform: np.ndarray, segments: list[Segment], priority: Priority, hotwords: Hotwords,
+                 owner: str) -> QueuedRequest:
         """``waveform``'s pieces, not queued yet."""
         timeout_s = self.timeout_s if priority == Priority.INTERACTIVE else self.bulk_timeout_s
-        items = [WorkItem(waveform[s.start : s.end], priority, timeout_s, hotwords, counted_samples=s.own_samples)
-                 for s in segments]
+        items = [WorkItem(waveform[s.start : s.end], priority, timeout_s, hotwords, counted_samples=s.own_samples,
+                          owner=owner) for s in segments]
         return QueuedRequest(self, len(waveform), segments, items, asyncio.get_running_loop().time() + timeout_s)
 
     def _queue(self, requests: list[QueuedRequest]) -> None:
@@ -141,16 +141,16 @@ class Transcriber:
             self.queue.submit(items)
 
     async def transcribe(self, waveform: np.ndarray, priority: Priority = Priority.INTERACTIVE,
-                         skip_silence: bool = False, hotwords: Hotwords = ()) -> RequestResult:
+                         skip_silence: bool = False, hotwords: Hotwords = (), owner: str = "") -> RequestResult:
         """Queue (raises ``QueueFull``), await every piece, stitch. Cancelling this cancels queued pieces."""
-        request = await self.submit(waveform, priority, skip_silence, hotwords=hotwords)
+        request = await self.submit(waveform, priority, skip_silence, hotwords=hotwords, owner=owner)
         try:
             return await request.result()
         finally:
             request.cancel()
 
     async def transcribe_channels(self, channels: np.ndarray, priority: Priority = Priority.INTERACTIVE,
-                                  skip_silence: bool = False, hotwords: Hotwords = ()
+                                  skip_silence: bool = False, hotwords: Hotwords = (), owner: str = ""
                                   ) -> ConversationResult:
         """Each row of ``channels`` (channels, samples) transcribed apart, their pieces queued together so they
         share batches; all are queued or none (``QueueFull``), and cancelling this cancels them all. Words a
@@ -163,7 +163,7 @@ class Transcriber:
             echoes = list(await asyncio.to_thread(heard_elsewhere, [channels[c] for c in apart], self.sample_rate))
         plans = [await self._segments(channels[c], skip_silence, echo) for c, echo in zip(apart, echoes, strict=True)]
         self._check_fits(sum(map(len, plans)))  # the channels' pieces together: each alone may fit
-        requests = [self._request(channels[c], segments, priority, hotwords)
+        requests = [self._request(channels[c], segments, priority, hotwords, owner)
                     for c, segments in zip(apart, plans, strict=True)]
         self._queue(requests)  # together: a full queue refuses the recording, not its last channels
         try:

@@ -103,6 +103,7 @@ class Submit:
     timeout_s: float
     hotwords: Hotwords = ()  # the request's, as tokens
     counted: tuple[int, ...] = ()  # samples per piece its recording accounts for (batcher.WorkItem.counted_samples)
+    owner: str = ""  # whose turn the pieces take (batcher.WorkItem.owner)
 
 
 @dataclass(frozen=True)

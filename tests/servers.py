@@ -26,7 +26,7 @@ from models.asr_model import ASRModel
 from service.api import create_app
 from service.config import Settings
 from service.head_limit import HTTP_PROTOCOL
-from service.job_types import ItemInput
+from service.job_types import ItemInput, Job
 from service.jobs import JobStore
 from service.runtime import build_stack
 
@@ -41,6 +41,32 @@ async def drain_jobs(settings: Settings, model: ASRModel, body: Callable[[JobSto
         await stack.make_consumer().drain()
     finally:
         await stack.stop()
+
+
+def upload_items(paths: list[str], n: int) -> list[ItemInput]:
+    """``n`` upload items, the files at ``paths`` in turn."""
+    return [ItemInput(audio=Path(paths[i % len(paths)]).name, upload=Path(paths[i % len(paths)]).read_bytes())
+            for i in range(n)]
+
+
+def drained_jobs(settings: Settings, model: ASRModel, submit: Callable[[JobStore], Awaitable[dict[Any, Job]]]
+                 ) -> dict[Any, Job]:
+    """The jobs ``submit(store)`` makes (it returns them by name), as they are once an in-process consumer has
+    drained the streams."""
+    submitted: dict[Any, Job] = {}
+
+    async def body(store: JobStore) -> None:
+        submitted.update(await submit(store))
+
+    async def read_back() -> dict[Any, Job]:
+        store = JobStore.from_url(settings.redis_url)
+        try:
+            return {name: await store.get(job.id) for name, job in submitted.items()}
+        finally:
+            await store.close()
+
+    asyncio.run(drain_jobs(settings, model, body))
+    return asyncio.run(read_back())
 
 
 def finished_job(url: str, n: int, words_each: int = 0) -> tuple[str, list[Path]]:

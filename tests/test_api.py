@@ -21,7 +21,7 @@ import torch
 
 from models import load_model
 from service.config import Settings
-from service.http import ERROR_DESCRIPTIONS, EVERY_ROUTE_ERRORS, upload_too_large_message
+from service.http import ERROR_DESCRIPTIONS, EVERY_ROUTE_ERRORS, owner_of, upload_too_large_message
 from service.logs import JsonFormatter
 from tests.conftest import REPO, load_script, long_recording
 from tests.servers import StreamedUpload, run_server, send_head, serve_process, stream_transcription
@@ -458,6 +458,33 @@ def test_api_keys_guard_v1_but_not_operations(hybrid, parity_audio):
             assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key", refused.text
             assert refused.headers["www-authenticate"] == "Bearer"
             assert upload.sent < 20_000_000  # within the socket's buffers, not the whole upload
+
+
+def test_each_api_keys_requests_take_their_own_turns_in_the_batcher(hybrid, parity_audio):
+    """Every route queues its pieces under the request's key (service.batcher: each owner's items take turns), so
+    one key's flood of requests does not hold another's behind it."""
+    mono = Path(parity_audio[3]).read_bytes()
+    stereo = io.BytesIO()
+    left, right = (sf.read(parity_audio[i], dtype="float32")[0] for i in (1, 2))
+    n = max(len(left), len(right))
+    sf.write(stereo, np.stack([np.pad(left, (0, n - len(left))), np.pad(right, (0, n - len(right)))], 1), 16000,
+             format="WAV")
+    with run_server(Settings(api_keys=["k1", "k2"]), hybrid) as running:
+        batcher = running.service.stack.batcher
+        owners: list[tuple[str, int]] = []
+        submit = batcher.submit
+        batcher.submit = lambda items: (owners.append((items[0].owner, len(items))), submit(items))[1]
+        for key in ("k1", "k2"):
+            headers = {"Authorization": f"Bearer {key}"}
+            assert _post(running.url, mono, headers=headers).status_code == 200
+            with httpx.stream("POST", f"{running.url}/v1/audio/transcriptions", data={"stream": "true"},
+                              files={"file": ("a.wav", mono, "audio/wav")}, headers=headers, timeout=60) as streamed:
+                assert streamed.status_code == 200 and "transcript.text.done" in streamed.read().decode()
+            both = httpx.post(f"{running.url}/v1/transcribe", files={"file": ("s.wav", stereo.getvalue(), "audio/wav")},
+                              data={"multichannel": "true"}, headers=headers, timeout=60)
+            assert both.status_code == 200, both.text
+    assert [owner for owner, _ in owners] == [owner_of("k1")] * 3 + [owner_of("k2")] * 3
+    assert [n for _, n in owners] == [1, 1, 2, 1, 1, 2]  # the call's two channels queued together
 
 
 def test_api_keys_are_compared_in_constant_time_with_every_key(monkeypatch):

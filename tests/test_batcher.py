@@ -92,6 +92,51 @@ def test_job_items_go_by_their_jobs_priority_whatever_was_queued_first():
     assert normal[2] in second and set(map(id, second)) - {id(normal[2])} <= set(map(id, low))
 
 
+def _owned(owner: str, n: int, seconds: float = 1.0) -> list[WorkItem]:
+    return [WorkItem(np.zeros(int(seconds * 16000), dtype=np.float32), Priority.BULK, 60.0, owner=owner)
+            for _ in range(n)]
+
+
+def _owners(batch) -> str:
+    return "".join(item.owner for item in batch.items)
+
+
+def test_another_owners_items_take_turns_with_a_backfill_held_before_them():
+    """A worker holds 40 of a's items when b's 4 come: b's are in the next two batches, not after a's 40."""
+    b = _batcher()
+    b.submit(_owned("a", 40))
+    b.submit(_owned("b", 4))
+    assert [_owners(b.next_batch()) for _ in range(3)] == ["abab", "abab", "aaaa"]
+
+
+def test_an_owner_back_after_a_while_takes_its_turn_at_the_head_of_the_line():
+    """Turns given to the items still held are not held against an owner that had none waiting."""
+    b = _batcher()
+    b.submit(_owned("a", 40))
+    b.submit(_owned("b", 2))
+    assert [_owners(b.next_batch()) for _ in range(4)] == ["abab", "aaaa", "aaaa", "aaaa"]
+    b.submit(_owned("b", 2))  # after 14 of a's: in the next batch, not behind all of a's 26 left
+    assert sorted(_owners(b.next_batch())) == ["a", "a", "b", "b"]
+
+
+def test_turns_are_shared_by_audio_not_by_items():
+    """b's items are twice as long as a's: b gets one turn for two of a's, the same audio each. (A batch is its
+    first item, in turn, and items of similar length from the next: one item a batch shows the turns.)"""
+    b = _batcher(max_batch_size=1)
+    b.submit(_owned("a", 12))
+    b.submit(_owned("b", 4, seconds=2.0))
+    assert "".join(_owners(b.next_batch()) for _ in range(9)) == "aabaabaab"
+
+
+def test_one_owners_items_keep_the_order_they_came_in():
+    b = _batcher()
+    items = _owned("a", 6) + _owned("", 2)  # "" too is one owner: HTTP requests'
+    b.submit(items[:3])
+    b.submit(items[3:6])
+    assert b.next_batch().items == items[:4]
+    assert b.next_batch().items == items[4:6]
+
+
 def test_batch_waits_for_max_wait_unless_full():
     b = _batcher(max_wait_ms=200)
     b.submit([_item(1)])

@@ -554,8 +554,14 @@ def test_k8s_worker_scales_on_stream_lag_with_keda():
     scaled = objects["ScaledObject", "batchasr-worker"]
     assert scaled["apiVersion"] == "keda.sh/v1alpha1"
     assert scaled["spec"]["scaleTargetRef"]["name"] == "batchasr-worker"
-    triggers = scaled["spec"]["triggers"]
+    triggers = [t for t in scaled["spec"]["triggers"] if t["type"] != "prometheus"]
     assert sorted(t["metadata"]["stream"] for t in triggers) == sorted(ITEM_STREAMS.values())  # every priority's
+    # API keys' streams are named as keys come: the lag over every stream, from Prometheus, covers them
+    (every,) = [t["metadata"] for t in scaled["spec"]["triggers"] if t["type"] == "prometheus"]
+    assert promql_metric_names(every["query"]) == {"batchasr_job_stream_lag"} <= service_metric_names()
+    assert every["threshold"] == triggers[0]["metadata"]["lagCount"] and every["activationThreshold"] == "0"
+    adapter = yaml.safe_load((K8S / "prometheus-adapter-values.yaml").read_text())["prometheus"]
+    assert every["serverAddress"] == f"{adapter['url']}:{adapter['port']}"
     redis_url = objects["ConfigMap", "batchasr-config"]["data"]["BATCHASR_REDIS_URL"]
     for trigger in triggers:
         meta = trigger["metadata"]

@@ -147,11 +147,15 @@ def test_the_docs_name_the_streams_and_group_the_workers_use():
     for text in (README, DEPLOY_README):
         assert set(re.findall(r"`(batchasr:[a-z:]+)`", text)) - known == set()
     autoscaling = section(DEPLOY_README, "- Worker autoscaling", " ## ")
-    triggers = [t["metadata"] for t in k8s_objects()["ScaledObject", "batchasr-worker"]["spec"]["triggers"]]
-    for stream in {*ITEM_STREAMS.values(), *(trigger["stream"] for trigger in triggers)}:
+    triggers = k8s_objects()["ScaledObject", "batchasr-worker"]["spec"]["triggers"]
+    streams = [t["metadata"] for t in triggers if t["type"] == "redis-streams"]
+    for stream in {*ITEM_STREAMS.values(), *(trigger["stream"] for trigger in streams)}:
         assert f"`{stream}`" in autoscaling
-    for group in {GROUP, *(trigger["consumerGroup"] for trigger in triggers)}:
+    for group in {GROUP, *(trigger["consumerGroup"] for trigger in streams)}:
         assert f"consumer group `{group}`" in autoscaling
+    for trigger in triggers:  # and the lag over every stream, API keys' included, from Prometheus
+        assert f"`{trigger['type']}`" in autoscaling
+        assert trigger["type"] != "prometheus" or f"`{trigger['metadata']['query']}`" in autoscaling
 
 
 @pytest.mark.parametrize("figure", ["workers", "api", "termination"])
@@ -159,9 +163,9 @@ def test_deploy_readmes_figures_are_the_manifests(figure):
     objects = k8s_objects()
     if figure == "workers":
         scaled = objects["ScaledObject", "batchasr-worker"]["spec"]
-        (lag,) = {t["metadata"]["lagCount"] for t in scaled["triggers"]}
+        (lag,) = {t["metadata"].get("lagCount") or t["metadata"]["threshold"] for t in scaled["triggers"]}
         claims = [f"from {scaled['minReplicaCount']} to {scaled['maxReplicaCount']} workers",
-                  f"at {lag} undelivered items per worker"]
+                  f"at {lag} items per worker"]
     elif figure == "api":
         hpa = objects["HorizontalPodAutoscaler", "batchasr-api"]["spec"]
         target = hpa["metrics"][0]["pods"]["target"]["averageValue"]

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 from models import load_model
 from models.audio_io import read_audio
-from service.batcher import BatcherClosed, QueueFull, WorkItem
+from service.batcher import BatcherClosed, Priority, QueueFull, WorkItem
 from service.config import Settings
 from service.engine import Engine
 from service.engine_link import EngineLink
@@ -328,6 +328,11 @@ def test_a_link_learns_when_the_engine_is_ready_and_when_it_goes_away(parity_dir
             result = await transcriber.transcribe(waveform)
             assert result.transcript.tokens == expected.tokens and result.transcript.text == expected.text
             assert b"batchasr_batch_size_count 1.0" in await link.scrape()
+            owners = []  # a job item's owner crosses the link: the engine's batcher takes turns by it
+            submit = stack.batcher.submit
+            stack.batcher.submit = lambda items: (owners.extend(item.owner for item in items), submit(items))[1]
+            result = await transcriber.transcribe(waveform, Priority.BULK, owner="alice")
+            assert owners == ["alice"] and result.transcript.tokens == expected.tokens
         finally:
             await server.close()
             await stack.stop()

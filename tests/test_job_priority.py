@@ -14,11 +14,12 @@ import pytest
 
 from models import load_model
 from service.config import Settings
-from service.job_keys import GROUP, ITEM_STREAM, ITEM_STREAMS
-from service.job_types import ItemInput, JobOptions, JobPriority
+from service.http import owner_of
+from service.job_keys import GROUP, ITEM_STREAM, ITEM_STREAMS, item_stream
+from service.job_types import ANONYMOUS, JobOptions, JobPriority
 from service.jobs import JobStore
 from service.runtime import build_stack
-from tests.servers import drain_jobs, run_server
+from tests.servers import drained_jobs, run_server, upload_items
 
 
 @pytest.fixture(scope="module")
@@ -26,31 +27,15 @@ def model(parity_dir):
     return load_model(parity_dir / "tdt.nemo", device="cpu", dtype="float32")
 
 
-def _uploads(parity_audio: list[str], n: int) -> list[ItemInput]:
-    return [ItemInput(audio=Path(parity_audio[i % len(parity_audio)]).name,
-                      upload=Path(parity_audio[i % len(parity_audio)]).read_bytes()) for i in range(n)]
-
-
 def test_higher_priorities_are_taken_first_whatever_the_order_submitted(redis_server, model, parity_audio):
     """A backfill (low) and a normal job are queued before an urgent (high) one: with room for two items at a
     time, the urgent job finishes first, then the normal one, then the backfill."""
-    jobs = {}
-
-    async def body(store: JobStore) -> None:
-        for priority in (JobPriority.LOW, JobPriority.NORMAL, JobPriority.HIGH):
-            jobs[priority], _ = await store.submit(_uploads(parity_audio, 6), options=JobOptions(priority=priority))
+    async def submit(store: JobStore) -> dict:
+        return {priority: (await store.submit(upload_items(parity_audio, 6), options=JobOptions(priority=priority)))[0]
+                for priority in (JobPriority.LOW, JobPriority.NORMAL, JobPriority.HIGH)}
 
     settings = Settings(redis_url=redis_server.url, job_prefetch=2, max_batch_size=2, max_wait_ms=1)
-    asyncio.run(drain_jobs(settings, model, body))
-
-    async def read_back() -> dict:
-        store = JobStore.from_url(redis_server.url)
-        try:
-            return {priority: await store.get(job.id) for priority, job in jobs.items()}
-        finally:
-            await store.close()
-
-    done = asyncio.run(read_back())
+    done = drained_jobs(settings, model, submit)
     assert all(job.status.value == "completed" and job.priority == priority for priority, job in done.items())
     high, normal, low = done[JobPriority.HIGH], done[JobPriority.NORMAL], done[JobPriority.LOW]
     assert high.finished_at < normal.finished_at < low.finished_at
@@ -65,7 +50,7 @@ def test_each_priority_has_its_stream_and_all_count_in_the_lag(redis_server, par
     async def scenario() -> None:
         store = JobStore.from_url(redis_server.url)
         for priority, n in ((JobPriority.HIGH, 2), (JobPriority.NORMAL, 3), (JobPriority.LOW, 4)):
-            await store.submit(_uploads(parity_audio, n), options=JobOptions(priority=priority))
+            await store.submit(upload_items(parity_audio, n), options=JobOptions(priority=priority))
         assert [await store.redis.xlen(ITEM_STREAMS[p]) for p in JobPriority] == [2, 3, 4]
         assert ITEM_STREAMS[JobPriority.NORMAL] == ITEM_STREAM  # jobs queued before priorities existed
         assert await store.stream_lag() == 9
@@ -82,28 +67,32 @@ def test_each_priority_has_its_stream_and_all_count_in_the_lag(redis_server, par
     asyncio.run(scenario())
 
 
-def test_a_stalled_delivery_is_reclaimed_on_its_own_stream(redis_server, model, parity_audio):
-    """An item of a high job delivered to a worker that died is taken back by another after the visibility
-    timeout, and acknowledged on the stream it came from."""
+@pytest.mark.parametrize("priority, owner", [(JobPriority.HIGH, ANONYMOUS), (JobPriority.NORMAL, owner_of("key"))])
+def test_a_stalled_delivery_is_reclaimed_on_its_own_stream(redis_server, model, parity_audio, priority, owner):
+    """An item of a high job (or of an API key's job, on the key's stream) delivered to a worker that died is taken
+    back by another after the visibility timeout, and acknowledged on the stream it came from."""
     state = {}
+    stream = item_stream(priority, owner)
 
     async def scenario() -> None:
         settings = Settings(redis_url=redis_server.url, job_visibility_timeout_s=1)
         stack = build_stack(settings, model)
         assert await asyncio.to_thread(stack.engine.wait_ready, 30)
         try:
-            state["job"], _ = await stack.jobs.submit(_uploads(parity_audio, 3),
-                                                        options=JobOptions(priority=JobPriority.HIGH))
+            state["job"], _ = await stack.jobs.submit(upload_items(parity_audio, 3),
+                                                        options=JobOptions(priority=priority, owner=owner))
             assert len(await stack.jobs.read_items("dead-worker", 3, block_ms=0)) == 3  # never acknowledged
+            assert await stack.jobs.streams_with_pending() == [stream]
             await asyncio.sleep(1.2)
             await stack.make_consumer().drain()
             state["done"] = await stack.jobs.get(state["job"].id)
+            state["pending"] = await stack.jobs.streams_with_pending()
         finally:
             await stack.stop()
 
     asyncio.run(scenario())
     assert state["done"].status.value == "completed" and state["done"].counts["completed"] == 3
-    assert redis_server.client().xpending(ITEM_STREAMS[JobPriority.HIGH], GROUP)["pending"] == 0
+    assert redis_server.client().xpending(stream, GROUP)["pending"] == 0 and state["pending"] == []
 
 
 def test_priority_over_http_and_from_the_command_line(redis_server, model, parity_audio, tmp_path):

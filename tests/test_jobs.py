@@ -38,7 +38,7 @@ from service.submit_inputs import parse_size, split_into_jobs
 from service.url_inputs import check_input_url
 from tests.conftest import long_recording
 from tests.redis_server import RedisServer
-from tests.servers import StreamedUpload, drain_jobs, free_port, metric, run_server
+from tests.servers import StreamedUpload, drain_jobs, free_port, metric, run_server, upload_items
 
 MODEL_FILE = "tdt.nemo"  # the fastest fixture: one encoder layer
 
@@ -51,11 +51,6 @@ def model(parity_dir):
 @pytest.fixture(scope="module")
 def expected(model, parity_audio) -> dict[str, str]:
     return {Path(p).name: t.text for p, t in zip(parity_audio, model.transcribe(parity_audio), strict=True)}
-
-
-def _uploads(parity_audio: list[str], n: int) -> list[ItemInput]:
-    return [ItemInput(audio=Path(parity_audio[i % len(parity_audio)]).name,
-                      upload=Path(parity_audio[i % len(parity_audio)]).read_bytes()) for i in range(n)]
 
 
 def _check_results(records: list[dict], items: list[ItemInput], expected: dict[str, str]) -> None:
@@ -90,7 +85,7 @@ def _job_status(client, job_id: str) -> dict:
 
 
 def test_200_items_over_3_workers_with_one_killed_mid_batch(redis_server, parity_dir, parity_audio, expected):
-    items = _uploads(parity_audio, 200)
+    items = upload_items(parity_audio, 200)
     store = JobStore.from_url(redis_server.url)
     job, _ = asyncio.run(store.submit(items))
     client = redis_server.client()
@@ -118,7 +113,7 @@ def test_200_items_over_3_workers_with_one_killed_mid_batch(redis_server, parity
 
 def test_redis_restart_mid_job_loses_nothing(tmp_path, parity_dir, parity_audio, expected):
     server = RedisServer(tmp_path, appendonly=True).start()
-    items = _uploads(parity_audio, 60)
+    items = upload_items(parity_audio, 60)
     job, _ = asyncio.run(JobStore.from_url(server.url).submit(items))
     worker = _worker(server.url, "w-restart", parity_dir, max_wait_ms="50", max_batch_size="4", job_prefetch="4",
                      job_visibility_timeout_s="3")
@@ -176,7 +171,7 @@ def test_worker_waits_for_redis_that_is_not_there_yet(tmp_path, parity_dir, pari
         time.sleep(6)
         assert worker.poll() is None, "the worker must not exit (or crash-loop) while Redis is away"
         server.start()
-        items = _uploads(parity_audio, 5)
+        items = upload_items(parity_audio, 5)
         job, _ = asyncio.run(JobStore.from_url(server.url).submit(items))
         client = server.client()
         _wait_for(lambda: _job_status(client, job.id)["status"] == "completed", 120, "job did not complete")
@@ -192,7 +187,7 @@ def test_a_workers_log_does_not_show_the_redis_password(tmp_path, parity_dir, pa
     server = RedisServer(tmp_path, password="hunter2-redis").start()
     worker = _worker(server.url, "w-auth", parity_dir)
     try:
-        job, _ = asyncio.run(JobStore.from_url(server.url).submit(_uploads(parity_audio, 2)))
+        job, _ = asyncio.run(JobStore.from_url(server.url).submit(upload_items(parity_audio, 2)))
         _wait_for(lambda: _job_status(server.client(), job.id)["status"] == "completed", 120, "job did not complete")
     finally:
         worker.send_signal(signal.SIGTERM)
@@ -205,7 +200,7 @@ def test_a_workers_log_does_not_show_the_redis_password(tmp_path, parity_dir, pa
 def test_a_workers_metrics_port_counts_the_cpu_of_its_event_loop(redis_server, parity_dir, parity_audio):
     """A worker takes job items in on its event loop, and its metrics port answers scrapes on a thread of its own:
     nothing counted that loop's CPU, and batchasr_event_loop_cpu_seconds_total read 0 whatever it took in."""
-    job, _ = asyncio.run(JobStore.from_url(redis_server.url).submit(_uploads(parity_audio, 20)))
+    job, _ = asyncio.run(JobStore.from_url(redis_server.url).submit(upload_items(parity_audio, 20)))
     metrics_port = free_port()
     started = time.monotonic()
     worker = _worker(redis_server.url, "w-loop", parity_dir, "--metrics-port", str(metrics_port))
@@ -225,7 +220,7 @@ def test_a_worker_with_consumer_processes_counts_in_one_place_and_stops_cleanly(
                                                                                 parity_audio, expected):
     """BATCHASR_JOB_CONSUMERS=2: two consumers in processes of their own feed the worker's engine; their counts
     (a poison item among them) reach the worker's metrics port; SIGTERM finishes and exits cleanly."""
-    items = [*_uploads(parity_audio, 30), ItemInput(audio="broken.wav", upload=b"RIFF....not audio at all")]
+    items = [*upload_items(parity_audio, 30), ItemInput(audio="broken.wav", upload=b"RIFF....not audio at all")]
     job, _ = asyncio.run(JobStore.from_url(redis_server.url).submit(items))
     client = redis_server.client()
     metrics_port = free_port()
@@ -259,8 +254,8 @@ def test_a_worker_with_consumer_processes_counts_in_one_place_and_stops_cleanly(
 
 
 def test_poison_item_fails_alone_and_is_dead_lettered(redis_server, model, parity_audio, expected):
-    items = [*_uploads(parity_audio, 3), ItemInput(audio="broken.wav", upload=b"RIFF....not audio at all"),
-             *_uploads(parity_audio, 2)]
+    items = [*upload_items(parity_audio, 3), ItemInput(audio="broken.wav", upload=b"RIFF....not audio at all"),
+             *upload_items(parity_audio, 2)]
     state = {}
 
     async def body(store):
@@ -280,7 +275,7 @@ def test_poison_item_fails_alone_and_is_dead_lettered(redis_server, model, parit
 def test_more_items_in_flight_than_redis_connections_wait_for_one(redis_server, model, parity_audio, expected):
     """Commands past the pool's size wait for a free connection: none fails as if Redis were gone, which would
     leave its item unacknowledged until the visibility timeout."""
-    items = _uploads(parity_audio, 40)
+    items = upload_items(parity_audio, 40)
     # a consumer reads a sixteenth of its items in flight at once: all 40 start together
     settings = Settings(redis_url=redis_server.url, job_prefetch=40 * READING_SHARE, job_visibility_timeout_s=600)
 
@@ -394,7 +389,7 @@ def test_a_worker_whose_gpu_broke_stops_taking_items_and_another_finishes_them(r
                                                                                expected):
     """A broken CUDA context fails every batch after it. A worker that went on taking items would fail each one
     at once, and the whole queue with them after their attempts ran out."""
-    items = _uploads(parity_audio, 24)
+    items = upload_items(parity_audio, 24)
     settings = Settings(redis_url=redis_server.url, job_prefetch=4, job_visibility_timeout_s=2, max_wait_ms=20)
 
     def illegal_address(*args, **kwargs):
@@ -438,7 +433,7 @@ def test_a_worker_keeps_the_batchers_pool_in_flight_within_half_the_queue():
 
 
 def test_an_upload_that_expired_before_a_worker_took_it_fails_with_the_reason(redis_server, model, parity_audio):
-    items = _uploads(parity_audio, 2)
+    items = upload_items(parity_audio, 2)
     state = {}
 
     async def body(store):
@@ -452,7 +447,7 @@ def test_an_upload_that_expired_before_a_worker_took_it_fails_with_the_reason(re
 
 
 def test_a_stream_entry_that_names_no_item_is_dead_lettered_once(redis_server, model, parity_audio, expected):
-    items = _uploads(parity_audio, 2)
+    items = upload_items(parity_audio, 2)
     state = {}
 
     async def body(store):
@@ -471,7 +466,7 @@ def test_a_stream_entry_that_names_no_item_is_dead_lettered_once(redis_server, m
 
 
 def test_item_that_keeps_killing_workers_is_failed_after_max_attempts(redis_server, model, parity_audio):
-    items = _uploads(parity_audio, 2)
+    items = upload_items(parity_audio, 2)
     state = {}
 
     async def body(store):
@@ -517,7 +512,7 @@ def test_a_dead_workers_backlog_is_reclaimed_as_fast_as_there_is_room(redis_serv
     """A worker that dies holding many items: a consumer with room for two at a time looked for stalled items once
     per reclaim interval, so taking back twelve took six intervals. Now a look that fills the room is followed
     by another as soon as there is room again."""
-    items = _uploads(parity_audio, 12)
+    items = upload_items(parity_audio, 12)
 
     async def setup(consumer, store):
         consumer.options = replace(consumer.options, prefetch=2, reclaim_interval_s=60.0)
@@ -536,7 +531,7 @@ def test_an_item_slower_than_the_visibility_timeout_stays_with_its_live_worker(r
                                                                                expected):
     """Its delivery's idle time is reset while it is worked on: without that it was reclaimed every timeout, run
     again, and failed at its fourth start as "the worker died" (while the first run was still going)."""
-    items = _uploads(parity_audio, 2)
+    items = upload_items(parity_audio, 2)
     calls = []
 
     async def slow_transcriber(consumer, store):
@@ -565,7 +560,7 @@ def test_a_transcription_that_times_out_is_retried_with_its_reason(redis_server,
         consumer.transcriber.transcribe = timeout
 
     settings = Settings(redis_url=redis_server.url, job_visibility_timeout_s=0.3, job_max_attempts=2)
-    _, records = asyncio.run(_run_consumer(settings, model, _uploads(parity_audio, 1), always_times_out))
+    _, records = asyncio.run(_run_consumer(settings, model, upload_items(parity_audio, 1), always_times_out))
     assert records[0]["error"] == "gave up after 2 attempts: timed out"
 
 
@@ -573,7 +568,7 @@ def test_an_item_of_more_pieces_than_the_queue_holds_fails_at_once(redis_server,
     recording, _ = long_recording(parity_audio, 30)
     buffer = io.BytesIO()
     sf.write(buffer, recording, 16000, format="WAV")
-    items = [ItemInput(audio="long.wav", upload=buffer.getvalue()), *_uploads(parity_audio, 1)]
+    items = [ItemInput(audio="long.wav", upload=buffer.getvalue()), *upload_items(parity_audio, 1)]
     settings = Settings(redis_url=redis_server.url, max_queue=4, max_segment_s=5, segment_overlap_s=1)
     job, records = asyncio.run(_run_consumer(settings, model, items, timeout_s=30))
     assert job.status.value == "completed_with_errors"
@@ -584,7 +579,7 @@ def test_an_item_of_more_pieces_than_the_queue_holds_fails_at_once(redis_server,
 def test_a_full_redis_lets_items_in_flight_finish_and_frees_their_audio(redis_server, model, parity_audio, expected):
     """Redis at its maxmemory (noeviction) refuses writes. The consumer used to die on the refusal, and had it
     lived, no item could start or finish, so no upload was freed: Redis stayed full until the jobs expired."""
-    items = _uploads(parity_audio, 8)
+    items = upload_items(parity_audio, 8)
     client = redis_server.client()
 
     async def fill_redis(consumer, store):
@@ -605,7 +600,7 @@ def test_a_full_redis_lets_items_in_flight_finish_and_frees_their_audio(redis_se
 def test_finishing_an_item_frees_its_upload_and_dead_letters_a_failure_with_it(redis_server, parity_audio):
     async def scenario() -> None:
         store = JobStore.from_url(redis_server.url)
-        job, _ = await store.submit(_uploads(parity_audio, 3))
+        job, _ = await store.submit(upload_items(parity_audio, 3))
         uploads = [f"batchasr:upload:{job.id}:{i}" for i in range(3)]
         for index in range(2):
             await store.start_item(job.id, index)
@@ -689,13 +684,13 @@ def test_trimming_while_the_last_pending_item_is_acknowledged(redis_server, pari
     async def scenario() -> None:
         store = JobStore.from_url(redis_server.url)
         await store.ensure_group()
-        await store.submit(_uploads(parity_audio, 4))
+        await store.submit(upload_items(parity_audio, 4))
         reply = await store.redis.xreadgroup(GROUP, "c", {ITEM_STREAM: ">"}, count=2)
         delivered = [message_id for message_id, _ in reply[0][1]]
-        group = await store._group(ITEM_STREAM)
-        assert group["pending"] == 2
+        groups = await store._groups([ITEM_STREAM])
+        assert groups[ITEM_STREAM]["pending"] == 2
         await store.redis.xack(ITEM_STREAM, GROUP, *delivered)
-        store._group = lambda stream: _stale(group if stream == ITEM_STREAM else None)  # what XINFO said before
+        store._groups = lambda streams: _stale(groups)  # what XINFO said before
         await store.trim_acknowledged()
         kept = [message_id for message_id, _ in await store.redis.xrange(ITEM_STREAM)]
         assert kept[0] == delivered[-1]  # from the last one delivered
@@ -727,7 +722,7 @@ def test_the_stream_keeps_only_entries_not_yet_acknowledged(redis_server, parity
     async def scenario() -> None:
         store = JobStore.from_url(redis_server.url)
         await store.ensure_group()
-        await store.submit(_uploads(parity_audio, 10))
+        await store.submit(upload_items(parity_audio, 10))
         everything = [message_id for message_id, _ in await store.redis.xrange(ITEM_STREAM)]
         reply = await store.redis.xreadgroup(GROUP, "c", {ITEM_STREAM: ">"}, count=6)
         delivered = [message_id for message_id, _ in reply[0][1]]
@@ -745,7 +740,7 @@ def test_the_stream_keeps_only_entries_not_yet_acknowledged(redis_server, parity
 
 
 def test_cancel_stops_unstarted_items(redis_server, model, parity_audio):
-    items = _uploads(parity_audio, 20)
+    items = upload_items(parity_audio, 20)
     state = {}
 
     async def body(store):
@@ -768,7 +763,7 @@ def test_a_job_that_cancelling_ends_is_counted_once(redis_server, model, parity_
     store = JobStore.from_url(redis_server.url)
 
     async def unseen_job() -> Job:  # queued before the server starts, its stream entries gone: no consumer takes one
-        job, _ = await store.submit(_uploads(parity_audio, 3))
+        job, _ = await store.submit(upload_items(parity_audio, 3))
         await store.redis.xtrim(ITEM_STREAM, maxlen=0)
         return job
 
@@ -834,7 +829,7 @@ def test_results_expire_after_the_job(redis_server, model, parity_audio):
     state = {}
 
     async def body(store):
-        state["job"], _ = await store.submit(_uploads(parity_audio, 2))
+        state["job"], _ = await store.submit(upload_items(parity_audio, 2))
 
     asyncio.run(drain_jobs(Settings(redis_url=redis_server.url, job_result_ttl_s=120), model, body))
     ttl = redis_server.client().ttl(RESULTS_KEY.format(job_id=state["job"].id))
@@ -896,7 +891,7 @@ def test_concurrent_submissions_with_one_idempotency_key_make_one_job(redis_serv
     async def scenario() -> list[tuple[Job, bool]]:
         stores = [JobStore.from_url(redis_server.url) for _ in range(8)]
         try:
-            return await asyncio.gather(*(store.submit(_uploads(parity_audio, 3), "same-key") for store in stores))
+            return await asyncio.gather(*(store.submit(upload_items(parity_audio, 3), "same-key") for store in stores))
         finally:
             for store in stores:
                 await store.close()
