@@ -48,6 +48,7 @@ from .job_scripts import (
     CANCEL_QUEUED,
     EXPIRE_ALL,
     FINISH_ITEM,
+    GROUP_COUNTS,
     HSET_IF_EXISTS,
     KEEP_CLAIMED,
     RECORD_ERROR,
@@ -116,6 +117,7 @@ class JobStore:
         self._keep_claimed = client.register_script(KEEP_CLAIMED)
         self._expire_all = client.register_script(EXPIRE_ALL)
         self._retry_failed = client.register_script(RETRY_FAILED)
+        self._group_counts = client.register_script(GROUP_COUNTS)
 
     @classmethod
     def from_url(cls, url: str, max_connections: int = 128, **kwargs: Any) -> JobStore:
@@ -452,8 +454,16 @@ class JobStore:
         """How many items each stream holds not yet delivered to the workers' group: None where that is not known
         (Redis cannot count it; or the stream has no group, which the read then says), and no entry for a stream
         that does not exist."""
-        return {stream: None if group is None or group.get("lag") is None else int(group["lag"])
-                for stream, group in (await self._groups(streams)).items()}
+        return {stream: None if lag < 0 else lag for stream, (lag, _) in (await self._counts(streams)).items()}
+
+    async def _counts(self, streams: list[str]) -> dict[str, tuple[int, int]]:
+        """Each existing stream's (lag, pending) in the workers' group, in one round trip (GROUP_COUNTS: lag -1 where
+        not known)."""
+        if not streams:
+            return {}
+        counts = await self._group_counts(keys=streams, args=[GROUP])
+        return {stream: (int(counts[2 * i]), int(counts[2 * i + 1])) for i, stream in enumerate(streams)
+                if int(counts[2 * i]) != -2}
 
     async def _groups(self, streams: list[str]) -> dict[str, dict[str, Any] | None]:
         """The workers' group on each of ``streams`` as XINFO GROUPS describes it, in one round trip: None for a
@@ -468,8 +478,8 @@ class JobStore:
     async def streams_with_pending(self) -> list[str]:
         """The item streams holding deliveries not acknowledged yet, the higher priorities' first: where stalled
         ones may be (two round trips, rather than a look at every owner's stream)."""
-        groups = await self._groups(await self._every_item_stream())
-        return [stream for stream, group in groups.items() if group is not None and int(group.get("pending") or 0)]
+        return [stream for stream, (_, pending) in (await self._counts(await self._every_item_stream())).items()
+                if pending]
 
     async def ack_item(self, stream: str, message_id: bytes) -> None:
         await self.redis.xack(stream, GROUP, message_id)
@@ -636,9 +646,9 @@ class JobStore:
 
     async def stream_lag(self) -> int:
         """Items not yet delivered to a consumer plus those delivered and not acknowledged, over every stream
-        (two round trips)."""
-        return sum(int(group.get("lag") or 0) + int(group.get("pending") or 0)
-                   for group in (await self._groups(await self._every_item_stream())).values() if group is not None)
+        (two round trips: the streams, then GROUP_COUNTS)."""
+        counts = await self._counts(await self._every_item_stream())
+        return sum(max(lag, 0) + pending for lag, pending in counts.values())
 
     async def keep_claimed(self, stream: str, consumer: str, message_ids: list[bytes]) -> int:
         """Reset the idle time of deliveries ``consumer`` is still working on, so that an item that takes longer

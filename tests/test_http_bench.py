@@ -247,3 +247,12 @@ def test_results_memory_reports_both_ways(capsys):
     assert listed.startswith("300 results as a list: peak") and streamed.startswith("300 results streamed: peak")
     assert resumed.startswith("the last 100 after an outage, from where it stopped: 100 read, ")
     assert again.startswith("the last 100 after an outage, from the start again, skipping: 300 read, ")
+
+
+def test_stream_reads_times_each_count_of_keys(capsys):
+    script = load_script(REPO / "loadtest" / "stream_reads.py")
+    script.main(["--keys", "0", "2", "--items", "4", "--repeat", "2"])
+    header, rule, *rows = capsys.readouterr().out.splitlines()
+    assert header.startswith("| keys | item streams | read_items(64)") and rule.startswith("|---|")
+    assert [row.split(" | ")[:2] for row in rows] == [["| 0", "3"], ["| 2", "9"]]
+    assert all(row.count(" ms") == 3 for row in rows)

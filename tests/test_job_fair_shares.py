@@ -108,6 +108,23 @@ def test_each_owner_waiting_gets_an_equal_share_of_a_read(redis_server):
     asyncio.run(scenario())
 
 
+def test_the_counts_redis_gives_of_each_stream(redis_server):
+    """GROUP_COUNTS: lag and pending in the workers' group; a stream without the group is read anyway (its lag not
+    known), so that the read says NOGROUP and the consumer makes the group; a stream not there is left out."""
+    async def scenario() -> None:
+        store = JobStore.from_url(redis_server.url)
+        await store.submit(_urls(5), options=JobOptions(owner=ALICE))
+        await store.read_items("c", 2, block_ms=0)
+        await store.redis.xadd("batchasr:items:owner:nogroup", {"job": "job_x", "index": 0})
+        streams = [item_stream(JobPriority.NORMAL, ALICE), "batchasr:items:owner:nogroup", "batchasr:items:gone"]
+        assert await store._counts(streams) == {streams[0]: (3, 2), streams[1]: (-1, 0)}
+        assert await store._waiting(streams) == {streams[0]: 3, streams[1]: None}
+        assert await store.stream_lag() == 5  # the listed streams only
+        await store.close()
+
+    asyncio.run(scenario())
+
+
 def test_a_read_that_waits_wakes_for_an_owners_item(redis_server):
     async def scenario() -> None:
         store = JobStore.from_url(redis_server.url)
