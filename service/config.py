@@ -84,6 +84,9 @@ class Settings(BaseSettings):
     # jobs may name http(s) URLs under these (service.url_inputs: scheme, host, port and path must match)
     input_url_prefixes: Annotated[list[str], NoDecode] = Field(default_factory=list)
     max_job_items: int = 100_000  # items in one job (service.jobs.MAX_JOB_ITEMS): more go as several jobs
+    # items one owner (an API key; without keys, everyone) may have queued or in progress at once; a submission that
+    # would go past it is refused (429 too_many_queued_items), so that one key cannot fill Redis for all. None: no limit
+    job_max_queued_items: int | None = None
     job_url_timeout_s: float = 60.0  # connecting to, and each read from, a job's audio URL
     job_input_ttl_s: int = 7 * 86400  # uploaded audio waits at most this long for a worker
     job_result_ttl_s: int = 7 * 86400  # results are kept this long after the job finishes
@@ -136,7 +139,7 @@ class Settings(BaseSettings):
 
     @field_validator("max_batch_size", "max_queue", "decode_threads", "job_prefetch", "max_job_items",
                      "max_upload_bytes", "max_job_upload_bytes", "max_intake_bytes", "max_channels",
-                     "job_input_ttl_s", "job_result_ttl_s", "job_max_attempts")
+                     "job_input_ttl_s", "job_result_ttl_s", "job_max_attempts", "job_max_queued_items")
     @classmethod
     def _positive(cls, value: int | None) -> int | None:
         if value is not None and value < 1:

@@ -138,7 +138,8 @@ ERROR_DESCRIPTIONS = {
     409: "A job item with no transcript yet, or none to give: not completed (queued, running, failed or "
          "cancelled)",
     415: "The upload is not audio",
-    429: "The queue is full: retry after `Retry-After` seconds",
+    429: "The queue is full (a job: the key's items queued at once are at their limit): retry after `Retry-After` "
+         "seconds",
     431: "The request head (request line and headers) is too large: the connection is closed",
     500: "A failure of the server's own: its kind in the message, the rest in the log",
     503: "Not ready, the engine or the job store (Redis) unavailable, or no disk left for the request body: retry "

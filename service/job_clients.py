@@ -37,6 +37,15 @@ class NoSuchJob(ValueError):
     """A job that is not there: it expired, was purged, or is another API key's."""
 
 
+class AtQueuedLimit(Exception):
+    """The key has as many items queued as the server lets one key have (429 ``too_many_queued_items``): the job
+    fits once some are done, ``retry_after_s`` from now or later."""
+
+    def __init__(self, reason: str, retry_after_s: float):
+        super().__init__(reason)
+        self.retry_after_s = retry_after_s
+
+
 def _no_such_job(job_id: str) -> NoSuchJob:
     return NoSuchJob(f"{job_id}: no such job (it expired or was purged)")
 
@@ -76,6 +85,8 @@ class ServerClient:
                 if options.hotwords:
                     form["hotwords"] = ",".join(options.hotwords)
                 response = await self.http.post("/v1/jobs", files=parts, data=form, headers=headers)
+        if response.status_code == 429:
+            raise AtQueuedLimit(response.json()["error"]["message"], float(response.headers.get("Retry-After", 30)))
         if response.is_client_error:  # the server's reason (a URL it does not take, ...), not just the status
             raise ValueError(f"the server refused the job: {response.json()['error']['message']}")
         response.raise_for_status()

@@ -48,6 +48,7 @@ from .job_types import (
     JobOptions,
     JobPriority,
     JobStatus,
+    TooManyQueued,
     UploadTooLarge,
     deleted_job,
     resolve_input_path,
@@ -63,6 +64,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 MAX_IDEMPOTENCY_KEY_CHARS = 255  # as Stripe's: room for a UUID and a client's own prefix
+QUEUED_RETRY_AFTER_S = 30  # a key at its limit of items queued: when to try again (a batch at a time drains it)
 
 router = APIRouter(prefix="/v1/jobs", dependencies=[Depends(require_api_key)], tags=["jobs"],
                    responses=error_responses(401, 503))
@@ -236,7 +238,7 @@ def _check_webhook(url: str | None, settings: Settings) -> None:
 
 @router.post("", status_code=202, openapi_extra=JOB_BODY, responses={
     200: {"description": "The job an earlier submission with this `Idempotency-Key` made",
-          "content": {"application/json": {}}}, **error_responses(400, 413)})
+          "content": {"application/json": {}}}, **error_responses(400, 413, 429)})
 async def create_job(request: Request, service: ServiceDep,
                      idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None) -> JSONResponse:
     """Submit a job: multipart `files` uploads, or JSON `{"items": [{"path": ...} | {"url": ...}]}` for audio the
@@ -266,6 +268,11 @@ async def _submit(store: JobStore, settings: Settings, items: list[ItemInput], o
         job, created = await store.submit(items, idempotency_key, options)
     except UploadTooLarge as exc:  # larger than its Redis stores in one value: the form's limits let it through
         raise ApiError(413, str(exc), param="files", code="audio_too_large") from exc
+    except TooManyQueued as exc:
+        if exc.never_fits:
+            raise ApiError(413, str(exc), param="items", code="too_many_items") from exc
+        raise ApiError(429, str(exc), type="rate_limit_error", code="too_many_queued_items",
+                       headers={"Retry-After": str(QUEUED_RETRY_AFTER_S)}) from exc
     except JobInputError as exc:
         raise ApiError(400, str(exc), param="items", code="invalid_input") from exc
     except REDIS_ERRORS as exc:

@@ -52,6 +52,26 @@ class UploadTooLarge(JobInputError):
     """An upload past the upload limit, or larger than Redis stores in one value (HTTP: 413)."""
 
 
+class TooManyQueued(Exception):
+    """A job that would take its owner past the items it may have queued or in progress at once
+    (``JobStore.max_queued_items``; HTTP: 429, or 413 for a job that could never fit)."""
+
+    def __init__(self, queued: int, limit: int, items: int):
+        self.queued, self.limit, self.items = queued, limit, items
+        if self.never_fits:
+            reason = (f"a job of {items} items is more than the {limit} a key may have queued at once "
+                      "(BATCHASR_JOB_MAX_QUEUED_ITEMS): submit it as smaller jobs")
+        else:
+            reason = (f"{queued} of this key's items are queued or in progress, and {items} more would pass the "
+                      f"{limit} a key may have at once (BATCHASR_JOB_MAX_QUEUED_ITEMS): submit it once some have "
+                      "finished")
+        super().__init__(reason)
+
+    @property
+    def never_fits(self) -> bool:
+        return self.items > self.limit
+
+
 @dataclass(frozen=True)
 class ItemInput:
     """One item's audio: exactly one of a path, a URL, or the bytes themselves."""

@@ -65,6 +65,7 @@ from .job_types import (
     JobOptions,
     JobPriority,
     JobStatus,
+    TooManyQueued,
     UploadTooLarge,
     item_record,
     job_from_fields,
@@ -102,8 +103,10 @@ class JobStore:
     so a result lost in a failover went with its acknowledgement, and the item is delivered again."""
 
     def __init__(self, client: aioredis.Redis, input_ttl_s: int = 7 * 86400, result_ttl_s: int = 7 * 86400,
-                 max_upload_bytes: int = 200 * 1024 * 1024, wait_replicas: int = 0):
+                 max_upload_bytes: int = 200 * 1024 * 1024, wait_replicas: int = 0,
+                 max_queued_items: int | None = None):
         self.redis = client
+        self.max_queued_items = max_queued_items  # per owner, over its streams (None: no limit)
         self.wait_replicas = wait_replicas
         self._turn = 0  # which owner's stream a share of less than one each goes to first (fair_shares)
         self.input_ttl_s = input_ttl_s
@@ -168,6 +171,10 @@ class JobStore:
                 streams[JobPriority(priority.decode())].append(stream.decode())
         return streams
 
+    async def queued_items(self, owner: str) -> int:
+        """The owner's items queued or in progress, over its streams (one round trip)."""
+        return _in_hand(await self._counts([item_stream(priority, owner) for priority in JobPriority]))
+
     async def _every_item_stream(self) -> list[str]:
         return [stream for streams in (await self.item_streams()).values() for stream in streams]
 
@@ -200,6 +207,10 @@ class JobStore:
             if (job := await self._job_named_by(self.redis, key)) is not None:
                 await self._confirm_replicated()  # it may be the retry of one refused as unconfirmed
                 return job, False  # a retried submission: nothing of it is written again
+        if self.max_queued_items is not None:  # before a byte is written (two submissions at once may both pass)
+            queued = await self.queued_items(options.owner)
+            if queued + len(items) > self.max_queued_items:
+                raise TooManyQueued(queued, self.max_queued_items, len(items))
         try:
             try:
                 await write_uploads(self.redis, {name: (item.upload, sizes[name]) for name, item in uploads.items()})
@@ -647,8 +658,7 @@ class JobStore:
     async def stream_lag(self) -> int:
         """Items not yet delivered to a consumer plus those delivered and not acknowledged, over every stream
         (two round trips: the streams, then GROUP_COUNTS)."""
-        counts = await self._counts(await self._every_item_stream())
-        return sum(max(lag, 0) + pending for lag, pending in counts.values())
+        return _in_hand(await self._counts(await self._every_item_stream()))
 
     async def keep_claimed(self, stream: str, consumer: str, message_ids: list[bytes]) -> int:
         """Reset the idle time of deliveries ``consumer`` is still working on, so that an item that takes longer
@@ -741,6 +751,11 @@ def fair_shares(waiting: dict[str, int | None], count: int, turn: int = 0) -> di
             count -= given
         open_ = [stream for stream in open_ if left[stream] > 0]
     return shares
+
+
+def _in_hand(counts: dict[str, tuple[int, int]]) -> int:
+    """Items queued or in progress over streams' (lag, pending) counts (a lag not known counts none)."""
+    return sum(max(lag, 0) + pending for lag, pending in counts.values())
 
 
 def _job(job_id: str, raw: dict[bytes, bytes]) -> Job:

@@ -19,6 +19,7 @@ import httpx
 
 from .config import Settings
 from .job_clients import (
+    AtQueuedLimit,
     JobAction,
     JobClient,
     NoSuchJob,
@@ -110,6 +111,20 @@ def _spoken(seconds: float) -> str:
     return f"{seconds / 60:.0f} min" if seconds < 90 * 60 else f"{seconds / 3600:.1f} h"
 
 
+async def _submitted_when_it_fits(client: JobClient, inputs: list[Input], idempotency_key: str,
+                                  options: JobOptions, first: bool) -> dict[str, Any]:
+    """The job, submitted through outages (``riding_out``; the ``first`` job's first try that reaches nothing ends
+    at once), and again each time the server says the key's items queued are at their limit, as long as it takes:
+    the jobs before it are done meanwhile, so a backfill of any size goes in at the pace the workers take it."""
+    while True:
+        try:
+            return await riding_out(lambda: client.submit(inputs, idempotency_key, options), "submitting",
+                                    unreached_ends=first)
+        except AtQueuedLimit as exc:
+            print(f"waiting for room: {exc}; trying again in {exc.retry_after_s:.0f} s", file=sys.stderr)
+            await asyncio.sleep(exc.retry_after_s)
+
+
 async def run_submit(inputs: list[Input], redis_url: str | None, server: str | None, api_key: str | None, wait: bool,
                      output: TextIO, idempotency_key: str | None = None, poll_s: float = 1.0,
                      progress: Callable[[], Progress] = Progress, job_bytes: int = JOB_BYTES,
@@ -133,8 +148,7 @@ async def run_submit(inputs: list[Input], redis_url: str | None, server: str | N
         jobs = []
         for number, part in enumerate(parts, start=1):
             key = f"{idempotency_key}.{number}" if len(parts) > 1 else idempotency_key
-            jobs.append(await riding_out(lambda part=part, key=key: client.submit(part, key, options), "submitting",
-                                         unreached_ends=number == 1))
+            jobs.append(await _submitted_when_it_fits(client, part, key, options, first=number == 1))
             print(f"job {jobs[-1]['id']}: {jobs[-1]['total_items']} items", file=sys.stderr)
         if not wait:
             output.writelines(json.dumps(job) + "\n" for job in jobs)

@@ -123,7 +123,8 @@ def _job_store(s: Settings) -> JobStore | None:
     if not s.redis_url:
         return None
     return JobStore.from_url(s.redis_url, max_connections=s.redis_max_connections, input_ttl_s=s.job_input_ttl_s,
-                             result_ttl_s=s.job_result_ttl_s, max_upload_bytes=s.max_upload_bytes)
+                             result_ttl_s=s.job_result_ttl_s, max_upload_bytes=s.max_upload_bytes,
+                             max_queued_items=s.job_max_queued_items)
 
 
 def _limits(s: Settings, sample_rate: int) -> AudioLimits:

@@ -1,11 +1,18 @@
-"""Fair shares between owners (API keys) within a priority, against a real redis-server: each owner's items go on a
-stream of their own, workers read each owner's stream with items waiting an equal share, so one key's backfill
-does not hold up another key's job; the owners' streams are trimmed, retried onto and counted in the lag like the
-priorities' own (and reclaimed: tests/test_job_priority.py)."""
+"""Fair shares between owners (API keys), against a real redis-server and real servers: each owner's items go on a
+stream of their own, workers read each owner's stream with items waiting an equal share within a priority, so one
+key's backfill does not hold up another key's job; the owners' streams are trimmed, retried onto and counted in
+the lag like the priorities' own (and reclaimed: tests/test_job_priority.py). And the items one key may have queued
+at once (BATCHASR_JOB_MAX_QUEUED_ITEMS): a submission past it is refused (429, 413 for a job that could never fit)
+with nothing of it written, other keys go on, and `batchasr submit` waits for room and submits the rest as the
+workers take the first jobs."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
+import subprocess
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -16,10 +23,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from models import load_model
+from service import job_routes
 from service.config import Settings
 from service.http import owner_of
 from service.job_keys import GROUP, ITEM_STREAM, ITEM_STREAMS, OWNER_STREAMS_KEY, item_stream, stream_priority
-from service.job_types import ANONYMOUS, ItemInput, JobOptions, JobPriority
+from service.job_types import ANONYMOUS, ItemInput, JobOptions, JobPriority, TooManyQueued
 from service.jobs import JobStore, fair_shares
 from tests.servers import drained_jobs, run_server, upload_items
 
@@ -240,3 +248,88 @@ def test_jobs_submitted_with_api_keys_go_on_their_keys_streams_and_are_done(redi
     assert client.hgetall(OWNER_STREAMS_KEY) == {item_stream(JobPriority.HIGH, o).encode(): b"high"
                                                   for o in (ALICE, BOB)}
     assert client.xlen(ITEM_STREAMS[JobPriority.HIGH]) == 0
+
+
+# --- the items a key may have queued at once (BATCHASR_JOB_MAX_QUEUED_ITEMS) -----------------------------------
+
+def test_the_limit_counts_a_keys_items_queued_and_in_hand_over_its_streams(redis_server):
+    async def scenario() -> None:
+        store = JobStore.from_url(redis_server.url, max_queued_items=5)
+        first, _ = await store.submit(_urls(2), "first", options=JobOptions(owner=ALICE))
+        await store.submit(_urls(1), options=JobOptions(owner=ALICE, priority=JobPriority.HIGH))  # every priority
+        with pytest.raises(TooManyQueued) as refused:
+            await store.submit(_urls(3), options=JobOptions(owner=ALICE))
+        assert (refused.value.queued, refused.value.limit, refused.value.items) == (3, 5, 3)
+        assert not refused.value.never_fits and "3 of this key's items are queued" in str(refused.value)
+        assert await store.redis.xlen(item_stream(JobPriority.NORMAL, ALICE)) == 2  # nothing of it written
+        assert (await store.list_jobs(ALICE))[0].__len__() == 2
+        await store.submit(_urls(5), options=JobOptions(owner=BOB))  # another key's own limit
+        with pytest.raises(TooManyQueued) as never:
+            await store.submit(_urls(6), options=JobOptions(owner=ALICE))
+        assert never.value.never_fits and "submit it as smaller jobs" in str(never.value)
+        again, created = await store.submit(_urls(2), "first", options=JobOptions(owner=ALICE))  # a retry of it
+        assert again.id == first.id and not created
+        taken = await store.read_items("c", 3, block_ms=0)  # high first: Alice's one, then normal's shared out
+        assert await store.queued_items(ALICE) == 3  # delivered, not done: still in hand
+        for stream, message_id, _ in taken:
+            await store.ack_item(stream, message_id)
+        assert await store.queued_items(ALICE) + await store.queued_items(BOB) == 8 - 3
+        await store.submit(_urls(5 - await store.queued_items(ALICE)), options=JobOptions(owner=ALICE))
+        await store.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.fixture
+def silent_site():
+    """An address that takes connections and never answers: a job's URL items stay in a worker's hand until their
+    fetches time out."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    yield f"http://127.0.0.1:{listener.getsockname()[1]}/clips/"
+    listener.close()
+
+
+def test_a_key_at_its_limit_is_refused_over_http_while_other_keys_go_on(redis_server, model, silent_site):
+    settings = Settings(redis_url=redis_server.url, api_keys=["alice-key", "bob-key"], job_max_queued_items=2,
+                        input_url_prefixes=[silent_site], job_url_timeout_s=3)
+    with run_server(settings, model) as running:
+        def submit(key: str, n: int, **headers: str) -> httpx.Response:
+            items = [{"url": f"{silent_site}{i}.wav"} for i in range(n)]
+            return httpx.post(f"{running.url}/v1/jobs", json={"items": items}, timeout=30,
+                              headers={"Authorization": f"Bearer {key}", **headers})
+
+        first = submit("alice-key", 2, **{"Idempotency-Key": "backfill-1"})
+        assert first.status_code == 202
+        refused = submit("alice-key", 1)
+        error = refused.json()["error"]
+        assert refused.status_code == 429 and error["code"] == "too_many_queued_items", refused.text
+        assert refused.headers["Retry-After"] == str(job_routes.QUEUED_RETRY_AFTER_S)
+        assert "BATCHASR_JOB_MAX_QUEUED_ITEMS" in error["message"]
+        again = submit("alice-key", 2, **{"Idempotency-Key": "backfill-1"})  # a retry is answered, not refused
+        assert again.status_code == 200 and again.json()["id"] == first.json()["id"]
+        assert submit("bob-key", 2).status_code == 202
+        too_big = submit("bob-key", 3)
+        assert too_big.status_code == 413 and too_big.json()["error"]["code"] == "too_many_items"
+        client = redis_server.client()  # none of the refused ones written (their fetches keep the rest in hand)
+        assert [client.xlen(item_stream(JobPriority.NORMAL, owner)) for owner in (ALICE, BOB)] == [2, 2]
+
+
+def test_submit_waits_for_room_and_goes_on_as_the_first_jobs_are_done(redis_server, model, parity_audio,
+                                                                      monkeypatch, tmp_path):
+    """Three files as three jobs (`--job-bytes 1`) under a limit of one item: each job after the first is refused
+    until the one before it is done, and submit waits and submits it then; every result comes back."""
+    monkeypatch.setattr(job_routes, "QUEUED_RETRY_AFTER_S", 1)
+    settings = Settings(redis_url=redis_server.url, api_keys=["alice-key"], job_max_queued_items=1)
+    files = parity_audio[:3]
+    with run_server(settings, model) as running:
+        done = subprocess.run([sys.executable, "-m", "service.cli", "submit", "--server", running.url, "--api-key",
+                               "alice-key", "--job-bytes", "1", "--wait", *files], capture_output=True, text=True,
+                              timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "waiting for room:" in done.stderr and "trying again in 1 s" in done.stderr
+    assert done.stderr.count(": 1 items\n") == 3
+    records = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [r["audio"] for r in records] == files and all(r["status"] == "completed" for r in records)
+    assert all(Path(f).exists() for f in files)
