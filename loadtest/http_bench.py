@@ -305,10 +305,12 @@ async def bulk_job(url: str, clips: list[Clip]) -> dict:
 
 
 def start_server(model: str, port: int, redis_url: str | None, frontends: int, max_upload_bytes: int,
-                 args: argparse.Namespace, log: Path) -> subprocess.Popen:
-    """`batchasr serve` in a subprocess, its output in ``log``; returned once /readyz says ready. A server that
-    exits first, or is not ready in 10 minutes, raises at once with the end of its log."""
-    env = {**os.environ, "BATCHASR_MAX_BATCH_SIZE": str(args.batch_size), "BATCHASR_MAX_QUEUE": "100000",
+                 args: argparse.Namespace, log: Path, settings: dict[str, str] | None = None) -> subprocess.Popen:
+    """`batchasr serve` in a subprocess (with ``settings``: more BATCHASR_* variables), its output in ``log``;
+    returned once /readyz says ready. A server that exits first, or is not ready in 10 minutes, raises at once with
+    the end of its log."""
+    env = {**os.environ, **(settings or {}), "BATCHASR_MAX_BATCH_SIZE": str(args.batch_size),
+           "BATCHASR_MAX_QUEUE": "100000",
            "BATCHASR_MAX_BATCH_AUDIO_S": str(args.batch_size * 36.0),  # room for full batches of the longest clips
            # the bulk job is one submission of every clip: its uploads may total as much as one upload
            "BATCHASR_MAX_UPLOAD_BYTES": str(max_upload_bytes), "BATCHASR_MAX_JOB_UPLOAD_BYTES": str(max_upload_bytes),

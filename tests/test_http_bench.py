@@ -256,3 +256,12 @@ def test_stream_reads_times_each_count_of_keys(capsys):
     assert header.startswith("| keys | item streams | read_items(64)") and rule.startswith("|---|")
     assert [row.split(" | ")[:2] for row in rows] == [["| 0", "3"], ["| 2", "9"]]
     assert all(row.count(" ms") == 3 for row in rows)
+
+
+def test_key_fairness_times_the_light_key_both_ways(capsys):
+    script = load_script(REPO / "loadtest" / "key_fairness.py")
+    script.main(["--flood", "2", "--flood-s", "4", "--light", "3", "--warm-s", "0.5", "--batch-size", "2"])
+    own, shared = capsys.readouterr().out.splitlines()
+    assert own.startswith("light requests under a key of its own: median ")
+    assert shared.startswith("light requests under the flooding key: median ")
+    assert all("audio s/s" in line for line in (own, shared))
