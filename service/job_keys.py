@@ -18,8 +18,8 @@ GROUP = "workers"
 ITEM_STREAMS = {JobPriority.HIGH: f"{PREFIX}:items:high", JobPriority.NORMAL: ITEM_STREAM,
                 JobPriority.LOW: f"{PREFIX}:items:low"}
 OWNER_STREAM_MARK = ":owner:"  # an owner's stream is its priority's stream, this, and the owner
-# hash: every owner's item stream -> its priority, written with the first job that queues items there; workers read
-# from each stream listed, and from every priority's own stream, which is never listed
+# hash: every owner's item stream -> its priority, written before each job queues items there (with the stream's
+# group); workers read from each stream listed, and from every priority's own stream, which is never listed
 OWNER_STREAMS_KEY = f"{PREFIX}:item-streams"
 
 JOB_KEY = PREFIX + ":job:{job_id}"  # hash: status, created_at, started_at, finished_at, total, n_<state>, ...
