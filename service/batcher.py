@@ -174,7 +174,7 @@ class Batcher:
         """Into its priority's queue at its turn: after its owner's items before it, and after the others' items
         whose turns come before its own (one owner's turns only ever grow, so those stay in the order they came)."""
         turns = self._owner_turns[item.priority]
-        item.turn = max(turns.get(item.owner, 0), self._served[item.priority]) + max(1, item.n_samples)
+        item.turn = max(turns.get(item.owner, 0), self._served[item.priority]) + _cost(item)
         turns[item.owner] = item.turn
         queue = self._queues[item.priority]
         if not queue or queue[-1].turn <= item.turn:
@@ -315,7 +315,7 @@ class Batcher:
         queued comes back at the head of the line, not behind the turns the others' held items were given. (The
         first, not the last: the rest of a batch is picked by length from far down the queue.)"""
         for priority in {item.priority for item in chosen}:
-            began = min(item.turn - max(1, item.n_samples) for item in chosen if item.priority == priority)
+            began = min(item.turn - _cost(item) for item in chosen if item.priority == priority)
             if began > self._served[priority]:
                 self._served[priority] = began
                 turns = self._owner_turns[priority]  # those at or behind it count as none: dropped
@@ -347,6 +347,11 @@ class Batcher:
 
 def _turn(item: WorkItem) -> int:
     return item.turn
+
+
+def _cost(item: WorkItem) -> int:
+    """How far an item moves its owner's turn on: its audio (at least one sample)."""
+    return max(1, item.n_samples)
 
 
 def _recent(average: float, value: float) -> float:

@@ -42,7 +42,6 @@ from .job_keys import (
     UPLOAD_KEY,
     WEBHOOK_STREAM,
     item_stream,
-    stream_priority,
 )
 from .job_scripts import (
     CANCEL_QUEUED,
@@ -437,12 +436,13 @@ class JobStore:
         waiting (``fair_shares``), so that one owner's backfill does not hold up another's job. With none waiting
         on any, waits up to ``block_ms`` for the first to come on any stream (taking up to count // streams from
         each, at least one: a few over a ``count`` below the streams'). Three round trips."""
-        streams = await self._every_item_stream()
+        by_priority = await self.item_streams()
+        streams = [stream for same_priority in by_priority.values() for stream in same_priority]
         waiting = await self._waiting(streams)
         shares: dict[str, int] = {}
-        for priority in ITEM_STREAMS:
-            same_priority = {stream: n for stream, n in waiting.items() if stream_priority(stream) == priority}
-            shares |= fair_shares(same_priority, count - sum(shares.values()), self._turn)
+        for same_priority in by_priority.values():  # the higher priorities' first
+            shares |= fair_shares({stream: waiting[stream] for stream in same_priority if stream in waiting},
+                                  count - sum(shares.values()), self._turn)
         self._turn += 1
         taken: list[tuple[str, bytes, dict]] = []
         if any(shares.values()):
