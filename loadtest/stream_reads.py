@@ -1,8 +1,8 @@
 """What a worker's reads cost as API keys add streams: a private redis-server holding, for each of ``--keys`` keys,
 a job of ``--items`` URL items at each priority (a stream per key and priority, beside the three shared ones); then
 the job store's per-step calls timed, each the mean of ``--repeat`` calls: ``read_items`` of 64 (the streams
-listed, their counts, the reads), ``stream_lag`` (the lag metric, every step) and ``trim_acknowledged`` (every
-reclaim interval).
+listed, their counts, the reads), ``stream_lag`` (the lag metric, once a second), ``trim_acknowledged`` (every
+reclaim interval) and ``prune_idle_streams`` (every minute; its look, with every stream in use, prunes none).
 
     python loadtest/stream_reads.py --keys 0 1 10 100
 """
@@ -43,9 +43,10 @@ async def one_count(url: str, keys: int, items: int, repeat: int) -> str:
         read = await mean_ms(lambda: store.read_items("bench", 64, block_ms=0), repeat)
         lag = await mean_ms(store.stream_lag, repeat)
         trim = await mean_ms(store.trim_acknowledged, repeat)
+        prune = await mean_ms(store.prune_idle_streams, repeat)
     finally:
         await store.close()
-    return f"| {keys} | {3 + 3 * keys} | {read:.2f} ms | {lag:.2f} ms | {trim:.2f} ms |"
+    return f"| {keys} | {3 + 3 * keys} | {read:.2f} ms | {lag:.2f} ms | {trim:.2f} ms | {prune:.2f} ms |"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -54,8 +55,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--items", type=int, default=200, help="items per job (each key has three jobs)")
     parser.add_argument("--repeat", type=int, default=50)
     args = parser.parse_args(argv)
-    print("| keys | item streams | read_items(64) | stream_lag | trim_acknowledged |")
-    print("|---|---|---|---|---|")
+    print("| keys | item streams | read_items(64) | stream_lag | trim_acknowledged | prune_idle_streams |")
+    print("|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as directory:
         redis_server = RedisServer(Path(directory)).start()
         try:

@@ -18,9 +18,12 @@ GROUP = "workers"
 ITEM_STREAMS = {JobPriority.HIGH: f"{PREFIX}:items:high", JobPriority.NORMAL: ITEM_STREAM,
                 JobPriority.LOW: f"{PREFIX}:items:low"}
 OWNER_STREAM_MARK = ":owner:"  # an owner's stream is its priority's stream, this, and the owner
-# hash: every owner's item stream -> its priority, written before each job queues items there (with the stream's
-# group); workers read from each stream listed, and from every priority's own stream, which is never listed
+# hash: every owner's item stream -> its priority, written with each job's items (with the stream's group: the
+# script OPEN_STREAM); workers read from each stream listed, and from every priority's own stream, never listed
 OWNER_STREAMS_KEY = f"{PREFIX}:item-streams"
+STREAMS_USED_KEY = f"{PREFIX}:item-streams:used"  # hash: owner's stream -> when it was last given items (ms)
+# hash: owner's stream -> "ms:priority", unlisted then as idle and deleted a grace later (the script PRUNE_STREAMS)
+RETIRED_STREAMS_KEY = f"{PREFIX}:item-streams:retired"
 
 JOB_KEY = PREFIX + ":job:{job_id}"  # hash: status, created_at, started_at, finished_at, total, n_<state>, ...
 INPUTS_KEY = PREFIX + ":job:{job_id}:inputs"  # hash index -> JSON {"audio", "path" | "url" | "upload"}

@@ -187,27 +187,97 @@ for _, key in ipairs(KEYS) do redis.call('EXPIRE', key, ARGV[1]) end
 return #KEYS
 """
 
-# KEYS: streams. ARGV: group. For each stream, two numbers: the entries not yet delivered to the group (its lag;
-# -1 where Redis cannot count them, or the stream has no such group) and those delivered and not acknowledged;
-# -2, 0 for a stream that does not exist. XINFO GROUPS's replies, parsed here: in the client, a worker with a few
-# hundred streams (API keys') spent most of a read parsing them.
-GROUP_COUNTS = """
-local counts = {}
-for _, stream in ipairs(KEYS) do
-  local lag, pending = -2, 0
-  if redis.call('EXISTS', stream) == 1 then
-    lag = -1
-    for _, group in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
-      local fields = {}
-      for i = 1, #group, 2 do fields[group[i]] = group[i + 1] end
-      if fields['name'] == ARGV[1] then
-        if fields['lag'] then lag = fields['lag'] end
-        pending = fields['pending']
-      end
+# A stream's two counts in a group, from XINFO GROUPS: the entries not yet delivered to the group (its lag; -1
+# where Redis cannot count them, or the stream has no such group) and those delivered and not acknowledged; -2, 0
+# for a stream that does not exist. Parsed here: in the client, a worker with a few hundred streams (API keys')
+# spent most of a read parsing XINFO's replies.
+_GROUP_COUNTS = """
+local function group_counts(stream, group)
+  if redis.call('EXISTS', stream) == 0 then return -2, 0 end
+  local lag, pending = -1, 0
+  for _, info in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
+    local fields = {}
+    for i = 1, #info, 2 do fields[info[i]] = info[i + 1] end
+    if fields['name'] == group then
+      if fields['lag'] then lag = fields['lag'] end
+      pending = fields['pending']
     end
   end
+  return lag, pending
+end
+"""
+
+# KEYS: streams. ARGV: group. Each stream's two counts (above), in one round trip.
+GROUP_COUNTS = _GROUP_COUNTS + """
+local counts = {}
+for _, stream in ipairs(KEYS) do
+  local lag, pending = group_counts(stream, ARGV[1])
   table.insert(counts, lag)
   table.insert(counts, pending)
 end
 return counts
+"""
+
+# KEYS: an item stream, the owners' streams listed (stream -> priority), when each was last given items, then the
+# streams every worker reads (the priorities' own, the webhooks'). ARGV: group, the stream's priority ('' for a
+# priority's own stream, the anonymous owner's, which is never listed). Run in the transaction that queues items on
+# the stream, before them: the group made on each stream not there (never made, or deleted as idle by
+# PRUNE_STREAMS: the workers' blocking read waits on the shared ones), and an owner's stream listed for the workers,
+# so that no item can be queued on a stream that is going, or on one the workers do not read.
+OPEN_STREAM = """
+for i, stream in ipairs(KEYS) do
+  if i ~= 2 and i ~= 3 and redis.call('EXISTS', stream) == 0 then
+    redis.call('XGROUP', 'CREATE', stream, ARGV[1], '0', 'MKSTREAM')
+  end
+end
+if ARGV[2] ~= '' then
+  local now = redis.call('TIME')
+  redis.call('HSET', KEYS[2], KEYS[1], ARGV[2])
+  redis.call('HSET', KEYS[3], KEYS[1], now[1] * 1000 + math.floor(now[2] / 1000))
+end
+return 1
+"""
+
+# KEYS: the owners' streams listed (stream -> priority), when each was last given items, those retired (stream ->
+# "ms:priority"). ARGV: group, idle ms, grace ms. An owner's stream given no items for the idle time, its entries
+# all delivered and acknowledged, is unlisted (retired): workers stop reading it at their next read. A grace later,
+# when no read can have it in hand any more, it is deleted, unless it was listed again meanwhile (OPEN_STREAM, with
+# new items). So an API key's streams last only while the key is in use: each costs every worker's read a look.
+# Returns {retired, deleted}.
+PRUNE_STREAMS = _GROUP_COUNTS + """
+local now = redis.call('TIME')
+now = now[1] * 1000 + math.floor(now[2] / 1000)
+local function settled(stream)
+  local lag, pending = group_counts(stream, ARGV[1])
+  return lag == -2 or (lag == 0 and pending == 0)
+end
+local retired, deleted = 0, 0
+local gone = redis.call('HGETALL', KEYS[3])
+for i = 1, #gone, 2 do
+  local stream = gone[i]
+  local at, priority = string.match(gone[i + 1], '^(%d+):(.*)$')
+  if redis.call('HEXISTS', KEYS[1], stream) == 1 then
+    redis.call('HDEL', KEYS[3], stream)  -- in use again
+  elseif now - tonumber(at) >= tonumber(ARGV[3]) then
+    redis.call('HDEL', KEYS[3], stream)
+    if settled(stream) then
+      redis.call('DEL', stream)
+      redis.call('HDEL', KEYS[2], stream)
+      deleted = deleted + 1
+    else  -- given items while unlisted, which OPEN_STREAM does not allow: listed again, so that they are read
+      redis.call('HSET', KEYS[1], stream, priority)
+    end
+  end
+end
+local listed = redis.call('HGETALL', KEYS[1])
+for i = 1, #listed, 2 do
+  local stream = listed[i]
+  local used = tonumber(redis.call('HGET', KEYS[2], stream))  -- none: listed by a version before this one
+  if used and now - used >= tonumber(ARGV[2]) and settled(stream) then
+    redis.call('HDEL', KEYS[1], stream)
+    redis.call('HSET', KEYS[3], stream, now .. ':' .. listed[i + 1])
+    retired = retired + 1
+  end
+end
+return {retired, deleted}
 """

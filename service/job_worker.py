@@ -35,7 +35,7 @@ from .batcher import Priority, QueueFull
 from .formats import to_record
 from .job_keys import stream_owner, stream_priority
 from .job_types import ItemStart, JobInputError, JobPriority, item_record, resolve_input_path
-from .jobs import JobStore
+from .jobs import STREAM_IDLE_S, JobStore
 from .redis_outages import REDIS_ERRORS, group_lost, step_until_stopped
 from .transcriber import TooManyPieces, Transcriber
 from .url_inputs import UrlFetcher
@@ -53,6 +53,8 @@ BATCHER_PRIORITY = {JobPriority.HIGH: Priority.BULK_HIGH, JobPriority.NORMAL: Pr
 
 
 FORGET_INTERVAL_S = 600.0  # how often a consumer deletes the names of consumers gone from the group
+PRUNE_INTERVAL_S = 60.0  # how often a consumer looks for API keys' streams gone idle (service.jobs.STREAM_IDLE_S)
+LAG_INTERVAL_S = 1.0  # how often a consumer reads the lag metric: Prometheus scrapes every 15 s, KEDA polls every 30 s
 GONE_AFTER_S = 3600.0  # idle this long, holding nothing: a consumer that is gone (at least ten visibility timeouts)
 
 
@@ -90,6 +92,7 @@ class ConsumerOptions:
     first_item_s: float = 30.0  # the length items are expected to have until some are seen
     max_reading: int = 64  # items fetched and decoded at once
     store_check_interval_s: float = 60.0  # how often Redis's settings are read for risks to jobs
+    stream_idle_s: float = STREAM_IDLE_S  # an API key's streams given no items this long are pruned when settled
 
 
 class JobConsumer:
@@ -114,6 +117,8 @@ class JobConsumer:
         self._reclaim_from: dict[str, bytes | str] = {}  # per stream, where the next look for stalled items goes on
         self._last_kept = 0.0
         self._last_forgot = -math.inf
+        self._last_lag = -math.inf
+        self._last_pruned = -math.inf
         self._group_ready = False  # made once, and again after an error (a Redis that lost it)
         self._last_store_check = -math.inf
         self._store_risks: dict[str, str] | None = {}  # those last read (JobStore.durability_risks; None: unknown)
@@ -169,6 +174,9 @@ class JobConsumer:
             self._last_kept = loop.time()
             for stream, held in list(self._held.items()):
                 await self.store.keep_claimed(stream, self.options.name, list(held))
+        # items finished leave _in_flight in their done callbacks, which may not have run yet: counted still, they
+        # would leave no room, and nothing would ever say there was again (each released its audio already)
+        self._in_flight.difference_update([task for task in self._in_flight if task.done()])
         room = self.audio.room(self.options.prefetch - len(self._in_flight))
         messages: list[tuple[str, bytes, dict]] = []  # (stream, message id, fields)
         if room > 0 and loop.time() - self._last_reclaim >= self.options.reclaim_interval_s:
@@ -177,6 +185,11 @@ class JobConsumer:
             if len(messages) == room:  # there may be more: look again as soon as there is room, not an interval on
                 self._last_reclaim = -math.inf
             await self.store.trim_acknowledged()
+            if loop.time() - self._last_pruned >= PRUNE_INTERVAL_S:
+                self._last_pruned = loop.time()
+                retired, deleted = await self.store.prune_idle_streams(self.options.stream_idle_s)
+                if retired or deleted:
+                    log.info("API keys' streams idle: %d no longer read, %d deleted", retired, deleted)
             if loop.time() - self._last_forgot >= FORGET_INTERVAL_S:
                 self._last_forgot = loop.time()
                 await self.store.forget_gone_consumers(max(GONE_AFTER_S, 10 * self.options.visibility_timeout_s))
@@ -195,7 +208,9 @@ class JobConsumer:
             held = self._held[stream]
             held.add(message_id)
             task.add_done_callback(lambda _, held=held, message_id=message_id: held.discard(message_id))
-        self.metrics.observe_job_stream_lag(await self.store.stream_lag())
+        if loop.time() - self._last_lag >= LAG_INTERVAL_S:  # not every step: two round trips over every stream
+            self._last_lag = loop.time()
+            self.metrics.observe_job_stream_lag(await self.store.stream_lag())
         return len(messages)
 
     async def _check_store(self) -> None:

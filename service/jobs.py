@@ -38,10 +38,13 @@ from .job_keys import (
     OWNER_STREAMS_KEY,
     REPLICATION_MARK_KEY,
     RESULTS_KEY,
+    RETIRED_STREAMS_KEY,
     STATES_KEY,
+    STREAMS_USED_KEY,
     UPLOAD_KEY,
     WEBHOOK_STREAM,
     item_stream,
+    stream_priority,
 )
 from .job_scripts import (
     CANCEL_QUEUED,
@@ -50,6 +53,8 @@ from .job_scripts import (
     GROUP_COUNTS,
     HSET_IF_EXISTS,
     KEEP_CLAIMED,
+    OPEN_STREAM,
+    PRUNE_STREAMS,
     RECORD_ERROR,
     RETRY_FAILED,
     START_ITEM,
@@ -80,6 +85,8 @@ RESULTS_PAGE = 1000  # items read (results) or cancelled per round trip
 LIST_PAGE = 100  # job ids read per round trip when listing
 POOL_WAIT_S = 30.0  # a command waits this long for a free connection before it counts as Redis unreachable
 REPLICA_WAIT_MS = 1000  # how long a write waits for the replicas wait_replicas asks for before it is refused
+STREAM_IDLE_S = 3600.0  # an owner's stream given no items this long, all of them acknowledged, is pruned
+STREAM_GRACE_S = 60.0  # and deleted this long after workers stopped reading it (their reads block for 1 s at most)
 MAX_JOB_ITEMS = 100_000  # items in one job by default (BATCHASR_MAX_JOB_ITEMS): more go as several jobs
 # a JSON submission's body: paths and URLs, no audio. Its items are validated and checked one by one, and a body of
 # the upload limit (1 GiB) made twenty million of them, and gigabytes of memory
@@ -120,6 +127,8 @@ class JobStore:
         self._expire_all = client.register_script(EXPIRE_ALL)
         self._retry_failed = client.register_script(RETRY_FAILED)
         self._group_counts = client.register_script(GROUP_COUNTS)
+        self._open_stream = client.register_script(OPEN_STREAM)
+        self._prune_streams = client.register_script(PRUNE_STREAMS)
 
     @classmethod
     def from_url(cls, url: str, max_connections: int = 128, **kwargs: Any) -> JobStore:
@@ -136,30 +145,25 @@ class JobStore:
         """The consumer group on every item stream and the webhook stream (again after a Redis that lost them)."""
         await self._make_groups(await self._every_item_stream())
 
-    async def _make_groups(self, streams: Collection[str], listed: dict[str, str] | None = None) -> None:
-        """The consumer group on ``streams``, the priorities' own and the webhook stream; and ``listed`` (an owner's
-        stream -> its priority) written to the streams workers read, in the same round trip."""
+    async def _make_groups(self, streams: Collection[str]) -> None:
+        """The consumer group on ``streams``, the priorities' own and the webhook stream, in one round trip."""
         pipe = self.redis.pipeline(transaction=False)
         for stream in dict.fromkeys((*ITEM_STREAMS.values(), WEBHOOK_STREAM, *streams)):
             pipe.xgroup_create(stream, GROUP, id="0", mkstream=True)
-        if listed:
-            pipe.hset(OWNER_STREAMS_KEY, mapping=listed)
-        replies = await pipe.execute(raise_on_error=False)
-        if listed and isinstance(replies[-1], Exception):  # unlisted, a stream's items would never be read
-            raise replies[-1]
-        for reply in replies:
+        for reply in await pipe.execute(raise_on_error=False):
             # BUSYGROUP: there already; a full Redis refuses even that, and one that has lost the group says NOGROUP
             # to the next read, which asks again
             if isinstance(reply, Exception) and "BUSYGROUP" not in str(reply) and not isinstance(reply, REDIS_FULL):
                 raise reply
 
-    async def _open_stream(self, priority: JobPriority, owner: str) -> str:
-        """The stream a job of ``priority`` and ``owner`` queues its items on, with its group, and listed for the
-        workers if it is an owner's: before any item goes there (a group made later reads it from the start all the
-        same, but a stream not listed is never read)."""
-        stream = item_stream(priority, owner)
-        await self._make_groups([stream], None if stream == ITEM_STREAMS[priority] else {stream: priority.value})
-        return stream
+    async def _open_stream_in(self, pipe: Any, stream: str) -> None:
+        """Add to ``pipe`` (a transaction that then queues items on ``stream``) the script that makes the group on
+        the stream and on the shared ones where they are not there, and lists an owner's stream for the workers: in
+        the same atomic step as the items, so none is queued on a stream pruned as idle meanwhile, or on one workers
+        do not read."""
+        listed = "" if stream in ITEM_STREAMS.values() else stream_priority(stream).value
+        await self._open_stream(keys=[stream, OWNER_STREAMS_KEY, STREAMS_USED_KEY, *ITEM_STREAMS.values(),
+                                      WEBHOOK_STREAM], args=[GROUP, listed], client=pipe)
 
     async def item_streams(self) -> dict[JobPriority, list[str]]:
         """Every item stream, by priority in the order workers read them: the priority's own stream (the anonymous
@@ -198,7 +202,7 @@ class JobStore:
             if sizes[name] > self.max_upload_bytes:
                 raise UploadTooLarge(f"{item.audio}: {sizes[name]} bytes exceeds the upload limit of "
                                      f"{self.max_upload_bytes}")
-        stream = await self._open_stream(options.priority, options.owner)
+        stream = item_stream(options.priority, options.owner)
         key = None
         if idempotency_key:  # one owner's key never names another's job
             owned = idempotency_key if options.owner == ANONYMOUS else f"{options.owner}:{idempotency_key}"
@@ -240,6 +244,7 @@ class JobStore:
                     pipe.multi()
                     if key is not None:  # set with the job, in one transaction (over a key whose job is gone)
                         pipe.set(key, job_id, ex=self.result_ttl_s)
+                    await self._open_stream_in(pipe, stream)
                     fields = self._queue_job(pipe, job_id, items, options, key, stream)
                     if uploads:
                         await self._expire_all(keys=uploads, args=[self.input_ttl_s], client=pipe)
@@ -585,14 +590,17 @@ class JobStore:
         (and is counted, and its webhook sent) again; its records keep a new job's TTL meanwhile. Returns the job
         after, the items queued again and the failed items left as they were (``JobNotFound`` as ``get``)."""
         job = await self.get(job_id, owner)
-        stream = await self._open_stream(job.priority, job.owner)  # the job may be older than owners' streams
+        stream = item_stream(job.priority, job.owner)  # the job may be older than owners' streams: its owner's now
         keys = [*(t.format(job_id=job_id) for t in (JOB_KEY, STATES_KEY, RESULTS_KEY, ERRORS_KEY, ATTEMPTS_KEY,
                                                     INPUTS_KEY)), stream]
         kept_ms = (self.input_ttl_s + self.result_ttl_s) * 1000
         queued = left = 0
         for first in range(0, job.total_items, RESULTS_PAGE):
             indices = range(first, min(first + RESULTS_PAGE, job.total_items))
-            n_queued, n_left = await self._retry_failed(keys=keys, args=[job_id, kept_ms, *indices])
+            async with self.redis.pipeline(transaction=True) as pipe:
+                await self._open_stream_in(pipe, stream)
+                await self._retry_failed(keys=keys, args=[job_id, kept_ms, *indices], client=pipe)
+                _, (n_queued, n_left) = await pipe.execute()
             queued, left = queued + int(n_queued), left + int(n_left)
         await self._confirm_replicated()
         return await self.get(job_id), queued, left
@@ -619,6 +627,16 @@ class JobStore:
         pipe.zrem(OWNER_JOBS_KEY.format(owner=job.owner), job_id)
         await pipe.execute()
         await self._confirm_replicated()
+
+    async def prune_idle_streams(self, idle_s: float = STREAM_IDLE_S, grace_s: float = STREAM_GRACE_S
+                                 ) -> tuple[int, int]:
+        """Unlist the owners' streams given no items for ``idle_s``, all their items acknowledged, so that workers
+        read them no more; delete those unlisted ``grace_s`` ago or more (longer than a worker's read can have one in
+        hand) and not listed again since by a new job. A key's streams so cost the workers' reads only while it is
+        in use (the next job makes them again). Returns (unlisted, deleted); one round trip."""
+        retired, deleted = await self._prune_streams(keys=[OWNER_STREAMS_KEY, STREAMS_USED_KEY, RETIRED_STREAMS_KEY],
+                                                     args=[GROUP, int(idle_s * 1000), int(grace_s * 1000)])
+        return int(retired), int(deleted)
 
     async def trim_acknowledged(self) -> None:
         """Drop the item and webhook streams' entries before the oldest one the workers have not acknowledged.

@@ -7,6 +7,7 @@ import asyncio
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -63,6 +64,69 @@ def test_each_priority_has_its_stream_and_all_count_in_the_lag(redis_server, par
         assert [await store.redis.xlen(ITEM_STREAMS[p]) for p in JobPriority] == [1, 2, 4]
         assert await store.stream_lag() == 5
         await store.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_consumer_exports_the_lag_over_every_stream_until_it_is_nothing(redis_server, model, parity_audio):
+    """batchasr_job_stream_lag, what KEDA scales the workers on: every item queued or in hand, over the priorities'
+    and the keys' streams, as the consumer starts; nothing within a few seconds of the last item's end. It is read at
+    most once a second (two round trips over every stream), not at every step of the consumer."""
+    observed: list[int] = []
+
+    async def scenario() -> None:
+        stack = build_stack(Settings(redis_url=redis_server.url, max_wait_ms=1), model)
+        assert await asyncio.to_thread(stack.engine.wait_ready, 30)
+        consumer = stack.make_consumer()
+        consumer.options = replace(consumer.options, block_ms=20)  # a step every 20 ms while idle
+        export = consumer.metrics.observe_job_stream_lag
+        consumer.metrics.observe_job_stream_lag = lambda lag: (observed.append(lag), export(lag))
+        stop = asyncio.Event()
+        try:
+            jobs = []
+            for priority, owner, n in ((JobPriority.HIGH, ANONYMOUS, 2), (JobPriority.LOW, owner_of("k"), 3),
+                                       (JobPriority.NORMAL, owner_of("k"), 4)):
+                options = JobOptions(priority=priority, owner=owner)
+                jobs.append((await stack.jobs.submit(upload_items(parity_audio, n), options=options))[0])
+            task = asyncio.create_task(consumer.run(stop))
+            for _ in range(200):
+                if [(await stack.jobs.get(job.id)).status.value for job in jobs] == ["completed"] * 3:
+                    break
+                await asyncio.sleep(0.05)
+            for _ in range(60):  # the next reading after the last item's acknowledgement
+                if stack.metrics.job_stream_lag._value.get() == 0:
+                    break
+                await asyncio.sleep(0.05)
+            idle_from = len(observed)
+            await asyncio.sleep(1.5)  # 75 idle steps or so
+            assert len(observed) - idle_from <= 3, observed
+        finally:
+            stop.set()
+            await task
+            await stack.stop()
+
+    asyncio.run(scenario())
+    assert observed[0] == 9 and observed[-1] == 0, observed
+
+
+def test_an_item_finished_before_its_done_callback_ran_leaves_room_for_the_next(redis_server, model, parity_audio):
+    """A consumer with room for one item, whose last item has finished (its audio released) but whose done callback,
+    which takes it out of the items in flight, has not run yet when the next step begins: that step takes the next
+    item. It counted the finished one as in flight, found no room, and waited for an item to finish, which none
+    would: the consumer stopped for good, its stream lagging (two consumer processes of a worker did)."""
+    async def scenario() -> None:
+        stack = build_stack(Settings(redis_url=redis_server.url, job_prefetch=1), model)
+        assert await asyncio.to_thread(stack.engine.wait_ready, 30)
+        try:
+            await stack.jobs.submit(upload_items(parity_audio, 1))
+            consumer = stack.make_consumer()
+            finished = asyncio.create_task(asyncio.sleep(0))
+            await finished
+            consumer._in_flight.add(finished)  # as a task that has finished, its callback still to come
+            assert await asyncio.wait_for(consumer._step(block_ms=0), 10) == 1
+            await consumer._finish_in_flight()
+        finally:
+            await stack.stop()
 
     asyncio.run(scenario())
 
