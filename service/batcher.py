@@ -111,6 +111,15 @@ class Batch:
         """The recordings' samples the batch accounts for: overlaps between pieces once."""
         return sum(item.counted_samples or 0 for item in self.items)
 
+    def counted_by_owner(self) -> dict[tuple[str, str], int]:
+        """The samples each (owner, source) accounts for, as ``counted_samples`` counts them; source "http" for
+        requests someone waits on, "job" for bulk items."""
+        counted: dict[tuple[str, str], int] = {}
+        for item in self.items:
+            key = (item.owner, "http" if item.priority is Priority.INTERACTIVE else "job")
+            counted[key] = counted.get(key, 0) + (item.counted_samples or 0)
+        return counted
+
     @property
     def width(self) -> int:
         """Samples per row once padded."""

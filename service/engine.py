@@ -210,6 +210,7 @@ class Engine:
             self.metrics.observe_batch(len(batch.items), audio_s, rows_s, batch.padded_samples / rate, compute_s,
                                        stage_s, [(started - item.enqueued_at, item.priority is Priority.INTERACTIVE)
                                                  for item in batch.items])
+            self.metrics.count_owner_audio({key: n / rate for key, n in batch.counted_by_owner().items()})
             self.metrics.observe_tokens([hyp.logprobs for hyp in hyps])
             self.metrics.observe_hotwords(sum(bool(item.hotwords) for item in batch.items))
         except Exception:  # a count that failed must not keep results from those waiting for them

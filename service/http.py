@@ -27,6 +27,7 @@ from models.tokenizer import HotwordsUnavailable, hotword_tokens
 from .config import Settings
 from .formats import SubtitleLayout
 from .intake import IntakeBudget
+from .job_keys import owner_of
 from .job_types import ANONYMOUS
 from .jobs import JobStore
 from .runtime import FrontendStack, Stack
@@ -312,11 +313,6 @@ async def send_error(send: Any, error: ApiError) -> None:
                (b"connection", b"close"), *((k.lower().encode(), v.encode()) for k, v in error.headers.items())]
     await send({"type": "http.response.start", "status": error.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
-
-
-def owner_of(api_key: str) -> str:
-    """The owner a key's jobs are kept under: a hash of the key, so Redis never holds the key itself."""
-    return hashlib.sha256(api_key.encode()).hexdigest()[:24]
 
 
 def request_owner(request: Request) -> str:

@@ -3,6 +3,7 @@ a job's records (service.jobs writes and reads them; service.job_scripts' Lua sc
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 from .job_types import ANONYMOUS, JobPriority
@@ -40,6 +41,12 @@ REPLICATION_MARK_KEY = f"{PREFIX}:replication-mark"
 # what submit makes ("job_" and 24 of token_urlsafe's characters); a client's id is checked against it before it
 # names a key, since `job_x:inputs` would read another hash
 JOB_ID = re.compile(r"job_[A-Za-z0-9_-]{1,64}")
+
+
+def owner_of(api_key: str) -> str:
+    """The owner a key's jobs are kept under, and its streams named by: a hash of the key, so Redis never holds the
+    key itself."""
+    return hashlib.sha256(api_key.encode()).hexdigest()[:24]
 
 
 def item_stream(priority: JobPriority, owner: str) -> str:

@@ -47,6 +47,10 @@ class Metrics:
         self.audio_seconds = Counter("batchasr_audio_seconds", "Seconds of audio transcribed", registry=r)
         self.compute_seconds = Counter("batchasr_compute_seconds", "Seconds the engine spent on batches",
                                        registry=r)
+        # by API key (the owner id Redis keeps its jobs under: a hash of the key) and source ("http" or "job"): what
+        # each team sharing a deployment used, to charge it back; a series per key in use
+        self.owner_audio_seconds = Counter("batchasr_owner_audio_seconds", "Seconds of audio transcribed by API key",
+                                           ["owner", "source"], registry=r)
         self.rtfx = Gauge("batchasr_rtfx", f"Audio seconds per compute second over the last {RTFX_WINDOW_S:.0f} s",
                           registry=r)
         self.rtfx.set_function(self._recent_rtfx)  # as of each scrape: an idle engine's falls to 0
@@ -117,6 +121,19 @@ class Metrics:
         self._event_loop_cpu_seen = 0.0
         self._window: deque[tuple[float, float, float]] = deque()  # (time, audio_s, compute_s)
         self._lock = threading.Lock()
+
+    def expect_owners(self, owners: list[str]) -> None:
+        """Each of ``owners``' audio series, at 0 from the start: a series that first appeared at its first batch's
+        seconds would have those left out of increase() and rate(), its key's first use uncounted."""
+        for owner in owners:
+            for source in ("http", "job"):
+                self.owner_audio_seconds.labels(owner, source)
+
+    def count_owner_audio(self, used: dict[tuple[str, str], float]) -> None:
+        """``used``: seconds of audio by (owner, source); an owner of "" (no API key) is counted as "anonymous", as
+        jobs and requests without a key are."""
+        for (owner, source), seconds in used.items():
+            self.owner_audio_seconds.labels(owner or "anonymous", source).inc(seconds)
 
     def bind_queue(self, depth: Callable[[], float]) -> None:
         self.queue_depth.set_function(depth)

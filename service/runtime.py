@@ -16,6 +16,8 @@ from .audio import AudioLimits
 from .batcher import Batcher
 from .config import Settings
 from .engine_link import EngineLink
+from .job_keys import owner_of
+from .job_types import ANONYMOUS
 from .job_worker import ConsumerOptions, JobConsumer, JobMetrics, default_consumer_name
 from .jobs import JobStore
 from .metrics import Metrics
@@ -149,6 +151,7 @@ def build_stack(settings: Settings, model: ASRModel, metrics: Metrics | None = N
     from .engine import Engine, warmup_shapes
 
     metrics = metrics or Metrics()
+    metrics.expect_owners([owner_of(key) for key in settings.api_keys] or [ANONYMOUS])
     s = settings
     rate = model.sample_rate
     batcher = Batcher(s.max_batch_size, s.batch_audio_limit_s, s.max_wait_ms, s.max_queue, rate,

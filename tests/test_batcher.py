@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from service.batcher import Batcher, Priority, QueueFull, WorkItem
+from service.batcher import Batch, Batcher, Priority, QueueFull, WorkItem
 from service.config import Settings
 from service.engine import WARMUP_S, warmup_shapes
 
@@ -240,3 +240,14 @@ def test_a_waiting_engine_wakes_for_a_cancel():
         time.sleep(0.01)
     assert b.depth == 0 and time.monotonic() - started < 1.5
     b.close()
+
+
+def test_a_batch_counts_each_owners_audio_by_source_with_overlaps_once():
+    """What batchasr_owner_audio_seconds adds up: a long recording's piece counts its own samples (not the overlap
+    the next piece transcribes too), requests someone waits on as "http", job items as "job"."""
+    samples = np.zeros(16000, dtype=np.float32)
+    items = [WorkItem(samples, Priority.INTERACTIVE, owner="a", counted_samples=12000),
+             WorkItem(samples, Priority.INTERACTIVE, owner="a"),
+             WorkItem(samples, Priority.BULK_HIGH, owner="a"),
+             WorkItem(samples, Priority.BULK_LOW, owner="b")]
+    assert Batch(items).counted_by_owner() == {("a", "http"): 28000, ("a", "job"): 16000, ("b", "job"): 16000}

@@ -327,6 +327,24 @@ def test_dashboard_job_panels_count_the_first_job_and_item_of_each_status(tmp_pa
     ])
 
 
+def test_usage_panel_counts_each_keys_first_batch(tmp_path):
+    """Prometheus evaluates the usage panel over two scrapes, one as the service started and one after a key's first
+    batch: the keys' series are there from the start at 0, so the panel counts that batch's seconds (a series that
+    appeared at its first value would give rate() nothing to count from)."""
+    metrics = Metrics()
+    metrics.expect_owners(["a1", "b2"])
+    before = metrics.render().decode()
+    metrics.count_owner_audio({("a1", "http"): 60.0, ("b2", "job"): 120.0})
+    after = metrics.render().decode()
+    (usage,) = dashboard_panel_exprs("Audio seconds per second by API key", "2m")
+    promtool_test(tmp_path, [before, after], "1m", [
+        {"expr": usage, "eval_time": "1m", "exp_samples": [  # per second over the 2 min window
+            {"labels": f'{{owner="{owner}",source="{source}"}}', "value": seconds / 120}
+            for owner, source, seconds in (("a1", "http", 60), ("a1", "job", 0), ("b2", "http", 0),
+                                           ("b2", "job", 120))]},
+    ])
+
+
 def test_adapter_query_gives_the_hpa_a_value_at_a_one_minute_scrape_interval(tmp_path):
     """A pod scraped every minute (Prometheus's default, and the prometheus-community chart's), its HTTP requests
     waiting 0.25 s each: the adapter's query reads 0.25 between scrapes too. Its [1m] window held one scrape there, and

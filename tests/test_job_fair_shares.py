@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import soundfile as sf
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -248,6 +250,31 @@ def test_jobs_submitted_with_api_keys_go_on_their_keys_streams_and_are_done(redi
     assert client.hgetall(OWNER_STREAMS_KEY) == {item_stream(JobPriority.HIGH, o).encode(): b"high"
                                                   for o in (ALICE, BOB)}
     assert client.xlen(ITEM_STREAMS[JobPriority.HIGH]) == 0
+
+
+def test_each_keys_audio_is_counted_by_source_for_charging_back(redis_server, model, parity_audio):
+    """batchasr_owner_audio_seconds: Alice's HTTP request and Bob's job of two items, each key's seconds (the
+    recordings' own) under its owner id, the hash Redis keeps its jobs under; nothing under anyone else."""
+    settings = Settings(redis_url=redis_server.url, api_keys=["alice-key", "bob-key"])
+    audio = Path(parity_audio[0]).read_bytes()
+    seconds = sf.info(parity_audio[0]).duration
+    with run_server(settings, model) as running:
+        reply = httpx.post(f"{running.url}/v1/audio/transcriptions", files={"file": ("a.wav", audio, "audio/wav")},
+                           headers={"Authorization": "Bearer alice-key"}, timeout=60)
+        assert reply.status_code == 200, reply.text
+        bob = {"Authorization": "Bearer bob-key"}
+        job = httpx.post(f"{running.url}/v1/jobs", files=[("files", (f"{i}.wav", audio, "audio/wav")) for i in (0, 1)],
+                         headers=bob, timeout=60).json()
+        for _ in range(600):
+            if httpx.get(f"{running.url}/v1/jobs/{job['id']}", headers=bob, timeout=30).json()["status"] == "completed":
+                break
+            time.sleep(0.05)
+        text = httpx.get(f"{running.url}/metrics", timeout=30).text
+    used = {tuple(re.findall(r'"([^"]*)"', line)): float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith("batchasr_owner_audio_seconds_total{")}
+    # every key's series there from the start (at 0: increase() then counts a key's first use)
+    assert used == pytest.approx({(ALICE, "http"): seconds, (ALICE, "job"): 0, (BOB, "http"): 0,
+                                  (BOB, "job"): 2 * seconds}, abs=1e-3), used
 
 
 # --- the items a key may have queued at once (BATCHASR_JOB_MAX_QUEUED_ITEMS) -----------------------------------
