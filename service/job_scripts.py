@@ -218,22 +218,29 @@ end
 return counts
 """
 
+# Redis's clock in ms (TIME: seconds, microseconds), for the times the owners' streams were used and retired.
+_NOW_MS = """
+local function now_ms()
+  local time = redis.call('TIME')
+  return time[1] * 1000 + math.floor(time[2] / 1000)
+end
+"""
+
 # KEYS: an item stream, the owners' streams listed (stream -> priority), when each was last given items, then the
 # streams every worker reads (the priorities' own, the webhooks'). ARGV: group, the stream's priority ('' for a
 # priority's own stream, the anonymous owner's, which is never listed). Run in the transaction that queues items on
 # the stream, before them: the group made on each stream not there (never made, or deleted as idle by
 # PRUNE_STREAMS: the workers' blocking read waits on the shared ones), and an owner's stream listed for the workers,
 # so that no item can be queued on a stream that is going, or on one the workers do not read.
-OPEN_STREAM = """
+OPEN_STREAM = _NOW_MS + """
 for i, stream in ipairs(KEYS) do
   if i ~= 2 and i ~= 3 and redis.call('EXISTS', stream) == 0 then
     redis.call('XGROUP', 'CREATE', stream, ARGV[1], '0', 'MKSTREAM')
   end
 end
 if ARGV[2] ~= '' then
-  local now = redis.call('TIME')
   redis.call('HSET', KEYS[2], KEYS[1], ARGV[2])
-  redis.call('HSET', KEYS[3], KEYS[1], now[1] * 1000 + math.floor(now[2] / 1000))
+  redis.call('HSET', KEYS[3], KEYS[1], now_ms())
 end
 return 1
 """
@@ -244,9 +251,8 @@ return 1
 # when no read can have it in hand any more, it is deleted, unless it was listed again meanwhile (OPEN_STREAM, with
 # new items). So an API key's streams last only while the key is in use: each costs every worker's read a look.
 # Returns {retired, deleted}.
-PRUNE_STREAMS = _GROUP_COUNTS + """
-local now = redis.call('TIME')
-now = now[1] * 1000 + math.floor(now[2] / 1000)
+PRUNE_STREAMS = _NOW_MS + _GROUP_COUNTS + """
+local now = now_ms()
 local function settled(stream)
   local lag, pending = group_counts(stream, ARGV[1])
   return lag == -2 or (lag == 0 and pending == 0)
