@@ -205,17 +205,27 @@ def _no_maintenance_notifications() -> dict[str, Any]:
 
 
 class _ClosesOnReadOnly:
-    """Mixed into a pool's connection class: a connection that meets READONLY closes itself. The address it reached
-    serves a replica now (a failover moved the primary behind one name, as managed Redis services and Kubernetes
-    Services do), and only a connection made afresh reaches the primary the name leads to now; redis-py keeps a
-    connection through an error reply, so every command sent on it failed for as long as it lived."""
+    """Mixed into a pool's connection class: a connection that meets READONLY closes itself before its next command.
+    The address it reached serves a replica now (a failover moved the primary behind one name, as managed Redis
+    services and Kubernetes Services do), and only a connection made afresh reaches the primary the name leads to now;
+    redis-py keeps a connection through an error reply, so every command sent on it failed for as long as it lived."""
+
+    _reached_a_replica = False
 
     async def read_response(self, *args: Any, **kwargs: Any) -> Any:
         try:
             return await super().read_response(*args, **kwargs)  # type: ignore[misc]
         except ReadOnlyError:
-            await self.disconnect()  # type: ignore[attr-defined]
+            # not closed here: a pipeline reads the replies of its other commands after this one's, and closing
+            # now turned the refusal into "connection closed" (an outage called unreachable, not read-only)
+            self._reached_a_replica = True
             raise
+
+    async def send_packed_command(self, *args: Any, **kwargs: Any) -> None:
+        if self._reached_a_replica:
+            self._reached_a_replica = False
+            await self.disconnect()  # type: ignore[attr-defined]
+        await super().send_packed_command(*args, **kwargs)  # type: ignore[misc]
 
 
 def _reconnect_on_read_only(pool: aioredis.ConnectionPool) -> aioredis.ConnectionPool:

@@ -158,3 +158,32 @@ def test_after_a_failover_behind_one_address_the_store_reaches_the_new_primary(t
     finally:
         old.stop()
         new.stop()
+
+
+def test_a_pipeline_sent_to_a_replica_hears_each_refusal_as_read_only(tmp_path):
+    """A connection that meets READONLY closes before its next command, not at once: a pipeline still reads its other
+    commands' replies. Closed at once, the next reply read failed as "connection closed", and a job refused by a
+    replica was answered as Redis unreachable. Values of 1 MiB, so that Redis answers the first before the rest come."""
+    (tmp_path / "primary").mkdir()
+    (tmp_path / "replica").mkdir()
+    primary = RedisServer(tmp_path / "primary").start()
+    replica = start_replica(tmp_path / "replica", primary)
+
+    async def scenario() -> list[list[str]]:
+        store = JobStore.from_url(replica.url)
+        try:
+            outcomes = []
+            for _ in range(5):
+                async with store.redis.pipeline(transaction=False) as pipe:
+                    pipe.set("a", bytes(1 << 20)).get("b").set("c", bytes(1 << 20))
+                    outcomes.append([type(reply).__name__ for reply in await pipe.execute(raise_on_error=False)])
+            return outcomes
+        finally:
+            await store.close()
+
+    try:
+        outcomes = asyncio.run(scenario())
+    finally:
+        replica.stop()
+        primary.stop()
+    assert outcomes == [["ReadOnlyError", "NoneType", "ReadOnlyError"]] * 5
