@@ -47,6 +47,11 @@ class Priority(IntEnum):
     BULK = 2  # normal jobs' items
     BULK_LOW = 3  # low-priority jobs' items (backfills): what room is left
 
+    @property
+    def source(self) -> str:
+        """Where such work comes from, as the metrics label it: "http" (someone waits on it) or "job"."""
+        return "http" if self is Priority.INTERACTIVE else "job"
+
 
 class QueueFull(Exception):
     def __init__(self, retry_after_s: int):
@@ -112,11 +117,10 @@ class Batch:
         return sum(item.counted_samples or 0 for item in self.items)
 
     def counted_by_owner(self) -> dict[tuple[str, str], int]:
-        """The samples each (owner, source) accounts for, as ``counted_samples`` counts them; source "http" for
-        requests someone waits on, "job" for bulk items."""
+        """The samples each (owner, source) accounts for, as ``counted_samples`` counts them (``Priority.source``)."""
         counted: dict[tuple[str, str], int] = {}
         for item in self.items:
-            key = (item.owner, "http" if item.priority is Priority.INTERACTIVE else "job")
+            key = (item.owner, item.priority.source)
             counted[key] = counted.get(key, 0) + (item.counted_samples or 0)
         return counted
 

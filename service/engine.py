@@ -22,7 +22,7 @@ from decoding.boosting import build_boost_table
 from decoding.types import HOTWORD_BOOST, Hotword, Hotwords, Hypothesis
 from models.asr_model import ASRModel, EncodedBatch
 
-from .batcher import Batcher, ItemResult, Priority
+from .batcher import Batcher, ItemResult
 from .metrics import Metrics
 from .staging import BatchStager, StagedBatch
 from .timing import StageClock
@@ -208,7 +208,7 @@ class Engine:
         try:
             self.batcher.record_throughput(rows_s, compute_s)  # for Retry-After, which counts queued rows
             self.metrics.observe_batch(len(batch.items), audio_s, rows_s, batch.padded_samples / rate, compute_s,
-                                       stage_s, [(started - item.enqueued_at, item.priority is Priority.INTERACTIVE)
+                                       stage_s, [(started - item.enqueued_at, item.priority.source)
                                                  for item in batch.items])
             self.metrics.count_owner_audio({key: n / rate for key, n in batch.counted_by_owner().items()})
             self.metrics.observe_tokens([hyp.logprobs for hyp in hyps])

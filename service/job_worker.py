@@ -33,6 +33,7 @@ from .audio import AudioLimits, AudioRequestError, decode_audio, decode_audio_fi
 from .audio_budget import AudioBudget, AudioClaim
 from .batcher import Priority, QueueFull
 from .formats import to_record
+from .intervals import Every
 from .job_keys import stream_owner, stream_priority
 from .job_types import ItemStart, JobInputError, JobPriority, item_record, resolve_input_path
 from .jobs import STREAM_IDLE_S, JobStore
@@ -113,14 +114,14 @@ class JobConsumer:
         self._in_flight: set[asyncio.Task] = set()
         self._held: dict[str, set[bytes]] = defaultdict(set)  # deliveries in hand, by stream
         self.audio = AudioBudget(options.max_audio_s, options.first_item_s, options.max_reading)
-        self._last_reclaim = 0.0
         self._reclaim_from: dict[str, bytes | str] = {}  # per stream, where the next look for stalled items goes on
-        self._last_kept = 0.0
-        self._last_forgot = -math.inf
-        self._last_lag = -math.inf
-        self._last_pruned = -math.inf
+        self._reclaim = Every(options.reclaim_interval_s)
+        self._keep_claims = Every(options.visibility_timeout_s / 3)
+        self._forget = Every(FORGET_INTERVAL_S)
+        self._read_lag = Every(LAG_INTERVAL_S)  # not every step: two round trips over every stream
+        self._prune = Every(PRUNE_INTERVAL_S)
+        self._check_settings = Every(options.store_check_interval_s)
         self._group_ready = False  # made once, and again after an error (a Redis that lost it)
-        self._last_store_check = -math.inf
         self._store_risks: dict[str, str] | None = {}  # those last read (JobStore.durability_risks; None: unknown)
         self.connected = False
 
@@ -161,17 +162,14 @@ class JobConsumer:
 
     async def _step(self, block_ms: int | None = None) -> int:
         """Start what fits in the prefetch window and the audio budget; returns how many items were started."""
-        loop = asyncio.get_running_loop()
         if not self._group_ready:
             await self.store.ensure_group()
             self._group_ready = True
-            self._last_store_check = -math.inf  # Redis may be another now (restarted, failed over): read it again
+            self._check_settings.come_due()  # Redis may be another now (restarted, failed over): read it again
         self.connected = True
-        if loop.time() - self._last_store_check >= self.options.store_check_interval_s:
-            self._last_store_check = loop.time()
+        if self._check_settings.due():
             await self._check_store()
-        if loop.time() - self._last_kept >= self.options.visibility_timeout_s / 3:
-            self._last_kept = loop.time()
+        if self._keep_claims.due():
             for stream, held in list(self._held.items()):
                 await self.store.keep_claimed(stream, self.options.name, list(held))
         # items finished leave _in_flight in their done callbacks, which may not have run yet: counted still, they
@@ -179,19 +177,16 @@ class JobConsumer:
         self._in_flight.difference_update([task for task in self._in_flight if task.done()])
         room = self.audio.room(self.options.prefetch - len(self._in_flight))
         messages: list[tuple[str, bytes, dict]] = []  # (stream, message id, fields)
-        if room > 0 and loop.time() - self._last_reclaim >= self.options.reclaim_interval_s:
-            self._last_reclaim = loop.time()
-            messages += await self._reclaim(room)
+        if room > 0 and self._reclaim.due():
+            messages += await self._reclaim_stalled(room)
             if len(messages) == room:  # there may be more: look again as soon as there is room, not an interval on
-                self._last_reclaim = -math.inf
+                self._reclaim.come_due()
             await self.store.trim_acknowledged()
-            if loop.time() - self._last_pruned >= PRUNE_INTERVAL_S:
-                self._last_pruned = loop.time()
+            if self._prune.due():
                 retired, deleted = await self.store.prune_idle_streams(self.options.stream_idle_s)
                 if retired or deleted:
                     log.info("API keys' streams idle: %d no longer read, %d deleted", retired, deleted)
-            if loop.time() - self._last_forgot >= FORGET_INTERVAL_S:
-                self._last_forgot = loop.time()
+            if self._forget.due():
                 await self.store.forget_gone_consumers(max(GONE_AFTER_S, 10 * self.options.visibility_timeout_s))
         room -= len(messages)
         if room > 0:
@@ -208,8 +203,7 @@ class JobConsumer:
             held = self._held[stream]
             held.add(message_id)
             task.add_done_callback(lambda _, held=held, message_id=message_id: held.discard(message_id))
-        if loop.time() - self._last_lag >= LAG_INTERVAL_S:  # not every step: two round trips over every stream
-            self._last_lag = loop.time()
+        if self._read_lag.due():
             self.metrics.observe_job_stream_lag(await self.store.stream_lag())
         return len(messages)
 
@@ -228,7 +222,7 @@ class JobConsumer:
         self._store_risks = risks
         self.metrics.observe_job_store_risks(tuple(now))
 
-    async def _reclaim(self, count: int) -> list[tuple[str, bytes, dict]]:
+    async def _reclaim_stalled(self, count: int) -> list[tuple[str, bytes, dict]]:
         claimed = []
         for stream in await self.store.streams_with_pending():  # the higher priorities' first
             if len(claimed) < count:

@@ -142,7 +142,7 @@ class Metrics:
         self.gpu_memory_bytes.set_function(allocated)
 
     def observe_batch(self, n_items: int, audio_s: float, rows_s: float, padded_s: float, compute_s: float,
-                      stage_s: dict[str, float], queue_waits_s: list[tuple[float, bool]]) -> None:
+                      stage_s: dict[str, float], queue_waits_s: list[tuple[float, str]]) -> None:
         """``audio_s``: the recordings' seconds the batch accounts for (RTFx); ``rows_s``: its rows' seconds
         (with the overlaps of long recordings' pieces); ``padded_s``: the rows padded to the batch's shape."""
         self.audio_seconds.inc(audio_s)
@@ -152,8 +152,8 @@ class Metrics:
         self.padding_ratio.observe(1 - rows_s / padded_s if padded_s > 0 else 0.0)
         for stage, seconds in stage_s.items():
             self.stage_seconds.labels(stage).observe(seconds)
-        for wait, interactive in queue_waits_s:  # (seconds, an HTTP request's?)
-            self.queue_wait_seconds.labels("http" if interactive else "job").observe(wait)
+        for wait, source in queue_waits_s:  # (seconds, "http" or "job": batcher.Priority.source)
+            self.queue_wait_seconds.labels(source).observe(wait)
         now = time.monotonic()
         with self._lock:
             self._window.append((now, audio_s, compute_s))

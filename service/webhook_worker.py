@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from typing import Protocol
 
+from .intervals import Every
 from .job_keys import GROUP, WEBHOOK_STREAM
 from .job_types import JobNotFound
 from .jobs import JobStore
@@ -45,10 +45,9 @@ class WebhookWorker:
         self.metrics = metrics
         self.in_flight = in_flight
         self.claim_idle_s = claim_idle_s
-        self.reclaim_interval_s = reclaim_interval_s
         self.stop_grace_s = stop_grace_s
         self._deliveries: dict[asyncio.Task, tuple[bytes, str]] = {}  # task -> (stream entry, job id)
-        self._last_reclaim = -math.inf
+        self._reclaim = Every(reclaim_interval_s)
         self._group_ready = False
         self._reclaim_from: bytes | str = "0-0"  # where the next look for stalled deliveries goes on
 
@@ -80,10 +79,8 @@ class WebhookWorker:
             await asyncio.wait(self._deliveries, timeout=block_ms / 1000, return_when=asyncio.FIRST_COMPLETED)
             return 0
         entries: list[tuple[bytes, dict]] = []
-        loop = asyncio.get_running_loop()
-        if loop.time() - self._last_reclaim >= self.reclaim_interval_s:
-            self._last_reclaim = loop.time()
-            entries += await self._reclaim(room)
+        if self._reclaim.due():
+            entries += await self._reclaim_stalled(room)
         if len(entries) < room:
             reply = await self.store.redis.xreadgroup(GROUP, self.name, {WEBHOOK_STREAM: ">"},
                                                       count=room - len(entries), block=block_ms)
@@ -96,7 +93,7 @@ class WebhookWorker:
             task.add_done_callback(self._deliveries.pop)
         return len(entries)
 
-    async def _reclaim(self, count: int) -> list[tuple[bytes, dict]]:
+    async def _reclaim_stalled(self, count: int) -> list[tuple[bytes, dict]]:
         self._reclaim_from, claimed = await self.store.claim_stalled(WEBHOOK_STREAM, self.name, self.claim_idle_s,
                                                                      count, self._reclaim_from)
         if claimed:

@@ -353,7 +353,7 @@ def test_adapter_query_gives_the_hpa_a_value_at_a_one_minute_scrape_interval(tmp
     scrapes = []
     for _ in range(4):
         scrapes.append(metrics.render().decode())
-        metrics.observe_batch(4, 8.0, 8.0, 8.0, 0.1, {}, [(0.25, True)] * 4 + [(30.0, False)])
+        metrics.observe_batch(4, 8.0, 8.0, 8.0, 0.1, {}, [(0.25, "http")] * 4 + [(30.0, "job")])
     query = adapter_query(adapter_rule(), "pod", 'namespace="default",pod="api-0"')
     promtool_test(tmp_path, scrapes, "1m", [{"expr": query, "eval_time": "3m20s",
                                              "exp_samples": [{"labels": '{pod="api-0"}', "value": 0.25}]}],
@@ -476,7 +476,7 @@ def test_queue_wait_fires_on_http_waits_not_on_job_items_waiting(tmp_path):
     """Job items wait behind HTTP requests by design (a lower priority): only HTTP's wait counts."""
     for http_wait_s, firing in ((8.0, [{"exp_labels": {"severity": "warning"}}]), (0.5, [])):
         metrics = Metrics()
-        waits = [(http_wait_s, True)] * 4 + [(60.0, False)] * 4  # (seconds, from HTTP) per item of a batch
+        waits = [(http_wait_s, "http")] * 4 + [(60.0, "job")] * 4  # (seconds, source) per item of a batch
 
         def minute(m: int, metrics: Metrics = metrics, waits: list = waits) -> None:
             metrics.observe_batch(8, 16.0, 16.0, 16.0, 0.2, {}, waits)

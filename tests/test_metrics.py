@@ -19,7 +19,7 @@ def test_the_recent_rtfx_is_of_the_last_window_as_of_the_scrape(monkeypatch):
         return metrics.registry.get_sample_value("batchasr_rtfx")
 
     assert rtfx() == 0.0
-    metrics.observe_batch(2, 10.0, 12.0, 12.0, 0.1, {}, [(0.5, True), (2.0, False)])
+    metrics.observe_batch(2, 10.0, 12.0, 12.0, 0.1, {}, [(0.5, "http"), (2.0, "job")])
     clock[0] += 30
     metrics.observe_batch(1, 30.0, 30.0, 30.0, 0.1, {}, [])
     assert rtfx() == 200.0  # 40 s of audio in 0.2 s
