@@ -187,23 +187,30 @@ for _, key in ipairs(KEYS) do redis.call('EXPIRE', key, ARGV[1]) end
 return #KEYS
 """
 
-# A stream's two counts in a group, from XINFO GROUPS: the entries not yet delivered to the group (its lag; -1
-# where Redis cannot count them, or the stream has no such group) and those delivered and not acknowledged; -2, 0
-# for a stream that does not exist. Parsed here: in the client, a worker with a few hundred streams (API keys')
-# spent most of a read parsing XINFO's replies.
-_GROUP_COUNTS = """
-local function group_counts(stream, group)
-  if redis.call('EXISTS', stream) == 0 then return -2, 0 end
-  local lag, pending = -1, 0
+# A group on a stream as XINFO GROUPS describes it (name -> value), or nil: no such stream, or no such group.
+# Parsed here: in the client, a worker with a few hundred streams (API keys') spent most of a read parsing XINFO's
+# replies.
+_GROUP_FIELDS = """
+local function group_fields(stream, group)
+  if redis.call('EXISTS', stream) == 0 then return nil end
   for _, info in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
     local fields = {}
     for i = 1, #info, 2 do fields[info[i]] = info[i + 1] end
-    if fields['name'] == group then
-      if fields['lag'] then lag = fields['lag'] end
-      pending = fields['pending']
-    end
+    if fields['name'] == group then return fields end
   end
-  return lag, pending
+  return nil
+end
+"""
+
+# A stream's two counts in a group: the entries not yet delivered to the group (its lag; -1 where Redis cannot
+# count them, or the stream has no such group) and those delivered and not acknowledged; -2, 0 for a stream that
+# does not exist.
+_GROUP_COUNTS = _GROUP_FIELDS + """
+local function group_counts(stream, group)
+  if redis.call('EXISTS', stream) == 0 then return -2, 0 end
+  local fields = group_fields(stream, group)
+  if not fields then return -1, 0 end
+  return fields['lag'] or -1, fields['pending']
 end
 """
 
@@ -216,6 +223,23 @@ for _, stream in ipairs(KEYS) do
   table.insert(counts, pending)
 end
 return counts
+"""
+
+# KEYS: streams. ARGV: group. Each stream's entries before the oldest one the group has not acknowledged are
+# dropped (all acknowledged: those up to the last one delivered, since what comes after it is not delivered yet);
+# streams without the group are left alone. One round trip however many streams (API keys') there are, and nothing
+# acknowledged between the look and the trim. Returns the entries dropped.
+TRIM_ACKNOWLEDGED = _ALLOW_OOM + _GROUP_FIELDS + """
+local dropped = 0
+for _, stream in ipairs(KEYS) do
+  local fields = group_fields(stream, ARGV[1])
+  if fields then
+    local keep_from = fields['last-delivered-id']
+    if tonumber(fields['pending']) > 0 then keep_from = redis.call('XPENDING', stream, ARGV[1])[2] end
+    dropped = dropped + redis.call('XTRIM', stream, 'MINID', keep_from)
+  end
+end
+return dropped
 """
 
 # Redis's clock in ms (TIME: seconds, microseconds), for the times the owners' streams were used and retired.

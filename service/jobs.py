@@ -58,6 +58,7 @@ from .job_scripts import (
     RECORD_ERROR,
     RETRY_FAILED,
     START_ITEM,
+    TRIM_ACKNOWLEDGED,
 )
 from .job_types import (
     ANONYMOUS,
@@ -127,6 +128,7 @@ class JobStore:
         self._expire_all = client.register_script(EXPIRE_ALL)
         self._retry_failed = client.register_script(RETRY_FAILED)
         self._group_counts = client.register_script(GROUP_COUNTS)
+        self._trim_acknowledged = client.register_script(TRIM_ACKNOWLEDGED)
         self._open_stream = client.register_script(OPEN_STREAM)
         self._prune_streams = client.register_script(PRUNE_STREAMS)
 
@@ -481,16 +483,6 @@ class JobStore:
         return {stream: (int(counts[2 * i]), int(counts[2 * i + 1])) for i, stream in enumerate(streams)
                 if int(counts[2 * i]) != -2}
 
-    async def _groups(self, streams: list[str]) -> dict[str, dict[str, Any] | None]:
-        """The workers' group on each of ``streams`` as XINFO GROUPS describes it, in one round trip: None for a
-        stream with no such group, no entry for one that does not exist."""
-        pipe = self.redis.pipeline(transaction=False)
-        for stream in streams:
-            pipe.xinfo_groups(stream)
-        return {stream: _workers_group(groups)
-                for stream, groups in zip(streams, await pipe.execute(raise_on_error=False), strict=True)
-                if not isinstance(groups, Exception)}  # an error: no such stream
-
     async def streams_with_pending(self) -> list[str]:
         """The item streams holding deliveries not acknowledged yet, the higher priorities' first: where stalled
         ones may be (two round trips, rather than a look at every owner's stream)."""
@@ -638,25 +630,13 @@ class JobStore:
                                                      args=[GROUP, int(idle_s * 1000), int(grace_s * 1000)])
         return int(retired), int(deleted)
 
-    async def trim_acknowledged(self) -> None:
-        """Drop the item and webhook streams' entries before the oldest one the workers have not acknowledged.
-        Without this the item stream keeps an entry for every item ever submitted: 48 bytes each, about 0.5 GB
-        of Redis memory per 10 M items. (Another consumer group on these streams would lose entries.) Four round
-        trips, however many owners' streams there are."""
-        groups = {stream: group for stream, group in
-                  (await self._groups([*await self._every_item_stream(), WEBHOOK_STREAM])).items() if group is not None}
-        # all acknowledged: keep from the last one delivered, since what comes after it is not delivered yet
-        keep_from = {stream: group["last-delivered-id"] for stream, group in groups.items()}
-        holding = [stream for stream, group in groups.items() if group["pending"]]
-        pipe = self.redis.pipeline(transaction=False)
-        for stream in holding:
-            pipe.xpending(stream, GROUP)
-        for stream, pending in zip(holding, await pipe.execute(), strict=True):
-            keep_from[stream] = pending["min"] or keep_from[stream]  # acknowledged since XINFO said otherwise
-        pipe = self.redis.pipeline(transaction=False)
-        for stream, first_kept in keep_from.items():
-            pipe.xtrim(stream, minid=first_kept, approximate=False)
-        await pipe.execute()
+    async def trim_acknowledged(self) -> int:
+        """Drop the item and webhook streams' entries before the oldest one the workers have not acknowledged
+        (TRIM_ACKNOWLEDGED); returns how many. Without this the item stream keeps an entry for every item ever
+        submitted: 48 bytes each, about 0.5 GB of Redis memory per 10 M items. (Another consumer group on these
+        streams would lose entries.) Two round trips, however many owners' streams there are."""
+        streams = [*await self._every_item_stream(), WEBHOOK_STREAM]
+        return int(await self._trim_acknowledged(keys=streams, args=[GROUP]))
 
     async def forget_gone_consumers(self, idle_s: float) -> int:
         """Delete the group's consumers that hold nothing and have been idle ``idle_s`` or longer: the names of
@@ -779,13 +759,6 @@ def _in_hand(counts: dict[str, tuple[int, int]]) -> int:
 def _job(job_id: str, raw: dict[bytes, bytes]) -> Job:
     """A job from its hash."""
     return job_from_fields(job_id, {k.decode(): v.decode() for k, v in raw.items()})
-
-
-def _workers_group(groups: list[dict[str, Any]] | Exception) -> dict[str, Any] | None:
-    """The workers' group among XINFO GROUPS' reply (an error: no stream yet)."""
-    if isinstance(groups, Exception):
-        return None
-    return next((g for g in groups if g["name"] in (GROUP, GROUP.encode())), None)
 
 
 def _deliveries(reply: Any) -> list[tuple[str, bytes, dict]]:

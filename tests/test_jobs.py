@@ -28,7 +28,15 @@ from models import load_model
 from service import submit_inputs, url_inputs
 from service.batcher import POOL_FACTOR
 from service.config import Settings
-from service.job_keys import DEAD_LETTER_STREAM, GROUP, ITEM_STREAM, RESULTS_KEY, WEBHOOK_STREAM
+from service.job_keys import (
+    DEAD_LETTER_STREAM,
+    GROUP,
+    ITEM_STREAM,
+    OWNER_STREAMS_KEY,
+    RESULTS_KEY,
+    WEBHOOK_STREAM,
+    item_stream,
+)
 from service.job_types import ItemInput, Job, JobInputError, JobOptions, JobPriority, item_record
 from service.jobs import JSON_JOB_BYTES, MAX_JOB_ITEMS, JobStore
 from service.jobs_cli import run_submit
@@ -678,26 +686,28 @@ def test_the_names_of_consumers_gone_are_forgotten_but_not_those_holding_items(r
     asyncio.run(scenario())
 
 
-def test_trimming_while_the_last_pending_item_is_acknowledged(redis_server, parity_audio):
-    """XINFO said one item was pending; it was acknowledged before XPENDING ran, which then named no oldest entry.
-    XTRIM without an id raised, and took the consumer down with it."""
+def test_trimming_counts_what_it_dropped_leaves_streams_without_the_group_and_works_with_redis_full(
+        redis_server, parity_audio):
+    """One script over every stream: an owner's stream listed before its group was made is left whole, and a Redis
+    at its maxmemory still trims (XTRIM frees memory, and the script may run when writes are refused)."""
     async def scenario() -> None:
         store = JobStore.from_url(redis_server.url)
         await store.ensure_group()
-        await store.submit(upload_items(parity_audio, 4))
-        reply = await store.redis.xreadgroup(GROUP, "c", {ITEM_STREAM: ">"}, count=2)
-        delivered = [message_id for message_id, _ in reply[0][1]]
-        groups = await store._groups([ITEM_STREAM])
-        assert groups[ITEM_STREAM]["pending"] == 2
-        await store.redis.xack(ITEM_STREAM, GROUP, *delivered)
-        store._groups = lambda streams: _stale(groups)  # what XINFO said before
-        await store.trim_acknowledged()
-        kept = [message_id for message_id, _ in await store.redis.xrange(ITEM_STREAM)]
-        assert kept[0] == delivered[-1]  # from the last one delivered
+        await store.submit(upload_items(parity_audio, 6))
+        no_group = item_stream(JobPriority.NORMAL, "someone")
+        await store.redis.xadd(no_group, {"job": "x", "index": 0})
+        await store.redis.hset(OWNER_STREAMS_KEY, no_group, JobPriority.NORMAL.value)
+        reply = await store.redis.xreadgroup(GROUP, "c", {ITEM_STREAM: ">"}, count=6)
+        await store.redis.xack(ITEM_STREAM, GROUP, *[message_id for message_id, _ in reply[0][1]])
+        client = redis_server.client()
+        client.config_set("maxmemory-policy", "noeviction")
+        client.config_set("maxmemory", client.info("memory")["used_memory"] - 1024)
+        with pytest.raises(OutOfMemoryError):
+            await store.redis.set("anything", 1)
+        assert await store.trim_acknowledged() == 5  # kept from the last one delivered
+        assert await store.redis.xlen(ITEM_STREAM) == 1 and await store.redis.xlen(no_group) == 1
+        assert await store.trim_acknowledged() == 0
         await store.close()
-
-    async def _stale(value):
-        return value
 
     asyncio.run(scenario())
 
