@@ -212,10 +212,7 @@ class JobStore:
             if (job := await self._job_named_by(self.redis, key)) is not None:
                 await self._confirm_replicated()  # it may be the retry of one refused as unconfirmed
                 return job, False  # a retried submission: nothing of it is written again
-        if self.max_queued_items is not None:  # before a byte is written (two submissions at once may both pass)
-            queued = await self.queued_items(options.owner)
-            if queued + len(items) > self.max_queued_items:
-                raise TooManyQueued(queued, self.max_queued_items, len(items))
+        await self._check_room(options.owner, len(items))  # before a byte is written; again as it is queued
         try:
             try:
                 await write_uploads(self.redis, {name: (item.upload, sizes[name]) for name, item in uploads.items()})
@@ -235,14 +232,20 @@ class JobStore:
                       uploads: list[str], stream: str) -> tuple[Job, bool]:
         """The job's transaction (its ``uploads`` written already: it gives them the input TTL), queueing its items
         on ``stream``; the job an idempotency ``key`` names if it has one by now."""
+        watched = [key] if key is not None else []
+        if self.max_queued_items is not None:  # another submission of the owner's queues items on one of these
+            watched += [item_stream(priority, options.owner) for priority in JobPriority]
         async with self.redis.pipeline(transaction=True) as pipe:
             while True:
                 try:
-                    if key is not None:
-                        await pipe.watch(key)
-                        if (job := await self._job_named_by(pipe, key)) is not None:
-                            await pipe.reset()
-                            return job, False
+                    if watched:
+                        await pipe.watch(*watched)
+                    if key is not None and (job := await self._job_named_by(pipe, key)) is not None:
+                        await pipe.reset()
+                        return job, False
+                    # counted after WATCH: items queued by a submission at the same time abort this transaction,
+                    # and the next try counts them (items taken or finished meanwhile only leave more room)
+                    await self._check_room(options.owner, len(items))
                     pipe.multi()
                     if key is not None:  # set with the job, in one transaction (over a key whose job is gone)
                         pipe.set(key, job_id, ex=self.result_ttl_s)
@@ -252,10 +255,17 @@ class JobStore:
                         await self._expire_all(keys=uploads, args=[self.input_ttl_s], client=pipe)
                     await pipe.execute()
                     break
-                except aioredis.WatchError:  # another request with this key got there first: take its job
-                    continue
+                except aioredis.WatchError:  # another request with this key got there first (take its job), or the
+                    continue  # owner queued items meanwhile (count again)
         # as written, not read back: a purge (or a Redis that lost it) a moment later made the submission a 500
         return job_from_fields(job_id, {name: str(value) for name, value in fields.items()}), True
+
+    async def _check_room(self, owner: str, items: int) -> None:
+        """Raise ``TooManyQueued`` where ``items`` more would take ``owner`` past ``max_queued_items``."""
+        if self.max_queued_items is not None:
+            queued = await self.queued_items(owner)
+            if queued + items > self.max_queued_items:
+                raise TooManyQueued(queued, self.max_queued_items, items)
 
     async def _confirm_replicated(self) -> None:
         """With ``wait_replicas``: return once that many replicas hold every write made so far, or raise

@@ -307,6 +307,23 @@ def test_the_limit_counts_a_keys_items_queued_and_in_hand_over_its_streams(redis
     asyncio.run(scenario())
 
 
+def test_submissions_at_the_same_moment_do_not_pass_the_limit_together(redis_server, parity_audio):
+    """Each submission counts the key's items as it queues its own, under WATCH of the key's streams: ten at once,
+    each of two uploads, against a limit of 9 queue four jobs (eight items); the other six are refused, their
+    uploads deleted. Counted only before the uploads were written, all ten passed (each saw none queued)."""
+    async def scenario() -> None:
+        store = JobStore.from_url(redis_server.url, max_queued_items=9)
+        outcomes = await asyncio.gather(
+            *[store.submit(upload_items(parity_audio, 2), options=JobOptions(owner=ALICE)) for _ in range(10)],
+            return_exceptions=True)
+        assert sorted(type(outcome).__name__ for outcome in outcomes) == ["TooManyQueued"] * 6 + ["tuple"] * 4
+        assert await store.queued_items(ALICE) == 8
+        assert len(await store.redis.keys("batchasr:upload:*")) == 8  # the refused jobs' uploads: gone
+        await store.close()
+
+    asyncio.run(scenario())
+
+
 @pytest.fixture
 def silent_site():
     """An address that takes connections and never answers: a job's URL items stay in a worker's hand until their
