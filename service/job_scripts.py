@@ -187,15 +187,25 @@ for _, key in ipairs(KEYS) do redis.call('EXPIRE', key, ARGV[1]) end
 return #KEYS
 """
 
-# A group on a stream as XINFO GROUPS describes it (name -> value), or nil: no such stream, or no such group.
-# Parsed here: in the client, a worker with a few hundred streams (API keys') spent most of a read parsing XINFO's
-# replies.
-_GROUP_FIELDS = """
+# XINFO's replies (a flat list of names and values each) as tables, name -> value. Parsed here: in the client, a
+# worker with a few hundred streams (API keys') spent most of a read parsing XINFO's replies.
+_XINFO = """
+local function xinfo(...)
+  local described = {}
+  for _, flat in ipairs(redis.call('XINFO', ...)) do
+    local fields = {}
+    for i = 1, #flat, 2 do fields[flat[i]] = flat[i + 1] end
+    table.insert(described, fields)
+  end
+  return described
+end
+"""
+
+# A group on a stream as XINFO GROUPS describes it, or nil: no such stream, or no such group.
+_GROUP_FIELDS = _XINFO + """
 local function group_fields(stream, group)
   if redis.call('EXISTS', stream) == 0 then return nil end
-  for _, info in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
-    local fields = {}
-    for i = 1, #info, 2 do fields[info[i]] = info[i + 1] end
+  for _, fields in ipairs(xinfo('GROUPS', stream)) do
     if fields['name'] == group then return fields end
   end
   return nil
@@ -240,6 +250,24 @@ for _, stream in ipairs(KEYS) do
   end
 end
 return dropped
+"""
+
+# KEYS: streams. ARGV: group, idle ms. The group's consumers that hold no delivery and have been idle that long
+# are deleted (the names of workers gone: a restarted worker joins under a new name). Looked at and deleted in one
+# step, so none can take a delivery in between, which DELCONSUMER would drop with it. Returns how many.
+FORGET_CONSUMERS = _GROUP_FIELDS + """
+local forgotten = 0
+for _, stream in ipairs(KEYS) do
+  if group_fields(stream, ARGV[1]) then
+    for _, consumer in ipairs(xinfo('CONSUMERS', stream, ARGV[1])) do
+      if consumer['pending'] == 0 and consumer['idle'] >= tonumber(ARGV[2]) then
+        redis.call('XGROUP', 'DELCONSUMER', stream, ARGV[1], consumer['name'])
+        forgotten = forgotten + 1
+      end
+    end
+  end
+end
+return forgotten
 """
 
 # Redis's clock in ms (TIME: seconds, microseconds), for the times the owners' streams were used and retired.

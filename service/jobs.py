@@ -50,6 +50,7 @@ from .job_scripts import (
     CANCEL_QUEUED,
     EXPIRE_ALL,
     FINISH_ITEM,
+    FORGET_CONSUMERS,
     GROUP_COUNTS,
     HSET_IF_EXISTS,
     KEEP_CLAIMED,
@@ -129,6 +130,7 @@ class JobStore:
         self._retry_failed = client.register_script(RETRY_FAILED)
         self._group_counts = client.register_script(GROUP_COUNTS)
         self._trim_acknowledged = client.register_script(TRIM_ACKNOWLEDGED)
+        self._forget_consumers = client.register_script(FORGET_CONSUMERS)
         self._open_stream = client.register_script(OPEN_STREAM)
         self._prune_streams = client.register_script(PRUNE_STREAMS)
 
@@ -651,17 +653,10 @@ class JobStore:
     async def forget_gone_consumers(self, idle_s: float) -> int:
         """Delete the group's consumers that hold nothing and have been idle ``idle_s`` or longer: the names of
         workers gone (a restart is a new host-pid name), which would otherwise pile up in the group for good. One
-        still alive loses nothing: it holds no delivery, and its next read makes it again. Returns how many."""
-        forgotten = 0
-        for stream in (*await self._every_item_stream(), WEBHOOK_STREAM):
-            try:
-                consumers = await self.redis.xinfo_consumers(stream, GROUP)
-            except aioredis.ResponseError:  # no stream or no group yet
-                continue
-            for consumer in consumers:
-                if int(consumer["pending"]) == 0 and int(consumer["idle"]) >= idle_s * 1000:
-                    forgotten += int(await self.redis.xgroup_delconsumer(stream, GROUP, consumer["name"]) == 0)
-        return forgotten
+        still alive loses nothing: it holds no delivery, and its next read makes it again. Returns how many. One
+        round trip over every stream (FORGET_CONSUMERS), rather than one per stream and one per name deleted."""
+        streams = [*await self._every_item_stream(), WEBHOOK_STREAM]
+        return int(await self._forget_consumers(keys=streams, args=[GROUP, int(idle_s * 1000)]))
 
     async def stream_lag(self) -> int:
         """Items not yet delivered to a consumer plus those delivered and not acknowledged, over every stream

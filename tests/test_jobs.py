@@ -668,19 +668,27 @@ def test_a_worker_renews_only_the_deliveries_still_its_own(redis_server):
 
 
 def test_the_names_of_consumers_gone_are_forgotten_but_not_those_holding_items(redis_server):
-    """Every restarted worker joins the group under a new host-pid name; the old names stayed in it for good."""
+    """Every restarted worker joins the group under a new host-pid name; the old names stayed in it for good. On
+    every stream: the priorities', the API keys' and the webhooks'."""
     async def scenario() -> None:
         store = JobStore.from_url(redis_server.url)
         await store.ensure_group()
         await store.submit([ItemInput(audio="a.wav", url="https://media.example/a.wav")])
+        await store.submit([ItemInput(audio="b.wav", url="https://media.example/b.wav")],
+                           options=JobOptions(owner="someone"))
+        owned = item_stream(JobPriority.NORMAL, "someone")
         await store.redis.xreadgroup(GROUP, "holding", {ITEM_STREAM: ">"}, count=1)
-        for name in ("gone-1", "gone-2"):  # workers that took items, acknowledged them, and went
-            await store.redis.xgroup_createconsumer(ITEM_STREAM, GROUP, name)
+        for stream in (ITEM_STREAM, owned, WEBHOOK_STREAM):
+            for name in ("gone-1", "gone-2"):  # workers that took items, acknowledged them, and went
+                await store.redis.xgroup_createconsumer(stream, GROUP, name)
         await asyncio.sleep(0.3)
         await store.redis.xgroup_createconsumer(ITEM_STREAM, GROUP, "live")
-        assert await store.forget_gone_consumers(0.2) == 2
+        assert await store.forget_gone_consumers(0.2) == 6
         names = {c["name"] for c in await store.redis.xinfo_consumers(ITEM_STREAM, GROUP)}
         assert names == {b"holding", b"live"}
+        assert await store.redis.xinfo_consumers(owned, GROUP) == []
+        assert await store.redis.xinfo_consumers(WEBHOOK_STREAM, GROUP) == []
+        assert await store.forget_gone_consumers(0.2) == 0
         await store.close()
 
     asyncio.run(scenario())
