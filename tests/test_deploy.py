@@ -71,12 +71,12 @@ def compose() -> dict:
     return yaml.safe_load((REPO / "docker-compose.yml").read_text())
 
 
-def k8s_objects() -> dict[tuple[str, str], dict]:
-    """Every object the kustomization applies, by (kind, name)."""
-    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+def k8s_objects(directory: Path = K8S) -> dict[tuple[str, str], dict]:
+    """Every object the kustomization in ``directory`` applies, by (kind, name)."""
+    kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
     objects = {}
     for resource in kustomization["resources"]:
-        for doc in load_yaml_docs(K8S / resource):
+        for doc in load_yaml_docs(directory / resource):
             key = (doc["kind"], doc["metadata"]["name"])
             assert key not in objects, f"{key} defined twice"
             objects[key] = doc
@@ -624,16 +624,61 @@ def test_k8s_manifests_match_kubernetes_schemas():
         assert obj["metadata"]["name"] == name, kind
 
 
-def test_kustomize_builds():
+def kustomize(directory: Path) -> list[dict]:
     if shutil.which("kubectl") is None:
         pytest.skip("kubectl not installed")
-    result = subprocess.run(["kubectl", "kustomize", str(K8S)], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(["kubectl", "kustomize", str(directory)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    built = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+def test_kustomize_builds():
+    built = kustomize(K8S)
     assert len(built) == len(k8s_objects())
     deployments = [d["spec"]["template"]["spec"] for d in built if d["kind"] == "Deployment"]
     images = {c["image"] for pod in deployments for c in pod["containers"]}
     assert images == {"batchasr:0.1.0"}
+
+
+# --- with the Prometheus Operator (deploy/k8s/monitoring) ---------------------------------------------------------
+
+MONITORING = K8S / "monitoring"
+
+
+def test_operator_rules_are_the_alerts_prometheus_loads():
+    """The PrometheusRule holds deploy/alerts.yml's group, rule for rule (the promtool tests above cover both)."""
+    rule = k8s_objects(MONITORING)[("PrometheusRule", "batchasr")]
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    assert rule["spec"]["groups"] == yaml.safe_load((DEPLOY / "alerts.yml").read_text())["groups"]
+
+
+def test_pod_monitor_scrapes_every_pod_the_annotations_name_and_nothing_else():
+    """What Prometheus's usual kubernetes-pods job scrapes by the pods' prometheus.io annotations, the PodMonitor
+    scrapes: for each Deployment whose pods say prometheus.io/scrape, an endpoint on the container port of that
+    number, at that path."""
+    monitor = k8s_objects(MONITORING)[("PodMonitor", "batchasr")]
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    scraped = set()
+    for (kind, name), obj in k8s_objects().items():
+        if kind != "Deployment":
+            continue
+        pod = obj["spec"]["template"]
+        annotations = pod["metadata"].get("annotations", {})
+        if annotations.get("prometheus.io/scrape") != "true":
+            continue
+        assert selector.items() <= pod["metadata"]["labels"].items(), name
+        ports = {port["containerPort"]: port["name"] for port in container(obj)["ports"]}
+        scraped.add((ports[int(annotations["prometheus.io/port"])], annotations["prometheus.io/path"]))
+    assert scraped == {("http", "/metrics"), ("metrics", "/metrics")}
+    assert {(e["port"], e["path"]) for e in monitor["spec"]["podMetricsEndpoints"]} == scraped
+
+
+def test_monitoring_kustomization_builds_and_lists_every_manifest():
+    listed = set(yaml.safe_load((MONITORING / "kustomization.yaml").read_text())["resources"])
+    assert listed == {p.name for p in MONITORING.glob("*.yaml")} - {"kustomization.yaml"}
+    built = kustomize(MONITORING)
+    assert {(doc["kind"], doc["metadata"]["name"]) for doc in built} == set(k8s_objects(MONITORING))
+    assert all(doc["metadata"]["labels"]["app.kubernetes.io/part-of"] == "batchasr" for doc in built)
 
 
 # --- load tests --------------------------------------------------------------------------------------------
