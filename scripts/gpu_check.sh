@@ -35,13 +35,9 @@
 # results.tar.gz (every file above), rewritten after each stage, so a command stopped from outside keeps what it
 # measured.
 #
-# Once here (the device tool sends the repository, not ../shared):
-#   mkdir -p .carry && cp -r ../shared/fixtures/nemo-parity .carry/       # 12 MiB
-#   python -m models.training.data --cache /tmp/speech --n-train 0           # held-out test speech
-#   mkdir -p .carry/speech && for f in /tmp/speech/test_sentences/*.wav; do
-#       sox "$f" ".carry/speech/$(basename "$f" .wav).flac"; done           # 14 MiB
-#   x=$(git rev-parse --git-path info/exclude); mkdir -p "$(dirname "$x")"; echo /.carry/ >> "$x"
-#   bash scripts/fetch_gpu_wheels.sh          # .whl/: what the image lacks (service and NeMo), 18 MiB
+# Once here (the device tool sends the repository, not ../shared), about a minute:
+#   bash scripts/prepare_gpu_carry.sh   # .carry/nemo-parity (12 MiB), .carry/speech (held-out test speech as
+#                                       # FLAC, 14 MiB), .whl/ (what the image lacks: service and NeMo, 18 MiB)
 # A call sends at most 64 MiB: the repository's files (19 MiB, the embedded model among them) and what it carries.
 # Then, in 15 minutes of device time:
 #   1. run(command="bash scripts/gpu_check.sh", carry=[".carry/nemo-parity", ".whl"], timeout_s=600): tests,
