@@ -1,5 +1,5 @@
 """Periodic chores inside a loop that steps often (a consumer's reclaim, lag reading, pruning): each asks its
-``Every`` whether it is due, rather than keeping and comparing a timestamp of its own."""
+``Periodic`` whether it is due, rather than keeping and comparing a timestamp of its own."""
 
 from __future__ import annotations
 
@@ -9,16 +9,16 @@ from dataclasses import dataclass
 
 
 @dataclass
-class Every:
-    """Due at first, then once ``seconds`` have passed since it last was (on the monotonic clock)."""
+class Periodic:
+    """When a chore was last done (on the monotonic clock): due at first, then once an interval has passed. The
+    interval is given at each look, so a loop whose settings are replaced goes by the new ones at once."""
 
-    seconds: float
     last: float = -math.inf
 
-    def due(self) -> bool:
-        """True, and the interval starts again now, when it is due; False otherwise."""
+    def due(self, interval_s: float) -> bool:
+        """True, and the interval starts again now, when ``interval_s`` has passed since the chore was last done."""
         now = time.monotonic()
-        if now - self.last < self.seconds:
+        if now - self.last < interval_s:
             return False
         self.last = now
         return True

@@ -33,7 +33,7 @@ from .audio import AudioLimits, AudioRequestError, decode_audio, decode_audio_fi
 from .audio_budget import AudioBudget, AudioClaim
 from .batcher import Priority, QueueFull
 from .formats import to_record
-from .intervals import Every
+from .intervals import Periodic
 from .job_keys import stream_owner, stream_priority
 from .job_types import ItemStart, JobInputError, JobPriority, item_record, resolve_input_path
 from .jobs import STREAM_IDLE_S, JobStore
@@ -115,12 +115,8 @@ class JobConsumer:
         self._held: dict[str, set[bytes]] = defaultdict(set)  # deliveries in hand, by stream
         self.audio = AudioBudget(options.max_audio_s, options.first_item_s, options.max_reading)
         self._reclaim_from: dict[str, bytes | str] = {}  # per stream, where the next look for stalled items goes on
-        self._reclaim = Every(options.reclaim_interval_s)
-        self._keep_claims = Every(options.visibility_timeout_s / 3)
-        self._forget = Every(FORGET_INTERVAL_S)
-        self._read_lag = Every(LAG_INTERVAL_S)  # not every step: two round trips over every stream
-        self._prune = Every(PRUNE_INTERVAL_S)
-        self._check_settings = Every(options.store_check_interval_s)
+        self._reclaim, self._keep_claims, self._check_settings = Periodic(), Periodic(), Periodic()
+        self._read_lag, self._prune, self._forget = Periodic(), Periodic(), Periodic()
         self._group_ready = False  # made once, and again after an error (a Redis that lost it)
         self._store_risks: dict[str, str] | None = {}  # those last read (JobStore.durability_risks; None: unknown)
         self.connected = False
@@ -167,9 +163,9 @@ class JobConsumer:
             self._group_ready = True
             self._check_settings.come_due()  # Redis may be another now (restarted, failed over): read it again
         self.connected = True
-        if self._check_settings.due():
+        if self._check_settings.due(self.options.store_check_interval_s):
             await self._check_store()
-        if self._keep_claims.due():
+        if self._keep_claims.due(self.options.visibility_timeout_s / 3):
             for stream, held in list(self._held.items()):
                 await self.store.keep_claimed(stream, self.options.name, list(held))
         # items finished leave _in_flight in their done callbacks, which may not have run yet: counted still, they
@@ -177,16 +173,16 @@ class JobConsumer:
         self._in_flight.difference_update([task for task in self._in_flight if task.done()])
         room = self.audio.room(self.options.prefetch - len(self._in_flight))
         messages: list[tuple[str, bytes, dict]] = []  # (stream, message id, fields)
-        if room > 0 and self._reclaim.due():
+        if room > 0 and self._reclaim.due(self.options.reclaim_interval_s):
             messages += await self._reclaim_stalled(room)
             if len(messages) == room:  # there may be more: look again as soon as there is room, not an interval on
                 self._reclaim.come_due()
             await self.store.trim_acknowledged()
-            if self._prune.due():
+            if self._prune.due(PRUNE_INTERVAL_S):
                 retired, deleted = await self.store.prune_idle_streams(self.options.stream_idle_s)
                 if retired or deleted:
                     log.info("API keys' streams idle: %d no longer read, %d deleted", retired, deleted)
-            if self._forget.due():
+            if self._forget.due(FORGET_INTERVAL_S):
                 await self.store.forget_gone_consumers(max(GONE_AFTER_S, 10 * self.options.visibility_timeout_s))
         room -= len(messages)
         if room > 0:
@@ -203,7 +199,7 @@ class JobConsumer:
             held = self._held[stream]
             held.add(message_id)
             task.add_done_callback(lambda _, held=held, message_id=message_id: held.discard(message_id))
-        if self._read_lag.due():
+        if self._read_lag.due(LAG_INTERVAL_S):  # not every step: two round trips over every stream
             self.metrics.observe_job_stream_lag(await self.store.stream_lag())
         return len(messages)
 

@@ -13,7 +13,7 @@ import asyncio
 import logging
 from typing import Protocol
 
-from .intervals import Every
+from .intervals import Periodic
 from .job_keys import GROUP, WEBHOOK_STREAM
 from .job_types import JobNotFound
 from .jobs import JobStore
@@ -47,7 +47,8 @@ class WebhookWorker:
         self.claim_idle_s = claim_idle_s
         self.stop_grace_s = stop_grace_s
         self._deliveries: dict[asyncio.Task, tuple[bytes, str]] = {}  # task -> (stream entry, job id)
-        self._reclaim = Every(reclaim_interval_s)
+        self.reclaim_interval_s = reclaim_interval_s
+        self._reclaim = Periodic()
         self._group_ready = False
         self._reclaim_from: bytes | str = "0-0"  # where the next look for stalled deliveries goes on
 
@@ -79,7 +80,7 @@ class WebhookWorker:
             await asyncio.wait(self._deliveries, timeout=block_ms / 1000, return_when=asyncio.FIRST_COMPLETED)
             return 0
         entries: list[tuple[bytes, dict]] = []
-        if self._reclaim.due():
+        if self._reclaim.due(self.reclaim_interval_s):
             entries += await self._reclaim_stalled(room)
         if len(entries) < room:
             reply = await self.store.redis.xreadgroup(GROUP, self.name, {WEBHOOK_STREAM: ">"},
