@@ -36,6 +36,9 @@ JOB_KEYS = (JOB_KEY, INPUTS_KEY, STATES_KEY, ATTEMPTS_KEY, ERRORS_KEY, RESULTS_K
 UPLOAD_KEY = PREFIX + ":upload:{job_id}:{index}"  # audio bytes, with the input TTL
 IDEMPOTENCY_KEY = PREFIX + ":idempotency:{key}"  # -> job id (the key prefixed with its owner, but for ANONYMOUS)
 OWNER_JOBS_KEY = PREFIX + ":owner:{owner}:jobs"  # sorted set: the owner's job ids, scored by creation time
+# hash: job id -> "items:ms", the owner's items counted against JOB_MAX_QUEUED_ITEMS while their job's transaction
+# is under way (the script RESERVE_ITEMS; the transaction deletes its job's field as it queues the items)
+RESERVED_KEY = PREFIX + ":owner:{owner}:reserved"
 # INCR before a WAIT: a write on the waiting connection that follows the writes to confirm (JobStore.wait_replicas)
 REPLICATION_MARK_KEY = f"{PREFIX}:replication-mark"
 # what submit makes ("job_" and 24 of token_urlsafe's characters); a client's id is checked against it before it

@@ -278,6 +278,33 @@ local function now_ms()
 end
 """
 
+# KEYS: the owner's reservations (RESERVED_KEY), then its item streams. ARGV: group, job id, items, the limit, how
+# long a reservation holds (ms). The owner's items queued or in progress (lag, where known, and pending over its
+# streams) and those reserved by jobs being queued, counted in one step with the job's own reservation: two
+# submissions at once cannot both pass the limit, and neither holds the other up (the items are queued in a
+# transaction of their own, which drops the reservation). A reservation older than the hold (its submitter died
+# between the two) is dropped. Returns {1 reserved | 0 refused, the items counted}.
+RESERVE_ITEMS = "#!lua\n" + _NOW_MS + _GROUP_COUNTS + """
+local now, counted = now_ms(), 0
+local held = redis.call('HGETALL', KEYS[1])
+for i = 1, #held, 2 do
+  local items, at = string.match(held[i + 1], '^(%d+):(%d+)$')
+  if now - tonumber(at) >= tonumber(ARGV[5]) then
+    redis.call('HDEL', KEYS[1], held[i])
+  else
+    counted = counted + tonumber(items)
+  end
+end
+for i = 2, #KEYS do
+  local lag, pending = group_counts(KEYS[i], ARGV[1])
+  counted = counted + math.max(lag, 0) + pending
+end
+if counted + tonumber(ARGV[3]) > tonumber(ARGV[4]) then return {0, counted} end
+redis.call('HSET', KEYS[1], ARGV[2], ARGV[3] .. ':' .. now)
+redis.call('PEXPIRE', KEYS[1], ARGV[5])
+return {1, counted}
+"""
+
 # KEYS: an item stream, the owners' streams listed (stream -> priority), when each was last given items, then the
 # streams every worker reads (the priorities' own, the webhooks'). ARGV: group, the stream's priority ('' for a
 # priority's own stream, the anonymous owner's, which is never listed). Run in the transaction that queues items on

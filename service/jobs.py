@@ -37,6 +37,7 @@ from .job_keys import (
     OWNER_JOBS_KEY,
     OWNER_STREAMS_KEY,
     REPLICATION_MARK_KEY,
+    RESERVED_KEY,
     RESULTS_KEY,
     RETIRED_STREAMS_KEY,
     STATES_KEY,
@@ -57,6 +58,7 @@ from .job_scripts import (
     OPEN_STREAM,
     PRUNE_STREAMS,
     RECORD_ERROR,
+    RESERVE_ITEMS,
     RETRY_FAILED,
     START_ITEM,
     TRIM_ACKNOWLEDGED,
@@ -87,6 +89,9 @@ RESULTS_PAGE = 1000  # items read (results) or cancelled per round trip
 LIST_PAGE = 100  # job ids read per round trip when listing
 POOL_WAIT_S = 30.0  # a command waits this long for a free connection before it counts as Redis unreachable
 REPLICA_WAIT_MS = 1000  # how long a write waits for the replicas wait_replicas asks for before it is refused
+# a job's items count against its owner's JOB_MAX_QUEUED_ITEMS from before its uploads are written (1 GiB of them
+# takes seconds) until its transaction queues them; a reservation whose submitter died meanwhile lapses then
+RESERVATION_HOLD_MS = 300_000
 STREAM_IDLE_S = 3600.0  # an owner's stream given no items this long, all of them acknowledged, is pruned
 STREAM_GRACE_S = 60.0  # and deleted this long after workers stopped reading it (their reads block for 1 s at most)
 MAX_JOB_ITEMS = 100_000  # items in one job by default (BATCHASR_MAX_JOB_ITEMS): more go as several jobs
@@ -130,6 +135,7 @@ class JobStore:
         self._retry_failed = client.register_script(RETRY_FAILED)
         self._group_counts = client.register_script(GROUP_COUNTS)
         self._trim_acknowledged = client.register_script(TRIM_ACKNOWLEDGED)
+        self._reserve_items = client.register_script(RESERVE_ITEMS)
         self._forget_consumers = client.register_script(FORGET_CONSUMERS)
         self._open_stream = client.register_script(OPEN_STREAM)
         self._prune_streams = client.register_script(PRUNE_STREAMS)
@@ -214,41 +220,38 @@ class JobStore:
             if (job := await self._job_named_by(self.redis, key)) is not None:
                 await self._confirm_replicated()  # it may be the retry of one refused as unconfirmed
                 return job, False  # a retried submission: nothing of it is written again
-        await self._check_room(options.owner, len(items))  # before a byte is written; again as it is queued
+        reserved = await self._reserve(job_id, options.owner, len(items))  # before a byte is written
         try:
             try:
                 await write_uploads(self.redis, {name: (item.upload, sizes[name]) for name, item in uploads.items()})
             except UploadRefused as exc:
                 error = UploadTooLarge if exc.too_large else JobInputError
                 raise error(f"{uploads[exc.key].audio}: {exc}") from exc
-            job, created = await self._create(job_id, items, options, key, list(uploads), stream)
+            job, created = await self._create(job_id, items, options, key, list(uploads), stream, reserved)
         except BaseException:
-            await self._discard(uploads)
+            await self._discard(job_id, uploads, reserved)
             raise
         if not created:  # another request with this key wrote its job while these uploads were written
-            await self._discard(uploads)
+            await self._discard(job_id, uploads, reserved)
         await self._confirm_replicated()
         return job, created
 
     async def _create(self, job_id: str, items: list[ItemInput], options: JobOptions, key: str | None,
-                      uploads: list[str], stream: str) -> tuple[Job, bool]:
+                      uploads: list[str], stream: str, reserved: str | None) -> tuple[Job, bool]:
         """The job's transaction (its ``uploads`` written already: it gives them the input TTL), queueing its items
-        on ``stream``; the job an idempotency ``key`` names if it has one by now."""
-        watched = [key] if key is not None else []
-        if self.max_queued_items is not None:  # another submission of the owner's queues items on one of these
-            watched += [item_stream(priority, options.owner) for priority in JobPriority]
+        on ``stream`` and dropping their ``reserved`` count; the job an idempotency ``key`` names if it has one by
+        now."""
         async with self.redis.pipeline(transaction=True) as pipe:
             while True:
                 try:
-                    if watched:
-                        await pipe.watch(*watched)
-                    if key is not None and (job := await self._job_named_by(pipe, key)) is not None:
-                        await pipe.reset()
-                        return job, False
-                    # counted after WATCH: items queued by a submission at the same time abort this transaction,
-                    # and the next try counts them (items taken or finished meanwhile only leave more room)
-                    await self._check_room(options.owner, len(items))
+                    if key is not None:
+                        await pipe.watch(key)
+                        if (job := await self._job_named_by(pipe, key)) is not None:
+                            await pipe.reset()
+                            return job, False
                     pipe.multi()
+                    if reserved is not None:  # queued now: counted on the streams from here on
+                        pipe.hdel(reserved, job_id)
                     if key is not None:  # set with the job, in one transaction (over a key whose job is gone)
                         pipe.set(key, job_id, ex=self.result_ttl_s)
                     await self._open_stream_in(pipe, stream)
@@ -257,17 +260,23 @@ class JobStore:
                         await self._expire_all(keys=uploads, args=[self.input_ttl_s], client=pipe)
                     await pipe.execute()
                     break
-                except aioredis.WatchError:  # another request with this key got there first (take its job), or the
-                    continue  # owner queued items meanwhile (count again)
+                except aioredis.WatchError:  # another request with this key got there first: take its job
+                    continue
         # as written, not read back: a purge (or a Redis that lost it) a moment later made the submission a 500
         return job_from_fields(job_id, {name: str(value) for name, value in fields.items()}), True
 
-    async def _check_room(self, owner: str, items: int) -> None:
-        """Raise ``TooManyQueued`` where ``items`` more would take ``owner`` past ``max_queued_items``."""
-        if self.max_queued_items is not None:
-            queued = await self.queued_items(owner)
-            if queued + items > self.max_queued_items:
-                raise TooManyQueued(queued, self.max_queued_items, items)
+    async def _reserve(self, job_id: str, owner: str, items: int) -> str | None:
+        """With ``max_queued_items``: count ``items`` against ``owner``'s limit until the job's transaction queues
+        them (RESERVE_ITEMS), or raise ``TooManyQueued``; returns the reservations' key (None: no limit)."""
+        if self.max_queued_items is None:
+            return None
+        reserved = RESERVED_KEY.format(owner=owner)
+        streams = [item_stream(priority, owner) for priority in JobPriority]
+        granted, counted = await self._reserve_items(
+            keys=[reserved, *streams], args=[GROUP, job_id, items, self.max_queued_items, RESERVATION_HOLD_MS])
+        if not granted:
+            raise TooManyQueued(int(counted), self.max_queued_items, items)
+        return reserved
 
     async def _confirm_replicated(self) -> None:
         """With ``wait_replicas``: return once that many replicas hold every write made so far, or raise
@@ -289,11 +298,14 @@ class JobStore:
         existing = await reader.get(key)
         return await self._get_or_none(existing.decode()) if existing is not None else None
 
-    async def _discard(self, uploads: Collection[str]) -> None:
-        """Uploads written for a job that was not: deleted now if Redis answers (else their staging TTL ends them)."""
-        if uploads:
-            with contextlib.suppress(*REDIS_ERRORS):
+    async def _discard(self, job_id: str, uploads: Collection[str], reserved: str | None) -> None:
+        """Uploads written, and items reserved, for a job that was not: deleted now if Redis answers (else their
+        staging TTL, and the reservation's hold, end them)."""
+        with contextlib.suppress(*REDIS_ERRORS):
+            if uploads:
                 await self.redis.delete(*uploads)
+            if reserved is not None:
+                await self.redis.hdel(reserved, job_id)
 
     def _queue_job(self, pipe: Any, job_id: str, items: list[ItemInput], options: JobOptions,
                    idempotency_key: str | None, stream: str) -> dict[str, Any]:

@@ -25,10 +25,18 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from models import load_model
-from service import job_routes
+from service import job_routes, jobs
 from service.config import Settings
 from service.http import owner_of
-from service.job_keys import GROUP, ITEM_STREAM, ITEM_STREAMS, OWNER_STREAMS_KEY, item_stream, stream_priority
+from service.job_keys import (
+    GROUP,
+    ITEM_STREAM,
+    ITEM_STREAMS,
+    OWNER_STREAMS_KEY,
+    RESERVED_KEY,
+    item_stream,
+    stream_priority,
+)
 from service.job_types import ANONYMOUS, ItemInput, JobOptions, JobPriority, TooManyQueued
 from service.jobs import JobStore, fair_shares
 from tests.servers import drained_jobs, run_server, upload_items
@@ -308,9 +316,10 @@ def test_the_limit_counts_a_keys_items_queued_and_in_hand_over_its_streams(redis
 
 
 def test_submissions_at_the_same_moment_do_not_pass_the_limit_together(redis_server, parity_audio):
-    """Each submission counts the key's items as it queues its own, under WATCH of the key's streams: ten at once,
-    each of two uploads, against a limit of 9 queue four jobs (eight items); the other six are refused, their
-    uploads deleted. Counted only before the uploads were written, all ten passed (each saw none queued)."""
+    """Each submission reserves its items against the key's limit, counted with those queued in one step (a Lua
+    script), before its uploads are written: ten at once, each of two uploads, against a limit of 9 queue four jobs
+    (eight items); the other six are refused with nothing written. Counted apart from the queueing, all ten passed
+    (each saw none queued)."""
     async def scenario() -> None:
         store = JobStore.from_url(redis_server.url, max_queued_items=9)
         outcomes = await asyncio.gather(
@@ -318,7 +327,27 @@ def test_submissions_at_the_same_moment_do_not_pass_the_limit_together(redis_ser
             return_exceptions=True)
         assert sorted(type(outcome).__name__ for outcome in outcomes) == ["TooManyQueued"] * 6 + ["tuple"] * 4
         assert await store.queued_items(ALICE) == 8
-        assert len(await store.redis.keys("batchasr:upload:*")) == 8  # the refused jobs' uploads: gone
+        assert len(await store.redis.keys("batchasr:upload:*")) == 8  # the refused jobs wrote none
+        assert not await store.redis.exists(RESERVED_KEY.format(owner=ALICE))  # each queued job dropped its own
+        await store.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_reservation_counts_until_its_job_is_queued_and_lapses_if_its_submitter_died(redis_server, monkeypatch):
+    async def scenario() -> None:
+        store = JobStore.from_url(redis_server.url, max_queued_items=5)
+        await store._reserve("job_of_a_submitter_that_died", ALICE, 4)  # between its reservation and its job
+        await store.submit(_urls(1), options=JobOptions(owner=ALICE))
+        with pytest.raises(TooManyQueued) as refused:
+            await store.submit(_urls(1), options=JobOptions(owner=ALICE))
+        assert refused.value.queued == 5  # one queued, four reserved
+        await store.submit(_urls(2), options=JobOptions(owner=BOB))  # another key's reservations are its own
+        monkeypatch.setattr(jobs, "RESERVATION_HOLD_MS", 200)
+        await asyncio.sleep(0.3)
+        await store.submit(_urls(4), options=JobOptions(owner=ALICE))  # the dead one's reservation lapsed
+        assert await store.queued_items(ALICE) == 5
+        assert not await store.redis.exists(RESERVED_KEY.format(owner=ALICE))
         await store.close()
 
     asyncio.run(scenario())
