@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -256,6 +257,13 @@ def test_stream_reads_times_each_count_of_keys(capsys):
     assert header.startswith("| keys | item streams | read_items(64)") and rule.startswith("|---|")
     assert [row.split(" | ")[:2] for row in rows] == [["| 0", "3"], ["| 2", "9"]]
     assert all(row.count(" ms") == 4 for row in rows)
+
+
+def test_quota_contention_queues_the_large_job_beside_the_small_ones(capsys):
+    script = load_script(REPO / "loadtest" / "quota_contention.py")
+    script.main(["--items", "3000", "--every-ms", "20", "--timeout-s", "30"])
+    (line,) = capsys.readouterr().out.splitlines()
+    assert re.fullmatch(r"a job of 3000 items queued in [0-9.]+ s; \d+ one-item jobs of the same key meanwhile", line)
 
 
 def test_key_fairness_times_the_light_key_both_ways(capsys):
