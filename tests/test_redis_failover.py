@@ -51,9 +51,10 @@ def refusing(request, tmp_path):
     primary.stop()
 
 
-def test_a_redis_refusing_writes_refuses_a_submission_as_an_outage(refusing, parity_audio):
+@pytest.mark.parametrize("limit", [None, 100])  # with a queued-items limit, the reservation is refused first
+def test_a_redis_refusing_writes_refuses_a_submission_as_an_outage(refusing, parity_audio, limit):
     async def scenario() -> None:
-        store = JobStore.from_url(refusing.server.url)
+        store = JobStore.from_url(refusing.server.url, max_queued_items=limit)
         try:
             for items in ([ItemInput(audio="a.wav", upload=Path(parity_audio[0]).read_bytes())],
                           [ItemInput(audio="big.wav", upload=bytes(6 << 20))],  # written in pieces
