@@ -201,14 +201,18 @@ local function xinfo(...)
 end
 """
 
-# A group on a stream as XINFO GROUPS describes it, or nil: no such stream, or no such group.
+# A group on a stream as XINFO GROUPS describes it, or nil: no such group (existing_group: on a stream known to
+# exist, since XINFO errs on one that does not), or no such stream either (group_fields).
 _GROUP_FIELDS = _XINFO + """
-local function group_fields(stream, group)
-  if redis.call('EXISTS', stream) == 0 then return nil end
+local function existing_group(stream, group)
   for _, fields in ipairs(xinfo('GROUPS', stream)) do
     if fields['name'] == group then return fields end
   end
   return nil
+end
+local function group_fields(stream, group)
+  if redis.call('EXISTS', stream) == 0 then return nil end
+  return existing_group(stream, group)
 end
 """
 
@@ -218,7 +222,7 @@ end
 _GROUP_COUNTS = _GROUP_FIELDS + """
 local function group_counts(stream, group)
   if redis.call('EXISTS', stream) == 0 then return -2, 0 end
-  local fields = group_fields(stream, group)
+  local fields = existing_group(stream, group)
   if not fields then return -1, 0 end
   return fields['lag'] or -1, fields['pending']
 end
