@@ -30,6 +30,18 @@ class RefusingWrites:
     take_writes: Callable[[], object]  # what makes it take them again
 
 
+@pytest.fixture
+def replica(tmp_path):
+    """A private redis-server replicating another (promoted with ``REPLICAOF NO ONE``)."""
+    (tmp_path / "primary").mkdir()
+    (tmp_path / "replica").mkdir()
+    primary = RedisServer(tmp_path / "primary").start()
+    server = start_replica(tmp_path / "replica", primary)
+    yield server
+    server.stop()
+    primary.stop()
+
+
 @pytest.fixture(params=["replica", "no_replicas"])
 def refusing(request, tmp_path):
     """A Redis that refuses writes: a replica of a primary (both private redis-servers; promoted with ``REPLICAOF NO
@@ -42,13 +54,8 @@ def refusing(request, tmp_path):
                              lambda: server.client().config_set("min-replicas-to-write", 0))
         server.stop()
         return
-    (tmp_path / "primary").mkdir()
-    (tmp_path / "replica").mkdir()
-    primary = RedisServer(tmp_path / "primary").start()
-    server = start_replica(tmp_path / "replica", primary)
+    server = request.getfixturevalue("replica")
     yield RefusingWrites(server, "read-only", lambda: server.client().replicaof("no", "one"))
-    server.stop()
-    primary.stop()
 
 
 @pytest.mark.parametrize("limit", [None, 100])  # with a queued-items limit, the reservation is refused first
@@ -161,15 +168,10 @@ def test_after_a_failover_behind_one_address_the_store_reaches_the_new_primary(t
         new.stop()
 
 
-def test_a_pipeline_sent_to_a_replica_hears_each_refusal_as_read_only(tmp_path):
+def test_a_pipeline_sent_to_a_replica_hears_each_refusal_as_read_only(replica):
     """A connection that meets READONLY closes before its next command, not at once: a pipeline still reads its other
     commands' replies. Closed at once, the next reply read failed as "connection closed", and a job refused by a
     replica was answered as Redis unreachable. Values of 1 MiB, so that Redis answers the first before the rest come."""
-    (tmp_path / "primary").mkdir()
-    (tmp_path / "replica").mkdir()
-    primary = RedisServer(tmp_path / "primary").start()
-    replica = start_replica(tmp_path / "replica", primary)
-
     async def scenario() -> list[list[str]]:
         store = JobStore.from_url(replica.url)
         try:
@@ -182,9 +184,4 @@ def test_a_pipeline_sent_to_a_replica_hears_each_refusal_as_read_only(tmp_path):
         finally:
             await store.close()
 
-    try:
-        outcomes = asyncio.run(scenario())
-    finally:
-        replica.stop()
-        primary.stop()
-    assert outcomes == [["ReadOnlyError", "NoneType", "ReadOnlyError"]] * 5
+    assert asyncio.run(scenario()) == [["ReadOnlyError", "NoneType", "ReadOnlyError"]] * 5
