@@ -5,7 +5,8 @@ from __future__ import annotations
 import shutil
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import redis
@@ -108,6 +109,22 @@ def start_replica(directory: Path, primary: RedisServer) -> RedisServer:
         assert time.monotonic() < deadline, "the replica did not sync"
         time.sleep(0.05)
     return replica
+
+
+@contextmanager
+def primary_and_replica(directory: Path, password: str | None = None) -> Iterator[tuple[RedisServer, RedisServer]]:
+    """A private primary and its replica, in sync, in folders of ``directory``; both stopped after."""
+    (directory / "primary").mkdir()
+    (directory / "replica").mkdir()
+    primary = RedisServer(directory / "primary", password=password).start()
+    try:
+        replica = start_replica(directory / "replica", primary)
+        try:
+            yield primary, replica
+        finally:
+            replica.stop()
+    finally:
+        primary.stop()
 
 
 def _launch(args: list[str], answers: Callable[[], object], what: str) -> subprocess.Popen:

@@ -19,7 +19,7 @@ from service.config import Settings
 from service.job_types import ItemInput
 from service.jobs import JobStore
 from service.redis_outages import REDIS_ERRORS
-from tests.redis_server import RedisServer, start_replica
+from tests.redis_server import RedisServer, primary_and_replica
 from tests.servers import run_server, wait_job
 
 
@@ -33,13 +33,8 @@ class RefusingWrites:
 @pytest.fixture
 def replica(tmp_path):
     """A private redis-server replicating another (promoted with ``REPLICAOF NO ONE``)."""
-    (tmp_path / "primary").mkdir()
-    (tmp_path / "replica").mkdir()
-    primary = RedisServer(tmp_path / "primary").start()
-    server = start_replica(tmp_path / "replica", primary)
-    yield server
-    server.stop()
-    primary.stop()
+    with primary_and_replica(tmp_path) as (_, server):
+        yield server
 
 
 @pytest.fixture(params=["replica", "no_replicas"])

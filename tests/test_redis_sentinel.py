@@ -22,7 +22,7 @@ from service.jobs import JobStore
 from service.logs import redacted_url
 from service.redis_outages import REDIS_ERRORS
 from service.redis_pools import PRIMARY_CHECK_S, SentinelURL, parse_sentinel_url
-from tests.redis_server import RedisSentinel, RedisServer, start_replica
+from tests.redis_server import RedisSentinel, primary_and_replica
 from tests.servers import free_port, run_server, wait_job
 
 URL_ITEM = ItemInput(audio="a.wav", url="https://media.example/a.wav")
@@ -31,15 +31,11 @@ URL_ITEM = ItemInput(audio="a.wav", url="https://media.example/a.wav")
 @pytest.fixture
 def sentinel(tmp_path):
     """A primary and its replica, both with a password, watched by one sentinel that has its own."""
-    for name in ("primary", "replica", "sentinel"):
-        (tmp_path / name).mkdir()
-    primary = RedisServer(tmp_path / "primary", password="server-secret").start()
-    replica = start_replica(tmp_path / "replica", primary)
-    watcher = RedisSentinel(tmp_path / "sentinel", primary, (replica,), password="sentinel-secret").start()
-    yield watcher
-    watcher.stop()
-    replica.stop()
-    primary.stop()
+    (tmp_path / "sentinel").mkdir()
+    with primary_and_replica(tmp_path, password="server-secret") as (primary, replica):
+        watcher = RedisSentinel(tmp_path / "sentinel", primary, (replica,), password="sentinel-secret").start()
+        yield watcher
+        watcher.stop()
 
 
 @pytest.mark.parametrize("url, expected", [

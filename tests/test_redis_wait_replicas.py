@@ -26,7 +26,7 @@ from service.jobs import JobStore
 from service.jobs_cli import run_action, run_submit
 from service.redis_outages import REDIS_ERRORS, NotReplicatedError, outage
 from service.redis_pools import check_url, split_wait_replicas
-from tests.redis_server import RedisServer, start_replica
+from tests.redis_server import RedisServer, primary_and_replica
 from tests.servers import run_server, wait_job
 
 URL_ITEM = ItemInput(audio="a.wav", url="https://media.example/a.wav")
@@ -48,13 +48,8 @@ class Replicated:
 @pytest.fixture
 def replicated(tmp_path):
     """A primary and its replica, in sync."""
-    (tmp_path / "primary").mkdir()
-    (tmp_path / "replica").mkdir()
-    primary = RedisServer(tmp_path / "primary").start()
-    replica = start_replica(tmp_path / "replica", primary)
-    yield Replicated(primary, replica)
-    replica.stop()
-    primary.stop()
+    with primary_and_replica(tmp_path) as (primary, replica):
+        yield Replicated(primary, replica)
 
 
 @contextmanager
