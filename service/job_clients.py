@@ -153,8 +153,7 @@ class RedisClient:
                 await self.store.delete(job_id)
                 return deleted_job(job_id)
             if action == "retry":
-                job, retried, unretried = await self.store.retry_failed(job_id)
-                return job.retried_dict(retried, unretried)
+                return (await self.store.retry_failed(job_id)).to_dict()
             job, _ = await self.store.cancel(job_id)  # straight in Redis: no process to count it in
             return job.to_dict()
         except JobNotFound as exc:

@@ -271,8 +271,7 @@ async def _submit(store: JobStore, settings: Settings, items: list[ItemInput], o
     except TooManyQueued as exc:
         if exc.never_fits:
             raise ApiError(413, str(exc), param="items", code="too_many_items") from exc
-        raise ApiError(429, str(exc), type="rate_limit_error", code="too_many_queued_items",
-                       headers={"Retry-After": str(QUEUED_RETRY_AFTER_S)}) from exc
+        raise _at_queued_limit(exc) from exc
     except JobInputError as exc:
         raise ApiError(400, str(exc), param="items", code="invalid_input") from exc
     except REDIS_ERRORS as exc:
@@ -379,18 +378,21 @@ async def cancel_job(job_id: str, request: Request, service: ServiceDep, purge: 
     return job.to_dict()
 
 
-@router.post("/{job_id}/retry", responses=error_responses(404, 503))
+@router.post("/{job_id}/retry", responses=error_responses(404, 429, 503))
 async def retry_job(job_id: str, request: Request, service: ServiceDep) -> dict[str, Any]:
     """Queue the job's failed items again, each from a first attempt: those of a path or a URL (an uploaded item's
-    audio is not kept past its failure: submit it again). The job is in progress until they finish, and its webhook
-    is sent again then. Answers the job, with `retried_items` (queued again) and `unretried_items` (failed uploads,
-    left as they were)."""
+    audio is not kept past its failure: submit it again), as many as the key's queued-items limit has room for
+    (none: 429). The job is in progress until they finish, and its webhook is sent again then. Answers the job,
+    with `retried_items` (queued again), `unretried_items` (failed uploads, left as they were) and `deferred_items`
+    (left failed for want of room under the limit: retry again once some have finished)."""
     store = _store(service)
     try:
-        job, retried, unretried = await _from_store(job_id, store.retry_failed(job_id, request_owner(request)))
+        retried = await _from_store(job_id, store.retry_failed(job_id, request_owner(request)))
+    except TooManyQueued as exc:
+        raise _at_queued_limit(exc) from exc
     except REDIS_FULL as exc:
         raise _store_full("failed items not queued again by then are left as they were") from exc
-    return job.retried_dict(retried, unretried)
+    return retried.to_dict()
 
 
 async def _from_store(job_id: str, work: Awaitable[T]) -> T:
@@ -401,6 +403,11 @@ async def _from_store(job_id: str, work: Awaitable[T]) -> T:
         raise ApiError(404, f"no job `{job_id}` (it may have expired)", param="job_id", code="job_not_found") from exc
     except REDIS_ERRORS as exc:
         raise _redis_down(exc) from exc
+
+
+def _at_queued_limit(exc: TooManyQueued) -> ApiError:
+    return ApiError(429, str(exc), type="rate_limit_error", code="too_many_queued_items",
+                    headers={"Retry-After": str(QUEUED_RETRY_AFTER_S)})
 
 
 def _store_full(what_happened: str) -> ApiError:

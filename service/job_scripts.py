@@ -114,44 +114,6 @@ redis.call('HINCRBY', KEYS[1], 'n_cancelled', n)
 return end_job_if_done(KEYS[1], KEYS[5], ARGV[1], ARGV[2])
 """
 
-# KEYS: job, states, results, errors, attempts, inputs (all of the job's records: given the TTL a new job's have),
-# the job's item stream. ARGV: job id, that TTL in ms, then item indices.
-# Queues those that failed again, from a first attempt, but for uploads (their audio went with their result): the
-# job is in progress until they finish, and its webhook, if it has one, is owed again. New work, which a full Redis
-# refuses as it does a submission: its flags declared (none, so not allow-oom), Redis 7 checks memory before the
-# script runs, not at a write part way through. Returns {items queued again, failed items left as they were}.
-RETRY_FAILED = """#!lua
-if redis.call('EXISTS', KEYS[1]) == 0 then return {0, 0} end
-local queued, kept = 0, 0
-for i = 3, #ARGV do
-  local index = ARGV[i]
-  if redis.call('HGET', KEYS[2], index) == 'failed' then
-    local input = redis.call('HGET', KEYS[6], index)
-    if input and not cjson.decode(input)['upload'] then
-      redis.call('HSET', KEYS[2], index, 'queued')
-      redis.call('HDEL', KEYS[3], index)
-      redis.call('HDEL', KEYS[4], index)
-      redis.call('HDEL', KEYS[5], index)
-      redis.call('XADD', KEYS[7], '*', 'job', ARGV[1], 'index', index)
-      queued = queued + 1
-    else
-      kept = kept + 1
-    end
-  end
-end
-if queued == 0 then return {0, kept} end
-redis.call('HINCRBY', KEYS[1], 'n_failed', -queued)
-redis.call('HINCRBY', KEYS[1], 'n_queued', queued)
-redis.call('HSET', KEYS[1], 'status', 'in_progress')
-redis.call('HDEL', KEYS[1], 'finished_at')
-local hook = redis.call('HGET', KEYS[1], 'webhook_url')
-if hook and hook ~= '' then
-  redis.call('HSET', KEYS[1], 'webhook_status', 'pending', 'webhook_attempts', 0, 'webhook_error', '')
-end
-for i = 1, 6 do redis.call('PEXPIRE', KEYS[i], ARGV[2]) end
-return {queued, kept}
-"""
-
 # KEYS: a hash. ARGV: field, value, ... Written only while the hash exists: a late write to an expired job would
 # leave a hash behind with no TTL.
 HSET_IF_EXISTS = """
@@ -282,31 +244,88 @@ local function now_ms()
 end
 """
 
-# KEYS: the owner's reservations (RESERVED_KEY), then its item streams. ARGV: group, job id, items, the limit, how
-# long a reservation holds (ms). The owner's items queued or in progress (lag, where known, and pending over its
-# streams) and those reserved by jobs being queued, counted in one step with the job's own reservation: two
-# submissions at once cannot both pass the limit, and neither holds the other up (the items are queued in a
-# transaction of their own, which drops the reservation). A reservation older than the hold (its submitter died
-# between the two) is dropped. Returns {1 reserved | 0 refused, the items counted}.
-RESERVE_ITEMS = "#!lua\n" + _NOW_MS + _GROUP_COUNTS + """
-local now, counted = now_ms(), 0
-local held = redis.call('HGETALL', KEYS[1])
-for i = 1, #held, 2 do
-  local items, at = string.match(held[i + 1], '^(%d+):(%d+)$')
-  if now - tonumber(at) >= tonumber(ARGV[5]) then
-    redis.call('HDEL', KEYS[1], held[i])
-  else
-    counted = counted + tonumber(items)
+# An owner's items queued or in progress (lag, where known, and pending over its streams) and those reserved by
+# jobs being queued, in one count: its reservations' hash (RESERVED_KEY), its item streams (a table), the workers'
+# group, how long a reservation holds (ms). A reservation older than the hold (its submitter died between it and
+# its job's transaction) is dropped.
+_OWNER_ITEMS = _NOW_MS + _GROUP_COUNTS + """
+local function owner_items(reserved, streams, group, hold_ms)
+  local now, counted = now_ms(), 0
+  local held = redis.call('HGETALL', reserved)
+  for i = 1, #held, 2 do
+    local items, at = string.match(held[i + 1], '^(%d+):(%d+)$')
+    if now - tonumber(at) >= tonumber(hold_ms) then
+      redis.call('HDEL', reserved, held[i])
+    else
+      counted = counted + tonumber(items)
+    end
   end
+  for _, stream in ipairs(streams) do
+    local lag, pending = group_counts(stream, group)
+    counted = counted + math.max(lag, 0) + pending
+  end
+  return counted
 end
-for i = 2, #KEYS do
-  local lag, pending = group_counts(KEYS[i], ARGV[1])
-  counted = counted + math.max(lag, 0) + pending
-end
+"""
+
+# KEYS: the owner's reservations (RESERVED_KEY), then its item streams. ARGV: group, job id, items, the limit, how
+# long a reservation holds (ms). The owner's items (above) counted in one step with the job's own reservation: two
+# submissions at once cannot both pass the limit, and neither holds the other up (the items are queued in a
+# transaction of their own, which drops the reservation). Returns {1 reserved | 0 refused, the items counted}.
+RESERVE_ITEMS = "#!lua\n" + _OWNER_ITEMS + """
+local counted = owner_items(KEYS[1], {unpack(KEYS, 2)}, ARGV[1], ARGV[5])
 if counted + tonumber(ARGV[3]) > tonumber(ARGV[4]) then return {0, counted} end
-redis.call('HSET', KEYS[1], ARGV[2], ARGV[3] .. ':' .. now)
+redis.call('HSET', KEYS[1], ARGV[2], ARGV[3] .. ':' .. now_ms())
 redis.call('PEXPIRE', KEYS[1], ARGV[5])
 return {1, counted}
+"""
+
+# KEYS: job, states, results, errors, attempts, inputs (all of the job's records: given the TTL a new job's have),
+# the job's item stream, then, with a queued-items limit, the owner's reservations and item streams. ARGV: job id,
+# that TTL in ms, the limit ('': none), the workers' group, how long a reservation holds (ms), then item indices.
+# Queues those that failed again, from a first attempt, but for uploads (their audio went with their result), and
+# only as many as the owner's limit has room for (counted as a submission's reservation is, in the same step): the
+# others stay failed, for a later retry. The job is in progress until those queued finish, and its webhook, if it
+# has one, is owed again. New work, which a full Redis refuses as it does a submission: its flags declared (none,
+# so not allow-oom), Redis 7 checks memory before the script runs, not at a write part way through. Returns {items
+# queued again, failed uploads left as they were, items the limit left failed, the owner's items counted}.
+RETRY_FAILED = "#!lua\n" + _OWNER_ITEMS + """
+if redis.call('EXISTS', KEYS[1]) == 0 then return {0, 0, 0, 0} end
+local counted, room = 0, math.huge
+if ARGV[3] ~= '' then
+  counted = owner_items(KEYS[8], {unpack(KEYS, 9)}, ARGV[4], ARGV[5])
+  room = tonumber(ARGV[3]) - counted
+end
+local queued, kept, deferred = 0, 0, 0
+for i = 6, #ARGV do
+  local index = ARGV[i]
+  if redis.call('HGET', KEYS[2], index) == 'failed' then
+    local input = redis.call('HGET', KEYS[6], index)
+    if not input or cjson.decode(input)['upload'] then
+      kept = kept + 1
+    elseif queued >= room then
+      deferred = deferred + 1
+    else
+      redis.call('HSET', KEYS[2], index, 'queued')
+      redis.call('HDEL', KEYS[3], index)
+      redis.call('HDEL', KEYS[4], index)
+      redis.call('HDEL', KEYS[5], index)
+      redis.call('XADD', KEYS[7], '*', 'job', ARGV[1], 'index', index)
+      queued = queued + 1
+    end
+  end
+end
+if queued == 0 then return {0, kept, deferred, counted} end
+redis.call('HINCRBY', KEYS[1], 'n_failed', -queued)
+redis.call('HINCRBY', KEYS[1], 'n_queued', queued)
+redis.call('HSET', KEYS[1], 'status', 'in_progress')
+redis.call('HDEL', KEYS[1], 'finished_at')
+local hook = redis.call('HGET', KEYS[1], 'webhook_url')
+if hook and hook ~= '' then
+  redis.call('HSET', KEYS[1], 'webhook_status', 'pending', 'webhook_attempts', 0, 'webhook_error', '')
+end
+for i = 1, 6 do redis.call('PEXPIRE', KEYS[i], ARGV[2]) end
+return {queued, kept, deferred, counted}
 """
 
 # KEYS: an item stream, the owners' streams listed (stream -> priority), when each was last given items, then the

@@ -58,18 +58,33 @@ class TooManyQueued(Exception):
 
     def __init__(self, queued: int, limit: int, items: int):
         self.queued, self.limit, self.items = queued, limit, items
-        if self.never_fits:
-            reason = (f"a job of {items} items is more than the {limit} a key may have queued at once "
-                      "(BATCHASR_JOB_MAX_QUEUED_ITEMS): submit it as smaller jobs")
-        else:
-            reason = (f"{queued} of this key's items are queued or in progress, and {items} more would pass the "
-                      f"{limit} a key may have at once (BATCHASR_JOB_MAX_QUEUED_ITEMS): submit it once some have "
-                      "finished")
-        super().__init__(reason)
+        super().__init__(self._reason())
 
     @property
     def never_fits(self) -> bool:
         return self.items > self.limit
+
+    def _reason(self) -> str:
+        if self.never_fits:
+            return (f"a job of {self.items} items is more than the {self.limit} a key may have queued at once "
+                    "(BATCHASR_JOB_MAX_QUEUED_ITEMS): submit it as smaller jobs")
+        return (f"{self.queued} of this key's items are queued or in progress, and {self.items} more would pass the "
+                f"{self.limit} a key may have at once (BATCHASR_JOB_MAX_QUEUED_ITEMS): submit it once some have "
+                "finished")
+
+
+class NoRoomToRetry(TooManyQueued):
+    """A retry that queued none of the job's ``items`` failed items: its owner has as many queued or in progress
+    as it may (HTTP: 429). Never 413: a retry queues as many as there is room for, and the rest at the next."""
+
+    @property
+    def never_fits(self) -> bool:
+        return False
+
+    def _reason(self) -> str:
+        return (f"{self.queued} of this key's items are queued or in progress, and a key may have {self.limit} at "
+                f"once (BATCHASR_JOB_MAX_QUEUED_ITEMS): none of the job's {self.items} failed items were queued "
+                "again; retry once some have finished")
 
 
 @dataclass(frozen=True)
@@ -163,16 +178,26 @@ class Job:
                 "compute_s": round(self.compute_s, 3), "rtfx": round(self.rtfx, 2), "avg_logprob": self.avg_logprob,
                 **self._webhook_dict()}
 
-    def retried_dict(self, retried: int, unretried: int) -> dict[str, Any]:
-        """What retrying the job's failed items answers (the HTTP route and `batchasr jobs --retry` alike): the job,
-        with how many were queued again and how many (failed uploads) were left."""
-        return {**self.to_dict(), "retried_items": retried, "unretried_items": unretried}
-
     def _webhook_dict(self) -> dict[str, Any]:
         if not self.webhook_url:
             return {}
         return {"webhook": {"url": self.webhook_url, "status": self.webhook_status or "pending",
                             "attempts": self.webhook_attempts, "error": self.webhook_error}}
+
+
+@dataclass(frozen=True)
+class Retried:
+    """What retrying a job's failed items did (``JobStore.retry_failed``)."""
+
+    job: Job  # as it is after
+    retried: int  # queued again
+    unretried: int  # failed uploads, left as they were: their audio went with their failure
+    deferred: int = 0  # left failed for now: the owner's queued-items limit had no room for them
+
+    def to_dict(self) -> dict[str, Any]:
+        """The answer of the HTTP route and `batchasr jobs --retry` alike."""
+        return {**self.job.to_dict(), "retried_items": self.retried, "unretried_items": self.unretried,
+                "deferred_items": self.deferred}
 
 
 def resolve_input_path(path: str, roots: list[str]) -> Path:

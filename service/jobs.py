@@ -73,6 +73,8 @@ from .job_types import (
     JobOptions,
     JobPriority,
     JobStatus,
+    NoRoomToRetry,
+    Retried,
     TooManyQueued,
     UploadTooLarge,
     item_record,
@@ -270,13 +272,17 @@ class JobStore:
         them (RESERVE_ITEMS), or raise ``TooManyQueued``; returns the reservations' key (None: no limit)."""
         if self.max_queued_items is None:
             return None
-        reserved = RESERVED_KEY.format(owner=owner)
-        streams = [item_stream(priority, owner) for priority in JobPriority]
+        keys = self._owner_items_keys(owner)
         granted, counted = await self._reserve_items(
-            keys=[reserved, *streams], args=[GROUP, job_id, items, self.max_queued_items, RESERVATION_HOLD_MS])
+            keys=keys, args=[GROUP, job_id, items, self.max_queued_items, RESERVATION_HOLD_MS])
         if not granted:
             raise TooManyQueued(int(counted), self.max_queued_items, items)
-        return reserved
+        return keys[0]
+
+    @staticmethod
+    def _owner_items_keys(owner: str) -> list[str]:
+        """What an owner's items are counted over against the limit: its reservations, then its item streams."""
+        return [RESERVED_KEY.format(owner=owner), *(item_stream(priority, owner) for priority in JobPriority)]
 
     async def _confirm_replicated(self) -> None:
         """With ``wait_replicas``: return once that many replicas hold every write made so far, or raise
@@ -600,26 +606,34 @@ class JobStore:
         await self._confirm_replicated()
         return await self.get(job_id), ended
 
-    async def retry_failed(self, job_id: str, owner: str | None = None) -> tuple[Job, int, int]:
+    async def retry_failed(self, job_id: str, owner: str | None = None) -> Retried:
         """Queue the job's failed items again, each from a first attempt, on its owner's stream: those of a path
-        or a URL (an upload's audio went with its failure). The job is in progress until they finish, and then ends
-        (and is counted, and its webhook sent) again; its records keep a new job's TTL meanwhile. Returns the job
-        after, the items queued again and the failed items left as they were (``JobNotFound`` as ``get``)."""
+        or a URL (an upload's audio went with its failure), as many as the owner's ``max_queued_items`` has room
+        for (the rest stay failed, for a later retry; none: ``NoRoomToRetry``). The job is in progress until they
+        finish, and then ends (and is counted, and its webhook sent) again; its records keep a new job's TTL
+        meanwhile (``JobNotFound`` as ``get``)."""
         job = await self.get(job_id, owner)
         stream = item_stream(job.priority, job.owner)  # the job may be older than owners' streams: its owner's now
         keys = [*(t.format(job_id=job_id) for t in (JOB_KEY, STATES_KEY, RESULTS_KEY, ERRORS_KEY, ATTEMPTS_KEY,
                                                     INPUTS_KEY)), stream]
+        limit: int | str = ""
+        if self.max_queued_items is not None:  # counted in each page's step, as a submission's reservation is
+            keys += self._owner_items_keys(job.owner)
+            limit = self.max_queued_items
         kept_ms = (self.input_ttl_s + self.result_ttl_s) * 1000
-        queued = left = 0
+        queued = left = deferred = counted = 0
         for first in range(0, job.total_items, RESULTS_PAGE):
             indices = range(first, min(first + RESULTS_PAGE, job.total_items))
             async with self.redis.pipeline(transaction=True) as pipe:
                 await self._open_stream_in(pipe, stream)
-                await self._retry_failed(keys=keys, args=[job_id, kept_ms, *indices], client=pipe)
-                _, (n_queued, n_left) = await pipe.execute()
-            queued, left = queued + int(n_queued), left + int(n_left)
+                await self._retry_failed(keys=keys, args=[job_id, kept_ms, limit, GROUP, RESERVATION_HOLD_MS,
+                                                          *indices], client=pipe)
+                _, (n_queued, n_left, n_deferred, counted) = await pipe.execute()
+            queued, left, deferred = queued + int(n_queued), left + int(n_left), deferred + int(n_deferred)
+        if deferred and not queued:  # nothing written: refused, as a submission past the limit is
+            raise NoRoomToRetry(int(counted), int(limit), deferred)
         await self._confirm_replicated()
-        return await self.get(job_id), queued, left
+        return Retried(await self.get(job_id), queued, left, deferred)
 
     async def delete(self, job_id: str, owner: str | None = None) -> None:
         """Everything of the job, at once: its records and results, its uploaded audio, its place in its owner's

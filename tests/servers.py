@@ -102,11 +102,11 @@ def metric(url: str, name: str, labels: str = "") -> float:
     return 0.0
 
 
-def wait_job(url: str, job_id: str, timeout_s: float = 120) -> dict:
+def wait_job(url: str, job_id: str, timeout_s: float = 120, headers: dict[str, str] | None = None) -> dict:
     """The job, once it has finished (its status no longer queued or in progress)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        job = httpx.get(f"{url}/v1/jobs/{job_id}").json()
+        job = httpx.get(f"{url}/v1/jobs/{job_id}", headers=headers).json()
         if job["status"] not in ("queued", "in_progress"):
             return job
         time.sleep(0.2)

@@ -9,6 +9,7 @@ workers take the first jobs."""
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import re
 import socket
@@ -25,7 +26,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from models import load_model
-from service import job_routes, jobs
+from service import job_routes, jobs, url_inputs
 from service.config import Settings
 from service.http import owner_of
 from service.job_keys import (
@@ -37,9 +38,10 @@ from service.job_keys import (
     item_stream,
     stream_priority,
 )
-from service.job_types import ANONYMOUS, ItemInput, JobOptions, JobPriority, TooManyQueued
+from service.job_types import ANONYMOUS, ItemInput, JobOptions, JobPriority, NoRoomToRetry, TooManyQueued
 from service.jobs import JobStore, fair_shares
-from tests.servers import drained_jobs, run_server, upload_items
+from service.jobs_cli import run_action
+from tests.servers import drained_jobs, run_server, upload_items, wait_job
 
 ALICE, BOB = owner_of("alice-key"), owner_of("bob-key")
 
@@ -175,7 +177,7 @@ def test_an_owners_stream_is_trimmed_and_retried_onto(redis_server):
             await store.ack_item(stream, message_id)
         await store.trim_acknowledged()
         assert await store.redis.xlen(stream) == 1  # from the last one delivered
-        _, queued, _ = await store.retry_failed(job.id, ALICE)
+        queued = (await store.retry_failed(job.id, ALICE)).retried
         assert queued == 1 and await store.redis.xlen(stream) == 2
         (again,) = await store.read_items("c", 5, block_ms=0)
         assert again[0] == stream and again[2][b"index"] == b"2"
@@ -353,6 +355,53 @@ def test_a_reservation_counts_until_its_job_is_queued_and_lapses_if_its_submitte
     asyncio.run(scenario())
 
 
+async def _finish_next(store: JobStore, n: int, state: str) -> None:
+    """The next ``n`` items taken, finished in ``state`` and acknowledged, as a worker leaves them."""
+    for stream, message_id, fields in await store.read_items("c", n, block_ms=0):
+        job_id, index = fields[b"job"].decode(), int(fields[b"index"])
+        await store.start_item(job_id, index)
+        await store.finish_item(job_id, index, state, {"status": state}, error="unreachable" * (state == "failed"))
+        await store.ack_item(stream, message_id)
+
+
+def test_a_retry_queues_as_many_failed_items_as_the_limit_has_room_for(redis_server, monkeypatch):
+    """Retried items count against the key's limit as a submission's do, in the step that queues them: a page at a
+    time (two items here), each page counting those the one before queued. Those left failed go at a later retry."""
+    monkeypatch.setattr(jobs, "RESULTS_PAGE", 2)
+
+    async def scenario() -> None:
+        store = JobStore.from_url(redis_server.url, max_queued_items=5)
+        failed, _ = await store.submit(_urls(5), options=JobOptions(owner=ALICE))
+        await _finish_next(store, 5, "failed")
+        await store.submit(_urls(2), options=JobOptions(owner=ALICE))
+        stream = item_stream(JobPriority.NORMAL, ALICE)
+        entries = await store.redis.xlen(stream)
+
+        retry = await store.retry_failed(failed.id, ALICE)
+        assert (retry.retried, retry.unretried, retry.deferred) == (3, 0, 2)  # 2 queued already: room for 3
+        assert retry.job.counts["queued"] == 3 and retry.job.counts["failed"] == 2
+        assert retry.job.status.value == "in_progress" and retry.to_dict()["deferred_items"] == 2
+        assert await store.queued_items(ALICE) == 5 and await store.redis.xlen(stream) == entries + 3
+
+        with pytest.raises(NoRoomToRetry) as refused:  # none queued: refused, and nothing written
+            await store.retry_failed(failed.id, ALICE)
+        assert (refused.value.queued, refused.value.limit, refused.value.items) == (5, 5, 2)
+        assert "none of the job's 2 failed items were queued again" in str(refused.value)
+        assert not refused.value.never_fits and await store.redis.xlen(stream) == entries + 3
+        assert (await store.get(failed.id)).counts["failed"] == 2
+
+        await _finish_next(store, 2, "completed")  # the second job's two: room for two
+        await store._reserve("job_being_queued", ALICE, 1)  # of which a submission under way holds one
+        retry = await store.retry_failed(failed.id, ALICE)
+        assert (retry.retried, retry.deferred) == (1, 1)
+        await store.redis.hdel(RESERVED_KEY.format(owner=ALICE), "job_being_queued")
+        retry = await store.retry_failed(failed.id, ALICE)
+        assert (retry.retried, retry.deferred) == (1, 0) and retry.job.counts["queued"] == 5
+        await store.close()
+
+    asyncio.run(scenario())
+
+
 @pytest.fixture
 def silent_site():
     """An address that takes connections and never answers: a job's URL items stay in a worker's hand until their
@@ -387,6 +436,37 @@ def test_a_key_at_its_limit_is_refused_over_http_while_other_keys_go_on(redis_se
         assert too_big.status_code == 413 and too_big.json()["error"]["code"] == "too_many_items"
         client = redis_server.client()  # none of the refused ones written (their fetches keep the rest in hand)
         assert [client.xlen(item_stream(JobPriority.NORMAL, owner)) for owner in (ALICE, BOB)] == [2, 2]
+
+
+def test_a_retry_with_no_room_is_refused_over_http_and_the_job_left_as_it_was(redis_server, model, silent_site,
+                                                                              tmp_path, monkeypatch):
+    monkeypatch.setattr(url_inputs, "RETRY_DELAYS_S", ())  # the silent fetches fail at their first timeout
+    roots = tmp_path / "audio"
+    roots.mkdir()
+    for name in ("a.wav", "b.wav"):
+        (roots / name).write_bytes(b"RIFF....still being copied")
+    settings = Settings(redis_url=redis_server.url, api_keys=["alice-key"], job_max_queued_items=2,
+                        input_roots=[str(roots)], input_url_prefixes=[silent_site], job_url_timeout_s=3,
+                        job_max_attempts=1, max_wait_ms=20)
+    alice = {"Authorization": "Bearer alice-key"}
+    with run_server(settings, model) as running:
+        def submit(items: list[dict]) -> str:
+            reply = httpx.post(f"{running.url}/v1/jobs", json={"items": items}, headers=alice, timeout=30)
+            assert reply.status_code == 202, reply.text
+            return reply.json()["id"]
+
+        failed = wait_job(running.url, submit([{"path": str(roots / n)} for n in ("a.wav", "b.wav")]), headers=alice)
+        assert failed["status"] == "failed"
+        submit([{"url": f"{silent_site}{i}.wav"} for i in range(2)])  # in hand until their fetches time out
+        refused = httpx.post(f"{running.url}/v1/jobs/{failed['id']}/retry", headers=alice, timeout=30)
+        error = refused.json()["error"]
+        assert refused.status_code == 429 and error["code"] == "too_many_queued_items", refused.text
+        assert refused.headers["Retry-After"] == str(job_routes.QUEUED_RETRY_AFTER_S)
+        assert "none of the job's 2 failed items were queued again" in error["message"]
+        after = httpx.get(f"{running.url}/v1/jobs/{failed['id']}", headers=alice).json()
+        assert after["status"] == "failed" and after["counts"]["failed"] == 2
+        # `batchasr jobs --retry` over the same route: the server's reason, and a failing exit status
+        assert asyncio.run(run_action(None, running.url, "alice-key", [failed["id"]], "retry", io.StringIO())) == 2
 
 
 def test_submit_waits_for_room_and_goes_on_as_the_first_jobs_are_done(redis_server, model, parity_audio,

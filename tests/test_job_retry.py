@@ -49,8 +49,9 @@ def test_failed_path_and_url_items_are_queued_again_and_the_job_ends_again(redis
             client.config_set("maxmemory", 0)
             assert (await store.get(job.id)).counts["failed"] == 3 and client.xlen(ITEM_STREAM) == entries_before
 
-            again, retried, unretried = await store.retry_failed(job.id)
-            assert (retried, unretried) == (2, 1)  # the upload's audio is gone: left failed
+            retry = await store.retry_failed(job.id)
+            assert (retry.retried, retry.unretried, retry.deferred) == (2, 1, 0)  # the upload's audio is gone
+            again = retry.job
             assert again.status.value == "in_progress" and again.finished_at is None
             assert again.counts == {"queued": 2, "in_progress": 0, "completed": 1, "failed": 1, "cancelled": 0}
             assert again.webhook_status == "pending" and again.webhook_attempts == 0
@@ -61,7 +62,7 @@ def test_failed_path_and_url_items_are_queued_again_and_the_job_ends_again(redis
             records = await store.results(job.id)
             assert [r["status"] for r in records] == ["queued", "queued", "failed", "completed"]
             assert records[0]["error"] is None and not client.hexists(ATTEMPTS_KEY.format(job_id=job.id), 0)
-            assert (await store.retry_failed(job.id))[1:] == (0, 1)  # nothing more to queue
+            assert (await store.retry_failed(job.id)).retried == 0  # nothing more to queue
 
             for index in range(2):
                 start = await store.start_item(job.id, index)
@@ -103,6 +104,7 @@ def test_a_file_fixed_after_its_item_failed_transcribes_on_retry_over_http_and_t
         assert retried.status_code == 200, retried.text
         body = retried.json()
         assert body["retried_items"] == 1 and body["unretried_items"] == 0 and body["status"] == "in_progress"
+        assert body["deferred_items"] == 0  # no queued-items limit set
         job = wait_job(running.url, job["id"])
         assert job["status"] == "completed" and job["counts"] == {"queued": 0, "in_progress": 0, "completed": 2,
                                                                    "failed": 0, "cancelled": 0}

@@ -130,7 +130,7 @@ def test_a_retry_makes_a_deleted_stream_again(redis_server):
             await store.ack_item(stream, message_id)
         await store.prune_idle_streams(0, HOUR)
         assert await store.prune_idle_streams(**NOW) == (0, 1)
-        _, queued, _ = await store.retry_failed(job.id, ALICE)
+        queued = (await store.retry_failed(job.id, ALICE)).retried
         assert queued == 1 and await _listed(store) == [ALICE_LOW]
         (again,) = await store.read_items("c", 5, block_ms=0)
         assert again[0] == ALICE_LOW and again[2][b"index"] == b"1"
