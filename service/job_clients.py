@@ -50,6 +50,11 @@ def _no_such_job(job_id: str) -> NoSuchJob:
     return NoSuchJob(f"{job_id}: no such job (it expired or was purged)")
 
 
+def _raise_at_queued_limit(response: httpx.Response) -> None:
+    if response.status_code == 429:
+        raise AtQueuedLimit(response.json()["error"]["message"], float(response.headers.get("Retry-After", 30)))
+
+
 def _raise_for_missing_job(response: httpx.Response, job_id: str) -> None:
     """A job that is gone (expired, purged) is the job's news, not a server that cannot be reached."""
     if response.status_code == 404:
@@ -85,8 +90,7 @@ class ServerClient:
                 if options.hotwords:
                     form["hotwords"] = ",".join(options.hotwords)
                 response = await self.http.post("/v1/jobs", files=parts, data=form, headers=headers)
-        if response.status_code == 429:
-            raise AtQueuedLimit(response.json()["error"]["message"], float(response.headers.get("Retry-After", 30)))
+        _raise_at_queued_limit(response)
         if response.is_client_error:  # the server's reason (a URL it does not take, ...), not just the status
             raise ValueError(f"the server refused the job: {response.json()['error']['message']}")
         response.raise_for_status()
@@ -105,6 +109,7 @@ class ServerClient:
             response = await self.http.delete(f"/v1/jobs/{job_id}", params=purge)
         if response.status_code == 404:
             raise _no_such_job(job_id)
+        _raise_at_queued_limit(response)  # a retry with no room for any of the failed items
         if response.is_client_error:
             raise ValueError(f"{job_id}: {response.json()['error']['message']}")
         response.raise_for_status()

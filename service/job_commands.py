@@ -280,7 +280,8 @@ def jobs_parser(sub: argparse._SubParsersAction) -> None:
     action.add_argument("--purge", nargs="+", metavar="JOB_ID", help="delete these jobs at once instead of "
                                                                        "listing: records, results, uploaded audio")
     action.add_argument("--retry", nargs="+", metavar="JOB_ID", help="queue these jobs' failed items again instead "
-                                                                       "of listing (those of paths and URLs)")
+                                                                       "of listing (those of paths and URLs; under "
+                                                                       "a queued-items limit, waiting for room)")
     action.add_argument("--results", nargs="+", metavar="JOB_ID",
                         help="write these jobs' results instead of listing: a JSON line per item in item order, the "
                              "record as the job holds it (an item not ended says its state)")

@@ -121,8 +121,12 @@ async def _submitted_when_it_fits(client: JobClient, inputs: list[Input], idempo
             return await riding_out(lambda: client.submit(inputs, idempotency_key, options), "submitting",
                                     unreached_ends=first)
         except AtQueuedLimit as exc:
-            print(f"waiting for room: {exc}; trying again in {exc.retry_after_s:.0f} s", file=sys.stderr)
-            await asyncio.sleep(exc.retry_after_s)
+            await _wait_for_room(exc)
+
+
+async def _wait_for_room(exc: AtQueuedLimit) -> None:
+    print(f"waiting for room: {exc}; trying again in {exc.retry_after_s:.0f} s", file=sys.stderr)
+    await asyncio.sleep(exc.retry_after_s)
 
 
 async def run_submit(inputs: list[Input], redis_url: str | None, server: str | None, api_key: str | None, wait: bool,
@@ -225,13 +229,37 @@ async def run_list(redis_url: str | None, server: str | None, api_key: str | Non
 
 async def run_action(redis_url: str | None, server: str | None, api_key: str | None, job_ids: list[str],
                      action: JobAction, output: TextIO) -> int:
-    """Cancel each job (items not started are dropped), purge it (delete it at once), or retry its failed items; a
-    JSON line each. Each is tried again through an outage, as submit does."""
+    """Cancel each job (items not started are dropped), purge it (delete it at once), or retry its failed items (all
+    of them, as the key's queued-items limit makes room: ``_retried_in_full``); a JSON line each. Each is tried
+    again through an outage, as submit does."""
     async def act_on_all(client: JobClient) -> None:
         for number, job_id in enumerate(job_ids):
-            output.write(json.dumps(await _acted_on(client, job_id, action, first=number == 0)) + "\n")
+            if action == "retry":
+                answer = await _retried_in_full(client, job_id, first=number == 0)
+            else:
+                answer = await _acted_on(client, job_id, action, first=number == 0)
+            output.write(json.dumps(answer) + "\n")
 
     return await _with_client(redis_url, server, api_key, act_on_all)
+
+
+async def _retried_in_full(client: JobClient, job_id: str, first: bool) -> dict[str, Any]:
+    """The job's failed items retried until none is left for want of room under the key's queued-items limit: a
+    retry queues as many as fit (the rest are ``deferred_items``), the next one at once, and one that finds no room
+    (429) waits as the server says, while the workers take the items before; answers the last retry, with the
+    items queued again by all of them."""
+    retried = 0
+    while True:
+        try:
+            answer = await _acted_on(client, job_id, "retry", first)
+        except AtQueuedLimit as exc:
+            await _wait_for_room(exc)
+            continue
+        finally:
+            first = False
+        retried += answer["retried_items"]
+        if not answer.get("deferred_items"):
+            return {**answer, "retried_items": retried}
 
 
 ACTING = {"cancel": "cancelling", "purge": "purging", "retry": "retrying"}

@@ -438,35 +438,52 @@ def test_a_key_at_its_limit_is_refused_over_http_while_other_keys_go_on(redis_se
         assert [client.xlen(item_stream(JobPriority.NORMAL, owner)) for owner in (ALICE, BOB)] == [2, 2]
 
 
-def test_a_retry_with_no_room_is_refused_over_http_and_the_job_left_as_it_was(redis_server, model, silent_site,
-                                                                              tmp_path, monkeypatch):
-    monkeypatch.setattr(url_inputs, "RETRY_DELAYS_S", ())  # the silent fetches fail at their first timeout
-    roots = tmp_path / "audio"
-    roots.mkdir()
-    for name in ("a.wav", "b.wav"):
-        (roots / name).write_bytes(b"RIFF....still being copied")
-    settings = Settings(redis_url=redis_server.url, api_keys=["alice-key"], job_max_queued_items=2,
-                        input_roots=[str(roots)], input_url_prefixes=[silent_site], job_url_timeout_s=3,
-                        job_max_attempts=1, max_wait_ms=20)
+def test_retries_over_http_queue_what_fits_and_the_cli_retries_until_all_are_queued(redis_server, model,
+                                                                                    silent_site, monkeypatch, capsys):
+    """Items whose fetches fail after 2 s (one try, one attempt) against a limit of 3: a job's three failed, two
+    others in hand, a retry queues one and defers two, the next is refused (429) with the job as it was, and
+    `batchasr jobs --retry` waits for room and queues the rest."""
+    monkeypatch.setattr(url_inputs, "RETRY_DELAYS_S", ())
+    monkeypatch.setattr(job_routes, "QUEUED_RETRY_AFTER_S", 1)
+    settings = Settings(redis_url=redis_server.url, api_keys=["alice-key"], job_max_queued_items=3,
+                        input_url_prefixes=[silent_site], job_url_timeout_s=2, job_max_attempts=1)
     alice = {"Authorization": "Bearer alice-key"}
     with run_server(settings, model) as running:
-        def submit(items: list[dict]) -> str:
+        def submit(n: int) -> str:
+            items = [{"url": f"{silent_site}{i}.wav"} for i in range(n)]
             reply = httpx.post(f"{running.url}/v1/jobs", json={"items": items}, headers=alice, timeout=30)
             assert reply.status_code == 202, reply.text
             return reply.json()["id"]
 
-        failed = wait_job(running.url, submit([{"path": str(roots / n)} for n in ("a.wav", "b.wav")]), headers=alice)
+        def retry(job_id: str) -> httpx.Response:
+            return httpx.post(f"{running.url}/v1/jobs/{job_id}/retry", headers=alice, timeout=30)
+
+        failed = wait_job(running.url, submit(3), headers=alice)
         assert failed["status"] == "failed"
-        submit([{"url": f"{silent_site}{i}.wav"} for i in range(2)])  # in hand until their fetches time out
-        refused = httpx.post(f"{running.url}/v1/jobs/{failed['id']}/retry", headers=alice, timeout=30)
+        client, deadline = redis_server.client(), time.monotonic() + 10
+        while client.xpending(item_stream(JobPriority.NORMAL, ALICE), GROUP)["pending"]:  # acknowledged after
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        submit(2)  # in hand until their fetches time out
+        partly = retry(failed["id"])
+        assert partly.status_code == 200, partly.text
+        assert [partly.json()[f"{n}_items"] for n in ("retried", "unretried", "deferred")] == [1, 0, 2]
+
+        refused = retry(failed["id"])
         error = refused.json()["error"]
         assert refused.status_code == 429 and error["code"] == "too_many_queued_items", refused.text
-        assert refused.headers["Retry-After"] == str(job_routes.QUEUED_RETRY_AFTER_S)
+        assert refused.headers["Retry-After"] == "1"
         assert "none of the job's 2 failed items were queued again" in error["message"]
         after = httpx.get(f"{running.url}/v1/jobs/{failed['id']}", headers=alice).json()
-        assert after["status"] == "failed" and after["counts"]["failed"] == 2
-        # `batchasr jobs --retry` over the same route: the server's reason, and a failing exit status
-        assert asyncio.run(run_action(None, running.url, "alice-key", [failed["id"]], "retry", io.StringIO())) == 2
+        assert after["status"] == "in_progress" and after["counts"]["failed"] == 2
+
+        output = io.StringIO()
+        assert asyncio.run(run_action(None, running.url, "alice-key", [failed["id"]], "retry", output)) == 0
+        answer = json.loads(output.getvalue())
+        assert answer["deferred_items"] == 0 and answer["retried_items"] in (2, 3)  # 3: the one retried failed too
+        assert "waiting for room:" in capsys.readouterr().err
+        ended = wait_job(running.url, failed["id"], headers=alice)
+        assert ended["status"] == "failed" and ended["counts"]["failed"] == 3
 
 
 def test_submit_waits_for_room_and_goes_on_as_the_first_jobs_are_done(redis_server, model, parity_audio,
