@@ -285,10 +285,12 @@ async def _submit(store: JobStore, settings: Settings, items: list[ItemInput], o
 async def list_jobs(request: Request, service: ServiceDep, limit: Annotated[int, Query(ge=1, le=100)] = 20,
                     after: str | None = None, status: JobStatus | None = None) -> dict[str, Any]:
     """Your jobs, newest first, `limit` at a time (of one `status`, if given): pass the page's `last_id` as `after`
-    for the next page, while `has_more`."""
-    store = _store(service)
+    for the next page, while `has_more`. With them, your items queued or in progress now (`queued_items`, as the
+    server's limit counts them) and that limit (`max_queued_items`; null: none), so a backfill can be paced."""
+    store, owner = _store(service), request_owner(request)
     try:
-        jobs, more = await store.list_jobs(request_owner(request), limit, after, status)
+        jobs, more = await store.list_jobs(owner, limit, after, status)
+        queued = await store.queued_items(owner)
     except JobNotFound as exc:
         raise ApiError(400, f"`after` names no job in your list: `{after}` (it may have expired)", param="after",
                        code="invalid_cursor") from exc
@@ -296,7 +298,8 @@ async def list_jobs(request: Request, service: ServiceDep, limit: Annotated[int,
         raise _redis_down(exc) from exc
     data = [job.to_dict() for job in jobs]
     return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None, "has_more": more}
+            "last_id": data[-1]["id"] if data else None, "has_more": more, "queued_items": queued,
+            "max_queued_items": store.max_queued_items}
 
 
 @router.get("/{job_id}", responses=error_responses(404))

@@ -246,18 +246,18 @@ end
 
 # An owner's items queued or in progress (lag, where known, and pending over its streams) and those reserved by
 # jobs being queued, in one count: its reservations' hash (RESERVED_KEY), its item streams (a table), the workers'
-# group, how long a reservation holds (ms). A reservation older than the hold (its submitter died between it and
-# its job's transaction) is dropped.
+# group, how long a reservation holds (ms), and whether to drop a reservation older than that (its submitter died
+# between it and its job's transaction) or just leave it out (a script that only reads).
 _OWNER_ITEMS = _NOW_MS + _GROUP_COUNTS + """
-local function owner_items(reserved, streams, group, hold_ms)
+local function owner_items(reserved, streams, group, hold_ms, drop_lapsed)
   local now, counted = now_ms(), 0
   local held = redis.call('HGETALL', reserved)
   for i = 1, #held, 2 do
     local items, at = string.match(held[i + 1], '^(%d+):(%d+)$')
-    if now - tonumber(at) >= tonumber(hold_ms) then
-      redis.call('HDEL', reserved, held[i])
-    else
+    if now - tonumber(at) < tonumber(hold_ms) then
       counted = counted + tonumber(items)
+    elseif drop_lapsed then
+      redis.call('HDEL', reserved, held[i])
     end
   end
   for _, stream in ipairs(streams) do
@@ -268,12 +268,18 @@ local function owner_items(reserved, streams, group, hold_ms)
 end
 """
 
+# KEYS: the owner's reservations, then its item streams. ARGV: group, how long a reservation holds (ms). The
+# owner's items as its limit counts them (above); reads only, so a replica answers it too.
+OWNER_ITEMS = "#!lua flags=no-writes\n" + _OWNER_ITEMS + """
+return owner_items(KEYS[1], {unpack(KEYS, 2)}, ARGV[1], ARGV[2], false)
+"""
+
 # KEYS: the owner's reservations (RESERVED_KEY), then its item streams. ARGV: group, job id, items, the limit, how
 # long a reservation holds (ms). The owner's items (above) counted in one step with the job's own reservation: two
 # submissions at once cannot both pass the limit, and neither holds the other up (the items are queued in a
 # transaction of their own, which drops the reservation). Returns {1 reserved | 0 refused, the items counted}.
 RESERVE_ITEMS = "#!lua\n" + _OWNER_ITEMS + """
-local counted = owner_items(KEYS[1], {unpack(KEYS, 2)}, ARGV[1], ARGV[5])
+local counted = owner_items(KEYS[1], {unpack(KEYS, 2)}, ARGV[1], ARGV[5], true)
 if counted + tonumber(ARGV[3]) > tonumber(ARGV[4]) then return {0, counted} end
 redis.call('HSET', KEYS[1], ARGV[2], ARGV[3] .. ':' .. now_ms())
 redis.call('PEXPIRE', KEYS[1], ARGV[5])
@@ -293,7 +299,7 @@ RETRY_FAILED = "#!lua\n" + _OWNER_ITEMS + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return {0, 0, 0, 0} end
 local counted, room = 0, math.huge
 if ARGV[3] ~= '' then
-  counted = owner_items(KEYS[8], {unpack(KEYS, 9)}, ARGV[4], ARGV[5])
+  counted = owner_items(KEYS[8], {unpack(KEYS, 9)}, ARGV[4], ARGV[5], true)
   room = tonumber(ARGV[3]) - counted
 end
 local queued, kept, deferred = 0, 0, 0

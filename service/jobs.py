@@ -56,6 +56,7 @@ from .job_scripts import (
     HSET_IF_EXISTS,
     KEEP_CLAIMED,
     OPEN_STREAM,
+    OWNER_ITEMS,
     PRUNE_STREAMS,
     RECORD_ERROR,
     RESERVE_ITEMS,
@@ -138,6 +139,7 @@ class JobStore:
         self._group_counts = client.register_script(GROUP_COUNTS)
         self._trim_acknowledged = client.register_script(TRIM_ACKNOWLEDGED)
         self._reserve_items = client.register_script(RESERVE_ITEMS)
+        self._owner_items = client.register_script(OWNER_ITEMS)
         self._forget_consumers = client.register_script(FORGET_CONSUMERS)
         self._open_stream = client.register_script(OPEN_STREAM)
         self._prune_streams = client.register_script(PRUNE_STREAMS)
@@ -187,8 +189,9 @@ class JobStore:
         return streams
 
     async def queued_items(self, owner: str) -> int:
-        """The owner's items queued or in progress, over its streams (one round trip)."""
-        return _in_hand(await self._counts([item_stream(priority, owner) for priority in JobPriority]))
+        """The owner's items queued or in progress, over its streams, and reserved by its submissions under way: as
+        ``max_queued_items`` counts them (one round trip; a replica answers it too)."""
+        return int(await self._owner_items(keys=self._owner_items_keys(owner), args=[GROUP, RESERVATION_HOLD_MS]))
 
     async def _every_item_stream(self) -> list[str]:
         return [stream for streams in (await self.item_streams()).values() for stream in streams]

@@ -343,7 +343,7 @@ def test_a_reservation_counts_until_its_job_is_queued_and_lapses_if_its_submitte
         await store.submit(_urls(1), options=JobOptions(owner=ALICE))
         with pytest.raises(TooManyQueued) as refused:
             await store.submit(_urls(1), options=JobOptions(owner=ALICE))
-        assert refused.value.queued == 5  # one queued, four reserved
+        assert refused.value.queued == 5 == await store.queued_items(ALICE)  # one queued, four reserved
         await store.submit(_urls(2), options=JobOptions(owner=BOB))  # another key's reservations are its own
         monkeypatch.setattr(jobs, "RESERVATION_HOLD_MS", 200)
         await asyncio.sleep(0.3)
@@ -476,6 +476,8 @@ def test_retries_over_http_queue_what_fits_and_the_cli_retries_until_all_are_que
         assert "none of the job's 2 failed items were queued again" in error["message"]
         after = httpx.get(f"{running.url}/v1/jobs/{failed['id']}", headers=alice).json()
         assert after["status"] == "in_progress" and after["counts"]["failed"] == 2
+        listed = httpx.get(f"{running.url}/v1/jobs", headers=alice).json()  # the room a key has, for pacing
+        assert (listed["queued_items"], listed["max_queued_items"]) == (3, 3)
 
         output = io.StringIO()
         assert asyncio.run(run_action(None, running.url, "alice-key", [failed["id"]], "retry", output)) == 0

@@ -63,6 +63,7 @@ def test_each_key_lists_and_reaches_only_its_own_jobs(redis_server, model, parit
         b_job = _submit(url, KEYS[1], audio)["id"]
         listed = _list(url, KEYS[0]).json()
         assert listed["object"] == "list" and listed["has_more"] is False
+        assert listed["max_queued_items"] is None and 0 <= listed["queued_items"] <= 5  # no limit; being done
         assert [j["id"] for j in listed["data"]] == a_jobs[::-1]  # newest first
         assert (listed["first_id"], listed["last_id"]) == (a_jobs[-1], a_jobs[0])
         assert [j["id"] for j in _list(url, KEYS[1]).json()["data"]] == [b_job]

@@ -16,7 +16,7 @@ import pytest
 
 from models import load_model
 from service.config import Settings
-from service.job_types import ItemInput
+from service.job_types import ANONYMOUS, ItemInput
 from service.jobs import JobStore
 from service.redis_outages import REDIS_ERRORS
 from tests.redis_server import RedisServer, primary_and_replica
@@ -64,6 +64,7 @@ def test_a_redis_refusing_writes_refuses_a_submission_as_an_outage(refusing, par
                 with pytest.raises(REDIS_ERRORS):
                     await store.submit(items, idempotency_key="k")
             assert refusing.server.client().keys("batchasr:*") == []  # nothing of them written
+            assert await store.queued_items(ANONYMOUS) == 0  # what only reads goes on (GET /v1/jobs counts them)
         finally:
             await store.close()
 
