@@ -17,8 +17,6 @@ a failover, or of an old primary cut off from the one promoted, are gone with it
 from __future__ import annotations
 
 import contextlib
-import math
-import time
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, parse_qsl, unquote, urlencode, urlsplit
@@ -28,6 +26,8 @@ from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import MasterNotFoundError, Sentinel, SentinelConnectionPool
 from redis.backoff import NoBackoff
 from redis.exceptions import ReadOnlyError
+
+from .intervals import Periodic
 
 SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
 SENTINEL_PORT = 26379
@@ -147,11 +147,12 @@ class _BlockingSentinelPool(SentinelConnectionPool, aioredis.BlockingConnectionP
     then, jobs with it. So the primary's address is asked again every ``PRIMARY_CHECK_S`` as connections are handed
     out; a change closes those to the old one (the idle at once, those in use as they come back)."""
 
-    _checked_at = -math.inf
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._primary_check = Periodic()
 
     async def get_connection(self, *args: Any, **kwargs: Any) -> Any:
-        if time.monotonic() - self._checked_at >= PRIMARY_CHECK_S:
-            self._checked_at = time.monotonic()  # before the await: one look for all the callers meanwhile
+        if self._primary_check.due(PRIMARY_CHECK_S):  # not due again during the await: one look for all callers
             # sentinels unreachable: the connections open still reach the primary; a new one fails as an outage
             with contextlib.suppress(aioredis.RedisError, OSError):
                 await self.get_master_address()
