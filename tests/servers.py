@@ -49,6 +49,17 @@ def upload_items(paths: list[str], n: int) -> list[ItemInput]:
             for i in range(n)]
 
 
+async def settle_items(store: JobStore, count: int, state: str = "completed") -> None:
+    """Deliver ``count`` items and finish each in ``state`` and acknowledge it, as a worker does."""
+    taken = await store.read_items("c", count, block_ms=0)
+    assert len(taken) == count
+    for stream, message_id, fields in taken:
+        job_id, index = fields[b"job"].decode(), int(fields[b"index"])
+        await store.start_item(job_id, index)
+        await store.finish_item(job_id, index, state, {"status": state}, error="unreachable" * (state == "failed"))
+        await store.ack_item(stream, message_id)
+
+
 def drained_jobs(settings: Settings, model: ASRModel, submit: Callable[[JobStore], Awaitable[dict[Any, Job]]]
                  ) -> dict[Any, Job]:
     """The jobs ``submit(store)`` makes (it returns them by name), as they are once an in-process consumer has

@@ -41,7 +41,7 @@ from service.job_keys import (
 from service.job_types import ANONYMOUS, ItemInput, JobOptions, JobPriority, NoRoomToRetry, TooManyQueued
 from service.jobs import JobStore, fair_shares
 from service.jobs_cli import run_action
-from tests.servers import drained_jobs, run_server, upload_items, wait_job
+from tests.servers import drained_jobs, run_server, settle_items, upload_items, wait_job
 
 ALICE, BOB = owner_of("alice-key"), owner_of("bob-key")
 
@@ -355,15 +355,6 @@ def test_a_reservation_counts_until_its_job_is_queued_and_lapses_if_its_submitte
     asyncio.run(scenario())
 
 
-async def _finish_next(store: JobStore, n: int, state: str) -> None:
-    """The next ``n`` items taken, finished in ``state`` and acknowledged, as a worker leaves them."""
-    for stream, message_id, fields in await store.read_items("c", n, block_ms=0):
-        job_id, index = fields[b"job"].decode(), int(fields[b"index"])
-        await store.start_item(job_id, index)
-        await store.finish_item(job_id, index, state, {"status": state}, error="unreachable" * (state == "failed"))
-        await store.ack_item(stream, message_id)
-
-
 def test_a_retry_queues_as_many_failed_items_as_the_limit_has_room_for(redis_server, monkeypatch):
     """Retried items count against the key's limit as a submission's do, in the step that queues them: a page at a
     time (two items here), each page counting those the one before queued. Those left failed go at a later retry."""
@@ -372,7 +363,7 @@ def test_a_retry_queues_as_many_failed_items_as_the_limit_has_room_for(redis_ser
     async def scenario() -> None:
         store = JobStore.from_url(redis_server.url, max_queued_items=5)
         failed, _ = await store.submit(_urls(5), options=JobOptions(owner=ALICE))
-        await _finish_next(store, 5, "failed")
+        await settle_items(store, 5, "failed")
         await store.submit(_urls(2), options=JobOptions(owner=ALICE))
         stream = item_stream(JobPriority.NORMAL, ALICE)
         entries = await store.redis.xlen(stream)
@@ -390,7 +381,7 @@ def test_a_retry_queues_as_many_failed_items_as_the_limit_has_room_for(redis_ser
         assert not refused.value.never_fits and await store.redis.xlen(stream) == entries + 3
         assert (await store.get(failed.id)).counts["failed"] == 2
 
-        await _finish_next(store, 2, "completed")  # the second job's two: room for two
+        await settle_items(store, 2)  # the second job's two: room for two
         await store._reserve("job_being_queued", ALICE, 1)  # of which a submission under way holds one
         retry = await store.retry_failed(failed.id, ALICE)
         assert (retry.retried, retry.deferred) == (1, 1)

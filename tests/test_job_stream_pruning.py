@@ -18,7 +18,7 @@ from service.job_keys import GROUP, OWNER_STREAMS_KEY, RETIRED_STREAMS_KEY, STRE
 from service.job_types import ItemInput, JobOptions, JobPriority
 from service.jobs import JobStore
 from service.runtime import build_stack
-from tests.servers import drained_jobs, upload_items
+from tests.servers import drained_jobs, settle_items, upload_items
 
 ALICE, BOB = owner_of("alice-key"), owner_of("bob-key")
 ALICE_LOW = item_stream(JobPriority.LOW, ALICE)
@@ -28,17 +28,6 @@ HOUR = 3600
 
 def _urls(n: int) -> list[ItemInput]:
     return [ItemInput(audio=f"{i}.wav", url=f"https://media.example/{i}.wav") for i in range(n)]
-
-
-async def _settle(store: JobStore, job_id: str, count: int) -> None:
-    """Deliver ``count`` items and finish and acknowledge each, as a worker does."""
-    taken = await store.read_items("c", count, block_ms=0)
-    assert len(taken) == count
-    for stream, message_id, fields in taken:
-        index = int(fields[b"index"])
-        await store.start_item(job_id, index)
-        await store.finish_item(job_id, index, "completed", {"status": "completed"})
-        await store.ack_item(stream, message_id)
 
 
 async def _listed(store: JobStore) -> list[str]:
@@ -59,9 +48,9 @@ def _run(url: str, scenario) -> None:
 
 def test_an_idle_keys_stream_is_unlisted_then_deleted_and_made_again_by_its_next_job(redis_server):
     async def scenario(store: JobStore) -> None:
-        job, _ = await store.submit(_urls(2), options=JobOptions(owner=ALICE, priority=JobPriority.LOW))
+        await store.submit(_urls(2), options=JobOptions(owner=ALICE, priority=JobPriority.LOW))
         assert await store.prune_idle_streams(**NOW) == (0, 0)  # items waiting
-        await _settle(store, job.id, 2)
+        await settle_items(store, 2)
         assert await store.prune_idle_streams(HOUR, 0) == (0, 0)  # given items a moment ago
         assert await store.prune_idle_streams(0, HOUR) == (1, 0)  # unlisted: read no more, kept for the grace
         assert await _listed(store) == [] and await store.redis.exists(ALICE_LOW)
@@ -81,8 +70,8 @@ def test_an_idle_keys_stream_is_unlisted_then_deleted_and_made_again_by_its_next
 
 def test_a_stream_given_a_job_within_its_grace_is_kept_and_read(redis_server):
     async def scenario(store: JobStore) -> None:
-        first, _ = await store.submit(_urls(1), options=JobOptions(owner=ALICE, priority=JobPriority.LOW))
-        await _settle(store, first.id, 1)
+        await store.submit(_urls(1), options=JobOptions(owner=ALICE, priority=JobPriority.LOW))
+        await settle_items(store, 1)
         assert await store.prune_idle_streams(0, HOUR) == (1, 0)
         second, _ = await store.submit(_urls(2), options=JobOptions(owner=ALICE, priority=JobPriority.LOW))
         assert await _listed(store) == [ALICE_LOW]  # listed again by the job's own transaction
@@ -110,8 +99,8 @@ def test_a_stream_listed_by_a_version_before_pruning_is_kept(redis_server):
     """Such a version lists a stream before it writes the job that queues items there, not in the same step: pruned,
     the stream could go between the two. So only streams a job of this version used are pruned."""
     async def scenario(store: JobStore) -> None:
-        job, _ = await store.submit(_urls(1), options=JobOptions(owner=ALICE, priority=JobPriority.LOW))
-        await _settle(store, job.id, 1)
+        await store.submit(_urls(1), options=JobOptions(owner=ALICE, priority=JobPriority.LOW))
+        await settle_items(store, 1)
         await store.redis.delete(STREAMS_USED_KEY)  # as that version left it
         assert await store.prune_idle_streams(**NOW) == (0, 0)
         assert await _listed(store) == [ALICE_LOW]
@@ -143,7 +132,7 @@ def test_a_stream_given_items_while_unlisted_is_listed_again_not_deleted(redis_s
     on a retired stream are read, not deleted with it."""
     async def scenario(store: JobStore) -> None:
         job, _ = await store.submit(_urls(1), options=JobOptions(owner=ALICE, priority=JobPriority.LOW))
-        await _settle(store, job.id, 1)
+        await settle_items(store, 1)
         assert await store.prune_idle_streams(0, HOUR) == (1, 0)
         await store.redis.xadd(ALICE_LOW, {"job": job.id, "index": 0})
         assert await store.prune_idle_streams(**NOW) == (0, 0)
