@@ -22,6 +22,7 @@ from .job_clients import (
     AtQueuedLimit,
     JobAction,
     JobClient,
+    JobPage,
     NoSuchJob,
     client_for,
     job_records,
@@ -213,16 +214,20 @@ LIST_PAGE = 100
 async def run_list(redis_url: str | None, server: str | None, api_key: str | None, limit: int, status: str | None,
                    as_json: bool, output: TextIO) -> int:
     """The newest ``limit`` jobs (the API key's, through a server; those submitted without a key, through Redis),
-    as a table or JSON lines."""
+    as a table or JSON lines. Under the table, on stderr: the owner's items queued now, and the limit on them."""
     async def newest(client: JobClient) -> None:
         jobs: list[dict[str, Any]] = []
         more, after = True, None
         while more and len(jobs) < limit:
-            page, more = await client.list_jobs(min(LIST_PAGE, limit - len(jobs)), after, status)
-            jobs += page
-            after = page[-1]["id"] if page else None
-            more = more and after is not None
-        output.write("".join(json.dumps(job) + "\n" for job in jobs) if as_json else format_jobs(jobs))
+            page = await client.list_jobs(min(LIST_PAGE, limit - len(jobs)), after, status)
+            jobs += page.jobs
+            after = page.jobs[-1]["id"] if page.jobs else None
+            more = page.has_more and after is not None
+        if as_json:
+            output.write("".join(json.dumps(job) + "\n" for job in jobs))
+            return
+        output.write(format_jobs(jobs))
+        print(_room(page), file=sys.stderr)  # the last page's: the loop runs at least once (limit >= 1)
 
     return await _with_client(redis_url, server, api_key, newest)
 
@@ -347,6 +352,11 @@ async def _with_client(redis_url: str | None, server: str | None, api_key: str |
         return 2
     finally:
         await client.close()
+
+
+def _room(page: JobPage) -> str:
+    limit = "no limit" if page.max_queued_items is None else f"limit: {page.max_queued_items:,}"
+    return f"items queued or in progress: {page.queued_items:,} ({limit})"
 
 
 def format_jobs(jobs: list[dict[str, Any]]) -> str:

@@ -40,7 +40,7 @@ from service.job_keys import (
 )
 from service.job_types import ANONYMOUS, ItemInput, JobOptions, JobPriority, NoRoomToRetry, TooManyQueued
 from service.jobs import JobStore, fair_shares
-from service.jobs_cli import run_action
+from service.jobs_cli import run_action, run_list
 from tests.servers import drained_jobs, run_server, settle_items, upload_items, wait_job
 
 ALICE, BOB = owner_of("alice-key"), owner_of("bob-key")
@@ -469,6 +469,10 @@ def test_retries_over_http_queue_what_fits_and_the_cli_retries_until_all_are_que
         assert after["status"] == "in_progress" and after["counts"]["failed"] == 2
         listed = httpx.get(f"{running.url}/v1/jobs", headers=alice).json()  # the room a key has, for pacing
         assert (listed["queued_items"], listed["max_queued_items"]) == (3, 3)
+        table = io.StringIO()  # `batchasr jobs` says it under its table
+        assert asyncio.run(run_list(None, running.url, "alice-key", 20, None, False, table)) == 0
+        assert [row.split()[0] for row in table.getvalue().splitlines()[1:]] == [job["id"] for job in listed["data"]]
+        assert "items queued or in progress: 3 (limit: 3)" in capsys.readouterr().err.splitlines()
 
         output = io.StringIO()
         assert asyncio.run(run_action(None, running.url, "alice-key", [failed["id"]], "retry", output)) == 0

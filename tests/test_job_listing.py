@@ -4,6 +4,7 @@ another's jobs. Against a real redis-server and a real server."""
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from service.http import owner_of
 from service.job_keys import JOB_KEY, OWNER_JOBS_KEY
 from service.job_types import ItemInput
 from service.jobs import JobStore
+from service.jobs_cli import run_list
 from tests.servers import finished_job, run_server
 
 KEYS = ("key-of-team-a", "key-of-team-b")
@@ -91,6 +93,8 @@ def test_each_key_lists_and_reaches_only_its_own_jobs(redis_server, model, parit
         assert header.split()[:3] == ["ID", "STATUS", "PRIORITY"]
         assert [row.split()[:4] for row in rows] == [[j, "completed", "normal", "1/1"] for j in a_jobs[:-4:-1]]
         assert header.split()[-1] == "AVG_LOGPROB" and all(float(row.split()[-1]) < 0 for row in rows)
+        room = table.stderr.splitlines()[-1]  # under the table: the key's room (its items done: none, or the last)
+        assert room.startswith("items queued or in progress: ") and room.endswith(" (no limit)"), table.stderr
         lines = subprocess.run([*command, "--json", "--limit", "150"], capture_output=True, text=True, timeout=60)
         assert [json.loads(line)["id"] for line in lines.stdout.splitlines()] == a_jobs[::-1]
         # one idempotency key, two owners: two jobs
@@ -133,6 +137,26 @@ def test_without_keys_every_client_is_one_owner_and_expired_jobs_leave_the_list(
                                    timeout=60)
         assert cancelled.returncode == 2 and "job_gone: no such job" in cancelled.stderr
         assert json.loads(cancelled.stdout)["id"] == jobs[2]  # the first, before the one that is not there
+
+
+def test_the_table_straight_from_redis_counts_the_items_queued_under_no_limit(redis_server, parity_audio, capsys):
+    """Straight to Redis is the operator's way in, which the API's queued-items limit does not govern; the items
+    the jobs there have queued still count (no worker here: they stay queued)."""
+    audio = Path(parity_audio[0]).read_bytes()
+
+    async def submitted() -> str:
+        store = JobStore.from_url(redis_server.url)
+        try:
+            job, _ = await store.submit([ItemInput(audio=f"{n}.wav", upload=audio) for n in range(3)])
+        finally:
+            await store.close()
+        return job.id
+
+    job_id = asyncio.run(submitted())
+    table = io.StringIO()
+    assert asyncio.run(run_list(redis_server.url, None, None, 20, None, False, table)) == 0
+    assert [row.split()[:4] for row in table.getvalue().splitlines()[1:]] == [[job_id, "queued", "normal", "0/3"]]
+    assert capsys.readouterr().err.splitlines()[-1] == "items queued or in progress: 3 (no limit)"
 
 
 def test_listing_while_redis_is_down_is_a_503(tmp_path, model):
