@@ -35,8 +35,9 @@ import soundfile as sf
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from tests.ports import free_port  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
-from tests.servers import free_port, wait_ready  # noqa: E402
+from tests.servers import wait_ready  # noqa: E402
 
 
 def long_wav(minutes: float, rate: int = 48000, channels: int = 2) -> bytes:

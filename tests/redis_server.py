@@ -11,7 +11,7 @@ from pathlib import Path
 
 import redis
 
-from tests.servers import free_port
+from tests.ports import free_port
 
 
 class RedisServer:

@@ -29,6 +29,7 @@ from service.head_limit import HTTP_PROTOCOL
 from service.job_types import ItemInput, Job
 from service.jobs import JobStore
 from service.runtime import build_stack
+from tests.ports import free_port
 
 
 async def drain_jobs(settings: Settings, model: ASRModel, body: Callable[[JobStore], Awaitable[Any]]) -> None:
@@ -96,12 +97,6 @@ def finished_job(url: str, n: int, words_each: int = 0) -> tuple[str, list[Path]
         return job.id
 
     return asyncio.run(scenario()), sources
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def metric(url: str, name: str, labels: str = "") -> float:

@@ -45,8 +45,9 @@ from service.spool import NoRoomForInput
 from service.submit_inputs import parse_size, split_into_jobs
 from service.url_inputs import check_input_url
 from tests.conftest import long_recording
+from tests.ports import free_port
 from tests.redis_server import RedisServer
-from tests.servers import StreamedUpload, drain_jobs, free_port, metric, run_server, upload_items
+from tests.servers import StreamedUpload, drain_jobs, metric, run_server, upload_items
 
 MODEL_FILE = "tdt.nemo"  # the fastest fixture: one encoder layer
 

@@ -22,8 +22,9 @@ from service.jobs import JobStore
 from service.logs import redacted_url
 from service.redis_outages import REDIS_ERRORS
 from service.redis_pools import PRIMARY_CHECK_S, SentinelURL, parse_sentinel_url
+from tests.ports import free_port
 from tests.redis_server import RedisSentinel, primary_and_replica
-from tests.servers import free_port, run_server, wait_job
+from tests.servers import run_server, wait_job
 
 URL_ITEM = ItemInput(audio="a.wav", url="https://media.example/a.wav")
 

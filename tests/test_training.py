@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import random
 import shutil
-import socket
 import subprocess
 import sys
 from dataclasses import asdict, replace
@@ -27,6 +26,7 @@ from models.training.data import SAMPLE_RATE, Utterance, synthesize, telephone_b
 from models.training.export import ModelSize
 from models.training.parallel import Workers
 from models.training.train import Item, Recipe, join_samples, load_batch, pick_precision, train
+from tests.ports import free_port
 
 pytestmark = pytest.mark.skipif(shutil.which("espeak-ng") is None, reason="espeak-ng not installed")
 
@@ -236,7 +236,7 @@ def test_two_process_run_under_torchrun(corpus, tmp_path):
     run = tmp_path / "run"
     size = [f"--{k.replace('_', '-')}={v}" for k, v in asdict(TINY).items()]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-               str(_free_port()), "-m", "models.training.train", "--data", str(corpus), "--out", str(run),
+               str(free_port()), "-m", "models.training.train", "--data", str(corpus), "--out", str(run),
                "--max-steps", "3", "--batch-seconds", "4", "--vocab-size", "40", "--eval-every", "1000",
                "--threads", "1", "--freeze-input-conv", *size]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
@@ -246,9 +246,3 @@ def test_two_process_run_under_torchrun(corpus, tmp_path):
     assert state["step"] == 3 and len(state["history"]) == 3
     assert state["recipe"]["freeze_input_conv"] is True
     assert load_model(run / "model.nemo", device="cpu").config.kind == "hybrid"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
