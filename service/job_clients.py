@@ -9,7 +9,6 @@ import json
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -32,15 +31,6 @@ OUTAGE_STATUSES = (502, 503, 504)  # a server's answers that say it, or its Redi
 OUTAGE_ERRORS = (httpx.TransportError, httpx.HTTPStatusError, *REDIS_ERRORS)  # what submit rides out
 # a first try that meets one of these has reached nothing: a wrong address most likely, said at once
 NOTHING_THERE = (httpx.ConnectError, aioredis.ConnectionError)
-
-
-@dataclass
-class JobPage:
-    """A page of the jobs list, and the room its owner had as it was read."""
-    jobs: list[dict[str, Any]]
-    has_more: bool
-    queued_items: int  # the owner's items queued, in progress or reserved: as the queued-items limit counts them
-    max_queued_items: int | None  # the limit (None: none)
 
 
 class NoSuchJob(ValueError):
@@ -132,14 +122,23 @@ class ServerClient:
                 if line:
                     yield json.loads(line)
 
-    async def list_jobs(self, limit: int, after: str | None, status: str | None) -> JobPage:
-        params = {"limit": limit, **({"after": after} if after else {}), **({"status": status} if status else {})}
+    async def list_jobs(self, limit: int, after: str | None, status: str | None) -> tuple[list[dict[str, Any]], bool]:
+        page = await self._list({"limit": limit, **({"after": after} if after else {}),
+                                 **({"status": status} if status else {})})
+        return page["data"], page["has_more"]
+
+    async def room(self) -> tuple[int, int | None]:
+        """The key's items queued or in progress, as the queued-items limit counts them, and that limit (None: none):
+        every page of the list says them."""
+        page = await self._list({"limit": 1})
+        return page["queued_items"], page["max_queued_items"]
+
+    async def _list(self, params: dict[str, Any]) -> dict[str, Any]:
         response = await self.http.get("/v1/jobs", params=params)
         if response.is_client_error:
             raise ValueError(response.json()["error"]["message"])
         response.raise_for_status()
-        page = response.json()
-        return JobPage(page["data"], page["has_more"], page["queued_items"], page["max_queued_items"])
+        return response.json()
 
     async def close(self) -> None:
         await self.http.aclose()
@@ -181,13 +180,16 @@ class RedisClient:
         except JobNotFound as exc:
             raise _no_such_job(job_id) from exc
 
-    async def list_jobs(self, limit: int, after: str | None, status: str | None) -> JobPage:
+    async def list_jobs(self, limit: int, after: str | None, status: str | None) -> tuple[list[dict[str, Any]], bool]:
         try:  # straight from Redis: the jobs submitted without an API key
             jobs, more = await self.store.list_jobs(ANONYMOUS, limit, after, JobStatus(status) if status else None)
         except JobNotFound as exc:
             raise ValueError(f"no job {after} in the list") from exc
+        return [job.to_dict() for job in jobs], more
+
+    async def room(self) -> tuple[int, int | None]:
         # no limit: the queued-items limit is the API's, and straight to Redis is the operator's way in
-        return JobPage([job.to_dict() for job in jobs], more, await self.store.queued_items(ANONYMOUS), None)
+        return await self.store.queued_items(ANONYMOUS), None
 
     async def close(self) -> None:
         await self.store.close()

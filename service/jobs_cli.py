@@ -22,7 +22,6 @@ from .job_clients import (
     AtQueuedLimit,
     JobAction,
     JobClient,
-    JobPage,
     NoSuchJob,
     client_for,
     job_records,
@@ -219,15 +218,15 @@ async def run_list(redis_url: str | None, server: str | None, api_key: str | Non
         jobs: list[dict[str, Any]] = []
         more, after = True, None
         while more and len(jobs) < limit:
-            page = await client.list_jobs(min(LIST_PAGE, limit - len(jobs)), after, status)
-            jobs += page.jobs
-            after = page.jobs[-1]["id"] if page.jobs else None
-            more = page.has_more and after is not None
+            page, more = await client.list_jobs(min(LIST_PAGE, limit - len(jobs)), after, status)
+            jobs += page
+            after = page[-1]["id"] if page else None
+            more = more and after is not None
         if as_json:
             output.write("".join(json.dumps(job) + "\n" for job in jobs))
             return
         output.write(format_jobs(jobs))
-        print(_room(page), file=sys.stderr)  # the last page's: the loop runs at least once (limit >= 1)
+        print(_room(*await client.room()), file=sys.stderr)
 
     return await _with_client(redis_url, server, api_key, newest)
 
@@ -354,9 +353,9 @@ async def _with_client(redis_url: str | None, server: str | None, api_key: str |
         await client.close()
 
 
-def _room(page: JobPage) -> str:
-    limit = "no limit" if page.max_queued_items is None else f"limit: {page.max_queued_items:,}"
-    return f"items queued or in progress: {page.queued_items:,} ({limit})"
+def _room(queued_items: int, max_queued_items: int | None) -> str:
+    limit = "no limit" if max_queued_items is None else f"limit: {max_queued_items:,}"
+    return f"items queued or in progress: {queued_items:,} ({limit})"
 
 
 def format_jobs(jobs: list[dict[str, Any]]) -> str:

@@ -22,7 +22,7 @@ def free_port() -> int:
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
-            except OSError:  # another service's
+            except OSError:  # in use: another service's, or one of ours still closing
                 continue
         return port
     raise RuntimeError(f"no free port from {block_start} to {block_start + PORT_BLOCK - 1}")
