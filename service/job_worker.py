@@ -34,9 +34,10 @@ from .audio_budget import AudioBudget, AudioClaim
 from .batcher import Priority, QueueFull
 from .formats import to_record
 from .intervals import Periodic
+from .item_streams import STREAM_IDLE_S
 from .job_keys import stream_owner, stream_priority
 from .job_types import ItemStart, JobInputError, JobPriority, item_record, resolve_input_path
-from .jobs import STREAM_IDLE_S, JobStore
+from .jobs import JobStore
 from .redis_outages import REDIS_ERRORS, group_lost, step_until_stopped
 from .transcriber import TooManyPieces, Transcriber
 from .url_inputs import UrlFetcher
@@ -54,7 +55,7 @@ BATCHER_PRIORITY = {JobPriority.HIGH: Priority.BULK_HIGH, JobPriority.NORMAL: Pr
 
 
 FORGET_INTERVAL_S = 600.0  # how often a consumer deletes the names of consumers gone from the group
-PRUNE_INTERVAL_S = 60.0  # how often a consumer looks for API keys' streams gone idle (service.jobs.STREAM_IDLE_S)
+PRUNE_INTERVAL_S = 60.0  # how often a consumer looks for API keys' streams gone idle (item_streams.STREAM_IDLE_S)
 LAG_INTERVAL_S = 1.0  # how often a consumer reads the lag metric: Prometheus scrapes every 15 s, KEDA polls every 30 s
 GONE_AFTER_S = 3600.0  # idle this long, holding nothing: a consumer that is gone (at least ten visibility timeouts)
 

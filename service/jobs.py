@@ -1,5 +1,5 @@
-"""Bulk jobs on Redis Streams: submission, item state changes (service.job_scripts), results, cancel, and the
-upkeep of the streams.
+"""Bulk jobs on Redis Streams: submission, item state changes (service.job_scripts), results, cancel, retry and
+delete. The streams the items go on, and the workers' reading of them, are service.item_streams'.
 
 Delivery is at-least-once (a consumer group on each stream; stuck deliveries are reclaimed), and every state
 change of an item runs as one Lua script, so an item redelivered after a crash can never write a second result or
@@ -23,6 +23,7 @@ from typing import Any, BinaryIO
 
 import redis.asyncio as aioredis
 
+from .item_streams import ItemStreams
 from .job_keys import (
     ATTEMPTS_KEY,
     DEAD_LETTER_STREAM,
@@ -30,39 +31,28 @@ from .job_keys import (
     GROUP,
     IDEMPOTENCY_KEY,
     INPUTS_KEY,
-    ITEM_STREAMS,
     JOB_ID,
     JOB_KEY,
     JOB_KEYS,
     OWNER_JOBS_KEY,
-    OWNER_STREAMS_KEY,
     REPLICATION_MARK_KEY,
     RESERVED_KEY,
     RESULTS_KEY,
-    RETIRED_STREAMS_KEY,
     STATES_KEY,
-    STREAMS_USED_KEY,
     UPLOAD_KEY,
     WEBHOOK_STREAM,
     item_stream,
-    stream_priority,
 )
 from .job_scripts import (
     CANCEL_QUEUED,
     EXPIRE_ALL,
     FINISH_ITEM,
-    FORGET_CONSUMERS,
-    GROUP_COUNTS,
     HSET_IF_EXISTS,
-    KEEP_CLAIMED,
-    OPEN_STREAM,
     OWNER_ITEMS,
-    PRUNE_STREAMS,
     RECORD_ERROR,
     RESERVE_ITEMS,
     RETRY_FAILED,
     START_ITEM,
-    TRIM_ACKNOWLEDGED,
 )
 from .job_types import (
     ANONYMOUS,
@@ -82,11 +72,10 @@ from .job_types import (
     job_from_fields,
 )
 from .job_uploads import UploadRefused, read_upload, upload_size, write_uploads
-from .redis_outages import REDIS_ERRORS, REDIS_FULL, NotReplicatedError
+from .redis_outages import REDIS_ERRORS, NotReplicatedError
 from .redis_pools import close_pool, connection_pool, split_wait_replicas
 from .spool import SPOOL_MEMORY_BYTES
 
-MAX_CLAIM_LOOKS = 16  # XAUTOCLAIM calls one look for stalled deliveries may make (each sees 10 per one asked for)
 DEAD_LETTERS_KEPT = 100_000  # the newest dead letters the stream keeps (about; a noeviction Redis must not fill)
 RESULTS_PAGE = 1000  # items read (results) or cancelled per round trip
 LIST_PAGE = 100  # job ids read per round trip when listing
@@ -95,8 +84,6 @@ REPLICA_WAIT_MS = 1000  # how long a write waits for the replicas wait_replicas 
 # a job's items count against its owner's JOB_MAX_QUEUED_ITEMS from before its uploads are written (1 GiB of them
 # takes seconds) until its transaction queues them; a reservation whose submitter died meanwhile lapses then
 RESERVATION_HOLD_MS = 300_000
-STREAM_IDLE_S = 3600.0  # an owner's stream given no items this long, all of them acknowledged, is pruned
-STREAM_GRACE_S = 60.0  # and deleted this long after workers stopped reading it (their reads block for 1 s at most)
 MAX_JOB_ITEMS = 100_000  # items in one job by default (BATCHASR_MAX_JOB_ITEMS): more go as several jobs
 # a JSON submission's body: paths and URLs, no audio. Its items are validated and checked one by one, and a body of
 # the upload limit (1 GiB) made twenty million of them, and gigabytes of memory
@@ -110,7 +97,7 @@ def _now() -> str:
     return f"{time.time():.3f}"
 
 
-class JobStore:
+class JobStore(ItemStreams):
     """Everything jobs do in Redis. One instance per process; safe to share between tasks.
 
     With ``wait_replicas``, what the store acknowledges to a client (a job accepted, cancelled, retried, deleted)
@@ -121,10 +108,9 @@ class JobStore:
     def __init__(self, client: aioredis.Redis, input_ttl_s: int = 7 * 86400, result_ttl_s: int = 7 * 86400,
                  max_upload_bytes: int = 200 * 1024 * 1024, wait_replicas: int = 0,
                  max_queued_items: int | None = None):
-        self.redis = client
+        super().__init__(client)
         self.max_queued_items = max_queued_items  # per owner, over its streams (None: no limit)
         self.wait_replicas = wait_replicas
-        self._turn = 0  # which owner's stream a share of less than one each goes to first (fair_shares)
         self.input_ttl_s = input_ttl_s
         self.result_ttl_s = result_ttl_s
         self.max_upload_bytes = max_upload_bytes
@@ -133,16 +119,10 @@ class JobStore:
         self._update_existing = client.register_script(HSET_IF_EXISTS)
         self._cancel_queued = client.register_script(CANCEL_QUEUED)
         self._record_error = client.register_script(RECORD_ERROR)
-        self._keep_claimed = client.register_script(KEEP_CLAIMED)
         self._expire_all = client.register_script(EXPIRE_ALL)
         self._retry_failed = client.register_script(RETRY_FAILED)
-        self._group_counts = client.register_script(GROUP_COUNTS)
-        self._trim_acknowledged = client.register_script(TRIM_ACKNOWLEDGED)
         self._reserve_items = client.register_script(RESERVE_ITEMS)
         self._owner_items = client.register_script(OWNER_ITEMS)
-        self._forget_consumers = client.register_script(FORGET_CONSUMERS)
-        self._open_stream = client.register_script(OPEN_STREAM)
-        self._prune_streams = client.register_script(PRUNE_STREAMS)
 
     @classmethod
     def from_url(cls, url: str, max_connections: int = 128, **kwargs: Any) -> JobStore:
@@ -155,48 +135,12 @@ class JobStore:
         pool = connection_pool(url, max_connections, POOL_WAIT_S)
         return cls(aioredis.Redis.from_pool(pool), wait_replicas=wait_replicas, **kwargs)
 
-    async def ensure_group(self) -> None:
-        """The consumer group on every item stream and the webhook stream (again after a Redis that lost them)."""
-        await self._make_groups(await self._every_item_stream())
-
-    async def _make_groups(self, streams: Collection[str]) -> None:
-        """The consumer group on ``streams``, the priorities' own and the webhook stream, in one round trip."""
-        pipe = self.redis.pipeline(transaction=False)
-        for stream in dict.fromkeys((*ITEM_STREAMS.values(), WEBHOOK_STREAM, *streams)):
-            pipe.xgroup_create(stream, GROUP, id="0", mkstream=True)
-        for reply in await pipe.execute(raise_on_error=False):
-            # BUSYGROUP: there already; a full Redis refuses even that, and one that has lost the group says NOGROUP
-            # to the next read, which asks again
-            if isinstance(reply, Exception) and "BUSYGROUP" not in str(reply) and not isinstance(reply, REDIS_FULL):
-                raise reply
-
-    async def _open_stream_in(self, pipe: Any, stream: str) -> None:
-        """Add to ``pipe`` (a transaction that then queues items on ``stream``) the script that makes the group on
-        the stream and on the shared ones where they are not there, and lists an owner's stream for the workers: in
-        the same atomic step as the items, so none is queued on a stream pruned as idle meanwhile, or on one workers
-        do not read."""
-        listed = "" if stream in ITEM_STREAMS.values() else stream_priority(stream).value
-        await self._open_stream(keys=[stream, OWNER_STREAMS_KEY, STREAMS_USED_KEY, *ITEM_STREAMS.values(),
-                                      WEBHOOK_STREAM], args=[GROUP, listed], client=pipe)
-
-    async def item_streams(self) -> dict[JobPriority, list[str]]:
-        """Every item stream, by priority in the order workers read them: the priority's own stream (the anonymous
-        owner's), then each other owner's (one round trip)."""
-        streams = {priority: [stream] for priority, stream in ITEM_STREAMS.items()}
-        for stream, priority in sorted((await self.redis.hgetall(OWNER_STREAMS_KEY)).items()):
-            with contextlib.suppress(ValueError):  # not one of ours: skipped rather than read
-                streams[JobPriority(priority.decode())].append(stream.decode())
-        return streams
-
     async def queued_items(self, owner: str) -> int:
         """The owner's items queued or in progress, over its streams, and reserved by its submissions under way: as
         ``max_queued_items`` counts them (one round trip; a replica answers it too)."""
         return int(await self._owner_items(keys=self._owner_items_keys(owner), args=[GROUP, RESERVATION_HOLD_MS]))
 
-    async def _every_item_stream(self) -> list[str]:
-        return [stream for streams in (await self.item_streams()).values() for stream in streams]
-
-    # --- submission --------------------------------------------------------------------------------------
+    # --- submission --------------------------------------------------------------------------------------------
 
     async def submit(self, items: list[ItemInput], idempotency_key: str | None = None,
                      options: JobOptions | None = None) -> tuple[Job, bool]:
@@ -363,7 +307,7 @@ class JobStore:
         pipe.expire(owned, kept_s)
         return fields
 
-    # --- reading -----------------------------------------------------------------------------------------
+    # --- reading -----------------------------------------------------------------------------------------------
 
     async def get(self, job_id: str, owner: str | None = None) -> Job:
         """The job; ``JobNotFound`` if there is none, or (``owner`` given) it is another owner's."""
@@ -410,31 +354,6 @@ class JobStore:
             await self.redis.zrem(owned, *expired)
         return jobs[:limit], len(jobs) > limit
 
-
-    # --- webhook deliveries (used by service.webhook_worker) ---------------------------------------------------
-
-    async def record_webhook(self, job_id: str, message_id: bytes, delivered: bool, attempts: int,
-                             error: str | None) -> None:
-        """How the job's completion webhook went (nothing once the job has expired), and its delivery
-        acknowledged, in one transaction."""
-        fields = ["webhook_status", "delivered" if delivered else "failed", "webhook_attempts", attempts,
-                  "webhook_error", error or ""]
-        pipe = self.redis.pipeline(transaction=True)
-        await self._update_existing(keys=[JOB_KEY.format(job_id=job_id)], args=fields, client=pipe)  # queued
-        pipe.xack(WEBHOOK_STREAM, GROUP, message_id)
-        await pipe.execute()
-
-    async def ack_webhook(self, message_id: bytes) -> None:
-        await self.redis.xack(WEBHOOK_STREAM, GROUP, message_id)
-
-    async def requeue_webhook(self, message_id: bytes, job_id: str) -> None:
-        """Hand a delivery back (a worker stopping): queued again for any worker, now, not after the claim
-        timeout."""
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.xadd(WEBHOOK_STREAM, {"job": job_id})
-        pipe.xack(WEBHOOK_STREAM, GROUP, message_id)
-        await pipe.execute()
-
     async def results(self, job_id: str) -> list[dict[str, Any]]:
         """One record per item, in submission order; unfinished items say their state."""
         return [record async for record in self.iter_results(job_id)]
@@ -468,64 +387,7 @@ class JobStore:
                             error=errors[i].decode() if errors[i] else None)
                 for i, result in enumerate(results)]
 
-    # --- item deliveries and transitions (used by the consumer) -----------------------------------------------
-
-    async def read_items(self, consumer: str, count: int, block_ms: int) -> list[tuple[str, bytes, dict]]:
-        """Up to ``count`` new deliveries for ``consumer``, as (stream, message id, fields): the high priority's
-        first, then normal's, then low's, and within a priority an equal share to each owner's stream with items
-        waiting (``fair_shares``), so that one owner's backfill does not hold up another's job. With none waiting
-        on any, waits up to ``block_ms`` for the first to come on any stream (taking up to count // streams from
-        each, at least one: a few over a ``count`` below the streams'). Three round trips."""
-        by_priority = await self.item_streams()
-        streams = [stream for same_priority in by_priority.values() for stream in same_priority]
-        waiting = await self._waiting(streams)
-        shares: dict[str, int] = {}
-        for same_priority in by_priority.values():  # the higher priorities' first
-            shares |= fair_shares({stream: waiting[stream] for stream in same_priority if stream in waiting},
-                                  count - sum(shares.values()), self._turn)
-        self._turn += 1
-        taken: list[tuple[str, bytes, dict]] = []
-        if any(shares.values()):
-            by_share: dict[int, list[str]] = {}
-            for stream, share in shares.items():
-                if share:
-                    by_share.setdefault(share, []).append(stream)
-            pipe = self.redis.pipeline(transaction=False)
-            for share, names in by_share.items():  # XREADGROUP's COUNT is per stream: one call per share
-                pipe.xreadgroup(GROUP, consumer, dict.fromkeys(names, ">"), count=share)
-            for reply in await pipe.execute():
-                taken += _deliveries(reply)
-        if taken or block_ms <= 0:
-            return taken
-        per_stream = max(1, count // len(streams))
-        return _deliveries(await self.redis.xreadgroup(GROUP, consumer, dict.fromkeys(streams, ">"),
-                                                       count=per_stream, block=block_ms))
-
-    async def _waiting(self, streams: list[str]) -> dict[str, int | None]:
-        """How many items each stream holds not yet delivered to the workers' group: None where that is not known
-        (Redis cannot count it; or the stream has no group, which the read then says), and no entry for a stream
-        that does not exist."""
-        return {stream: None if lag < 0 else lag for stream, (lag, _) in (await self._counts(streams)).items()}
-
-    async def _counts(self, streams: list[str]) -> dict[str, tuple[int, int]]:
-        """Each existing stream's (lag, pending) in the workers' group, in one round trip (GROUP_COUNTS: lag -1 where
-        not known)."""
-        if not streams:
-            return {}
-        counts = await self._group_counts(keys=streams, args=[GROUP])
-        return {stream: (int(counts[2 * i]), int(counts[2 * i + 1])) for i, stream in enumerate(streams)
-                if int(counts[2 * i]) != -2}
-
-    async def streams_with_pending(self) -> list[str]:
-        """The item streams holding deliveries not acknowledged yet, the higher priorities' first: where stalled
-        ones may be (two round trips, rather than a look at every owner's stream)."""
-        return [stream for stream, (_, pending) in (await self._counts(await self._every_item_stream())).items()
-                if pending]
-
-    async def ack_item(self, stream: str, message_id: bytes) -> None:
-        await self.redis.xack(stream, GROUP, message_id)
-
-    # --- item transitions (used by the consumer) -----------------------------------------------------------
+    # --- item transitions (used by the consumer) ---------------------------------------------------------------
 
     async def start_item(self, job_id: str, index: int) -> ItemStart:
         """Mark the item in progress (unless it is finished) and read its input, in one round trip."""
@@ -591,7 +453,7 @@ class JobStore:
                 pipe.delete(record["upload"])  # audio is not kept once its result is
         await pipe.execute()
 
-    # --- cancel ------------------------------------------------------------------------------------------
+    # --- cancel, retry, delete ---------------------------------------------------------------------------------
 
     async def cancel(self, job_id: str) -> tuple[Job, bool]:
         """Items not started yet are cancelled; items in progress finish. Returns the job after, and whether this
@@ -661,64 +523,31 @@ class JobStore:
         await pipe.execute()
         await self._confirm_replicated()
 
-    async def prune_idle_streams(self, idle_s: float = STREAM_IDLE_S, grace_s: float = STREAM_GRACE_S
-                                 ) -> tuple[int, int]:
-        """Unlist the owners' streams given no items for ``idle_s``, all their items acknowledged, so that workers
-        read them no more; delete those unlisted ``grace_s`` ago or more (longer than a worker's read can have one in
-        hand) and not listed again since by a new job. A key's streams so cost the workers' reads only while it is
-        in use (the next job makes them again). Returns (unlisted, deleted); one round trip."""
-        retired, deleted = await self._prune_streams(keys=[OWNER_STREAMS_KEY, STREAMS_USED_KEY, RETIRED_STREAMS_KEY],
-                                                     args=[GROUP, int(idle_s * 1000), int(grace_s * 1000)])
-        return int(retired), int(deleted)
+    # --- webhook deliveries (used by service.webhook_worker) ---------------------------------------------------
 
-    async def trim_acknowledged(self) -> int:
-        """Drop the item and webhook streams' entries before the oldest one the workers have not acknowledged
-        (TRIM_ACKNOWLEDGED); returns how many. Without this the item stream keeps an entry for every item ever
-        submitted: 48 bytes each, about 0.5 GB of Redis memory per 10 M items. (Another consumer group on these
-        streams would lose entries.) Two round trips, however many owners' streams there are."""
-        streams = [*await self._every_item_stream(), WEBHOOK_STREAM]
-        return int(await self._trim_acknowledged(keys=streams, args=[GROUP]))
+    async def record_webhook(self, job_id: str, message_id: bytes, delivered: bool, attempts: int,
+                             error: str | None) -> None:
+        """How the job's completion webhook went (nothing once the job has expired), and its delivery
+        acknowledged, in one transaction."""
+        fields = ["webhook_status", "delivered" if delivered else "failed", "webhook_attempts", attempts,
+                  "webhook_error", error or ""]
+        pipe = self.redis.pipeline(transaction=True)
+        await self._update_existing(keys=[JOB_KEY.format(job_id=job_id)], args=fields, client=pipe)  # queued
+        pipe.xack(WEBHOOK_STREAM, GROUP, message_id)
+        await pipe.execute()
 
-    async def forget_gone_consumers(self, idle_s: float) -> int:
-        """Delete the group's consumers that hold nothing and have been idle ``idle_s`` or longer: the names of
-        workers gone (a restart is a new host-pid name), which would otherwise pile up in the group for good. One
-        still alive loses nothing: it holds no delivery, and its next read makes it again. Returns how many. One
-        round trip over every stream (FORGET_CONSUMERS), rather than one per stream and one per name deleted."""
-        streams = [*await self._every_item_stream(), WEBHOOK_STREAM]
-        return int(await self._forget_consumers(keys=streams, args=[GROUP, int(idle_s * 1000)]))
+    async def ack_webhook(self, message_id: bytes) -> None:
+        await self.redis.xack(WEBHOOK_STREAM, GROUP, message_id)
 
-    async def stream_lag(self) -> int:
-        """Items not yet delivered to a consumer plus those delivered and not acknowledged, over every stream
-        (two round trips: the streams, then GROUP_COUNTS)."""
-        return _in_hand(await self._counts(await self._every_item_stream()))
+    async def requeue_webhook(self, message_id: bytes, job_id: str) -> None:
+        """Hand a delivery back (a worker stopping): queued again for any worker, now, not after the claim
+        timeout."""
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.xadd(WEBHOOK_STREAM, {"job": job_id})
+        pipe.xack(WEBHOOK_STREAM, GROUP, message_id)
+        await pipe.execute()
 
-    async def keep_claimed(self, stream: str, consumer: str, message_ids: list[bytes]) -> int:
-        """Reset the idle time of deliveries ``consumer`` is still working on, so that an item that takes longer
-        than the visibility timeout is not handed to another worker (and counted as another attempt). Those another
-        consumer has reclaimed meanwhile stay its own. Returns how many were renewed."""
-        if not message_ids:
-            return 0
-        return int(await self._keep_claimed(keys=[stream], args=[GROUP, consumer, *message_ids]))
-
-    async def claim_stalled(self, stream: str, consumer: str, idle_s: float, count: int, start: bytes | str = "0-0"
-                            ) -> tuple[bytes | str, list[tuple[bytes, dict]]]:
-        """Up to ``count`` of ``stream``'s deliveries left unacknowledged ``idle_s`` or longer, now ``consumer``'s,
-        looking from ``start`` to the end of the pending list (at most ``MAX_CLAIM_LOOKS`` calls); and where the next
-        look goes on from ("0-0": the start again). Redis looks at ten entries per one asked for, so a consumer that
-        looked once from the start would never reach a stalled delivery behind many live ones, and one that went on
-        from there at its next look would pass over deliveries that had not stalled yet until it came round again.
-        Entries trimmed away while pending are acknowledged (nothing is left to deliver)."""
-        claimed: list[tuple[bytes, dict]] = []
-        for _ in range(MAX_CLAIM_LOOKS):
-            reply = await self.redis.xautoclaim(stream, GROUP, consumer, int(idle_s * 1000), start,
-                                                count=count - len(claimed))
-            for message_id in reply[2] if len(reply) > 2 else []:
-                await self.redis.xack(stream, GROUP, message_id)
-            claimed += [(message_id, fields) for message_id, fields in reply[1] if fields]
-            start = reply[0]
-            if start in (b"0-0", "0-0") or len(claimed) >= count:
-                break
-        return start, claimed
+    # --- Redis itself ------------------------------------------------------------------------------------------
 
     async def durability_risks(self) -> dict[str, str] | None:
         """What in Redis's settings would lose jobs without an error: each risk's name (``metrics.JOB_STORE_RISKS``)
@@ -761,41 +590,6 @@ class JobStore:
         await close_pool(self.redis.connection_pool)
 
 
-def fair_shares(waiting: dict[str, int | None], count: int, turn: int = 0) -> dict[str, int]:
-    """How many of ``count`` items to read from each stream, given how many each holds (``waiting``; None: not
-    known, so as many as it is given): equal shares, and what a stream holding fewer than its share leaves goes to
-    the others in equal shares again (max-min fairness). Shares of less than one each go to the streams in turn,
-    from the ``turn``-th on: a later read gives them to the next ones."""
-    left = {stream: count if n is None else n for stream, n in waiting.items()}
-    shares = dict.fromkeys(waiting, 0)
-    open_ = [stream for stream, n in left.items() if n > 0]
-    while open_ and count > 0:
-        share = count // len(open_)
-        if share == 0:  # fewer than one each: one each for the next ``count`` of them
-            first = turn % len(open_)
-            for stream in (open_[first:] + open_[:first])[:count]:
-                shares[stream] += 1
-            break
-        for stream in open_:
-            given = min(share, left[stream])
-            shares[stream] += given
-            left[stream] -= given
-            count -= given
-        open_ = [stream for stream in open_ if left[stream] > 0]
-    return shares
-
-
-def _in_hand(counts: dict[str, tuple[int, int]]) -> int:
-    """Items queued or in progress over streams' (lag, pending) counts (a lag not known counts none)."""
-    return sum(max(lag, 0) + pending for lag, pending in counts.values())
-
-
 def _job(job_id: str, raw: dict[bytes, bytes]) -> Job:
     """A job from its hash."""
     return job_from_fields(job_id, {k.decode(): v.decode() for k, v in raw.items()})
-
-
-def _deliveries(reply: Any) -> list[tuple[str, bytes, dict]]:
-    """XREADGROUP's reply as (stream, message id, fields) tuples."""
-    return [(stream.decode() if isinstance(stream, bytes) else stream, message_id, fields)
-            for stream, entries in reply or [] for message_id, fields in entries]

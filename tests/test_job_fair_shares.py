@@ -29,6 +29,7 @@ from models import load_model
 from service import job_routes, jobs, url_inputs
 from service.config import Settings
 from service.http import owner_of
+from service.item_streams import fair_shares
 from service.job_keys import (
     GROUP,
     ITEM_STREAM,
@@ -39,7 +40,7 @@ from service.job_keys import (
     stream_priority,
 )
 from service.job_types import ANONYMOUS, ItemInput, JobOptions, JobPriority, NoRoomToRetry, TooManyQueued
-from service.jobs import JobStore, fair_shares
+from service.jobs import JobStore
 from service.jobs_cli import run_action, run_list
 from tests.servers import drained_jobs, run_server, settle_items, upload_items, wait_job
 
