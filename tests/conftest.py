@@ -59,6 +59,21 @@ def parity_audio(parity_dir: Path, parity_reference: dict) -> list[str]:
     return [str(parity_dir / "audio" / name) for name in parity_reference["audio"]]
 
 
+@pytest.fixture(scope="module")
+def model(parity_dir: Path):
+    """The fastest parity fixture (one encoder layer) in float32: the model of the tests about serving and jobs,
+    where the model is not what is tested. A file testing another model has a ``model`` fixture of its own."""
+    from models import load_model
+
+    return load_model(parity_dir / "tdt.nemo", device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def expected(model, parity_audio: list[str]) -> dict[str, str]:
+    """Each parity clip's text by ``model`` alone, by file name: what a job's or a request's result must say."""
+    return {Path(p).name: t.text for p, t in zip(parity_audio, model.transcribe(parity_audio), strict=True)}
+
+
 @pytest.fixture
 def redis_server(tmp_path):
     """A private redis-server on a free port, for one test."""

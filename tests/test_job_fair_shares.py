@@ -25,7 +25,6 @@ import soundfile as sf
 from hypothesis import given
 from hypothesis import strategies as st
 
-from models import load_model
 from service import job_routes, jobs, url_inputs
 from service.config import Settings
 from service.http import owner_of
@@ -45,11 +44,6 @@ from service.jobs_cli import run_action, run_list
 from tests.servers import drained_jobs, run_server, settle_items, upload_items, wait_job
 
 ALICE, BOB = owner_of("alice-key"), owner_of("bob-key")
-
-
-@pytest.fixture(scope="module")
-def model(parity_dir):
-    return load_model(parity_dir / "tdt.nemo", device="cpu", dtype="float32")
 
 
 def _urls(n: int) -> list[ItemInput]:

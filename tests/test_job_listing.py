@@ -16,7 +16,6 @@ import httpx
 import pytest
 import redis
 
-from models import load_model
 from service.config import Settings
 from service.http import owner_of
 from service.job_keys import JOB_KEY, OWNER_JOBS_KEY
@@ -26,11 +25,6 @@ from service.jobs_cli import run_list
 from tests.servers import finished_job, run_server
 
 KEYS = ("key-of-team-a", "key-of-team-b")
-
-
-@pytest.fixture(scope="module")
-def model(parity_dir):
-    return load_model(parity_dir / "tdt.nemo", device="cpu", dtype="float32")
 
 
 def _auth(key: str) -> dict[str, str]:

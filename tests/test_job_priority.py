@@ -13,7 +13,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from models import load_model
 from service.config import Settings
 from service.http import owner_of
 from service.job_keys import GROUP, ITEM_STREAM, ITEM_STREAMS, item_stream
@@ -21,11 +20,6 @@ from service.job_types import ANONYMOUS, JobOptions, JobPriority
 from service.jobs import JobStore
 from service.runtime import build_stack
 from tests.servers import drained_jobs, run_server, upload_items
-
-
-@pytest.fixture(scope="module")
-def model(parity_dir):
-    return load_model(parity_dir / "tdt.nemo", device="cpu", dtype="float32")
 
 
 def test_higher_priorities_are_taken_first_whatever_the_order_submitted(redis_server, model, parity_audio):

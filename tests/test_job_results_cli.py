@@ -18,7 +18,6 @@ from typing import Any
 import httpx
 import pytest
 
-from models import load_model
 from service.cli import main
 from service.config import Settings
 from service.job_clients import RedisClient, job_records
@@ -28,16 +27,6 @@ from service.submit_inputs import item_input
 from tests.servers import run_server
 
 KEYS = ("key-of-team-a", "key-of-team-b")
-
-
-@pytest.fixture(scope="module")
-def model(parity_dir):
-    return load_model(parity_dir / "tdt.nemo", device="cpu", dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def expected(model, parity_audio) -> dict[str, str]:
-    return {Path(p).name: t.text for p, t in zip(parity_audio, model.transcribe(parity_audio), strict=True)}
 
 
 def _cli(*arguments: str) -> subprocess.CompletedProcess:

@@ -9,9 +9,6 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 
-import pytest
-
-from models import load_model
 from service.config import Settings
 from service.http import owner_of
 from service.job_keys import GROUP, OWNER_STREAMS_KEY, RETIRED_STREAMS_KEY, STREAMS_USED_KEY, item_stream
@@ -140,11 +137,6 @@ def test_a_stream_given_items_while_unlisted_is_listed_again_not_deleted(redis_s
         assert len(await store.read_items("c", 5, block_ms=0)) == 1
 
     _run(redis_server.url, scenario)
-
-
-@pytest.fixture(scope="module")
-def model(parity_dir):
-    return load_model(parity_dir / "tdt.nemo", device="cpu", dtype="float32")
 
 
 def test_a_consumer_prunes_the_streams_of_keys_gone_idle(redis_server, model, parity_audio):

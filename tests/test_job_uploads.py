@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from models import load_model
 from service import job_uploads
 from service.config import Settings
 from service.job_keys import INPUTS_KEY, ITEM_STREAM, ITEM_STREAMS, UPLOAD_KEY
@@ -27,11 +26,6 @@ from tests.redis_server import RedisServer
 from tests.servers import run_server
 
 UPLOADS = "batchasr:upload:*"
-
-
-@pytest.fixture(scope="module")
-def model(parity_dir):
-    return load_model(parity_dir / "tdt.nemo", device="cpu", dtype="float32")  # the fastest: one encoder layer
 
 
 def _bytes(n: int, seed: int = 0) -> bytes:

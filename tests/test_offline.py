@@ -20,11 +20,6 @@ from tests.conftest import long_recording
 from tests.servers import run_server
 
 
-@pytest.fixture(scope="module")
-def model(parity_dir):
-    return load_model(parity_dir / "tdt.nemo", device="cpu", dtype="float32")
-
-
 def test_long_audio_offline_equals_the_service(model, parity_audio):
     """The same cuts and the same stitching, batched differently: the same tokens, frames and words."""
     recording, _ = long_recording(parity_audio, 100)

@@ -20,7 +20,6 @@ import httpx
 import pytest
 from standardwebhooks.webhooks import Webhook
 
-from models import load_model
 from service.config import Settings
 from service.job_keys import GROUP, ITEM_STREAM, WEBHOOK_STREAM
 from service.job_types import ItemInput, Job, JobOptions, JobStatus
@@ -33,11 +32,6 @@ from tests.servers import drain_jobs, run_server
 
 SECRET_RAW = b"0123456789abcdef0123456789abcdef"
 SECRET = "whsec_" + base64.b64encode(SECRET_RAW).decode()
-
-
-@pytest.fixture(scope="module")
-def model(parity_dir):
-    return load_model(parity_dir / "tdt.nemo", device="cpu", dtype="float32")
 
 
 class Receiver:
