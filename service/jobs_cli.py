@@ -13,7 +13,7 @@ import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeVar
 
 import httpx
 
@@ -36,6 +36,7 @@ from .submit_inputs import JOB_BYTES, Input, split_into_jobs
 
 log = logging.getLogger(__name__)
 FINAL_STATUSES = {"completed", "completed_with_errors", "failed", "cancelled"}
+T = TypeVar("T")
 
 
 # --- worker -------------------------------------------------------------------------------------------------
@@ -113,20 +114,26 @@ def _spoken(seconds: float) -> str:
 
 async def _submitted_when_it_fits(client: JobClient, inputs: list[Input], idempotency_key: str,
                                   options: JobOptions, first: bool) -> dict[str, Any]:
-    """The job, submitted through outages (``riding_out``; the ``first`` job's first try that reaches nothing ends
-    at once), and again each time the server says the key's items queued are at their limit, as long as it takes:
-    the jobs before it are done meanwhile, so a backfill of any size goes in at the pace the workers take it."""
+    """The job, submitted through outages (``riding_out``), and again each time the server says the key's items
+    queued are at their limit, as long as it takes: the jobs before it are done meanwhile, so a backfill of any size
+    goes in at the pace the workers take it."""
+    return await _when_there_is_room(
+        lambda first: riding_out(lambda: client.submit(inputs, idempotency_key, options), "submitting",
+                                 unreached_ends=first), first)
+
+
+async def _when_there_is_room(attempt: Callable[[bool], Awaitable[T]], first: bool) -> T:
+    """``attempt(first)``, and again each time the server says the key's items queued are at their limit, after
+    the wait it names. ``first``: the command's first try, where reaching nothing at all is a wrong address most
+    likely, and ends the command; a refusal reached the server, so from then on its going away (a restart) is an
+    outage, which the tries after it ride out."""
     while True:
         try:
-            return await riding_out(lambda: client.submit(inputs, idempotency_key, options), "submitting",
-                                    unreached_ends=first)
+            return await attempt(first)
         except AtQueuedLimit as exc:
-            await _wait_for_room(exc)
-
-
-async def _wait_for_room(exc: AtQueuedLimit) -> None:
-    print(f"waiting for room: {exc}; trying again in {exc.retry_after_s:.0f} s", file=sys.stderr)
-    await asyncio.sleep(exc.retry_after_s)
+            first = False
+            print(f"waiting for room: {exc}; trying again in {exc.retry_after_s:.0f} s", file=sys.stderr)
+            await asyncio.sleep(exc.retry_after_s)
 
 
 async def run_submit(inputs: list[Input], redis_url: str | None, server: str | None, api_key: str | None, wait: bool,
@@ -254,13 +261,8 @@ async def _retried_in_full(client: JobClient, job_id: str, first: bool) -> dict[
     items queued again by all of them."""
     retried = 0
     while True:
-        try:
-            answer = await _acted_on(client, job_id, "retry", first)
-        except AtQueuedLimit as exc:
-            await _wait_for_room(exc)
-            continue
-        finally:
-            first = False
+        answer = await _when_there_is_room(lambda first: _acted_on(client, job_id, "retry", first), first)
+        first = False
         retried += answer["retried_items"]
         if not answer.get("deferred_items"):
             return {**answer, "retried_items": retried}

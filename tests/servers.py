@@ -168,8 +168,10 @@ class RunningServer:
 
 
 @contextmanager
-def run_server(settings: Settings, model: ASRModel, ready_timeout: float = 60) -> Iterator[RunningServer]:
-    port = free_port()
+def run_server(settings: Settings, model: ASRModel, ready_timeout: float = 60, port: int | None = None
+               ) -> Iterator[RunningServer]:
+    """The app on a real uvicorn server in a thread, on ``port`` (a free one when not given), once ready."""
+    port = port or free_port()
     app = create_app(settings.model_copy(update={"port": port}), model=model)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on",
                                            http=HTTP_PROTOCOL))  # as `batchasr serve` runs it

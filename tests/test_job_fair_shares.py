@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -40,7 +41,8 @@ from service.job_keys import (
 )
 from service.job_types import ANONYMOUS, ItemInput, JobOptions, JobPriority, NoRoomToRetry, TooManyQueued
 from service.jobs import JobStore
-from service.jobs_cli import run_action, run_list
+from service.jobs_cli import run_action, run_list, run_submit
+from tests.ports import free_port
 from tests.servers import drained_jobs, run_server, settle_items, upload_items, wait_job
 
 ALICE, BOB = owner_of("alice-key"), owner_of("bob-key")
@@ -495,3 +497,39 @@ def test_submit_waits_for_room_and_goes_on_as_the_first_jobs_are_done(redis_serv
     records = [json.loads(line) for line in done.stdout.splitlines()]
     assert [r["audio"] for r in records] == files and all(r["status"] == "completed" for r in records)
     assert all(Path(f).exists() for f in files)
+
+
+def test_a_submit_waiting_for_room_rides_out_the_server_going_away(redis_server, model, parity_audio, silent_site,
+                                                                    monkeypatch, capsys):
+    """The key's one item in hand (a fetch that times out in 4 s), submit's first job is refused (429) and waits;
+    the server stops meanwhile and comes back on its address. Submit's next try meets nothing there: once a try has
+    reached the server, that is an outage to ride out, not a wrong address to stop at (it ended the command, and a
+    backfill with it, at a rolling restart)."""
+    monkeypatch.setattr(url_inputs, "RETRY_DELAYS_S", ())
+    monkeypatch.setattr(job_routes, "QUEUED_RETRY_AFTER_S", 1)
+    settings = Settings(redis_url=redis_server.url, api_keys=["alice-key"], job_max_queued_items=1,
+                        input_url_prefixes=[silent_site], job_url_timeout_s=4, job_max_attempts=1)
+    port, out = free_port(), io.StringIO()
+    refusals = '{code="429",route="/v1/jobs"}'
+
+    async def submitting() -> int:
+        return await run_submit([Path(parity_audio[0])], None, f"http://127.0.0.1:{port}", "alice-key", True, out,
+                                poll_s=0.05)
+
+    with ThreadPoolExecutor(1) as pool:
+        with run_server(settings, model, port=port) as first:
+            in_hand = httpx.post(f"{first.url}/v1/jobs", json={"items": [{"url": f"{silent_site}0.wav"}]},
+                                 headers={"Authorization": "Bearer alice-key"}, timeout=30)
+            assert in_hand.status_code == 202, in_hand.text
+            submitted = pool.submit(asyncio.run, submitting())
+            deadline = time.monotonic() + 10
+            while first.metric("batchasr_requests_total", refusals) < 1:  # refused: waiting 1 s for room
+                assert time.monotonic() < deadline and not submitted.done()
+                time.sleep(0.02)
+        time.sleep(1.5)  # stopped: submit's next try finds nothing listening
+        with run_server(settings, model, port=port):
+            assert submitted.result(timeout=120) == 0, capsys.readouterr().err
+    record = json.loads(out.getvalue())
+    assert record["status"] == "completed" and record["audio"] == parity_audio[0]
+    said = capsys.readouterr().err
+    assert "waiting for room:" in said and "submitting: " in said and "trying again" in said
