@@ -13,6 +13,7 @@ acknowledged before its result is written.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import os
@@ -173,10 +174,11 @@ class JobConsumer:
         # would leave no room, and nothing would ever say there was again (each released its audio already)
         self._in_flight.difference_update([task for task in self._in_flight if task.done()])
         room = self.audio.room(self.options.prefetch - len(self._in_flight))
-        messages: list[tuple[str, bytes, dict]] = []  # (stream, message id, fields)
+        started = 0
         if room > 0 and self._reclaim.due(self.options.reclaim_interval_s):
-            messages += await self._reclaim_stalled(room)
-            if len(messages) == room:  # there may be more: look again as soon as there is room, not an interval on
+            # started before the upkeep below: its failure would otherwise leave them for another visibility timeout
+            started = self._start(await self._reclaim_stalled(room))
+            if started == room:  # there may be more: look again as soon as there is room, not an interval on
                 self._reclaim.come_due()
             await self.store.trim_acknowledged()
             if self._prune.due(PRUNE_INTERVAL_S):
@@ -185,14 +187,22 @@ class JobConsumer:
                     log.info("API keys' streams idle: %d no longer read, %d deleted", retired, deleted)
             if self._forget.due(FORGET_INTERVAL_S):
                 await self.store.forget_gone_consumers(max(GONE_AFTER_S, 10 * self.options.visibility_timeout_s))
-        room -= len(messages)
+        room -= started
         if room > 0:
             wait = self.options.block_ms if block_ms is None else block_ms
             if self._in_flight:  # work in hand: look for more often, not for long
                 wait = min(wait, 100)
-            messages += await self.store.read_items(self.options.name, room, wait)
-        elif self._in_flight:
-            await self.audio.changed()  # an item was read or finished: there may be room now
+            started += self._start(await self.store.read_items(self.options.name, room, wait))
+        elif self._in_flight:  # no room: until an item is read or finishes, but no longer than the next renewal of
+            # the deliveries in hand is due (waiting them out, with long items, let another worker take them all)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.audio.changed(), min(LAG_INTERVAL_S, self.options.visibility_timeout_s / 3))
+        if self._read_lag.due(LAG_INTERVAL_S):  # not every step: two round trips over every stream
+            self.metrics.observe_job_stream_lag(await self.store.stream_lag())
+        return started
+
+    def _start(self, messages: list[tuple[str, bytes, dict]]) -> int:
+        """A task for each delivery (stream, message id, fields), in flight and held (renewed) until it ends."""
         for stream, message_id, fields in messages:
             task = asyncio.create_task(self._handle(stream, message_id, fields, self.audio.claim()))
             self._in_flight.add(task)
@@ -200,8 +210,6 @@ class JobConsumer:
             held = self._held[stream]
             held.add(message_id)
             task.add_done_callback(lambda _, held=held, message_id=message_id: held.discard(message_id))
-        if self._read_lag.due(LAG_INTERVAL_S):  # not every step: two round trips over every stream
-            self.metrics.observe_job_stream_lag(await self.store.stream_lag())
         return len(messages)
 
     async def _check_store(self) -> None:

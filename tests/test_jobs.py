@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 import torch
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError
 
 from service.batcher import POOL_FACTOR
@@ -33,6 +34,7 @@ from service.job_keys import (
 )
 from service.job_types import ItemInput, Job, JobOptions, JobPriority, item_record
 from service.jobs import JobStore
+from service.metrics import Metrics
 from service.runtime import READING_SHARE, build_stack
 from tests.conftest import long_recording
 from tests.ports import free_port
@@ -471,12 +473,12 @@ def test_item_that_keeps_killing_workers_is_failed_after_max_attempts(redis_serv
     assert records[1]["error"] == "gave up after 3 attempts: worker killed (out of memory)"
 
 
-async def _run_consumer(settings: Settings, model, items: list[ItemInput], setup=None, timeout_s: float = 60
-                        ) -> tuple[Job, list[dict]]:
+async def _run_consumer(settings: Settings, model, items: list[ItemInput], setup=None, timeout_s: float = 60,
+                        metrics: Metrics | None = None) -> tuple[Job, list[dict]]:
     """Submit ``items`` as one job, run a consumer (``setup(consumer, store)`` first; it may submit the job itself
     and return it) until the job finishes, stop it; the job and its results. The consumer must still be running
     when the job finishes."""
-    stack = build_stack(settings, model)
+    stack = build_stack(settings, model, metrics)
     assert await asyncio.to_thread(stack.engine.wait_ready, 30)
     try:
         consumer = stack.make_consumer()
@@ -516,12 +518,42 @@ def test_a_dead_workers_backlog_is_reclaimed_as_fast_as_there_is_room(redis_serv
     _check_results(records, items, expected)
 
 
-def test_an_item_slower_than_the_visibility_timeout_stays_with_its_live_worker(redis_server, model, parity_audio,
-                                                                               expected):
-    """Its delivery's idle time is reset while it is worked on: without that it was reclaimed every timeout, run
-    again, and failed at its fourth start as "the worker died" (while the first run was still going)."""
+def test_items_reclaimed_in_a_step_whose_upkeep_then_fails_are_started_all_the_same(redis_server, model,
+                                                                                    parity_audio, expected):
+    """A dead worker's two items reclaimed, and then the same step's trimming met Redis gone away: the items went
+    with the failed step, held by this consumer and started by none, until the visibility timeout passed again and
+    they were reclaimed a second time."""
     items = upload_items(parity_audio, 2)
-    calls = []
+
+    async def setup(consumer, store):
+        job, _ = await store.submit(items)
+        assert len(await store.read_items("dead-worker", len(items), 0)) == len(items)  # taken, never finished
+        await asyncio.sleep(0.5)  # past the visibility timeout
+        trim = store.trim_acknowledged
+
+        async def refused_once() -> int:
+            store.trim_acknowledged = trim
+            raise RedisConnectionError("Connection closed by server.")  # Redis restarting
+
+        store.trim_acknowledged = refused_once
+        return job
+
+    settings = Settings(redis_url=redis_server.url, job_visibility_timeout_s=0.3)
+    metrics = Metrics()
+    _, records = asyncio.run(_run_consumer(settings, model, items, setup, timeout_s=30, metrics=metrics))
+    _check_results(records, items, expected)
+    assert metrics.registry.get_sample_value("batchasr_job_items_reclaimed_total") == len(items)  # once each
+
+
+@pytest.mark.parametrize("prefetch", [64, 2])
+def test_an_item_slower_than_the_visibility_timeout_stays_with_its_live_worker(redis_server, model, parity_audio,
+                                                                               expected, prefetch):
+    """Its delivery's idle time is reset while it is worked on: without that it was reclaimed every timeout, run
+    again, and failed at its fourth start as "the worker died" (while the first run was still going). A window of
+    two, both slow items in it, left the worker waiting for room without renewing them: another worker's look for
+    stalled deliveries took them."""
+    items = upload_items(parity_audio, 2)
+    calls, taken_by_another = [], []
 
     async def slow_transcriber(consumer, store):
         transcribe = consumer.transcriber.transcribe
@@ -531,11 +563,18 @@ def test_an_item_slower_than_the_visibility_timeout_stays_with_its_live_worker(r
             await asyncio.sleep(3.5)  # three and a half visibility timeouts
             return await transcribe(*args)
 
-        consumer.transcriber.transcribe = slow
+        async def another_worker():  # looks for stalled deliveries as often as it may; asyncio.run ends it
+            while True:
+                for stream in await store.streams_with_pending():
+                    taken_by_another.extend((await store.claim_stalled(stream, "another", 1.0, 10))[1])
+                await asyncio.sleep(0.2)
 
-    settings = Settings(redis_url=redis_server.url, job_visibility_timeout_s=1.0)
+        consumer.transcriber.transcribe = slow
+        asyncio.get_running_loop().create_task(another_worker())
+
+    settings = Settings(redis_url=redis_server.url, job_visibility_timeout_s=1.0, job_prefetch=prefetch)
     job, records = asyncio.run(_run_consumer(settings, model, items, slow_transcriber))
-    assert len(calls) == 2
+    assert taken_by_another == [] and len(calls) == 2
     _check_results(records, items, expected)
     attempts = redis_server.client().hgetall(f"batchasr:job:{job.id}:attempts")
     assert {int(v) for v in attempts.values()} == {1}
