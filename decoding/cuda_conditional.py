@@ -192,9 +192,14 @@ class ConditionalGraphBuilder:
             with torch.cuda.stream(body_stream):  # PyTorch ops now land in the node's body graph
                 body()
                 self._launch_condition(args, body_handle)  # decides whether the body runs again
+        except BaseException:
+            # an op the body could not capture invalidated the capture, and ending it fails too: that failure
+            # would hide the op's error, which says what to fix (and what a fallback's warning logs)
+            drv.cuStreamEndCapture(body_handle)
+            raise
         finally:
             self._depth -= 1
-            _check(drv.cuStreamEndCapture(body_handle), "cuStreamEndCapture")
+        _check(drv.cuStreamEndCapture(body_handle), "cuStreamEndCapture")
 
     # --- helpers ----------------------------------------------------------------------------------------------
 

@@ -260,7 +260,8 @@ class LabelLoopingDecoder:
     def _fall_back(self, mode: str, what: str, exc: Exception, device: torch.device) -> None:
         if self.requested != "auto":
             raise exc
-        log.warning("%s capture failed (%s); label looping falls back to %s mode", what, exc, mode)
+        log.warning("%s capture failed (%s: %s); label looping falls back to %s mode", what, type(exc).__name__, exc,
+                    mode)
         self.mode = mode
         self._graphs.clear()  # one mode for both settings
         torch.cuda.synchronize(device)

@@ -66,6 +66,41 @@ def test_while_node_uses_the_signatures_of_both_cuda_versions(cuda_major):
                                 ("cuStreamUpdateCaptureDependencies", "stream", ["node"], 1, "set")]
 
 
+@pytest.mark.parametrize("fails", ["body", "nothing"])
+def test_a_body_that_breaks_the_capture_raises_its_own_error(monkeypatch, fails):
+    """An op that cannot be captured invalidates the capture, so ending it fails as well: that failure (a
+    CudaPythonError naming cuStreamEndCapture) came instead of the op's error, and a fallback's warning said only
+    that. The capture is ended either way, and the nesting depth restored."""
+    driver = fake_driver(12)
+    ended = []
+    driver.cuGraphConditionalHandleCreate = lambda *args: (0, "handle")
+    driver.cuCtxGetCurrent = lambda: (0, "ctx")
+    driver.CUstream = lambda handle: handle
+    driver.CUstreamCaptureMode = SimpleNamespace(CU_STREAM_CAPTURE_MODE_THREAD_LOCAL="thread local")
+    driver.cuStreamBeginCaptureToGraph = lambda *args: (0,)
+    invalidated = 901 if fails == "body" else 0  # CUDA_ERROR_STREAM_CAPTURE_INVALIDATED
+    driver.cuStreamEndCapture = lambda stream: ended.append(stream) or (invalidated, None)
+    builder = object.__new__(ConditionalGraphBuilder)  # skip __init__: it needs a live capture
+    builder._driver, builder._graph, builder._depth, builder._keepalive = driver, "graph", 0, []
+    builder._body_streams = [SimpleNamespace(cuda_stream="body stream")]
+    monkeypatch.setattr(builder, "_kernel_args", lambda handle, flag: "args", raising=False)
+    monkeypatch.setattr(builder, "_launch_condition", lambda args, stream: None, raising=False)
+    monkeypatch.setattr(builder, "_current_stream", lambda: "parent", raising=False)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+
+    def body():
+        if fails == "body":
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    flag = torch.zeros((), dtype=torch.bool)
+    if fails == "body":
+        with pytest.raises(RuntimeError, match="operation not permitted"):
+            builder.while_loop(flag, body)
+    else:
+        builder.while_loop(flag, body)
+    assert ended == ["body stream"] and builder._depth == 0
+
+
 def test_check_unpacks_and_raises():
     assert _check((0,), "f") is None
     assert _check((0, "x"), "f") == "x"

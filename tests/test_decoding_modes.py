@@ -186,5 +186,5 @@ def test_a_capture_that_fails_falls_back_under_auto_and_raises_when_forced(monke
         assert decoder(encoded, lengths) == expected  # and again, eagerly, without trying to capture again
     assert decoder.mode == "eager" and decoder.n_captures == 0
     falls = [r.getMessage() for r in caplog.records if "falls back" in r.getMessage()]
-    assert falls[-1].startswith("plain CUDA graph capture failed (operation not permitted")
+    assert falls[-1].startswith("plain CUDA graph capture failed (RuntimeError: operation not permitted")
     assert len(falls) == (2 if chosen == "conditional" else 1)
