@@ -79,14 +79,15 @@ if [ $# -gt 0 ] && [ ${#chosen[@]} -gt 1 ]; then
     exit 2
 fi
 
-if compgen -G ".whl/*.whl" > /dev/null; then
+wheels="${GPU_CHECK_WHEELS:-.whl}"  # the carried wheels (the script's own tests name an empty folder)
+if compgen -G "$wheels/*.whl" > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .whl/*.whl || exit 1
+        "$wheels"/*.whl || exit 1
     export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-if compgen -G ".whl/redis/*.deb" > /dev/null; then  # Redis for the bulk-job stage, unpacked beside the image
-    for deb in .whl/redis/*.deb; do dpkg -x "$deb" /tmp/redis; done
+if compgen -G "$wheels/redis/*.deb" > /dev/null; then  # Redis for the bulk-job stage, unpacked beside the image
+    for deb in "$wheels"/redis/*.deb; do dpkg -x "$deb" /tmp/redis; done
     export PATH="/tmp/redis/usr/bin:$PATH"
     export LD_LIBRARY_PATH="/tmp/redis/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi

@@ -12,7 +12,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def gpu_check(out: Path, budget_s: int, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OUT": str(out), "GPU_CHECK_BUDGET_S": str(budget_s)}
+    # no wheels: those a checkout carries for the GPU image (scripts/prepare_gpu_carry.sh) need its Python
+    env = {**os.environ, "OUT": str(out), "GPU_CHECK_BUDGET_S": str(budget_s), "GPU_CHECK_WHEELS": str(out / "none")}
     return subprocess.run(["bash", "scripts/gpu_check.sh", *args], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=300)
 
