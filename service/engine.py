@@ -123,7 +123,7 @@ class Engine:
             log.exception("engine warm-up failed")
             self.state, self.error = EngineState.FAILED, f"warm-up failed: {exc}"
             self._ready.set()
-            self.batcher.close()
+            self.batcher.fail_all(exc)  # a job consumer queues items before the engine is ready
             return
         self.state = EngineState.READY
         self._ready.set()

@@ -8,7 +8,7 @@ import torch
 
 from models import load_model
 from models.audio_io import read_audio
-from service.batcher import Batch, Batcher, WorkItem
+from service.batcher import Batch, Batcher, Priority, WorkItem
 from service.engine import Engine
 from service.metrics import Metrics
 from service.staging import BatchStager
@@ -83,3 +83,24 @@ def test_batches_are_staged_ahead_on_cuda_only():
     batcher = Batcher(2, 1000.0, 0.0, 100)
     assert not BatchStager(batcher, torch.device("cpu")).ahead
     assert BatchStager(batcher, torch.device("cpu"), ahead=True).ahead
+
+
+def test_items_queued_before_a_warm_up_that_fails_get_its_error(parity_dir):
+    """A job consumer queues items from the start, before the engine is ready. A warm-up that failed closed the
+    queue and left them there: each waited out its timeout (an hour for a job item), and a shutdown waited on
+    them."""
+    model = load_model(parity_dir / "tdt.nemo", device="cpu", dtype="float32")
+    batcher = Batcher(4, 100.0, 0.0, 10)
+    engine = Engine(model, batcher, Metrics())
+
+    def failing_warm_up():
+        raise RuntimeError("CUDA error: out of memory")
+
+    engine._warm_up = failing_warm_up
+    item = WorkItem(np.zeros(16000, dtype=np.float32), Priority.BULK, timeout_s=3600)
+    batcher.submit([item])
+    engine.start()
+    assert not engine.wait_ready(30) and engine.failed and "out of memory" in engine.error
+    with pytest.raises(RuntimeError, match="out of memory"):
+        item.future.result(timeout=5)
+    assert batcher.depth == 0
