@@ -16,7 +16,7 @@ from fastapi.responses import StreamingResponse
 from decoding.types import Hotwords
 
 from .audio import AudioRequestError
-from .batcher import Priority, QueueFull
+from .batcher import BatcherClosed, Priority, QueueFull
 from .http import ApiError, ServiceState, client_closed, internal_error, request_owner
 from .request_audio import audio_error
 from .response_bodies import openai_logprobs
@@ -42,6 +42,11 @@ async def transcribe(request: Request, service: ServiceState, waveform: np.ndarr
                                                                      hotwords, request_owner(request)))
 
 
+# why the engine did not take or finish a request's work, each an answer of the API's (engine_error); BatcherClosed:
+# its queue closed (the engine failed, or a shutdown drains it) after the request found it ready
+ENGINE_REFUSALS = (QueueFull, TimeoutError, EngineUnavailable, BatcherClosed)
+
+
 async def while_client_waits(request: Request, work: Awaitable[T]) -> T:
     """Await ``work`` unless the client goes away first (then it is cancelled: its queued pieces never reach the
     engine, and the answer is 499); its failures become the API's errors."""
@@ -53,7 +58,7 @@ async def while_client_waits(request: Request, work: Awaitable[T]) -> T:
             task.cancel()
             raise client_closed()
         return task.result()
-    except (QueueFull, TimeoutError, EngineUnavailable) as exc:
+    except ENGINE_REFUSALS as exc:
         raise engine_error(exc) from exc
     except AudioRequestError as exc:  # more pieces than the queue holds
         raise audio_error(exc) from exc
@@ -63,7 +68,7 @@ async def while_client_waits(request: Request, work: Awaitable[T]) -> T:
                 pending.cancel()
 
 
-def engine_error(exc: QueueFull | TimeoutError | EngineUnavailable) -> ApiError:
+def engine_error(exc: QueueFull | TimeoutError | EngineUnavailable | BatcherClosed) -> ApiError:
     """Why the engine did not transcribe a request, as the API says it."""
     if isinstance(exc, QueueFull):
         return ApiError(429, str(exc), type="rate_limit_error", code="queue_full",
@@ -86,7 +91,7 @@ async def stream_transcription(request: Request, service: ServiceState, waveform
     try:
         queued = await service.stack.transcriber.submit(waveform, Priority.INTERACTIVE, skip_silence,
                                                         hotwords=hotwords, owner=request_owner(request))
-    except (QueueFull, EngineUnavailable) as exc:
+    except ENGINE_REFUSALS as exc:
         raise engine_error(exc) from exc
     except AudioRequestError as exc:  # more pieces than the queue holds
         raise audio_error(exc) from exc
@@ -120,7 +125,7 @@ async def transcription_events(queued: QueuedRequest, deltas: AsyncIterator[Text
         if logprobs_from is not None:
             done["logprobs"] = _dumped(openai_logprobs(transcript.tokens, transcript.token_logprobs, logprobs_from))
         yield _event(done)
-    except (QueueFull, TimeoutError, EngineUnavailable) as exc:
+    except ENGINE_REFUSALS as exc:
         yield _event({"type": "error", **engine_error(exc).body()})
     except Exception as exc:  # a batch that failed (the headers are sent: the stream says so, as it promises)
         log.exception("transcription stream failed")

@@ -188,6 +188,24 @@ def test_an_engine_thread_that_dies_answers_what_waits_and_is_not_ready(parity_d
         assert health.status_code == 503 and health.json()["status"] == "failed"
 
 
+@pytest.mark.parametrize("route", ["/v1/audio/transcriptions", "/v1/transcribe", "stream"])
+def test_a_request_that_finds_the_queue_closed_is_told_to_come_back(parity_dir, parity_audio, route):
+    """The engine still ready as the request was decoded, its queue closed by the time the request's pieces came
+    (the engine failing, or a shutdown draining it): that was a 500 internal error from one process, while a front
+    end said 503 for the same."""
+    model = load_model(parity_dir / "tdt.nemo", device="cpu", dtype="float32")
+    data = Path(parity_audio[0]).read_bytes()
+    with run_server(Settings(), model) as running:
+        running.service.stack.batcher.close()
+        if route == "stream":
+            answer = httpx.post(f"{running.url}/v1/audio/transcriptions", files={"file": ("a.wav", data, "audio/wav")},
+                                data={"stream": "true"}, timeout=60)
+        else:
+            answer = httpx.post(f"{running.url}{route}", files={"file": ("a.wav", data, "audio/wav")}, timeout=60)
+        assert answer.status_code == 503, answer.text
+        assert answer.json()["error"]["code"] == "engine_unavailable" and answer.headers["Retry-After"]
+
+
 @pytest.mark.parametrize(("error", "broken"), [
     (torch.AcceleratorError("CUDA error: an illegal memory access was encountered"), True),
     (RuntimeError("CUDA error: device-side assert triggered"), True),
