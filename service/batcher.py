@@ -272,19 +272,38 @@ class Batcher:
         next_deadline = math.inf
         for priority, queue in list(self._queues.items()):
             alive: deque[WorkItem] = deque()
+            losers: set[str] = set()  # owners of items dropped
             for item in queue:
-                if item.future.cancelled():
-                    self._on_drop("cancelled")
-                elif due_by < item.deadline:
+                if due_by < item.deadline and not item.future.cancelled():
                     alive.append(item)
                     next_deadline = min(next_deadline, item.deadline)
-                elif item.future.set_running_or_notify_cancel():
+                    continue
+                losers.add(item.owner)
+                if not item.future.cancelled() and item.future.set_running_or_notify_cancel():
                     self._on_drop("expired")
                     item.future.set_exception(TimeoutError(f"not processed within {item.timeout_s:.0f} s"))
                 else:
                     self._on_drop("cancelled")
-            self._queues[priority] = alive
+            self._queues[priority] = self._turns_without_dropped(priority, alive, losers) if losers else alive
         self._next_deadline = next_deadline
+
+    def _turns_without_dropped(self, priority: Priority, queue: deque[WorkItem], owners: set[str]) -> deque[WorkItem]:
+        """``queue`` in order of turn again, the turns of ``owners``' items left in it given as if their items
+        dropped unserved had never come: each by its audio after its owner's item before it, or after the items
+        served, and never later than it was. Held against the owner, a backfill its client gave up on put its next
+        request behind all the others' work. The owner's next item follows its last one left (none: served's)."""
+        served, turns = self._served[priority], self._owner_turns[priority]
+        last: dict[str, int] = {}
+        for item in queue:  # an owner's items are in the order they came (its turns only grow)
+            if item.owner in owners:
+                item.turn = min(item.turn, max(last.get(item.owner, 0), served) + _cost(item))
+                last[item.owner] = item.turn
+        for owner in owners:
+            if owner in last:
+                turns[owner] = last[owner]
+            else:
+                turns.pop(owner, None)
+        return deque(sorted(queue, key=_turn))  # stable: items of equal turns keep their order
 
     @property
     def fixed_shapes(self) -> bool:

@@ -119,6 +119,26 @@ def test_an_owner_back_after_a_while_takes_its_turn_at_the_head_of_the_line():
     assert sorted(_owners(b.next_batch())) == ["a", "a", "b", "b"]
 
 
+@pytest.mark.parametrize("gone", ["cancelled", "expired"])
+def test_items_dropped_unserved_are_not_held_against_their_owner(gone):
+    """a queued 100 items of 30 s and they were dropped unserved (its clients went away, or their time ran out):
+    a's next item was still given its turn after all of them, behind everything b queued meanwhile, 50 items."""
+    b = _batcher(max_batch_size=1, max_queue=1000)
+    given_up = [WorkItem(np.zeros(30 * 16000, dtype=np.float32), Priority.BULK, 0.05 if gone == "expired" else 60.0,
+                         owner="a") for _ in range(100)]
+    b.submit(given_up)
+    if gone == "cancelled":
+        for item in given_up:
+            item.future.cancel()
+    else:
+        time.sleep(0.1)  # past their deadline
+    b.submit(_owned("b", 25))
+    b.submit(_owned("a", 1))
+    b.submit(_owned("b", 25))
+    order = "".join(_owners(b.next_batch()) for _ in range(51))
+    assert order.count("a") == 1 and order.index("a") <= 1, order
+
+
 def test_turns_are_shared_by_audio_not_by_items():
     """b's items are twice as long as a's: b gets one turn for two of a's, the same audio each. (A batch is its
     first item, in turn, and items of similar length from the next: one item a batch shows the turns.)"""
