@@ -307,7 +307,8 @@ for i = 6, #ARGV do
   local index = ARGV[i]
   if redis.call('HGET', KEYS[2], index) == 'failed' then
     local input = redis.call('HGET', KEYS[6], index)
-    if not input or cjson.decode(input)['upload'] then
+    local readable, record = pcall(cjson.decode, input or '')
+    if not readable or type(record) ~= 'table' or record['upload'] then  -- an upload, or no input to queue
       kept = kept + 1
     elseif queued >= room then
       deferred = deferred + 1

@@ -288,7 +288,11 @@ class JobConsumer:
     async def _process(self, job_id: str, index: int, share: AudioClaim, priority: Priority, owner: str) -> None:
         """``share``: the item's part of the consumer's audio budget, told its length once decoded; ``priority``
         and ``owner`` (its job's): its place in the batcher."""
-        start = await self.store.start_item(job_id, index)
+        try:
+            start = await self.store.start_item(job_id, index)
+        except JobInputError as exc:
+            await self._fail(job_id, index, None, str(exc))
+            return
         if start.state != "in_progress":
             return  # finished, cancelled or expired meanwhile: just acknowledge
         record, attempts = start.record, start.attempts

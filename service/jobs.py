@@ -390,7 +390,8 @@ class JobStore(ItemStreams):
     # --- item transitions (used by the consumer) ---------------------------------------------------------------
 
     async def start_item(self, job_id: str, index: int) -> ItemStart:
-        """Mark the item in progress (unless it is finished) and read its input, in one round trip."""
+        """Mark the item in progress (unless it is finished) and read its input, in one round trip; an input that
+        cannot be read is ``JobInputError``."""
         keys = [JOB_KEY.format(job_id=job_id), STATES_KEY.format(job_id=job_id), ATTEMPTS_KEY.format(job_id=job_id),
                 INPUTS_KEY.format(job_id=job_id), UPLOAD_KEY.format(job_id=job_id, index=index)]
         state, attempts, *item = await self._start(keys=keys, args=[index, _now(), INLINE_UPLOAD_BYTES])
@@ -398,9 +399,14 @@ class JobStore(ItemStreams):
         if state != "in_progress":
             return ItemStart(state, int(attempts))
         raw_input, upload_bytes, *upload = item
-        if raw_input is None:
-            raise JobNotFound(f"{job_id}/{index}")
-        return ItemStart(state, int(attempts), json.loads(raw_input), None if upload_bytes < 0 else upload_bytes,
+        try:  # a job written straight into Redis may lack one: failed, not delivered again for good
+            record = json.loads(raw_input)
+            if not isinstance(record, dict):
+                raise ValueError("not a JSON object")
+        except (TypeError, ValueError) as exc:
+            raise JobInputError(f"item {index} of job {job_id} has no input record that can be read "
+                                f"({'none' if raw_input is None else exc})") from exc
+        return ItemStart(state, int(attempts), record, None if upload_bytes < 0 else upload_bytes,
                          upload[0] if upload else None)
 
     async def read_upload(self, start: ItemStart) -> BinaryIO:
@@ -448,9 +454,10 @@ class JobStore(ItemStreams):
             pipe.expire(template.format(job_id=job_id), self.result_ttl_s)
         inputs = await self.redis.hgetall(INPUTS_KEY.format(job_id=job_id))
         for raw in inputs.values():
-            record = json.loads(raw)
-            if "upload" in record:
-                pipe.delete(record["upload"])  # audio is not kept once its result is
+            with contextlib.suppress(ValueError):  # an input that cannot be read (its item failed for it) names none
+                record = json.loads(raw)
+                if isinstance(record, dict) and "upload" in record:
+                    pipe.delete(record["upload"])  # audio is not kept once its result is
         await pipe.execute()
 
     # --- cancel, retry, delete ---------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from service.job_keys import (
     WEBHOOK_STREAM,
     item_stream,
 )
-from service.job_types import ItemInput, Job, JobOptions, JobPriority, item_record
+from service.job_types import ItemInput, Job, JobOptions, JobPriority, Retried, item_record
 from service.jobs import JobStore
 from service.metrics import Metrics
 from service.runtime import READING_SHARE, build_stack
@@ -435,6 +435,37 @@ def test_an_upload_that_expired_before_a_worker_took_it_fails_with_the_reason(re
     records = asyncio.run(JobStore.from_url(redis_server.url).results(state["job"].id))
     assert [(r["audio"], r["status"]) for r in records] == [(i.audio, "failed") for i in items]
     assert all("expired before it was processed" in r["error"] for r in records)
+
+
+def test_an_item_whose_input_record_cannot_be_read_fails_once(redis_server, model, parity_audio, expected):
+    """A job written straight into Redis with an item's input missing or not JSON: each delivery raised on reading
+    it, before the attempts were counted against the limit, so the item was delivered again for good and its job
+    never ended."""
+    items = upload_items(parity_audio, 3)
+    state = {}
+
+    async def body(store):
+        state["job"], _ = await store.submit(items)
+        inputs = f"batchasr:job:{state['job'].id}:inputs"
+        await store.redis.hdel(inputs, 0)
+        await store.redis.hset(inputs, 1, "{not json")
+
+    asyncio.run(asyncio.wait_for(drain_jobs(Settings(redis_url=redis_server.url), model, body), 120))
+
+    async def outcome(store: JobStore) -> tuple[Job, list[dict], Retried]:
+        job_id = state["job"].id
+        return await store.get(job_id), await store.results(job_id), await store.retry_failed(job_id)
+
+    job, records, retried = asyncio.run(outcome(JobStore.from_url(redis_server.url)))
+    assert (retried.retried, retried.unretried) == (0, 2)  # nothing to queue again (the script raised on them)
+    assert job.status.value == "completed_with_errors" and job.counts["failed"] == 2
+    assert [r["status"] for r in records] == ["failed", "failed", "completed"]
+    assert "has no input record that can be read (none)" in records[0]["error"]
+    assert "has no input record that can be read" in records[1]["error"]
+    assert records[2]["text"] == expected[items[2].audio]
+    attempts = redis_server.client().hgetall(f"batchasr:job:{job.id}:attempts")
+    assert {int(v) for v in attempts.values()} == {1}
+    assert redis_server.client().xpending(ITEM_STREAM, GROUP)["pending"] == 0
 
 
 def test_a_stream_entry_that_names_no_item_is_dead_lettered_once(redis_server, model, parity_audio, expected):
