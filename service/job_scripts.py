@@ -52,8 +52,9 @@ local function end_job_if_done(job_key, webhook_stream, now, job_id)
   elseif failed == total then status = 'failed'
   elseif failed > 0 then status = 'completed_with_errors' end
   redis.call('HSET', job_key, 'status', status, 'finished_at', now)
+  local ends = redis.call('HINCRBY', job_key, 'ends', 1)  -- a retry of its failed items ends it again
   local hook = redis.call('HGET', job_key, 'webhook_url')
-  if hook and hook ~= '' then redis.call('XADD', webhook_stream, '*', 'job', job_id) end
+  if hook and hook ~= '' then redis.call('XADD', webhook_stream, '*', 'job', job_id, 'end', ends) end
   return 2
 end
 """
@@ -114,11 +115,16 @@ redis.call('HINCRBY', KEYS[1], 'n_cancelled', n)
 return end_job_if_done(KEYS[1], KEYS[5], ARGV[1], ARGV[2])
 """
 
-# KEYS: a hash. ARGV: field, value, ... Written only while the hash exists: a late write to an expired job would
-# leave a hash behind with no TTL.
-HSET_IF_EXISTS = """
-if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], unpack(ARGV)) return 1 end
-return 0
+# KEYS: job. ARGV: the end of the job the webhook announced (its 'ends' then; 0: a delivery queued before ends
+# were counted), then field, value, ... How a delivery went, written only while the job is still at that end: not
+# once it has expired (a late write would leave a hash behind with no TTL), nor once a retry has made it owe
+# another (a first end's delivery finishing after the retry would mark the next one done before it was sent).
+RECORD_WEBHOOK = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local job = redis.call('HMGET', KEYS[1], 'ends', 'finished_at')
+if ARGV[1] ~= '0' and (job[1] ~= ARGV[1] or not job[2]) then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+return 1
 """
 
 # KEYS: job, errors. ARGV: index, error. An item's last error, kept while the job is, and as long.

@@ -150,6 +150,7 @@ class Job:
     webhook_status: str | None = None  # pending | delivered | failed, when the job has a webhook
     webhook_attempts: int = 0
     webhook_error: str | None = None
+    ends: int = 0  # how many times it has ended: once, and again after each retry of its failed items
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -233,7 +234,7 @@ def job_from_fields(job_id: str, h: dict[str, str]) -> Job:
                hotwords=tuple(json.loads(h.get("hotwords") or "[]")),
                webhook_url=h.get("webhook_url") or None,
                webhook_status=h.get("webhook_status") or None, webhook_attempts=int(h.get("webhook_attempts", 0)),
-               webhook_error=h.get("webhook_error") or None)
+               webhook_error=h.get("webhook_error") or None, ends=int(h.get("ends", 0)))
 
 
 def deleted_job(job_id: str) -> dict[str, Any]:

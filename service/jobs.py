@@ -47,9 +47,9 @@ from .job_scripts import (
     CANCEL_QUEUED,
     EXPIRE_ALL,
     FINISH_ITEM,
-    HSET_IF_EXISTS,
     OWNER_ITEMS,
     RECORD_ERROR,
+    RECORD_WEBHOOK,
     RESERVE_ITEMS,
     RETRY_FAILED,
     START_ITEM,
@@ -116,7 +116,7 @@ class JobStore(ItemStreams):
         self.max_upload_bytes = max_upload_bytes
         self._start = client.register_script(START_ITEM)
         self._finish = client.register_script(FINISH_ITEM)
-        self._update_existing = client.register_script(HSET_IF_EXISTS)
+        self._record_webhook = client.register_script(RECORD_WEBHOOK)
         self._cancel_queued = client.register_script(CANCEL_QUEUED)
         self._record_error = client.register_script(RECORD_ERROR)
         self._expire_all = client.register_script(EXPIRE_ALL)
@@ -532,25 +532,25 @@ class JobStore(ItemStreams):
 
     # --- webhook deliveries (used by service.webhook_worker) ---------------------------------------------------
 
-    async def record_webhook(self, job_id: str, message_id: bytes, delivered: bool, attempts: int,
+    async def record_webhook(self, job_id: str, end: int, message_id: bytes, delivered: bool, attempts: int,
                              error: str | None) -> None:
-        """How the job's completion webhook went (nothing once the job has expired), and its delivery
-        acknowledged, in one transaction."""
+        """How the webhook of the job's ``end`` went (nothing once the job has expired, or owes another: retried
+        since), and its delivery acknowledged, in one transaction."""
         fields = ["webhook_status", "delivered" if delivered else "failed", "webhook_attempts", attempts,
                   "webhook_error", error or ""]
         pipe = self.redis.pipeline(transaction=True)
-        await self._update_existing(keys=[JOB_KEY.format(job_id=job_id)], args=fields, client=pipe)  # queued
+        await self._record_webhook(keys=[JOB_KEY.format(job_id=job_id)], args=[end, *fields], client=pipe)  # queued
         pipe.xack(WEBHOOK_STREAM, GROUP, message_id)
         await pipe.execute()
 
     async def ack_webhook(self, message_id: bytes) -> None:
         await self.redis.xack(WEBHOOK_STREAM, GROUP, message_id)
 
-    async def requeue_webhook(self, message_id: bytes, job_id: str) -> None:
+    async def requeue_webhook(self, message_id: bytes, job_id: str, end: int) -> None:
         """Hand a delivery back (a worker stopping): queued again for any worker, now, not after the claim
         timeout."""
         pipe = self.redis.pipeline(transaction=True)
-        pipe.xadd(WEBHOOK_STREAM, {"job": job_id})
+        pipe.xadd(WEBHOOK_STREAM, {"job": job_id, "end": end})
         pipe.xack(WEBHOOK_STREAM, GROUP, message_id)
         await pipe.execute()
 

@@ -5,6 +5,10 @@ workers' consumer group as the items are. A delivery is acknowledged in the tran
 outcome on the job; one a worker dropped (killed mid-delivery) is reclaimed after ``CLAIM_IDLE_S``; one a
 stopping worker had in hand is queued again at once. A receiver may therefore get a message twice: its
 ``webhook-id`` stays the same, for the receiver to drop the second, as Standard Webhooks asks of receivers.
+
+A job whose failed items are retried ends again, and owes a webhook again: each delivery names the end it
+announces (the job's ``ends`` then), and one whose job has ended again since, or is in progress again, is dropped
+unsent: the later end has its own.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ class WebhookWorker:
         self.in_flight = in_flight
         self.claim_idle_s = claim_idle_s
         self.stop_grace_s = stop_grace_s
-        self._deliveries: dict[asyncio.Task, tuple[bytes, str]] = {}  # task -> (stream entry, job id)
+        self._deliveries: dict[asyncio.Task, tuple[bytes, str, int]] = {}  # task -> (stream entry, job id, end)
         self.reclaim_interval_s = reclaim_interval_s
         self._reclaim = Periodic()
         self._group_ready = False
@@ -89,8 +93,10 @@ class WebhookWorker:
                 entries += new
         for message_id, fields in entries:
             job_id = fields.get(b"job", b"").decode(errors="replace")
-            task = asyncio.create_task(self._deliver(message_id, job_id))
-            self._deliveries[task] = (message_id, job_id)
+            raw_end = fields.get(b"end", b"")
+            end = int(raw_end) if raw_end.isdigit() else 0  # 0: queued before a job's ends were counted
+            task = asyncio.create_task(self._deliver(message_id, job_id, end))
+            self._deliveries[task] = (message_id, job_id, end)
             task.add_done_callback(self._deliveries.pop)
         return len(entries)
 
@@ -101,18 +107,20 @@ class WebhookWorker:
             log.info("reclaimed %d webhook deliveries from stalled consumers", len(claimed))
         return claimed
 
-    async def _deliver(self, message_id: bytes, job_id: str) -> None:
+    async def _deliver(self, message_id: bytes, job_id: str, end: int) -> None:
         try:
             try:
                 job = await self.store.get(job_id)
             except JobNotFound:  # expired, or an entry naming no job
                 await self.store.ack_webhook(message_id)
                 return
-            if not job.webhook_url or job.webhook_status in ("delivered", "failed"):  # done by another worker
+            passed = not job.finished or (end and job.ends != end)  # retried since: a later end has its own
+            if not job.webhook_url or passed or job.webhook_status in ("delivered", "failed"):  # or done already
                 await self.store.ack_webhook(message_id)
                 return
             delivery = Delivery(False, 0, NO_SECRET) if self.sender is None else await self.sender.job_finished(job)
-            await self.store.record_webhook(job.id, message_id, delivery.delivered, delivery.attempts, delivery.error)
+            await self.store.record_webhook(job.id, end, message_id, delivery.delivered, delivery.attempts,
+                                            delivery.error)
             self.metrics.count_webhook("delivered" if delivery.delivered else "failed")
         except REDIS_ERRORS as exc:  # unacknowledged: reclaimed after the claim timeout
             log.warning("redis error delivering the webhook of %s (%s); it will be retried", job_id, exc)
@@ -125,10 +133,10 @@ class WebhookWorker:
         for task in running:
             task.cancel()
         await asyncio.gather(*running, return_exceptions=True)
-        for message_id, job_id in handed:
+        for message_id, job_id, end in handed:
             self.metrics.count_webhook("handed_back")
             try:
-                await self.store.requeue_webhook(message_id, job_id)
+                await self.store.requeue_webhook(message_id, job_id, end)
             except REDIS_ERRORS as exc:  # still pending: reclaimed after the claim timeout
                 log.warning("could not hand back the webhook of %s (%s)", job_id, exc)
         if handed:

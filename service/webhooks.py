@@ -81,7 +81,8 @@ class WebhookSender:
         except UrlRefused as exc:
             log.warning("webhook for %s refused: %s", job.id, exc)
             return Delivery(False, 0, str(exc))
-        message_id = f"msg_{job.id}_finished"  # stable: receivers deduplicate redeliveries on it
+        # stable: receivers deduplicate redeliveries on it; a job that ends again after a retry is news again
+        message_id = f"msg_{job.id}_finished" + (f"_{job.ends}" if job.ends > 1 else "")
         body = json.dumps({"type": "transcription.job.completed", "created_at": time.time(),
                            "data": {"id": job.id, "status": job.status.value}}).encode()
         error = "not attempted"

@@ -41,7 +41,7 @@ def test_failed_path_and_url_items_are_queued_again_and_the_job_ends_again(redis
             assert client.ttl(JOB_KEY.format(job_id=job.id)) <= 600
             entries_before = client.xlen(ITEM_STREAM)
             hooks_before = client.xlen(WEBHOOK_STREAM)
-            await store.record_webhook(job.id, b"0-1", True, 1, None)
+            await store.record_webhook(job.id, 1, b"0-1", True, 1, None)
 
             client.config_set("maxmemory", client.info("memory")["used_memory"] - 1024)  # full: refused, untouched
             with pytest.raises(OutOfMemoryError):

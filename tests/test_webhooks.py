@@ -22,7 +22,7 @@ from standardwebhooks.webhooks import Webhook
 
 from service.config import Settings
 from service.job_keys import GROUP, ITEM_STREAM, WEBHOOK_STREAM
-from service.job_types import ItemInput, Job, JobOptions, JobStatus
+from service.job_types import ItemInput, Job, JobOptions, JobStatus, item_record
 from service.jobs import JobStore
 from service.metrics import Metrics
 from service.url_rules import NoPublicAddress, PublicAddressResolver, UrlRefused
@@ -392,6 +392,49 @@ def test_a_stopping_worker_hands_its_deliveries_back_at_once(redis_server, recei
     job = asyncio.run(scenario())
     assert (job.webhook_status, job.webhook_attempts) == ("delivered", 1)
     assert len(hook.received) == 2
+
+
+async def _failed_job_with_webhook(store: JobStore, url: str) -> str:
+    """A job of one path item that failed: it ends, and its webhook is queued; a retry queues the item again."""
+    job, _ = await store.submit([ItemInput(audio="a.wav", path="/audio/a.wav")], options=JobOptions(webhook_url=url))
+    await store.start_item(job.id, 0)
+    await store.finish_item(job.id, 0, "failed", item_record("a.wav", "failed", error="unreadable"), error="unreadable")
+    return job.id
+
+
+async def _completed_again(store: JobStore, job_id: str) -> None:
+    await store.start_item(job_id, 0)
+    assert await store.finish_item(job_id, 0, "completed", item_record("a.wav", "completed", text="a")) == 2
+
+
+@pytest.mark.parametrize("retried", ["while the first end's webhook is sent", "before a worker took it"])
+def test_a_job_retried_after_it_ended_announces_its_next_end_under_a_new_id(redis_server, receiver, retried):
+    """A retry makes a job owe its webhook again. The first end's delivery, finishing after the retry, marked the
+    job's webhook delivered, so the second end's was dropped unsent; one not yet taken at the retry announced the
+    job in progress as finished. Both ends' webhooks had one webhook-id, which receivers deduplicate on."""
+    hook = receiver(None, 200) if retried.startswith("while") else receiver(200)
+
+    async def scenario() -> Job:
+        store = JobStore.from_url(redis_server.url)
+        await store.ensure_group()
+        job_id = await _failed_job_with_webhook(store, hook.url())
+        first = WebhookWorker(store, WebhookSender(SECRET, url_prefixes=[hook.prefix()]), "first", Metrics())
+        if retried.startswith("while"):
+            assert await first.step(block_ms=100) == 1
+            await asyncio.to_thread(_wait_for, lambda: hook.received, 10, "the first delivery never arrived")
+        assert (await store.retry_failed(job_id)).retried == 1
+        hook.release.set()  # the first end's delivery finishes now, if it was under way
+        await first.drain()
+        await first.sender.close()
+        await _completed_again(store, job_id)
+        return await _deliver_the_rest(store, hook, job_id)
+
+    job = asyncio.run(scenario())
+    assert (job.status, job.ends, job.webhook_status, job.webhook_attempts) == (JobStatus.COMPLETED, 2, "delivered", 1)
+    sent = [(headers["webhook-id"], json.loads(body)["data"]["status"]) for headers, body in hook.received]
+    announced = [(f"msg_{job.id}_finished", "failed")] if retried.startswith("while") else []
+    assert sent == [*announced, (f"msg_{job.id}_finished_2", "completed")]
+    assert redis_server.client().xpending(WEBHOOK_STREAM, GROUP)["pending"] == 0
 
 
 def test_the_webhook_worker_makes_its_group_on_a_fresh_redis(redis_server):
