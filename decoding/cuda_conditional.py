@@ -54,8 +54,10 @@ def _bindings() -> tuple[Any, Any, tuple[int, ...]]:
     return driver, nvrtc, _version_tuple(cuda.bindings.__version__)
 
 
-def conditional_support() -> tuple[bool, str]:
-    """Whether conditional WHILE nodes can be used here, and why (for the mode log line)."""
+def conditional_support(device: torch.device | None = None) -> tuple[bool, str]:
+    """Whether conditional WHILE nodes can be used here, and why (for the mode log line). With ``device``, the
+    condition kernel is compiled and loaded for it too (once): an NVRTC newer than the driver makes code it
+    cannot load, which would otherwise show only at the first capture."""
     if os.environ.get(SWITCH, "1").strip() == "0":
         return False, f"switched off ({SWITCH}=0)"
     if not torch.cuda.is_available():
@@ -76,6 +78,11 @@ def conditional_support() -> tuple[bool, str]:
     if driver_version < MIN_DRIVER:
         return False, (f"CUDA driver {driver_version[0]}.{driver_version[1]} < "
                        f"{MIN_DRIVER[0]}.{MIN_DRIVER[1]}")
+    if device is not None:
+        try:
+            load_condition_kernel(device)
+        except (CudaPythonError, RuntimeError, OSError) as exc:  # no NVRTC library at all raises RuntimeError
+            return False, str(exc)
     return True, (f"CUDA driver {driver_version[0]}.{driver_version[1]}, "
                   f"cuda-python {'.'.join(map(str, version))}")
 

@@ -57,7 +57,7 @@ def choose_mode(requested: str, device: torch.device) -> ModeChoice:
         raise ValueError(f"cuda_graphs={requested!r} needs a CUDA device, got {device}")
     if requested == "no_while":
         return ModeChoice("no_while", "cuda_graphs='no_while'")
-    supported, why = conditional_support()
+    supported, why = conditional_support(device)
     if supported:
         return ModeChoice("conditional", why)
     if requested == "conditional":

@@ -136,12 +136,32 @@ def test_support_detection(monkeypatch, bindings, driver_version, supported, rea
     assert ok is supported and reason in why
 
 
+def test_a_condition_kernel_that_does_not_load_on_the_device_is_no_support(monkeypatch):
+    """NVRTC newer than the driver makes a kernel the driver cannot load: said when the mode is chosen (auto takes
+    plain graphs, a forced conditional mode refuses), not at the first capture."""
+    def no_kernel(device):
+        raise CudaPythonError("the condition kernel does not load: cuModuleLoadData failed: "
+                              "CUDA_ERROR_UNSUPPORTED_PTX_VERSION")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cuda_conditional, "_bindings", lambda: (fake_driver(12, 12080), None, (13, 0, 1)))
+    monkeypatch.setattr(cuda_conditional, "load_condition_kernel", no_kernel)
+    assert cuda_conditional.conditional_support()[0]  # no device: the driver and bindings alone
+    ok, why = cuda_conditional.conditional_support(torch.device("cuda", 0))
+    assert not ok and "UNSUPPORTED_PTX_VERSION" in why
+    choice = cuda_graphs.choose_mode("auto", torch.device("cuda", 0))
+    assert choice.mode == "no_while" and "UNSUPPORTED_PTX_VERSION" in choice.reason
+    with pytest.raises(RuntimeError, match="UNSUPPORTED_PTX_VERSION"):
+        cuda_graphs.choose_mode("conditional", torch.device("cuda", 0))
+
+
 @pytest.mark.parametrize(("value", "supported"), [("0", False), (" 0 ", False), ("1", True), ("", True)])
 def test_the_environment_switches_conditional_nodes_off(monkeypatch, value, supported):
     """BATCHASR_CONDITIONAL_NODES=0: a capable system says no, so "auto" takes plain graphs (a driver that
     misbehaves with conditional nodes need not stop the service, and scripts/gpu_check.sh uses it if they hang)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(cuda_conditional, "_bindings", lambda: (fake_driver(13, 13000), None, (13, 0, 1)))
+    monkeypatch.setattr(cuda_conditional, "load_condition_kernel", lambda device: "kernel")  # it loads
     monkeypatch.setenv(cuda_conditional.SWITCH, value)
     ok, why = cuda_conditional.conditional_support()
     assert ok is supported and (supported or "switched off (BATCHASR_CONDITIONAL_NODES=0)" in why)
@@ -149,14 +169,14 @@ def test_the_environment_switches_conditional_nodes_off(monkeypatch, value, supp
 
 
 def test_auto_falls_back_to_no_while_and_forced_conditional_raises(monkeypatch):
-    monkeypatch.setattr(cuda_graphs, "conditional_support", lambda: (False, "CUDA driver 12.4 < 12.6"))
+    monkeypatch.setattr(cuda_graphs, "conditional_support", lambda device: (False, "CUDA driver 12.4 < 12.6"))
     cuda = torch.device("cuda", 0)
     choice = cuda_graphs.choose_mode("auto", cuda)
     assert choice.mode == "no_while" and "12.4 < 12.6" in choice.reason
     with pytest.raises(RuntimeError, match="not available"):
         cuda_graphs.choose_mode("conditional", cuda)
     assert cuda_graphs.choose_mode("no_while", cuda).mode == "no_while"
-    monkeypatch.setattr(cuda_graphs, "conditional_support", lambda: (True, "CUDA driver 13.0"))
+    monkeypatch.setattr(cuda_graphs, "conditional_support", lambda device: (True, "CUDA driver 13.0"))
     assert cuda_graphs.choose_mode("auto", cuda).mode == "conditional"
 
 

@@ -26,7 +26,7 @@ SHAPES = ((1, 1), (1, 40), (3, 17), (8, 64), (16, 150))  # (rows, frames)
 
 def _require(mode: str) -> None:
     if mode == "conditional":
-        supported, why = conditional_support()
+        supported, why = conditional_support(torch.device("cuda"))
         if not supported:
             pytest.skip(f"conditional nodes unavailable: {why}")
 
