@@ -29,8 +29,14 @@ T = TypeVar("T")
 WAIT_OUTAGE_S = 300.0
 OUTAGE_STATUSES = (502, 503, 504)  # a server's answers that say it, or its Redis, is away for now
 OUTAGE_ERRORS = (httpx.TransportError, httpx.HTTPStatusError, *REDIS_ERRORS)  # what submit rides out
+
+
+class RedisUnreached(aioredis.ConnectionError):
+    """No connection to Redis could be made at all."""
+
+
 # a first try that meets one of these has reached nothing: a wrong address most likely, said at once
-NOTHING_THERE = (httpx.ConnectError, aioredis.ConnectionError)
+NOTHING_THERE = (httpx.ConnectError, RedisUnreached)
 
 
 class NoSuchJob(ValueError):
@@ -147,14 +153,29 @@ class ServerClient:
 class RedisClient:
     def __init__(self, url: str):
         self.store = JobStore.from_url(url)
+        self.reached = False
+
+    async def _reach(self) -> None:
+        """Raise ``RedisUnreached`` if Redis cannot be reached at all. redis-py says ConnectionError alike for a
+        connection refused and for one lost half-way through a command (a restart, a failover): a first submission cut
+        off so was taken for a wrong address and ended the command, though its job may have been written."""
+        if self.reached:
+            return
+        try:
+            await self.store.redis.ping()
+        except aioredis.ConnectionError as exc:
+            raise RedisUnreached(str(exc)) from exc
+        self.reached = True
 
     async def submit(self, inputs: list[Input], idempotency_key: str | None, options: JobOptions) -> dict[str, Any]:
+        await self._reach()
         # the workers check the webhook URL against their own settings when they post (and record a refusal)
         job, _ = await self.store.submit([item_input(source, options.multichannel) for source in inputs],
                                          idempotency_key, options)
         return job.to_dict()
 
     async def get(self, job_id: str) -> dict[str, Any]:
+        await self._reach()
         try:
             return (await self.store.get(job_id)).to_dict()
         except JobNotFound as exc:
@@ -162,6 +183,7 @@ class RedisClient:
 
     async def act(self, job_id: str, action: JobAction) -> dict[str, Any]:
         # straight in Redis, any job: whoever reaches Redis runs the store
+        await self._reach()
         try:
             if action == "purge":
                 await self.store.delete(job_id)
@@ -181,6 +203,7 @@ class RedisClient:
             raise _no_such_job(job_id) from exc
 
     async def list_jobs(self, limit: int, after: str | None, status: str | None) -> tuple[list[dict[str, Any]], bool]:
+        await self._reach()
         try:  # straight from Redis: the jobs submitted without an API key
             jobs, more = await self.store.list_jobs(ANONYMOUS, limit, after, JobStatus(status) if status else None)
         except JobNotFound as exc:
@@ -189,6 +212,7 @@ class RedisClient:
 
     async def room(self) -> tuple[int, int | None]:
         # no limit: the queued-items limit is the API's, and straight to Redis is the operator's way in
+        await self._reach()
         return await self.store.queued_items(ANONYMOUS), None
 
     async def close(self) -> None:

@@ -255,6 +255,33 @@ def test_submit_cli_to_an_address_that_answers_nothing_says_so_at_once(parity_au
     assert "trying again" not in result.stderr
 
 
+def test_a_first_submit_cut_off_mid_way_by_redis_is_tried_again_not_taken_for_a_wrong_address(redis_server,
+                                                                                                parity_audio, capsys):
+    """A first try that reached Redis and lost its connection half-way (a restart, a failover, a killed client) is an
+    outage: it ended the command with "cannot reach Redis" as a wrong address does, though the job may have been
+    written, and a second run made a second one."""
+    admin = redis_server.client()
+
+    async def scenario() -> tuple[int, str]:
+        out = io.StringIO()
+        admin.execute_command("CLIENT", "PAUSE", 3000, "WRITE")  # the submission's first write waits here
+        submitting = asyncio.create_task(run_submit([Path(parity_audio[0])], redis_server.url, None, None, False,
+                                                    out, idempotency_key="cut-off"))
+        while not any("b" in client["flags"] for client in await asyncio.to_thread(admin.client_list)):  # blocked
+            await asyncio.sleep(0.02)
+        admin.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+        admin.execute_command("CLIENT", "UNPAUSE")
+        return await submitting, out.getvalue()
+
+    code, out = asyncio.run(scenario())
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "trying again" in err and "cannot reach" not in err
+    assert [json.loads(line)["total_items"] for line in out.splitlines()] == [1]
+    jobs = [key for key in admin.keys("batchasr:job:job_*") if key.count(b":") == 2]  # the hashes
+    assert len(jobs) == 1  # one job: the try again found the first one's, or made it
+
+
 def test_submit_and_jobs_cli_take_redis_from_the_environment_and_say_when_there_is_none(redis_server, parity_audio):
     """As the worker does, `submit` and `jobs` read BATCHASR_REDIS_URL when no --redis-url (or --server) is given;
     with neither they exit 2 saying what they need (argparse's "one of the arguments is required" did not name the
