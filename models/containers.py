@@ -25,7 +25,7 @@ TS_PACKET = 188
 # the bit rate, not to be held against the audio
 EXACT_DURATION_FORMATS = {"mov", "matroska"}
 FORMAT_NAMES = {"mov": "MP4/M4A/MOV", "matroska": "Matroska/WebM", "mpegts": "MPEG-TS", "aac": "AAC (ADTS)",
-                "amr": "AMR"}
+                "amr": "AMR", "flac": "FLAC", "wav": "WAV"}
 TRUNCATION_TOLERANCE_S = 0.5  # decoders may drop a partial frame or a codec's priming at the end
 
 
@@ -55,7 +55,35 @@ def container_format(head: bytes) -> str | None:
         return "aac"
     if len(head) > 2 * TS_PACKET and head[0] == head[TS_PACKET] == head[2 * TS_PACKET] == 0x47:
         return "mpegts"
+    if _flac_of_unknown_length(head):
+        return "flac"
+    if _wav_of_unknown_length(head):
+        return "wav"
     return None
+
+
+def _flac_of_unknown_length(head: bytes) -> bool:
+    """A FLAC whose STREAMINFO states 0 samples, "unknown" (encoders writing to a pipe): libsndfile takes that for a
+    length of 2^63 - 1 frames, and its reads then fail; FFmpeg reads such a file to its end."""
+    # STREAMINFO comes first: its block type 0, its 34 bytes
+    if len(head) < 42 or not head.startswith(b"fLaC") or head[4] & 0x7F != 0 or head[5:8] != b"\x00\x00\x22":
+        return False
+    fields = int.from_bytes(head[8 + 10 : 8 + 18], "big")  # rate (20 bits), channels, depth, samples (36 bits)
+    return fields >> 44 != 0 and fields & ((1 << 36) - 1) == 0
+
+
+def _wav_of_unknown_length(head: bytes) -> bool:
+    """A RIFF/WAVE whose data chunk states 0 bytes with samples after it (older FFmpeg, writing to a pipe):
+    libsndfile takes the 0 literally, FFmpeg reads to the end."""
+    if len(head) < 12 or head[:4] != b"RIFF" or head[8:12] != b"WAVE":
+        return False
+    offset = 12
+    while offset + 8 <= len(head):
+        size = int.from_bytes(head[offset + 4 : offset + 8], "little")
+        if head[offset : offset + 4] == b"data":
+            return size == 0 and offset + 8 < len(head)
+        offset += 8 + size + (size & 1)
+    return False
 
 
 def _av():

@@ -14,6 +14,7 @@ and costs no more than the longest mono one.
 from __future__ import annotations
 
 import io
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -111,8 +112,8 @@ def stretch_frames(stretch: Stretch, rate: int, total: int) -> tuple[int, int | 
     if total and first >= total:
         raise AudioRequestError(f"the offset ({stretch.offset_s:g} s) lies past the end of the audio "
                                 f"({total / rate:.1f} s)")
-    if count is None and total:
-        return first, total - first
+    if total:  # a duration past the end (manifests round theirs up) is what the file holds
+        return first, total - first if count is None else min(count, total - first)
     return first, count
 
 
@@ -205,7 +206,7 @@ def _read_resampled(f: sf.SoundFile, limits: AudioLimits, max_s: float, channels
     until the end of the data (not the header's claim); refused past ``max_s`` seconds, or once a block holds a
     sample that is not finite (NaN or infinity in spreads through the resampler's filter, so none is missed) or
     is past ``MAX_AMPLITUDE``."""
-    max_frames = int(max_s * f.samplerate) + 1
+    max_frames = math.floor(max_s * f.samplerate)  # as a header's claim is held to it: a frame more is refused
     # no more than a frame past the limit is read: a block is counted once resampled, and at a few Hz a block of
     # BLOCK_FRAMES is hours at 16 kHz (a 300 kB Matroska file of 1 Hz FLAC stating no duration asked for 67 GB)
     n_frames = max_frames + 1 if n_frames is None else min(n_frames, max_frames + 1)

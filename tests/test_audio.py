@@ -170,12 +170,12 @@ def test_a_stretch_past_where_a_damaged_mp3_can_seek_is_an_audio_error(tmp_path)
         decode_audio_file(path, LIMITS, stretch=Stretch(offset_s))
 
 
-@pytest.mark.parametrize("declared", [0xFFFFFFFF, 0x7FFFF000, 0x7FFF0000, 0x80000000],
-                         ids=["all-ones", "sox", "gstreamer", "arecord"])
+@pytest.mark.parametrize("declared", [0xFFFFFFFF, 0x7FFFF000, 0x7FFF0000, 0x80000000, 0],
+                         ids=["all-ones", "sox", "gstreamer", "arecord", "zero"])
 def test_a_wav_streamed_through_a_pipe_decodes_whatever_size_its_header_guessed(declared):
     """A tool writing WAV to a pipe cannot go back to fill in the sizes: sox writes 0x7FFFF000 (some 11 hours at
     16 kHz), which was refused as too long; GStreamer's 0x7FFF0000 and arecord's 0x80000000 (`arecord > x.wav`)
-    were refused as truncated, by the Python API too."""
+    were refused as truncated, by the Python API too; older FFmpeg's 0 read as "no samples" (FFmpeg reads it now)."""
     data = bytearray(_encode(np.sin(np.arange(16000 * 2) / 9).astype(np.float32) * 0.3, 16000, "WAV", "PCM_16"))
     expected = decode_audio(bytes(data), LIMITS)
     at = data.index(b"data")
@@ -257,3 +257,43 @@ def test_a_long_recording_is_held_once_while_it_decodes(rate, channels):
             tracemalloc.stop()
         assert len(samples) == pytest.approx(len(recording), abs=16)
         assert peak < 1.3 * samples.nbytes, f"{peak / samples.nbytes:.2f} times the waveform held"
+
+
+def test_a_flac_stating_an_unknown_length_decodes_and_is_held_to_the_limit_as_it_is_read(monkeypatch):
+    """A FLAC encoded to a pipe states 0 samples, "unknown": libsndfile took that for 2^63 - 1 frames, so the
+    service refused it as 576,460,752,303,423 s long "per its header", and the Python API failed reading it."""
+    data = bytearray(_encode(np.sin(np.arange(16000 * 3) / 7).astype(np.float32) * 0.3, 16000, "FLAC"))
+    expected = decode_audio(bytes(data), LIMITS)
+    data[8 + 13] &= 0xF0  # STREAMINFO's 36-bit sample count, from the low half of its 14th byte: 0
+    data[8 + 14 : 8 + 18] = bytes(4)
+    np.testing.assert_array_equal(decode_audio(bytes(data), LIMITS), expected)
+    np.testing.assert_array_equal(read_audio(bytes(data)), expected)
+    monkeypatch.setattr(audio, "BLOCK_FRAMES", 4000)
+    with pytest.raises(AudioTooLarge, match="longer than allowed"):
+        decode_audio(bytes(data), AudioLimits(max_bytes=LIMITS.max_bytes, max_duration_s=2.0))
+
+
+def test_a_stretch_running_past_the_end_of_its_file_is_what_the_file_holds():
+    """Manifests round durations up: a 20 s file's item of 30.5 s (or of an hour) was refused as "30.5 s long (per
+    its header)" against a 30 s limit."""
+    data = _encode(np.sin(np.arange(16000 * 20) / 7).astype(np.float32) * 0.3, 16000, "WAV", "PCM_16")
+    limits = AudioLimits(max_bytes=LIMITS.max_bytes, max_duration_s=30.0)
+    whole = decode_audio(data, limits)
+    for duration_s in (30.5, 3600.0):
+        np.testing.assert_array_equal(decode_audio(data, limits, stretch=Stretch(0, duration_s)), whole)
+    np.testing.assert_array_equal(decode_audio(data, limits, stretch=Stretch(15, 16.0)), whole[15 * 16000 :])
+
+
+def test_audio_stating_no_length_is_held_to_the_limit_to_the_frame():
+    """Read a frame past the limit, as a header stating it is refused: a frame more was let through."""
+    limit_s = 16000 / 16000
+    for frames, refused in ((16000, False), (16001, True)):
+        data = _encode(np.full(frames, 0.1, dtype=np.float32), 16000, "WAV", "PCM_16")
+        at = data.index(b"data")
+        streamed = data[: at + 4] + struct.pack("<I", 0) + data[at + 8 :]  # states no length (FFmpeg reads it)
+        limits = AudioLimits(max_bytes=LIMITS.max_bytes, max_duration_s=limit_s)
+        if refused:
+            with pytest.raises(AudioTooLarge, match="longer than allowed"):
+                decode_audio(streamed, limits)
+        else:
+            assert len(decode_audio(streamed, limits)) == frames
