@@ -30,6 +30,7 @@ from decoding.types import HOTWORD_BOOST, Hotword, Hotwords
 from models.asr_model import ASRModel, EncodedBatch
 from models.audio_io import find_audio_files
 
+from .line_output import cannot_write
 from .timing import StageClock
 
 SAMPLE_RATE = 16000
@@ -420,5 +421,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    sys.stdout.write(json.dumps(asdict(result)) + "\n" if args.json else format_report(result))
+    try:  # flushed here: a full disk or a closed pipe is one error line, not a traceback at exit
+        sys.stdout.write(json.dumps(asdict(result)) + "\n" if args.json else format_report(result))
+        sys.stdout.flush()
+    except OSError as exc:
+        return cannot_write(exc)
     return 0

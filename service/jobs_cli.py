@@ -162,7 +162,10 @@ async def run_submit(inputs: list[Input], redis_url: str | None, server: str | N
             jobs.append(await _submitted_when_it_fits(client, part, key, options, first=number == 1))
             print(f"job {jobs[-1]['id']}: {jobs[-1]['total_items']} items", file=sys.stderr)
         if not wait:
-            output.writelines(json.dumps(job) + "\n" for job in jobs)
+            try:  # flushed here: a full disk or a closed pipe is told, with the jobs it could not name
+                _write_out(output, "".join(json.dumps(job) + "\n" for job in jobs))
+            except CannotWrite as exc:
+                return cannot_write(exc.error, f" (the jobs were submitted: {', '.join(j['id'] for j in jobs)})")
             return 0
         jobs = await _followed(client, jobs, progress, poll_s)
         for part, job in zip(parts, jobs, strict=True):
@@ -212,6 +215,24 @@ def _overall(jobs: list[dict[str, Any]]) -> dict[str, Any]:
     return {"total_items": sum(job["total_items"] for job in jobs), "counts": counts}
 
 
+class CannotWrite(Exception):
+    """The command's own output failed (a full disk, a closed pipe): told as that, not as Redis or the server being
+    away, which OSError stands for too."""
+
+    def __init__(self, error: OSError):
+        super().__init__(str(error))
+        self.error = error
+
+
+def _write_out(output: TextIO, text: str) -> None:
+    """``text`` written and flushed (a write error shows at the flush, else only at exit as a traceback)."""
+    try:
+        output.write(text)
+        output.flush()
+    except OSError as exc:
+        raise CannotWrite(exc) from exc
+
+
 # --- list ---------------------------------------------------------------------------------------------------
 
 LIST_PAGE = 100
@@ -230,9 +251,9 @@ async def run_list(redis_url: str | None, server: str | None, api_key: str | Non
             after = page[-1]["id"] if page else None
             more = more and after is not None
         if as_json:
-            output.write("".join(json.dumps(job) + "\n" for job in jobs))
+            _write_out(output, "".join(json.dumps(job) + "\n" for job in jobs))
             return
-        output.write(format_jobs(jobs))
+        _write_out(output, format_jobs(jobs))
         print(_room(*await client.room()), file=sys.stderr)
 
     return await _with_client(redis_url, server, api_key, newest)
@@ -249,7 +270,7 @@ async def run_action(redis_url: str | None, server: str | None, api_key: str | N
                 answer = await _retried_in_full(client, job_id, first=number == 0)
             else:
                 answer = await _acted_on(client, job_id, action, first=number == 0)
-            output.write(json.dumps(answer) + "\n")
+            _write_out(output, json.dumps(answer) + "\n")
 
     return await _with_client(redis_url, server, api_key, act_on_all)
 
@@ -345,6 +366,8 @@ async def _with_client(redis_url: str | None, server: str | None, api_key: str |
     client = client_for(redis_url, server, api_key)
     try:
         return await work(client) or 0
+    except CannotWrite as exc:
+        return cannot_write(exc.error)
     except (httpx.HTTPError, *REDIS_ERRORS) as exc:
         print(f"error: cannot reach {'the server' if server else 'Redis'}: {exc}", file=sys.stderr)
         return 2

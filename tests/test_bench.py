@@ -4,6 +4,8 @@ checkpoints for the tools that need a file."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import tarfile
 
 import numpy as np
@@ -237,3 +239,13 @@ def test_bench_names_the_architectures_when_the_model_is_neither_a_file_nor_one(
         err = capsys.readouterr().err
         assert f"error: {name}: neither a checkpoint (no such file or directory) nor a built-in architecture" in err
         assert all(arch in err for arch in ARCHITECTURES), err
+
+
+def test_bench_that_cannot_write_its_report_says_so_in_one_line(parity_dir):
+    """A full disk was a traceback at exit."""
+    with open("/dev/full", "w") as full:
+        result = subprocess.run([sys.executable, "-m", "service.cli", "bench", "--model", str(parity_dir / "tdt.nemo"),
+                                 "--n-utterances", "2", "--json"], stdout=full, stderr=subprocess.PIPE, text=True,
+                                timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.startswith("error: cannot write the results: [Errno 28]")

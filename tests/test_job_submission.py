@@ -483,3 +483,24 @@ def test_submit_cli_writes_a_subtitle_file_per_input_mirroring_directories(redis
     clash = subprocess.run([*command, "--output-dir", str(out), str(source / "day1" / Path(parity_audio[0]).name),
                             str(tmp_path / "other")], capture_output=True, text=True, timeout=60)
     assert clash.returncode == 2 and "would both be written as" in clash.stderr
+
+
+def test_submit_and_jobs_that_cannot_write_their_output_say_so_not_that_redis_is_away(redis_server, parity_audio):
+    """`submit` without --wait to a full disk said nothing and exited 0 (the job submitted, its id lost: the error
+    came at close, swallowed); `jobs` said "cannot reach Redis: [Errno 28] No space left on device"."""
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "service.cli", *args, "--redis-url", redis_server.url],
+                              capture_output=True, text=True, timeout=60,
+                              env={k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"})
+
+    submitted = run("submit", "--output", "/dev/full", parity_audio[0])
+    job_id = redis_server.client().keys("batchasr:job:job_*:inputs")[0].decode().split(":")[2]
+    assert submitted.returncode == 2, submitted.stderr
+    assert (f"error: cannot write the results: [Errno 28] No space left on device (the jobs were submitted: {job_id})"
+            in submitted.stderr)
+    for command in (["jobs"], ["jobs", "--json"], ["jobs", "--cancel", job_id]):
+        with open("/dev/full", "w") as full:
+            result = subprocess.run([sys.executable, "-m", "service.cli", *command, "--redis-url", redis_server.url],
+                                    stdout=full, stderr=subprocess.PIPE, text=True, timeout=60)
+        assert result.returncode == 2 and "error: cannot write the results: [Errno 28]" in result.stderr, command
+        assert "cannot reach" not in result.stderr and "Traceback" not in result.stderr
