@@ -190,7 +190,7 @@ async def openai_transcriptions(
         raise ApiError(400, "this server does not score tokens (BATCHASR_TOKEN_SCORES is off): no logprobs",
                        param="include[]", code="logprobs_unavailable")
     hotwords = _hotwords(service, _hotword_fields(request.query_params.getlist("hotwords"), form))
-    waveform = await decoded_upload(service, file)
+    waveform = await decoded_upload(request, service, file)
     assert service.stack is not None
     tokenizer = service.stack.transcriber.tokenizer
     if stream:
@@ -239,7 +239,8 @@ async def native_transcribe(request: Request, service: ServiceDep,
     boosted = _hotwords(service, _hotword_fields(hotwords or [], form))
     if form is not None:
         upload = form.get("file")
-        waveform = await decoded_upload(service, upload if isinstance(upload, StarletteUpload) else None, apart)
+        file = upload if isinstance(upload, StarletteUpload) else None
+        waveform = await decoded_upload(request, service, file, apart)
     else:
         waveform = await decoded_body(request, service, apart)
     if apart:

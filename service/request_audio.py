@@ -4,7 +4,10 @@ intake budget (service.intake), and decoded off the event loop (service.audio)."
 from __future__ import annotations
 
 import asyncio
-from typing import BinaryIO
+import contextlib
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Executor
+from typing import Any, BinaryIO, TypeVar
 
 import numpy as np
 from fastapi import Request
@@ -12,8 +15,10 @@ from starlette.datastructures import UploadFile as StarletteUpload
 from starlette.requests import ClientDisconnect
 
 from .audio import AudioRequestError, decode_declared_audio
-from .body_buffer import body_bytes, take_body
+from .body_buffer import body_bytes, body_received, take_body
 from .http import ApiError, ServiceState, check_upload_size, client_closed, read_upload, upload_too_large
+
+T = TypeVar("T")
 
 
 async def read_body(request: Request, service: ServiceState) -> bytes:
@@ -43,17 +48,58 @@ async def decode(service: ServiceState, data: bytes | BinaryIO, content_type: st
         raise ApiError(503, "the service is not ready", type="server_error", code="not_ready",
                        headers={"Retry-After": "5"})
     try:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(stack.decode_pool, decode_declared_audio, data, content_type, stack.limits,
-                                          multichannel)
+        return await _off_the_loop(stack.decode_pool, decode_declared_audio, data, content_type, stack.limits,
+                                   multichannel)
     except AudioRequestError as exc:
         raise audio_error(exc) from exc
 
 
-async def decoded_upload(service: ServiceState, upload: StarletteUpload | None, multichannel: bool = False
-                         ) -> np.ndarray:
-    """A multipart upload, decoded within the process's intake budget (service.intake) from the form's temporary
-    file."""
+async def _off_the_loop(pool: Executor, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in ``pool``. Cancelled (its client left), a call not started is dropped: the uploads of clients
+    gone were all decoded, in turn, ahead of those still waiting; one started is waited for, as its file and its
+    room in the intake budget are in use until it ends."""
+    call = pool.submit(fn, *args)
+    try:
+        return await asyncio.wrap_future(call)
+    except asyncio.CancelledError:
+        if not call.cancel():
+            with contextlib.suppress(Exception):
+                await asyncio.shield(asyncio.wrap_future(call))
+        raise
+
+
+async def unless_client_leaves(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work`` unless the client goes away first: then it is cancelled and the answer is 499. Only once the
+    request's body is read: the disconnect is the next message the server sends (``wait_for_disconnect``)."""
+    task = asyncio.ensure_future(work)
+    client_gone = asyncio.ensure_future(wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, client_gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            task.cancel()
+            raise client_closed()
+        return task.result()
+    finally:
+        for pending in (task, client_gone):
+            if not pending.done():
+                pending.cancel()
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    """Returns when the client goes away. With the body read, the server's next message is the disconnect, so
+    one waiting receive replaces polling (which cost the event loop a wake-up per request every 100 ms)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def decoded_upload(request: Request, service: ServiceState, upload: StarletteUpload | None,
+                         multichannel: bool = False) -> np.ndarray:
+    """A multipart upload (the form parsed: its body read), decoded within the process's intake budget
+    (service.intake) from the form's temporary file; given up if the client leaves meanwhile."""
+    return await unless_client_leaves(request, _decoded_upload(service, upload, multichannel))
+
+
+async def _decoded_upload(service: ServiceState, upload: StarletteUpload | None, multichannel: bool) -> np.ndarray:
     size = 0 if upload is None else service.settings.max_upload_bytes if upload.size is None else upload.size
     async with service.intake.hold(size):
         if upload is not None and upload.size is not None:  # the form is parsed: the file is whole, its size known
@@ -66,7 +112,13 @@ async def decoded_upload(service: ServiceState, upload: StarletteUpload | None, 
 
 async def decoded_body(request: Request, service: ServiceState, multichannel: bool = False) -> np.ndarray:
     """The raw audio body, decoded within the intake budget from the temporary file it waits in, whole, until there
-    is room (service.body_buffer)."""
+    is room (service.body_buffer); given up if the client leaves meanwhile."""
+    if not body_received(request.scope):  # still to be read from the client, whose messages are the body's
+        return await _decoded_body(request, service, multichannel)
+    return await unless_client_leaves(request, _decoded_body(request, service, multichannel))
+
+
+async def _decoded_body(request: Request, service: ServiceState, multichannel: bool) -> np.ndarray:
     async with service.intake.hold(body_bytes(request.scope, service.settings.max_upload_bytes)):
         content_type = request.headers.get("content-type")
         whole = take_body(request.scope)

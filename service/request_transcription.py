@@ -3,7 +3,6 @@ or streamed as OpenAI's server-sent events; the engine's refusals as the API wor
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable
@@ -17,8 +16,8 @@ from decoding.types import Hotwords
 
 from .audio import AudioRequestError
 from .batcher import BatcherClosed, Priority, QueueFull
-from .http import ApiError, ServiceState, client_closed, internal_error, request_owner
-from .request_audio import audio_error
+from .http import ApiError, ServiceState, internal_error, request_owner
+from .request_audio import audio_error, unless_client_leaves
 from .response_bodies import openai_logprobs
 from .schemas import TokenLogprob
 from .transcriber import QueuedRequest, RequestResult, TextDelta
@@ -50,22 +49,12 @@ ENGINE_REFUSALS = (QueueFull, TimeoutError, EngineUnavailable, BatcherClosed)
 async def while_client_waits(request: Request, work: Awaitable[T]) -> T:
     """Await ``work`` unless the client goes away first (then it is cancelled: its queued pieces never reach the
     engine, and the answer is 499); its failures become the API's errors."""
-    task = asyncio.ensure_future(work)
-    client_gone = asyncio.ensure_future(wait_for_disconnect(request))
     try:
-        await asyncio.wait({task, client_gone}, return_when=asyncio.FIRST_COMPLETED)
-        if not task.done():
-            task.cancel()
-            raise client_closed()
-        return task.result()
+        return await unless_client_leaves(request, work)
     except ENGINE_REFUSALS as exc:
         raise engine_error(exc) from exc
     except AudioRequestError as exc:  # more pieces than the queue holds
         raise audio_error(exc) from exc
-    finally:
-        for pending in (task, client_gone):
-            if not pending.done():
-                pending.cancel()
 
 
 def engine_error(exc: QueueFull | TimeoutError | EngineUnavailable | BatcherClosed) -> ApiError:
@@ -140,10 +129,3 @@ def _dumped(logprobs: list[TokenLogprob]) -> list[dict[str, Any]]:
 
 def _event(data: dict[str, Any]) -> bytes:
     return f"event: {data['type']}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
-
-
-async def wait_for_disconnect(request: Request) -> None:
-    """Returns when the client goes away. With the body read, the server's next message is the disconnect, so
-    one waiting receive replaces polling (which cost the event loop a wake-up per request every 100 ms)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass

@@ -431,6 +431,40 @@ def test_client_disconnect_drops_the_queued_work(hybrid, parity_audio, route):
         assert httpx.get(f"{running.url}/healthz").status_code == 200
 
 
+@pytest.mark.parametrize("route", ["/v1/transcribe", "/v1/audio/transcriptions"])
+def test_the_uploads_of_clients_gone_are_not_decoded_ahead_of_a_client_still_waiting(hybrid, parity_audio,
+                                                                                     monkeypatch, route):
+    """Waiting for a decoding thread (or room in the intake budget), a client's leaving went unseen: five uploads
+    whose clients had given up were each decoded in turn before the one still waiting (5.5 s instead of 1)."""
+    from service import request_audio
+
+    decode_s, decoded = 1.0, []
+    real = request_audio.decode_declared_audio
+
+    def slow_decode(*args, **kwargs):  # as a long compressed recording takes
+        decoded.append(time.monotonic())
+        time.sleep(decode_s)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(request_audio, "decode_declared_audio", slow_decode)
+    data = Path(parity_audio[0]).read_bytes()
+    upload = ({"files": {"file": ("a.wav", data, "audio/wav")}} if route == "/v1/audio/transcriptions"
+              else {"content": data, "headers": {"content-type": "audio/wav"}})
+    with run_server(Settings(decode_threads=1), hybrid) as running:
+        def give_up() -> None:
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(f"{running.url}{route}", timeout=0.3, **upload)
+
+        with ThreadPoolExecutor(5) as pool:
+            list(pool.map(lambda _: give_up(), range(5)))
+        time.sleep(0.2)  # their leaving is seen
+        started = time.monotonic()
+        assert httpx.post(f"{running.url}{route}", timeout=60, **upload).status_code == 200
+        waited = time.monotonic() - started
+    assert len(decoded) == 2, decoded  # the one already decoding when its client left, and the one waiting
+    assert waited < 2.5 * decode_s
+
+
 def test_each_request_logs_one_json_line_with_its_request_id(server, parity_audio, caplog):
     data = Path(parity_audio[1]).read_bytes()
     with caplog.at_level(logging.INFO, logger="batchasr.api"):
