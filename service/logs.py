@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import contextvars
 import json
 import logging
 import time
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+# the HTTP request being handled (its id, method and path), named on every line logged while it is: a 500's
+# traceback, a stream's failure, could not be matched to the id its client was given
+CURRENT_REQUEST: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar("batchasr_request",
+                                                                                         default=None)
+
 
 class JsonFormatter(logging.Formatter):
     """One JSON object per record. Structured fields come as ``extra={"fields": {...}}`` and are merged into the
-    object rather than nested in the message (request lines: ``log.info("request", extra=log_fields(...))``)."""
+    object rather than nested in the message (request lines: ``log.info("request", extra=log_fields(...))``);
+    a record logged while an HTTP request is handled names it (``CURRENT_REQUEST``)."""
 
     def format(self, record: logging.LogRecord) -> str:
         entry = {"ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
@@ -20,6 +27,8 @@ class JsonFormatter(logging.Formatter):
             entry.update(fields)
         else:
             entry["message"] = record.getMessage()
+        for name, value in (CURRENT_REQUEST.get() or {}).items():
+            entry.setdefault(name, value)
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         return json.dumps(entry, ensure_ascii=False)

@@ -10,7 +10,7 @@ from typing import Any
 from starlette.routing import BaseRoute, Match
 
 from .http import ApiError, ServiceState, internal_error, send_error
-from .logs import log_fields
+from .logs import CURRENT_REQUEST, log_fields
 
 log = logging.getLogger("batchasr.api")
 
@@ -32,6 +32,9 @@ class RequestLogMiddleware:
             return
         headers = dict(scope.get("headers") or [])
         request_id = headers.get(b"x-request-id", b"").decode("latin-1") or uuid.uuid4().hex
+        # not reset on the way out: Starlette's outermost handler logs an unhandled error after this returns, and
+        # each request runs in a task of its own, whose context ends with it
+        CURRENT_REQUEST.set({"request_id": request_id, "method": scope["method"], "path": scope["path"]})
         started = time.perf_counter()
         status, answered = 500, False
 

@@ -479,6 +479,38 @@ def test_each_request_logs_one_json_line_with_its_request_id(server, parity_audi
     assert plain["message"] == "a b" and plain["level"] == "warning"
 
 
+def test_every_line_logged_while_a_request_is_handled_names_it(hybrid, parity_audio):
+    """A 500's traceback was logged without the request id its client was given (only the request's own line had
+    it): once requests run side by side, the two could not be matched."""
+    lines = io.StringIO()
+    handler = logging.StreamHandler(lines)
+    handler.setFormatter(JsonFormatter())
+    logger, level = logging.getLogger("batchasr"), logging.getLogger("batchasr").level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        with run_server(Settings(), hybrid) as running:
+            async def broken(*args, **kwargs):
+                raise RuntimeError("boom")
+
+            running.service.stack.transcriber.transcribe = broken
+            response = httpx.post(f"{running.url}/v1/transcribe", content=Path(parity_audio[0]).read_bytes(),
+                                  headers={"content-type": "audio/wav", "x-request-id": "req-42"}, timeout=60)
+            healthy = httpx.get(f"{running.url}/healthz", headers={"x-request-id": "req-43"})
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert response.status_code == 500 and healthy.status_code == 200
+    logged = [json.loads(line) for line in lines.getvalue().splitlines()]
+    [traceback] = [line for line in logged if "exception" in line]
+    assert "boom" in traceback["exception"] and traceback["message"] == "unhandled error"
+    assert (traceback["request_id"], traceback["method"], traceback["path"]) == ("req-42", "POST", "/v1/transcribe")
+    requests = {line["request_id"]: line["path"] for line in logged if line.get("event") == "request"}
+    assert requests["req-42"] == "/v1/transcribe" and requests["req-43"] == "/healthz"  # each its own
+    after = json.loads(JsonFormatter().format(logging.LogRecord("x", logging.INFO, "", 0, "later", (), None)))
+    assert "request_id" not in after  # outside a request, nothing is named
+
+
 def test_the_event_loops_cpu_is_counted_on_its_own_thread(server, parity_audio):
     first = server.metric("batchasr_event_loop_cpu_seconds_total")
     started = time.perf_counter()
