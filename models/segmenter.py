@@ -24,6 +24,9 @@ NO_CUT = 1 << 62  # the last piece keeps everything after its start cut, even a 
 # service alike: cuts overlap by 2 s, so a shorter piece would be mostly overlap, and the cuts must move on past it
 MIN_SEGMENT_S = 5.0
 SEGMENT_TOO_SHORT = f"must be at least {MIN_SEGMENT_S:g} seconds"
+# the shortest length bucket (``length_bucket_s``): one 10 ms feature hop, so that a bucket is whole samples at any
+# sample rate a model has (``length_bucket_end`` divides by its samples: 0 would divide by zero)
+MIN_LENGTH_BUCKET_S = 0.01
 
 
 @dataclass(frozen=True)

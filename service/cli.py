@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -41,6 +42,23 @@ def _segment_seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
     if value != 0 and not value >= MIN_SEGMENT_S:  # NaN too
         raise argparse.ArgumentTypeError(f"{SEGMENT_TOO_SHORT} (or 0: every file whole), not {text}")
+    if value == math.inf:  # no length in samples
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds (or 0: every file whole), not {text}")
+    return value
+
+
+def _bucket_seconds(text: str) -> float:
+    """--length-bucket-s: a finite length of at least MIN_LENGTH_BUCKET_S (a bucket is counted in whole samples,
+    so NaN, inf or a length that rounds to no samples would fail mid-run); refused here, before the model loads."""
+    from models.segmenter import MIN_LENGTH_BUCKET_S
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not MIN_LENGTH_BUCKET_S <= value < math.inf:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds, at least {MIN_LENGTH_BUCKET_S:g}, "
+                                         f"not {text}")
     return value
 
 
@@ -82,7 +100,7 @@ def _transcribe_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--channel-names", type=names, default=[], metavar="NAMES", help=CHANNEL_NAMES_HELP)
     p.add_argument("--skip-silence", action="store_true", help=SKIP_SILENCE_HELP)
     p.add_argument("--hotwords", type=phrases, default=[], metavar="PHRASES", help=HOTWORDS_HELP)
-    p.add_argument("--length-bucket-s", type=float, default=None, metavar="S",
+    p.add_argument("--length-bucket-s", type=_bucket_seconds, default=None, metavar="S",
                    help="fixed batch shapes: batches of one length bucket of S seconds, padded to its end and to "
                         "--batch-size rows, so bf16 results do not depend on the other inputs (costs the padding)")
     p.add_argument("--output-dir", type=Path,

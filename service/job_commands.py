@@ -101,6 +101,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
     if not has_target(args):
         return 2
+    if problem := _misplaced_output_option(args):  # before --output is opened (and emptied)
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     try:
         job_bytes = parse_size(args.job_bytes)
         entries = _submitted_manifest(args)
@@ -154,6 +157,16 @@ def cmd_submit(args: argparse.Namespace) -> int:
                                         write_result=write_result))
     sys.stderr.write(scored.report())
     return status
+
+
+def _misplaced_output_option(args: argparse.Namespace) -> str | None:
+    """What is wrong with where and how ``submit``'s results are written, as ``jobs`` checks its own
+    (``_misplaced_results_option``): both places given, or a file format with no files to take it."""
+    if args.output is not None and args.output_dir is not None:
+        return "--output writes result lines, --output-dir a file per input: give one"
+    if args.format in ("text", "srt", "vtt") and args.output_dir is None:
+        return f"--format {args.format} is the format of --output-dir's files: result lines are JSON"
+    return None
 
 
 def _submitted_manifest(args: argparse.Namespace) -> list[ManifestEntry] | None:

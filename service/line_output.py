@@ -13,27 +13,75 @@ from pathlib import Path
 from typing import Any, TextIO
 
 LINE_FORMATS = ("jsonl", "manifest")
-ADDED_FIELDS = ("pred_text", "avg_logprob", "duration")  # what a manifest line gains (service.manifest)
+PREDICTION_FIELDS = ("pred_text", "avg_logprob")  # what a manifest line gains (service.manifest), and ``duration``
+# where it had none
 
 
 def line_key(format: str, line: dict[str, Any]) -> str:
     """What identifies an input in a result line, and in the line it came from: a jsonl record's ``audio``; a
-    manifest line's own fields (its ``duration`` left out: it is added where a line had none)."""
+    manifest line's own fields (its prediction left out; its ``duration`` kept: two stretches of one file differ by
+    it, and ``inputs_done`` matches a line that had none)."""
     if format == "jsonl":
         return str(line.get("audio"))
-    return json.dumps({k: v for k, v in line.items() if k not in ADDED_FIELDS}, sort_keys=True, ensure_ascii=False)
+    return json.dumps({k: v for k, v in line.items() if k not in PREDICTION_FIELDS}, sort_keys=True,
+                      ensure_ascii=False)
+
+
+def inputs_done(format: str, done: Counter[str], lines: list[dict[str, Any]]) -> list[bool]:
+    """Which input ``lines`` have a result line among ``done`` (``lines_done``), each result line taken once. A
+    manifest line with its own ``duration`` is matched by it first; then a line without one, whose result gained
+    one, by the rest of its fields."""
+    left = done.copy()
+    found = [False] * len(lines)
+    has_duration = [format == "jsonl" or "duration" in line for line in lines]
+    for i in (i for i, exact in enumerate(has_duration) if exact):
+        found[i] = _take(left, line_key(format, lines[i]))
+    rest = [i for i, exact in enumerate(has_duration) if not exact]  # manifest lines only
+    unmatched: Counter[str] = Counter()  # the result lines not taken, their (added) duration left out
+    for key, count in left.items() if rest else ():
+        unmatched[_without_duration(key)] += max(count, 0)
+    for i in rest:
+        found[i] = _take(unmatched, line_key(format, lines[i]))
+    return found
+
+
+def _take(counts: Counter[str], key: str) -> bool:
+    if counts[key] <= 0:
+        return False
+    counts[key] -= 1
+    return True
+
+
+def _without_duration(key: str) -> str:
+    line = json.loads(key)
+    line.pop("duration", None)
+    return json.dumps(line, sort_keys=True, ensure_ascii=False)
 
 
 def lines_done(path: Path, format: str) -> Counter[str]:
     """The inputs whose lines ``path`` holds (by ``line_key``, counted: an input may be listed twice). A last line
-    without its newline, torn when a run was killed while writing it, is cut off so that it is written again."""
+    without its newline, torn when a run was killed while writing it, is cut off so that it is written again; but
+    only once every whole line is known to be a result line and the torn one starts as a record does: ValueError
+    otherwise, the file left as it was (it is not this command's results)."""
     if not path.is_file():
         return Counter()
     data = path.read_bytes()
-    whole = data[: data.rfind(b"\n") + 1]
-    if len(whole) < len(data):
+    end = data.rfind(b"\n") + 1
+    done = _counted_lines(path, data[:end], format)  # first: a file that is not ours is refused untouched
+    torn = data[end:]
+    if torn.strip():
+        if not torn.lstrip().startswith(b"{"):
+            last = data.count(b"\n") + 1
+            raise ValueError(f"{path}:{last}: not a result line this command wrote (a last line "
+                             "without its newline that does not start a record)")
         with path.open("r+b") as f:
-            f.truncate(len(whole))
+            f.truncate(end)
+    return done
+
+
+def _counted_lines(path: Path, whole: bytes, format: str) -> Counter[str]:
+    """The inputs of whole lines ``whole`` (``lines_done``), counted; ValueError naming the first that is not a
+    result line."""
     done: Counter[str] = Counter()
     for number, line in enumerate(whole.decode("utf-8").splitlines(), start=1):
         if line.strip():

@@ -11,11 +11,14 @@ import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from .formats import SubtitleLayout
 from .line_output import LINE_FORMATS, cannot_write, open_results
 from .manifest import ManifestEntry
+
+if TYPE_CHECKING:
+    import torch
 
 
 def run_transcribe(args: argparse.Namespace, layout: SubtitleLayout) -> int:
@@ -26,7 +29,7 @@ def run_transcribe(args: argparse.Namespace, layout: SubtitleLayout) -> int:
 
     try:
         inputs = _transcribe_inputs(args)
-    except (FileNotFoundError, ValueError) as exc:
+    except (OSError, ValueError) as exc:  # OSError: a --manifest that is a directory or cannot be read
         print(f"error: {exc}", file=sys.stderr)
         return 2
     with contextlib.ExitStack() as stack:
@@ -43,16 +46,26 @@ def run_transcribe(args: argparse.Namespace, layout: SubtitleLayout) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         try:
+            _check_cuda_graphs(args.cuda_graphs, model.device)
             outcomes = model.transcribe_iter([entry.clip for entry in inputs.entries], batch_size=args.batch_size,
                                              decoder=args.decoder, decoder_algorithm=args.decoder_algorithm,
                                              cuda_graphs=args.cuda_graphs, max_segment_s=args.max_segment_s or None,
                                              return_errors=True, multichannel=args.multichannel,
                                              skip_silence=args.skip_silence, hotwords=args.hotwords,
                                              length_bucket_s=args.length_bucket_s)
-        except ValueError as exc:  # hotwords this model cannot boost, or bad options
+        except (ValueError, RuntimeError) as exc:  # hotwords this model cannot boost, or bad options
             print(f"error: {exc}", file=sys.stderr)
             return 2
         return _write_results(args, inputs, outcomes, layout, out)
+
+
+def _check_cuda_graphs(requested: str, device: torch.device) -> None:
+    """A forced CUDA graph mode this device cannot run, refused now (ValueError, or RuntimeError where CUDA lacks
+    conditional nodes): the decoder would find it only at its first batch, inside the iteration, as a traceback."""
+    from decoding.cuda_graphs import choose_mode
+
+    if requested in ("conditional", "no_while"):
+        choose_mode(requested, device)
 
 
 def _write_results(args: argparse.Namespace, inputs: TranscribeInputs, outcomes: Iterable, layout: SubtitleLayout,
@@ -151,19 +164,17 @@ def _transcribe_inputs(args: argparse.Namespace) -> TranscribeInputs:
 
 def _left_to_do(args: argparse.Namespace, inputs: TranscribeInputs) -> TranscribeInputs:
     """With ``--output FILE --skip-existing``, the inputs whose lines the file does not hold yet."""
-    from .line_output import line_key, lines_done
+    from .line_output import inputs_done, lines_done
 
     if args.output is None or not args.skip_existing:
         return inputs
-    done = lines_done(args.output, args.format)
+    lines = [entry.fields if args.format == "manifest" else {"audio": str(entry.clip)} for entry in inputs.entries]
+    found = inputs_done(args.format, lines_done(args.output, args.format), lines)
     left = TranscribeInputs([], [], inputs.from_manifest)
-    for entry, output in zip(inputs.entries, inputs.outputs, strict=True):
-        key = line_key(args.format, entry.fields if args.format == "manifest" else {"audio": str(entry.clip)})
-        if done[key]:
-            done[key] -= 1
-            continue
-        left.entries.append(entry)
-        left.outputs.append(output)
+    for entry, output, done in zip(inputs.entries, inputs.outputs, found, strict=True):
+        if not done:
+            left.entries.append(entry)
+            left.outputs.append(output)
     skipped = len(inputs.entries) - len(left.entries)
     print(f"{skipped} inputs already in {args.output}; {len(left.entries)} to go", file=sys.stderr)
     return left

@@ -1,0 +1,96 @@
+"""Options and inputs the command line refuses with one error line and status 2, instead of a traceback or of
+touching files it should leave alone."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from service.cli import main
+
+CLIP = str(Path(__file__).parent / "data" / "default_model" / "voice_000142.wav")
+NO_REDIS = ["--redis-url", "redis://127.0.0.1:1"]  # a well-formed URL where nothing listens: nothing may be sent
+
+
+def _batchasr(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "service.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_a_manifest_that_is_a_directory_is_one_error_line(tmp_path):
+    result = _batchasr("transcribe", "--manifest", f"{tmp_path}/")
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: ") and "Is a directory" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(("option", "value"), [
+    ("--length-bucket-s", "nan"), ("--length-bucket-s", "inf"), ("--length-bucket-s", "1e-9"),
+    ("--length-bucket-s", "0"), ("--max-segment-s", "inf"),
+])
+def test_a_length_that_is_no_whole_number_of_samples_is_refused_before_the_model_loads(tmp_path, capsys, option,
+                                                                                        value):
+    with pytest.raises(SystemExit) as refused:  # the model named is never loaded: there is none
+        main(["transcribe", "--model", str(tmp_path / "never-loaded.nemo"), option, value, CLIP])
+    assert refused.value.code == 2
+    assert f"argument {option}: " in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without CUDA")
+def test_cuda_graphs_that_need_cuda_are_refused_on_cpu_with_one_line():
+    result = _batchasr("transcribe", "--cuda-graphs", "conditional", CLIP)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("error: ") and "needs a CUDA device" in result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
+
+
+@pytest.mark.parametrize("content", [b"my notes\nimportant last line", b"a single line without its newline"])
+def test_skip_existing_leaves_a_file_that_is_not_its_results_untouched(tmp_path, content):
+    notes = tmp_path / "notes.txt"
+    notes.write_bytes(content)
+    result = _batchasr("transcribe", "--format", "jsonl", "--output", str(notes), "--skip-existing", CLIP)
+    assert result.returncode == 2
+    assert "not a result line this command wrote" in result.stderr
+    assert notes.read_bytes() == content
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    (["--output-dir", "DIR"], "--output writes result lines, --output-dir a file per input: give one"),
+    (["--format", "srt"], "--format srt is the format of --output-dir's files"),
+])
+def test_submit_refuses_results_options_that_do_not_go_together_before_emptying_its_output(tmp_path, capsys,
+                                                                                         options, message):
+    out = tmp_path / "results.jsonl"
+    out.write_text("kept\n")
+    options = [str(tmp_path / "files") if o == "DIR" else o for o in options]
+    assert main(["submit", *NO_REDIS, "--wait", "--output", str(out), *options, CLIP]) == 2
+    assert message in capsys.readouterr().err
+    assert out.read_text() == "kept\n" and not (tmp_path / "files").exists()
+
+
+def test_submit_refuses_a_subtitle_format_for_result_lines(capsys):
+    assert main(["submit", *NO_REDIS, "--wait", "--format", "vtt", CLIP]) == 2
+    assert "--format vtt is the format of --output-dir's files" in capsys.readouterr().err
+
+
+def test_skip_existing_tells_apart_manifest_lines_that_differ_only_in_duration(tmp_path, capsys):
+    """Two stretches of one file, the same but for their duration, are two inputs: a run cut short after the first
+    transcribes the second; a line without a duration is matched by its result, which gained one."""
+    lines = [{"audio_filepath": CLIP, "duration": 1.0}, {"audio_filepath": CLIP, "duration": 2.0},
+             {"audio_filepath": CLIP}]
+    manifest = tmp_path / "m.json"
+    manifest.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    run = ["transcribe", "--manifest", str(manifest), "--format", "manifest"]
+    whole, cut = tmp_path / "whole.json", tmp_path / "cut.json"
+    assert main([*run, "--output", str(whole)]) == 0
+    results = whole.read_text().splitlines(keepends=True)
+    assert len(results) == 3
+    cut.write_text(results[0] + results[2])  # the second not written yet
+    capsys.readouterr()
+    assert main([*run, "--output", str(cut), "--skip-existing"]) == 0
+    assert "2 inputs already in" in capsys.readouterr().err
+    assert sorted(cut.read_text().splitlines(keepends=True)) == sorted(results)
