@@ -3,7 +3,9 @@
 Each cut point is the quietest 100 ms window in the last part of a segment, snapped to the encoder's frame
 grid so that token frames of every piece map onto whole frames of the original. Pieces overlap by
 ``overlap_s`` around each cut; when stitching, a word belongs to the piece on whose side of the cut its
-middle lies, so words at a cut are neither lost nor doubled.
+middle lies, so words at a cut are neither lost nor doubled; except that where the later piece heard a word
+reaching past the cut with its middle before it (a cut-off word run together with the next), the earlier piece
+keeps its own words up to that word's end.
 """
 
 from __future__ import annotations
@@ -115,21 +117,23 @@ def _quietest_point(waveform: np.ndarray, earliest: int, latest: int, sample_rat
 
 def stitch(pieces: list[tuple[Segment, Hypothesis]], tokenizer: Tokenizer | None, frame_samples: int,
            ) -> Hypothesis:
-    """One hypothesis in the original's frames from pieces decoded separately."""
+    """One hypothesis in the original's frames from pieces decoded separately (in order)."""
     if len(pieces) == 1 and pieces[0][0].start == 0 and pieces[0][0].cut_after == NO_CUT:
         return pieces[0][1]  # audio that was not cut: its hypothesis as decoded, every token kept
     out = Hypothesis(durations=[] if any(h.durations is not None for _, h in pieces) else None,
                      logprobs=[] if all(h.logprobs is not None for _, h in pieces) else None)
-    for segment, hyp in pieces:
+    units = [_units(segment, hyp, tokenizer, frame_samples) for segment, hyp in pieces]
+    for i, (segment, hyp) in enumerate(pieces):
+        # The later piece begins inside the overlap, perhaps in the middle of a word: it may hear that word's
+        # cut-off tail and the words after the cut as one word reaching past the cut with its middle before it,
+        # which it leaves to this piece, while this piece left the real words (their middles past the cut) to it:
+        # both dropped them. So this piece keeps its words up to the end of such a word.
+        cut_after = segment.cut_after
+        if i + 1 < len(pieces) and pieces[i + 1][0].cut_before == cut_after:
+            cut_after = max([cut_after, *(end for middle, end, _, _ in units[i + 1] if middle < cut_after)])
         offset = segment.start // frame_samples
-        if tokenizer is not None:
-            units = [(span.first, span.last) for span in tokenizer.words(hyp.tokens)]
-        else:  # no vocabulary to find words with: decide token by token
-            units = [(i, i) for i in range(len(hyp.tokens))]
-        for first, last in units:
-            end_frame = hyp.frames[last] + max(hyp.durations[last] if hyp.durations else 1, 1)
-            middle = (offset + (hyp.frames[first] + end_frame) / 2) * frame_samples
-            if not segment.cut_before <= middle < segment.cut_after:
+        for middle, _, first, last in units[i]:
+            if not segment.cut_before <= middle < cut_after:
                 continue
             out.tokens.extend(hyp.tokens[first : last + 1])
             # Pieces see different context, so a word just after a cut may start a frame before the end of
@@ -142,6 +146,23 @@ def stitch(pieces: list[tuple[Segment, Hypothesis]], tokenizer: Tokenizer | None
             if out.logprobs is not None:
                 out.logprobs.extend(hyp.logprobs[first : last + 1])
     return out
+
+
+def _units(segment: Segment, hyp: Hypothesis, tokenizer: Tokenizer | None, frame_samples: int
+           ) -> list[tuple[float, int, int, int]]:
+    """A piece's words (tokens, with no vocabulary to find words with) as (middle, end: samples of the original;
+    first token, last token)."""
+    offset = segment.start // frame_samples
+    if tokenizer is not None:
+        spans = [(span.first, span.last) for span in tokenizer.words(hyp.tokens)]
+    else:
+        spans = [(i, i) for i in range(len(hyp.tokens))]
+    units = []
+    for first, last in spans:
+        end_frame = hyp.frames[last] + max(hyp.durations[last] if hyp.durations else 1, 1)
+        middle = (offset + (hyp.frames[first] + end_frame) / 2) * frame_samples
+        units.append((middle, (offset + end_frame) * frame_samples, first, last))
+    return units
 
 
 def length_bucket_end(n_samples: int, bucket_samples: int) -> int:

@@ -50,6 +50,25 @@ def test_stitch_keeps_each_unit_once_in_order():
     assert all(t < cut_frame for t in merged.tokens if t in first.tokens and t not in second.tokens)
 
 
+def test_words_a_later_piece_heard_as_one_with_a_cut_off_word_are_kept_from_the_earlier_piece():
+    """The later piece starts inside a word: it heard that word's tail and the two words after the cut as one word
+    (its middle before the cut, so it left it to the earlier piece), while the earlier piece heard the two words
+    apart, their middles past the cut (so it left them to the later piece): both were lost. Now the earlier piece
+    keeps its words up to the end of the later piece's word that reaches past the cut, and nothing is doubled."""
+    segments = plan_segments(16000 * 40, np.ones(16000 * 40), 16000, 30, 2, FRAME)
+    cut, offset = segments[0].cut_after // FRAME, segments[1].start // FRAME
+    # frames of the original: the earlier piece's words 10 (before the cut), 11 and 12 (after it), 13 (later)
+    earlier = Hypothesis(tokens=[10, 11, 12, 13], frames=[cut - 6, cut + 1, cut + 3, cut + 12],
+                         durations=[3, 1, 2, 2])
+    # the later piece: one word from its first frame to just past 12, then 13 and 14
+    later = Hypothesis(tokens=[99, 13, 14], frames=[0, cut + 12 - offset, cut + 20 - offset], durations=[
+        cut + 5 - offset, 2, 2])
+    assert (0 + cut + 5 - offset) / 2 + offset < cut  # its middle lies before the cut
+    merged = stitch([(segments[0], earlier), (segments[1], later)], None, FRAME)
+    assert merged.tokens == [10, 11, 12, 13, 14]
+    assert merged.frames == sorted(merged.frames)
+
+
 def test_audio_that_was_not_cut_keeps_every_token():
     tokenizer = load_model("models/assets/default.nemo", device="cpu").tokenizer
     lone_marker = tokenizer.pieces.index("▁")  # renders as no word: stitching pieces would drop it
