@@ -68,6 +68,22 @@ def submit_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_submit)
 
 
+def server_url_problem(url: str) -> str | None:
+    """What keeps ``url`` from being a server's address (None: nothing): one without its scheme was tried again for
+    minutes as an outage, and one httpx cannot parse (a port past 65535, an unclosed IPv6 bracket) a traceback."""
+    import httpx
+
+    try:
+        parsed = httpx.URL(url)
+    except (httpx.InvalidURL, ValueError) as exc:
+        return f"not a URL ({exc})"
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        return "not an http:// or https:// address (e.g. http://asr:8000)"
+    if parsed.port is not None and not 0 < parsed.port < 65536:
+        return f"port {parsed.port} is not one (1 to 65535)"
+    return None
+
+
 def has_target(args: argparse.Namespace) -> bool:
     """submit, jobs: whether there is a server or a Redis to talk to; without --server or --redis-url, Redis is
     BATCHASR_REDIS_URL's (as for the worker; blank: unset, as for the server). Said on stderr when there is none, or
@@ -80,6 +96,9 @@ def has_target(args: argparse.Namespace) -> bool:
         args.redis_url = os.environ.get("BATCHASR_REDIS_URL", "").strip() or None
     if not (args.server or args.redis_url):
         print(f"error: {args.command} needs --server or --redis-url (or BATCHASR_REDIS_URL)", file=sys.stderr)
+        return False
+    if args.server and (problem := server_url_problem(args.server)):
+        print(f"error: --server {args.server!r}: {problem}", file=sys.stderr)
         return False
     if args.redis_url and not args.server:
         try:

@@ -4,6 +4,7 @@ touching files it should leave alone."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -94,3 +95,34 @@ def test_skip_existing_tells_apart_manifest_lines_that_differ_only_in_duration(t
     assert main([*run, "--output", str(cut), "--skip-existing"]) == 0
     assert "2 inputs already in" in capsys.readouterr().err
     assert sorted(cut.read_text().splitlines(keepends=True)) == sorted(results)
+
+
+def test_ctrl_c_is_one_line_and_status_130_not_a_traceback(redis_server, parity_audio):
+    """Ctrl-C while `jobs --results --wait` follows a job (or `transcribe` works) printed a traceback from wherever
+    it landed: torch, asyncio."""
+    def cli(*args: str, **kwargs) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "service.cli", *args, "--redis-url", redis_server.url],
+                                stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, **kwargs)
+
+    submitted = cli("submit", parity_audio[0])  # no worker: the job stays queued
+    assert submitted.wait(timeout=60) == 0
+    job_id = submitted.stderr.read().split()[1].rstrip(":")
+    following = cli("jobs", "--results", job_id, "--wait")
+    assert following.stderr.read(1)  # its progress bar: it is following the job
+    following.send_signal(signal.SIGINT)
+    assert following.wait(timeout=30) == 130
+    err = following.stderr.read()
+    assert "interrupted" in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("address, problem", [
+    ("localhost:8000", "not an http:// or https:// address"),  # tried again for 5 minutes as an outage
+    ("http://[::1", "not a URL"),  # a traceback (httpx.InvalidURL)
+    ("http://127.0.0.1:99999", "port 99999 is not one"),  # a traceback (OverflowError)
+])
+def test_a_server_address_that_is_not_one_is_refused_at_once(parity_audio, address, problem):
+    for command in (["submit", parity_audio[0]], ["jobs"], ["jobs", "--cancel", "job_x"]):
+        result = subprocess.run([sys.executable, "-m", "service.cli", *command, "--server", address],
+                                capture_output=True, text=True, timeout=60)
+        assert result.returncode == 2 and f"error: --server {address!r}: {problem}" in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr and "trying again" not in result.stderr
