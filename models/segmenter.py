@@ -118,34 +118,64 @@ def _quietest_point(waveform: np.ndarray, earliest: int, latest: int, sample_rat
 def stitch(pieces: list[tuple[Segment, Hypothesis]], tokenizer: Tokenizer | None, frame_samples: int,
            ) -> Hypothesis:
     """One hypothesis in the original's frames from pieces decoded separately (in order)."""
-    if len(pieces) == 1 and pieces[0][0].start == 0 and pieces[0][0].cut_after == NO_CUT:
+    if len(pieces) == 1 and _uncut(pieces[0][0]):
         return pieces[0][1]  # audio that was not cut: its hypothesis as decoded, every token kept
     out = Hypothesis(durations=[] if any(h.durations is not None for _, h in pieces) else None,
                      logprobs=[] if all(h.logprobs is not None for _, h in pieces) else None)
-    units = [_units(segment, hyp, tokenizer, frame_samples) for segment, hyp in pieces]
-    for i, (segment, hyp) in enumerate(pieces):
-        # The later piece begins inside the overlap, perhaps in the middle of a word: it may hear that word's
-        # cut-off tail and the words after the cut as one word reaching past the cut with its middle before it,
-        # which it leaves to this piece, while this piece left the real words (their middles past the cut) to it:
-        # both dropped them. So this piece keeps its words up to the end of such a word.
-        cut_after = segment.cut_after
-        if i + 1 < len(pieces) and pieces[i + 1][0].cut_before == cut_after:
-            cut_after = max([cut_after, *(end for middle, end, _, _ in units[i + 1] if middle < cut_after)])
-        offset = segment.start // frame_samples
-        for middle, _, first, last in units[i]:
-            if not segment.cut_before <= middle < cut_after:
-                continue
-            out.tokens.extend(hyp.tokens[first : last + 1])
-            # Pieces see different context, so a word just after a cut may start a frame before the end of
-            # the word kept just before it; frames stay non-decreasing by clamping.
-            floor = out.frames[-1] if out.frames else 0
-            out.frames.extend(max(offset + f, floor) for f in hyp.frames[first : last + 1])
-            if out.durations is not None:
-                covered = hyp.durations[first : last + 1] if hyp.durations else [1] * (last - first + 1)
-                out.durations.extend(covered)
-            if out.logprobs is not None:
-                out.logprobs.extend(hyp.logprobs[first : last + 1])
+    for i, piece in enumerate(pieces):
+        until = handover(piece, pieces[i + 1], tokenizer, frame_samples) if i + 1 < len(pieces) else None
+        _add_words(out, piece, piece[0].cut_before, until or piece[0].cut_after, tokenizer, frame_samples)
     return out
+
+
+def handover(piece: tuple[Segment, Hypothesis], following: tuple[Segment, Hypothesis], tokenizer: Tokenizer | None,
+             frame_samples: int) -> int:
+    """Where ``piece`` hands over to the piece after it: its cut, or past it. The later piece begins inside the
+    overlap, perhaps in the middle of a word: it may hear that word's cut-off tail and the words after the cut as
+    one word reaching past the cut with its middle before it, which it leaves to this piece, while this piece left
+    the real words (their middles past the cut) to it: both dropped them. So this piece keeps its words up to the
+    end of such a word."""
+    cut = piece[0].cut_after
+    if following[0].cut_before != cut:  # not the next piece of one stretch (skip_silence left a gap between)
+        return cut
+    return max([cut, *(end for middle, end, _, _ in _units(*following, tokenizer, frame_samples) if middle < cut)])
+
+
+def piece_words(piece: tuple[Segment, Hypothesis], start: int, end: int, tokenizer: Tokenizer | None,
+                frame_samples: int) -> Hypothesis:
+    """The words of ``piece`` whose middles lie in [start, end) samples of the original, in the original's frames
+    (all of its tokens where it is the whole recording, as ``stitch`` keeps them): a stream's text as its pieces
+    finish."""
+    segment, hyp = piece
+    if _uncut(segment) and start <= 0 and end >= NO_CUT:
+        return hyp
+    out = Hypothesis(durations=None if hyp.durations is None else [], logprobs=None if hyp.logprobs is None else [])
+    _add_words(out, piece, start, end, tokenizer, frame_samples)
+    return out
+
+
+def _uncut(segment: Segment) -> bool:
+    return segment.start == 0 and segment.cut_after == NO_CUT
+
+
+def _add_words(out: Hypothesis, piece: tuple[Segment, Hypothesis], start: int, end: int,
+               tokenizer: Tokenizer | None, frame_samples: int) -> None:
+    """``piece``'s words whose middles lie in [start, end) appended to ``out``."""
+    segment, hyp = piece
+    offset = segment.start // frame_samples
+    for middle, _, first, last in _units(segment, hyp, tokenizer, frame_samples):
+        if not start <= middle < end:
+            continue
+        out.tokens.extend(hyp.tokens[first : last + 1])
+        # Pieces see different context, so a word just after a cut may start a frame before the end of
+        # the word kept just before it; frames stay non-decreasing by clamping.
+        floor = out.frames[-1] if out.frames else 0
+        out.frames.extend(max(offset + f, floor) for f in hyp.frames[first : last + 1])
+        if out.durations is not None:
+            covered = hyp.durations[first : last + 1] if hyp.durations else [1] * (last - first + 1)
+            out.durations.extend(covered)
+        if out.logprobs is not None:
+            out.logprobs.extend(hyp.logprobs[first : last + 1])
 
 
 def _units(segment: Segment, hyp: Hypothesis, tokenizer: Tokenizer | None, frame_samples: int

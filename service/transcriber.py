@@ -16,7 +16,7 @@ from decoding.types import Hotwords, Hypothesis
 from models.config import ModelConfig
 from models.conversation import Conversation, assemble, duplicate_channels
 from models.crosstalk import heard_elsewhere
-from models.segmenter import Segment, plan_pieces, stitch
+from models.segmenter import Segment, handover, piece_words, plan_pieces, stitch
 from models.silence import Elsewhere
 from models.tokenizer import Tokenizer
 from models.transcript import Transcript, build_transcript, rounded
@@ -216,23 +216,31 @@ class QueuedRequest:
         """The transcript's text in order, a delta each time the pieces finished so far from the start lengthen
         it; together the deltas are the text (and tokens) ``result`` returns, which is ready once they end.
 
-        A piece's words are known when it finishes (stitching keeps a word in the piece its middle falls in),
-        and the text of a run of whole words starts the text of any longer run, so nothing said is retracted.
+        A piece's words on its side of its cuts are known when it finishes; those it keeps past its cut
+        (``handover``), when the piece after it has finished too, and they come before that piece's. The text of a
+        run of whole words starts the text of any longer run, so nothing said is retracted.
         """
         t = self._transcriber
         tokens: list[int] = []
         shown, told = "", 0  # the text said so far, and how many tokens it holds
         logprobs: list[float] | None = []
+        before: tuple[Segment, Hypothesis] | None = None
         for segment, item in zip(self._segments, self.items, strict=True):
             result: ItemResult = await asyncio.wait_for(asyncio.wrap_future(item.future), self._remaining_s())
+            piece = (segment, result.hypothesis)
             if t.tokenizer is None:
                 continue  # no vocabulary: no text
-            words = stitch([(segment, result.hypothesis)], t.tokenizer, t.frame_samples)  # its words
-            tokens += words.tokens
-            if logprobs is not None and words.logprobs is not None:
-                logprobs += words.logprobs  # in place: a long stream's scores are not copied per piece
-            else:
-                logprobs = None
+            found = [piece_words(piece, segment.cut_before, segment.cut_after, t.tokenizer, t.frame_samples)]
+            if before is not None:  # what the piece before keeps past its cut, by what this one heard
+                handed = handover(before, piece, t.tokenizer, t.frame_samples)
+                found.insert(0, piece_words(before, before[0].cut_after, handed, t.tokenizer, t.frame_samples))
+            before = piece
+            for words in found:
+                tokens += words.tokens
+                if logprobs is not None and words.logprobs is not None:
+                    logprobs += words.logprobs  # in place: a long stream's scores are not copied per piece
+                else:
+                    logprobs = None
             text = t.tokenizer.ids_to_text(tokens)
             if len(text) > len(shown) and text.startswith(shown):
                 yield TextDelta(text[len(shown) :], tokens[told:], None if logprobs is None else

@@ -10,7 +10,15 @@ from pydantic import ValidationError
 
 from decoding.types import Hypothesis
 from models import load_model
-from models.segmenter import ENERGY_WINDOW_S, NO_CUT, _quietest_point, plan_segments, stitch
+from models.segmenter import (
+    ENERGY_WINDOW_S,
+    NO_CUT,
+    _quietest_point,
+    handover,
+    piece_words,
+    plan_segments,
+    stitch,
+)
 from service.config import Settings
 
 FRAME = 1280  # samples per encoder frame
@@ -67,6 +75,14 @@ def test_words_a_later_piece_heard_as_one_with_a_cut_off_word_are_kept_from_the_
     merged = stitch([(segments[0], earlier), (segments[1], later)], None, FRAME)
     assert merged.tokens == [10, 11, 12, 13, 14]
     assert merged.frames == sorted(merged.frames)
+    # a stream says the same, in the same order: each piece's side of its cuts as it finishes, then what the
+    # earlier keeps past its cut once the later has finished, before the later's words
+    first, second = (segments[0], earlier), (segments[1], later)
+    handed = handover(first, second, None, FRAME)
+    streamed = [piece_words(first, 0, segments[0].cut_after, None, FRAME),
+                piece_words(first, segments[0].cut_after, handed, None, FRAME),
+                piece_words(second, segments[1].cut_before, segments[1].cut_after, None, FRAME)]
+    assert [token for words in streamed for token in words.tokens] == merged.tokens
 
 
 def test_audio_that_was_not_cut_keeps_every_token():
