@@ -122,6 +122,17 @@ class Settings(BaseSettings):
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
 
+    @field_validator("api_keys")
+    @classmethod
+    def _no_blank_keys(cls, value: list[str]) -> list[str]:
+        """Blank keys dropped, as the ``a,b`` form drops them: a JSON list's ``""`` would have let in a request
+        with an empty ``Authorization: Bearer``. A list of nothing but blank ones is refused: dropped, it would turn
+        the keys off, which an operator who gave a list did not mean."""
+        keys = [key.strip() for key in value if key.strip()]
+        if value and not keys:
+            raise ValueError("holds only blank keys: give the keys, or leave it unset for none")
+        return keys
+
     @field_validator("languages")
     @classmethod
     def _language_codes(cls, value: list[str]) -> list[str]:

@@ -1,5 +1,5 @@
 """Request heads (the request line and the headers) bounded as they arrive: past ``MAX_HEAD_BYTES`` the answer is
-431, and a head not complete ``HEAD_TIMEOUT_S`` after the connection opened (or after its request began) ends the
+431, and a head not complete ``HEAD_TIMEOUT_S`` after the connection opened (or after its first byte came) ends the
 connection (408 if part of it came). Both answer in the API's error shape (service.http), with an ``x-request-id``
 that the log line names, and close the connection.
 
@@ -66,8 +66,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         # counted before the parser sees them: a head may come whole in one read (a client's writes coalesce), and
         # once parsed it would have been held and passed on, however long
         if self._head_bytes is not None and not self.transport.is_closing():
-            if not self._head_bytes:
-                self._head_started = self.loop.time()
+            if not self._head_bytes:  # a head's first byte: timed from here, whether or not it begins a request
+                self._begin_head()
             end = data.find(b"\r\n\r\n")  # a read may hold the head's end and the body's start
             self._head_bytes += len(data) if end < 0 else end + 4
             if self._head_bytes > self.max_head_bytes:
@@ -75,6 +75,13 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
                                            f"{self.max_head_bytes} bytes", code="request_head_too_large"))
                 return
         super().data_received(data)
+
+    def _begin_head(self) -> None:
+        # uvicorn's keep-alive timer is cancelled by any byte that comes, and the parser skips the CRLFs between
+        # requests without beginning a message: without this, a connection that sent "\r\n" after a request was
+        # timed by nothing. Not started at on_message_complete, where it would run while the app answers.
+        self._head_started = self.loop.time()
+        self._start_head_timer()
 
     def _start_head_timer(self) -> None:
         if self._head_timer is None:

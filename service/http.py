@@ -280,7 +280,8 @@ def valid_api_key(authorization: str, keys: list[str]) -> str | None:
     token = token.strip()
     digest = hashlib.sha256(token.encode()).digest()  # equal lengths: compare_digest's time then hides the key's
     matches = [hmac.compare_digest(digest, hashlib.sha256(key.encode()).digest()) for key in keys]
-    return token if scheme.lower() == "bearer" and any(matches) else None
+    # an empty token is never a key, whatever ``keys`` holds (settings drop blank ones; a caller's list may not)
+    return token if token and scheme.lower() == "bearer" and any(matches) else None
 
 
 def missing_api_key() -> ApiError:

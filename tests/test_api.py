@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import logging
@@ -594,6 +595,33 @@ def test_api_keys_are_compared_in_constant_time_with_every_key(monkeypatch):
     assert len(compared) == 4 * len(keys)  # a match found early still compares the rest
 
 
+def test_blank_api_keys_are_dropped_and_an_empty_bearer_is_never_a_key(hybrid, monkeypatch):
+    """The ``a,b`` form of BATCHASR_API_KEYS dropped blank keys, its JSON form kept them: with '["k1", ""]' an empty
+    ``Authorization: Bearer`` matched the "" and was let in. Both forms drop them now, and an empty token matches no
+    key whatever the list holds; a list of nothing but blank keys is refused."""
+    from pydantic import ValidationError
+
+    from service import http
+
+    monkeypatch.setenv("BATCHASR_API_KEYS", '["k1", "", "  "]')
+    assert Settings().api_keys == ["k1"]
+    monkeypatch.setenv("BATCHASR_API_KEYS", "k1, ,")
+    assert Settings().api_keys == ["k1"]
+    monkeypatch.setenv("BATCHASR_API_KEYS", '[""]')  # dropped, it would turn the keys off
+    with pytest.raises(ValidationError, match="only blank keys"):
+        Settings()
+    for authorization in ("Bearer ", "Bearer", "Bearer   "):
+        assert http.valid_api_key(authorization, ["k1", ""]) is None
+    monkeypatch.setenv("BATCHASR_API_KEYS", '["k1", ""]')
+    with run_server(Settings(), hybrid) as running:
+        host, port = running.url.removeprefix("http://").split(":")
+        for authorization in (b"Bearer ", b"Bearer"):  # raw: httpx will not send a header value ending in a space
+            with socket.create_connection((host, int(port)), timeout=10) as conn:
+                conn.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: " + authorization + b"\r\n\r\n")
+                assert _read_answer(conn).split(b"\r\n", 1)[0] == b"HTTP/1.1 401 Unauthorized", authorization
+        assert httpx.get(f"{running.url}/v1/models", headers={"Authorization": "Bearer k1"}).status_code == 200
+
+
 def test_request_heads_past_the_limit_are_refused_before_any_key_is_checked(hybrid):
     """httptools keeps a header however long it is (a gigabyte, in one connection, with no API key); past 64 KiB
     the server answers 431 and closes the connection. Ordinary heads, and a long Idempotency-Key, are not."""
@@ -642,6 +670,53 @@ def test_connections_that_stall_before_their_head_or_body_is_whole_are_ended(hyb
         assert answers == {"nothing": b"", "half a head": b"HTTP/1.1 408 Request Timeout",
                            "half a body": b"HTTP/1.1 408 Request Timeout"}
         assert httpx.get(f"{running.url}/healthz").status_code == 200
+
+
+def _read_answer(conn: socket.socket) -> bytes:
+    """One answer (head and its ``content-length`` of body) off a kept-alive connection."""
+    received = b""
+    while b"\r\n\r\n" not in received:
+        data = conn.recv(4096)
+        assert data, "closed before an answer"
+        received += data
+    head, _, body = received.partition(b"\r\n\r\n")
+    length = int(re.search(rb"(?im)^content-length: *(\d+)", head).group(1))
+    while len(body) < length:
+        data = conn.recv(4096)
+        assert data, "closed mid answer"
+        body += data
+    return head + b"\r\n\r\n" + body
+
+
+def test_a_stray_crlf_after_a_request_does_not_keep_the_connection_for_good(hybrid, parity_audio, monkeypatch):
+    """httptools skips the CRLFs between requests without beginning a message, and any byte cancels uvicorn's
+    keep-alive timer: a request and then "\\r\\n" held a connection for good, timed by nothing. The head timer
+    runs from that byte now (408), but not while a body comes slowly, the app answers, or a kept-alive connection
+    waits for its next request."""
+    from service.head_limit import BoundedHttpToolsProtocol
+
+    monkeypatch.setattr(BoundedHttpToolsProtocol, "head_timeout_s", 1.0)  # 60 s in service; keep-alive is 5 s
+    audio = Path(parity_audio[3]).read_bytes()
+    with run_server(Settings(), hybrid) as running:
+        host, port = running.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as conn:
+            conn.sendall(f"POST /v1/transcribe HTTP/1.1\r\nHost: x\r\nContent-Type: audio/wav\r\n"
+                         f"Content-Length: {len(audio)}\r\n\r\n".encode())
+            step = len(audio) // 4 + 1
+            for start in range(0, len(audio), step):  # the body over 2 s: past the head timeout
+                time.sleep(0.5)
+                conn.sendall(audio[start:start + step])
+            assert _read_answer(conn).startswith(b"HTTP/1.1 200 ")
+            time.sleep(1.5)  # idle past the head timeout, within keep-alive
+            conn.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert _read_answer(conn).startswith(b"HTTP/1.1 200 ")
+            conn.sendall(b"\r\n")
+            started, answer = time.monotonic(), b""
+            with contextlib.suppress(TimeoutError):  # kept open: the recv times out
+                while data := conn.recv(4096):  # to the end: the server closes the connection
+                    answer += data
+            assert answer.split(b"\r\n", 1)[0] == b"HTTP/1.1 408 Request Timeout"
+            assert time.monotonic() - started < 5
 
 
 def test_a_client_gone_mid_upload_is_a_499_not_a_server_error(server):
