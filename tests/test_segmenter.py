@@ -126,3 +126,13 @@ def test_an_overlap_of_half_a_segment_or_more_is_refused():
     with pytest.raises(ValidationError, match=r"segment_overlap_s\n.* under half of max_segment_s \(5\)"):
         Settings(max_segment_s=5, segment_overlap_s=8)
     assert Settings(max_segment_s=5, segment_overlap_s=2).segment_overlap_s == 2
+
+
+def test_the_service_refuses_segments_and_buckets_with_no_length_in_samples():
+    """BATCHASR_MAX_SEGMENT_S=inf failed the first long recording (OverflowError), and a length bucket that rounds
+    to no samples (1e-9 s) divided by zero at the first batch: the settings refuse them, as the command line does."""
+    for field, value, message in (("max_segment_s", "inf", "finite"), ("length_bucket_s", "1e-9", ">= 0.01"),
+                                  ("length_bucket_s", "inf", ">= 0.01")):
+        with pytest.raises(ValidationError, match=f"{field}\n.*{message}"):
+            Settings(**{field: value})
+    assert Settings(length_bucket_s=0.01).length_bucket_s == 0.01
