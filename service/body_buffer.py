@@ -52,11 +52,6 @@ def take_body(scope: dict) -> BinaryIO | None:
     return whole.file
 
 
-def body_received(scope: dict) -> bool:
-    """Whether the request's body arrived whole and waits to be taken (``take_body``)."""
-    return BODY_FILE in scope
-
-
 def body_bytes(scope: dict, otherwise: int) -> int:
     """How many bytes the request's body has, received whole (``otherwise`` where it was not, as in a test's own
     app)."""

@@ -15,7 +15,7 @@ from starlette.datastructures import UploadFile as StarletteUpload
 from starlette.requests import ClientDisconnect
 
 from .audio import AudioRequestError, decode_declared_audio
-from .body_buffer import body_bytes, body_received, take_body
+from .body_buffer import body_bytes, take_body
 from .http import ApiError, ServiceState, check_upload_size, client_closed, read_upload, upload_too_large
 
 T = TypeVar("T")
@@ -113,22 +113,24 @@ async def _decoded_upload(service: ServiceState, upload: StarletteUpload | None,
 async def decoded_body(request: Request, service: ServiceState, multichannel: bool = False) -> np.ndarray:
     """The raw audio body, decoded within the intake budget from the temporary file it waits in, whole, until there
     is room (service.body_buffer); given up if the client leaves meanwhile."""
-    if not body_received(request.scope):  # still to be read from the client, whose messages are the body's
-        return await _decoded_body(request, service, multichannel)
-    return await unless_client_leaves(request, _decoded_body(request, service, multichannel))
-
-
-async def _decoded_body(request: Request, service: ServiceState, multichannel: bool) -> np.ndarray:
-    async with service.intake.hold(body_bytes(request.scope, service.settings.max_upload_bytes)):
-        content_type = request.headers.get("content-type")
-        whole = take_body(request.scope)
-        if whole is None:  # not received whole (or an app without the buffer): read from the client
+    content_type = request.headers.get("content-type")
+    # taken first: watching for the client's leaving receives the messages that would replay an untaken body (read
+    # from its file, while a decoding thread might read that file too)
+    whole = take_body(request.scope)
+    if whole is None:  # not received whole (or an app without the buffer): read from the client, unwatched
+        async with service.intake.hold(service.settings.max_upload_bytes):
             return await decode(service, await read_body(request, service), content_type, multichannel)
-        size = body_bytes(request.scope, 0)
-        limit = service.settings.max_upload_bytes
-        if size > limit:
-            raise upload_too_large(limit, size)
-        return await decode(service, whole, content_type, multichannel)
+    size = body_bytes(request.scope, 0)
+    limit = service.settings.max_upload_bytes
+    if size > limit:
+        raise upload_too_large(limit, size)
+    return await unless_client_leaves(request, _decoded_file(service, whole, size, content_type, multichannel))
+
+
+async def _decoded_file(service: ServiceState, body: BinaryIO, size: int, content_type: str | None,
+                        multichannel: bool) -> np.ndarray:
+    async with service.intake.hold(size):
+        return await decode(service, body, content_type, multichannel)
 
 
 def audio_error(exc: AudioRequestError) -> ApiError:
