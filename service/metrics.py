@@ -118,7 +118,7 @@ class Metrics:
                                 (self.webhooks, WEBHOOK_OUTCOMES), (self.dropped_items, DROP_REASONS)):
             for value in values:
                 counter.labels(value)
-        self._event_loop_cpu_seen = 0.0
+        self._event_loop_cpu_seen = time.thread_time()  # from here: the process's start-up (imports) is not the loop's
         self._window: deque[tuple[float, float, float]] = deque()  # (time, audio_s, compute_s)
         self._lock = threading.Lock()
 

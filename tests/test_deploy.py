@@ -559,6 +559,15 @@ def test_k8s_env_names_are_service_settings():
             assert all(("ConfigMap", ref) in objects for ref in refs)
 
 
+def test_k8s_workers_know_the_api_keys_as_the_api_does():
+    """The keys name each key's usage series at 0 from the start; a worker without them counted a key's first job
+    batch as that series' first sample, which increase() and rate() leave out."""
+    objects = k8s_objects()
+    keys = [[e for e in container(objects["Deployment", name]).get("env", []) if e["name"] == "BATCHASR_API_KEYS"]
+            for name in ("batchasr-api", "batchasr-worker")]
+    assert keys[0] and keys[0] == keys[1]
+
+
 def test_k8s_worker_scales_on_stream_lag_with_keda():
     objects = k8s_objects()
     worker = objects["Deployment", "batchasr-worker"]
