@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from starlette.datastructures import Headers
+
 from .http import ApiError, send_error
 
 FORM_OVERHEAD_BYTES = 1 << 20  # multipart boundaries and the form's other fields, beside the audio
@@ -36,10 +38,12 @@ class BodyLimitMiddleware:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
             await self.app(scope, receive, send)
             return
-        headers = dict(scope.get("headers") or [])
-        refusal = self.limit_for(scope["path"], headers.get(b"content-type", b"").decode("latin-1"))
+        # the first of a repeated header, as the routes read it (Starlette's Headers): the last, here, gave a JSON
+        # body followed by a second, multipart Content-Type the upload limit (1 GiB) instead of JSON's (64 MiB)
+        headers = Headers(scope=scope)
+        refusal = self.limit_for(scope["path"], headers.get("content-type", ""))
         limit = refusal.limit
-        declared = headers.get(b"content-length", b"")
+        declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
             await send_error(send, refusal)
             return

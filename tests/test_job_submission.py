@@ -153,6 +153,10 @@ def test_a_job_is_bounded_in_items_and_bytes(redis_server, model, parity_audio, 
                            timeout=60)
         assert large.status_code == 413 and large.json()["error"]["code"] == "job_too_large", large.text
         assert "several jobs" in large.json()["error"]["message"]
+        # a second, multipart Content-Type gave the body the upload limit (1 GiB) while the route read it as JSON
+        twice = httpx.post(f"{running.url}/v1/jobs", content=padded, timeout=60, headers=[
+            ("content-type", "application/json"), ("content-type", "multipart/form-data; boundary=x")])
+        assert twice.status_code == 413 and twice.json()["error"]["code"] == "job_too_large", twice.text
         taken = httpx.post(f"{running.url}/v1/jobs", json={"items": [item] * 5}, timeout=30)
         assert taken.status_code == 202, taken.text
     assert redis_server.client().xlen(ITEM_STREAM) == 5
