@@ -264,6 +264,9 @@ async def create_job(request: Request, service: ServiceDep,
 async def _submit(store: JobStore, settings: Settings, items: list[ItemInput], options: JobOptions,
                   idempotency_key: str | None) -> JSONResponse:
     try:
+        # a retry is answered with its job before the inputs are checked again: a file may have gone since
+        if idempotency_key and (job := await store.submitted_under(idempotency_key, options.owner)) is not None:
+            return JSONResponse(job.to_dict(), status_code=200)
         await asyncio.to_thread(_check_inputs, items, settings)  # a path each: the file system, off the event loop
         job, created = await store.submit(items, idempotency_key, options)
     except UploadTooLarge as exc:  # larger than its Redis stores in one value: the form's limits let it through

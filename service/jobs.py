@@ -162,13 +162,9 @@ class JobStore(ItemStreams):
                 raise UploadTooLarge(f"{item.audio}: {sizes[name]} bytes exceeds the upload limit of "
                                      f"{self.max_upload_bytes}")
         stream = item_stream(options.priority, options.owner)
-        key = None
-        if idempotency_key:  # one owner's key never names another's job
-            owned = idempotency_key if options.owner == ANONYMOUS else f"{options.owner}:{idempotency_key}"
-            key = IDEMPOTENCY_KEY.format(key=owned)
-            if (job := await self._job_named_by(self.redis, key)) is not None:
-                await self._confirm_replicated()  # it may be the retry of one refused as unconfirmed
-                return job, False  # a retried submission: nothing of it is written again
+        key = _idempotency_key(idempotency_key, options.owner) if idempotency_key else None
+        if idempotency_key and (job := await self.submitted_under(idempotency_key, options.owner)) is not None:
+            return job, False  # a retried submission: nothing of it is written again
         reserved = await self._reserve(job_id, options.owner, len(items))  # before a byte is written
         try:
             try:
@@ -184,6 +180,14 @@ class JobStore(ItemStreams):
             await self._discard(job_id, uploads, reserved)
         await self._confirm_replicated()
         return job, created
+
+    async def submitted_under(self, idempotency_key: str, owner: str = ANONYMOUS) -> Job | None:
+        """The job ``owner`` submitted under ``idempotency_key``, if it is still there: a retried submission's answer,
+        before its inputs are checked again (a file the first one named may be gone since)."""
+        job = await self._job_named_by(self.redis, _idempotency_key(idempotency_key, owner))
+        if job is not None:
+            await self._confirm_replicated()  # it may be the retry of one refused as unconfirmed
+        return job
 
     async def _create(self, job_id: str, items: list[ItemInput], options: JobOptions, key: str | None,
                       uploads: list[str], stream: str, reserved: str | None) -> tuple[Job, bool]:
@@ -201,8 +205,10 @@ class JobStore(ItemStreams):
                     pipe.multi()
                     if reserved is not None:  # queued now: counted on the streams from here on
                         pipe.hdel(reserved, job_id)
-                    if key is not None:  # set with the job, in one transaction (over a key whose job is gone)
-                        pipe.set(key, job_id, ex=self.result_ttl_s)
+                    if key is not None:  # set with the job, in one transaction (over a key whose job is gone), and
+                        # kept as long as the job is: it lapsed at the result TTL, so a retry of a job still running
+                        # (or whose results were still kept) made a second job
+                        pipe.set(key, job_id, ex=self.input_ttl_s + self.result_ttl_s)
                     await self._open_stream_in(pipe, stream)
                     fields = self._queue_job(pipe, job_id, items, options, key, stream)
                     if uploads:
@@ -459,6 +465,13 @@ class JobStore(ItemStreams):
                 if isinstance(record, dict) and "upload" in record:
                     pipe.delete(record["upload"])  # audio is not kept once its result is
         await pipe.execute()
+        await self._keep_idempotency_key(job_id, self.result_ttl_s)
+
+    async def _keep_idempotency_key(self, job_id: str, ttl_s: int) -> None:
+        """The job's idempotency key, if it still names the job, expires with it ``ttl_s`` from now."""
+        key = await self.redis.hget(JOB_KEY.format(job_id=job_id), "idempotency_key")
+        if key and await self.redis.get(key) == job_id.encode():
+            await self.redis.expire(key, ttl_s)
 
     # --- cancel, retry, delete ---------------------------------------------------------------------------------
 
@@ -504,6 +517,8 @@ class JobStore(ItemStreams):
             queued, left, deferred = queued + int(n_queued), left + int(n_left), deferred + int(n_deferred)
         if deferred and not queued:  # nothing written: refused, as a submission past the limit is
             raise NoRoomToRetry(int(counted), int(limit), deferred)
+        if queued:  # in progress again, its records kept as a new job's: its key too
+            await self._keep_idempotency_key(job_id, self.input_ttl_s + self.result_ttl_s)
         await self._confirm_replicated()
         return Retried(await self.get(job_id), queued, left, deferred)
 
@@ -600,3 +615,8 @@ class JobStore(ItemStreams):
 def _job(job_id: str, raw: dict[bytes, bytes]) -> Job:
     """A job from its hash."""
     return job_from_fields(job_id, {k.decode(): v.decode() for k, v in raw.items()})
+
+
+def _idempotency_key(idempotency_key: str, owner: str) -> str:
+    """The Redis key of an owner's idempotency key: one owner's key never names another's job."""
+    return IDEMPOTENCY_KEY.format(key=idempotency_key if owner == ANONYMOUS else f"{owner}:{idempotency_key}")

@@ -508,3 +508,34 @@ def test_submit_and_jobs_that_cannot_write_their_output_say_so_not_that_redis_is
                                     stdout=full, stderr=subprocess.PIPE, text=True, timeout=60)
         assert result.returncode == 2 and "error: cannot write the results: [Errno 28]" in result.stderr, command
         assert "cannot reach" not in result.stderr and "Traceback" not in result.stderr
+
+
+def test_an_idempotency_key_names_its_job_as_long_as_the_job_is_there(redis_server, model, parity_audio, tmp_path):
+    """The key lapsed at the result TTL from submission, so a retry of a job still in progress (or whose results were
+    still kept) made a second job; and a retry was checked again before its key was looked up, so one whose file had
+    been moved since (a pipeline cleaning up) was refused 400 instead of answered with its job."""
+    async def key_ttls() -> tuple[int, int, int]:
+        store = JobStore.from_url(redis_server.url, input_ttl_s=600, result_ttl_s=2)
+        job, _ = await store.submit([ItemInput(audio="a.wav", upload=b"x")], "nightly-1")
+        submitted = await store.redis.ttl("batchasr:idempotency:nightly-1")
+        await store.cancel(job.id)  # it ends: the key, as the job's records, expires the result TTL from now
+        ended = await store.redis.ttl("batchasr:idempotency:nightly-1")
+        job_left = await store.redis.ttl(f"batchasr:job:{job.id}")
+        await store.close()
+        return submitted, ended, job_left
+
+    submitted, ended, job_left = asyncio.run(key_ttls())
+    assert submitted > 500 and 0 < ended <= 2 and abs(ended - job_left) <= 1
+
+    roots = tmp_path / "inputs"
+    roots.mkdir()
+    clip = roots / "a.wav"
+    clip.write_bytes(Path(parity_audio[0]).read_bytes())
+    body, key = {"items": [{"path": str(clip)}]}, {"Idempotency-Key": "moved-after"}
+    with run_server(Settings(redis_url=redis_server.url, input_roots=[str(roots)], max_wait_ms=3000,
+                             max_batch_size=64), model) as running:
+        first = httpx.post(f"{running.url}/v1/jobs", json=body, headers=key, timeout=30)
+        clip.unlink()
+        again = httpx.post(f"{running.url}/v1/jobs", json=body, headers=key, timeout=30)
+    assert first.status_code == 202 and again.status_code == 200, again.text
+    assert again.json()["id"] == first.json()["id"]
