@@ -326,8 +326,12 @@ async def job_results(job_id: str, request: Request, service: ServiceDep,
 
     async def lines() -> AsyncIterator[bytes]:
         yield _line(first)
-        async for record in records:
-            yield _line(record)
+        try:
+            async for record in records:
+                yield _line(record)
+        except JobNotFound:  # purged or expired meanwhile: the stream is cut off, not ended as if whole
+            log.warning("job %s is gone: its results stream is cut off", job_id)
+            raise
 
     return StreamingResponse(lines(), media_type="application/x-ndjson")
 

@@ -383,11 +383,16 @@ class JobStore(ItemStreams):
 
     async def _records(self, job_id: str, indices: Sequence[int]) -> list[dict[str, Any]]:
         """The records of the items at ``indices``, in one round trip: the result of each that has one, else its
-        state (queued where none is written yet) and error."""
+        state (queued where none is written yet) and error. ``JobNotFound`` if the job is gone (purged or expired
+        while its results were read page by page: its items were made up as queued, and the stream ended as if
+        whole)."""
         pipe = self.redis.pipeline(transaction=False)
+        pipe.exists(JOB_KEY.format(job_id=job_id))
         for template in (RESULTS_KEY, INPUTS_KEY, STATES_KEY, ERRORS_KEY):
             pipe.hmget(template.format(job_id=job_id), list(indices))
-        results, inputs, states, errors = await pipe.execute()
+        there, results, inputs, states, errors = await pipe.execute()
+        if not there:
+            raise JobNotFound(job_id)
         return [json.loads(result) if result is not None else
                 item_record(json.loads(inputs[i])["audio"] if inputs[i] else None, (states[i] or b"queued").decode(),
                             error=errors[i].decode() if errors[i] else None)

@@ -17,7 +17,7 @@ import pytest
 from service import submit_inputs
 from service.config import Settings
 from service.job_keys import ITEM_STREAM
-from service.job_types import ItemInput, Job
+from service.job_types import ItemInput, Job, JobNotFound
 from service.jobs import JSON_JOB_BYTES, MAX_JOB_ITEMS, JobStore
 from service.jobs_cli import run_submit
 from service.submit_inputs import parse_size, split_into_jobs
@@ -175,6 +175,16 @@ def test_results_are_listed_a_page_at_a_time_in_order(redis_server, model):
                                 error="bad")
         small = [r async for r in store.iter_results(job.id, page=7)][:12]
         assert [r["audio"] for r in small] == [f"item{i:04d}.wav" for i in range(12)]
+        # a job purged while its results are read page by page: its later items were made up as queued, and the
+        # results ended as if whole
+        other, _ = await store.submit(items[:20])
+        reading, read = store.iter_results(other.id, page=7), []
+        with pytest.raises(JobNotFound):
+            async for record in reading:
+                read.append(record)
+                if len(read) == 3:
+                    await store.delete(other.id)
+        assert len(read) == 7  # the page read before the purge
         await store.close()
         return job.id
 
