@@ -26,7 +26,9 @@ INTAKE_WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 UNSURE_BELOW = 0.5  # a token less likely than this is counted unsure
 UNSURE_LOGPROB = math.log(UNSURE_BELOW)
-SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# up to the longest waits there are: a request's timeout (600 s) and a job item's (3600 s); past 300 s every wait
+# was one bucket (+Inf), so the queue-wait quantiles of a backlog of job items could not be told apart
+SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 # the label values each labelled counter can take, exposed at 0 from the start: a series that first shows up at 1 has
 # no earlier sample for rate() or increase() to count from, so a dashboard would never see the first job that
 # failed, nor the first item dropped

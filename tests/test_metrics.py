@@ -56,3 +56,14 @@ def test_the_event_loops_cpu_counts_from_when_the_metrics_are_made_not_from_the_
     metrics = Metrics()
     metrics.observe_event_loop_cpu()
     assert metrics.registry.get_sample_value("batchasr_event_loop_cpu_seconds_total") < 0.1
+
+
+def test_queue_waits_are_told_apart_up_to_a_job_items_timeout():
+    """The buckets ended at 300 s: a job item's wait of 20 minutes and one of 50 fell in one bucket (+Inf)."""
+    metrics = Metrics()
+    metrics.observe_batch(2, 10.0, 12.0, 12.0, 0.1, {}, [(1200.0, "job"), (3000.0, "job")])
+
+    def waits_within(le: str) -> float:
+        return metrics.registry.get_sample_value("batchasr_queue_wait_seconds_bucket", {"source": "job", "le": le})
+
+    assert (waits_within("300.0"), waits_within("1800.0"), waits_within("3600.0")) == (0.0, 1.0, 2.0)
