@@ -34,7 +34,7 @@ from .fastconformer import FastConformerEncoder, resolve_attention_kernel
 from .features import LogMelFeatures
 from .heads import CTCHead, Joint, PredictionNetwork
 from .offline import OfflineOptions, transcribe_stream
-from .segmenter import MIN_SEGMENT_S, SEGMENT_TOO_SHORT
+from .segmenter import length_bucket_problem, segment_problem
 from .tokenizer import Tokenizer, hotword_tokens
 from .transcript import Transcript
 
@@ -311,10 +311,10 @@ class ASRModel(nn.Module):
             raise ValueError("batch_size must be >= 1")
         if not 0 <= hotword_boost <= MAX_HOTWORD_BOOST:  # as a hotword's own bonus; NaN fails this too
             raise ValueError(f"hotword_boost must be 0 to {MAX_HOTWORD_BOOST:g}, not {hotword_boost!r}")
-        if length_bucket_s is not None and length_bucket_s <= 0:
-            raise ValueError("length_bucket_s must be > 0 seconds")
-        if max_segment_s is not None and not max_segment_s >= MIN_SEGMENT_S:  # NaN too
-            raise ValueError(f"max_segment_s {SEGMENT_TOO_SHORT}, not {max_segment_s:g}")
+        if length_bucket_s is not None and (problem := length_bucket_problem(length_bucket_s)):
+            raise ValueError(f"length_bucket_s {problem}, not {length_bucket_s:g}")
+        if max_segment_s is not None and (problem := segment_problem(max_segment_s)):
+            raise ValueError(f"max_segment_s {problem}, not {max_segment_s:g}")
         _check_decoding_options(decoder_algorithm, cuda_graphs)
         decoder = self.resolve_decoder(decoder)
         boosted = hotword_tokens(hotwords, self.tokenizer)

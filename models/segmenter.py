@@ -10,6 +10,7 @@ keeps its own words up to that word's end.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +30,22 @@ SEGMENT_TOO_SHORT = f"must be at least {MIN_SEGMENT_S:g} seconds"
 # the shortest length bucket (``length_bucket_s``): one 10 ms feature hop, so that a bucket is whole samples at any
 # sample rate a model has (``length_bucket_end`` divides by its samples: 0 would divide by zero)
 MIN_LENGTH_BUCKET_S = 0.01
+
+
+def segment_problem(seconds: float) -> str | None:
+    """What keeps ``seconds`` from being ``max_segment_s`` (None: nothing), for the library, the command and the
+    service alike: too short (NaN too), or infinite (no length in samples: the first long recording failed)."""
+    if not seconds >= MIN_SEGMENT_S:
+        return SEGMENT_TOO_SHORT
+    return "must be a finite number of seconds" if seconds == math.inf else None
+
+
+def length_bucket_problem(seconds: float) -> str | None:
+    """What keeps ``seconds`` from being ``length_bucket_s`` (None: nothing): a bucket is counted in whole samples,
+    so NaN, infinity or a length that rounds to none failed at the first batch."""
+    if not MIN_LENGTH_BUCKET_S <= seconds < math.inf:
+        return f"must be a finite number of seconds >= {MIN_LENGTH_BUCKET_S:g}"
+    return None
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import math
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -31,34 +30,31 @@ if TYPE_CHECKING:
 FORMATS = ("text", "json", "jsonl", "srt", "vtt", "manifest")
 
 
-def _segment_seconds(text: str) -> float:
-    """--max-segment-s: 0 (every file whole), or at least what the service's BATCHASR_MAX_SEGMENT_S takes; refused
-    here, before the model loads."""
-    from models.segmenter import MIN_SEGMENT_S, SEGMENT_TOO_SHORT
-
+def _seconds(text: str) -> float:
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if value != 0 and not value >= MIN_SEGMENT_S:  # NaN too
-        raise argparse.ArgumentTypeError(f"{SEGMENT_TOO_SHORT} (or 0: every file whole), not {text}")
-    if value == math.inf:  # no length in samples
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds (or 0: every file whole), not {text}")
+
+
+def _segment_seconds(text: str) -> float:
+    """--max-segment-s: 0 (every file whole), or what the service's BATCHASR_MAX_SEGMENT_S takes; refused here,
+    before the model loads."""
+    from models.segmenter import segment_problem
+
+    value = _seconds(text)
+    if value != 0 and (problem := segment_problem(value)):
+        raise argparse.ArgumentTypeError(f"{problem} (or 0: every file whole), not {text}")
     return value
 
 
 def _bucket_seconds(text: str) -> float:
-    """--length-bucket-s: a finite length of at least MIN_LENGTH_BUCKET_S (a bucket is counted in whole samples,
-    so NaN, inf or a length that rounds to no samples would fail mid-run); refused here, before the model loads."""
-    from models.segmenter import MIN_LENGTH_BUCKET_S
+    """--length-bucket-s: what the service's BATCHASR_LENGTH_BUCKET_S takes; refused here, before the model loads."""
+    from models.segmenter import length_bucket_problem
 
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not MIN_LENGTH_BUCKET_S <= value < math.inf:  # NaN too
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds, at least {MIN_LENGTH_BUCKET_S:g}, "
-                                         f"not {text}")
+    value = _seconds(text)
+    if problem := length_bucket_problem(value):
+        raise argparse.ArgumentTypeError(f"{problem}, not {text}")
     return value
 
 

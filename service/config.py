@@ -15,7 +15,7 @@ from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from decoding.types import HOTWORD_BOOST, MAX_HOTWORD_BOOST
-from models.segmenter import MIN_LENGTH_BUCKET_S, MIN_SEGMENT_S, SEGMENT_TOO_SHORT
+from models.segmenter import length_bucket_problem, segment_problem
 
 from .batcher import POOL_FACTOR
 
@@ -264,25 +264,25 @@ class Settings(BaseSettings):
 
         return _one_of(value, ATTENTION_KERNEL_OPTIONS)
 
-    @field_validator("length_bucket_s", "max_batch_audio_s")
+    @field_validator("max_batch_audio_s")
     @classmethod
-    def _positive_bucket(cls, value: float | None, info: ValidationInfo) -> float | None:
-        if value is None:
-            return value
-        if info.field_name == "length_bucket_s":  # whole samples: one of none divided by zero at the first batch
-            if not MIN_LENGTH_BUCKET_S <= value < math.inf:
-                raise ValueError(f"must be a finite number of seconds >= {MIN_LENGTH_BUCKET_S:g} (or unset)")
-        elif not 0 < value < math.inf:
+    def _positive_seconds(cls, value: float | None) -> float | None:
+        if value is not None and not 0 < value < math.inf:
             raise ValueError("must be a finite number of seconds > 0 (or unset)")
+        return value
+
+    @field_validator("length_bucket_s")
+    @classmethod
+    def _length_bucket(cls, value: float | None) -> float | None:
+        if value is not None and (problem := length_bucket_problem(value)):
+            raise ValueError(f"{problem} (or unset)")
         return value
 
     @field_validator("max_segment_s")
     @classmethod
     def _segment_long_enough(cls, value: float) -> float:
-        if not value >= MIN_SEGMENT_S:  # NaN too
-            raise ValueError(SEGMENT_TOO_SHORT)
-        if value == math.inf:  # no length in samples: the first long recording failed
-            raise ValueError("must be a finite number of seconds")
+        if problem := segment_problem(value):
+            raise ValueError(problem)
         return value
 
     @field_validator("segment_overlap_s")
