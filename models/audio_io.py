@@ -10,7 +10,6 @@ from __future__ import annotations
 import io
 import math
 import os
-import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +17,14 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from .containers import HEAD_BYTES, ContainerAudio, UnreadableContainer, container_format, id3_tag_bytes
+from .containers import (
+    HEAD_BYTES,
+    ContainerAudio,
+    UnreadableContainer,
+    container_format,
+    id3_tag_bytes,
+    wav_data_chunk,
+)
 
 SOUNDFILE_SUFFIXES = {".wav", ".flac", ".ogg", ".oga", ".opus", ".mp3", ".aif", ".aiff", ".au", ".w64", ".caf"}
 CONTAINER_SUFFIXES = {".m4a", ".m4b", ".mp4", ".mov", ".3gp", ".3g2", ".webm", ".mkv", ".mka", ".ts", ".aac",
@@ -151,17 +157,11 @@ def wav_data(head: bytes) -> WavData | None:
     """The data chunk ``head`` (a file's start) declares; None for other formats, a chunk past ``head``, or a size
     a streaming writer left unknown. libsndfile trusts the file's size over the header, so a cut-off file would
     decode as shorter audio without a word; callers say it is cut off instead."""
-    if len(head) < 12 or head[:4] != b"RIFF" or head[8:12] != b"WAVE":
+    chunk = wav_data_chunk(head)
+    if chunk is None:
         return None
-    offset, byte_rate = 12, 0
-    while offset + 8 <= len(head):
-        chunk_id, size = head[offset : offset + 4], struct.unpack_from("<I", head, offset + 4)[0]
-        if chunk_id == b"fmt " and offset + 20 <= len(head):
-            byte_rate = struct.unpack_from("<I", head, offset + 16)[0]
-        if chunk_id == b"data":
-            return None if size in STREAMED_WAV_SIZES or byte_rate == 0 else WavData(offset + 8, size, byte_rate)
-        offset += 8 + size + (size & 1)  # chunks are padded to even sizes
-    return None
+    offset, size, byte_rate = chunk
+    return None if size in STREAMED_WAV_SIZES or byte_rate == 0 else WavData(offset, size, byte_rate)
 
 
 def truncation_message(declared: WavData, total_bytes: int, holder: str) -> str | None:

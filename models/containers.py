@@ -72,18 +72,27 @@ def _flac_of_unknown_length(head: bytes) -> bool:
     return fields >> 44 != 0 and fields & ((1 << 36) - 1) == 0
 
 
+def wav_data_chunk(head: bytes) -> tuple[int, int, int] | None:
+    """A RIFF/WAVE file's data chunk as its start ``head`` declares it: (offset of its first sample byte, its size,
+    the format's byte rate: 0 where no fmt chunk came first); None for other formats or a chunk past ``head``."""
+    if len(head) < 12 or head[:4] != b"RIFF" or head[8:12] != b"WAVE":
+        return None
+    offset, byte_rate = 12, 0
+    while offset + 8 <= len(head):
+        chunk_id, size = head[offset : offset + 4], int.from_bytes(head[offset + 4 : offset + 8], "little")
+        if chunk_id == b"fmt " and offset + 20 <= len(head):
+            byte_rate = int.from_bytes(head[offset + 16 : offset + 20], "little")
+        if chunk_id == b"data":
+            return offset + 8, size, byte_rate
+        offset += 8 + size + (size & 1)  # chunks are padded to even sizes
+    return None
+
+
 def _wav_of_unknown_length(head: bytes) -> bool:
     """A RIFF/WAVE whose data chunk states 0 bytes with samples after it (older FFmpeg, writing to a pipe):
     libsndfile takes the 0 literally, FFmpeg reads to the end."""
-    if len(head) < 12 or head[:4] != b"RIFF" or head[8:12] != b"WAVE":
-        return False
-    offset = 12
-    while offset + 8 <= len(head):
-        size = int.from_bytes(head[offset + 4 : offset + 8], "little")
-        if head[offset : offset + 4] == b"data":
-            return size == 0 and offset + 8 < len(head)
-        offset += 8 + size + (size & 1)
-    return False
+    chunk = wav_data_chunk(head)
+    return chunk is not None and chunk[1] == 0 and chunk[0] < len(head)
 
 
 def _av():
