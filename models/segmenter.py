@@ -139,23 +139,29 @@ def stitch(pieces: list[tuple[Segment, Hypothesis]], tokenizer: Tokenizer | None
         return pieces[0][1]  # audio that was not cut: its hypothesis as decoded, every token kept
     out = Hypothesis(durations=[] if any(h.durations is not None for _, h in pieces) else None,
                      logprobs=[] if all(h.logprobs is not None for _, h in pieces) else None)
+    units = [_units(segment, hyp, tokenizer, frame_samples) for segment, hyp in pieces]  # each piece's, once
     for i, piece in enumerate(pieces):
-        until = handover(piece, pieces[i + 1], tokenizer, frame_samples) if i + 1 < len(pieces) else None
-        _add_words(out, piece, piece[0].cut_before, until or piece[0].cut_after, tokenizer, frame_samples)
+        until = piece[0].cut_after
+        if i + 1 < len(pieces):
+            until = _handover(until, pieces[i + 1][0], units[i + 1])
+        _add_words(out, piece, units[i], piece[0].cut_before, until, frame_samples)
     return out
 
 
 def handover(piece: tuple[Segment, Hypothesis], following: tuple[Segment, Hypothesis], tokenizer: Tokenizer | None,
              frame_samples: int) -> int:
-    """Where ``piece`` hands over to the piece after it: its cut, or past it. The later piece begins inside the
-    overlap, perhaps in the middle of a word: it may hear that word's cut-off tail and the words after the cut as
-    one word reaching past the cut with its middle before it, which it leaves to this piece, while this piece left
-    the real words (their middles past the cut) to it: both dropped them. So this piece keeps its words up to the
-    end of such a word."""
-    cut = piece[0].cut_after
-    if following[0].cut_before != cut:  # not the next piece of one stretch (skip_silence left a gap between)
+    """Where ``piece`` hands over to the piece after it: its cut, or past it (``_handover``)."""
+    return _handover(piece[0].cut_after, following[0], _units(*following, tokenizer, frame_samples))
+
+
+def _handover(cut: int, following: Segment, following_units: list[tuple[float, int, int, int]]) -> int:
+    """The later piece begins inside the overlap, perhaps in the middle of a word: it may hear that word's cut-off
+    tail and the words after the cut as one word reaching past the cut with its middle before it, which it leaves
+    to the earlier piece, while the earlier piece left the real words (their middles past the cut) to it: both
+    dropped them. So the earlier piece keeps its words up to the end of such a word."""
+    if following.cut_before != cut:  # not the next piece of one stretch (skip_silence left a gap between)
         return cut
-    return max([cut, *(end for middle, end, _, _ in _units(*following, tokenizer, frame_samples) if middle < cut)])
+    return max([cut, *(end for middle, end, _, _ in following_units if middle < cut)])
 
 
 def piece_words(piece: tuple[Segment, Hypothesis], start: int, end: int, tokenizer: Tokenizer | None,
@@ -167,7 +173,7 @@ def piece_words(piece: tuple[Segment, Hypothesis], start: int, end: int, tokeniz
     if _uncut(segment) and start <= 0 and end >= NO_CUT:
         return hyp
     out = Hypothesis(durations=None if hyp.durations is None else [], logprobs=None if hyp.logprobs is None else [])
-    _add_words(out, piece, start, end, tokenizer, frame_samples)
+    _add_words(out, piece, _units(segment, hyp, tokenizer, frame_samples), start, end, frame_samples)
     return out
 
 
@@ -175,12 +181,12 @@ def _uncut(segment: Segment) -> bool:
     return segment.start == 0 and segment.cut_after == NO_CUT
 
 
-def _add_words(out: Hypothesis, piece: tuple[Segment, Hypothesis], start: int, end: int,
-               tokenizer: Tokenizer | None, frame_samples: int) -> None:
-    """``piece``'s words whose middles lie in [start, end) appended to ``out``."""
+def _add_words(out: Hypothesis, piece: tuple[Segment, Hypothesis], units: list[tuple[float, int, int, int]],
+               start: int, end: int, frame_samples: int) -> None:
+    """Those of ``piece``'s words (its ``units``) whose middles lie in [start, end), appended to ``out``."""
     segment, hyp = piece
     offset = segment.start // frame_samples
-    for middle, _, first, last in _units(segment, hyp, tokenizer, frame_samples):
+    for middle, _, first, last in units:
         if not start <= middle < end:
             continue
         out.tokens.extend(hyp.tokens[first : last + 1])
