@@ -266,7 +266,7 @@ class Settings(BaseSettings):
 
     @field_validator("max_batch_audio_s")
     @classmethod
-    def _positive_seconds(cls, value: float | None) -> float | None:
+    def _positive_batch_audio(cls, value: float | None) -> float | None:
         if value is not None and not 0 < value < math.inf:
             raise ValueError("must be a finite number of seconds > 0 (or unset)")
         return value
