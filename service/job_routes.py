@@ -42,6 +42,7 @@ from .http import (
     subtitle_layout,
 )
 from .job_types import (
+    IdempotencyKeyReused,
     ItemInput,
     JobInputError,
     JobNotFound,
@@ -53,7 +54,7 @@ from .job_types import (
     deleted_job,
     resolve_input_path,
 )
-from .jobs import JSON_JOB_BYTES, JobStore
+from .jobs import JSON_JOB_BYTES, JobStore, request_fingerprint
 from .redis_outages import REDIS_ERRORS, REDIS_FULL, outage
 from .url_inputs import check_input_url
 from .url_rules import UrlRefused
@@ -265,7 +266,8 @@ async def _submit(store: JobStore, settings: Settings, items: list[ItemInput], o
                   idempotency_key: str | None) -> JSONResponse:
     try:
         # a retry is answered with its job before the inputs are checked again: a file may have gone since
-        if idempotency_key and (job := await store.submitted_under(idempotency_key, options.owner)) is not None:
+        if idempotency_key and (job := await store.submitted_under(
+                idempotency_key, options.owner, request_fingerprint(items, options))) is not None:
             return JSONResponse(job.to_dict(), status_code=200)
         await asyncio.to_thread(_check_inputs, items, settings)  # a path each: the file system, off the event loop
         job, created = await store.submit(items, idempotency_key, options)
@@ -275,6 +277,8 @@ async def _submit(store: JobStore, settings: Settings, items: list[ItemInput], o
         if exc.never_fits:
             raise ApiError(413, str(exc), param="items", code="too_many_items") from exc
         raise _at_queued_limit(exc) from exc
+    except IdempotencyKeyReused as exc:
+        raise ApiError(400, str(exc), param="Idempotency-Key", code="idempotency_key_reused") from exc
     except JobInputError as exc:
         raise ApiError(400, str(exc), param="items", code="invalid_input") from exc
     except REDIS_ERRORS as exc:

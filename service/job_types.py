@@ -3,7 +3,9 @@ read back and an item's result record, and the errors of taking one. Storage is 
 
 from __future__ import annotations
 
+import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -50,6 +52,16 @@ class JobInputError(ValueError):
 
 class UploadTooLarge(JobInputError):
     """An upload past the upload limit, or larger than Redis stores in one value (HTTP: 413)."""
+
+
+class IdempotencyKeyReused(JobInputError):
+    """An idempotency key sent again with another request than the one that made its job (other items or options):
+    a client's bug, most likely a key reused for a new job, which would otherwise get the old job's results."""
+
+    def __init__(self, job_id: str):
+        self.job_id = job_id
+        super().__init__(f"this Idempotency-Key was first sent with another request (other items or options), which "
+                         f"made job {job_id}: send a new key for a new job")
 
 
 class TooManyQueued(Exception):
@@ -151,6 +163,7 @@ class Job:
     webhook_attempts: int = 0
     webhook_error: str | None = None
     ends: int = 0  # how many times it has ended: once, and again after each retry of its failed items
+    fingerprint: str = ""  # the submission's (``submission_fingerprint``); "" for jobs written before it was kept
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -234,7 +247,20 @@ def job_from_fields(job_id: str, h: dict[str, str]) -> Job:
                hotwords=tuple(json.loads(h.get("hotwords") or "[]")),
                webhook_url=h.get("webhook_url") or None,
                webhook_status=h.get("webhook_status") or None, webhook_attempts=int(h.get("webhook_attempts", 0)),
-               webhook_error=h.get("webhook_error") or None, ends=int(h.get("ends", 0)))
+               webhook_error=h.get("webhook_error") or None, ends=int(h.get("ends", 0)),
+               fingerprint=h.get("fingerprint", ""))
+
+
+def submission_fingerprint(items: list[ItemInput], options: JobOptions, upload_sizes: Mapping[int, int]) -> str:
+    """What a submission asked for, hashed: each item's name, source and stretch (an upload by its size, by item
+    index in ``upload_sizes``: its bytes are not read again to be hashed) and the options. A retry under the same
+    idempotency key must match it. The owner is left out: a key is its owner's already."""
+    described = [[item.audio, item.path, item.url, upload_sizes.get(index),
+                  [item.stretch.offset_s, item.stretch.duration_s] if item.stretch is not None else None]
+                 for index, item in enumerate(items)]
+    asked = [options.webhook_url, options.priority.value, options.multichannel, options.skip_silence,
+             list(options.channel_names), list(options.hotwords)]
+    return hashlib.sha256(json.dumps([described, asked]).encode()).hexdigest()[:32]
 
 
 def deleted_job(job_id: str) -> dict[str, Any]:

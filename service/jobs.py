@@ -56,6 +56,7 @@ from .job_scripts import (
 )
 from .job_types import (
     ANONYMOUS,
+    IdempotencyKeyReused,
     ItemInput,
     ItemStart,
     Job,
@@ -70,6 +71,7 @@ from .job_types import (
     UploadTooLarge,
     item_record,
     job_from_fields,
+    submission_fingerprint,
 )
 from .job_uploads import UploadRefused, read_upload, upload_size, write_uploads
 from .redis_outages import REDIS_ERRORS, NotReplicatedError
@@ -145,52 +147,58 @@ class JobStore(ItemStreams):
     async def submit(self, items: list[ItemInput], idempotency_key: str | None = None,
                      options: JobOptions | None = None) -> tuple[Job, bool]:
         """Create a job and queue its items on its priority's stream; returns (job, created). A repeated
-        idempotency key (of the same owner) returns the job the first request created."""
+        idempotency key (of the same owner) returns the job the first request created, if the request is the
+        same (``IdempotencyKeyReused`` if not)."""
         options = options or JobOptions()
         if not items:
             raise JobInputError("a job needs at least one item")
         job_id = "job_" + secrets.token_urlsafe(18)  # random and unguessable
-        uploads = {UPLOAD_KEY.format(job_id=job_id, index=index): item
-                   for index, item in enumerate(items) if item.upload is not None}
-        sizes = {}  # measured once: what is written is what the limit was checked against
-        for name, item in uploads.items():
-            try:
-                sizes[name] = upload_size(item.upload)
-            except UploadRefused as exc:
-                raise JobInputError(f"{item.audio}: {exc}") from exc
-            if sizes[name] > self.max_upload_bytes:
-                raise UploadTooLarge(f"{item.audio}: {sizes[name]} bytes exceeds the upload limit of "
+        sizes = _upload_sizes(items)  # measured once: what is written is what the limit was checked against
+        for index, size in sizes.items():
+            if size > self.max_upload_bytes:
+                raise UploadTooLarge(f"{items[index].audio}: {size} bytes exceeds the upload limit of "
                                      f"{self.max_upload_bytes}")
+        uploads = {UPLOAD_KEY.format(job_id=job_id, index=index): (items[index], size)
+                   for index, size in sizes.items()}
+        fingerprint = submission_fingerprint(items, options, sizes)
         stream = item_stream(options.priority, options.owner)
         key = _idempotency_key(idempotency_key, options.owner) if idempotency_key else None
-        if idempotency_key and (job := await self.submitted_under(idempotency_key, options.owner)) is not None:
+        if idempotency_key and (job := await self.submitted_under(idempotency_key, options.owner,
+                                                                  fingerprint)) is not None:
             return job, False  # a retried submission: nothing of it is written again
         reserved = await self._reserve(job_id, options.owner, len(items))  # before a byte is written
         try:
             try:
-                await write_uploads(self.redis, {name: (item.upload, sizes[name]) for name, item in uploads.items()})
+                await write_uploads(self.redis, {name: (item.upload, size) for name, (item, size) in uploads.items()})
             except UploadRefused as exc:
                 error = UploadTooLarge if exc.too_large else JobInputError
-                raise error(f"{uploads[exc.key].audio}: {exc}") from exc
-            job, created = await self._create(job_id, items, options, key, list(uploads), stream, reserved)
+                raise error(f"{uploads[exc.key][0].audio}: {exc}") from exc
+            job, created = await self._create(job_id, items, options, key, list(uploads), stream, reserved,
+                                              fingerprint)
         except BaseException:
             await self._discard(job_id, uploads, reserved)
             raise
         if not created:  # another request with this key wrote its job while these uploads were written
             await self._discard(job_id, uploads, reserved)
+            _check_same_request(job, fingerprint)
         await self._confirm_replicated()
         return job, created
 
-    async def submitted_under(self, idempotency_key: str, owner: str = ANONYMOUS) -> Job | None:
+    async def submitted_under(self, idempotency_key: str, owner: str = ANONYMOUS,
+                              fingerprint: str | None = None) -> Job | None:
         """The job ``owner`` submitted under ``idempotency_key``, if it is still there: a retried submission's answer,
-        before its inputs are checked again (a file the first one named may be gone since)."""
+        before its inputs are checked again (a file the first one named may be gone since). With the retry's
+        ``fingerprint`` (``submission_fingerprint``), ``IdempotencyKeyReused`` if the job was made by another."""
         job = await self._job_named_by(self.redis, _idempotency_key(idempotency_key, owner))
         if job is not None:
+            if fingerprint is not None:
+                _check_same_request(job, fingerprint)
             await self._confirm_replicated()  # it may be the retry of one refused as unconfirmed
         return job
 
     async def _create(self, job_id: str, items: list[ItemInput], options: JobOptions, key: str | None,
-                      uploads: list[str], stream: str, reserved: str | None) -> tuple[Job, bool]:
+                      uploads: list[str], stream: str, reserved: str | None,
+                      fingerprint: str) -> tuple[Job, bool]:
         """The job's transaction (its ``uploads`` written already: it gives them the input TTL), queueing its items
         on ``stream`` and dropping their ``reserved`` count; the job an idempotency ``key`` names if it has one by
         now."""
@@ -210,7 +218,7 @@ class JobStore(ItemStreams):
                         # (or whose results were still kept) made a second job
                         pipe.set(key, job_id, ex=self.input_ttl_s + self.result_ttl_s)
                     await self._open_stream_in(pipe, stream)
-                    fields = self._queue_job(pipe, job_id, items, options, key, stream)
+                    fields = self._queue_job(pipe, job_id, items, options, key, stream, fingerprint)
                     if uploads:
                         await self._expire_all(keys=uploads, args=[self.input_ttl_s], client=pipe)
                     await pipe.execute()
@@ -267,7 +275,7 @@ class JobStore(ItemStreams):
                 await self.redis.hdel(reserved, job_id)
 
     def _queue_job(self, pipe: Any, job_id: str, items: list[ItemInput], options: JobOptions,
-                   idempotency_key: str | None, stream: str) -> dict[str, Any]:
+                   idempotency_key: str | None, stream: str, fingerprint: str) -> dict[str, Any]:
         """The writes that create a job and queue its items, added to ``pipe`` (a transaction); returns the job's
         fields as written."""
         inputs, states = {}, {}
@@ -293,7 +301,7 @@ class JobStore(ItemStreams):
         created_at, kept_s = _now(), self.input_ttl_s + self.result_ttl_s
         fields = {
             "status": JobStatus.QUEUED.value, "created_at": created_at, "owner": options.owner, "total": len(items),
-            "idempotency_key": idempotency_key or "", "n_queued": len(items),
+            "idempotency_key": idempotency_key or "", "fingerprint": fingerprint, "n_queued": len(items),
             "n_in_progress": 0, "n_completed": 0, "n_failed": 0, "n_cancelled": 0, "audio_s": 0, "compute_s": 0,
             "webhook_url": options.webhook_url or "", "webhook_status": "pending" if options.webhook_url else "",
             "priority": options.priority.value, "multichannel": int(options.multichannel),
@@ -620,6 +628,30 @@ class JobStore(ItemStreams):
 def _job(job_id: str, raw: dict[bytes, bytes]) -> Job:
     """A job from its hash."""
     return job_from_fields(job_id, {k.decode(): v.decode() for k, v in raw.items()})
+
+
+def _upload_sizes(items: list[ItemInput]) -> dict[int, int]:
+    """The bytes of each item's upload, by item index, without reading them (``JobInputError`` for one that cannot
+    be measured)."""
+    sizes = {}
+    for index, item in enumerate(items):
+        if item.upload is not None:
+            try:
+                sizes[index] = upload_size(item.upload)
+            except UploadRefused as exc:
+                raise JobInputError(f"{item.audio}: {exc}") from exc
+    return sizes
+
+
+def request_fingerprint(items: list[ItemInput], options: JobOptions) -> str:
+    """A submission's fingerprint (``submission_fingerprint``), its uploads measured."""
+    return submission_fingerprint(items, options, _upload_sizes(items))
+
+
+def _check_same_request(job: Job, fingerprint: str) -> None:
+    """``IdempotencyKeyReused`` where ``job``, named by a retry's idempotency key, was made by another request."""
+    if job.fingerprint and job.fingerprint != fingerprint:
+        raise IdempotencyKeyReused(job.id)
 
 
 def _idempotency_key(idempotency_key: str, owner: str) -> str:

@@ -17,7 +17,7 @@ import pytest
 from service import submit_inputs
 from service.config import Settings
 from service.job_keys import ITEM_STREAM
-from service.job_types import ItemInput, Job, JobNotFound
+from service.job_types import IdempotencyKeyReused, ItemInput, Job, JobNotFound
 from service.jobs import JSON_JOB_BYTES, MAX_JOB_ITEMS, JobStore
 from service.jobs_cli import run_submit
 from service.submit_inputs import parse_size, split_into_jobs
@@ -86,6 +86,50 @@ def test_concurrent_submissions_with_one_idempotency_key_make_one_job(redis_serv
     assert len({job.id for job, _ in outcomes}) == 1
     assert sum(created for _, created in outcomes) == 1
     assert redis_server.client().xlen(ITEM_STREAM) == 3  # one job's items, once
+
+
+def test_an_idempotency_key_sent_with_another_request_is_refused(redis_server, model, parity_audio, tmp_path):
+    """A key reused for a new job (other files, other options) was answered with the old job, whose results the
+    client then took for the new one's. It is refused now, by name, and nothing of it is written; the same request
+    again is still answered with its job, and so is one of the same files sent again (same names and sizes)."""
+    clips = [Path(p) for p in parity_audio[:3]]
+    files = [("files", (clip.name, clip.read_bytes(), "audio/wav")) for clip in clips]
+    key = {"Idempotency-Key": "nightly-7"}
+    with run_server(Settings(redis_url=redis_server.url, max_wait_ms=20), model) as running:
+        first = httpx.post(f"{running.url}/v1/jobs", files=files, headers=key, timeout=60)
+        assert first.status_code == 202, first.text
+        job_id = first.json()["id"]
+        others = {"fewer files": {"files": files[:2]}, "another file": {"files": [*files[:2], files[0]]},
+                  "another option": {"files": files, "data": {"priority": "high"}}}
+        for what, request in others.items():
+            refused = httpx.post(f"{running.url}/v1/jobs", headers=key, timeout=60, **request)
+            error = refused.json()["error"]
+            assert refused.status_code == 400, (what, refused.text)
+            assert (error["code"], error["param"]) == ("idempotency_key_reused", "Idempotency-Key"), what
+            assert job_id in error["message"], what
+        again = httpx.post(f"{running.url}/v1/jobs", files=files, headers=key, timeout=60)
+        assert again.status_code == 200 and again.json()["id"] == job_id
+        assert wait_job(running.url, job_id, 60)["counts"]["completed"] == 3
+    assert redis_server.client().xlen(ITEM_STREAM) == 3  # the first job's items alone
+
+    async def race() -> list[tuple[Job, bool] | BaseException]:
+        """Two requests with one key and different items at once: one makes the job, the other is refused (its
+        uploads discarded), whichever wins."""
+        stores = [JobStore.from_url(redis_server.url) for _ in range(2)]
+        try:
+            return await asyncio.gather(stores[0].submit(upload_items(parity_audio, 2), "raced"),
+                                        stores[1].submit(upload_items(parity_audio, 3), "raced"),
+                                        return_exceptions=True)
+        finally:
+            for store in stores:
+                await store.close()
+
+    outcomes = asyncio.run(race())
+    assert sum(isinstance(outcome, IdempotencyKeyReused) for outcome in outcomes) == 1, outcomes
+    made = next(outcome for outcome in outcomes if isinstance(outcome, tuple))
+    client = redis_server.client()
+    uploaded_for = {key.decode().split(":")[2] for key in client.keys("batchasr:upload:*")}
+    assert made[1] and uploaded_for <= {job_id, made[0].id}  # none left of the refused one
 
 
 def test_a_job_submission_past_its_size_limit_is_refused_as_it_arrives(redis_server, model, parity_audio):
