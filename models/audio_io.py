@@ -186,12 +186,13 @@ def _soundfile():
 
 def open_audio(source: str | Path | BinaryIO) -> Any:
     """An audio file opened for reading in blocks (``samplerate``, ``frames``, ``read(n)``, a context manager):
-    media containers (MP4, M4A, WebM, ...) through FFmpeg, recognised by their first bytes; the rest through
+    media containers (MP4, M4A, WebM, ...) and MP3 through FFmpeg, recognised by their first bytes; the rest through
     libsndfile. Raises ``UnreadableContainer`` or libsndfile's errors."""
     head = _read_at(source, 0)
     format_name, tag_bytes = container_format(head), id3_tag_bytes(head)
-    if tag_bytes:  # behind an ID3 tag: ADTS AAC is FFmpeg's (which skips the tag), MP3 libsndfile's
-        format_name = "aac" if container_format(_read_at(source, tag_bytes)) == "aac" else None
+    if tag_bytes:  # behind an ID3 tag, which FFmpeg skips: ADTS AAC or MPEG audio (else libsndfile's to try)
+        after_tag = container_format(_read_at(source, tag_bytes))
+        format_name = after_tag if after_tag in ("aac", "mp3") else None
     if format_name is not None:
         return ContainerAudio(source, format_name)
     return _soundfile().SoundFile(source, mode="r")  # a file object's own mode may be "w+b" (a temporary file)
@@ -313,8 +314,12 @@ def _resampled_length(frames: int, from_rate: int, to_rate: int) -> int:
 
 
 def _skip(f: Any, frames: int, block_frames: int) -> None:
-    """Move ``frames`` into the file: a seek where the file can (libsndfile), else reading them (FFmpeg's)."""
+    """Move ``frames`` into the file: a seek where the file can (libsndfile), else as FFmpeg's can
+    (``ContainerAudio.skip``)."""
     if frames <= 0:
+        return
+    if isinstance(f, ContainerAudio):
+        f.skip(frames)
         return
     if getattr(f, "seekable", lambda: False)():
         target = min(frames, f.frames)

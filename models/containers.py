@@ -2,7 +2,9 @@
 
 libsndfile reads WAV, FLAC, OGG and MP3, but not the containers much recorded audio comes in: phones' M4A
 and 3GP (AAC, AMR), browsers' WebM (Opus), and the sound tracks of video files (MP4, MOV, MKV, broadcast
-MPEG-TS). Those are recognised here by their first bytes, and FFmpeg is told which demuxer to use. It is never
+MPEG-TS). Those are recognised here by their first bytes, and FFmpeg is told which demuxer to use. So is MP3,
+which libsndfile reads only as far as the frame count of its Xing/Info header: files joined end to end (`cat`,
+common for recordings cut in parts) and files whose header a tool left stale lost what followed, silently. It is never
 left to guess: some of its demuxers (HLS playlists, concat lists) open the other files and URLs an input names,
 and an upload must not make the server read its own files. Nested opens are refused as well.
 
@@ -11,6 +13,7 @@ PyAV is imported when a container is first opened, so ``models`` still runs wher
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -25,8 +28,12 @@ TS_PACKET = 188
 # the bit rate, not to be held against the audio
 EXACT_DURATION_FORMATS = {"mov", "matroska"}
 FORMAT_NAMES = {"mov": "MP4/M4A/MOV", "matroska": "Matroska/WebM", "mpegts": "MPEG-TS", "aac": "AAC (ADTS)",
-                "amr": "AMR", "flac": "FLAC", "wav": "WAV"}
+                "amr": "AMR", "mp3": "MP3", "flac": "FLAC", "wav": "WAV"}
 TRUNCATION_TOLERANCE_S = 0.5  # decoders may drop a partial frame or a codec's priming at the end
+# An MP3 frame may take its data from up to 511 bytes of the frames before it (the bit reservoir), and its samples
+# overlap the previous frame's: decoding from this many packets, and bytes, before a stretch gives the very samples
+# decoding from the start does (tests/test_containers.py checks it), without decoding the hour before
+MP3_WARMUP_PACKETS, MP3_WARMUP_BYTES = 8, 2048
 
 
 class UnreadableContainer(ValueError):
@@ -53,6 +60,8 @@ def container_format(head: bytes) -> str | None:
         return "amr"
     if len(head) >= 2 and head[0] == 0xFF and head[1] & 0xF6 == 0xF0:  # ADTS sync word, layer 0 (MP3 is not 0)
         return "aac"
+    if _mpeg_audio_frame(head):
+        return "mp3"
     if len(head) > 2 * TS_PACKET and head[0] == head[TS_PACKET] == head[2 * TS_PACKET] == 0x47:
         return "mpegts"
     if _flac_of_unknown_length(head):
@@ -60,6 +69,16 @@ def container_format(head: bytes) -> str | None:
     if _wav_of_unknown_length(head):
         return "wav"
     return None
+
+
+def _mpeg_audio_frame(head: bytes) -> bool:
+    """An MPEG audio frame header (MP3, or layers I and II): the 11-bit sync, then a version, layer, bit rate and
+    sample rate that are not the reserved values."""
+    if len(head) < 4 or head[0] != 0xFF or head[1] & 0xE0 != 0xE0:
+        return False
+    version, layer = head[1] >> 3 & 0b11, head[1] >> 1 & 0b11
+    bitrate, rate = head[2] >> 4, head[2] >> 2 & 0b11
+    return version != 0b01 and layer != 0 and bitrate != 0b1111 and rate != 0b11
 
 
 def _flac_of_unknown_length(head: bytes) -> bool:
@@ -141,10 +160,11 @@ class ContainerAudio:
         self.samplerate: int = self._stream.codec_context.sample_rate
         self.channels: int = self._stream.codec_context.channels
         self.frames = self._stated_frames(format_name)
-        self._blocks = self._decoded_blocks()
+        self._blocks = self._decoded_blocks(first=0)
         self._pending: list[np.ndarray] = []
         self._buffered = 0
         self._decoded = 0
+        self._decoded_packets = self._undecodable = 0  # MP3 packets that decoded and did not (``_frames_of``)
 
     def _audio_stream(self):
         streams = self._container.streams.audio
@@ -168,28 +188,85 @@ class ContainerAudio:
             return 0
         return max(0, round(seconds * self.samplerate))
 
-    def _decoded_blocks(self) -> Iterator[np.ndarray]:
+    def skip(self, frames: int) -> None:
+        """Start reading ``frames`` into the audio (before the first read). An MP3's packets well before them are
+        passed over undecoded: a stretch an hour into a file took a second of decoding; the others are decoded
+        and dropped."""
+        assert self._decoded == self._buffered == 0, "skip before reading"
+        self._blocks = self._decoded_blocks(first=frames)
+        self._decoded = frames  # held, for the truncation check: the stretch starts there
+
+    def _decoded_blocks(self, first: int) -> Iterator[np.ndarray]:
+        """The stream decoded to float32 (n, channels) blocks, from its frame ``first`` on."""
         av = _av()
         # the sample format only: rate and channels stay as they are. Interleaved, not planar: PyAV finds a planar
         # frame's planes by reading its pointers up to a null one, past the end of them from 8 channels on (a 7.1
         # file crashed the process)
         to_float = av.AudioResampler(format="flt")
+        warmup: deque[Any] = deque()  # the MP3 packets passed over last, decoded before the next (MP3_WARMUP_*)
+        position = None  # the frame the next decoded samples start at (None: 0, or found from the first's pts)
         try:
             for packet in self._container.demux(self._stream):
-                for frame in packet.decode():
-                    if frame.sample_rate != self.samplerate:
-                        raise UnreadableContainer(f"the sample rate changes mid-stream ({self.samplerate} Hz, then "
-                                                  f"{frame.sample_rate} Hz)")
-                    if frame.layout.nb_channels != self.channels:
-                        raise UnreadableContainer(f"the number of channels changes mid-stream ({self.channels}, "
-                                                  f"then {frame.layout.nb_channels})")
-                    for converted in to_float.resample(frame):
-                        yield converted.to_ndarray().reshape(-1, self.channels)  # (1, n x channels) -> (n, channels)
+                if first and self._wholly_before(packet, first):
+                    warmup.append(packet)
+                    while (len(warmup) > MP3_WARMUP_PACKETS
+                           and sum(p.size for p in warmup) - warmup[0].size >= MP3_WARMUP_BYTES):
+                        warmup.popleft()
+                    continue
+                for decoding in (*warmup, packet):
+                    for frame in self._frames_of(decoding, av, warming=decoding is not packet):
+                        self._check_format_of(frame)
+                        if position is None:
+                            position = self._frame_of(frame) if warmup else 0
+                        for converted in to_float.resample(frame):
+                            block = converted.to_ndarray().reshape(-1, self.channels)  # (1, n x channels) -> (n, ch)
+                            start, position = position, position + len(block)
+                            if position > first:
+                                yield block[max(first - start, 0) :]
+                warmup.clear()
         except (av.FFmpegError, ValueError) as exc:  # ValueError: the channel layout changed mid-stream
             if isinstance(exc, UnreadableContainer):
                 raise
             raise UnreadableContainer(f"the {FORMAT_NAMES[self.format_name]} audio stops decoding: {_reason(exc)}"
                                       ) from exc
+
+    def _wholly_before(self, packet: Any, frame: int) -> bool:
+        """An MP3 packet whose samples all come before ``frame`` (by its timestamp), to pass over undecoded."""
+        if self.format_name != "mp3" or packet.pts is None or not packet.duration:
+            return False
+        return self._frame_at(packet.pts + packet.duration) <= frame
+
+    def _frame_of(self, decoded: Any) -> int:
+        """Where a decoded frame starts in the stream's samples (the decoder's priming, dropped, not counted)."""
+        return self._frame_at(decoded.pts) if decoded.pts is not None else 0
+
+    def _frame_at(self, pts: int) -> int:
+        return round((pts - (self._stream.start_time or 0)) * self._stream.time_base * self.samplerate)
+
+    def _check_format_of(self, frame: Any) -> None:
+        if frame.sample_rate != self.samplerate:
+            raise UnreadableContainer(f"the sample rate changes mid-stream ({self.samplerate} Hz, then "
+                                      f"{frame.sample_rate} Hz)")
+        if frame.layout.nb_channels != self.channels:
+            raise UnreadableContainer(f"the number of channels changes mid-stream ({self.channels}, "
+                                      f"then {frame.layout.nb_channels})")
+
+    def _frames_of(self, packet: Any, av: Any, warming: bool = False) -> list[Any]:
+        """A packet's decoded frames. An MP3 frame that does not decode is passed over, as FFmpeg's own tools do:
+        files joined end to end hold the next one's Info frame there, and a warm-up packet may lack the frames its
+        data begins in. A file with more such than good frames is refused as damaged."""
+        if self.format_name != "mp3":
+            return packet.decode()
+        try:
+            frames = packet.decode()
+        except av.InvalidDataError:
+            if not warming:
+                self._undecodable += 1
+                if self._undecodable > self._decoded_packets:
+                    raise
+            return []
+        self._decoded_packets += 1
+        return frames
 
     def read(self, frames: int, dtype: str = "float32", always_2d: bool = True) -> np.ndarray:
         """Up to ``frames`` frames as (n, channels) float32 (the arguments soundfile takes, in the only form used)."""

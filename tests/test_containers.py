@@ -16,7 +16,7 @@ import soundfile as sf
 
 from models import load_model
 from models.audio_io import AudioError, find_audio_files, read_audio
-from models.containers import EBML_MAGIC, EXACT_DURATION_FORMATS, container_format
+from models.containers import EBML_MAGIC, EXACT_DURATION_FORMATS, ContainerAudio, container_format
 from service import audio
 from service.audio import AudioLimits, AudioRequestError, AudioTooLarge, decode_audio, decode_audio_file
 from service.config import Settings
@@ -64,7 +64,11 @@ def test_the_sound_track_of_a_video_is_transcribed(speech):
     (b"\x1a\x45\xdf\xa3" + bytes(500), "matroska"),
     (b"#!AMR-WB\n" + bytes(500), "amr"),
     (b"\xff\xf1\x50\x80" + bytes(500), "aac"),
-    (b"\xff\xfb\x90\x64" + bytes(500), None),  # an MP3 frame: libsndfile's
+    (b"\xff\xfb\x90\x64" + bytes(500), "mp3"),  # an MPEG-1 layer III frame
+    (b"\xff\xf3\x88\xc4" + bytes(500), "mp3"),  # MPEG-2 layer III, as libsndfile writes 16 kHz
+    (b"\xff\xfd\x90\x64" + bytes(500), "mp3"),  # layer II
+    (b"\xff\xfb\xf0\x64" + bytes(500), None),  # a reserved bit rate: not a frame
+    (b"\xff\xeb\x90\x64" + bytes(500), None),  # a reserved MPEG version
     (b"ID3\x04" + bytes(500), None),
     (b"RIFF\x00\x00\x00\x00WAVE" + bytes(500), None),
     (b"fLaC" + bytes(500), None),
@@ -86,7 +90,7 @@ def _id3_tagged(audio: bytes) -> bytes:
     return b"ID3\x04\x00\x00" + syncsafe + frames + audio
 
 
-def test_adts_aac_behind_an_id3_tag_is_ffmpegs_and_mp3_behind_one_libsndfiles(speech, tmp_path):
+def test_adts_aac_and_mp3_behind_an_id3_tag_decode_as_without_it(speech, tmp_path):
     adts = encode(speech, "aac")
     np.testing.assert_array_equal(decode_audio(_id3_tagged(adts), LIMITS), decode_audio(adts, LIMITS))
     path = tmp_path / "tagged.aac"
@@ -96,6 +100,84 @@ def test_adts_aac_behind_an_id3_tag_is_ffmpegs_and_mp3_behind_one_libsndfiles(sp
     sf.write(mp3, speech, 16000, format="MP3")
     np.testing.assert_array_equal(decode_audio(_id3_tagged(mp3.getvalue()), LIMITS),
                                   decode_audio(mp3.getvalue(), LIMITS))
+
+
+def _mp3(samples: np.ndarray) -> bytes:
+    """``samples`` as an MP3 (16 kHz: MPEG-2 layer III), with the Xing header libsndfile writes."""
+    out = io.BytesIO()
+    sf.write(out, samples, 16000, format="MP3")
+    return out.getvalue()
+
+
+def test_mp3_decodes_as_libsndfile_decoded_it(speech):
+    """MP3 is FFmpeg's now (below): the samples are libsndfile's to within a float's rounding, so transcripts do not
+    move."""
+    data = _mp3(speech)
+    ours = decode_audio(data, LIMITS)
+    theirs, _ = sf.read(io.BytesIO(data), dtype="float32")
+    assert len(ours) == len(theirs)
+    np.testing.assert_allclose(ours, theirs, atol=1e-5)
+
+
+def test_mp3_files_joined_end_to_end_decode_to_their_end(speech, tmp_path):
+    """libsndfile read an MP3 only as far as its Xing header's frame count: two files joined with `cat` (recordings
+    cut in parts, put back together) decoded as the first alone, and a file whose count was left stale lost the
+    rest. No error: the transcript was just shorter. FFmpeg reads to the end, past the second file's Info frame."""
+    data = _mp3(speech)
+    whole = decode_audio(data, LIMITS)
+    joined = decode_audio(data + data, LIMITS)
+    assert 2 * len(whole) <= len(joined) <= 2 * len(whole) + PADDING_S * 16000
+    np.testing.assert_allclose(joined[: len(whole)], whole, atol=1e-5)
+    # the first file's padding and the second's priming lie between the two
+    assert _best_match(joined, whole, range(len(whole), len(joined) - len(whole) + 1)) > 0.99
+    path = tmp_path / "joined.mp3"
+    path.write_bytes(data + data)
+    np.testing.assert_array_equal(read_audio(path), joined)  # the Python API and the CLI read it alike
+
+    stale = bytearray(data)
+    count_at = stale.index(b"Xing") + 8  # after the tag and its flags: the frame count, big-endian
+    frames = int.from_bytes(stale[count_at : count_at + 4], "big")
+    stale[count_at : count_at + 4] = (frames // 2).to_bytes(4, "big")
+    decoded = decode_audio(bytes(stale), LIMITS)
+    assert len(decoded) == len(whole)  # FFmpeg trims the encoder's padding where the count ends (17 ms), no more
+    tail = whole[-16000:]
+    assert _best_match(decoded, tail, range(len(whole) - 16000 - 800, len(whole) - 16000 + 1)) > 0.99
+
+
+def _best_match(audio: np.ndarray, part: np.ndarray, starts: range) -> float:
+    """How well ``part`` matches ``audio`` where it matches best, starting at one of ``starts`` (a correlation)."""
+    at = max(starts, key=lambda start: np.dot(audio[start : start + len(part)], part))
+    return float(np.corrcoef(audio[at : at + len(part)], part)[0, 1])
+
+
+@pytest.mark.parametrize(("rate", "channels", "bitrate_mode", "compression_level"), [
+    (16000, 1, "VARIABLE", 0.5), (44100, 2, "CONSTANT", 0.0), (8000, 1, "CONSTANT", 0.9), (22050, 1, "VARIABLE", 0.9)])
+def test_a_stretch_of_an_mp3_has_the_samples_decoding_from_the_start_gives(rate, channels, bitrate_mode,
+                                                                           compression_level, tmp_path):
+    """A stretch's MP3 packets before it are passed over undecoded, but for a few decoded first (the frames its data
+    and its first samples depend on): the same samples as decoding from the start, at low bit rates too, where a
+    frame's data reaches back over many small frames."""
+    noise = np.random.default_rng(rate).standard_normal((rate * 20, channels)).astype(np.float32) * 0.1
+    path = tmp_path / "long.mp3"
+    sf.write(path, noise, rate, format="MP3", bitrate_mode=bitrate_mode, compression_level=compression_level)
+    with ContainerAudio(path, "mp3") as f:
+        whole = f.read(rate * 60)
+    for first in (1, 47, 1105, rate * 3 + 17, rate * 10, len(whole) - 100, len(whole) + 5):
+        with ContainerAudio(path, "mp3") as f:
+            f.skip(first)
+            np.testing.assert_array_equal(f.read(rate * 60), whole[first:], err_msg=str(first))
+
+
+def test_an_mp3_mostly_undecodable_is_refused(speech):
+    """Frames that do not decode are passed over (a joined file's Info frame is one), but not a file with more of
+    them than of good ones."""
+    data = bytearray(_mp3(speech))
+    first = data.index(b"\xff\xf3", 4)
+    frame_bytes = data.index(b"\xff\xf3", first + 4) - first
+    for start in range(first + 4 * frame_bytes, len(data) - frame_bytes, frame_bytes):  # keep the first few
+        data[start + 4 : start + frame_bytes] = b"\xff" * (frame_bytes - 4)  # headers kept, contents garbage
+    with pytest.raises(AudioRequestError, match="MP3 audio stops decoding"):
+        decode_audio(bytes(data), LIMITS)
 
 
 def test_a_playlist_naming_a_local_file_is_refused_without_reading_it(tmp_path, speech):
