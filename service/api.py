@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, FastAPI, Form, Query, Request, UploadFile
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -307,18 +307,21 @@ async def healthz(service: ServiceDep) -> JSONResponse:
 @ops.head("/readyz", include_in_schema=False)
 @ops.get("/readyz", responses={**error_responses(), 503: {
     "description": "Not ready: `problems` says why", "content": {"application/json": {}}}})
-async def readyz(service: ServiceDep) -> JSONResponse:
-    """Ready: model loaded, engine warm, Redis reachable when configured."""
+async def readyz(service: ServiceDep, redis: Literal["required", "optional"] = "required") -> JSONResponse:
+    """Ready: model loaded, engine warm, Redis reachable when configured. With `redis=optional`, Redis unreachable is
+    a warning and not a problem: a load balancer's probe, as transcription goes on without it (the job routes
+    answer 503 `redis_unavailable` meanwhile), where a Redis restart took every replica out of service."""
     stack = service.stack
-    problems = []
+    problems, warnings = [], []
     if stack is None or not stack.engine.ready:
         problems.append(stack.engine.error if stack and stack.engine.error else "engine warming up")
     if not service.accepting:
         problems.append("shutting down")
     if service.jobs is not None and not await service.jobs.ping():
-        problems.append("redis unreachable")
+        (warnings if redis == "optional" else problems).append("redis unreachable")
     status = 503 if problems else 200
-    return JSONResponse({"status": "not ready" if problems else "ready", "problems": problems}, status)
+    return JSONResponse({"status": "not ready" if problems else "ready", "problems": problems,
+                         **({"warnings": warnings} if warnings else {})}, status)
 
 
 @ops.get("/metrics", response_class=Response, responses={  # Prometheus's text; its errors JSON, as any route's

@@ -125,8 +125,8 @@ class EngineLink:
         self._send(MetricCall("observe_intake_wait", (seconds,)))
 
     # a job consumer's counts (``job_worker.JobMetrics``), kept in the engine process
-    def observe_job_stream_lag(self, lag: int) -> None:
-        self._send(MetricCall("observe_job_stream_lag", (lag,)))
+    def observe_job_backlog(self, waiting: int, delivered: int) -> None:
+        self._send(MetricCall("observe_job_backlog", (waiting, delivered)))
 
     def observe_job_store_risks(self, risks: tuple[str, ...]) -> None:
         self._send(MetricCall("observe_job_store_risks", (risks,)))

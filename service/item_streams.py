@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Collection
+from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -28,6 +29,19 @@ from .redis_outages import REDIS_FULL
 MAX_CLAIM_LOOKS = 16  # XAUTOCLAIM calls one look for stalled deliveries may make (each sees 10 per one asked for)
 STREAM_IDLE_S = 3600.0  # an owner's stream given no items this long, all of them acknowledged, is pruned
 STREAM_GRACE_S = 60.0  # and deleted this long after workers stopped reading it (their reads block for 1 s at most)
+
+
+@dataclass(frozen=True)
+class Backlog:
+    """Job items over every stream: ``waiting`` to be delivered to a consumer, ``delivered`` and not acknowledged
+    yet (in a consumer's hands)."""
+
+    waiting: int
+    delivered: int
+
+    @property
+    def total(self) -> int:
+        return self.waiting + self.delivered
 
 
 class ItemStreams:
@@ -162,10 +176,15 @@ class ItemStreams:
                 break
         return start, claimed
 
+    async def backlog(self) -> Backlog:
+        """Items waiting, and delivered and not acknowledged, over every stream (two round trips: the streams, then
+        GROUP_COUNTS; a lag not known counts none)."""
+        counts = (await self._counts(await self._every_item_stream())).values()
+        return Backlog(waiting=sum(max(lag, 0) for lag, _ in counts), delivered=sum(pending for _, pending in counts))
+
     async def stream_lag(self) -> int:
-        """Items not yet delivered to a consumer plus those delivered and not acknowledged, over every stream
-        (two round trips: the streams, then GROUP_COUNTS)."""
-        return _in_hand(await self._counts(await self._every_item_stream()))
+        """Items not yet delivered to a consumer plus those delivered and not acknowledged, over every stream."""
+        return (await self.backlog()).total
 
     async def trim_acknowledged(self) -> int:
         """Drop the item and webhook streams' entries before the oldest one the workers have not acknowledged
@@ -216,11 +235,6 @@ def fair_shares(waiting: dict[str, int | None], count: int, turn: int = 0) -> di
             count -= given
         open_ = [stream for stream in open_ if left[stream] > 0]
     return shares
-
-
-def _in_hand(counts: dict[str, tuple[int, int]]) -> int:
-    """Items queued or in progress over streams' (lag, pending) counts (a lag not known counts none)."""
-    return sum(max(lag, 0) + pending for lag, pending in counts.values())
 
 
 def _deliveries(reply: Any) -> list[tuple[str, bytes, dict]]:

@@ -68,7 +68,7 @@ def default_consumer_name() -> str:
 class JobMetrics(Protocol):
     """What the consumer counts: ``Metrics`` in the engine's process, or a consumer process's link to it."""
 
-    def observe_job_stream_lag(self, lag: int) -> None: ...
+    def observe_job_backlog(self, waiting: int, delivered: int) -> None: ...
 
     def observe_job_store_risks(self, risks: tuple[str, ...]) -> None: ...
 
@@ -198,7 +198,8 @@ class JobConsumer:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.audio.changed(), min(LAG_INTERVAL_S, self.options.visibility_timeout_s / 3))
         if self._read_lag.due(LAG_INTERVAL_S):  # not every step: two round trips over every stream
-            self.metrics.observe_job_stream_lag(await self.store.stream_lag())
+            backlog = await self.store.backlog()
+            self.metrics.observe_job_backlog(backlog.waiting, backlog.delivered)
         return started
 
     def _start(self, messages: list[tuple[str, bytes, dict]]) -> int:

@@ -19,7 +19,7 @@ disable_created_metrics()  # the *_created series only add cardinality for our d
 
 RTFX_WINDOW_S = 60.0
 # what a front-end or consumer process may have the engine's process count for it (service.engine_link), by name
-FORWARDED_METRIC_CALLS = ("observe_job_stream_lag", "observe_job_store_risks", "count_job_items_reclaimed",
+FORWARDED_METRIC_CALLS = ("observe_job_backlog", "observe_job_store_risks", "count_job_items_reclaimed",
                           "count_job_item_dead_lettered", "count_job_item", "count_job", "count_webhook",
                           "observe_intake_wait")
 INTAKE_WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -76,6 +76,10 @@ class Metrics:
         self.job_items = Counter("batchasr_job_items", "Bulk job items by status", ["status"], registry=r)
         self.job_stream_lag = Gauge("batchasr_job_stream_lag", "Job items queued or delivered but not acknowledged",
                                     registry=r)
+        # what the workers scale on: items in a consumer's hands are being worked through (a few seconds of a GPU's),
+        # and a worker added for them would find nothing to read
+        self.job_items_waiting = Gauge("batchasr_job_items_waiting",
+                                       "Job items queued and not yet delivered to a consumer", registry=r)
         self.job_items_reclaimed = Counter("batchasr_job_items_reclaimed", "Job items reclaimed from stalled workers",
                                            registry=r)
         self.job_items_dead_lettered = Counter("batchasr_job_items_dead_lettered",
@@ -186,8 +190,9 @@ class Metrics:
             self.hotword_items.inc(n_boosted)
 
     # the job consumer's counts: method calls, so that a consumer in another process can make them over its link
-    def observe_job_stream_lag(self, lag: int) -> None:
-        self.job_stream_lag.set(lag)
+    def observe_job_backlog(self, waiting: int, delivered: int) -> None:
+        self.job_stream_lag.set(waiting + delivered)
+        self.job_items_waiting.set(waiting)
 
     def observe_job_store_risks(self, risks: tuple[str, ...]) -> None:
         for risk in JOB_STORE_RISKS:

@@ -26,6 +26,7 @@ from service.config import Settings
 from service.job_keys import GROUP, ITEM_STREAMS
 from service.job_types import JobStatus
 from service.metrics import Metrics
+from service.processes import STOP_GRACE_S
 
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy"
@@ -204,6 +205,10 @@ def test_compose_services_gpu_redis_and_monitoring():
     assert services["api"]["command"][0] == "serve"
     assert services["worker"]["command"][:2] == ["worker", "--redis-url"]
     assert "/readyz" in " ".join(services["api"]["healthcheck"]["test"])
+    for name in ("api", "worker"):  # processes are given this long, then the engine drains: not cut off by the kill
+        timeout_s = float(services[name]["environment"]["BATCHASR_REQUEST_TIMEOUT_S"])
+        minutes, _, seconds = services[name]["stop_grace_period"].rstrip("s").partition("m")
+        assert int(minutes) * 60 + int(seconds or 0) > timeout_s + STOP_GRACE_S, name
     assert services["redis"]["command"][services["redis"]["command"].index("--appendonly") + 1] == "yes"
     assert services["redis"]["command"][services["redis"]["command"].index("--maxmemory-policy") + 1] == "noeviction"
     mounts = {v.split(":")[0]: v.split(":")[1] for s in services.values() for v in s.get("volumes", [])
@@ -327,6 +332,20 @@ def test_dashboard_job_panels_count_the_first_job_and_item_of_each_status(tmp_pa
     ])
 
 
+def test_queue_wait_panel_shows_http_requests_and_job_items_apart(tmp_path):
+    """Job items wait behind HTTP requests by design: the panel summed the two, so a minute-long bulk wait showed as
+    the API's (54.6 s, the mean of four 0.5 s requests and forty 60 s items) where the autoscaler read 0.5 s."""
+    metrics = Metrics()
+
+    def minute(m: int) -> None:
+        metrics.observe_batch(44, 16.0, 16.0, 16.0, 0.2, {}, [(0.5, "http")] * 4 + [(60.0, "job")] * 40)
+
+    scrapes = minutes_of(metrics, 3, minute)
+    mean = dashboard_panel_exprs("Queue wait", "2m")[-1]
+    promtool_test(tmp_path, scrapes, "1m", [{"expr": mean, "eval_time": "2m", "exp_samples": [
+        {"labels": '{source="http"}', "value": 0.5}, {"labels": '{source="job"}', "value": 60.0}]}])
+
+
 def test_usage_panel_counts_each_keys_first_batch(tmp_path):
     """Prometheus evaluates the usage panel over two scrapes, one as the service started and one after a key's first
     batch: the keys' series are there from the start at 0, so the panel counts that batch's seconds (a series that
@@ -411,9 +430,9 @@ def test_jobs_stalled_fires_a_quarter_hour_after_a_backlog_stops_moving(tmp_path
     """Items finish every minute for ten minutes, then none does while the backlog stays: nothing finished in the
     15 min window from about minute 25, and the alert fires 15 min after that; a backlog that keeps moving never."""
     stopping = Metrics()
-    stopping.observe_job_stream_lag(7)
+    stopping.observe_job_backlog(3, 4)
     moving = Metrics()
-    moving.observe_job_stream_lag(7)
+    moving.observe_job_backlog(3, 4)
 
     def minute(m: int) -> None:
         if m < 10:
@@ -503,7 +522,7 @@ def test_k8s_api_deployment_probes_gpu_ports_and_termination():
     pod, c = api["spec"]["template"]["spec"], container(api)
     assert c["args"] == ["serve"]
     assert int(c["resources"]["limits"]["nvidia.com/gpu"]) == 1
-    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz?redis=optional"  # Redis away: transcription goes on
     assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
     config = objects["ConfigMap", "batchasr-config"]["data"]
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
@@ -513,7 +532,8 @@ def test_k8s_api_deployment_probes_gpu_ports_and_termination():
     annotations = api["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/port"] == config["BATCHASR_PORT"]
     sleep_s = int(c["lifecycle"]["preStop"]["exec"]["command"][-1])
-    assert pod["terminationGracePeriodSeconds"] > sleep_s + float(config["BATCHASR_REQUEST_TIMEOUT_S"])
+    # the front ends' and consumers' graceful stop, then the engine's drain: not cut off by the kubelet's kill
+    assert pod["terminationGracePeriodSeconds"] > sleep_s + float(config["BATCHASR_REQUEST_TIMEOUT_S"]) + STOP_GRACE_S
     service = objects["Service", "batchasr-api"]
     assert {p["targetPort"] for p in service["spec"]["ports"]} <= set(ports)
 
@@ -577,7 +597,8 @@ def test_k8s_worker_scales_on_stream_lag_with_keda():
     assert worker["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == metrics_port
     assert {p["containerPort"] for p in c["ports"]} == {int(metrics_port)}
     assert int(c["resources"]["limits"]["nvidia.com/gpu"]) == 1
-    assert worker["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= 60
+    timeout_s = float(objects["ConfigMap", "batchasr-config"]["data"]["BATCHASR_REQUEST_TIMEOUT_S"])
+    assert worker["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > timeout_s + STOP_GRACE_S
     scaled = objects["ScaledObject", "batchasr-worker"]
     assert scaled["apiVersion"] == "keda.sh/v1alpha1"
     assert scaled["spec"]["scaleTargetRef"]["name"] == "batchasr-worker"
@@ -585,7 +606,9 @@ def test_k8s_worker_scales_on_stream_lag_with_keda():
     assert sorted(t["metadata"]["stream"] for t in triggers) == sorted(ITEM_STREAMS.values())  # every priority's
     # API keys' streams are named as keys come: the lag over every stream, from Prometheus, covers them
     (every,) = [t["metadata"] for t in scaled["spec"]["triggers"] if t["type"] == "prometheus"]
-    assert promql_metric_names(every["query"]) == {"batchasr_job_stream_lag"} <= service_metric_names()
+    # waiting items only: those in a consumer's hands are being worked through, and a worker added for them would
+    # find nothing to read (2,000 items one consumer held asked for 8 workers)
+    assert promql_metric_names(every["query"]) == {"batchasr_job_items_waiting"} <= service_metric_names()
     assert every["threshold"] == triggers[0]["metadata"]["lagCount"] and every["activationThreshold"] == "0"
     adapter = yaml.safe_load((K8S / "prometheus-adapter-values.yaml").read_text())["prometheus"]
     assert every["serverAddress"] == f"{adapter['url']}:{adapter['port']}"

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from service import job_routes, jobs, url_inputs
 from service.config import Settings
 from service.http import owner_of
-from service.item_streams import fair_shares
+from service.item_streams import Backlog, fair_shares
 from service.job_keys import (
     GROUP,
     ITEM_STREAM,
@@ -102,12 +102,14 @@ def test_each_owner_waiting_gets_an_equal_share_of_a_read(redis_server):
         assert streams[JobPriority.HIGH] == [ITEM_STREAMS[JobPriority.HIGH], item_stream(JobPriority.HIGH, BOB)]
         assert await store.redis.xlen(item_stream(JobPriority.NORMAL, ALICE)) == 30
         assert await store.stream_lag() == 42
+        assert await store.backlog() == Backlog(waiting=42, delivered=0)
 
         def by_stream(taken):
             return Counter(stream for stream, _, _ in taken)
 
         # high first (Bob's four), then normal shared out: three each, the remainder to one of them in turn
         first = by_stream(await store.read_items("c", 14, block_ms=0))
+        assert await store.backlog() == Backlog(waiting=28, delivered=14)
         assert first[item_stream(JobPriority.HIGH, BOB)] == 4
         normal = [first[item_stream(JobPriority.NORMAL, o)] for o in (ANONYMOUS, ALICE, BOB)]
         assert sum(normal) == 10 and sorted(normal) == [3, 3, 4]
@@ -120,6 +122,8 @@ def test_each_owner_waiting_gets_an_equal_share_of_a_read(redis_server):
                         - second[item_stream(JobPriority.NORMAL, ALICE)]}
         assert await store.read_items("c", 5, block_ms=0) == []
         assert await store.stream_lag() == 42  # delivered, not acknowledged
+        # nothing waits: a worker added now would find nothing to read (the workers scale on waiting alone)
+        assert await store.backlog() == Backlog(waiting=0, delivered=42)
         await store.close()
 
     asyncio.run(scenario())

@@ -73,8 +73,9 @@ def test_a_consumer_exports_the_lag_over_every_stream_until_it_is_nothing(redis_
         assert await asyncio.to_thread(stack.engine.wait_ready, 30)
         consumer = stack.make_consumer()
         consumer.options = replace(consumer.options, block_ms=20)  # a step every 20 ms while idle
-        export = consumer.metrics.observe_job_stream_lag
-        consumer.metrics.observe_job_stream_lag = lambda lag: (observed.append(lag), export(lag))
+        export = consumer.metrics.observe_job_backlog
+        consumer.metrics.observe_job_backlog = lambda waiting, delivered: (observed.append(waiting + delivered),
+                                                                           export(waiting, delivered))
         stop = asyncio.Event()
         try:
             jobs = []

@@ -297,6 +297,13 @@ def test_http_without_redis_and_with_redis_down(model, parity_audio, tmp_path):
         assert listed.status_code == 503 and str(server.port) not in listed.text
         ready = httpx.get(f"{running.url}/readyz")
         assert ready.status_code == 503 and "redis unreachable" in ready.json()["problems"]
+        # a load balancer's probe: transcription goes on without Redis, and the pod stays in service
+        probed = httpx.get(f"{running.url}/readyz", params={"redis": "optional"})
+        assert probed.status_code == 200, probed.text
+        assert probed.json() == {"status": "ready", "problems": [], "warnings": ["redis unreachable"]}
+        transcribed = httpx.post(f"{running.url}/v1/audio/transcriptions", files=[("file", files[0][1])], timeout=30)
+        assert transcribed.status_code == 200, transcribed.text
+        assert httpx.get(f"{running.url}/readyz", params={"redis": "sometimes"}).status_code == 400
         assert httpx.get(f"{running.url}/healthz").status_code == 200
         server.start()
         assert httpx.get(f"{running.url}/readyz").status_code == 200
