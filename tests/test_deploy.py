@@ -833,11 +833,16 @@ def test_locust_stops_at_once_when_its_audio_folder_holds_no_audio(tmp_path):
     assert f"LOADTEST_AUDIO_DIR={tmp_path} holds no audio" in result.stderr
 
 
-def test_run_sh_refuses_hosts_off_this_machine():
+@pytest.mark.parametrize("host", ["http://192.0.2.1:8000", "http://127.0.0.1.nip.io:8000", "http://127.evil.example",
+                                  "http://localhost:8000@example.com/"])
+def test_run_sh_refuses_hosts_off_this_machine(host, tmp_path):
+    """Names that start like a loopback address passed a pattern, and /metrics was fetched from them first."""
     script = REPO / "loadtest" / "run.sh"
     result = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=20,
-                            env={"LOADTEST_HOST": "http://192.0.2.1:8000", "PATH": "/usr/bin:/bin"})
+                            env={"LOADTEST_HOST": host, "LOADTEST_RESULTS_DIR": str(tmp_path / "results"),
+                                 "PATH": "/usr/bin:/bin"})
     assert result.returncode == 2 and "refusing" in result.stderr
+    assert not (tmp_path / "results").exists()  # nothing fetched
 
 
 def _metrics(audio_s: float, compute_s: float) -> str:
