@@ -223,8 +223,10 @@ class Settings(BaseSettings):
 
             try:
                 secret_bytes(value)
-            except binascii.Error as exc:
-                raise ValueError(f"whsec_ must be followed by base64 ({exc})") from None
+            except (binascii.Error, ValueError) as exc:
+                raise ValueError(f"a webhook secret is whsec_ and base64, as Standard Webhooks defines it (make one: "
+                                 f"python -c 'import base64, os; print(\"whsec_\" + base64.b64encode(os.urandom(32))"
+                                 f".decode())'): {exc}") from None
         return value
 
     @field_validator("frontends", "job_consumers")

@@ -115,16 +115,24 @@ redis.call('HINCRBY', KEYS[1], 'n_cancelled', n)
 return end_job_if_done(KEYS[1], KEYS[5], ARGV[1], ARGV[2])
 """
 
-# KEYS: job. ARGV: the end of the job the webhook announced (its 'ends' then; 0: a delivery queued before ends
-# were counted), then field, value, ... How a delivery went, written only while the job is still at that end: not
-# once it has expired (a late write would leave a hash behind with no TTL), nor once a retry has made it owe
-# another (a first end's delivery finishing after the retry would mark the next one done before it was sent).
-RECORD_WEBHOOK = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-local job = redis.call('HMGET', KEYS[1], 'ends', 'finished_at')
-if ARGV[1] ~= '0' and (job[1] ~= ARGV[1] or not job[2]) then return 0 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 2))
-return 1
+# KEYS: job, webhook stream. ARGV: group, the delivery's entry, the end of the job the webhook announced (its
+# 'ends' then; 0: a delivery queued before ends were counted), then field, value, ... How a delivery went, written
+# only while the job is still at that end: not once it has expired (a late write would leave a hash behind with no
+# TTL), nor once a retry has made it owe another (a first end's delivery finishing after the retry would mark the
+# next one done before it was sent); and the delivery acknowledged, whatever was written. allow-oom, in a script of
+# its own rather than a MULTI (whose commands Redis refuses at maxmemory): a refused record left the delivery
+# pending, and it was posted again at each reclaim.
+RECORD_WEBHOOK = _ALLOW_OOM + """
+local recorded = 0
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  local job = redis.call('HMGET', KEYS[1], 'ends', 'finished_at')
+  if ARGV[3] == '0' or (job[1] == ARGV[3] and job[2]) then
+    redis.call('HSET', KEYS[1], unpack(ARGV, 4))
+    recorded = 1
+  end
+end
+redis.call('XACK', KEYS[2], ARGV[1], ARGV[2])
+return recorded
 """
 
 # KEYS: job, errors. ARGV: index, error. An item's last error, kept while the job is, and as long.

@@ -563,13 +563,11 @@ class JobStore(ItemStreams):
     async def record_webhook(self, job_id: str, end: int, message_id: bytes, delivered: bool, attempts: int,
                              error: str | None) -> None:
         """How the webhook of the job's ``end`` went (nothing once the job has expired, or owes another: retried
-        since), and its delivery acknowledged, in one transaction."""
+        since), and its delivery acknowledged, in one script (RECORD_WEBHOOK)."""
         fields = ["webhook_status", "delivered" if delivered else "failed", "webhook_attempts", attempts,
                   "webhook_error", error or ""]
-        pipe = self.redis.pipeline(transaction=True)
-        await self._record_webhook(keys=[JOB_KEY.format(job_id=job_id)], args=[end, *fields], client=pipe)  # queued
-        pipe.xack(WEBHOOK_STREAM, GROUP, message_id)
-        await pipe.execute()
+        await self._record_webhook(keys=[JOB_KEY.format(job_id=job_id), WEBHOOK_STREAM],
+                                   args=[GROUP, message_id, end, *fields])
 
     async def ack_webhook(self, message_id: bytes) -> None:
         await self.redis.xack(WEBHOOK_STREAM, GROUP, message_id)

@@ -19,9 +19,9 @@ from typing import Protocol
 
 from .intervals import Periodic
 from .job_keys import GROUP, WEBHOOK_STREAM
-from .job_types import JobNotFound
+from .job_types import Job, JobNotFound
 from .jobs import JobStore
-from .redis_outages import REDIS_ERRORS, group_lost, step_until_stopped
+from .redis_outages import REDIS_ERRORS, REDIS_FULL, group_lost, step_until_stopped
 from .webhooks import Delivery, WebhookSender
 
 log = logging.getLogger(__name__)
@@ -109,21 +109,42 @@ class WebhookWorker:
 
     async def _deliver(self, message_id: bytes, job_id: str, end: int) -> None:
         try:
-            try:
-                job = await self.store.get(job_id)
-            except JobNotFound:  # expired, or an entry naming no job
+            job = await self._owed(job_id, end)
+            if job is None:
                 await self.store.ack_webhook(message_id)
                 return
-            passed = not job.finished or (end and job.ends != end)  # retried since: a later end has its own
-            if not job.webhook_url or passed or job.webhook_status in ("delivered", "failed"):  # or done already
+            if self.sender is None:
+                delivery = Delivery(False, 0, NO_SECRET)
+            else:  # asked again before each retry: the job may be deleted, or end again, in the pauses
+                delivery = await self.sender.job_finished(job, end, lambda: self._still_owed(job_id, end))
+            if delivery.dropped:
                 await self.store.ack_webhook(message_id)
+                self.metrics.count_webhook("dropped")
                 return
-            delivery = Delivery(False, 0, NO_SECRET) if self.sender is None else await self.sender.job_finished(job)
             await self.store.record_webhook(job.id, end, message_id, delivery.delivered, delivery.attempts,
                                             delivery.error)
             self.metrics.count_webhook("delivered" if delivery.delivered else "failed")
-        except REDIS_ERRORS as exc:  # unacknowledged: reclaimed after the claim timeout
+        except (*REDIS_ERRORS, REDIS_FULL) as exc:  # unacknowledged: reclaimed after the claim timeout
             log.warning("redis error delivering the webhook of %s (%s); it will be retried", job_id, exc)
+
+    async def _owed(self, job_id: str, end: int) -> Job | None:
+        """The job, if its webhook for ``end`` is still owed: not once it has expired or been deleted, ended again
+        or is in progress again (retried since: a later end has its own), or its webhook's outcome is recorded."""
+        try:
+            job = await self.store.get(job_id)
+        except JobNotFound:  # expired, deleted, or an entry naming no job
+            return None
+        passed = not job.finished or (end and job.ends != end)
+        if not job.webhook_url or passed or job.webhook_status in ("delivered", "failed"):
+            return None
+        return job
+
+    async def _still_owed(self, job_id: str, end: int) -> bool:
+        """Before a retry: Redis unreachable counts as owed (the POST is what matters; its outcome waits)."""
+        try:
+            return await self._owed(job_id, end) is not None
+        except REDIS_ERRORS:
+            return True
 
     async def _hand_back(self) -> None:
         if not self._deliveries:

@@ -16,6 +16,7 @@ import hmac
 import json
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -30,11 +31,17 @@ RETRYABLE_STATUS = {408, 409, 425, 429}
 CONNECTIONS = 32  # to receivers, per consumer
 
 
+MIN_SECRET_BYTES = 24  # Standard Webhooks' least
+
+
 def secret_bytes(secret: str) -> bytes:
-    """A ``whsec_<base64>`` secret as Standard Webhooks defines it; any other string is used as is."""
-    if secret.startswith("whsec_"):
-        return base64.b64decode(secret.removeprefix("whsec_"))
-    return secret.encode()
+    """A ``whsec_<base64>`` secret as Standard Webhooks defines it, the prefix optional, decoded as its libraries
+    decode it: a secret used as its own bytes made signatures no receiver's library could verify. ``ValueError``
+    for one that is not base64, or shorter than ``MIN_SECRET_BYTES``."""
+    decoded = base64.b64decode(secret.strip().removeprefix("whsec_"), validate=True)
+    if len(decoded) < MIN_SECRET_BYTES:
+        raise ValueError(f"it decodes to {len(decoded)} bytes; at least {MIN_SECRET_BYTES}")
+    return decoded
 
 
 def sign(secret: str, message_id: str, timestamp: int, body: bytes) -> str:
@@ -59,6 +66,7 @@ class Delivery:
     delivered: bool
     attempts: int
     error: str | None = None
+    dropped: bool = False  # not owed any more by the next attempt (the job deleted, or ended again since)
 
 
 class WebhookSender:
@@ -72,9 +80,12 @@ class WebhookSender:
         self.delays_s = delays_s
         self._session: aiohttp.ClientSession | None = None  # made on the event loop, at the first delivery
 
-    async def job_finished(self, job: Job) -> Delivery:
-        """POST ``transcription.job.completed``; retries on connection errors, timeouts, 5xx and the statuses
-        that ask for a retry, until a 2xx comes back or the retries run out."""
+    async def job_finished(self, job: Job, end: int = 0,
+                           still_owed: Callable[[], Awaitable[bool]] | None = None) -> Delivery:
+        """POST ``transcription.job.completed`` for the job's ``end`` (0: its ``ends`` now); retries on connection
+        errors, timeouts, 5xx and the statuses that ask for a retry, until a 2xx comes back or the retries run out.
+        Before each retry ``still_owed`` is asked: a job deleted meanwhile, or ended again (its later end has a
+        webhook of its own), is not announced after its pause (``dropped``)."""
         assert job.webhook_url
         try:
             check_webhook_url(job.webhook_url, self.url_prefixes)  # again here: the rules may have changed
@@ -82,12 +93,16 @@ class WebhookSender:
             log.warning("webhook for %s refused: %s", job.id, exc)
             return Delivery(False, 0, str(exc))
         # stable: receivers deduplicate redeliveries on it; a job that ends again after a retry is news again
-        message_id = f"msg_{job.id}_finished" + (f"_{job.ends}" if job.ends > 1 else "")
+        end = end or job.ends
+        message_id = f"msg_{job.id}_finished" + (f"_{end}" if end > 1 else "")
         body = json.dumps({"type": "transcription.job.completed", "created_at": time.time(),
                            "data": {"id": job.id, "status": job.status.value}}).encode()
         error = "not attempted"
         for attempt, delay in enumerate((0.0, *self.delays_s), start=1):
             await asyncio.sleep(delay)
+            if attempt > 1 and still_owed is not None and not await still_owed():
+                log.info("webhook for %s dropped before attempt %d: not owed any more", job.id, attempt)
+                return Delivery(False, attempt - 1, error, dropped=True)
             try:
                 status, reason = await self._post(job.webhook_url, message_id, body)
             except aiohttp.ClientConnectorError as exc:

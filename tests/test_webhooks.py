@@ -27,7 +27,7 @@ from service.jobs import JobStore
 from service.metrics import Metrics
 from service.url_rules import NoPublicAddress, PublicAddressResolver, UrlRefused
 from service.webhook_worker import WebhookWorker
-from service.webhooks import WebhookSender, check_webhook_url
+from service.webhooks import WebhookSender, check_webhook_url, sign
 from tests.servers import drain_jobs, run_server
 
 SECRET_RAW = b"0123456789abcdef0123456789abcdef"
@@ -489,3 +489,86 @@ def test_a_delivery_redis_restarted_under_is_made_again_once_it_is_back(tmp_path
         server.stop()
     assert (job.webhook_status, job.webhook_attempts) == ("delivered", 1)
     assert len(hook.received) == 2 and len({headers["webhook-id"] for headers, _ in hook.received}) == 1
+
+
+@pytest.mark.parametrize("meanwhile", ["deleted", "ended again"])
+def test_a_job_deleted_or_ended_again_in_a_retry_pause_is_not_announced_after_it(redis_server, receiver, meanwhile):
+    """Whether a delivery was still owed was asked once, before its first attempt: a job deleted while its webhook
+    waited between attempts was announced anyway, and a job that failed, was retried and completed meanwhile had
+    its earlier end's "failed" posted after its "completed", the receiver's last word on it. Each retry asks now."""
+    hook = receiver(503, 200)
+
+    async def scenario() -> tuple[str, Metrics]:
+        store = JobStore.from_url(redis_server.url)
+        await store.ensure_group()
+        job_id = await _failed_job_with_webhook(store, hook.url())
+        metrics = Metrics()
+        worker = WebhookWorker(store, WebhookSender(SECRET, url_prefixes=[hook.prefix()], delays_s=(1.0,)), "w",
+                               metrics)
+        assert await worker.step(block_ms=100) == 1
+        await asyncio.to_thread(_wait_for, lambda: hook.received, 10, "the first attempt never arrived")
+        if meanwhile == "deleted":
+            await store.delete(job_id)
+        else:
+            assert (await store.retry_failed(job_id)).retried == 1
+            await _completed_again(store, job_id)
+        await worker.drain()
+        await worker.close()
+        await store.close()
+        return job_id, metrics
+
+    job_id, metrics = asyncio.run(scenario())
+    sent = [(headers["webhook-id"], json.loads(body)["data"]["status"]) for headers, body in hook.received]
+    if meanwhile == "deleted":
+        assert sent == [(f"msg_{job_id}_finished", "failed")]  # the first attempt's 503 alone
+        assert not redis_server.client().keys(f"*{job_id}*")
+    else:  # the first end's retry dropped; the second end's webhook is its own, in order
+        assert sent == [(f"msg_{job_id}_finished", "failed"), (f"msg_{job_id}_finished_2", "completed")]
+    assert _count(metrics, "dropped") == 1
+    assert redis_server.client().xpending(WEBHOOK_STREAM, GROUP)["pending"] == 0
+
+
+def test_a_delivery_is_recorded_with_redis_at_its_memory_limit(redis_server, receiver):
+    """Recording the outcome was refused at maxmemory (the script lacked allow-oom, as finishing an item has it): the
+    error escaped the delivery task unlogged, the entry stayed pending and was posted again at each reclaim. The
+    record is three small fields and an acknowledgement, which frees memory: it is written."""
+    hook = receiver(200)
+    client = redis_server.client()
+
+    async def scenario() -> Job:
+        store = JobStore.from_url(redis_server.url)
+        await store.ensure_group()
+        job_id = await _finished_job_with_webhook(store, hook.url())
+        client.config_set("maxmemory-policy", "noeviction")
+        client.config_set("maxmemory", max(client.info("memory")["used_memory"] // 2, 1))
+        try:
+            await WebhookWorker(store, WebhookSender(SECRET, url_prefixes=[hook.prefix()]), "w", Metrics()).drain()
+        finally:
+            client.config_set("maxmemory", 0)
+        job = await store.get(job_id)
+        await store.close()
+        return job
+
+    job = asyncio.run(scenario())
+    assert (job.webhook_status, job.webhook_attempts, len(hook.received)) == ("delivered", 1, 1)
+    assert client.xpending(WEBHOOK_STREAM, GROUP)["pending"] == 0
+
+
+@pytest.mark.parametrize("secret", ["whsec_" + base64.b64encode(SECRET_RAW).decode(),
+                                    base64.b64encode(SECRET_RAW).decode()], ids=["whsec", "bare base64"])
+def test_a_secret_is_decoded_as_receivers_libraries_decode_it(secret):
+    """A secret without the whsec_ prefix was signed with as its own bytes, while Standard Webhooks' libraries
+    base64-decode it: no receiver could verify a signature. Both forms sign alike now."""
+    body = b'{"type": "transcription.job.completed"}'
+    headers = {"webhook-id": "msg_1", "webhook-timestamp": str(int(time.time()))}
+    headers["webhook-signature"] = sign(Settings(webhook_secret=secret).webhook_secret, "msg_1",
+                                        int(headers["webhook-timestamp"]), body)
+    Webhook(secret).verify(body, headers)  # raises where the signature does not verify
+
+
+@pytest.mark.parametrize("secret", ["s3cr3tpassphrase", "whsec_c2hvcnQ=", "not base64 at all!"])
+def test_a_secret_receivers_could_not_verify_with_is_refused_at_start(secret):
+    """A passphrase (base64 by accident: 12 bytes), a short key, or no base64 at all: refused with how to make one,
+    not found out from every receiver's failed verification."""
+    with pytest.raises(ValueError, match=r"whsec_ and base64.*os\.urandom"):
+        Settings(webhook_secret=secret)
