@@ -28,6 +28,12 @@ OTHER_VARIABLES = frozenset({"BATCHASR_CONDITIONAL_NODES", "BATCHASR_PARITY_DIR"
 SECRET_SETTINGS = frozenset({"api_keys", "webhook_secret"})
 
 
+def _webhook_retry_delays() -> list[float]:
+    from .webhooks import RETRY_DELAYS_S  # its HTTP client is imported when webhooks are, not with the settings
+
+    return list(RETRY_DELAYS_S)
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")  # no .env file: the environment only
 
@@ -96,6 +102,9 @@ class Settings(BaseSettings):
     webhook_secret: str | None = None  # whsec_<base64>; signs completion webhooks (none: jobs cannot ask for one)
     # a job's webhook URL must lie under one of these (service.url_rules); none: any URL at a public address
     webhook_url_prefixes: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # the wait after each failed attempt at a webhook before the next (each within 20% of it; a receiver's
+    # Retry-After lengthens it): as many retries as waits
+    webhook_retry_delays_s: Annotated[list[float], NoDecode] = Field(default_factory=_webhook_retry_delays)
     worker_name: str | None = None  # consumer name in the group (default: host-pid)
     # job consumer processes beside the engine's, sharing job_items_in_flight (service.processes); 0: the
     # engine's process consumes. serve needs front ends for them.
@@ -109,7 +118,7 @@ class Settings(BaseSettings):
         return None if isinstance(value, str) and not value.strip() else value
 
     @field_validator("api_keys", "model_aliases", "languages", "input_roots", "input_url_prefixes",
-                     "webhook_url_prefixes", mode="before")
+                     "webhook_url_prefixes", "webhook_retry_delays_s", mode="before")
     @classmethod
     def _split_commas(cls, value: object) -> object:
         """Accept ``a,b`` as well as a JSON list from the environment."""
@@ -227,6 +236,13 @@ class Settings(BaseSettings):
                 raise ValueError(f"a webhook secret is whsec_ and base64, as Standard Webhooks defines it (make one: "
                                  f"python -c 'import base64, os; print(\"whsec_\" + base64.b64encode(os.urandom(32))"
                                  f".decode())'): {exc}") from None
+        return value
+
+    @field_validator("webhook_retry_delays_s")
+    @classmethod
+    def _retry_delays(cls, value: list[float]) -> list[float]:
+        if any(not math.isfinite(delay) or delay <= 0 for delay in value):
+            raise ValueError("each wait is a positive number of seconds")
         return value
 
     @field_validator("frontends", "job_consumers")

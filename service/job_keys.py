@@ -13,6 +13,9 @@ ITEM_STREAM = f"{PREFIX}:items"  # XADD job=<id> index=<i>; consumer group GROUP
 DEAD_LETTER_STREAM = f"{PREFIX}:items:dead"  # items that failed for good, with their last error
 # XADD job=<id> in the same script that finishes a job with a webhook; consumer group GROUP delivers it
 WEBHOOK_STREAM = f"{PREFIX}:webhooks"
+# sorted set: a delivery waiting to be tried again ({"job", "end", "attempt"} JSON) -> when, in ms; put back on
+# WEBHOOK_STREAM when due (the script PROMOTE_WEBHOOKS)
+WEBHOOK_RETRIES_KEY = f"{PREFIX}:webhooks:later"
 GROUP = "workers"
 # each priority's item stream, in the order workers read them: the anonymous owner's (jobs submitted without API
 # keys, or straight into Redis); another owner's items go on a stream of their own beside it (item_stream)

@@ -135,6 +135,34 @@ redis.call('XACK', KEYS[2], ARGV[1], ARGV[2])
 return recorded
 """
 
+# KEYS: job, webhook stream, retries (sorted set). ARGV: group, the delivery's entry, the end it announces (as
+# RECORD_WEBHOOK), its next attempt, when that is due (ms), the retry's record (JSON), the last error. A delivery
+# whose attempt failed and that is tried again later: out of the stream (a slot is not held through the pause) and
+# into the retries, in one step, with what the job shows meanwhile (still pending) if it is still at that end.
+DEFER_WEBHOOK = _ALLOW_OOM + """
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  local job = redis.call('HMGET', KEYS[1], 'ends', 'finished_at')
+  if ARGV[3] == '0' or (job[1] == ARGV[3] and job[2]) then
+    redis.call('HSET', KEYS[1], 'webhook_attempts', tonumber(ARGV[4]) - 1, 'webhook_error', ARGV[7])
+  end
+end
+redis.call('ZADD', KEYS[3], ARGV[5], ARGV[6])
+redis.call('XACK', KEYS[2], ARGV[1], ARGV[2])
+return 1
+"""
+
+# KEYS: retries (sorted set), webhook stream. ARGV: now (ms), at most how many. The retries due, back on the stream
+# (job, end, attempt) for any worker; returns how many.
+PROMOTE_WEBHOOKS = _ALLOW_OOM + """
+local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[2]))
+for _, record in ipairs(due) do
+  local retry = cjson.decode(record)
+  redis.call('XADD', KEYS[2], '*', 'job', retry.job, 'end', retry['end'], 'attempt', retry.attempt)
+  redis.call('ZREM', KEYS[1], record)
+end
+return #due
+"""
+
 # KEYS: job, errors. ARGV: index, error. An item's last error, kept while the job is, and as long.
 RECORD_ERROR = _EXPIRE_WITH_JOB + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end

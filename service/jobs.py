@@ -40,14 +40,17 @@ from .job_keys import (
     RESULTS_KEY,
     STATES_KEY,
     UPLOAD_KEY,
+    WEBHOOK_RETRIES_KEY,
     WEBHOOK_STREAM,
     item_stream,
 )
 from .job_scripts import (
     CANCEL_QUEUED,
+    DEFER_WEBHOOK,
     EXPIRE_ALL,
     FINISH_ITEM,
     OWNER_ITEMS,
+    PROMOTE_WEBHOOKS,
     RECORD_ERROR,
     RECORD_WEBHOOK,
     RESERVE_ITEMS,
@@ -119,6 +122,8 @@ class JobStore(ItemStreams):
         self._start = client.register_script(START_ITEM)
         self._finish = client.register_script(FINISH_ITEM)
         self._record_webhook = client.register_script(RECORD_WEBHOOK)
+        self._defer_webhook = client.register_script(DEFER_WEBHOOK)
+        self._promote_webhooks = client.register_script(PROMOTE_WEBHOOKS)
         self._cancel_queued = client.register_script(CANCEL_QUEUED)
         self._record_error = client.register_script(RECORD_ERROR)
         self._expire_all = client.register_script(EXPIRE_ALL)
@@ -572,13 +577,32 @@ class JobStore(ItemStreams):
     async def ack_webhook(self, message_id: bytes) -> None:
         await self.redis.xack(WEBHOOK_STREAM, GROUP, message_id)
 
-    async def requeue_webhook(self, message_id: bytes, job_id: str, end: int) -> None:
+    async def requeue_webhook(self, message_id: bytes, job_id: str, end: int, attempt: int = 1) -> None:
         """Hand a delivery back (a worker stopping): queued again for any worker, now, not after the claim
-        timeout."""
+        timeout, at the attempt it had reached."""
         pipe = self.redis.pipeline(transaction=True)
-        pipe.xadd(WEBHOOK_STREAM, {"job": job_id, "end": end})
+        pipe.xadd(WEBHOOK_STREAM, {"job": job_id, "end": end, "attempt": attempt})
         pipe.xack(WEBHOOK_STREAM, GROUP, message_id)
         await pipe.execute()
+
+    async def defer_webhook(self, message_id: bytes, job_id: str, end: int, attempt: int, retry_in_s: float,
+                            error: str) -> None:
+        """A delivery whose attempt failed, tried again as ``attempt`` in ``retry_in_s``: acknowledged, and kept
+        meanwhile in Redis rather than in a worker's slot (DEFER_WEBHOOK); the job shows the attempts so far and
+        the last error."""
+        due_ms = int((time.time() + retry_in_s) * 1000)
+        retry = json.dumps({"job": job_id, "end": str(end), "attempt": str(attempt), "entry": message_id.decode()})
+        await self._defer_webhook(keys=[JOB_KEY.format(job_id=job_id), WEBHOOK_STREAM, WEBHOOK_RETRIES_KEY],
+                                  args=[GROUP, message_id, end, attempt, due_ms, retry, error])
+
+    async def promote_webhooks(self, limit: int = 100) -> int:
+        """Retries now due back on the webhook stream (PROMOTE_WEBHOOKS); returns how many."""
+        return int(await self._promote_webhooks(keys=[WEBHOOK_RETRIES_KEY, WEBHOOK_STREAM],
+                                                args=[int(time.time() * 1000), limit]))
+
+    async def scheduled_webhooks(self) -> int:
+        """Deliveries waiting to be tried again."""
+        return int(await self.redis.zcard(WEBHOOK_RETRIES_KEY))
 
     # --- Redis itself ------------------------------------------------------------------------------------------
 

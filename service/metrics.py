@@ -34,7 +34,7 @@ SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 # failed, nor the first item dropped
 JOB_FINAL_STATUSES = ("completed", "completed_with_errors", "failed", "cancelled")
 JOB_ITEM_STATUSES = ("completed", "failed")
-WEBHOOK_OUTCOMES = ("delivered", "failed", "handed_back", "dropped")
+WEBHOOK_OUTCOMES = ("delivered", "failed", "retried", "handed_back", "dropped")
 DROP_REASONS = ("cancelled", "expired")
 # what in Redis's settings would lose jobs silently (JobStore.durability_risks)
 JOB_STORE_RISKS = ("eviction", "no_appendonly", "unconfirmed_replication")

@@ -115,7 +115,8 @@ def make_consumer(s: Settings, jobs: JobStore, transcriber: Transcriber, limits:
     options = ConsumerOptions(name=name, prefetch=prefetch, visibility_timeout_s=s.job_visibility_timeout_s,
                               max_attempts=s.job_max_attempts, max_audio_s=prefetch * s.max_segment_s,
                               first_item_s=s.max_segment_s, max_reading=max(1, prefetch // READING_SHARE))
-    webhooks = WebhookSender(s.webhook_secret, s.webhook_url_prefixes) if s.webhook_secret else None
+    webhooks = (WebhookSender(s.webhook_secret, s.webhook_url_prefixes, delays_s=tuple(s.webhook_retry_delays_s))
+                if s.webhook_secret else None)
     urls = UrlFetcher(s.input_url_prefixes, s.max_upload_bytes, s.job_url_timeout_s) if s.input_url_prefixes else None
     return JobConsumer(jobs, transcriber, limits, s.input_roots, metrics, options, decode_pool, webhooks, urls,
                        engine_failed)

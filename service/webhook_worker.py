@@ -6,9 +6,14 @@ outcome on the job; one a worker dropped (killed mid-delivery) is reclaimed afte
 stopping worker had in hand is queued again at once. A receiver may therefore get a message twice: its
 ``webhook-id`` stays the same, for the receiver to drop the second, as Standard Webhooks asks of receivers.
 
+A delivery is one attempt. One that failed and may be tried again leaves the stream for a sorted set of retries,
+in the step that acknowledges it, and is put back on the stream when due (``WebhookSender`` sets the wait: hours
+in all, so a receiver down for a deploy or a night still gets it). A slot is never held through the pause: a few
+failing receivers held every slot for minutes, and everyone else's webhooks waited behind them.
+
 A job whose failed items are retried ends again, and owes a webhook again: each delivery names the end it
-announces (the job's ``ends`` then), and one whose job has ended again since, or is in progress again, is dropped
-unsent: the later end has its own.
+announces (the job's ``ends`` then), and one whose job has ended again since, or is in progress again, or has been
+deleted, is dropped unsent: the later end has its own.
 """
 
 from __future__ import annotations
@@ -22,11 +27,12 @@ from .job_keys import GROUP, WEBHOOK_STREAM
 from .job_types import Job, JobNotFound
 from .jobs import JobStore
 from .redis_outages import REDIS_ERRORS, REDIS_FULL, group_lost, step_until_stopped
-from .webhooks import Delivery, WebhookSender
+from .webhooks import WebhookSender
 
 log = logging.getLogger(__name__)
 
-CLAIM_IDLE_S = 300.0  # longer than one delivery can take: 6 attempts of at most 10 s each, and 48 s of pauses
+CLAIM_IDLE_S = 300.0  # far longer than one attempt can take (10 s)
+PROMOTE_INTERVAL_S = 1.0  # how often due retries are put back on the stream
 STOP_GRACE_S = 5.0  # a stopping worker lets deliveries run this long, then hands the rest back
 IN_FLIGHT = 32  # deliveries at once, per worker
 NO_SECRET = "the worker that took the delivery cannot sign webhooks (it has no BATCHASR_WEBHOOK_SECRET)"
@@ -50,9 +56,11 @@ class WebhookWorker:
         self.in_flight = in_flight
         self.claim_idle_s = claim_idle_s
         self.stop_grace_s = stop_grace_s
-        self._deliveries: dict[asyncio.Task, tuple[bytes, str, int]] = {}  # task -> (stream entry, job id, end)
+        # task -> (stream entry, job id, end, attempt)
+        self._deliveries: dict[asyncio.Task, tuple[bytes, str, int, int]] = {}
         self.reclaim_interval_s = reclaim_interval_s
         self._reclaim = Periodic()
+        self._promote = Periodic()
         self._group_ready = False
         self._reclaim_from: bytes | str = "0-0"  # where the next look for stalled deliveries goes on
 
@@ -70,8 +78,8 @@ class WebhookWorker:
             await self.sender.close()
 
     async def drain(self) -> None:
-        """Burst mode (tests, one-off runs): deliver until the stream has nothing left for this consumer."""
-        while await self.step(block_ms=100) or self._deliveries:
+        """Burst mode (tests): deliver until the stream has nothing left for this consumer and no retry waits."""
+        while await self.step(block_ms=100) or self._deliveries or await self.store.scheduled_webhooks():
             await asyncio.gather(*self._deliveries, return_exceptions=True)
 
     async def step(self, block_ms: int) -> int:
@@ -83,6 +91,8 @@ class WebhookWorker:
         if room <= 0:
             await asyncio.wait(self._deliveries, timeout=block_ms / 1000, return_when=asyncio.FIRST_COMPLETED)
             return 0
+        if self._promote.due(PROMOTE_INTERVAL_S):
+            await self.store.promote_webhooks()
         entries: list[tuple[bytes, dict]] = []
         if self._reclaim.due(self.reclaim_interval_s):
             entries += await self._reclaim_stalled(room)
@@ -93,10 +103,10 @@ class WebhookWorker:
                 entries += new
         for message_id, fields in entries:
             job_id = fields.get(b"job", b"").decode(errors="replace")
-            raw_end = fields.get(b"end", b"")
-            end = int(raw_end) if raw_end.isdigit() else 0  # 0: queued before a job's ends were counted
-            task = asyncio.create_task(self._deliver(message_id, job_id, end))
-            self._deliveries[task] = (message_id, job_id, end)
+            end = _number(fields, b"end", 0)  # 0: queued before a job's ends were counted
+            attempt = max(_number(fields, b"attempt", 1), 1)
+            task = asyncio.create_task(self._deliver(message_id, job_id, end, attempt))
+            self._deliveries[task] = (message_id, job_id, end, attempt)
             task.add_done_callback(self._deliveries.pop)
         return len(entries)
 
@@ -107,23 +117,26 @@ class WebhookWorker:
             log.info("reclaimed %d webhook deliveries from stalled consumers", len(claimed))
         return claimed
 
-    async def _deliver(self, message_id: bytes, job_id: str, end: int) -> None:
+    async def _deliver(self, message_id: bytes, job_id: str, end: int, attempt: int) -> None:
         try:
-            job = await self._owed(job_id, end)
-            if job is None:
+            job = await self._owed(job_id, end)  # asked at each attempt: the job may be deleted, or end again,
+            if job is None:                      # while a retry waits
                 await self.store.ack_webhook(message_id)
+                if attempt > 1:
+                    self.metrics.count_webhook("dropped")
                 return
             if self.sender is None:
-                delivery = Delivery(False, 0, NO_SECRET)
-            else:  # asked again before each retry: the job may be deleted, or end again, in the pauses
-                delivery = await self.sender.job_finished(job, end, lambda: self._still_owed(job_id, end))
-            if delivery.dropped:
-                await self.store.ack_webhook(message_id)
-                self.metrics.count_webhook("dropped")
+                await self.store.record_webhook(job.id, end, message_id, False, attempt - 1, NO_SECRET)
+                self.metrics.count_webhook("failed")
                 return
-            await self.store.record_webhook(job.id, end, message_id, delivery.delivered, delivery.attempts,
-                                            delivery.error)
-            self.metrics.count_webhook("delivered" if delivery.delivered else "failed")
+            tried = await self.sender.attempt(job, end, attempt)
+            if tried.retry_in_s is not None:
+                await self.store.defer_webhook(message_id, job.id, end, attempt + 1, tried.retry_in_s,
+                                               tried.error or "")
+                self.metrics.count_webhook("retried")
+                return
+            await self.store.record_webhook(job.id, end, message_id, tried.delivered, attempt, tried.error)
+            self.metrics.count_webhook("delivered" if tried.delivered else "failed")
         except (*REDIS_ERRORS, REDIS_FULL) as exc:  # unacknowledged: reclaimed after the claim timeout
             log.warning("redis error delivering the webhook of %s (%s); it will be retried", job_id, exc)
 
@@ -139,13 +152,6 @@ class WebhookWorker:
             return None
         return job
 
-    async def _still_owed(self, job_id: str, end: int) -> bool:
-        """Before a retry: Redis unreachable counts as owed (the POST is what matters; its outcome waits)."""
-        try:
-            return await self._owed(job_id, end) is not None
-        except REDIS_ERRORS:
-            return True
-
     async def _hand_back(self) -> None:
         if not self._deliveries:
             return
@@ -154,11 +160,17 @@ class WebhookWorker:
         for task in running:
             task.cancel()
         await asyncio.gather(*running, return_exceptions=True)
-        for message_id, job_id, end in handed:
+        for message_id, job_id, end, attempt in handed:
             self.metrics.count_webhook("handed_back")
             try:
-                await self.store.requeue_webhook(message_id, job_id, end)
+                await self.store.requeue_webhook(message_id, job_id, end, attempt)
             except REDIS_ERRORS as exc:  # still pending: reclaimed after the claim timeout
                 log.warning("could not hand back the webhook of %s (%s)", job_id, exc)
         if handed:
             log.info("handed back %d webhook deliveries in progress", len(handed))
+
+
+def _number(fields: dict, name: bytes, default: int) -> int:
+    """A whole number from a stream entry's fields (``default`` where it is missing or not one)."""
+    raw = fields.get(name, b"")
+    return int(raw) if raw.isdigit() else default

@@ -9,14 +9,14 @@ followed: a 3xx answer fails the delivery like any other refusal.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import hashlib
 import hmac
 import json
 import logging
+import math
+import random
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -26,7 +26,12 @@ from .url_rules import NoPublicAddress, PublicAddressResolver, UrlRefused, check
 
 log = logging.getLogger(__name__)
 
-RETRY_DELAYS_S = (1.0, 2.0, 5.0, 10.0, 30.0)
+# after each failed attempt, the wait before the next (a receiver down for a deploy, or a night, still gets it:
+# about 11 hours in all, as Standard Webhooks' providers retry), each drawn within JITTER of it so that the
+# webhooks an outage held back do not all come back at one moment
+RETRY_DELAYS_S = (5.0, 30.0, 120.0, 600.0, 1800.0, 3600.0, 3 * 3600.0, 6 * 3600.0)
+JITTER = 0.2
+MAX_RETRY_AFTER_S = 6 * 3600.0  # a receiver's Retry-After is taken up to this
 RETRYABLE_STATUS = {408, 409, 425, 429}
 CONNECTIONS = 32  # to receivers, per consumer
 
@@ -60,17 +65,19 @@ def check_webhook_url(url: str, prefixes: list[str]) -> None:
 
 
 @dataclass(frozen=True)
-class Delivery:
-    """How a job's webhook went: delivered (a 2xx came back) or not, in how many attempts, and why not."""
+class Attempt:
+    """How one attempt at a job's webhook went: delivered (a 2xx came back), or not and why, with the wait before
+    the next attempt (None: there is none, the receiver refused or the retries have run out)."""
 
     delivered: bool
-    attempts: int
     error: str | None = None
-    dropped: bool = False  # not owed any more by the next attempt (the job deleted, or ended again since)
+    retry_in_s: float | None = None
 
 
 class WebhookSender:
-    """Posts job-completion webhooks for one consumer, over one connection pool. ``close`` when done."""
+    """Posts job-completion webhooks for one consumer, over one connection pool, an attempt at a time: the worker
+    waits out the pause between attempts in Redis (service.webhook_worker), not in a delivery slot. ``close`` when
+    done."""
 
     def __init__(self, secret: str, url_prefixes: list[str] | None = None, timeout_s: float = 10.0,
                  delays_s: tuple[float, ...] = RETRY_DELAYS_S):
@@ -80,50 +87,49 @@ class WebhookSender:
         self.delays_s = delays_s
         self._session: aiohttp.ClientSession | None = None  # made on the event loop, at the first delivery
 
-    async def job_finished(self, job: Job, end: int = 0,
-                           still_owed: Callable[[], Awaitable[bool]] | None = None) -> Delivery:
-        """POST ``transcription.job.completed`` for the job's ``end`` (0: its ``ends`` now); retries on connection
-        errors, timeouts, 5xx and the statuses that ask for a retry, until a 2xx comes back or the retries run out.
-        Before each retry ``still_owed`` is asked: a job deleted meanwhile, or ended again (its later end has a
-        webhook of its own), is not announced after its pause (``dropped``)."""
+    async def attempt(self, job: Job, end: int = 0, attempt: int = 1) -> Attempt:
+        """POST ``transcription.job.completed`` for the job's ``end`` (0: its ``ends`` now), the ``attempt``-th
+        time. Connection errors, timeouts, 5xx and the statuses that ask for it are retried, after the schedule's
+        wait or the receiver's Retry-After, while the schedule lasts."""
         assert job.webhook_url
         try:
             check_webhook_url(job.webhook_url, self.url_prefixes)  # again here: the rules may have changed
         except UrlRefused as exc:
             log.warning("webhook for %s refused: %s", job.id, exc)
-            return Delivery(False, 0, str(exc))
+            return Attempt(False, str(exc))
         # stable: receivers deduplicate redeliveries on it; a job that ends again after a retry is news again
         end = end or job.ends
         message_id = f"msg_{job.id}_finished" + (f"_{end}" if end > 1 else "")
         body = json.dumps({"type": "transcription.job.completed", "created_at": time.time(),
                            "data": {"id": job.id, "status": job.status.value}}).encode()
-        error = "not attempted"
-        for attempt, delay in enumerate((0.0, *self.delays_s), start=1):
-            await asyncio.sleep(delay)
-            if attempt > 1 and still_owed is not None and not await still_owed():
-                log.info("webhook for %s dropped before attempt %d: not owed any more", job.id, attempt)
-                return Delivery(False, attempt - 1, error, dropped=True)
-            try:
-                status, reason = await self._post(job.webhook_url, message_id, body)
-            except aiohttp.ClientConnectorError as exc:
-                if isinstance(exc.os_error, NoPublicAddress):
-                    log.warning("webhook for %s refused: %s", job.id, exc.os_error)
-                    return Delivery(False, attempt, str(exc.os_error))
-                error = f"{type(exc).__name__}: {exc}"
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                error = f"{type(exc).__name__}: {exc or 'no detail'}"
-            else:
-                if 200 <= status < 300:
-                    return Delivery(True, attempt)
-                error = f"HTTP {status} {reason}"
-                if status < 500 and status not in RETRYABLE_STATUS:  # 3xx too: redirects are not followed
-                    log.warning("webhook for %s refused with %s; not retried", job.id, error)
-                    return Delivery(False, attempt, error)
-            log.warning("webhook for %s failed (attempt %d): %s", job.id, attempt, error)
-        log.warning("webhook for %s gave up after %d attempts", job.id, len(self.delays_s) + 1)
-        return Delivery(False, len(self.delays_s) + 1, error)
+        retry_after_s = None
+        try:
+            status, reason, retry_after_s = await self._post(job.webhook_url, message_id, body)
+        except aiohttp.ClientConnectorError as exc:
+            if isinstance(exc.os_error, NoPublicAddress):
+                log.warning("webhook for %s refused: %s", job.id, exc.os_error)
+                return Attempt(False, str(exc.os_error))
+            error = f"{type(exc).__name__}: {exc}"
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            error = f"{type(exc).__name__}: {exc or 'no detail'}"
+        else:
+            if 200 <= status < 300:
+                return Attempt(True)
+            error = f"HTTP {status} {reason}"
+            if status < 500 and status not in RETRYABLE_STATUS:  # 3xx too: redirects are not followed
+                log.warning("webhook for %s refused with %s; not retried", job.id, error)
+                return Attempt(False, error)
+        if attempt > len(self.delays_s):
+            log.warning("webhook for %s gave up after %d attempts: %s", job.id, attempt, error)
+            return Attempt(False, error)
+        wait_s = self.delays_s[attempt - 1] * random.uniform(1 - JITTER, 1 + JITTER)
+        if retry_after_s is not None:
+            wait_s = max(wait_s, min(retry_after_s, MAX_RETRY_AFTER_S))
+        log.warning("webhook for %s failed (attempt %d): %s; next in %.0f s", job.id, attempt, error, wait_s)
+        return Attempt(False, error, wait_s)
 
-    async def _post(self, url: str, message_id: str, body: bytes) -> tuple[int, str]:
+    async def _post(self, url: str, message_id: str, body: bytes) -> tuple[int, str, float | None]:
+        """The answer's status, reason and Retry-After (in seconds, where it gives them)."""
         if self._session is None:
             # with no prefixes, names resolve to public addresses only, at the connection that uses them
             resolver = None if self.url_prefixes else PublicAddressResolver()
@@ -134,8 +140,17 @@ class WebhookSender:
         headers = {"content-type": "application/json", "webhook-id": message_id, "webhook-timestamp": str(timestamp),
                    "webhook-signature": sign(self.secret, message_id, timestamp, body)}
         async with self._session.post(url, data=body, headers=headers, allow_redirects=False) as response:
-            return response.status, response.reason or ""
+            return response.status, response.reason or "", _seconds(response.headers.get("retry-after"))
 
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
+
+
+def _seconds(retry_after: str | None) -> float | None:
+    """A Retry-After header's seconds (an HTTP date is not taken: a receiver's clock is not ours to trust)."""
+    try:
+        seconds = float(retry_after) if retry_after is not None else math.nan
+    except ValueError:
+        return None
+    return seconds if math.isfinite(seconds) and seconds >= 0 else None

@@ -14,7 +14,7 @@ from prometheus_client.metrics import MetricWrapperBase
 
 from service.cli import build_parser
 from service.config import OTHER_VARIABLES, Settings
-from service.job_keys import DEAD_LETTER_STREAM, GROUP, ITEM_STREAMS, WEBHOOK_STREAM
+from service.job_keys import DEAD_LETTER_STREAM, GROUP, ITEM_STREAMS, WEBHOOK_RETRIES_KEY, WEBHOOK_STREAM
 from service.metrics import Metrics
 
 REPO = Path(__file__).resolve().parent.parent
@@ -143,7 +143,7 @@ def test_the_readme_names_no_option_that_is_not_there():
 
 
 def test_the_docs_name_the_streams_and_group_the_workers_use():
-    known = {*ITEM_STREAMS.values(), DEAD_LETTER_STREAM, WEBHOOK_STREAM}
+    known = {*ITEM_STREAMS.values(), DEAD_LETTER_STREAM, WEBHOOK_STREAM, WEBHOOK_RETRIES_KEY}
     for text in (README, DEPLOY_README):
         assert set(re.findall(r"`(batchasr:[a-z:]+)`", text)) - known == set()
     autoscaling = section(DEPLOY_README, "- Worker autoscaling", " ## ")

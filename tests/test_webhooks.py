@@ -7,6 +7,7 @@ import asyncio
 import base64
 import hashlib
 import hmac
+import itertools
 import json
 import socket
 import subprocess
@@ -39,15 +40,17 @@ class Receiver:
     last one from then on) and keeps what it was sent. A status of None holds the answer (a receiver that
     hangs) until ``release`` is set, then answers 200."""
 
-    def __init__(self, *statuses: int | None):
+    def __init__(self, *statuses: int | None, retry_after: str | None = None):
         self.statuses = list(statuses) or [200]
         self.received: list[tuple[dict[str, str], bytes]] = []
+        self.times: list[float] = []  # when each POST came (monotonic)
         self.release = threading.Event()
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):
                 receiver.received.append((dict(self.headers), self.rfile.read(int(self.headers["content-length"]))))
+                receiver.times.append(time.monotonic())
                 status = receiver.statuses[min(len(receiver.received), len(receiver.statuses)) - 1]
                 if status is None:
                     receiver.release.wait(30)
@@ -55,6 +58,8 @@ class Receiver:
                 self.send_response(status)
                 if 300 <= status < 400:
                     self.send_header("Location", "http://127.0.0.1:9/elsewhere")
+                if status >= 429 and retry_after is not None:
+                    self.send_header("Retry-After", retry_after)
                 self.send_header("Content-Length", "0")
                 self.end_headers()
 
@@ -81,8 +86,8 @@ class Receiver:
 def receiver():
     made: list[Receiver] = []
 
-    def make(*statuses: int | None) -> Receiver:
-        made.append(Receiver(*statuses))
+    def make(*statuses: int | None, retry_after: str | None = None) -> Receiver:
+        made.append(Receiver(*statuses, retry_after=retry_after))
         return made[-1]
 
     yield make
@@ -203,17 +208,17 @@ def test_a_name_resolving_to_a_private_address_is_refused_as_the_webhook_connect
 
     async def deliver(sender: WebhookSender):
         try:
-            return await sender.job_finished(job)
+            return await sender.attempt(job)
         finally:
             await sender.close()
 
     check_webhook_url(hook.url(host), [])  # a name passes the check made when the job is submitted
     refused = asyncio.run(deliver(WebhookSender(SECRET, delays_s=(0.1, 0.1))))
-    assert (refused.delivered, refused.attempts) == (False, 1) and "no public address" in refused.error
+    assert (refused.delivered, refused.retry_in_s) == (False, None) and "no public address" in refused.error
     assert hook.received == []
     # the receiver is there: under a prefix the operator configured, the same name is posted to
     delivered = asyncio.run(deliver(WebhookSender(SECRET, url_prefixes=[hook.prefix(host)])))
-    assert (delivered.delivered, delivered.attempts) == (True, 1) and len(hook.received) == 1
+    assert delivered.delivered and len(hook.received) == 1
 
 
 def test_the_public_address_resolver_drops_local_addresses():
@@ -229,7 +234,7 @@ def test_the_public_address_resolver_drops_local_addresses():
 
 
 @pytest.mark.parametrize(("statuses", "outcome"), [
-    ((500, 503, 200), ("delivered", 3, None)),  # retried after 1 and 2 s
+    ((500, 503, 200), ("delivered", 3, None)),  # retried after each wait
     ((429, 200), ("delivered", 2, None)),
     ((410,), ("failed", 1, "HTTP 410 Gone")),  # refused: not retried
     ((302,), ("failed", 1, "HTTP 302 Found")),  # redirects are not followed
@@ -237,7 +242,8 @@ def test_the_public_address_resolver_drops_local_addresses():
 def test_each_delivery_outcome_is_recorded_on_the_job(redis_server, model, parity_audio, receiver, statuses,
                                                        outcome):
     hook = receiver(*statuses)
-    settings = Settings(redis_url=redis_server.url, webhook_secret=SECRET, webhook_url_prefixes=[hook.prefix()])
+    settings = Settings(redis_url=redis_server.url, webhook_secret=SECRET, webhook_url_prefixes=[hook.prefix()],
+                        webhook_retry_delays_s=[0.2, 0.2])
     jobs: list[Job] = []
 
     async def submit(store: JobStore) -> None:
@@ -572,3 +578,70 @@ def test_a_secret_receivers_could_not_verify_with_is_refused_at_start(secret):
     not found out from every receiver's failed verification."""
     with pytest.raises(ValueError, match=r"whsec_ and base64.*os\.urandom"):
         Settings(webhook_secret=secret)
+
+
+def test_a_failing_receiver_does_not_hold_up_other_webhooks(redis_server, receiver):
+    """A retry waited in its delivery's slot: 32 jobs pointing at a broken receiver held a worker's every slot for
+    48 s (114 s if it hung), and everyone else's webhooks waited. A failed attempt now leaves the slot, its retry kept
+    in Redis: with one slot, the healthy receiver's webhook goes out while the broken one's waits."""
+    broken, healthy = receiver(503), receiver(200)
+
+    async def scenario() -> tuple[Job, Job, int]:
+        store = JobStore.from_url(redis_server.url)
+        await store.ensure_group()
+        failing = await _finished_job_with_webhook(store, broken.url())
+        fine = await _finished_job_with_webhook(store, healthy.url())
+        sender = WebhookSender(SECRET, url_prefixes=[broken.prefix(), healthy.prefix()], delays_s=(60.0,))
+        worker = WebhookWorker(store, sender, "w", Metrics(), in_flight=1)
+        for _ in range(50):
+            await worker.step(block_ms=50)
+            if healthy.received:
+                break
+        await asyncio.gather(*worker._deliveries, return_exceptions=True)
+        await worker.close()
+        jobs = await store.get(failing), await store.get(fine)
+        scheduled = await store.scheduled_webhooks()
+        await store.close()
+        return *jobs, scheduled
+
+    failing, fine, scheduled = asyncio.run(scenario())
+    assert len(healthy.received) == 1 and fine.webhook_status == "delivered"
+    assert len(broken.received) == 1 and scheduled == 1  # its retry waits in Redis, a minute from now
+    unavailable = "HTTP 503 Service Unavailable"
+    assert (failing.webhook_status, failing.webhook_attempts, failing.webhook_error) == ("pending", 1, unavailable)
+    assert redis_server.client().xpending(WEBHOOK_STREAM, GROUP)["pending"] == 0  # no slot, no stream entry held
+
+
+async def _announce(redis_url: str, hook: Receiver, delays_s: tuple[float, ...]) -> tuple[Job, Metrics]:
+    """A job ended with a webhook to ``hook``, delivered by a worker retrying after ``delays_s`` until nothing is left
+    to try; the job after, and the worker's counts."""
+    store = JobStore.from_url(redis_url)
+    await store.ensure_group()
+    job_id = await _finished_job_with_webhook(store, hook.url())
+    metrics = Metrics()
+    worker = WebhookWorker(store, WebhookSender(SECRET, url_prefixes=[hook.prefix()], delays_s=delays_s), "w", metrics)
+    await worker.drain()
+    await worker.close()
+    job = await store.get(job_id)
+    await store.close()
+    return job, metrics
+
+
+def test_a_receiver_down_past_the_first_waits_gets_its_webhook_after_its_retry_after(redis_server, receiver):
+    """All attempts fitted in 48 s, and a receiver down for a minute lost the webhook for good; its Retry-After was
+    not read. The waits run to hours now (here, short ones), and a Retry-After longer than the next wait wins."""
+    hook = receiver(503, 503, 503, 200, retry_after="1")
+    job, metrics = asyncio.run(_announce(redis_server.url, hook, (0.1,) * 5))
+    assert (job.webhook_status, job.webhook_attempts, job.webhook_error) == ("delivered", 4, None)
+    assert all(later - earlier >= 0.95 for earlier, later in itertools.pairwise(hook.times)), hook.times
+    assert len({headers["webhook-id"] for headers, _ in hook.received}) == 1
+    assert (_count(metrics, "retried"), _count(metrics, "delivered")) == (3, 1)
+
+
+def test_a_webhook_fails_for_good_once_its_waits_run_out(redis_server, receiver):
+    hook = receiver(503)
+    job, metrics = asyncio.run(_announce(redis_server.url, hook, (0.1, 0.1)))
+    unavailable = "HTTP 503 Service Unavailable"
+    assert (job.webhook_status, job.webhook_attempts, job.webhook_error) == ("failed", 3, unavailable)
+    assert len(hook.received) == 3 and (_count(metrics, "retried"), _count(metrics, "failed")) == (2, 1)
+    assert redis_server.client().zcard("batchasr:webhooks:later") == 0
