@@ -132,6 +132,21 @@ def _quietest_point(waveform: np.ndarray, earliest: int, latest: int, sample_rat
     return earliest + (best + end - 1) // 2 + window // 2
 
 
+@dataclass(frozen=True)
+class SaidWord:
+    """The last word stitched from the pieces so far: where it ends (samples of the original) and its tokens. The
+    piece after may hear it again across the cut, timed a frame or so later, its middle past the cut where the
+    earlier piece had it before: both kept it. A word of the later piece with the same tokens whose middle lies
+    before this end is that word again, kept once; another word there is not dropped (RNN-T may put the next word
+    on the same frame)."""
+
+    end: float
+    tokens: tuple[int, ...]
+
+
+NOTHING_SAID = SaidWord(-math.inf, ())
+
+
 def stitch(pieces: list[tuple[Segment, Hypothesis]], tokenizer: Tokenizer | None, frame_samples: int,
            ) -> Hypothesis:
     """One hypothesis in the original's frames from pieces decoded separately (in order)."""
@@ -140,11 +155,12 @@ def stitch(pieces: list[tuple[Segment, Hypothesis]], tokenizer: Tokenizer | None
     out = Hypothesis(durations=[] if any(h.durations is not None for _, h in pieces) else None,
                      logprobs=[] if all(h.logprobs is not None for _, h in pieces) else None)
     units = [_units(segment, hyp, tokenizer, frame_samples) for segment, hyp in pieces]  # each piece's, once
+    said = NOTHING_SAID
     for i, piece in enumerate(pieces):
         until = piece[0].cut_after
         if i + 1 < len(pieces):
             until = _handover(until, pieces[i + 1][0], units[i + 1])
-        _add_words(out, piece, units[i], piece[0].cut_before, until, frame_samples)
+        said = _add_words(out, piece, units[i], piece[0].cut_before, until, frame_samples, said) or said
     return out
 
 
@@ -165,16 +181,16 @@ def _handover(cut: int, following: Segment, following_units: list[tuple[float, i
 
 
 def piece_words(piece: tuple[Segment, Hypothesis], start: int, end: int, tokenizer: Tokenizer | None,
-                frame_samples: int) -> Hypothesis:
+                frame_samples: int, said: SaidWord = NOTHING_SAID) -> tuple[Hypothesis, SaidWord | None]:
     """The words of ``piece`` whose middles lie in [start, end) samples of the original, in the original's frames
-    (all of its tokens where it is the whole recording, as ``stitch`` keeps them): a stream's text as its pieces
-    finish."""
+    (all of its tokens where it is the whole recording, as ``stitch`` keeps them), but for ``said`` heard again (the
+    last word of the pieces before); and the last of them (None: none). A stream's text as its pieces finish."""
     segment, hyp = piece
     if _uncut(segment) and start <= 0 and end >= NO_CUT:
-        return hyp
+        return hyp, None
     out = Hypothesis(durations=None if hyp.durations is None else [], logprobs=None if hyp.logprobs is None else [])
-    _add_words(out, piece, _units(segment, hyp, tokenizer, frame_samples), start, end, frame_samples)
-    return out
+    last = _add_words(out, piece, _units(segment, hyp, tokenizer, frame_samples), start, end, frame_samples, said)
+    return out, last
 
 
 def _uncut(segment: Segment) -> bool:
@@ -182,14 +198,20 @@ def _uncut(segment: Segment) -> bool:
 
 
 def _add_words(out: Hypothesis, piece: tuple[Segment, Hypothesis], units: list[tuple[float, int, int, int]],
-               start: int, end: int, frame_samples: int) -> None:
-    """Those of ``piece``'s words (its ``units``) whose middles lie in [start, end), appended to ``out``."""
+               start: int, end: int, frame_samples: int, said: SaidWord) -> SaidWord | None:
+    """Those of ``piece``'s words (its ``units``) whose middles lie in [start, end), appended to ``out``, but for the
+    pieces before's last word (``said``) heard again; returns the last word appended (None: none)."""
     segment, hyp = piece
     offset = segment.start // frame_samples
-    for middle, _, first, last in units:
+    appended = None
+    for middle, word_end, first, last in units:
         if not start <= middle < end:
             continue
-        out.tokens.extend(hyp.tokens[first : last + 1])
+        tokens = tuple(hyp.tokens[first : last + 1])
+        if middle < said.end and tokens == said.tokens:
+            continue
+        appended = SaidWord(word_end, tokens)
+        out.tokens.extend(tokens)
         # Pieces see different context, so a word just after a cut may start a frame before the end of
         # the word kept just before it; frames stay non-decreasing by clamping.
         floor = out.frames[-1] if out.frames else 0
@@ -199,6 +221,7 @@ def _add_words(out: Hypothesis, piece: tuple[Segment, Hypothesis], units: list[t
             out.durations.extend(covered)
         if out.logprobs is not None:
             out.logprobs.extend(hyp.logprobs[first : last + 1])
+    return appended
 
 
 def _units(segment: Segment, hyp: Hypothesis, tokenizer: Tokenizer | None, frame_samples: int

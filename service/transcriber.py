@@ -16,7 +16,7 @@ from decoding.types import Hotwords, Hypothesis
 from models.config import ModelConfig
 from models.conversation import Conversation, assemble, duplicate_channels
 from models.crosstalk import heard_elsewhere
-from models.segmenter import Segment, handover, piece_words, plan_pieces, stitch
+from models.segmenter import NOTHING_SAID, Segment, handover, piece_words, plan_pieces, stitch
 from models.silence import Elsewhere
 from models.tokenizer import Tokenizer
 from models.transcript import Transcript, build_transcript, rounded
@@ -225,15 +225,25 @@ class QueuedRequest:
         shown, told = "", 0  # the text said so far, and how many tokens it holds
         logprobs: list[float] | None = []
         before: tuple[Segment, Hypothesis] | None = None
+        # the last word said, through the piece before (stitch drops it heard again), and through the one before that
+        said, said_before = NOTHING_SAID, NOTHING_SAID
         for segment, item in zip(self._segments, self.items, strict=True):
             result: ItemResult = await asyncio.wait_for(asyncio.wrap_future(item.future), self._remaining_s())
             piece = (segment, result.hypothesis)
             if t.tokenizer is None:
                 continue  # no vocabulary: no text
-            found = [piece_words(piece, segment.cut_before, segment.cut_after, t.tokenizer, t.frame_samples)]
+            found = []
             if before is not None:  # what the piece before keeps past its cut, by what this one heard
                 handed = handover(before, piece, t.tokenizer, t.frame_samples)
-                found.insert(0, piece_words(before, before[0].cut_after, handed, t.tokenizer, t.frame_samples))
+                words, last = piece_words(before, before[0].cut_after, handed, t.tokenizer, t.frame_samples,
+                                          said_before)
+                found.append(words)
+                said = last or said
+            said_before = said
+            words, last = piece_words(piece, segment.cut_before, segment.cut_after, t.tokenizer, t.frame_samples,
+                                      said_before)
+            found.append(words)
+            said = last or said
             before = piece
             for words in found:
                 tokens += words.tokens

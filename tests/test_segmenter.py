@@ -10,6 +10,7 @@ from pydantic import ValidationError
 
 from decoding.types import Hypothesis
 from models import load_model
+from models.audio_io import read_audio
 from models.segmenter import (
     ENERGY_WINDOW_S,
     NO_CUT,
@@ -79,10 +80,44 @@ def test_words_a_later_piece_heard_as_one_with_a_cut_off_word_are_kept_from_the_
     # earlier keeps past its cut once the later has finished, before the later's words
     first, second = (segments[0], earlier), (segments[1], later)
     handed = handover(first, second, None, FRAME)
-    streamed = [piece_words(first, 0, segments[0].cut_after, None, FRAME),
-                piece_words(first, segments[0].cut_after, handed, None, FRAME),
-                piece_words(second, segments[1].cut_before, segments[1].cut_after, None, FRAME)]
+    streamed = [piece_words(first, 0, segments[0].cut_after, None, FRAME)[0],
+                piece_words(first, segments[0].cut_after, handed, None, FRAME)[0],
+                piece_words(second, segments[1].cut_before, segments[1].cut_after, None, FRAME)[0]]
     assert [token for words in streamed for token in words.tokens] == merged.tokens
+
+
+def test_a_word_both_pieces_heard_across_the_cut_is_kept_once():
+    """The earlier piece times a word a frame before the later one: its middle just before the cut there, just past
+    it in the later piece, and both kept it ("both both" in a real transcript). The later piece's word with the same
+    tokens and its middle before the earlier one's end is that word again. Another word there is kept: RNN-T can put
+    the next word on the frame the last one ends on. A stream says the same."""
+    segments = plan_segments(16000 * 40, np.ones(16000 * 40), 16000, 30, 2, FRAME)
+    cut, offset = segments[0].cut_after // FRAME, segments[1].start // FRAME
+    earlier = Hypothesis(tokens=[4, 5], frames=[cut - 10, cut - 2], durations=[2, 3])  # 5: middle cut - 0.5
+    heard_again = Hypothesis(tokens=[5, 6], frames=[cut - 1 - offset, cut + 5 - offset], durations=[2, 2])
+    another = Hypothesis(tokens=[7, 6], frames=[cut - offset, cut + 5 - offset], durations=None)  # 7: middle cut + 0.5
+    for later, expected in ((heard_again, [4, 5, 6]), (another, [4, 5, 7, 6])):
+        first, second = (segments[0], earlier), (segments[1], later)
+        assert stitch([first, second], None, FRAME).tokens == expected
+        said_first, last = piece_words(first, 0, segments[0].cut_after, None, FRAME)
+        streamed, _ = piece_words(second, segments[1].cut_before, NO_CUT, None, FRAME, last)
+        assert said_first.tokens + streamed.tokens == expected
+
+
+def test_a_long_recording_cut_inside_a_word_says_it_as_often_as_uncut(parity_audio):
+    """The review's case, with the embedded model: the ten parity clips joined (28 s) and cut every 5 s, one cut
+    inside "both", which both pieces kept (three times in the transcript, twice uncut). The stitched transcript says
+    it as often as the uncut one."""
+    model = load_model("models/assets/default.nemo", device="cpu", dtype="float32")
+    clips = [read_audio(path) for path in sorted(parity_audio)]
+    rng = np.random.default_rng(0)
+    for _ in range(3):  # the third joining of the ten is the one cut inside "both"
+        order = rng.permutation(len(clips))
+        gaps = [np.zeros(int(rng.integers(0, 3000)), np.float32) for _ in order]
+        wave = np.concatenate([x for i, gap in zip(order, gaps, strict=True) for x in (clips[i], gap)])
+    whole = [w.word for w in model.transcribe([wave])[0].words]
+    cut = [w.word for w in model.transcribe([wave], max_segment_s=5.0)[0].words]
+    assert cut.count("both") == whole.count("both"), cut
 
 
 def test_audio_that_was_not_cut_keeps_every_token():
