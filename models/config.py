@@ -38,7 +38,6 @@ class FeatureConfig:
     window: str = "hann"  # the window's values come from the checkpoint; its name sizes the buffer
     log_guard: float = 2**-24  # added before the natural log ("add" guard type)
     mag_power: float = 2.0
-    pad_to: int = 0  # pad the frame axis to a multiple of this (0: no padding)
     pad_value: float = 0.0
 
 
@@ -195,7 +194,9 @@ def parse_features(pre: dict[str, Any], sample_rate: int) -> FeatureConfig:
     win_length = _samples(pre, "window_size", "n_window_size", 0.02, sr)
     hop_length = _samples(pre, "window_stride", "n_window_stride", 0.01, sr)
     n_fft = int(pre.get("n_fft") or 2 ** (win_length - 1).bit_length())
-    pad_to = pre.get("pad_to", 16) or 0
+    # checked, not used: NeMo's transcribe() pads no frames, whatever the config asks of training (16 where it says
+    # nothing). Extra frames are masked, but they moved batch shapes (bf16 rounding) and the position table's growth
+    pad_to = pre.get("pad_to", 0) or 0
     _check(isinstance(pad_to, int) and pad_to >= 0, "preprocessor.pad_to", pad_to, "an integer >= 0")
     return FeatureConfig(
         sample_rate=sr,
@@ -207,7 +208,6 @@ def parse_features(pre: dict[str, Any], sample_rate: int) -> FeatureConfig:
         window=window,
         log_guard=float(guard),
         mag_power=float(pre.get("mag_power", 2.0)),
-        pad_to=pad_to,
         pad_value=float(pre.get("pad_value", 0.0)),
     )
 

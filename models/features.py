@@ -92,9 +92,6 @@ class LogMelFeatures(nn.Module):
         feats = normalize_per_feature(logmel, n_frames)
         frame_valid = torch.arange(feats.shape[2], device=x.device)[None, :] < n_frames[:, None]
         feats = feats.masked_fill(~frame_valid[:, None, :], cfg.pad_value)
-        if cfg.pad_to > 0 and feats.shape[2] % cfg.pad_to:
-            pad = cfg.pad_to - feats.shape[2] % cfg.pad_to
-            feats = nn.functional.pad(feats, (0, pad), value=cfg.pad_value)
         return feats, n_frames
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from models.checkpoint import open_checkpoint
-from models.config import FeatureConfig
+from models.config import FeatureConfig, parse_features
 from models.features import LogMelFeatures, feature_lengths, slaney_mel_filterbank
 
 
@@ -44,3 +44,13 @@ def test_normalised_features_have_zero_mean_unit_std():
     valid = feats[0, :, : n.item()]
     assert valid.mean(dim=1).abs().max() < 1e-4
     assert (valid.std(dim=1) - 1).abs().max() < 1e-3
+
+
+@pytest.mark.parametrize("pad_to", [None, 0, 16])
+def test_no_frames_are_added_whatever_the_config_pads_to(pad_to):
+    """NeMo's transcribe() pads no frames, whatever the preprocessor's pad_to (a training setting; 16 where the
+    config says nothing, as it was taken here): 1 s of audio is its STFT's 101 frames, not 112."""
+    section = {"sample_rate": 16000, "features": 80} | ({} if pad_to is None else {"pad_to": pad_to})
+    featurizer = LogMelFeatures(parse_features(section, 16000))
+    feats, n = featurizer(torch.zeros(1, 16000), torch.tensor([16000]))
+    assert (feats.shape[-1], n.item()) == (101, 100)
