@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -222,7 +223,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if settings.frontends:
         from .processes import run_async, run_engine_process
 
-        return run_async(run_engine_process(settings, http=True, log_level=level))
+        return _unless_cannot_start(lambda: run_async(run_engine_process(settings, http=True, log_level=level)))
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_config=None, http=HTTP_PROTOCOL,
                 timeout_graceful_shutdown=int(settings.request_timeout_s))
     return 0
@@ -283,8 +284,21 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if settings.job_consumers:  # the consumers in processes of their own, the model in this one
         from .processes import run_async, run_engine_process
 
-        return run_async(run_engine_process(settings, http=False, metrics_port=args.metrics_port, log_level=level))
-    return asyncio.run(run_worker(settings, args.metrics_port))
+        return _unless_cannot_start(lambda: run_async(run_engine_process(
+            settings, http=False, metrics_port=args.metrics_port, log_level=level)))
+    return _unless_cannot_start(lambda: asyncio.run(run_worker(settings, args.metrics_port)))
+
+
+def _unless_cannot_start(run: Callable[[], int]) -> int:
+    """``run()``'s exit status, or 2 with one line where a port or the engine's socket stops it before the model
+    loads."""
+    from .processes import CannotStart
+
+    try:
+        return run()
+    except CannotStart as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
 
 def build_parser() -> argparse.ArgumentParser:

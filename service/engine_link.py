@@ -22,6 +22,8 @@ from models.tokenizer import Tokenizer
 
 from .batcher import WorkItem
 from .wire import (
+    MAX_PAYLOAD_BYTES,
+    SAMPLE_DTYPE,
     Cancel,
     EngineStatus,
     EngineUnavailable,
@@ -107,16 +109,20 @@ class EngineLink:
         return not self.ready and (self._lost or self.status.error) is not None
 
     def submit(self, items: list[WorkItem]) -> None:
-        """Send the pieces to the engine process. Its refusal (``QueueFull``) comes back on their futures."""
+        """Send the pieces to the engine process, in as many frames as their samples need (a frame holds 4 GiB: a
+        19-hour recording's pieces failed as an internal error). Its refusal (``QueueFull``) comes back on their
+        futures."""
         if self._lost is not None:
             raise EngineUnavailable(self._lost)
-        ids = tuple(next(self._ids) for _ in items)
-        for item_id, item in zip(ids, items, strict=True):
-            self._pending[item_id] = item.future
-            item.future.add_done_callback(lambda f, i=item_id: self._maybe_cancelled(i, f))
-        self._send(Submit(ids, tuple(item.n_samples for item in items), int(items[0].priority), items[0].timeout_s,
-                          items[0].hotwords, tuple(item.counted_samples or 0 for item in items), items[0].owner),
-                   [item.waveform for item in items])
+        for group in _frame_groups(items):
+            ids = tuple(next(self._ids) for _ in group)
+            first = group[0]
+            self._send(Submit(ids, tuple(item.n_samples for item in group), int(first.priority), first.timeout_s,
+                              first.hotwords, tuple(item.counted_samples or 0 for item in group), first.owner),
+                       [item.waveform for item in group])
+            for item_id, item in zip(ids, group, strict=True):  # once sent: a frame that failed leaves nothing
+                self._pending[item_id] = item.future
+                item.future.add_done_callback(lambda f, i=item_id: self._maybe_cancelled(i, f))
 
     def observe_request(self, route: str, code: int, duration_s: float) -> None:
         self._send(RequestObserved(route, code, duration_s))
@@ -231,3 +237,17 @@ class EngineLink:
                 answer.set_exception(EngineUnavailable(reason))
         if not stopping:
             self._on_lost()
+
+
+def _frame_groups(items: list[WorkItem]) -> list[list[WorkItem]]:
+    """``items`` in order, in groups whose samples fit one frame's payload."""
+    groups: list[list[WorkItem]] = [[]]
+    held = 0
+    for item in items:
+        size = item.waveform.size * np.dtype(SAMPLE_DTYPE).itemsize
+        if groups[-1] and held + size > MAX_PAYLOAD_BYTES:
+            groups.append([])
+            held = 0
+        groups[-1].append(item)
+        held += size
+    return groups

@@ -45,14 +45,23 @@ T = TypeVar("T")
 async def run_worker(settings: Settings, metrics_port: int | None) -> int:
     from models.asr_model import load_model
 
+    from .processes import check_port_free
     from .runtime import build_stack
 
+    if metrics_port:
+        check_port_free(metrics_port)  # before the model loads
     model = await asyncio.to_thread(load_model, settings.model, settings.device, settings.dtype,
                                     settings.attention_kernel)
     stack = build_stack(settings, model)
+    try:
+        return await _consume_jobs(settings, stack, metrics_port)
+    finally:  # whatever ends it, the engine drains and its thread stops
+        await stack.stop()
+
+
+async def _consume_jobs(settings: Settings, stack: Any, metrics_port: int | None) -> int:
     if not await asyncio.to_thread(stack.engine.wait_ready):
         log.error("engine failed: %s", stack.engine.error)
-        await stack.stop()
         return 1
     if metrics_port:
         from prometheus_client import start_http_server
@@ -66,7 +75,6 @@ async def run_worker(settings: Settings, metrics_port: int | None) -> int:
     stack.start_consumer()
     await stack.wait_consumer()  # returns after a stop signal, with the items in hand finished and acked
     loop_cpu.cancel()
-    await stack.stop()
     if stack.engine.failed:  # the consumer stopped taking items; a new process may find the device working
         log.error("worker stopped: the engine failed: %s", stack.engine.error)
         return 1

@@ -40,6 +40,12 @@ STOP_GRACE_S = 10.0  # beyond the request timeout (a front end's graceful shutdo
 # a front end whose engine process is gone: what it can still finish (an answer being written, an upload that is then
 # told 503) gets this long, not the request timeout that a stalled client would hold it for, orphaned
 ENGINE_LOST_GRACE_S = 5
+UNIX_PATH_MAX = 108  # a Unix socket's path, with its terminating NUL
+
+
+class CannotStart(Exception):
+    """What keeps the service from starting, found before the model loads (a port taken, no room for the engine's
+    socket): one line and exit status 2, not a traceback."""
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -47,7 +53,11 @@ def listening_socket(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise CannotStart(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
     sock.set_inheritable(True)
     return sock
 
@@ -176,18 +186,39 @@ async def run_engine_process(settings: Settings, http: bool = True, metrics_port
     SIGTERM or SIGINT."""
     from models.asr_model import load_model
 
-    from .engine_server import EngineServer
     from .runtime import build_stack
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    # first: a taken port fails before the model loads
+    # first, before the model loads: a taken port, or no room for the engine's socket's path, fails at once
     sock = listening_socket(settings.host, settings.port) if http else None
-    model = await asyncio.to_thread(load_model, settings.model, settings.device, settings.dtype,
-                                    settings.attention_kernel)
-    stack = build_stack(settings, model)
+    if metrics_port:
+        check_port_free(metrics_port)
+    # the engine's socket in a directory created 0700: only this user connects
+    with tempfile.TemporaryDirectory(prefix="batchasr-", dir=socket_dir()) as private:
+        engine_path = str(Path(private) / "engine.sock")
+        model = await asyncio.to_thread(load_model, settings.model, settings.device, settings.dtype,
+                                        settings.attention_kernel)
+        stack = build_stack(settings, model)
+        try:
+            await _serve_engine(settings, stack, sock, engine_path, metrics_port, stop, log_level)
+        finally:  # whatever ends it, the engine drains and its thread stops: a failure after the model had loaded
+            # aborted the process, the thread still running
+            if sock is not None:
+                sock.close()
+            await stack.stop()
+    log.info("stopped")
+    return 1 if stack.engine.failed else 0
+
+
+async def _serve_engine(settings: Settings, stack: Any, sock: socket.socket | None, engine_path: str,
+                        metrics_port: int | None, stop: asyncio.Event, log_level: int) -> None:
+    """The engine's server and the helper processes, until ``stop`` or the engine fails; then the helpers stop
+    (front ends finish their requests, consumers their items), and the engine's server closes."""
+    from .engine_server import EngineServer
+
     consumers = settings.job_consumers if stack.jobs is not None else 0
     if stack.jobs is not None and not consumers:
         stack.start_consumer()
@@ -197,33 +228,57 @@ async def run_engine_process(settings: Settings, http: bool = True, metrics_port
         start_http_server(metrics_port, registry=stack.metrics.registry)
     # scrapes on the metrics port's thread count no event loop's CPU: this one's is counted by a task of its own
     loop_cpu = asyncio.create_task(stack.metrics.count_event_loop_cpu()) if metrics_port else None
-    with tempfile.TemporaryDirectory(prefix="batchasr-") as private:  # created 0700: only this user connects
-        engine_path = str(Path(private) / "engine.sock")
-        server = EngineServer(stack, engine_path)
-        await server.start()
-        specs = [ProcessSpec(f"batchasr-frontend-{i}", run_frontend, (settings, sock, engine_path, log_level))
-                 for i in range(settings.frontends if sock is not None else 0)]
-        specs += [ProcessSpec(f"batchasr-consumer-{i}", run_job_consumer, (settings, engine_path, i, log_level))
-                  for i in range(consumers)]
-        pool = ProcessPool(specs, settings.request_timeout_s + STOP_GRACE_S)
-        pool.start()
-        log.info("engine process: %d front ends%s, %d job consumer processes", len(specs) - consumers,
-                 f" on http://{settings.host}:{settings.port}" if sock is not None else "", consumers)
-        watcher = asyncio.create_task(pool.watch())
-        stopped, failed = asyncio.create_task(stop.wait()), asyncio.create_task(stack.wait_engine_failed())
-        await asyncio.wait([stopped, failed], return_when=asyncio.FIRST_COMPLETED)
-        if failed.done():  # nothing here can serve again: exit, for the supervisor to start a fresh process
-            log.error("the engine failed (%s): stopping", stack.engine.error)
-        stopped.cancel()
-        failed.cancel()
-        log.info("stopping: front ends and consumers first, then the engine")
-        watcher.cancel()
-        if loop_cpu is not None:
-            loop_cpu.cancel()
-        if sock is not None:  # this copy first: else the port keeps listening, with no one to accept, until the
-            sock.close()      # front ends have finished, and new connections wait there to be reset
-        await pool.stop()
+    server = EngineServer(stack, engine_path)
+    await server.start()
+    specs = [ProcessSpec(f"batchasr-frontend-{i}", run_frontend, (settings, sock, engine_path, log_level))
+             for i in range(settings.frontends if sock is not None else 0)]
+    specs += [ProcessSpec(f"batchasr-consumer-{i}", run_job_consumer, (settings, engine_path, i, log_level))
+              for i in range(consumers)]
+    pool = ProcessPool(specs, settings.request_timeout_s + STOP_GRACE_S)
+    pool.start()
+    log.info("engine process: %d front ends%s, %d job consumer processes", len(specs) - consumers,
+             f" on http://{settings.host}:{settings.port}" if sock is not None else "", consumers)
+    watcher = asyncio.create_task(pool.watch())
+    stopped, failed = asyncio.create_task(stop.wait()), asyncio.create_task(stack.wait_engine_failed())
+    await asyncio.wait([stopped, failed], return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    failed.cancel()
+    watcher.cancel()
+    if loop_cpu is not None:
+        loop_cpu.cancel()
+    if sock is not None:  # this copy first: else the port keeps listening, with no one to accept, until the
+        sock.close()      # front ends have finished, and new connections wait there to be reset
+    if stack.engine.failed:  # nothing here can serve again: exit, for the supervisor to start a fresh process.
+        # The links close first: helpers take the engine-lost path (ENGINE_LOST_GRACE_S), not the request
+        # timeout a stalled client would hold them for
+        log.error("the engine failed (%s): stopping", stack.engine.error)
         await server.close()
-        await stack.stop()
-    log.info("stopped")
-    return 1 if stack.engine.failed else 0
+        await pool.stop()
+        return
+    log.info("stopping: front ends and consumers first, then the engine")
+    await pool.stop()
+    await server.close()
+
+
+def socket_dir() -> str | None:
+    """Where the engine's socket's directory goes: the temporary directory (None), or /tmp where that one's path is
+    too long for a Unix socket's (108 bytes, with the directory's and the socket's names): a long TMPDIR failed
+    `serve --frontends` after the model had loaded. ``CannotStart`` where neither has room."""
+    room = UNIX_PATH_MAX - len("/batchasr-12345678/engine.sock") - 1
+    if len(tempfile.gettempdir()) <= room:
+        return None
+    if os.path.isdir("/tmp") and os.access("/tmp", os.W_OK | os.X_OK):
+        return "/tmp"
+    raise CannotStart(f"the temporary directory's path ({tempfile.gettempdir()}) is too long for the engine's socket: "
+                  f"set TMPDIR to a directory of at most {room} characters")
+
+
+def check_port_free(port: int) -> None:
+    """``CannotStart`` now, before the model loads, where ``port`` is taken (the metrics port, served once the
+    metrics exist, which is after): a taken one ended a worker only after a minute of loading, with a traceback."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("", port))
+        except OSError as exc:
+            raise CannotStart(f"cannot serve metrics on port {port}: {exc.strerror or exc}") from exc

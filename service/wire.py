@@ -24,6 +24,7 @@ from models.config import ModelConfig
 from .batcher import BatcherClosed, ItemResult, QueueFull
 
 HEADER = struct.Struct("!II")  # message bytes, payload bytes
+MAX_PAYLOAD_BYTES = 2**32 - 1  # what the header's field holds: 18.6 hours of 16 kHz float32 samples
 SAMPLE_DTYPE = np.float32
 
 
@@ -144,6 +145,8 @@ def send_frame(transport: asyncio.WriteTransport, message: object, payload: list
     bytes, one after another, without a copy into the frame."""
     body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
     arrays = [np.ascontiguousarray(a, dtype=SAMPLE_DTYPE) for a in payload or ()]
+    if sum(a.nbytes for a in arrays) > MAX_PAYLOAD_BYTES:
+        raise ValueError(f"a frame's payload is at most {MAX_PAYLOAD_BYTES} bytes")
     transport.write(HEADER.pack(len(body), sum(a.nbytes for a in arrays)) + body)
     for array in arrays:
         if array.nbytes:

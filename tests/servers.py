@@ -213,14 +213,15 @@ class ServerProcess:
 
 
 @contextmanager
-def serve_process(model: Path, frontends: int = 2, ready_timeout: float = 120,
-                  **settings: object) -> Iterator[ServerProcess]:
-    """``batchasr serve --frontends N`` on a free port; ``settings`` as BATCHASR_* variables."""
+def serve_process(model: Path, frontends: int = 2, ready_timeout: float = 120, env: dict[str, str] | None = None,
+                  cli: tuple[str, ...] = ("-m", "service.cli"), **settings: object) -> Iterator[ServerProcess]:
+    """``batchasr serve --frontends N`` on a free port; ``settings`` as BATCHASR_* variables, with ``env``; ``cli``:
+    what python runs the command line with."""
     port = free_port()
-    env = {**os.environ, **{f"BATCHASR_{k.upper()}": str(v) for k, v in settings.items()}}
+    env = {**os.environ, **(env or {}), **{f"BATCHASR_{k.upper()}": str(v) for k, v in settings.items()}}
     # the log goes to a file, not a pipe: nobody reads it while the server runs
     with tempfile.TemporaryFile("w+") as log:
-        process = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--model", str(model), "--device",
+        process = subprocess.Popen([sys.executable, *cli, "serve", "--model", str(model), "--device",
                                     "cpu", "--dtype", "float32", "--port", str(port), "--frontends", str(frontends)],
                                    env=env, stdout=subprocess.DEVNULL, stderr=log)
         running = ServerProcess(process, f"http://127.0.0.1:{port}", log)

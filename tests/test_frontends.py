@@ -247,6 +247,58 @@ def test_a_stalled_client_does_not_keep_a_front_end_alive_after_the_engines_proc
             assert _eventually(lambda: not _alive(front_end), timeout=ENGINE_LOST_GRACE_S + 10)
 
 
+# the command line, its engine failing at its first batch (as a broken GPU makes it fail)
+FAILING_ENGINE = ("-c", "import sys; from service.engine import Engine; from service.cli import main\n"
+                        "def broken(self, staged): raise RuntimeError('a fault in the loop')\n"
+                        "Engine.process = broken; sys.exit(main(sys.argv[1:]))")
+
+
+def test_a_failed_engine_exits_without_waiting_for_a_stalled_client(parity_dir, parity_audio):
+    """The engine failed, and the process stopped its front ends as at a SIGTERM: one stalled upload held it for
+    the request timeout (52 s of 60) before a supervisor could start a fresh one. The links close first now, and
+    the front ends finish what they can within ENGINE_LOST_GRACE_S."""
+    from service.processes import ENGINE_LOST_GRACE_S
+
+    with (serve_process(parity_dir / MODEL, frontends=1, cli=FAILING_ENGINE, request_timeout_s=60) as running,
+          socket.create_connection(("127.0.0.1", int(running.url.rsplit(":", 1)[1]))) as client):
+        client.sendall(b"POST /v1/transcribe HTTP/1.1\r\nhost: x\r\ncontent-type: audio/wav\r\n"
+                       b"content-length: 100000\r\n\r\n" + bytes(1000))  # and no more
+        time.sleep(0.5)
+        started = time.monotonic()
+        assert _transcribe(running.url, Path(parity_audio[0]).read_bytes()).status_code in (500, 503)
+        assert running.process.wait(ENGINE_LOST_GRACE_S + 20) == 1
+        assert time.monotonic() - started < ENGINE_LOST_GRACE_S + 15
+
+
+def test_a_temporary_directory_too_long_for_a_socket_path_is_not_the_engines_end(parity_dir, parity_audio,
+                                                                                   tmp_path):
+    """The engine's socket lies in the temporary directory, and a Unix socket's path has 108 bytes: a TMPDIR of 102
+    characters ended `serve --frontends` with "AF_UNIX path too long" (and an abort) once the model had loaded."""
+    long_dir = tmp_path / ("d" * max(1, 102 - len(str(tmp_path)) - 1))
+    long_dir.mkdir()
+    assert len(str(long_dir)) >= 100
+    with serve_process(parity_dir / MODEL, frontends=1, env={"TMPDIR": str(long_dir)}) as running:
+        assert _transcribe(running.url, Path(parity_audio[0]).read_bytes()).status_code == 200
+
+
+@pytest.mark.parametrize("command", ["serve --frontends 1", "worker", "worker, consumer processes"])
+def test_a_port_taken_is_one_line_before_the_model_loads(parity_dir, command):
+    """A worker's metrics port was bound once the model had loaded, and a taken one ended it with a traceback (and
+    with consumer processes, an abort); `serve --frontends` on a taken port printed a traceback too."""
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        args = (["serve", "--frontends", "1", "--port", port] if command.startswith("serve") else
+                ["worker", "--redis-url", "redis://127.0.0.1:1", "--metrics-port", port])
+        env = {**os.environ, "BATCHASR_JOB_CONSUMERS": "1" if "consumer" in command else "0"}
+        done = subprocess.run([sys.executable, "-m", "service.cli", *args, "--model", str(parity_dir / MODEL)],
+                              env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().startswith("error: cannot ") and port in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and "loaded" not in done.stderr.lower()
+
+
 def test_an_engine_process_that_stops_answering_is_not_called_ready(parity_dir, parity_audio):
     """SIGSTOP the engine's process (as a hang would leave it): the front ends said ready for as long, took new
     requests for it, and /metrics failed as an internal error (500) after its scrape timed out."""
@@ -343,6 +395,41 @@ def test_a_link_learns_when_the_engine_is_ready_and_when_it_goes_away(parity_dir
         link.close()
 
     asyncio.run(scenario())
+
+
+def test_a_recording_whose_samples_pass_a_frames_limit_goes_in_several(parity_dir, parity_audio, tmp_path,
+                                                                        monkeypatch):
+    """A frame's header holds its payload's size in 32 bits: a 19-hour recording's pieces failed as an internal
+    error. They go in as many frames as they need now (here with a limit of 3 s of samples a frame)."""
+    from service import engine_link
+
+    monkeypatch.setattr(engine_link, "MAX_PAYLOAD_BYTES", 16000 * 4 * 3)
+    model = load_model(parity_dir / MODEL, device="cpu", dtype="float32")
+    waveform = np.concatenate([read_audio(path, model.sample_rate) for path in parity_audio])  # 28 s
+    expected = model.transcribe([waveform], max_segment_s=5.0)[0]
+    frames = []
+
+    async def scenario() -> list[int]:
+        stack = build_stack(Settings(max_wait_ms=5), model)
+        server = EngineServer(stack, str(tmp_path / "engine.sock"))
+        await server.start()
+        link = await EngineLink.connect(server.path, lambda: None)
+        send = link._send
+        link._send = lambda message, payload=None: (frames.append(len(payload or ())), send(message, payload))[1]
+        try:
+            for _ in range(200):
+                if link.ready:
+                    break
+                await asyncio.sleep(0.05)
+            result = await Transcriber(link, link.config, link.tokenizer, 5.0, 2.0, 60.0).transcribe(waveform)
+            return result.transcript.tokens
+        finally:
+            await server.close()
+            await stack.stop()
+            link.close()
+
+    assert asyncio.run(scenario()) == expected.tokens
+    assert len([n for n in frames if n]) > 5 and max(frames) == 1  # a piece (up to 5 s) a frame
 
 
 # --- the wire --------------------------------------------------------------------------------------------------
