@@ -152,6 +152,9 @@ class EngineLink:
     def count_webhook(self, outcome: str) -> None:
         self._send(MetricCall("count_webhook", (outcome,)))
 
+    def observe_webhooks_waiting(self, waiting: int) -> None:
+        self._send(MetricCall("observe_webhooks_waiting", (waiting,)))
+
     async def scrape(self) -> bytes:
         """The engine process's metrics, this front end's event-loop CPU reported first."""
         if self._lost is not None:

@@ -152,7 +152,7 @@ return 1
 """
 
 # KEYS: retries (sorted set), webhook stream. ARGV: now (ms), at most how many. The retries due, back on the stream
-# (job, end, attempt) for any worker; returns how many.
+# (job, end, attempt) for any worker; returns how many, and how many wait still.
 PROMOTE_WEBHOOKS = _ALLOW_OOM + """
 local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[2]))
 for _, record in ipairs(due) do
@@ -160,7 +160,7 @@ for _, record in ipairs(due) do
   redis.call('XADD', KEYS[2], '*', 'job', retry.job, 'end', retry['end'], 'attempt', retry.attempt)
   redis.call('ZREM', KEYS[1], record)
 end
-return #due
+return {#due, redis.call('ZCARD', KEYS[1])}
 """
 
 # KEYS: job, errors. ARGV: index, error. An item's last error, kept while the job is, and as long.

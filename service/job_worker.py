@@ -82,6 +82,8 @@ class JobMetrics(Protocol):
 
     def count_webhook(self, outcome: str) -> None: ...
 
+    def observe_webhooks_waiting(self, waiting: int) -> None: ...
+
 
 @dataclass(frozen=True)
 class ConsumerOptions:

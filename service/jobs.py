@@ -595,10 +595,12 @@ class JobStore(ItemStreams):
         await self._defer_webhook(keys=[JOB_KEY.format(job_id=job_id), WEBHOOK_STREAM, WEBHOOK_RETRIES_KEY],
                                   args=[GROUP, message_id, end, attempt, due_ms, retry, error])
 
-    async def promote_webhooks(self, limit: int = 100) -> int:
-        """Retries now due back on the webhook stream (PROMOTE_WEBHOOKS); returns how many."""
-        return int(await self._promote_webhooks(keys=[WEBHOOK_RETRIES_KEY, WEBHOOK_STREAM],
-                                                args=[int(time.time() * 1000), limit]))
+    async def promote_webhooks(self, limit: int = 100) -> tuple[int, int]:
+        """Retries now due back on the webhook stream (PROMOTE_WEBHOOKS); returns how many, and how many wait
+        still."""
+        moved, waiting = await self._promote_webhooks(keys=[WEBHOOK_RETRIES_KEY, WEBHOOK_STREAM],
+                                                      args=[int(time.time() * 1000), limit])
+        return int(moved), int(waiting)
 
     async def scheduled_webhooks(self) -> int:
         """Deliveries waiting to be tried again."""

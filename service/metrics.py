@@ -21,7 +21,7 @@ RTFX_WINDOW_S = 60.0
 # what a front-end or consumer process may have the engine's process count for it (service.engine_link), by name
 FORWARDED_METRIC_CALLS = ("observe_job_backlog", "observe_job_store_risks", "count_job_items_reclaimed",
                           "count_job_item_dead_lettered", "count_job_item", "count_job", "count_webhook",
-                          "observe_intake_wait")
+                          "observe_webhooks_waiting", "observe_intake_wait")
 INTAKE_WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 UNSURE_BELOW = 0.5  # a token less likely than this is counted unsure
@@ -85,8 +85,11 @@ class Metrics:
         self.job_items_dead_lettered = Counter("batchasr_job_items_dead_lettered",
                                                "Job items failed for good and moved to the dead-letter stream",
                                                registry=r)
-        self.webhooks = Counter("batchasr_webhooks", "Job-completion webhook deliveries by outcome (delivered, "
-                                "failed, handed_back by a stopping worker)", ["outcome"], registry=r)
+        self.webhooks = Counter("batchasr_webhooks", "Job-completion webhook attempts by outcome (delivered, "
+                                "failed for good, retried later, handed_back by a stopping worker, dropped: no "
+                                "longer owed)", ["outcome"], registry=r)
+        self.webhooks_waiting = Gauge("batchasr_webhooks_waiting", "Webhook deliveries waiting to be tried again",
+                                      registry=r)
         self.intake_wait_seconds = Histogram(
             "batchasr_intake_wait_seconds", "Time uploads waited for room in their process's intake budget "
             "(MAX_INTAKE_BYTES) before being read", buckets=INTAKE_WAIT_BUCKETS, registry=r)
@@ -212,6 +215,9 @@ class Metrics:
 
     def count_webhook(self, outcome: str) -> None:
         self.webhooks.labels(outcome).inc()
+
+    def observe_webhooks_waiting(self, waiting: int) -> None:
+        self.webhooks_waiting.set(waiting)
 
     def observe_intake_wait(self, seconds: float) -> None:
         self.intake_wait_seconds.observe(seconds)

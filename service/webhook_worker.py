@@ -41,6 +41,8 @@ NO_SECRET = "the worker that took the delivery cannot sign webhooks (it has no B
 class WebhookMetrics(Protocol):
     def count_webhook(self, outcome: str) -> None: ...
 
+    def observe_webhooks_waiting(self, waiting: int) -> None: ...
+
 
 class WebhookWorker:
     """One consumer's share of the webhook stream. ``sender`` None: deliveries are recorded as failed, with why."""
@@ -92,7 +94,8 @@ class WebhookWorker:
             await asyncio.wait(self._deliveries, timeout=block_ms / 1000, return_when=asyncio.FIRST_COMPLETED)
             return 0
         if self._promote.due(PROMOTE_INTERVAL_S):
-            await self.store.promote_webhooks()
+            _, waiting = await self.store.promote_webhooks()
+            self.metrics.observe_webhooks_waiting(waiting)
         entries: list[tuple[bytes, dict]] = []
         if self._reclaim.due(self.reclaim_interval_s):
             entries += await self._reclaim_stalled(room)

@@ -601,6 +601,7 @@ def test_a_failing_receiver_does_not_hold_up_other_webhooks(redis_server, receiv
         await worker.close()
         jobs = await store.get(failing), await store.get(fine)
         scheduled = await store.scheduled_webhooks()
+        assert await store.promote_webhooks() == (0, 1)  # none due: a minute away (batchasr_webhooks_waiting 1)
         await store.close()
         return *jobs, scheduled
 
@@ -636,6 +637,7 @@ def test_a_receiver_down_past_the_first_waits_gets_its_webhook_after_its_retry_a
     assert all(later - earlier >= 0.95 for earlier, later in itertools.pairwise(hook.times)), hook.times
     assert len({headers["webhook-id"] for headers, _ in hook.received}) == 1
     assert (_count(metrics, "retried"), _count(metrics, "delivered")) == (3, 1)
+    assert metrics.registry.get_sample_value("batchasr_webhooks_waiting") == 0  # as the last look found it
 
 
 def test_a_webhook_fails_for_good_once_its_waits_run_out(redis_server, receiver):
