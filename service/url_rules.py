@@ -66,6 +66,8 @@ def check_under_prefixes(url: str, prefixes: list[str], kind: str) -> None:
     """Refuse (UrlRefused) a URL that is not http(s) or not under one of ``prefixes`` (the server's ``kind``
     prefixes, as the message says)."""
     scheme, host, port, path = url_parts(url)
+    if "\\" in path:  # raw or %5C: servers that take it for / (IIS, some frameworks) resolve ..\ out of the prefix
+        raise UrlRefused(f"{url}: a backslash in its path; refused (a server may read it as /)")
     for prefix in prefixes:
         p_scheme, p_host, p_port, p_path = _prefix_parts(prefix)
         directory = p_path if p_path.endswith("/") else p_path + "/"

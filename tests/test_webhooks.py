@@ -167,6 +167,11 @@ def test_with_prefixes_webhooks_go_under_them_only():
                 "https://hooks.example.com.evil.test/", "http://hooks.example.com/", "https://8.8.8.8/"):
         with pytest.raises(UrlRefused, match="webhook URL prefixes"):
             check_webhook_url(url, prefixes)
+    # a server that reads \ as / (IIS) resolves ..\ out of the prefix: refused, raw or percent-encoded
+    for url in ("http://127.0.0.1:9000/hooks/..%5cadmin", "http://127.0.0.1:9000/hooks/..%5Cadmin",
+                "http://127.0.0.1:9000/hooks/a\\b"):
+        with pytest.raises(UrlRefused, match="backslash"):
+            check_webhook_url(url, prefixes)
 
 
 def test_webhook_urls_the_workers_would_not_post_to_are_refused_when_submitted(redis_server, model, parity_audio,
