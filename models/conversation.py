@@ -102,12 +102,14 @@ def assemble(hypotheses: dict[int, Hypothesis], channels: Sequence[np.ndarray], 
                          for c, samples in enumerate(channels)], duplicates)
 
 
-def parse_names(text: str) -> list[str]:
-    """Speaker names in channel order from ``agent,customer``; ValueError for an empty one or one with other
+def parse_names(text: str | list[str]) -> list[str]:
+    """Speaker names in channel order from ``agent,customer`` (or a list of them, each checked whole: joined and
+    split again, ``["Smith, John", "agent"]`` named channel 1 "John"); ValueError for an empty one or one with other
     characters than letters, digits, spaces and ``.'-_`` (names go into subtitles and WebVTT voice tags)."""
-    names = [name.strip() for name in text.split(",")]
+    given = text.split(",") if isinstance(text, str) else text
+    names = [name.strip() if isinstance(name, str) else name for name in given]
     for name in names:
-        if not SPEAKER_NAME.fullmatch(name):
+        if not isinstance(name, str) or not SPEAKER_NAME.fullmatch(name):
             raise ValueError(f"{name!r} is not a speaker name: 1 to 40 letters, digits, spaces or .'-_, one a channel "
                              "in order, comma-separated")
     return names

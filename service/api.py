@@ -174,6 +174,10 @@ async def openai_transcriptions(
         raise ApiError(400, f"stream=true needs response_format {' or '.join(STREAM_FORMATS)}", param="stream",
                        code="invalid_parameter")
     form = await request.form()
+    for native in ("multichannel", "channel_names"):  # taken by the native route only: not ignored here
+        if (form.get(native) or request.query_params.get(native)) not in (None, "", "false", "0"):
+            raise ApiError(400, f"`{native}` is taken by POST /v1/transcribe (a conversation's channels transcribed "
+                           "apart); this route mixes the channels down", param=native, code="invalid_parameter")
     granularities = _form_list(form, "timestamp_granularities")
     if bad := [g for g in granularities if g not in GRANULARITIES]:
         raise ApiError(400, f"timestamp_granularities[] must be word or segment, not {bad[0]!r}",

@@ -7,6 +7,7 @@ a subtitle cue per piece of an utterance, the speaker in front (WebVTT's voice t
 from __future__ import annotations
 
 import dataclasses
+import html
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from models.conversation import Conversation, Utterance
 from models.transcript import Transcript, Word
 
 MAX_CUE_S = 6.0  # a subtitle cue spans at most this long
+MIN_CUE_S = 0.001  # and at least this: WebVTT wants a cue to end after it starts, and players drop one that does not
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,9 @@ class _Fill:
 
 def _cue(words: list[Word], layout: SubtitleLayout, lead: int) -> Cue:
     texts = [w.word for w in words]
-    return Cue(words[0].start_s, words[-1].end_s, " ".join(texts), lines=_balanced(texts, layout.max_line_width, lead))
+    # a word may take no time (a TDT token of duration 0 before the next word's, on one frame)
+    end_s = max(words[-1].end_s, words[0].start_s + MIN_CUE_S)
+    return Cue(words[0].start_s, end_s, " ".join(texts), lines=_balanced(texts, layout.max_line_width, lead))
 
 
 def _lines(words: list[str], width: int, lead: int) -> list[list[str]]:
@@ -99,9 +103,11 @@ def _lines(words: list[str], width: int, lead: int) -> list[list[str]]:
 def _balanced(words: list[str], width: int, lead: int) -> tuple[str, ...]:
     """``words`` in as few lines of ``width`` as they fill, with the longest line as short as can be: a two-line
     cue reads as two lines of like length, not a full line and a word. (The narrowest width that needs no more
-    lines, found by bisection, then filled line by line.)"""
+    lines, found by bisection, then filled line by line.) No line passes ``width`` but one that a word (or the lead
+    and the first word) alone passes it with: the search began at the longest word, so the short words around one
+    too long were packed to its length."""
     n_lines = len(_lines(words, width, lead))
-    narrow, wide = max(lead + len(words[0]), *map(len, words)), max(width, lead + len(" ".join(words)))
+    narrow, wide = 1, width  # line counts only fall as the width grows: the narrowest with n_lines lies in here
     while narrow < wide:
         middle = (narrow + wide) // 2
         if len(_lines(words, middle, lead)) <= n_lines:
@@ -137,8 +143,8 @@ def _srt_label(speaker: str) -> str:
 
 
 def to_srt(transcript: Transcript | Conversation, layout: SubtitleLayout = SubtitleLayout()) -> str:
-    def text(c: Cue) -> str:
-        shown = "\n".join(c.lines)
+    def text(c: Cue) -> str:  # an arrow in the text would read as a timing line
+        shown = "\n".join(line.replace("-->", "->") for line in c.lines)
         return shown if c.speaker is None else _srt_label(c.speaker) + shown
 
     blocks = [f"{i}\n{_timestamp(c.start_s, ',')} --> {_timestamp(c.end_s, ',')}\n{text(c)}\n"
@@ -148,7 +154,7 @@ def to_srt(transcript: Transcript | Conversation, layout: SubtitleLayout = Subti
 
 def to_vtt(transcript: Transcript | Conversation, layout: SubtitleLayout = SubtitleLayout()) -> str:
     def text(c: Cue) -> str:  # a voice tag is not shown: it takes no room on the line
-        shown = "\n".join(c.lines)
+        shown = "\n".join(html.escape(line, quote=False) for line in c.lines)  # & < > are markup in a cue's text
         return shown if c.speaker is None else f"<v {c.speaker}>{shown}"
 
     blocks = [f"{_timestamp(c.start_s, '.')} --> {_timestamp(c.end_s, '.')}\n{text(c)}\n"

@@ -335,7 +335,7 @@ def speaker_names(value: object, multichannel: bool, param: str = "channel_names
         raise ApiError(400, f"`{param}` names the channels of a multichannel request: add multichannel=true",
                        param=param, code="invalid_parameter")
     try:
-        return parse_names(value if isinstance(value, str) else ",".join(value))
+        return parse_names(value if isinstance(value, str) else list(value))
     except (ValueError, TypeError) as exc:
         raise ApiError(400, f"`{param}`: {exc}", param=param, code="invalid_parameter") from exc
 

@@ -440,3 +440,28 @@ def test_a_call_whose_channels_together_outnumber_the_queue_is_413_not_429_for_e
                               headers={"content-type": "audio/flac"}, timeout=60)
     assert response.status_code == 413, response.text
     assert f"makes {sum(n_pieces)} pieces" in response.json()["error"]["message"]
+
+
+def test_names_given_as_a_list_are_each_a_name():
+    """A JSON job's channel_names were joined with commas and split again: ["Smith, John", "agent"] named channel 1
+    "John", with no error. Each is a name whole now, and a comma in one refused."""
+    from service.http import ApiError, speaker_names
+
+    assert speaker_names(["Smith John", " agent "], multichannel=True) == ["Smith John", "agent"]
+    assert speaker_names("agent, customer", multichannel=True) == ["agent", "customer"]
+    for names in (["Smith, John", "agent"], ["agent", 7], ["agent", ""]):
+        with pytest.raises(ApiError, match="not a speaker name"):
+            speaker_names(names, multichannel=True)
+
+
+@pytest.mark.parametrize("field", [{"multichannel": "true"}, {"channel_names": "agent,customer"}])
+def test_the_openai_route_refuses_what_only_the_native_route_takes(server, field):
+    """multichannel=true there was not read: a call came back mixed down, as one transcript, without a word."""
+    files = {"file": ("call.flac", _flac(_call()), "audio/flac")}
+    refused = httpx.post(f"{server.url}/v1/audio/transcriptions", files=files, data=field, timeout=60)
+    error = refused.json()["error"]
+    assert refused.status_code == 400 and (error["param"], error["code"]) == (next(iter(field)), "invalid_parameter")
+    assert "/v1/transcribe" in error["message"]
+    plain = httpx.post(f"{server.url}/v1/audio/transcriptions", files=files, data={"multichannel": "false"},
+                       timeout=60)
+    assert plain.status_code == 200, plain.text

@@ -122,3 +122,28 @@ def test_srt_and_vtt_parse_back(hybrid, parity_audio):
     times = [m.groups() for m in re.finditer(stamp, vtt)]
     seconds = [int(h) * 3600 + int(m) * 60 + int(s) + int(ms) / 1000 for h, m, s, ms in times]
     assert seconds == sorted(seconds) and seconds[-1] <= t.duration_s + 1e-3
+
+
+def test_short_words_beside_one_too_long_keep_to_the_width():
+    """The search for like lines began at the longest word's length: beside a word longer than a line, the short
+    words were packed to its length ("please pay the", 14 characters in lines of 12)."""
+    words = ["please", "pay", "the", "bill", "for", "telecommunications"]
+    (cue,) = cues(_words(words), SubtitleLayout(max_line_width=12, max_line_count=3))
+    assert cue.lines == ("please pay", "the bill for", "telecommunications")
+    label = len("[a speaker of thirty characters] ")  # the label and the first word pass the width alone
+    for c in cues(_words(SENTENCE), SubtitleLayout(max_line_width=42), lead=label):
+        assert all(len(line) <= 42 for line in c.lines[1:])
+
+
+def test_cue_text_cannot_break_the_format_and_a_cue_takes_time():
+    """Words went into cues as they were: <, & and --> broke WebVTT, and --> an SRT reader. A word that takes no
+    time (a TDT token of duration 0) made a cue that ends as it starts, which WebVTT players drop."""
+    words = [Word("a<b>", 0.8, 0.8), Word("&", 0.8, 0.9), Word("x-->y", 0.9, 1.0)]
+    transcript = Transcript(text="a<b> & x-->y", tokens=[], token_frames=[], duration_s=2.0, words=words)
+    vtt = to_vtt(transcript)
+    assert "a&lt;b&gt; &amp; x--&gt;y" in vtt and vtt.count("-->") == 1
+    assert "x->y" in to_srt(transcript) and to_srt(transcript).count("-->") == 1
+    (alone,) = cues([Word("okay", 0.8, 0.8)])
+    assert (alone.start_s, alone.end_s) == (0.8, 0.801)
+    assert "00:00:00.800 --> 00:00:00.801" in to_vtt(Transcript(text="okay", tokens=[], token_frames=[],
+                                                                duration_s=2.0, words=[Word("okay", 0.8, 0.8)]))
