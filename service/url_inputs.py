@@ -63,10 +63,10 @@ class UrlFetcher:
         self.timeout_s = timeout_s
         self.min_bytes_per_s = min_bytes_per_s
         self.retry_delays_s = RETRY_DELAYS_S if retry_delays_s is None else retry_delays_s
-        # the whole fetch's limit grows with the body (a long file takes long; ``_read``): here only connecting
-        # and each read are limited; a fetch waits as long as it takes for one of the pool's connections: the
-        # items in flight bound how many wait
-        self._timeout = aiohttp.ClientTimeout(total=None, connect=timeout_s, sock_read=timeout_s)
+        # connecting and each read are limited here; the whole attempt's limit grows with the body (``_get``). Not
+        # aiohttp's connect: it counts the wait for one of the pool's connections, and fetches that waited behind
+        # long downloads failed as connection timeouts against a healthy host
+        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout_s, sock_read=timeout_s)
         self._session: aiohttp.ClientSession | None = None  # made on the event loop, at the first fetch
 
     async def fetch(self, url: str) -> BinaryIO:
@@ -85,18 +85,31 @@ class UrlFetcher:
 
     async def _get(self, url: str) -> BinaryIO:
         if self._session is None:
+            # no cookies kept: one job's fetch set a cookie that the next fetch from that host sent, another key's
             self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=CONNECTIONS),
-                                                  timeout=self._timeout)
+                                                  timeout=self._timeout, cookie_jar=aiohttp.DummyCookieJar())
+        began = asyncio.get_running_loop().time()
+        try:
+            # the attempt's deadline, held by a timer, head and redirects included: a server that drips its
+            # headers (or a chunked body's framing) a byte inside each read's timeout was never stopped. It
+            # moves with the body's bytes (``_read``)
+            async with asyncio.timeout_at(began + self.timeout_s) as deadline:
+                return await self._follow(url, deadline, began)
+        except TimeoutError as exc:
+            raise _MayPass(f"TimeoutError: the answer came slower than {self.min_bytes_per_s / 1024:g} KiB/s "
+                           f"after {self.timeout_s:g} s") from exc
+
+    async def _follow(self, url: str, deadline: asyncio.Timeout, began: float) -> BinaryIO:
         for _ in range(MAX_REDIRECTS + 1):
             try:
                 # redirects are followed here, each one checked against the prefixes
                 async with self._session.get(url, allow_redirects=False) as response:
                     if response.status in REDIRECT_STATUS and "Location" in response.headers:
-                        url = str(response.url.join(URL(response.headers["Location"])))
+                        url = _redirected(url, response)
                         check_input_url(url, self.prefixes)
                         continue
                     self._check_status(url, response)
-                    return await self._read(url, response)
+                    return await self._read(url, response, deadline, began)
             except (aiohttp.ClientError, TimeoutError) as exc:  # refused, reset, timed out, DNS
                 raise _MayPass(f"{type(exc).__name__}: {exc or 'no detail'}") from exc
         raise JobInputError(f"{url}: more than {MAX_REDIRECTS} redirects")
@@ -109,21 +122,19 @@ class UrlFetcher:
         if status != 200:
             raise JobInputError(f"{url}: HTTP {status} {response.reason}")
 
-    async def _read(self, url: str, response: aiohttp.ClientResponse) -> BinaryIO:
+    async def _read(self, url: str, response: aiohttp.ClientResponse, deadline: asyncio.Timeout, began: float
+                    ) -> BinaryIO:
         declared = response.content_length
         if declared is not None and declared > self.max_bytes:
             raise JobInputError(f"{url}: {declared} bytes exceeds the upload limit of {self.max_bytes} bytes")
-        loop = asyncio.get_running_loop()
-        began = loop.time()
         body, size = spooled_file(), 0  # the caller's to close
         try:
             async for chunk in response.content.iter_any():  # what has come, as it comes
                 size += len(chunk)
                 if size > self.max_bytes:
                     raise JobInputError(f"{url}: more than the upload limit of {self.max_bytes} bytes")
-                # a drip is caught early, whatever the body's length: the time so far against what its bytes allow
-                if loop.time() - began > self.timeout_s + size / self.min_bytes_per_s:
-                    raise TimeoutError(f"the body came slower than {self.min_bytes_per_s / 1024:g} KiB/s")
+                # a long file takes long: the time its bytes allow, at the slowest rate taken
+                deadline.reschedule(began + self.timeout_s + size / self.min_bytes_per_s)
                 write_body(body, chunk, url)
             body.seek(0)
             return body
@@ -136,3 +147,11 @@ class UrlFetcher:
             await self._session.close()
 
 
+
+
+def _redirected(url: str, response: aiohttp.ClientResponse) -> str:
+    """Where a redirect points; JobInputError, naming the URL, for a Location that is not a URL."""
+    try:
+        return str(response.url.join(URL(response.headers["Location"])))
+    except ValueError as exc:
+        raise JobInputError(f"{url}: redirected to {response.headers['Location']!r}, not a URL ({exc})") from exc

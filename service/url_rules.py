@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import ipaddress
 import posixpath
+import re
 import socket
 from typing import Any
 
@@ -66,14 +67,28 @@ def check_under_prefixes(url: str, prefixes: list[str], kind: str) -> None:
     """Refuse (UrlRefused) a URL that is not http(s) or not under one of ``prefixes`` (the server's ``kind``
     prefixes, as the message says)."""
     scheme, host, port, path = url_parts(url)
-    if "\\" in path:  # raw or %5C: servers that take it for / (IIS, some frameworks) resolve ..\ out of the prefix
-        raise UrlRefused(f"{url}: a backslash in its path; refused (a server may read it as /)")
+    if problem := _escaping_segment(path):
+        raise UrlRefused(f"{url}: {problem}; refused (a server may resolve it out of the prefix)")
     for prefix in prefixes:
         p_scheme, p_host, p_port, p_path = _prefix_parts(prefix)
         directory = p_path if p_path.endswith("/") else p_path + "/"
         if (scheme, host, port) == (p_scheme, p_host, p_port) and (path == p_path or path.startswith(directory)):
             return
     raise UrlRefused(f"{url}: not under the server's {kind} prefixes; refused")
+
+
+def _escaping_segment(path: str) -> str | None:
+    """What in a path (decoded once, dot segments resolved) a server could still resolve as a step up: a backslash,
+    raw or %5C (IIS reads it as /), a dot segment with parameters (``..;``: Tomcat, Jetty and Spring drop a
+    segment's ``;`` part first) or a percent-encoding left after one decoding (``%252e%252e``, decoded twice)."""
+    if "\\" in path:
+        return "a backslash in its path"
+    for segment in path.split("/"):
+        if segment.split(";", 1)[0] in (".", ".."):
+            return f"a dot segment with parameters ({segment!r})"
+        if re.search(r"%(2e|2f|5c)", segment, re.IGNORECASE):
+            return f"a percent-encoding encoded twice ({segment!r})"
+    return None
 
 
 NAT64 = ipaddress.ip_network("64:ff9b::/96")  # IPv4 addresses reached through a NAT64 gateway (RFC 6052)

@@ -13,6 +13,7 @@ import time
 import tracemalloc
 from http.server import BaseHTTPRequestHandler, SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import ClassVar
 
 import httpx
 import numpy as np
@@ -107,8 +108,10 @@ def test_which_urls_a_server_takes():
     prefixes = ["https://bucket.example.com/audio/", "http://127.0.0.1:8900/clips"]
     taken = ["https://bucket.example.com/audio/a.wav", "https://BUCKET.example.com:443/audio/x/y.flac?sig=1",
              "http://127.0.0.1:8900/clips/a.wav", "http://127.0.0.1:8900/clips",
-             "https://bucket.example.com/audio/%252e%252e/x"]  # the server reads a directory named "%2e%2e"
+             "https://bucket.example.com/audio/50%2525%20off.wav"]  # a key "50%25 off.wav": one encoding left
     refused = ["https://bucket.example.com/audio/../secret", "https://bucket.example.com/audio/%2e%2e/secret",
+               # a server that decodes twice, or drops a segment's ;parameters (Tomcat, Jetty), steps out
+               "https://bucket.example.com/audio/%252e%252e/x", "https://bucket.example.com/audio/..;/secret",
                "https://bucket.example.com.evil.com/audio/a.wav", "http://bucket.example.com/audio/a.wav",
                "https://bucket.example.com:8443/audio/a.wav", "http://127.0.0.1:8900/clipsX/a.wav",
                "file:///etc/passwd", "ftp://bucket.example.com/audio/a", "not a url"]
@@ -290,3 +293,84 @@ def test_submit_cli_takes_a_list_of_urls(redis_server, model, parity_audio, expe
             assert refused.returncode == 2 and "not under" in refused.stderr
     finally:
         site.close()
+
+
+class _Dripping(BaseHTTPRequestHandler):
+    """Answers with a status line and headers a byte every 0.2 s, each inside any read's timeout."""
+
+    def do_GET(self):
+        for byte in b"HTTP/1.1 200 OK\r\nContent-Type: audio/wav\r\nX-Padding: " + b"a" * 200:
+            self.wfile.write(bytes([byte]))
+            self.wfile.flush()
+            time.sleep(0.2)
+
+    def log_message(self, *args):
+        pass
+
+
+class _Cookies(BaseHTTPRequestHandler):
+    """Sets a cookie on every answer, and keeps the Cookie header each request came with."""
+
+    seen: ClassVar[list[str | None]] = []
+
+    def do_GET(self):
+        _Cookies.seen.append(self.headers.get("Cookie"))
+        self.send_response(200)
+        self.send_header("Set-Cookie", f"session=secret-of{self.path.replace('/', '-')}; Path=/")
+        self.send_header("Content-Length", "4")
+        self.end_headers()
+        self.wfile.write(b"RIFF")
+
+    def log_message(self, *args):
+        pass
+
+
+def _serving(handler: type[BaseHTTPRequestHandler]) -> ThreadingHTTPServer:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_a_server_that_drips_its_headers_is_given_up_on(tmp_path):
+    """Only connecting and each read had a limit, and the body's rate was checked as its bytes came: a server
+    that sent its headers a byte inside each read's timeout held the fetch, and its item, for good."""
+    server = _serving(_Dripping)
+    url = f"http://127.0.0.1:{server.server_address[1]}/a.wav"
+
+    async def fetch() -> float:
+        fetcher = url_inputs.UrlFetcher([url], 1 << 20, timeout_s=1.0, retry_delays_s=())
+        started = time.monotonic()
+        try:
+            with pytest.raises(JobInputError, match="came slower than"):
+                await fetcher.fetch(url)
+            return time.monotonic() - started
+        finally:
+            await fetcher.close()
+
+    try:
+        assert asyncio.run(fetch()) < 3
+    finally:
+        server.shutdown()
+
+
+def test_a_cookie_one_fetch_was_given_is_not_sent_with_the_next():
+    """The consumer's one HTTP session kept cookies: one job's fetch was given a cookie that the next fetch from
+    that host sent, another key's job's."""
+    server = _serving(_Cookies)
+    prefix = f"http://127.0.0.1:{server.server_address[1]}/"
+    _Cookies.seen.clear()
+
+    async def fetch_two() -> None:
+        fetcher = url_inputs.UrlFetcher([prefix], 1 << 20, timeout_s=5.0, retry_delays_s=())
+        try:
+            for name in ("tenant-a.wav", "tenant-b.wav"):
+                (await fetcher.fetch(prefix + name)).close()
+        finally:
+            await fetcher.close()
+
+    try:
+        asyncio.run(fetch_two())
+    finally:
+        server.shutdown()
+    assert _Cookies.seen == [None, None]

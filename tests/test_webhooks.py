@@ -172,6 +172,12 @@ def test_with_prefixes_webhooks_go_under_them_only():
                 "http://127.0.0.1:9000/hooks/a\\b"):
         with pytest.raises(UrlRefused, match="backslash"):
             check_webhook_url(url, prefixes)
+    # Tomcat, Jetty and Spring drop a segment's ;parameters before resolving dots; a double encoding decoded twice
+    for url in ("http://127.0.0.1:9000/hooks/..;/admin", "http://127.0.0.1:9000/hooks/%2e%2e;/admin",
+                "http://127.0.0.1:9000/hooks/%252e%252e/admin", "http://127.0.0.1:9000/hooks/a%252fb"):
+        with pytest.raises(UrlRefused, match="resolve it out of the prefix"):
+            check_webhook_url(url, prefixes)
+    check_webhook_url("http://127.0.0.1:9000/hooks/a;v=1/b%20c..d", prefixes)  # parameters and dots elsewhere: taken
 
 
 def test_webhook_urls_the_workers_would_not_post_to_are_refused_when_submitted(redis_server, model, parity_audio,
