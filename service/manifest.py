@@ -38,16 +38,18 @@ def read_manifest(path: Path) -> list[ManifestEntry]:
     """A manifest's lines (blank ones skipped); ValueError naming the line for one that is not a JSON object with
     an ``audio_filepath``, or whose ``offset`` or ``duration`` is not a number of seconds (0 or more, more than 0)."""
     entries = []
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
+    with path.open("rb") as lines:  # decoded a line at a time: a byte that is not UTF-8 is reported by its line
+        for number, raw in enumerate(lines, start=1):
             where = f"{path.name}:{number}"
             try:
+                # a UTF-8 byte order mark (Windows editors write one) is not the line's
+                line = raw.decode("utf-8").removeprefix("\ufeff" if number == 1 else "")
+                if not line.strip():
+                    continue
                 fields = json.loads(line)
                 audio = fields.get(AUDIO_FIELD) if isinstance(fields, dict) else None
                 if not isinstance(audio, str) or not audio:
-                    raise ValueError(f"a line is a JSON object with an {AUDIO_FIELD}")
+                    raise ValueError(f"each line must be a JSON object with an {AUDIO_FIELD}")
                 entries.append(ManifestEntry(fields, AudioClip(path.parent / audio, _seconds(fields, "offset", 0.0),
                                                                _seconds(fields, "duration", None)), where))
             except (ValueError, TypeError) as exc:

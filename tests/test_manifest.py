@@ -98,8 +98,8 @@ def test_files_become_a_manifest(parity_dir, parity_audio, capsys):
 
 @pytest.mark.parametrize(("line", "message"), [
     ("{not json", "train.json:2: "),
-    ('["a list"]', "train.json:2: a line is a JSON object with an audio_filepath"),
-    ('{"text": "no audio"}', "train.json:2: a line is a JSON object with an audio_filepath"),
+    ('["a list"]', "train.json:2: each line must be a JSON object with an audio_filepath"),
+    ('{"text": "no audio"}', "train.json:2: each line must be a JSON object with an audio_filepath"),
     ('{"audio_filepath": "a.wav", "offset": "ten"}', "train.json:2: offset is a number of seconds, not 'ten'"),
     ('{"audio_filepath": "a.wav", "duration": 0}', "train.json:2: .*a duration is more than 0 s"),
     ('{"audio_filepath": "a.wav", "offset": -3}', "train.json:2: .*an offset is 0 s or more"),
@@ -109,6 +109,20 @@ def test_a_bad_manifest_line_is_refused_before_the_model_loads(tmp_path, capsys,
     assert main(["transcribe", "--model", str(tmp_path / "no-such-model.nemo"), "--manifest", str(manifest)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and re.search(message, err), err
+
+
+def test_a_manifest_with_a_byte_order_mark_or_a_byte_that_is_not_utf8(tmp_path):
+    """A byte order mark (Windows editors write one) refused line 1 as not JSON; a byte that is not UTF-8 was an
+    error without a line number, raised while the file was read."""
+    from service.manifest import read_manifest
+
+    marked = tmp_path / "marked.json"
+    marked.write_bytes(b"\xef\xbb\xbf" + json.dumps({"audio_filepath": "a.wav"}).encode() + b"\n")
+    assert [entry.clip.path.name for entry in read_manifest(marked)] == ["a.wav"]
+    latin = tmp_path / "latin.json"
+    latin.write_bytes(b'{"audio_filepath": "a.wav"}\n{"audio_filepath": "caf\xe9.wav"}\n')
+    with pytest.raises(ValueError, match=r"latin.json:2: .*utf-8"):
+        read_manifest(latin)
 
 
 def test_unreadable_lines_are_reported_by_line_and_the_rest_transcribed(parity_dir, parity_audio, tmp_path, capsys):
