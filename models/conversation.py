@@ -8,6 +8,7 @@ into utterances: a speaker's words up to a pause or until someone else speaks.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -22,7 +23,12 @@ from .tokenizer import Tokenizer
 from .transcript import Transcript, Word, build_transcript, mean_logprob
 
 UTTERANCE_GAP_S = 1.0  # a pause this long ends an utterance even when nobody else speaks in it
-SAME_BELOW_DB = 40.0  # a channel whose difference from an earlier one is this far below it repeats that one
+# a channel repeats an earlier one when the two correlate this closely (either sign), at a lag of up to SAME_LAGS
+# samples: the same signal at another level, inverted, or a sample or two late ("stereo" files that are mono twice
+# over, through a mixer or a codec). Two people on two lines never come near it; a line's bleed into the other does
+# not either, the other line's own speech beside it
+SAME_CORRELATION = 0.99
+SAME_LAGS = 4
 SPEAKER_NAME = re.compile(r"[\w][\w .'-]{0,39}")  # "agent", "Customer 2", "o'brien": no brackets or markup
 
 
@@ -116,24 +122,33 @@ def parse_names(text: str | list[str]) -> list[str]:
 
 
 def duplicate_channels(channels: np.ndarray) -> dict[int, int]:
-    """Each channel that repeats an earlier one (the same signal, to within ``SAME_BELOW_DB``: "stereo" files that
-    are mono twice over are common), and the first channel it repeats."""
+    """Each channel that repeats an earlier one (``SAME_CORRELATION``: "stereo" files that are mono twice over are
+    common; one at half the level, inverted or a sample late had every word twice), and the first channel it
+    repeats."""
     duplicates: dict[int, int] = {}
     for i in range(1, len(channels)):
-        power = _power(channels[i])
         for j in range(i):
-            if j not in duplicates and _power(channels[i], channels[j]) <= power * 10 ** (-SAME_BELOW_DB / 10):
+            if j not in duplicates and _repeats(channels[i], channels[j]):
                 duplicates[i] = j
                 break
     return duplicates
 
 
-def _power(samples: np.ndarray, minus: np.ndarray | None = None, block: int = 1 << 20) -> float:
-    """Mean square of ``samples`` (less ``minus``), a block at a time: hours of audio make no copy of their size."""
-    total = 0.0
-    for start in range(0, len(samples), block):
-        piece = samples[start : start + block].astype(np.float64)
-        if minus is not None:
-            piece -= minus[start : start + block]
-        total += float(np.dot(piece, piece))
-    return total / len(samples) if len(samples) else 0.0
+def _repeats(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether ``a`` is ``b`` again, at any level or sign, up to ``SAME_LAGS`` samples apart (two silent channels
+    repeat each other; silence and sound do not)."""
+    energy_a, energy_b = _dot(a, a), _dot(b, b)
+    if energy_a == 0 or energy_b == 0:
+        return energy_a == energy_b
+    bound = SAME_CORRELATION * math.sqrt(energy_a * energy_b)
+    for lag in sorted(range(-SAME_LAGS, SAME_LAGS + 1), key=abs):  # in step first: the common case
+        x, y = (a[lag:], b[: len(b) - lag]) if lag >= 0 else (a[:lag], b[-lag:])
+        if abs(_dot(x, y)) >= bound:
+            return True
+    return False
+
+
+def _dot(x: np.ndarray, y: np.ndarray, block: int = 1 << 20) -> float:
+    """``x · y`` in float64, a block at a time: hours of audio make no copy of their size."""
+    return sum(float(np.dot(x[start : start + block].astype(np.float64), y[start : start + block]))
+               for start in range(0, min(len(x), len(y)), block))

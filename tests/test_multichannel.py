@@ -465,3 +465,20 @@ def test_the_openai_route_refuses_what_only_the_native_route_takes(server, field
     plain = httpx.post(f"{server.url}/v1/audio/transcriptions", files=files, data={"multichannel": "false"},
                        timeout=60)
     assert plain.status_code == 200, plain.text
+
+
+@pytest.mark.parametrize("copy", ["half as loud", "inverted", "a sample late", "exact"])
+def test_a_channel_that_repeats_another_at_another_level_or_a_sample_late_is_a_duplicate(copy):
+    """Only a copy to within 40 dB was caught: at half the level, inverted or a sample late (a mixer, a codec), the
+    "stereo" file's two channels were transcribed apart and every word came twice. Two lines of a call are not
+    taken for one, nor is a line for its bleed into the other at -6 dB beside that line's own speech."""
+    from models.conversation import duplicate_channels
+
+    first, second = _call()
+    again = {"half as loud": 0.5 * first, "inverted": -first, "a sample late": np.concatenate(([0.0], first[:-1])),
+             "exact": first.copy()}[copy].astype(np.float32)
+    assert duplicate_channels(np.stack([first, again])) == {1: 0}
+    assert duplicate_channels(np.stack([first, second])) == {}
+    bleed = (second + 0.5 * first).astype(np.float32)
+    assert duplicate_channels(np.stack([first, bleed])) == {}
+    assert duplicate_channels(np.stack([first, np.zeros_like(first)])) == {}
