@@ -27,12 +27,16 @@ def _url_name(url: str) -> Path:
 
 def output_names(arguments: Iterable[str], suffix: str, files: bool = True) -> dict[Path | str, Path]:
     """Each input the arguments name, and the name of its result: a file given by name as <stem><suffix>, a file
-    found under a directory at its path inside it, a URL by the last part of its path. With ``files`` (results
-    written to files of those names), ValueError if two would share one."""
+    found under a directory at its path inside it, a URL by the last part of its path, numbered where another
+    input's result has that name (``audio.txt``, ``audio.2.txt``, in order: a list of thousands of
+    ``<id>/audio.wav`` URLs cannot be split into runs). With ``files`` (results written to files of those names),
+    ValueError if two files would share one."""
     named: dict[Path | str, Path] = {}
+    urls = []
     for argument in arguments:
         if is_url(argument):
             named[argument] = _url_name(argument).with_suffix(suffix)
+            urls.append(argument)
             continue
         root = Path(argument)
         for path in find_audio_files([argument]):
@@ -41,9 +45,14 @@ def output_names(arguments: Iterable[str], suffix: str, files: bool = True) -> d
         return named
     seen: dict[Path, Path | str] = {}
     for source, name in named.items():
+        if source in urls:
+            continue
         if name in seen:
             raise ValueError(f"{seen[name]} and {source} would both be written as {name}: give them in separate runs")
         seen[name] = source
+    numbered = RecordedNames(suffix, taken=set(seen))
+    for url in urls:
+        named[url] = numbered.name(url)
     return named
 
 
@@ -56,9 +65,9 @@ class RecordedNames:
     given, inside the output directory whatever that path says (its root and any ``..`` dropped: the names are
     whoever submitted's); a name already given in this run gets a number, in order (``call.srt``, ``call.2.srt``)."""
 
-    def __init__(self, suffix: str) -> None:
+    def __init__(self, suffix: str, taken: set[Path] | None = None) -> None:
         self.suffix = suffix
-        self.given: set[Path] = set()
+        self.given: set[Path] = set(taken or ())  # names given already (or taken by others)
 
     def name(self, audio: str) -> Path:
         if is_url(audio):

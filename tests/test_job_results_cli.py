@@ -22,7 +22,7 @@ from service.cli import main
 from service.config import Settings
 from service.job_clients import RedisClient, job_records
 from service.jobs import JobStore
-from service.output_files import RecordedNames
+from service.output_files import RecordedNames, output_names
 from service.submit_inputs import item_input
 from tests.servers import run_server
 
@@ -214,6 +214,22 @@ def test_recorded_names_stay_inside_the_folder_and_are_numbered_when_met_again()
     assert [str(names.name(audio)) for audio in given] == [
         "a.srt", "a.2.srt", "data/x/b.srt", "etc/cron.d/job.srt", "c d.srt", "call.srt", "call.2.srt", "item.srt",
         "a.3.srt"]
+
+
+def test_urls_of_one_file_name_are_numbered_not_refused(tmp_path):
+    """URLs were named by their paths' last parts, and two alike refused the run ("give them in separate runs"),
+    which a list of thousands of <id>/audio.wav URLs cannot be; numbered now, as jobs --results numbers them. Two
+    files of one name are still refused: a folder keeps them apart."""
+    urls = ["https://cdn.example/u1/audio.wav", "https://cdn.example/u2/audio.wav", "https://cdn.example/a.wav?v=2"]
+    (tmp_path / "a.wav").write_bytes(b"RIFF")
+    named = output_names([*urls, str(tmp_path / "a.wav")], ".txt")
+    assert [str(named[key]) for key in (*urls, tmp_path / "a.wav")] == ["audio.txt", "audio.2.txt", "a.2.txt", "a.txt"]
+    recorded = RecordedNames(".txt")
+    assert [str(recorded.name(url)) for url in urls[:2]] == ["audio.txt", "audio.2.txt"]  # as jobs --results names
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "a.wav").write_bytes(b"RIFF")
+    with pytest.raises(ValueError, match=r"would both be written as a\.txt"):
+        output_names([str(tmp_path / "a.wav"), str(tmp_path / "b" / "a.wav")], ".txt")
 
 
 class CutShort(RedisClient):
