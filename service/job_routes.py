@@ -296,8 +296,9 @@ async def list_jobs(request: Request, service: ServiceDep, limit: Annotated[int,
     server's limit counts them) and that limit (`max_queued_items`; null: none), so a backfill can be paced."""
     store, owner = _store(service), request_owner(request)
     try:
-        jobs, more = await store.list_jobs(owner, limit, after, status)
-        queued = await store.queued_items(owner)
+        # at once: two round trips' time, not one after the other
+        (jobs, more), queued = await asyncio.gather(store.list_jobs(owner, limit, after, status),
+                                                    store.queued_items(owner))
     except JobNotFound as exc:
         raise ApiError(400, f"`after` names no job in your list: `{after}` (it may have expired)", param="after",
                        code="invalid_cursor") from exc
