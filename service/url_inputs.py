@@ -25,10 +25,11 @@ from yarl import URL
 
 from .job_types import JobInputError
 from .spool import spooled_file, write_body
-from .url_rules import UrlRefused, check_under_prefixes
+from .url_rules import UrlRefused, check_under_prefixes, retry_after_s
 
 RETRY_DELAYS_S = (1.0, 3.0, 9.0)  # pauses before the 2nd, 3rd and 4th tries of a fetch that may succeed later
 RETRYABLE_STATUS = {408, 425, 429}
+MAX_RETRY_AFTER_S = 60.0  # a host's Retry-After is waited this long at most before the next try
 REDIRECT_STATUS = {301, 302, 303, 307, 308}
 MAX_REDIRECTS = 5
 CONNECTIONS = 64  # to the media hosts, per consumer
@@ -38,7 +39,11 @@ MIN_BYTES_PER_S = 32 * 1024
 
 
 class _MayPass(Exception):
-    """A fetch failure worth another try."""
+    """A fetch failure worth another try (after ``retry_after_s`` at least, where the host said so)."""
+
+    def __init__(self, message: str, retry_after_s: float = 0.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 def check_input_url(url: str, prefixes: list[str]) -> None:
@@ -75,7 +80,8 @@ class UrlFetcher:
         check_input_url(url, self.prefixes)  # again here: items written to Redis directly skip the API's check
         failure: _MayPass | None = None
         for delay in (0.0, *self.retry_delays_s):
-            await asyncio.sleep(delay)
+            # a host that asks for longer (429 or 503 with Retry-After: a CDN's or a bucket's rate limit) is given it
+            await asyncio.sleep(max(delay, min(failure.retry_after_s, MAX_RETRY_AFTER_S)) if failure else delay)
             try:
                 return await self._get(url)
             except _MayPass as exc:
@@ -118,7 +124,8 @@ class UrlFetcher:
     def _check_status(url: str, response: aiohttp.ClientResponse) -> None:
         status = response.status
         if status >= 500 or status in RETRYABLE_STATUS:
-            raise _MayPass(f"HTTP {status} {response.reason}")
+            asked_s = retry_after_s(response.headers.get("Retry-After")) or 0.0
+            raise _MayPass(f"HTTP {status} {response.reason}", asked_s)
         if status != 200:
             raise JobInputError(f"{url}: HTTP {status} {response.reason}")
 
@@ -155,3 +162,4 @@ def _redirected(url: str, response: aiohttp.ClientResponse) -> str:
         return str(response.url.join(URL(response.headers["Location"])))
     except ValueError as exc:
         raise JobInputError(f"{url}: redirected to {response.headers['Location']!r}, not a URL ({exc})") from exc
+

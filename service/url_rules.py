@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import ipaddress
+import math
 import posixpath
 import re
 import socket
@@ -89,6 +90,16 @@ def _escaping_segment(path: str) -> str | None:
         if re.search(r"%(2e|2f|5c)", segment, re.IGNORECASE):
             return f"a percent-encoding encoded twice ({segment!r})"
     return None
+
+
+def retry_after_s(header: str | None) -> float | None:
+    """A Retry-After header's seconds (None: none, or an HTTP date, which the other host's clock would have to agree
+    with ours on)."""
+    try:
+        seconds = float(header) if header is not None else math.nan
+    except ValueError:
+        return None
+    return seconds if math.isfinite(seconds) and seconds >= 0 else None
 
 
 NAT64 = ipaddress.ip_network("64:ff9b::/96")  # IPv4 addresses reached through a NAT64 gateway (RFC 6052)

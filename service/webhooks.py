@@ -14,7 +14,6 @@ import hashlib
 import hmac
 import json
 import logging
-import math
 import random
 import time
 from dataclasses import dataclass
@@ -22,7 +21,14 @@ from dataclasses import dataclass
 import aiohttp
 
 from .job_types import Job
-from .url_rules import NoPublicAddress, PublicAddressResolver, UrlRefused, check_public_url, check_under_prefixes
+from .url_rules import (
+    NoPublicAddress,
+    PublicAddressResolver,
+    UrlRefused,
+    check_public_url,
+    check_under_prefixes,
+    retry_after_s,
+)
 
 log = logging.getLogger(__name__)
 
@@ -140,17 +146,9 @@ class WebhookSender:
         headers = {"content-type": "application/json", "webhook-id": message_id, "webhook-timestamp": str(timestamp),
                    "webhook-signature": sign(self.secret, message_id, timestamp, body)}
         async with self._session.post(url, data=body, headers=headers, allow_redirects=False) as response:
-            return response.status, response.reason or "", _seconds(response.headers.get("retry-after"))
+            return response.status, response.reason or "", retry_after_s(response.headers.get("retry-after"))
 
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
 
-
-def _seconds(retry_after: str | None) -> float | None:
-    """A Retry-After header's seconds (an HTTP date is not taken: a receiver's clock is not ours to trust)."""
-    try:
-        seconds = float(retry_after) if retry_after is not None else math.nan
-    except ValueError:
-        return None
-    return seconds if math.isfinite(seconds) and seconds >= 0 else None

@@ -374,3 +374,47 @@ def test_a_cookie_one_fetch_was_given_is_not_sent_with_the_next():
     finally:
         server.shutdown()
     assert _Cookies.seen == [None, None]
+
+
+class _RateLimited(BaseHTTPRequestHandler):
+    """429 with Retry-After: 1 the first time, then the body; keeps when each request came."""
+
+    times: ClassVar[list[float]] = []
+
+    def do_GET(self):
+        _RateLimited.times.append(time.monotonic())
+        if len(_RateLimited.times) == 1:
+            self.send_response(429)
+            self.send_header("Retry-After", "1")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        self.send_response(200)
+        self.send_header("Content-Length", "4")
+        self.end_headers()
+        self.wfile.write(b"RIFF")
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_hosts_retry_after_is_waited_before_the_next_try():
+    """A 429 or 503 with Retry-After (a CDN's or a bucket's rate limit) was tried again on the fetch's own
+    schedule, a tenth of a second later here, and failed the item after four quick tries."""
+    server = _serving(_RateLimited)
+    prefix = f"http://127.0.0.1:{server.server_address[1]}/"
+    _RateLimited.times.clear()
+
+    async def fetch() -> bytes:
+        fetcher = url_inputs.UrlFetcher([prefix], 1 << 20, timeout_s=5.0, retry_delays_s=(0.1,))
+        try:
+            body = await fetcher.fetch(prefix + "a.wav")
+            return body.read()
+        finally:
+            await fetcher.close()
+
+    try:
+        assert asyncio.run(fetch()) == b"RIFF"
+    finally:
+        server.shutdown()
+    assert _RateLimited.times[1] - _RateLimited.times[0] >= 0.95
