@@ -50,7 +50,7 @@ from .http import (
     subtitle_layout,
     upload_too_large_message,
 )
-from .job_routes import is_multipart, job_too_large_message, json_job_too_large_message
+from .job_routes import is_multipart, job_too_large_message, json_job_too_large_message, webhooks_router
 from .job_routes import router as jobs_router
 from .jobs import JSON_JOB_BYTES
 from .languages import language_name
@@ -409,6 +409,7 @@ def _app(service: ServiceState, lifespan: Callable[[FastAPI], Any]) -> FastAPI:
     install_error_handlers(app)
     app.include_router(v1)
     app.include_router(jobs_router)
+    app.include_router(webhooks_router)
     app.include_router(ops)
     app.add_middleware(BodyBufferMiddleware)  # bodies whole before a route reads them (service.body_buffer)
     app.add_middleware(BodyLimitMiddleware, limit_for=_body_limits(service.settings))

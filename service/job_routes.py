@@ -42,6 +42,7 @@ from .http import (
     subtitle_layout,
 )
 from .job_types import (
+    ANONYMOUS,
     IdempotencyKeyReused,
     ItemInput,
     JobInputError,
@@ -58,7 +59,7 @@ from .jobs import JSON_JOB_BYTES, JobStore, request_fingerprint
 from .redis_outages import REDIS_ERRORS, REDIS_FULL, outage
 from .url_inputs import check_input_url
 from .url_rules import UrlRefused
-from .webhooks import check_webhook_url
+from .webhooks import check_webhook_url, owner_secret
 
 log = logging.getLogger(__name__)
 
@@ -408,6 +409,25 @@ async def retry_job(job_id: str, request: Request, service: ServiceDep) -> dict[
     except REDIS_FULL as exc:
         raise _store_full("failed items not queued again by then are left as they were") from exc
     return retried.to_dict()
+
+
+webhooks_router = APIRouter(prefix="/v1/webhooks", dependencies=[Depends(require_api_key)], tags=["jobs"],
+                            responses=error_responses(401))
+
+
+@webhooks_router.get("/secret", responses=error_responses(400))
+async def webhook_secret(request: Request, service: ServiceDep) -> dict[str, str]:
+    """The secret your jobs' webhooks are signed with (Standard Webhooks' `whsec_...`): each API key has its own,
+    so no other key's holder can sign a webhook your receiver would take."""
+    secret = service.settings.webhook_secret
+    if not secret:
+        raise ApiError(400, "webhooks are disabled: the server has no webhook secret (BATCHASR_WEBHOOK_SECRET)",
+                       code="webhooks_disabled")
+    owner = request_owner(request)
+    if owner == ANONYMOUS:  # no API keys: signed with the server's own secret, which is its operator's to give
+        raise ApiError(400, "this server has no API keys: its webhooks are signed with its own "
+                       "BATCHASR_WEBHOOK_SECRET, which its operator gives out", code="no_api_keys")
+    return {"object": "webhook_secret", "secret": owner_secret(secret, owner)}
 
 
 async def _from_store(job_id: str, work: Awaitable[T]) -> T:

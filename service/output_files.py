@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterable
 from pathlib import Path, PurePosixPath
@@ -85,9 +86,12 @@ class RecordedNames:
 
 
 def write_whole(path: Path, text: str) -> None:
-    """Written under a temporary name and renamed: a run cut short leaves no half-written result behind (which
-    --skip-existing would take for a finished one)."""
+    """Written under a temporary name, flushed to disk, then renamed: a run cut short, even by a power cut, leaves
+    no half-written or empty result behind (which --skip-existing would take for a finished one)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
-    partial.write_text(text, encoding="utf-8")
+    with open(partial, "w", encoding="utf-8") as file:
+        file.write(text)
+        file.flush()
+        os.fsync(file.fileno())  # a rename can reach the disk before the data it names
     partial.replace(path)

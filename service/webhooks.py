@@ -1,6 +1,6 @@
 """Job-completion webhooks, signed the Standard Webhooks way (webhook-id, webhook-timestamp,
 webhook-signature: ``v1,<base64 HMAC-SHA256 of "id.timestamp.body">``), with a thin payload: the receiver
-fetches the results with a GET.
+fetches the results with a GET. Each API key's webhooks are signed with a secret of its own (``owner_secret``).
 
 Where they may go (service.url_rules): under ``BATCHASR_WEBHOOK_URL_PREFIXES`` when the server has any, else to
 public addresses only, checked when the job is submitted and again as each delivery connects. Redirects are not
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from .job_types import Job
+from .job_types import ANONYMOUS, Job
 from .url_rules import (
     NoPublicAddress,
     PublicAddressResolver,
@@ -53,6 +53,17 @@ def secret_bytes(secret: str) -> bytes:
     if len(decoded) < MIN_SECRET_BYTES:
         raise ValueError(f"it decodes to {len(decoded)} bytes; at least {MIN_SECRET_BYTES}")
     return decoded
+
+
+def owner_secret(secret: str, owner: str) -> str:
+    """The secret an owner's webhooks are signed with: the server's own for the anonymous owner (no API keys, or a
+    job submitted straight into Redis); for an API key's owner one drawn from it and the owner (HMAC-SHA256), so
+    that each key verifies its own webhooks and no key's holder can sign one another key's receiver would take.
+    ``GET /v1/webhooks/secret`` gives a key its own."""
+    if owner == ANONYMOUS:
+        return secret
+    drawn = hmac.new(secret_bytes(secret), b"batchasr webhook secret " + owner.encode(), hashlib.sha256).digest()
+    return "whsec_" + base64.b64encode(drawn).decode()
 
 
 def sign(secret: str, message_id: str, timestamp: int, body: bytes) -> str:
@@ -110,7 +121,7 @@ class WebhookSender:
                            "data": {"id": job.id, "status": job.status.value}}).encode()
         retry_after_s = None
         try:
-            status, reason, retry_after_s = await self._post(job.webhook_url, message_id, body)
+            status, reason, retry_after_s = await self._post(job.webhook_url, job.owner, message_id, body)
         except aiohttp.ClientConnectorError as exc:
             if isinstance(exc.os_error, NoPublicAddress):
                 log.warning("webhook for %s refused: %s", job.id, exc.os_error)
@@ -134,7 +145,7 @@ class WebhookSender:
         log.warning("webhook for %s failed (attempt %d): %s; next in %.0f s", job.id, attempt, error, wait_s)
         return Attempt(False, error, wait_s)
 
-    async def _post(self, url: str, message_id: str, body: bytes) -> tuple[int, str, float | None]:
+    async def _post(self, url: str, owner: str, message_id: str, body: bytes) -> tuple[int, str, float | None]:
         """The answer's status, reason and Retry-After (in seconds, where it gives them)."""
         if self._session is None:
             # with no prefixes, names resolve to public addresses only, at the connection that uses them
@@ -144,7 +155,7 @@ class WebhookSender:
                 timeout=aiohttp.ClientTimeout(total=self.timeout_s))
         timestamp = int(time.time())
         headers = {"content-type": "application/json", "webhook-id": message_id, "webhook-timestamp": str(timestamp),
-                   "webhook-signature": sign(self.secret, message_id, timestamp, body)}
+                   "webhook-signature": sign(owner_secret(self.secret, owner), message_id, timestamp, body)}
         async with self._session.post(url, data=body, headers=headers, allow_redirects=False) as response:
             return response.status, response.reason or "", retry_after_s(response.headers.get("retry-after"))
 

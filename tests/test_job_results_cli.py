@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import io
 import json
+import os
 import subprocess
 import sys
 import time
@@ -22,7 +23,7 @@ from service.cli import main
 from service.config import Settings
 from service.job_clients import RedisClient, job_records
 from service.jobs import JobStore
-from service.output_files import RecordedNames, output_names
+from service.output_files import RecordedNames, output_names, write_whole
 from service.submit_inputs import item_input
 from tests.servers import run_server
 
@@ -230,6 +231,24 @@ def test_urls_of_one_file_name_are_numbered_not_refused(tmp_path):
     (tmp_path / "b" / "a.wav").write_bytes(b"RIFF")
     with pytest.raises(ValueError, match=r"would both be written as a\.txt"):
         output_names([str(tmp_path / "a.wav"), str(tmp_path / "b" / "a.wav")], ".txt")
+
+
+def test_a_result_reaches_the_disk_before_its_name_does(tmp_path, monkeypatch):
+    """A result renamed into place before its data was flushed could be an empty file after a power cut, which
+    --skip-existing takes for a finished one: the data is flushed under the temporary name, then renamed."""
+    flushed: list[tuple[str, str]] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        name = os.readlink(f"/proc/self/fd/{fd}")
+        flushed.append((Path(name).name, Path(name).read_text(encoding="utf-8")))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    write_whole(tmp_path / "out" / "a.txt", "héllo\n")
+    assert flushed == [("a.txt.partial", "héllo\n")]
+    assert (tmp_path / "out" / "a.txt").read_text(encoding="utf-8") == "héllo\n"
+    assert not (tmp_path / "out" / "a.txt.partial").exists()
 
 
 class CutShort(RedisClient):

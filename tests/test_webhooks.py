@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from standardwebhooks.webhooks import Webhook
+from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
 from service.config import Settings
 from service.job_keys import GROUP, ITEM_STREAM, WEBHOOK_STREAM
@@ -129,6 +129,45 @@ def test_completion_webhook_is_signed_and_its_delivery_recorded(redis_server, mo
     assert abs(int(headers["webhook-timestamp"]) - time.time()) < 60
     # and as a receiver checks it, with the Standard Webhooks library (its timestamp tolerance included)
     assert Webhook(SECRET).verify(body, headers) == json.loads(body)
+
+
+def test_each_api_key_verifies_its_own_webhooks_with_a_secret_no_other_key_holds(redis_server, model, parity_audio,
+                                                                                  receiver):
+    """Every key's webhooks were signed with the server's one secret, which each key's holder needed to verify
+    theirs: any of them could then sign a webhook another key's receiver would take (a job "completed" that was
+    not). Each key has a secret of its own now, from GET /v1/webhooks/secret."""
+    hook = receiver(200)
+    settings = Settings(redis_url=redis_server.url, webhook_secret=SECRET, webhook_url_prefixes=[hook.prefix()],
+                        api_keys=["alice-key", "bob-key"])
+    with run_server(settings, model) as running:
+        secrets, jobs = {}, {}
+        for key in ("alice-key", "bob-key"):
+            auth = {"authorization": f"Bearer {key}"}
+            answer = httpx.get(f"{running.url}/v1/webhooks/secret", headers=auth)
+            assert answer.status_code == 200, answer.text
+            secrets[key] = answer.json()["secret"]
+            jobs[key] = httpx.post(f"{running.url}/v1/jobs", files=_upload(parity_audio), headers=auth,
+                                   data={"webhook_url": hook.url()}).json()["id"]
+        assert httpx.get(f"{running.url}/v1/webhooks/secret").status_code == 401
+        _wait_for(lambda: len(hook.received) == 2, 60, "the webhooks never came")
+    assert len({SECRET, *secrets.values()}) == 3
+    for headers, body in hook.received:
+        owner = next(key for key, job in jobs.items() if job == json.loads(body)["data"]["id"])
+        Webhook(secrets[owner]).verify(body, headers)
+        for other in {SECRET, *secrets.values()} - {secrets[owner]}:
+            with pytest.raises(WebhookVerificationError):
+                Webhook(other).verify(body, headers)
+
+
+def test_without_api_keys_the_webhook_secret_is_the_operators(redis_server, model):
+    settings = Settings(redis_url=redis_server.url, webhook_secret=SECRET)
+    with run_server(settings, model) as running:
+        answer = httpx.get(f"{running.url}/v1/webhooks/secret")
+    assert answer.status_code == 400 and answer.json()["error"]["code"] == "no_api_keys"
+    assert SECRET not in answer.text
+    with run_server(Settings(redis_url=redis_server.url, api_keys=["k"]), model) as running:
+        answer = httpx.get(f"{running.url}/v1/webhooks/secret", headers={"authorization": "Bearer k"})
+    assert answer.status_code == 400 and answer.json()["error"]["code"] == "webhooks_disabled"
 
 
 REFUSED_WITHOUT_PREFIXES = [
