@@ -137,7 +137,9 @@ def _batches(lengths: list[int], options: OfflineOptions, sample_rate: int) -> I
             yield chunk, max(lengths[i] for i in chunk), len(chunk)
         return
     bucket_samples = round(options.length_bucket_s * sample_rate)
-    for end, members in itertools.groupby(order, key=lambda i: length_bucket_end(lengths[i], bucket_samples)):
+    longest = int(options.max_segment_s * sample_rate) if options.max_segment_s is not None else None
+    for end, members in itertools.groupby(order, key=lambda i: length_bucket_end(lengths[i], bucket_samples,
+                                                                                  longest)):
         members = list(members)
         for start in range(0, len(members), options.batch_size):
             yield members[start : start + options.batch_size], end, options.batch_size

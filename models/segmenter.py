@@ -27,9 +27,10 @@ NO_CUT = 1 << 62  # the last piece keeps everything after its start cut, even a 
 # service alike: cuts overlap by 2 s, so a shorter piece would be mostly overlap, and the cuts must move on past it
 MIN_SEGMENT_S = 5.0
 SEGMENT_TOO_SHORT = f"must be at least {MIN_SEGMENT_S:g} seconds"
-# the shortest length bucket (``length_bucket_s``): one 10 ms feature hop, so that a bucket is whole samples at any
-# sample rate a model has (``length_bucket_end`` divides by its samples: 0 would divide by zero)
-MIN_LENGTH_BUCKET_S = 0.01
+# the shortest length bucket (``length_bucket_s``): finer buckets rarely hold two pieces, so their batches are
+# nearly all padding (pieces of speech's lengths, batches of 32: 9% of what was computed was audio at 0.1 s buckets,
+# 79% at 2 s, 93% without buckets)
+MIN_LENGTH_BUCKET_S = 0.5
 
 
 def segment_problem(seconds: float) -> str | None:
@@ -241,6 +242,10 @@ def _units(segment: Segment, hyp: Hypothesis, tokenizer: Tokenizer | None, frame
     return units
 
 
-def length_bucket_end(n_samples: int, bucket_samples: int) -> int:
-    """The end of the length bucket ``n_samples`` falls in: (0, b] -> b, (b, 2b] -> 2b, ..."""
-    return max(-(-n_samples // bucket_samples), 1) * bucket_samples
+def length_bucket_end(n_samples: int, bucket_samples: int, longest: int | None = None) -> int:
+    """The end of the length bucket ``n_samples`` falls in: (0, b] -> b, (b, 2b] -> 2b, ..., the last bucket ending
+    at ``longest``, the longest piece there can be (a recording's cut into pieces of at most ``max_segment_s``):
+    padded past it, every batch of that bucket computed padding no piece could fill (7 s buckets padded 30 s pieces
+    to 35 s)."""
+    end = max(-(-n_samples // bucket_samples), 1) * bucket_samples
+    return min(end, longest) if longest is not None and n_samples <= longest else end

@@ -2,14 +2,16 @@
 
 Invariant: the first waiting item of the most urgent priority is in the next batch, so nothing starves;
 the rest of the batch is chosen among waiting items of similar length, so little compute goes to padding.
-A batch is released when it is full or when its first item has waited ``max_wait_ms``.
+A batch is released when ``max_batch_size`` items wait (of any priority and length) or when any item has waited
+``max_wait_ms``.
 
 Within a priority, items wait in the order of their turn: each owner's items (a job's owner, its API key) take
 turns in proportion to their audio, so one owner's backfill already held here does not keep another owner's items
 waiting until it is done (fair queueing by virtual time; items without an owner, one owner, keep their order).
 
 With ``length_bucket_s`` every batch has one shape per bucket: it takes pieces of one length bucket only, is
-padded to the bucket's end, and to as many rows (at most ``max_batch_size``) as fit ``max_batch_audio_s`` there.
+padded to the bucket's end (the last bucket's is the longest piece, ``longest_samples``), and to as many rows (at
+most ``max_batch_size``) as fit ``max_batch_audio_s`` there.
 In bf16 a piece's result then no longer moves with its neighbours (the padded length and, for small batches, the
 row count change how kernels round: docs/benchmarks.md), at the cost of computing the padding.
 """
@@ -147,9 +149,10 @@ class Batch:
 class Batcher:
     def __init__(self, max_batch_size: int, max_batch_audio_s: float, max_wait_ms: float, max_queue: int,
                  sample_rate: int = 16000, on_drop: Callable[[str], None] | None = None,
-                 length_bucket_s: float | None = None):
+                 length_bucket_s: float | None = None, longest_samples: int | None = None):
         self.max_batch_size = max_batch_size
         self.bucket_samples = round(length_bucket_s * sample_rate) if length_bucket_s else 0
+        self.longest_samples = longest_samples  # the longest piece it is given (None: unknown), the last bucket's end
         self.max_padded_samples = int(max_batch_audio_s * sample_rate)
         self.max_wait_s = max_wait_ms / 1000
         self.max_queue = max_queue
@@ -241,22 +244,30 @@ class Batcher:
         with self._cond:
             while True:
                 self._drop_dead_items()
-                oldest = self._oldest()
-                if oldest is None:
+                head = self._head()
+                if head is None:
                     if self._closed:
                         return None
                     self._cond.wait()
                     continue
-                release_at = oldest.enqueued_at + self.max_wait_s
+                full = self.depth >= self.max_batch_size
+                # timed from the item waiting longest, which need not be the head: an owner whose requests are
+                # cancelled as they wait keeps its turns at the head, and timed from there another owner's item
+                # waited out its timeout beside an idle engine
+                release_at = math.inf if full else self._longest_waiting() + self.max_wait_s
                 now = time.monotonic()
-                if self.depth >= self.max_batch_size or self._closed or now >= release_at:
-                    batch = self._form_batch(oldest)
+                if full or self._closed or now >= release_at:
+                    batch = self._form_batch(head)
                     if batch.items:
                         return batch
                     continue
                 self._cond.wait(release_at - now)
 
-    def _oldest(self) -> WorkItem | None:
+    def _longest_waiting(self) -> float:
+        """When the item queued longest ago was queued (fewer than ``max_batch_size`` wait: a short look)."""
+        return min(item.enqueued_at for queue in self._queues.values() for item in queue)
+
+    def _head(self) -> WorkItem | None:
         for priority in Priority:
             if self._queues[priority]:
                 return self._queues[priority][0]
@@ -314,7 +325,7 @@ class Batcher:
         """Samples a piece of ``n_samples`` is padded to at least: the end of its length bucket, or itself."""
         if not self.fixed_shapes:
             return n_samples
-        return length_bucket_end(n_samples, self.bucket_samples)
+        return length_bucket_end(n_samples, self.bucket_samples, self.longest_samples)
 
     def _form_batch(self, anchor: WorkItem) -> Batch:
         pool_size = POOL_FACTOR * self.max_batch_size
@@ -371,6 +382,8 @@ class Batcher:
             item = candidates[index]
             new_longest = longest if fixed else max(longest, item.n_samples)
             if (len(chosen) + 1) * new_longest > self.max_padded_samples:
+                if fixed:  # every row is the bucket's width: no later candidate fits either
+                    break
                 continue
             chosen.append(item)
             longest = new_longest

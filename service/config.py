@@ -298,9 +298,13 @@ class Settings(BaseSettings):
 
     @field_validator("max_segment_s")
     @classmethod
-    def _segment_long_enough(cls, value: float) -> float:
+    def _segment_long_enough(cls, value: float, info: ValidationInfo) -> float:
         if problem := segment_problem(value):
             raise ValueError(problem)
+        # the longest piece runs alone in a batch at the least: a longer one went past the limit that bounds memory
+        batch_audio_s = info.data.get("max_batch_audio_s")  # declared first: validated before this
+        if batch_audio_s is not None and value > batch_audio_s:
+            raise ValueError(f"a piece this long must fit in one batch: at most max_batch_audio_s ({batch_audio_s:g})")
         return value
 
     @field_validator("segment_overlap_s")

@@ -157,8 +157,8 @@ def build_stack(settings: Settings, model: ASRModel, metrics: Metrics | None = N
     rate = model.sample_rate
     batcher = Batcher(s.max_batch_size, s.batch_audio_limit_s, s.max_wait_ms, s.max_queue, rate,
                       on_drop=lambda reason: metrics.dropped_items.labels(reason).inc(),
-                      length_bucket_s=s.length_bucket_s)
-    longest_s = batcher.padded_length(round(s.max_segment_s * rate)) / rate  # a bucket's end may lie past it
+                      length_bucket_s=s.length_bucket_s, longest_samples=int(s.max_segment_s * rate))
+    longest_s = batcher.padded_length(int(s.max_segment_s * rate)) / rate
     engine = Engine(model, batcher, metrics, decoder=s.decoder, scores=s.token_scores, hotword_boost=s.hotword_boost,
                     warmup_shapes=warmup_shapes(model.device, s.max_batch_size, longest_s, s.batch_audio_limit_s))
     transcriber = Transcriber(batcher, model.config, model.tokenizer, s.max_segment_s, s.segment_overlap_s,

@@ -72,6 +72,9 @@ class BatchStager:
         self.device = device
         self.ahead = device.type == "cuda" if ahead is None else ahead
         self._staged: queue.Queue[StagedBatch | None] = queue.Queue(maxsize=1)
+        # a batch is formed only once the engine has taken the last one: with the queue's room alone, one waited in
+        # the queue while the thread held another formed, so urgent work arriving then waited for two batches
+        self._room = threading.Semaphore(1)
         self._thread = threading.Thread(target=self._run, name="batchasr-stager", daemon=True)
         self._cuda = device.type == "cuda"
         # high priority: a pool of streams apart from the default-priority ones the decoders capture their graphs on
@@ -87,13 +90,15 @@ class BatchStager:
     def next(self) -> StagedBatch | None:
         """The next staged batch; None once the batcher is closed and drained."""
         if self.ahead:
-            return self._staged.get()
+            staged = self._staged.get()
+            self._room.release()
+            return staged
         batch = self.batcher.next_batch()
         return None if batch is None else self._stage_or_fail(batch)
 
     def _run(self) -> None:
         try:
-            while (batch := self.batcher.next_batch()) is not None:
+            while self._room.acquire() and (batch := self.batcher.next_batch()) is not None:
                 self._staged.put(self._stage_or_fail(batch))
         finally:
             self._staged.put(None)

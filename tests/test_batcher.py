@@ -45,6 +45,34 @@ def test_length_buckets_keep_a_batch_to_one_bucket_padded_to_its_end_and_full_ro
     assert _batcher().padded_length(12345) == 12345 and b.padded_length(0) == 32000
 
 
+def test_the_last_bucket_ends_at_the_longest_piece():
+    """7 s buckets padded 30 s pieces (the longest a recording is cut into) to 35 s: every batch of that bucket
+    computed 5 s a row no piece could fill, and fit fewer rows in the padded-audio limit (27 of 32)."""
+    b = _batcher(max_batch_size=32, max_batch_audio_s=32 * 30.0, length_bucket_s=7.0, longest_samples=30 * 16000)
+    b.submit([_item(30.0) for _ in range(32)] + [_item(29.0)])
+    batch = b.next_batch()
+    assert (batch.width, batch.rows, len(batch.items)) == (30 * 16000, 32, 32)
+    assert b.padded_length(29 * 16000) == 30 * 16000  # (28, 35] ends at 30
+    assert b.padded_length(27 * 16000) == 28 * 16000 and b.padded_length(20 * 16000) == 21 * 16000
+    assert b.padded_length(31 * 16000) == 35 * 16000  # past the longest (none is): its own bucket, as before
+
+
+def test_a_batch_is_released_once_any_item_has_waited_not_only_the_first_in_line():
+    """The release was timed from the first item in line, and an owner whose requests are cancelled as they wait
+    keeps its turns ahead of another's item: the other's item then waited, beside an idle engine, until it timed
+    out. It is timed from the item waiting longest."""
+    b = _batcher(max_batch_size=32, max_wait_ms=10_000.0)
+    waited = WorkItem(np.zeros(5 * 16000, dtype=np.float32), owner="patient", enqueued_at=time.monotonic() - 20)
+    b.submit([waited])
+    b.submit([WorkItem(np.zeros(1600, dtype=np.float32), owner="churning")])  # a shorter turn: first in line
+    released: list[Batch | None] = []
+    engine = threading.Thread(target=lambda: released.append(b.next_batch()), daemon=True)
+    engine.start()
+    engine.join(5.0)
+    b.close()
+    assert released and waited in released[0].items
+
+
 def test_without_buckets_a_batch_is_its_items_padded_to_the_longest():
     b = _batcher()
     b.submit([_item(s) for s in (2.5, 1.0)])

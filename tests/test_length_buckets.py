@@ -19,6 +19,7 @@ import torch
 
 from models import load_model
 from models.audio_io import read_audio
+from models.offline import OfflineOptions, _batches
 from service.batcher import Batch, Batcher, WorkItem
 from service.cli import main
 from service.config import Settings
@@ -136,3 +137,13 @@ def test_the_transcribe_command_takes_length_buckets(parity_audio, capsys):
 
     alone, among = first_line(parity_audio[0]), first_line(*parity_audio[:6])
     assert alone["tokens"] and (alone["tokens"], alone["token_logprobs"]) == (among["tokens"], among["token_logprobs"])
+
+
+def test_offline_buckets_end_at_the_longest_piece_too():
+    """As the service's: 7 s buckets padded pieces of 30 s segments to 35 s, computing padding no piece fills."""
+    options = OfflineOptions(batch_size=4, max_segment_s=30.0, length_bucket_s=7.0)
+    lengths = [30 * 16000, 29 * 16000, 27 * 16000]
+    assert [(sorted(rows), end, n) for rows, end, n in _batches(lengths, options, 16000)] == [
+        ([0, 1], 30 * 16000, 4), ([2], 28 * 16000, 4)]
+    whole = OfflineOptions(batch_size=4, max_segment_s=None, length_bucket_s=7.0)  # no longest piece: as before
+    assert [end for _, end, _ in _batches([30 * 16000], whole, 16000)] == [35 * 16000]

@@ -166,8 +166,15 @@ def test_an_overlap_of_half_a_segment_or_more_is_refused():
 def test_the_service_refuses_segments_and_buckets_with_no_length_in_samples():
     """BATCHASR_MAX_SEGMENT_S=inf failed the first long recording (OverflowError), and a length bucket that rounds
     to no samples (1e-9 s) divided by zero at the first batch: the settings refuse them, as the command line does."""
-    for field, value, message in (("max_segment_s", "inf", "finite"), ("length_bucket_s", "1e-9", ">= 0.01"),
-                                  ("length_bucket_s", "inf", ">= 0.01")):
+    for field, value, message in (("max_segment_s", "inf", "finite"), ("length_bucket_s", "1e-9", ">= 0.5"),
+                                  ("length_bucket_s", "inf", ">= 0.5"), ("length_bucket_s", "0.1", ">= 0.5")):
         with pytest.raises(ValidationError, match=f"{field}\n.*{message}"):
             Settings(**{field: value})
-    assert Settings(length_bucket_s=0.01).length_bucket_s == 0.01
+    assert Settings(length_bucket_s=0.5).length_bucket_s == 0.5
+
+
+def test_a_piece_longer_than_a_batch_may_hold_is_refused():
+    """A 30 s piece ran alone in a batch of MAX_BATCH_AUDIO_S=20, past the limit that bounds the batch's memory."""
+    with pytest.raises(ValidationError, match=r"max_segment_s\n.*at most max_batch_audio_s \(20\)"):
+        Settings(max_batch_audio_s=20)
+    assert Settings(max_batch_audio_s=20, max_segment_s=20).max_segment_s == 20

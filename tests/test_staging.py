@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -27,6 +29,25 @@ def test_a_staged_batch_is_its_waveforms_zero_padded():
     for row, item in enumerate(items):
         assert torch.equal(audio[row, : item.n_samples], torch.from_numpy(item.waveform))
         assert not audio[row, item.n_samples :].any()
+
+
+def test_at_most_one_batch_is_formed_ahead_of_the_one_running():
+    """The stager put a batch in its queue of one and formed the next while it waited for room: two batches were
+    formed ahead of the running one, and a request arriving then waited for both, past what the batcher allows
+    for (FINISH_BATCHES)."""
+    batcher = Batcher(4, 1000.0, 0.0, 100)
+    batcher.submit([WorkItem(np.zeros(16000, np.float32), Priority.BULK_LOW) for _ in range(40)])
+    stager = BatchStager(batcher, torch.device("cpu"), ahead=True)
+    stager.start()
+    assert stager.next() is not None  # the engine runs this one
+    time.sleep(0.3)  # the stager forms what it may meanwhile
+    urgent = WorkItem(np.zeros(16000, np.float32), Priority.INTERACTIVE)
+    batcher.submit([urgent])
+    ahead_of_it = 0
+    while urgent not in stager.next().batch.items:
+        ahead_of_it += 1
+    batcher.close()
+    assert ahead_of_it <= 1
 
 
 @pytest.mark.parametrize("ahead", [False, True], ids=["when_asked", "ahead"])
