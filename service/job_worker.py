@@ -41,7 +41,7 @@ from .job_types import ItemStart, JobInputError, JobPriority, item_record, resol
 from .jobs import JobStore
 from .redis_outages import REDIS_ERRORS, group_lost, step_until_stopped
 from .transcriber import TooManyPieces, Transcriber
-from .url_inputs import UrlFetcher
+from .url_inputs import SourceUnavailable, UrlFetcher
 from .webhook_worker import WebhookWorker
 from .webhooks import WebhookSender
 
@@ -262,6 +262,9 @@ class JobConsumer:
         except TimeoutError as exc:  # the transcription or a fetch took too long (an OSError, but not Redis's)
             log.warning("item %s/%d timed out; it will be retried", job_id, index)
             await self._record_error(job_id, index, f"timed out{': ' + str(exc) if str(exc) else ''}")
+        except SourceUnavailable as exc:  # its host is down or busy: back after the visibility timeout
+            log.warning("item %s/%d could not be fetched (%s); it will be retried", job_id, index, exc)
+            await self._record_error(job_id, index, str(exc))
         except (*REDIS_ERRORS, aioredis.RedisError) as exc:  # unacknowledged: back after the visibility timeout
             log.warning("redis error on %s/%d (%s); it will be retried", job_id, index, exc)
         except Exception as exc:  # likewise retried, until max_attempts

@@ -6,8 +6,10 @@ say). A prefix names a scheme, host, port and path; a URL is under it when all f
 after dot segments are resolved (percent-encoded ones too), and every redirect is checked the same way.
 
 A fetch that fails for a reason that may pass (the connection, a timeout, a body that comes slower than
-``MIN_BYTES_PER_S``, HTTP 5xx, 408, 425 or 429) is tried again after a pause; other failures (HTTP 4xx, too large,
-outside the prefixes) fail the item at once.
+``MIN_BYTES_PER_S``, HTTP 5xx, 408, 425 or 429) is tried again after a pause; should every try fail, the attempt
+fails (``SourceUnavailable``) and the item is delivered again after the visibility timeout, until its attempts run
+out, so that a host down for minutes fails no item. Other failures (HTTP 4xx, too large, outside the prefixes) fail
+the item at once.
 
 A body is received into a temporary file (service.spool: in memory up to its first MiB, on disk past that) and decoded
 from there: the consumer fetches up to ``CONNECTIONS`` at once, and recordings of hours held whole in memory (grown
@@ -36,6 +38,11 @@ CONNECTIONS = 64  # to the media hosts, per consumer
 # the slowest body taken, on average once the first timeout has passed: a host that drips a byte just inside
 # each read's timeout would otherwise hold one of the consumer's items (and its prefetch slot) for days
 MIN_BYTES_PER_S = 32 * 1024
+
+
+class SourceUnavailable(RuntimeError):
+    """A URL's host failed every try of an attempt for reasons that may pass: the item is tried again later, in
+    another attempt (``JOB_MAX_ATTEMPTS``), not failed."""
 
 
 class _MayPass(Exception):
@@ -76,7 +83,7 @@ class UrlFetcher:
 
     async def fetch(self, url: str) -> BinaryIO:
         """The body at ``url``, in a temporary file at its start, for the caller to close; JobInputError (the item
-        fails) when it cannot be had."""
+        fails) when it cannot be had, SourceUnavailable when it could not be had now."""
         check_input_url(url, self.prefixes)  # again here: items written to Redis directly skip the API's check
         failure: _MayPass | None = None
         for delay in (0.0, *self.retry_delays_s):
@@ -87,7 +94,7 @@ class UrlFetcher:
             except _MayPass as exc:
                 failure = exc
         tries = 1 + len(self.retry_delays_s)
-        raise JobInputError(f"{url}: {failure} ({tries} tries)")
+        raise SourceUnavailable(f"{url}: {failure} ({tries} tries)")
 
     async def _get(self, url: str) -> BinaryIO:
         if self._session is None:

@@ -131,8 +131,9 @@ def test_url_items_are_fetched_and_each_failure_fails_only_its_item(redis_server
     site = AudioSite(parity_audio, limit)
     dead = f"http://127.0.0.1:{free_port()}/"  # nothing listens there
     names = sorted(site.clips)
+    # a host down past an attempt's tries: the item comes back after the visibility timeout, until its attempts end
     settings = Settings(redis_url=redis_server.url, input_url_prefixes=[f"{site.url}/clips/", dead],
-                        max_upload_bytes=limit)
+                        max_upload_bytes=limit, job_visibility_timeout_s=1, job_max_attempts=2)
     items = {f"{site.url}/clips/{names[0]}": "completed", f"{site.url}/clips/moved/{names[1]}": "completed",
              f"{site.url}/clips/flaky/{names[2]}": "completed", f"{site.url}/clips/missing.wav": "HTTP 404",
              f"{site.url}/clips/huge": "upload limit", f"{site.url}/clips/away": "not under",
@@ -155,7 +156,8 @@ def test_url_items_are_fetched_and_each_failure_fails_only_its_item(redis_server
         else:
             assert line["status"] == "failed" and outcome in line["error"], (url, line["error"])
     assert site.requests[f"/clips/flaky/{names[2]}"] == 3  # two 503s, then the clip
-    assert "(4 tries)" in lines[-1]["error"]  # refused connections are tried again, then given up
+    # refused connections are tried again, in two attempts, then given up
+    assert lines[-1]["error"].startswith("gave up after 2 attempts: ") and "(4 tries)" in lines[-1]["error"]
     assert not any(path.startswith("/private/") for path in site.requests)  # the redirect off the prefix: not taken
 
 
@@ -184,7 +186,9 @@ def test_a_url_whose_body_drips_is_given_up_and_tried_again(parity_audio):
         site.close()
     assert whole == site.clips[name]  # a body that comes quickly is taken whatever its size
     for failure in (dripped, dripped_chunked):  # 20 bytes a second, below 100: each try stops within a second
-        assert isinstance(failure, JobInputError) and "slower than" in str(failure) and "(2 tries)" in str(failure)
+        assert isinstance(failure, url_inputs.SourceUnavailable) and "slower than" in str(failure)
+        assert "(2 tries)" in str(failure)
+        assert not isinstance(failure, (OSError, ValueError))  # the worker's to retry, not the item's failure
     assert took < 5
 
 
@@ -342,7 +346,7 @@ def test_a_server_that_drips_its_headers_is_given_up_on(tmp_path):
         fetcher = url_inputs.UrlFetcher([url], 1 << 20, timeout_s=1.0, retry_delays_s=())
         started = time.monotonic()
         try:
-            with pytest.raises(JobInputError, match="came slower than"):
+            with pytest.raises(url_inputs.SourceUnavailable, match="came slower than"):
                 await fetcher.fetch(url)
             return time.monotonic() - started
         finally:
