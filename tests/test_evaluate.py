@@ -8,10 +8,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import soundfile as sf
 
 from models import load_model
 from models.asr_model import DEFAULT_MODEL
-from models.training.evaluate import RATE_BANDS, print_breakdown, read_rows, read_splits, wer
+from models.training.evaluate import RATE_BANDS, print_breakdown, read_rows, read_split, read_splits, wer
 
 DATA = Path(__file__).parent / "data" / "default_model"
 
@@ -70,3 +71,15 @@ def test_read_splits_pools_the_splits_in_the_order_given(tmp_path):
     assert len(audio) == len(names) and all(a.dtype == np.float32 and a.size > 0 for a in audio)
     with pytest.raises(FileNotFoundError, match="test_voice"):
         read_splits(tmp_path, ["valid", "test_voice"])
+
+
+def test_a_split_is_read_at_16_khz_in_mono_whatever_its_files(tmp_path):
+    rate = 16000
+    wave = (0.1 * np.sin(2 * np.pi * 440 * np.arange(rate) / rate)).astype(np.float32)  # 1 s
+    sf.write(tmp_path / "8k.wav", wave[::2], rate // 2)
+    sf.write(tmp_path / "stereo.wav", np.stack([wave, 0.5 * wave], 1), rate)
+    rows = [{"audio": name, "text": "a tone"} for name in ("8k.wav", "stereo.wav")]
+    (tmp_path / "valid.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    audio, _ = read_split(tmp_path, "valid")  # what average and interpolate score their picks on
+    assert [a.shape for a in audio] == [(rate,), (rate,)]
+    np.testing.assert_allclose(audio[1], 0.75 * wave, atol=1e-4)  # the channels' mean

@@ -16,7 +16,7 @@ from models.asr_model import DEFAULT_MODEL, ASRModel
 from models.checkpoint import Checkpoint, open_checkpoint
 from models.training import average as average_tool
 from models.training import interpolate as interpolate_tool
-from models.training.average import average, checked_snapshots
+from models.training.average import average, checked_snapshots, in_step_order
 from models.training.evaluate import pick_lowest
 from models.training.export import save_nemo
 from models.training.interpolate import checked_start_weights, interpolate
@@ -113,6 +113,7 @@ def test_average_is_the_mean_and_keeps_the_last_counters():
     assert torch.equal(average(snapshots[-1:])["w"], snapshots[-1]["w"])
 
 
+@needs_default_model
 def test_snapshots_of_other_runs_are_refused():
     ckpt = open_checkpoint(DEFAULT_MODEL)
     other_tokenizer = Checkpoint(ckpt.config, ckpt.raw_config, ckpt.state_dict, b"another", "other.nemo")
@@ -140,6 +141,18 @@ def test_the_average_cli_writes_the_mean_with_the_lowest_validation_wer(tmp_path
     assert written.keys() == good.keys()
     for key, value in good.items():
         torch.testing.assert_close(written[key], value.to(written[key].dtype), rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_snapshots_are_averaged_in_step_order_and_other_names_refused(tmp_path, monkeypatch, capsys):
+    names = ["step-100000.nemo", "step-99600.nemo", "step-01000.nemo", "step-1000200.nemo"]
+    ordered = in_step_order([tmp_path / n for n in names])
+    assert [p.name for p in ordered] == ["step-01000.nemo", "step-99600.nemo", "step-100000.nemo", "step-1000200.nemo"]
+    monkeypatch.setattr(sys, "argv", ["average", "--snapshots", str(tmp_path / "step-99600.nemo"),
+                                      str(tmp_path / "model.nemo"), "--cache", str(tmp_path), "--last", "1",
+                                      "--out", str(tmp_path / "o.nemo")])
+    with pytest.raises(SystemExit):
+        average_tool.main()
+    assert "model.nemo: not a snapshot name (step-NNNNN.nemo" in capsys.readouterr().err
 
 
 def test_averaging_more_snapshots_than_there_are_is_refused(tmp_path, monkeypatch):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -25,7 +26,16 @@ from models.checkpoint import open_checkpoint
 from models.training.data import SAMPLE_RATE, Utterance, synthesize, telephone_band
 from models.training.export import ModelSize
 from models.training.parallel import Workers
-from models.training.train import Item, Recipe, join_samples, load_batch, pick_precision, train
+from models.training.train import (
+    Item,
+    Recipe,
+    batch_settings,
+    check_resumable,
+    join_samples,
+    load_batch,
+    pick_precision,
+    train,
+)
 from tests.ports import free_port
 
 pytestmark = pytest.mark.skipif(shutil.which("espeak-ng") is None, reason="espeak-ng not installed")
@@ -81,14 +91,53 @@ def test_learns_checkpoints_and_exports(corpus, tmp_path):
     assert len(model.transcribe([str(corpus / "train" / "0.wav")])) == 1
 
 
-def test_resume_continues_where_it_stopped(corpus, tmp_path):
-    run = tmp_path / "run"
-    augmented = {"concat_fraction": 0.5, "vtlp_max_warp": 0.1}  # and the training step warps voices
-    train(corpus, run, replace(_recipe(4), **augmented), TINY, torch.device("cpu"), "auto", None)
-    train(corpus, run, replace(_recipe(7), **augmented), TINY, torch.device("cpu"), "auto", None)
+def _trained(run: Path) -> tuple[list[tuple[int, int, float]], dict[str, torch.Tensor]]:
+    """(step, epoch, loss) of every step of a run, and its weights."""
     state = torch.load(run / "last.pt", weights_only=False)
-    assert state["step"] == 7
-    assert [h["step"] for h in state["history"]] == list(range(1, 8))
+    return [(h["step"], h["epoch"], h["loss"]) for h in state["history"]], state["model"]
+
+
+def test_resume_continues_where_it_stopped(corpus, tmp_path):
+    augmented = replace(_recipe(5), concat_fraction=0.5, vtlp_max_warp=0.1)  # and the training step warps voices
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train(corpus, straight, augmented, TINY, torch.device("cpu"), "fp32", None)
+    steps, weights = _trained(straight)
+    epochs = [epoch for _, epoch, _ in steps]
+    end_of_first_epoch = epochs.index(1)  # steps of epoch 0
+    assert end_of_first_epoch >= 2 and epochs[-1] >= 1
+    # Stopped by the time budget after every step up to the first epoch's last batch, then run to the end.
+    for _ in range(end_of_first_epoch):
+        train(corpus, resumed, augmented, TINY, torch.device("cpu"), "fp32", 0.0)
+    stopped = torch.load(resumed / "last.pt", weights_only=False)
+    assert (stopped["step"], stopped["epoch"]) == (end_of_first_epoch, 1)  # the next step starts epoch 1
+    torch.save({**stopped, "epoch": 0}, resumed / "last.pt")  # as a last.pt from before the fix has it
+    train(corpus, resumed, augmented, TINY, torch.device("cpu"), "fp32", None)
+    resumed_steps, resumed_weights = _trained(resumed)
+    assert resumed_steps == steps  # the same batches, epoch by epoch, and the same losses
+    assert all(torch.equal(resumed_weights[k], weights[k]) for k in weights)
+    train(corpus, resumed, replace(augmented, max_steps=7), TINY, torch.device("cpu"), "fp32", None)
+    assert [h["step"] for h in torch.load(resumed / "last.pt", weights_only=False)["history"]] == list(range(1, 8))
+
+
+def test_resuming_with_other_batches_is_refused(corpus, tmp_path):
+    run = tmp_path / "run"
+    train(corpus, run, _recipe(1), TINY, torch.device("cpu"), "fp32", None)
+    for changed, says in (({"seed": 1}, "--seed 0 (this command: 1)"),
+                          ({"batch_seconds": 4.0}, "--batch-seconds 8.0 (this command: 4.0)")):
+        with pytest.raises(ValueError, match=re.escape(f"last.pt: the run was trained with {says};")):
+            train(corpus, run, replace(_recipe(2), **changed), TINY, torch.device("cpu"), "fp32", None)
+    with pytest.raises(ValueError, match=r"--d-model 32 \(this command: 48\)"):
+        train(corpus, run, _recipe(2), replace(TINY, d_model=48), torch.device("cpu"), "fp32", None)
+    other = tmp_path / "other"
+    shutil.copytree(corpus, other, symlinks=True)
+    (other / "train.jsonl").write_text("".join((corpus / "train.jsonl").read_text().splitlines(True)[1:]))
+    with pytest.raises(ValueError, match=r"--data train\.jsonl sha256 \w+ \(this command: train\.jsonl sha256"):
+        train(other, run, _recipe(2), TINY, torch.device("cpu"), "fp32", None)
+    state = torch.load(run / "last.pt", weights_only=False)
+    with pytest.raises(ValueError, match=r"processes \(torchrun --nproc-per-node\) 1 \(this command: 2\)"):
+        check_resumable(run / "last.pt", state, batch_settings(_recipe(2), 2, corpus / "train.jsonl"), TINY)
+    train(corpus, run, _recipe(2), TINY, torch.device("cpu"), "fp32", None)  # more steps: the same batches
+    assert torch.load(run / "last.pt", weights_only=False)["step"] == 2
 
 
 def test_init_from_starts_with_that_models_weights_and_tokenizer(corpus, tmp_path):
@@ -103,18 +152,21 @@ def test_init_from_starts_with_that_models_weights_and_tokenizer(corpus, tmp_pat
         assert torch.equal(after.state_dict[key], value), key
 
 
-def test_the_cli_warm_start_keeps_its_depth_unless_asked_to_grow(corpus, tmp_path):
+def test_the_cli_warm_start_keeps_its_depth_and_tokenizer_unless_asked_to_change(corpus, tmp_path):
     first = tmp_path / "first"
     train(corpus, first, _recipe(0), replace(TINY, n_layers=3), torch.device("cpu"), "auto", None)
+    start = open_checkpoint(first / "model.nemo")
     size = [f"--{k.replace('_', '-')}={v}" for k, v in asdict(TINY).items() if k != "n_layers"]
+    # No --vocab-size: the start's 40 pieces, not a new tokenizer of the from-scratch default's 256.
     for grow, depth in (([], 3), (["--n-layers", "4"], 4)):
         run = tmp_path / f"run{depth}"
         command = [sys.executable, "-m", "models.training.train", "--data", str(corpus), "--out", str(run),
-                   "--init-from", str(first / "model.nemo"), "--vocab-size", "40", "--max-steps", "0", *size,
-                   *grow]
+                   "--init-from", str(first / "model.nemo"), "--max-steps", "0", *size, *grow]
         done = subprocess.run(command, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
-        assert open_checkpoint(run / "model.nemo").config.encoder.n_layers == depth
+        grown = open_checkpoint(run / "model.nemo")
+        assert grown.config.encoder.n_layers == depth
+        assert grown.tokenizer_model == start.tokenizer_model and grown.config.vocab_size == 40
 
 
 def test_a_frozen_input_conv_keeps_its_weights_while_the_rest_trains(corpus, tmp_path):
@@ -183,6 +235,20 @@ def test_a_joined_sample_is_its_utterances_in_order_with_pauses(corpus):
     assert batch.n_samples.tolist() == [lengths[0] + int(0.2 * SAMPLE_RATE) + lengths[1], lengths[0]]
     first = batch.targets[0, : batch.target_lengths[0]].tolist()
     assert sp.decode(first) == f"{SENTENCES[0]} {SENTENCES[1]}"
+
+
+def test_a_batch_hears_every_file_at_16_khz_in_mono(corpus, tmp_path):
+    wave, rate = sf.read(corpus / "train" / "0.wav", dtype="float32")
+    wave = wave[: len(wave) // 2 * 2]
+    seconds = len(wave) / rate
+    sf.write(tmp_path / "8k.wav", wave[::2], rate // 2)  # the same speech at 8 kHz
+    sf.write(tmp_path / "stereo.wav", np.stack([wave, 0.5 * wave], 1), rate)
+    items = [Item(tmp_path / name, SENTENCES[0], seconds) for name in ("8k.wav", "stereo.wav")]
+    sp = spm.SentencePieceProcessor()
+    sp.LoadFromSerializedProto(spm_proto(corpus))
+    batch = load_batch([items[:1], items[1:]], sp, Recipe(), np.random.default_rng(0), augment=False)
+    assert batch.n_samples.tolist() == [len(wave), len(wave)]
+    np.testing.assert_allclose(batch.audio[1].numpy(), 0.75 * wave, atol=1e-4)  # the channels' mean
 
 
 def test_telephone_band_keeps_speech_below_4khz_and_removes_the_rest():

@@ -9,7 +9,8 @@ test splits, and writes the best::
         --last 1 2 3 4 6 --out STAGE10/averaged.nemo
 
 The pick is the k with the lowest mean of the TDT and CTC heads' validation WER (float32); a tie goes to the
-smaller k. The snapshots are ordered by their names, so the zero-padded step numbers put the last one last.
+smaller k. The snapshots are ordered by the step number in their names (``step-NNNNN.nemo``, as ``train`` writes
+them; step-100000 comes after step-99600); a file named otherwise is refused.
 ``--valid-splits valid valid_voice`` scores the validation sentences in training voices and in a voice never
 trained on, pooled, so the pick also sees an unheard voice (the held-out test voice stays unscored).
 """
@@ -17,6 +18,7 @@ trained on, pooled, so the pick also sees an unheard voice (the held-out test vo
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 import torch
@@ -26,6 +28,22 @@ from ..asr_model import ASRModel
 from ..checkpoint import Checkpoint, open_checkpoint
 from .evaluate import add_validation_options, pick_weights, read_splits
 from .export import save_nemo
+
+SNAPSHOT_NAME = re.compile(r"step-(\d+)\.nemo")
+
+
+def snapshot_step(path: Path) -> int:
+    """The step in a snapshot's name (``step-NNNNN.nemo``), or a ValueError that says how it should be named."""
+    found = SNAPSHOT_NAME.fullmatch(path.name)
+    if found is None:
+        raise ValueError(f"{path}: not a snapshot name (step-NNNNN.nemo, as train --snapshot-every writes them); "
+                         "rename it to the step it was written at")
+    return int(found.group(1))
+
+
+def in_step_order(paths: list[Path]) -> list[Path]:
+    """The snapshots ordered by their steps, the last one last: by name, step-100000 would come before step-99600."""
+    return sorted(paths, key=snapshot_step)
 
 
 def checked_snapshots(snapshots: list[Checkpoint]) -> list[dict[str, Tensor]]:
@@ -57,7 +75,10 @@ def main() -> None:
     parser.add_argument("--store", choices=["float32", "float16"], default="float32",
                         help="how the written weights are stored (float16: half the file)")
     args = parser.parse_args()
-    paths = sorted(args.snapshots, key=lambda p: p.name)
+    try:
+        paths = in_step_order(args.snapshots)
+    except ValueError as exc:
+        parser.error(str(exc))
     if any(not 1 <= k <= len(paths) for k in args.last):
         parser.error(f"--last must lie in [1, {len(paths)}] (the number of snapshots)")
     torch.set_num_threads(2)

@@ -13,8 +13,11 @@ a model can be picked for voices it never heard without scoring the test voice.
 
 Usage: ``python -m models.training.data --cache DIR [--n-train N] [--seed S] [--train-min-count C]``
 writes ``DIR/<split>/*.wav`` and ``DIR/<split>.jsonl`` (``{"audio", "text", "voice", "duration_s"}``) for
-splits train, valid, valid_voice, test_sentences, test_voice. A split already built is kept, so rerunning on
-an older corpus only adds what it lacks.
+splits train, valid, valid_voice, test_sentences, test_voice, and ``DIR/<split>.plan.json``: a digest of each
+file's utterance (text, voice, rate, pitch), written before synthesis starts. A rebuild keeps the files whose
+utterance is unchanged and synthesises the others again, so rerunning on an older corpus only adds what it lacks,
+and a rerun with another ``--seed``, ``--n-train`` or ``--train-min-count`` never pairs a new text with old
+audio. ``train_text.txt`` (the tokenizer's text) is written with the training split it describes.
 """
 
 from __future__ import annotations
@@ -151,26 +154,66 @@ def plan(sentences: list[str], n: int, rng: random.Random,
                         rng.randint(*PITCH))
 
 
+def utterance_key(utt: Utterance) -> str:
+    """A digest of what an utterance's audio is made from: text, voice, rate and pitch."""
+    return hashlib.sha1(json.dumps(asdict(utt), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def manifest_keys(manifest: Path) -> list[str]:
+    """The utterance keys of a manifest's rows (each row holds its utterance's fields); [] when there is none."""
+    if not manifest.exists():
+        return []
+    rows = [json.loads(line) for line in manifest.read_text().splitlines()]
+    return [utterance_key(Utterance(r["text"], r["voice"], r["rate"], r["pitch"])) for r in rows]
+
+
+def audio_keys(cache: Path, split: str) -> list[str]:
+    """What the split's NNNNNN.wav files were synthesised from, by index: the plan file, or for a corpus built
+    before plan files, its manifest's rows. A file past the list is of unknown origin."""
+    plan_file = cache / f"{split}.plan.json"
+    return json.loads(plan_file.read_text()) if plan_file.exists() else manifest_keys(cache / f"{split}.jsonl")
+
+
+def write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
 def build_split(cache: Path, split: str, utts: list[Utterance], workers: int) -> None:
+    """The split's audio and manifest for ``utts``: a file is kept only when it was synthesised from the same
+    utterance, so a rebuild for another plan never pairs a row's text with another utterance's audio."""
     out_dir = cache / split
     out_dir.mkdir(parents=True, exist_ok=True)
     manifest = cache / f"{split}.jsonl"
-    if manifest.exists() and sum(1 for _ in manifest.open()) == len(utts):
+    plan_file = cache / f"{split}.plan.json"
+    wanted = [utterance_key(u) for u in utts]
+    known = audio_keys(cache, split)
+    paths = [out_dir / f"{i:06d}.wav" for i in range(len(utts))]
+    if known == wanted and manifest_keys(manifest) == wanted and all(p.exists() for p in paths):
+        if not plan_file.exists():  # a corpus built before plan files
+            write_atomically(plan_file, json.dumps(wanted))
         print(f"{split}: cached ({len(utts)} utterances)")
         return
+    stale = [p for i, p in enumerate(paths) if p.exists() and (i >= len(known) or known[i] != wanted[i])]
+    if stale:
+        print(f"{split}: {len(stale)} audio files were made for other utterances (another --seed, --n-train or "
+              "--train-min-count) or for unrecorded ones: synthesising them again")
+    for path in stale:  # before the plan is written: every file left belongs to the plan on disk
+        path.unlink()
+    write_atomically(plan_file, json.dumps(wanted))
 
-    def one(item: tuple[int, Utterance]) -> dict:
-        i, utt = item
-        path = out_dir / f"{i:06d}.wav"
-        if not path.exists():
-            sf.write(path, synthesize(utt), SAMPLE_RATE, subtype="PCM_16")
+    def one(item: tuple[Path, Utterance]) -> dict:
+        path, utt = item
+        if not path.exists():  # written whole or not at all: a build cut short leaves no truncated file
+            tmp = path.with_name(path.stem + ".tmp.wav")
+            sf.write(tmp, synthesize(utt), SAMPLE_RATE, subtype="PCM_16")
+            tmp.replace(path)
         return {"audio": f"{split}/{path.name}", "duration_s": sf.info(path).duration, **asdict(utt)}
 
     with ThreadPoolExecutor(workers) as pool:  # espeak runs in subprocesses; threads just wait on them
-        rows = list(pool.map(one, enumerate(utts)))
-    tmp = manifest.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    tmp.replace(manifest)
+        rows = list(pool.map(one, zip(paths, utts, strict=True)))
+    write_atomically(manifest, "".join(json.dumps(r) + "\n" for r in rows))
     hours = sum(r["duration_s"] for r in rows) / 3600
     print(f"{split}: {len(rows)} utterances, {hours:.2f} h")
 
@@ -194,11 +237,12 @@ def build_corpus(cache: Path, n_train: int, seed: int, workers: int = 2,
                  train_min_count: int = MIN_WORD_COUNT) -> None:
     splits = split_sentences(wordnet_sentences(), train_min_count)
     cache.mkdir(parents=True, exist_ok=True)
-    (cache / "train_text.txt").write_text("\n".join(splits["train"]) + "\n")
     plans = corpus_plans(splits, n_train, seed)
     print({k: len(v) for k, v in splits.items()}, "sentences")
     for split, utts in plans.items():
         build_split(cache, split, utts, workers)
+        if split == "train":  # the tokenizer's text, written with the training split it describes
+            write_atomically(cache / "train_text.txt", "\n".join(splits["train"]) + "\n")
 
 
 def main() -> None:

@@ -15,18 +15,18 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from itertools import islice
 from pathlib import Path
 
 import numpy as np
-import soundfile as sf
 import torch
 
 from .. import load_model
 from ..asr_model import ASRModel
+from ..audio_io import read_audio
 from ..wer import edit_distance, wer  # noqa: F401 (wer: this module's, for the scripts that score splits)
-from .data import telephone_band
+from .data import SAMPLE_RATE, telephone_band
 
 SPLITS = ("test_sentences", "test_voice")
 RATE_BANDS = ((130, 150), (150, 170), (170, 190), (190, 211))  # words per minute, [low, high)
@@ -38,10 +38,14 @@ def read_rows(cache: Path, split: str, limit: int | None = None) -> list[dict]:
         return [json.loads(line) for line in islice(manifest, limit)]
 
 
+def read_waves(paths: Iterable[Path]) -> list[np.ndarray]:
+    """Audio files as the model hears them: mono at 16 kHz, whatever their rate and channels."""
+    return [read_audio(path, SAMPLE_RATE) for path in paths]
+
+
 def read_split(cache: Path, split: str, limit: int | None = None) -> tuple[list[np.ndarray], list[str]]:
     rows = read_rows(cache, split, limit)
-    audio = [sf.read(cache / r["audio"], dtype="float32")[0] for r in rows]
-    return audio, [r["text"] for r in rows]
+    return read_waves(cache / r["audio"] for r in rows), [r["text"] for r in rows]
 
 
 def read_splits(cache: Path, splits: list[str]) -> tuple[list[np.ndarray], list[str]]:

@@ -68,6 +68,11 @@ def build_model(size: ModelSize, tokenizer_proto: bytes, *, tdt_sigma: float,
     return ASRModel(parse_model_config(raw), Tokenizer(tokenizer_proto)), raw
 
 
+def fits_float16(weights: Tensor) -> bool:
+    """Whether every finite value stays finite as float16 (magnitudes below 65520: they round to 65504 at most)."""
+    return bool((weights.to(torch.float16).isfinite() | ~weights.isfinite()).all())
+
+
 def float16_keeping_bfloat16(weights: Tensor) -> Tensor:
     """float32 weights as float16, each the nearest float16 that rounds to the same bfloat16 as the weight.
 
@@ -75,7 +80,10 @@ def float16_keeping_bfloat16(weights: Tensor) -> Tensor:
     bf16 loading then rounds it to the even one, which may be the wrong side: the model a float16 file gives in
     bf16 would differ from the one its float32 weights give. Such a weight moves one float16 step to its own
     side instead (at most 2^-10 relative error, against 2^-11). Below float16's normal range (|w| < 2^-14)
-    its steps may be too coarse to find one."""
+    its steps may be too coarse to find one. Values beyond float16's range are refused: they would become inf."""
+    if not fits_float16(weights):
+        raise ValueError(f"weights of magnitude up to {weights.abs().max().item():g} lie beyond float16's range "
+                         "(65504): keep such a tensor in float32")
     half = weights.to(torch.float16)
     wrong_side = half.to(torch.bfloat16) != weights.to(torch.bfloat16)
     half_value = half.float()
@@ -104,7 +112,8 @@ def save_nemo(model: ASRModel, raw_config: dict[str, Any], tokenizer_proto: byte
               weights_dtype: torch.dtype = torch.float32, compress: bool = False) -> None:
     """Write a .nemo archive (weights on CPU, floats as ``weights_dtype``) atomically. float16 halves the file
     (the loader casts to the precision asked for) and rounds a weight by at most 2^-10, never across a bfloat16
-    rounding boundary (``float16_keeping_bfloat16``); the preprocessor's buffers stay as they are. NeMo reads
+    rounding boundary (``float16_keeping_bfloat16``); a tensor with values beyond float16's range stays float32,
+    as the preprocessor's buffers do (loading casts each tensor to the model's dtype). NeMo reads
     the archive too (``restore_from``). A plain tar, as NeMo writes: ``compress=True`` gzips it, which gains
     nothing on random weights and a tenth on the trained default model's float16 ones (13.5 MB to 12.2), at
     about a minute a gigabyte: every training snapshot paid it."""
@@ -117,6 +126,8 @@ def save_nemo(model: ASRModel, raw_config: dict[str, Any], tokenizer_proto: byte
         if not value.is_floating_point() or key.startswith("preprocessor."):
             return value.clone()  # the feature extractor's window and mel filters run in float32 in any precision
         if weights_dtype == torch.float16:
+            if not fits_float16(value):
+                return value.float().clone()  # as float16 some weights would be inf
             return float16_keeping_bfloat16(value.float())
         return value.to(weights_dtype).clone()
 

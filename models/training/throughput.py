@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import random
 import time
 from pathlib import Path
 
@@ -30,10 +29,9 @@ from .parallel import Workers
 from .train import (
     Batch,
     Recipe,
+    epoch_batches,
     initial_model,
-    join_samples,
     load_batch,
-    make_batches,
     make_optimizer,
     pick_precision,
     read_manifest,
@@ -55,10 +53,8 @@ def load_trainable(path: Path, recipe: Recipe, n_layers: int | None = None) -> t
 def real_batches(data: Path, recipe: Recipe, tokenizer: bytes, n: int) -> list[Batch]:
     """The first n training batches of epoch 0, as ``train`` would draw them."""
     sp = load_sentencepiece(tokenizer)
-    rng = random.Random(recipe.seed * 1000)
-    samples = join_samples(read_manifest(data, "train"), recipe, rng)
-    return [load_batch(b, sp, recipe, np.random.default_rng(i), augment=True)
-            for i, b in enumerate(make_batches(samples, recipe.batch_seconds, rng)[:n])]
+    batches = epoch_batches(read_manifest(data, "train"), recipe, 0, 1, data / "train.jsonl")
+    return [load_batch(b, sp, recipe, np.random.default_rng(i), augment=True) for i, b in enumerate(batches[:n])]
 
 
 def audio_seconds_per_second(model: ASRModel, batches: list[Batch], recipe: Recipe, precision: str) -> float:

@@ -68,18 +68,23 @@ utterances into long samples, so the model also learns the multi-sentence window
 ``--telephone-fraction`` passes a share through an 8 kHz channel; ``--vtlp-max-warp`` stretches or squeezes
 each sample's mel axis, as a longer or shorter vocal tract would (``augment.py``). ``--init-from`` warm-starts
 from a .nemo of the same size (its depth, unless ``--n-layers`` asks for more: the new encoder layers start as
-pass-throughs on top, ``depth_growth.py``); ``--snapshot-every`` also writes the weights every so many steps,
-for ``average.py``; with a ``--vocab-size`` other than its tokenizer's, a new tokenizer is trained and the
-weights carried over to it (``vocab_transfer.py``).
+pass-throughs on top, ``depth_growth.py``) and its tokenizer; with a ``--vocab-size`` other than that
+tokenizer's, a new tokenizer is trained and the weights carried over to it (``vocab_transfer.py``). From
+scratch the tokenizer has 256 pieces unless ``--vocab-size`` says otherwise. ``--snapshot-every`` also writes
+the weights every so many steps, for ``average.py``.
+A run resumes only with the settings that decide its batches (``--seed``, ``--batch-seconds``, the concat
+options, the training manifest, the number of processes) and its model size; a run stopped on an epoch's last
+batch resumes with the next epoch, so it trains the batches an uninterrupted run would have.
 Mixed precision: float32 master weights; the forward pass runs under bf16 autocast (fp16 with a dynamic loss
-scaler where bf16 is unsupported, float32 on CPUs without bf16 instructions); the losses accumulate in
-float32. Under ``torchrun`` each process trains its own batches and gradients are averaged every step
-(``parallel.py``).
+scaler where bf16 is unsupported, float32 on CPUs without bf16 instructions); the CTC head and its
+log-softmax run in float32, and the losses accumulate in float32. Under ``torchrun`` each process trains its
+own batches and gradients are averaged every step (``parallel.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -94,26 +99,29 @@ from typing import Any
 
 import numpy as np
 import sentencepiece as spm
-import soundfile as sf
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from ..asr_model import ASRModel
+from ..audio_io import read_audio
 from ..checkpoint import Checkpoint, open_checkpoint
 from .augment import spec_augment, warp_frequencies
 from .data import SAMPLE_RATE, telephone_band
 from .depth_growth import deepen
-from .evaluate import split_wer
+from .evaluate import read_waves, split_wer
 from .export import ModelSize, build_model, load_sentencepiece, save_nemo
 from .losses import ctc_loss, transducer_loss
 from .parallel import Workers, start_workers
 from .vocab_transfer import transfer_weights
 
+DEFAULT_VOCAB_SIZE = 256  # tokenizer pieces of a run from scratch
+
 
 @dataclass(frozen=True)
 class Recipe:
-    vocab_size: int = 256
+    # Tokenizer pieces; None: --init-from's tokenizer as it is, or DEFAULT_VOCAB_SIZE pieces from scratch.
+    vocab_size: int | None = None
     max_steps: int = 3000
     batch_seconds: float = 60.0  # audio per batch
     peak_lr: float = 2e-3
@@ -161,9 +169,47 @@ class Item:
     duration_s: float
 
 
+MANIFEST_FIELDS: dict[str, type | tuple[type, ...]] = {"audio": str, "text": str, "duration_s": (int, float)}
+
+
 def read_manifest(data: Path, split: str) -> list[Item]:
-    rows = [json.loads(line) for line in (data / f"{split}.jsonl").read_text().splitlines()]
-    return [Item(data / r["audio"], r["text"], r["duration_s"]) for r in rows]
+    """The split's utterances, every row checked up front: a bad row or a missing file met only when its batch
+    loads would stop the run there, and every resumed run at the same place."""
+    path = data / f"{split}.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such manifest; build the corpus with python -m models.training.data "
+                                "--cache DIR and give that DIR as --data")
+    items = [manifest_item(data, f"{path}:{n}", line) for n, line in enumerate(path.read_text().splitlines(), 1)]
+    if not items:
+        raise ValueError(f"{path}: the manifest has no utterances; build the corpus with --n-train above 0 or "
+                         "give another --data")
+    return items
+
+
+def manifest_item(data: Path, where: str, line: str) -> Item:
+    """One manifest line (``where``: its file and line number) as an item, or a ValueError that says what to fix."""
+    fix = 'each line is one JSON object {"audio": path under --data, "text": words, "duration_s": seconds}'
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where}: not JSON ({exc.msg}); {fix}") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: a JSON {type(row).__name__}, not an object; {fix}")
+    for field, kind in MANIFEST_FIELDS.items():
+        if field not in row:
+            raise ValueError(f"{where}: no {field!r}; {fix}")
+        if not isinstance(row[field], kind) or isinstance(row[field], bool):
+            raise ValueError(f"{where}: {field!r} is {row[field]!r}, not a {_kind_name(kind)}; {fix}")
+    if not (math.isfinite(row["duration_s"]) and row["duration_s"] > 0):
+        raise ValueError(f"{where}: 'duration_s' is {row['duration_s']!r}, not a length in seconds above 0; {fix}")
+    audio = data / row["audio"]
+    if not audio.is_file():
+        raise ValueError(f"{where}: the audio file {audio} does not exist; restore it or remove the row")
+    return Item(audio, row["text"], float(row["duration_s"]))
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    return "number" if isinstance(kind, tuple) else "string"
 
 
 Sample = list[Item]  # one training sample: its utterances, spoken one after another
@@ -189,6 +235,19 @@ def join_samples(items: list[Item], recipe: Recipe, rng: random.Random) -> list[
 
 def _seconds(sample: Sample, gap_s: float = 0.0) -> float:
     return sum(it.duration_s for it in sample) + gap_s * (len(sample) - 1)
+
+
+def epoch_batches(items: list[Item], recipe: Recipe, epoch: int, world: int, manifest: Path) -> list[list[Sample]]:
+    """The epoch's batches, a function of (seed, epoch) alone, so a resumed run draws them again. A step takes
+    ``world`` consecutive batches, one per process: the last ``len % world`` are left out."""
+    rng = random.Random(recipe.seed * 1000 + epoch)
+    batches = make_batches(join_samples(items, recipe, rng), recipe.batch_seconds, rng)
+    n_steps = len(batches) // world
+    if n_steps == 0:  # an epoch without a step would be followed by another, forever
+        raise ValueError(f"{manifest}: {len(items)} utterance(s) make {len(batches)} batch(es) of --batch-seconds "
+                         f"{recipe.batch_seconds:g}, fewer than the {world} processes that take one each per step: "
+                         "an epoch would have 0 steps. Add utterances, lower --batch-seconds or run fewer processes")
+    return batches[: n_steps * world]
 
 
 def make_batches(samples: list[Sample], batch_seconds: float, rng: random.Random) -> list[list[Sample]]:
@@ -243,7 +302,7 @@ def read_sample(sample: Sample, recipe: Recipe, rng: np.random.Generator) -> np.
     for i, item in enumerate(sample):
         if i:
             parts.append(np.zeros(int(rng.uniform(*recipe.concat_gap_s) * SAMPLE_RATE), dtype=np.float32))
-        parts.append(sf.read(item.audio, dtype="float32")[0])
+        parts.append(read_audio(item.audio, SAMPLE_RATE))  # resampled and mixed down as the service does
     return np.concatenate(parts)
 
 
@@ -282,7 +341,7 @@ def compute_losses(model: ASRModel, batch: Batch, recipe: Recipe, gen: torch.Gen
         encoded, enc_lengths = model.encoder.contextualise(frames, enc_lengths)  # (B, T, d)
         enc_proj = model.joint.project_encoder(encoded)  # (B, T, J)
         pred_proj = model.joint.pred(prediction_sequence(model, targets))  # (B, U+1, J)
-        ctc_log_probs = model.ctc_decoder(encoded)  # (B, T, V+1)
+        ctc_log_probs = float32_ctc_log_probs(model, encoded)  # (B, T, V+1)
         transducer = model.config.transducer
         assert transducer is not None
         tdt = transducer_loss(enc_proj, pred_proj, targets, enc_lengths, target_lengths, model.joint.joint_net,
@@ -290,6 +349,13 @@ def compute_losses(model: ASRModel, batch: Batch, recipe: Recipe, gen: torch.Gen
     ctc = ctc_loss(ctc_log_probs, targets, enc_lengths, target_lengths, model.ctc_decoder.blank_id)
     n_tokens = target_lengths.sum().clamp_min(1)
     return tdt.sum() / n_tokens, ctc.sum() / n_tokens
+
+
+def float32_ctc_log_probs(model: ASRModel, encoded: Tensor) -> Tensor:
+    """The CTC head's log-probabilities in float32 under any autocast: CPU autocast leaves the log-softmax in bf16,
+    whose probabilities per frame sum to 1 only within about 1%, and the loss adds up hundreds of frames."""
+    with torch.autocast(encoded.device.type, enabled=False):
+        return model.ctc_decoder(encoded.float())
 
 
 def train_step(model: ASRModel, batch: Batch, recipe: Recipe, gen: torch.Generator | None,
@@ -364,7 +430,7 @@ def pick_precision(device: torch.device, requested: str) -> tuple[torch.dtype | 
 
 def validate(model: ASRModel, valid: list[Item], limit: int = 200) -> dict[str, float]:
     model.eval()
-    audio = [sf.read(it.audio, dtype="float32")[0] for it in valid[:limit]]
+    audio = read_waves(it.audio for it in valid[:limit])
     texts = [it.text for it in valid[:limit]]
     result = {f"wer_{d}": split_wer(model, audio, texts, d) for d in ("tdt", "ctc")}
     model.train()
@@ -397,15 +463,21 @@ def train(data: Path, out: Path, recipe: Recipe, size: ModelSize, device: torch.
           time_budget_s: float | None, init_from: Path | None = None, workers: Workers | None = None) -> None:
     workers = workers or Workers()
     say = print if workers.is_main else _quiet
+    # What can be refused is refused before a tokenizer is trained or a step taken.
+    manifest = data / "train.jsonl"
+    train_items, valid_items = read_manifest(data, "train"), read_manifest(data, "valid")
+    epoch_batches(train_items, recipe, 0, workers.world, manifest)
+    settings = batch_settings(recipe, workers.world, manifest)
+    last = out / "last.pt"
+    state = torch.load(last, map_location=device, weights_only=False) if last.exists() else None
+    if state is not None:
+        check_resumable(last, state, settings, size)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(recipe.seed)
     start = open_checkpoint(init_from) if init_from is not None else None
     tokenizer_path = out / "tokenizer.model"
     if workers.is_main and not tokenizer_path.exists():
-        reuse = start.tokenizer_model if start is not None else None
-        if reuse is not None and load_sentencepiece(reuse).get_piece_size() != recipe.vocab_size:
-            reuse = None  # --vocab-size asks for another vocabulary
-        tokenizer_path.write_bytes(reuse or train_tokenizer(data / "train_text.txt", recipe.vocab_size))
+        tokenizer_path.write_bytes(run_tokenizer(data, recipe, start))
     workers.barrier()
     proto = tokenizer_path.read_bytes()
     sp = load_sentencepiece(proto)
@@ -417,16 +489,13 @@ def train(data: Path, out: Path, recipe: Recipe, size: ModelSize, device: torch.
     amp_dtype, use_scaler = pick_precision(device, precision)
     optimizer = make_optimizer(model, recipe)
     scaler = torch.amp.GradScaler(device.type, enabled=use_scaler)
-    train_items, valid_items = read_manifest(data, "train"), read_manifest(data, "valid")
     n_params = sum(p.numel() for p in model.parameters())
     say(f"{len(train_items)} training utterances ({sum(i.duration_s for i in train_items) / 3600:.1f} h); "
         f"{n_params / 1e6:.2f} M parameters; autocast {amp_dtype}, loss scaler {use_scaler}; "
         f"{workers.world} process(es)", flush=True)
 
     step, epoch, history = 0, 0, []
-    last = out / "last.pt"
-    if last.exists():  # resume
-        state = torch.load(last, map_location=device, weights_only=False)
+    if state is not None:  # resume
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scaler.load_state_dict(state["scaler"])
@@ -437,19 +506,20 @@ def train(data: Path, out: Path, recipe: Recipe, size: ModelSize, device: torch.
         tmp = last.with_suffix(".tmp")
         torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                     "scaler": scaler.state_dict(), "step": step, "epoch": epoch, "history": history,
-                    "recipe": asdict(recipe), "size": asdict(size)}, tmp)
+                    "recipe": asdict(recipe), "size": asdict(size), "batch_settings": settings}, tmp)
         tmp.replace(last)
 
     started = time.monotonic()
     audio_s, window_start = 0.0, time.monotonic()
-    while step < recipe.max_steps:
-        # Batches of an epoch are a function of (seed, epoch): a resumed run skips those already done.
-        # A step takes `world` consecutive batches, one per process.
-        epoch_rng = random.Random(recipe.seed * 1000 + epoch)
-        batches = make_batches(join_samples(train_items, recipe, epoch_rng), recipe.batch_seconds, epoch_rng)
-        n_steps = len(batches) // workers.world
-        offset = state_offset(epoch, n_steps, history)
-        mine = batches[offset * workers.world + workers.rank : n_steps * workers.world : workers.world]
+    stop = False
+    while step < recipe.max_steps and not stop:
+        # A resumed run draws the epoch's batches again and skips those already trained.
+        batches = epoch_batches(train_items, recipe, epoch, workers.world, manifest)
+        n_steps, done = len(batches) // workers.world, steps_done(epoch, history)
+        if done >= n_steps:  # a last.pt written before the epoch moved on with its last step
+            epoch += 1
+            continue
+        mine = batches[done * workers.world + workers.rank :: workers.world]
         loads = prefetched(mine, lambda i, items, first=step: load_batch(
             items, sp, recipe, np.random.default_rng([first + i, workers.rank]), augment=True))
         for batch in loads:
@@ -465,6 +535,9 @@ def train(data: Path, out: Path, recipe: Recipe, size: ModelSize, device: torch.
             batch_audio, stop = workers.sum([batch.audio_seconds(model.sample_rate), over_budget])
             audio_s += batch_audio
             history.append({"step": step, "epoch": epoch, "loss": round(loss.item(), 4)})
+            done += 1
+            if done == n_steps:  # the next step starts the next epoch, also after a stop here
+                epoch += 1
             if workers.is_main:
                 _report(step, recipe, loss, tdt, ctc, audio_s / (time.monotonic() - window_start), lr,
                         time.monotonic() - started)
@@ -479,10 +552,6 @@ def train(data: Path, out: Path, recipe: Recipe, size: ModelSize, device: torch.
             if stop:
                 say(f"\ntime budget reached at step {step}; rerun the same command to continue", flush=True)
                 break
-        else:
-            epoch += 1
-            continue
-        break
     if workers.is_main:
         save()
         model.eval()
@@ -503,9 +572,52 @@ def _report(step: int, recipe: Recipe, loss: Tensor, tdt: Tensor, ctc: Tensor, r
               f"{rate:.1f} audio-s/s elapsed {elapsed_s:.0f}s", flush=True)
 
 
-def state_offset(epoch: int, n_steps: int, history: list[dict]) -> int:
-    """Steps of the current epoch already trained (from the per-step history)."""
-    return sum(1 for h in history if h["epoch"] == epoch) % max(1, n_steps)
+def steps_done(epoch: int, history: list[dict]) -> int:
+    """Steps of ``epoch`` already trained (from the per-step history)."""
+    return sum(1 for h in history if h["epoch"] == epoch)
+
+
+def run_tokenizer(data: Path, recipe: Recipe, start: Checkpoint | None) -> bytes:
+    """``start``'s tokenizer unless ``recipe.vocab_size`` asks for another number of pieces; else one trained on
+    the corpus text (DEFAULT_VOCAB_SIZE pieces unless asked)."""
+    reuse = start.tokenizer_model if start is not None else None
+    if reuse is not None and recipe.vocab_size in (None, load_sentencepiece(reuse).get_piece_size()):
+        return reuse
+    pieces = DEFAULT_VOCAB_SIZE if recipe.vocab_size is None else recipe.vocab_size
+    return train_tokenizer(data / "train_text.txt", pieces)
+
+
+# The recipe's settings that decide which utterances each step trains on.
+BATCH_FIELDS = ("seed", "batch_seconds", "concat_fraction", "concat_max_s", "concat_gap_s")
+PROCESSES = "processes (torchrun --nproc-per-node)"
+
+
+def batch_settings(recipe: Recipe, world: int, manifest: Path) -> dict[str, Any]:
+    """What decides the batches of every step, by the option that sets it; stored in last.pt, since resuming
+    with others would skip or repeat utterances."""
+    settings: dict[str, Any] = {_option(field): getattr(recipe, field) for field in BATCH_FIELDS}
+    settings["--data"] = f"{manifest.name} sha256 {hashlib.sha256(manifest.read_bytes()).hexdigest()[:16]}"
+    settings[PROCESSES] = world
+    return settings
+
+
+def check_resumable(last: Path, state: dict[str, Any], settings: dict[str, Any], size: ModelSize) -> None:
+    """Refuse to resume a run with other batch settings or another model size, naming each and both values.
+    A last.pt written before the settings were stored is checked on the recipe and size it holds."""
+    recipe = state.get("recipe", {})
+    stored = state.get("batch_settings") or {_option(f): recipe[f] for f in BATCH_FIELDS if f in recipe}
+    stored_size = state.get("size", {})
+    differ = [(name, stored[name], now) for name, now in settings.items() if name in stored and stored[name] != now]
+    differ += [(_option(field), stored_size[field], now) for field, now in asdict(size).items()
+               if field in stored_size and stored_size[field] != now]
+    if differ:
+        listed = ", ".join(f"{name} {before} (this command: {now})" for name, before, now in differ)
+        raise ValueError(f"{last}: the run was trained with {listed}; resume it with the run's settings, or give "
+                         "another --out to start a new run")
+
+
+def _option(field: str) -> str:
+    return f"--{field.replace('_', '-')}"
 
 
 def main() -> None:
@@ -520,19 +632,24 @@ def main() -> None:
     parser.add_argument("--time-budget-s", type=float, default=None, help="stop (resumable) after this long")
     parser.add_argument("--init-from", type=Path, default=None,
                         help="a .nemo of the same size to start from: its weights, and its tokenizer unless "
-                             "--vocab-size differs (then a new one, its rows started from the old pieces')")
+                             "--vocab-size asks for another size (then a new one, its rows started from the old "
+                             "pieces')")
     for name, value in asdict(Recipe()).items():
-        if isinstance(value, bool):
-            parser.add_argument(f"--{name.replace('_', '-')}", action=argparse.BooleanOptionalAction, default=value)
+        if name == "vocab_size":
+            parser.add_argument("--vocab-size", type=int, default=None,
+                                help=f"tokenizer pieces (default: --init-from's tokenizer, or {DEFAULT_VOCAB_SIZE} "
+                                     "from scratch)")
+        elif isinstance(value, bool):
+            parser.add_argument(_option(name), action=argparse.BooleanOptionalAction, default=value)
         elif not isinstance(value, tuple):
-            parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
+            parser.add_argument(_option(name), type=type(value), default=value)
     for name, value in asdict(ModelSize()).items():
         if name == "n_layers":
             parser.add_argument("--n-layers", type=int, default=None,
                                 help=f"encoder depth (default: --init-from's, or {value} from scratch; more than "
                                      "--init-from's grows it)")
         else:
-            parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
+            parser.add_argument(_option(name), type=type(value), default=value)
     args = vars(parser.parse_args())
     torch.set_num_threads(args["threads"])
     recipe = Recipe(**{k: args[k] for k in asdict(Recipe()) if k in args})
