@@ -3,7 +3,7 @@ the other), read back as one conversation: who said what, in the order it was sa
 
 Mixing such a call down to mono loses who spoke, and where the two talk over each other the model hears neither
 clearly. Kept apart, each channel is transcribed as clean speech, and the channels' words are merged by time
-into utterances: a speaker's words up to a pause or until someone else speaks.
+into utterances: a speaker's words up to a pause, or to a pause in which someone else speaks.
 """
 
 from __future__ import annotations
@@ -23,6 +23,9 @@ from .tokenizer import Tokenizer
 from .transcript import Transcript, Word, build_transcript, mean_logprob
 
 UTTERANCE_GAP_S = 1.0  # a pause this long ends an utterance even when nobody else speaks in it
+# a pause this long in which another channel begins a word is a turn, and ends the utterance; words between words
+# said without one are talked over (two people at once), and each speaker's utterance goes on
+TURN_GAP_S = 0.3
 # a channel repeats an earlier one when the two correlate this closely (either sign), at a lag of up to SAME_LAGS
 # samples: the same signal at another level, inverted, or a sample or two late ("stereo" files that are mono twice
 # over, through a mixer or a codec). Two people on two lines never come near it; a line's bleed into the other does
@@ -76,23 +79,34 @@ class Conversation:
         """One line per utterance, in time order, each saying who speaks: ``[agent] how can i help``."""
         return "\n".join(f"[{self.speaker(u.channel)}] {u.text}" for u in self.utterances())
 
-    def utterances(self, max_gap_s: float = UTTERANCE_GAP_S) -> list[Utterance]:
-        """Every channel's words merged by start time (a tie goes to the lower channel) and grouped: an utterance
-        ends at a pause longer than ``max_gap_s`` or where another channel's word comes between."""
-        merged = sorted(((w.start_s, channel, i, w) for channel, t in enumerate(self.channels)
-                         for i, w in enumerate(t.words)), key=lambda entry: entry[:3])
+    def utterances(self, max_gap_s: float = UTTERANCE_GAP_S, turn_gap_s: float = TURN_GAP_S) -> list[Utterance]:
+        """Each channel's words grouped, in order of their first word's start (a tie goes to the lower channel): a
+        channel's utterance ends at a pause longer than ``max_gap_s``, or at one of ``turn_gap_s`` or more in which
+        another channel begins a word (a turn). Cut wherever another channel's word came between, two people
+        talking at once read as a word of each in turn; their utterances overlap in time instead."""
         groups: list[tuple[int, list[Word]]] = []
-        for _, channel, _, word in merged:
-            if groups and groups[-1][0] == channel and word.start_s - groups[-1][1][-1].end_s <= max_gap_s:
-                groups[-1][1].append(word)
-            else:
-                groups.append((channel, [word]))
+        open_words: dict[int, list[Word]] = {}  # each channel's utterance under way
+        latest_start: dict[int, float] = {}  # each channel's last word's start so far
+        for channel, word in self.timed_words():
+            words = open_words.get(channel)
+            if words is not None:
+                pause_from, pause = words[-1].end_s, word.start_s - words[-1].end_s
+                others_spoke = any(start > pause_from for c, start in latest_start.items() if c != channel)
+                if pause > max_gap_s or (pause >= turn_gap_s and others_spoke):
+                    words = None
+            if words is None:
+                words = open_words[channel] = []
+                groups.append((channel, words))
+            words.append(word)
+            latest_start[channel] = word.start_s
         return [Utterance(channel, words[0].start_s, max(w.end_s for w in words), " ".join(w.word for w in words),
                           words) for channel, words in groups]
 
     def timed_words(self) -> list[tuple[int, Word]]:
-        """(channel, word) for every word, in time order."""
-        return [(u.channel, w) for u in self.utterances() for w in u.words]
+        """(channel, word) for every word, by start time (a tie goes to the lower channel)."""
+        merged = sorted(((w.start_s, channel, i, w) for channel, t in enumerate(self.channels)
+                         for i, w in enumerate(t.words)), key=lambda entry: entry[:3])
+        return [(channel, word) for _, channel, _, word in merged]
 
 
 def assemble(hypotheses: dict[int, Hypothesis], channels: Sequence[np.ndarray], duplicates: dict[int, int],

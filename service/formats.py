@@ -128,14 +128,15 @@ def _timestamp(seconds: float, decimal: str) -> str:
 def _cues_of(transcript: Transcript | Conversation, layout: SubtitleLayout, label: Callable[[str], str]
              ) -> list[Cue]:
     """The transcript's cues; a conversation's by utterance, each with its speaker, whose ``label`` (as shown
-    before the first line) counts toward that line's width."""
+    before the first line) counts toward that line's width, in order of start (utterances said over one another
+    overlap: a player shows both)."""
     if isinstance(transcript, Transcript):
         return cues(transcript.words, layout)
     out = []
     for u in transcript.utterances():
         speaker = transcript.speaker(u.channel)
         out += [dataclasses.replace(c, speaker=speaker) for c in cues(u.words, layout, len(label(speaker)))]
-    return out
+    return sorted(out, key=lambda c: c.start_s)  # stable: a tie keeps the lower channel first
 
 
 def _srt_label(speaker: str) -> str:

@@ -21,7 +21,7 @@ from models.segmenter import plan_pieces
 from models.transcript import Transcript, Word
 from service.audio import AudioLimits, AudioRequestError, AudioTooLarge, TooManyChannels, decode_audio
 from service.config import Settings
-from service.formats import from_record, render, to_record
+from service.formats import from_record, render, to_record, to_srt
 from tests.media import encode
 from tests.scores import assert_same_but_scores
 from tests.servers import run_server, wait_job
@@ -81,6 +81,25 @@ def test_utterances_end_at_a_pause_or_where_another_channel_speaks():
     tie = Conversation([_transcript(("a", 1.0, 1.1)), _transcript(("b", 1.0, 1.1))])
     assert [u.channel for u in tie.utterances()] == [0, 1]
     assert Conversation([_transcript(), _transcript()]).utterances() == []
+
+
+def test_two_speakers_talking_at_once_read_as_an_utterance_each_not_a_word_of_each_in_turn():
+    """Cut wherever the other channel's word came between, overlapping speech read "[agent] so [customer] but
+    [agent] what ..." a word at a time. Without a pause of TURN_GAP_S, each speaker's utterance goes on."""
+    agent = _transcript(("so", 0.0, 0.2), ("what", 0.25, 0.45), ("i", 0.5, 0.6), ("meant", 0.65, 0.9),
+                        ("was", 0.95, 1.1), ("okay", 1.5, 1.8))
+    customer = _transcript(("but", 0.1, 0.3), ("you", 0.35, 0.5), ("said", 0.55, 0.8), ("monday", 0.85, 1.3),
+                           ("right", 2.0, 2.3))
+    conversation = Conversation([agent, customer], names=["agent", "customer"])
+    utterances = conversation.utterances()
+    assert [(u.channel, u.text) for u in utterances] == [
+        (0, "so what i meant was okay"), (1, "but you said monday"), (1, "right")]  # a turn before "right"
+    assert [(u.start_s, u.end_s) for u in utterances][:2] == [(0.0, 1.8), (0.1, 1.3)]  # they overlap
+    assert [w.word for _, w in conversation.timed_words()] == [
+        "so", "but", "what", "you", "i", "said", "meant", "monday", "was", "okay", "right"]  # in time order
+    srt = to_srt(conversation)
+    assert srt.index("[agent] so what i meant was okay") < srt.index("[customer] but you said monday")
+    assert "00:00:00,100 --> 00:00:01,300" in srt
 
 
 def test_a_conversation_renders_with_its_speakers_and_comes_back_from_its_record():
