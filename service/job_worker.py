@@ -312,6 +312,11 @@ class JobConsumer:
             hotwords = hotword_tokens(record.get("hotwords") or [], self.transcriber.tokenizer)
             waveform = await self._load(start, multichannel)
             del start  # a small upload's bytes with it: gone once decoded, not when the item ends
+        except SourceUnavailable as exc:
+            if attempts < self.options.max_attempts:
+                raise  # delivered again after the visibility timeout (_handle)
+            await self._fail(job_id, index, audio, f"gave up after {attempts} attempts: {exc}")
+            return
         except (AudioRequestError, JobInputError, OSError, ValueError) as exc:
             await self._fail(job_id, index, audio, str(exc))
             return
