@@ -14,6 +14,9 @@ token edit rate, are what a user who sends a file twice may see. Two batchings a
 twice, in two random orders, and counts the utterances whose tokens or scores differ between the two, with
 the engine's RTFx; --length-bucket-s gives that engine fixed batch shapes (BATCHASR_LENGTH_BUCKET_S).
 
+--runs does several runs in one process, one result (a JSON line with --json) each: DTYPE decodes alone and in
+batches, DTYPE:engine through the engine. A run that fails prints its error and the next one runs (exit status 1).
+
 --model takes a checkpoint or a built-in architecture (random weights, blank calibrated as `batchasr bench` does);
 without --model, the embedded default model.
 """
@@ -24,6 +27,7 @@ import argparse
 import json
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -114,32 +118,53 @@ def main(argv: list[str] | None = None) -> int:
                         help="two random submission orders through a running engine, compared")
     parser.add_argument("--length-bucket-s", type=float, default=None,
                         help="with --through-engine: fixed batch shapes, buckets of this many seconds")
+    parser.add_argument("--runs", nargs="+", metavar="DTYPE[:engine]",
+                        help="several runs in this process (its start and CUDA's paid once): DTYPE alone and in "
+                             "batches, DTYPE:engine through the engine (instead of --dtype and --through-engine)")
     args = parser.parse_args(argv)
     if args.n_utterances < 1 or args.batch_size < 1 or args.shuffles < 0:
         parser.error("--n-utterances and --batch-size must be >= 1, --shuffles >= 0")
-    if args.length_bucket_s is not None and (not args.through_engine or args.length_bucket_s <= 0):
-        parser.error("--length-bucket-s needs --through-engine and must be > 0")
-    if args.through_engine:
-        result = through_engine(args.model, args.device, args.dtype, args.n_utterances, args.batch_size,
+    runs = args.runs or [f"{args.dtype}:engine" if args.through_engine else args.dtype]
+    if any(spec.partition(":")[2] not in ("", "engine") for spec in runs):
+        parser.error("a run is DTYPE or DTYPE:engine")
+    engine_runs = any(spec.endswith(":engine") for spec in runs)
+    if args.length_bucket_s is not None and (not engine_runs or args.length_bucket_s <= 0):
+        parser.error("--length-bucket-s needs --through-engine (or a DTYPE:engine run) and must be > 0")
+    failed = False
+    for spec in runs:
+        try:
+            run(spec, args)
+        except Exception as exc:  # one run failing must not lose the others
+            traceback.print_exc()
+            print(json.dumps({"run": spec, "error": repr(exc)}) if args.json else f"{spec}: failed: {exc!r}",
+                  flush=True)
+            failed = True
+    return 1 if failed else 0
+
+
+def run(spec: str, args: argparse.Namespace) -> None:
+    """One run, ``DTYPE`` or ``DTYPE:engine``, its result printed at once."""
+    dtype, _, how = spec.partition(":")
+    if how == "engine":
+        result = through_engine(args.model, args.device, dtype, args.n_utterances, args.batch_size,
                                 args.length_bucket_s, args.seed, args.audio)
         print(json.dumps(result) if args.json else
               f"{result['model']} on {result['device']}, {result['dtype']}, batches of {result['batch_size']}, "
               f"length buckets {result['length_bucket_s'] or 'off'}: RTFx {result['rtfx'][0]} / "
               f"{result['rtfx'][1]}; of {result['utterances']} utterances, tokens moved in "
-              f"{result['tokens_moved']}, scores in {result['scores_moved']}")
-        return 0
-    result = measure(args.model, args.device, args.dtype, args.n_utterances, args.batch_size, args.shuffles,
+              f"{result['tokens_moved']}, scores in {result['scores_moved']}", flush=True)
+        return
+    result = measure(args.model, args.device, dtype, args.n_utterances, args.batch_size, args.shuffles,
                      args.seed, args.audio)
     if args.json:
-        print(json.dumps(result))
-        return 0
+        print(json.dumps(result), flush=True)
+        return
     print(f"{result['model']} on {result['device']}, {result['dtype']}, {result['decoder']}: "
           f"{result['utterances']} utterances ({result['tokens_alone']} tokens) alone vs in batches of "
           f"{result['batch_size']}")
     for name, r in result["batchings"].items():
         print(f"  {name:15} {r['changed']:4d} changed ({r['changed_share']:.2%}), token edit rate "
-              f"{r['token_edit_rate']:.4%}")
-    return 0
+              f"{r['token_edit_rate']:.4%}", flush=True)
 
 
 if __name__ == "__main__":

@@ -14,13 +14,18 @@ decoder; the issue's "offline engine").
 
 ``--model`` may name a built-in architecture (random weights, calibrated blank, as ``batchasr bench``); without
 ``--audio-dir`` the audio is ``batchasr bench``'s LibriSpeech-like synthetic mix, sent as 16-bit WAV. With
-``--budget-s``, no server run (and no half-load run) is begun once it is spent; --out is rewritten after each.
+``--budget-s`` (counted from the process's start), no server run (and no half-load run) is begun once it is
+spent; --out is rewritten after each step, and each server's log is written beside it. With ``--jobs`` each
+server times the bulk job right after saturation, in place of the half-load run. ``--cache-dir`` keeps the
+random-weight checkpoint and the offline baseline for a later run on the same clips (the GPU run's http and bulk
+stages); ``--offline-baselines bench`` leaves out ``transcribe``'s, which no goal reads.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import io
 import json
 import os
@@ -32,6 +37,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -63,6 +70,8 @@ except ImportError:
 
 SAMPLE_RATE = 16000
 DISTINCT_CLIPS = 512  # synthetic clips made; more requests take them again (the mix's durations are kept)
+SERVER_LOG_MAX_BYTES = 2 << 20  # a server's log kept with the results: its start and its end
+OFFLINE_BASELINES = ("bench", "transcribe")
 
 
 @dataclass
@@ -111,18 +120,70 @@ def free_port() -> int:
 
 
 def offline_rtfx(model_path: str, clips: list[Clip], args: argparse.Namespace) -> dict:
-    """The same audio in this process: ``ASRModel.transcribe`` (decoded waveforms in memory; a warm-up pass
-    first) and ``batchasr bench``'s timed model stages."""
+    """The same audio in this process: ``batchasr bench``'s timed model stages (the offline engine the goals
+    compare with) and, where asked, ``ASRModel.transcribe`` (decoded waveforms in memory; a warm-up pass
+    first)."""
     batch_size = args.batch_size
     model = load_model(model_path, device=args.device, dtype=args.dtype, attention_kernel=args.attention_kernel)
     waves = [c.waveform for c in clips]
     audio_s = sum(c.duration_s for c in clips)
-    wall = timed_passes(partial(model.transcribe, waves, batch_size=batch_size), model.device).median_s
     bench = measure(Workload(model_path, model, waves, model.default_decoder, None), batch_size)
-    return {"audio_s": round(audio_s, 2), "device": str(model.device), "dtype": str(model.dtype),
-            "attention_kernel": model.encoder.attention_kernel,  # what "auto" resolved to; the server does the same
-            "transcribe": {"wall_s": round(wall, 3), "rtfx": round(audio_s / wall, 2)},
-            "bench": {"wall_s": bench.wall_s, "rtfx": bench.rtfx, "stage_s": bench.stage_s, "mode": bench.mode}}
+    offline = {"audio_s": round(audio_s, 2), "requests": len(clips), "device": str(model.device),
+               "dtype": str(model.dtype),
+               "attention_kernel": model.encoder.attention_kernel,  # what "auto" resolved to; the server does the same
+               "bench": {"wall_s": bench.wall_s, "rtfx": bench.rtfx, "stage_s": bench.stage_s, "mode": bench.mode}}
+    if "transcribe" in args.offline_baselines:
+        wall = timed_passes(partial(model.transcribe, waves, batch_size=batch_size), model.device).median_s
+        offline["transcribe"] = {"wall_s": round(wall, 3), "rtfx": round(audio_s / wall, 2)}
+    return offline
+
+
+def offline_baseline(model_path: str, clips: list[Clip], args: argparse.Namespace) -> dict:
+    """``offline_rtfx``, or what an earlier run measured on the same model file, settings and distinct clips
+    (taken again in turn: the same mix, whatever the number of requests) where ``--cache-dir`` kept it."""
+    if args.cache_dir is None:
+        return offline_rtfx(model_path, clips, args)
+    model = Path(model_path)
+    key = _digest([model.resolve(), model.stat().st_size, model.stat().st_mtime_ns, args.device, args.dtype,
+                   args.batch_size, args.attention_kernel, sorted(args.offline_baselines),
+                   sorted({(c.name, c.duration_s) for c in clips})])
+    cached = args.cache_dir / f"offline_{key}.json"
+    if cached.exists():
+        offline = json.loads(cached.read_text())
+        offline["reused"] = f"measured by an earlier run on the same clips ({offline['requests']} requests)"
+        return offline
+    offline = offline_rtfx(model_path, clips, args)
+    _write_whole(cached, json.dumps(offline))
+    return offline
+
+
+def random_checkpoint(architecture: str, clips: list[Clip], device: str, cache_dir: Path | None,
+                      workdir: Path) -> tuple[Path, float]:
+    """``architecture`` with random weights as a .nemo file, and its blank shift: in ``cache_dir``, made once for
+    the same calibration clips (a 0.6B model's file is 2.4 GB, and a stage's seconds are few)."""
+    calibration = clips[:4]
+    directory = cache_dir or workdir
+    path = directory / f"{architecture}_{_digest([c.body for c in calibration])}.nemo"
+    shift_file = path.with_suffix(".shift")
+    if cache_dir and path.exists() and shift_file.exists():
+        return path, float(shift_file.read_text())
+    shift = save_random_checkpoint(architecture, path, device, [c.waveform for c in calibration], seed=0)  # atomic
+    _write_whole(shift_file, repr(shift))
+    return path, shift
+
+
+def _digest(parts: list) -> str:
+    sha1 = hashlib.sha1()
+    for part in parts:
+        sha1.update(part if isinstance(part, bytes) else repr(part).encode())
+    return sha1.hexdigest()[:12]
+
+
+def _write_whole(path: Path, text: str) -> None:
+    """Written under another name, then renamed: a run stopped mid-write leaves no half file to be reused."""
+    partial_path = path.with_name(path.name + ".part")
+    partial_path.write_text(text)
+    partial_path.replace(path)
 
 
 SERVER_SERIES = ("batchasr_audio_seconds_total", "batchasr_compute_seconds_total", "batchasr_batch_size_sum",
@@ -336,15 +397,16 @@ def start_server(model: str, port: int, redis_url: str | None, frontends: int, m
     raise RuntimeError(f"batchasr serve {why}; the end of its output:\n{tail}")
 
 
-def server_run(model: str, clips: list[Clip], offline: dict, redis_url: str | None, frontends: int,
-               args: argparse.Namespace, budget: Budget) -> dict:
-    """One `batchasr serve` configuration: saturation, half load, the bulk job; ratios to the offline runs."""
+def server_run(run: dict, model: str, clips: list[Clip], offline: dict, redis_url: str | None,
+               args: argparse.Namespace, budget: Budget, save: Callable[[], None]) -> None:
+    """One `batchasr serve` configuration (``run["frontends"]``) into ``run``, ``save`` after each step:
+    saturation, then the bulk job (with Redis) or else half load; ratios to the offline runs."""
     bodies, durations = [c.body for c in clips], [c.duration_s for c in clips]
-    run: dict = {"frontends": frontends}
+    frontends = run["frontends"]
     port = free_port()
+    log = server_log(args.out, frontends)
     # the bulk job is one upload of every clip
-    server = start_server(model, port, redis_url, frontends, max(200 << 20, 2 * sum(map(len, bodies))), args,
-                          Path(tempfile.gettempdir()) / f"http_bench_serve_{port}.log")
+    server = start_server(model, port, redis_url, frontends, max(200 << 20, 2 * sum(map(len, bodies))), args, log)
     url = f"http://127.0.0.1:{port}"
     try:
         warm = min(len(bodies), args.concurrency)  # every client connection opened, first-batch costs paid
@@ -354,25 +416,54 @@ def server_run(model: str, clips: list[Clip], offline: dict, redis_url: str | No
         saturation["front_end"] = front_end_view(cpu_before, ServerCpu.read(server.pid), len(bodies),
                                                  sum(durations), saturation["wall_s"])
         saturation["server"] = engine_view(before, server_counters(url), saturation["wall_s"])
-        run["http_vs_transcribe"] = round(saturation["rtfx"] / offline["transcribe"]["rtfx"], 3)
-        run["http_vs_bench"] = round(saturation["rtfx"] / offline["bench"]["rtfx"], 3)
-        if budget.spent:
-            run["http_half_load"] = "not measured: budget spent"
-        else:
-            run["http_half_load"] = run_client(open_loop(url, bodies, saturation["requests_per_s"] / 2))
-        if redis_url and budget.spent:
-            run["bulk_job"] = "not measured: budget spent"
-        elif redis_url:
+        run.update(_ratios(saturation["rtfx"], offline, "http"))
+        save()
+        if redis_url:  # what the stage is for: begun whatever the budget says (its tail allows for it)
+            run["http_half_load"] = "not measured: --jobs times the bulk job instead"
             cpu_before = ServerCpu.read(server.pid)
             bulk = run["bulk_job"] = run_client(bulk_job(url, clips))
             bulk["front_end"] = front_end_view(cpu_before, ServerCpu.read(server.pid), len(clips), sum(durations),
                                                bulk["wall_s"])  # the job consumer's loop is the engine process's
             if bulk["rtfx_wall"] is not None:
-                run["bulk_vs_transcribe"] = round(bulk["rtfx_wall"] / offline["transcribe"]["rtfx"], 3)
+                run.update(_ratios(bulk["rtfx_wall"], offline, "bulk"))
+        elif budget.spent:
+            run["http_half_load"] = "not measured: budget spent"
+        else:
+            run["http_half_load"] = run_client(open_loop(url, bodies, saturation["requests_per_s"] / 2))
+        save()
     finally:
         server.terminate()
         server.wait(60)
-    return run
+        trim_log(log)
+
+
+def _ratios(rtfx: float, offline: dict, what: str) -> dict[str, float]:
+    """``rtfx`` over each offline baseline measured: {what}_vs_bench, {what}_vs_transcribe."""
+    return {f"{what}_vs_{baseline}": round(rtfx / offline[baseline]["rtfx"], 3)
+            for baseline in OFFLINE_BASELINES if baseline in offline}
+
+
+def server_log(out: Path | None, frontends: int) -> Path:
+    """Beside the report (so it comes back with the results), else in the temporary folder."""
+    if out is None:
+        return Path(tempfile.gettempdir()) / f"http_bench_serve_{os.getpid()}_{frontends}.log"
+    return out.with_name(f"{out.stem}_serve_{frontends}.log")
+
+
+def trim_log(log: Path, max_bytes: int = SERVER_LOG_MAX_BYTES) -> None:
+    """Keep a log's first quarter and its end, within ``max_bytes``: a server that logged a line a request
+    would fill the results."""
+    try:
+        size = log.stat().st_size
+    except FileNotFoundError:
+        return
+    if size <= max_bytes:
+        return
+    with log.open("rb") as f:
+        head = f.read(max_bytes // 4)
+        f.seek(size - (max_bytes - len(head)))
+        tail = f.read()
+    log.write_bytes(head + f"\n[... {size - len(head) - len(tail)} bytes cut ...]\n".encode() + tail)
 
 
 def _counts(text: str) -> list[int]:
@@ -395,47 +486,68 @@ def main() -> None:
     parser.add_argument("--frontends", type=_counts, default=[0], metavar="N[,N...]",
                         help="serve HTTP from this many front-end processes (`batchasr serve --frontends`); "
                              "several: one server after another on the same audio (default: 0)")
-    parser.add_argument("--jobs", action="store_true", help="also time a bulk job through Redis")
-    parser.add_argument("--out", type=Path, help="also write the JSON report here")
+    parser.add_argument("--jobs", action="store_true",
+                        help="also time a bulk job through Redis, right after saturation (no half-load run)")
+    parser.add_argument("--out", type=Path, help="also write the JSON report here, and the servers' logs beside it")
+    parser.add_argument("--offline-baselines", nargs="+", choices=OFFLINE_BASELINES, default=list(OFFLINE_BASELINES),
+                        help="the offline runs to measure (default: both)")
+    parser.add_argument("--cache-dir", type=Path,
+                        help="keep the random-weight checkpoint and the offline baseline here for a later run")
     add_budget_option(parser)
     args = parser.parse_args()
-    budget = Budget(args.budget_s)
+    budget = Budget.from_launch(args.budget_s)
     raise_open_files_limit()  # a socket per request in flight
     try:
         clips = file_clips(args.audio_dir, args.requests) if args.audio_dir else synthetic_clips(args.requests)
     except ValueError as exc:
         parser.error(str(exc))
+    if args.cache_dir:
+        args.cache_dir.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp())
     model = args.model
     report: dict = {"model": model, "attention_kernel": args.attention_kernel, "requests": len(clips),
                     "concurrency": args.concurrency, "batch_size": args.batch_size,
-                    "audio_s": round(sum(c.duration_s for c in clips), 2)}
-    if model in ARCHITECTURES:
-        model = str(workdir / f"{args.model}.nemo")
-        device = args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
-        report["blank_shift"] = save_random_checkpoint(args.model, Path(model), device,
-                                                       [c.waveform for c in clips[:4]], seed=0)
-    report["offline"] = offline_rtfx(model, clips, args)
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()  # the server is another process on the same GPU
-    redis, redis_url = None, None
-    if args.jobs:
-        redis_port = free_port()
-        redis = subprocess.Popen([shutil.which("redis-server"), "--port", str(redis_port), "--save", "",
-                                  "--dir", str(workdir)], stdout=subprocess.DEVNULL)
-        redis_url = f"redis://127.0.0.1:{redis_port}/0"
-        time.sleep(0.5)
-    gpu = torch.cuda.get_device_name() if report["offline"]["device"].startswith("cuda") else None
-    report["machine"] = f"{os.cpu_count()} CPU cores, " + (gpu or "no GPU")
-    report["servers"] = []
+                    "audio_s": round(sum(c.duration_s for c in clips), 2), "servers": []}
+    redis = None
     try:
+        if model in ARCHITECTURES:
+            device = args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+            path, report["blank_shift"] = random_checkpoint(args.model, clips, device, args.cache_dir, workdir)
+            model = str(path)
+        report["offline"] = offline_baseline(model, clips, args)
+        write_report(report, args.out)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the server is another process on the same GPU
+        redis_url = None
+        if args.jobs:
+            redis_port = free_port()
+            redis = subprocess.Popen([shutil.which("redis-server"), "--port", str(redis_port), "--save", "",
+                                      "--dir", str(workdir)], stdout=subprocess.DEVNULL)
+            redis_url = f"redis://127.0.0.1:{redis_port}/0"
+            time.sleep(0.5)
+        gpu = torch.cuda.get_device_name() if report["offline"]["device"].startswith("cuda") else None
+        report["machine"] = f"{os.cpu_count()} CPU cores, " + (gpu or "no GPU")
         for frontends in args.frontends:
+            run = {"frontends": frontends}
+            report["servers"].append(run)
             if budget.spent:
-                report["servers"].append({"frontends": frontends, "not_measured": "budget spent"})
+                run["not_measured"] = "budget spent"
             else:
-                report["servers"].append(server_run(model, clips, report["offline"], redis_url, frontends, args,
-                                                    budget))
+                try:
+                    server_run(run, model, clips, report["offline"], redis_url, args, budget,
+                               partial(write_report, report, args.out))
+                except Exception as exc:  # a server that would not start or failed: the next layout still runs
+                    traceback.print_exc()
+                    run["error"] = f"{type(exc).__name__}: {exc}"[:400]
             write_report(report, args.out)
+    except KeyboardInterrupt:  # the stage's time ran out (SIGINT): what was measured stays in the report
+        report["stopped"] = "interrupted (the stage's time ran out)"
+        write_report(report, args.out)
+        sys.exit(130)
+    except Exception as exc:  # before any server (the checkpoint, the offline baseline): the report says why
+        report["error"] = f"{type(exc).__name__}: {exc}"[:400]
+        write_report(report, args.out)
+        raise
     finally:
         if redis is not None:
             redis.terminate()
@@ -445,7 +557,7 @@ def main() -> None:
 
 def write_report(report: dict, out: Path | None) -> None:
     if out:
-        out.write_text(json.dumps(report, indent=2) + "\n")
+        _write_whole(out, json.dumps(report, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -4,47 +4,61 @@
 # lent (15 minutes, the machine's start included; 10 minutes a command).
 #
 #   bash scripts/gpu_check.sh [STAGE ...] [extra options for a single stage's script]
-#   GPU_CHECK_BUDGET_S (default 540): seconds the whole command may take, its setup included
+#   GPU_CHECK_BUDGET_S (default 525): seconds the whole command may take, its setup included; give the device
+#     call a timeout_s 45 s longer
 #
 # The stages run in this order (the default: all of them), which is their priority. Each is given what is left
-# of the budget, at most its cap; its script begins nothing new past its share and writes what it has measured.
-# A stage left with under a minute (beyond what its script may run on past its budget) is skipped, and summary.md
-# says so: run it in the next call. Before them, one small decode with conditional nodes against eager: should it
-# hang, fail or differ, the stages after tests run with BATCHASR_CONDITIONAL_NODES=0 (plain graphs) rather than
-# hang until their shares run out.
-#   stage      cap s  what                                                      files
-#   tests      120    tests/gpu                                                 gpu_tests.log
-#   bench      200    scripts/bench_table.py: parakeet-tdt-0.6b-v2, parakeet-rnnt-1.1b, parakeet-ctc-1.1b; bf16;
-#                     batch 128, 16, then 1 (cut first); every algorithm and graph mode, both attention kernels,
-#                     the token scores, 20 hotwords a row                   bench.log, bench.jsonl, bench_table.md
-#   nemo       190    scripts/nemo_compare.py: the two transducers, bf16, batch 128, 256 utterances, against
-#                     NeMo 3.0 on the same weights and audio: tokens (bf16, and float32), stage times, the
-#                     encoder's share of the speed of light, cost per 1M audio hours
-#                                                                           nemo.log, nemo_compare.jsonl, nemo_compare.md
-#   http       200    loadtest/http_bench.py: parakeet-tdt-0.6b-v2, bf16, `batchasr serve` at saturation and at
-#                     half load against the offline engine; 4 front-end processes, then HTTP in the engine's
-#                     process                                               http.log, http_bench.json
-#   stability   60    loadtest/batch_stability.py: the embedded model on held-out speech (.carry/speech), alone
-#                     and in batches of 128, bf16 and float32; bf16 through the engine with
-#                     fixed batch shapes (--length-bucket-s 2), two orders   stability.log, stability.jsonl
-#   bulk       120    loadtest/http_bench.py --jobs: 2,048 clips as one bulk job through Redis (.whl/redis),
-#                     and over HTTP                                          bulk.log, bulk_bench.json
+# of the budget (less 20 s: its kill's grace and the last save), at most its cap; its script begins nothing new
+# past its share less its tail (how long it may run on after its last look at its budget) and writes what it has
+# measured as it goes. A stage whose share leaves under a minute past its tail is skipped, and summary.md says
+# so: run it in the next call. Before them, one small decode with conditional nodes against eager: should it
+# hang, fail or differ, the stages after tests run with BATCHASR_CONDITIONAL_NODES=0 (plain graphs; bench then
+# measures no_while where it would have measured conditional, and says so) rather than hang until their shares
+# run out.
+#   stage      cap s  tail s  what                                                      files
+#   tests      120       0    tests/gpu                                                 gpu_tests.log
+#   bench      170      30    scripts/bench_table.py: parakeet-tdt-0.6b-v2, parakeet-rnnt-1.1b, parakeet-ctc-1.1b;
+#                             bf16; batch 128 (256 utterances), 16 (128), then 1 (48; cut first); every algorithm
+#                             and graph mode, both attention kernels, the token scores, 20 hotwords a row; issue 3's
+#                             goal settings with 5 timed passes (the median), the others one
+#                                                                           bench.log, bench.jsonl, bench_table.md
+#   nemo       190      30    scripts/nemo_compare.py: the two transducers, bf16, batch 128, 256 utterances,
+#                             against NeMo 3.0 on the same weights and audio: tokens (bf16, and float32), stage
+#                             times, the encoder's share of the speed of light, cost per 1M audio hours
+#                                                                 nemo.log, nemo_compare.jsonl, nemo_compare.md
+#   http       200      70    loadtest/http_bench.py: parakeet-tdt-0.6b-v2, bf16, `batchasr serve` at saturation and
+#                             at half load against the offline engine; 4 front-end processes, then HTTP in the
+#                             engine's process (about 45 s before the first server, 65 s a server)
+#                                                                 http.log, http_bench.json, http_bench_serve_*.log
+#   stability   60       0    loadtest/batch_stability.py in one process: the embedded model on held-out speech
+#                             (.carry/speech), alone and in batches of 128, bf16 and float32; bf16 through the engine
+#                             with fixed batch shapes (--length-bucket-s 2), two orders   stability.log, stability.jsonl
+#   bulk       120      60    loadtest/http_bench.py --jobs: 2,048 clips over HTTP at saturation, then as one bulk
+#                             job through Redis (.whl/redis), 4 front ends
+#                                                                 bulk.log, bulk_bench.json, bulk_bench_serve_4.log
+# http and bulk keep the random checkpoint and the offline baseline in the machine's /tmp: the second of them, in
+# this call or the next on the same machine, reuses both.
 # Under $OUT (the device tool's output folder; ./gpu_check_out when unset) come three files, whatever ran:
 # env.txt (GPU, driver, torch, the graph mode "auto" picks and why, whether the condition kernel loads),
 # summary.md (the issues' goals as measured, then each stage's exit status, seconds and tables) and
-# results.tar.gz (every file above), rewritten after each stage, so a command stopped from outside keeps what it
-# measured.
+# results.tar.gz (every file above). The last two are rewritten every 15 s while a stage runs and after each, so
+# a command stopped from outside keeps what its stages had written, and summary.md names the stage that was
+# running when it was cut.
 #
 # Once here (the device tool sends the repository, not ../shared), about a minute:
 #   bash scripts/prepare_gpu_carry.sh   # .carry/nemo-parity (12 MiB), .carry/speech (held-out test speech as
 #                                       # FLAC, 14 MiB), .whl/ (what the image lacks: service and NeMo, 18 MiB)
 # A call sends at most 64 MiB: the repository's files (19 MiB, the embedded model among them) and what it carries.
-# Then, in 15 minutes of device time:
-#   1. run(command="bash scripts/gpu_check.sh", carry=[".carry/nemo-parity", ".whl"], timeout_s=600): tests,
-#      bench, nemo and what else fits (the machine's start takes a minute or two, this call nine minutes at most);
-#   2. at once, while the machine is warm (30 s), the stages summary.md lists as skipped, in status's
-#      budget_left_s less a minute: run(command="GPU_CHECK_BUDGET_S=200 bash scripts/gpu_check.sh http stability
-#      bulk", carry=[".carry/speech", ".whl"]) (without the fixtures the smoke decode uses a random model).
+# Then, in 15 minutes of device time (the machine's start, 1-2 minutes, included):
+#   1. run(command="GPU_CHECK_BUDGET_S=525 bash scripts/gpu_check.sh", carry=[".carry/nemo-parity", ".whl"],
+#      timeout_s=570): the setup (wheels, env probe, smoke decode: about a minute), tests, bench, nemo and what
+#      else fits. About 4-5 minutes are left after it.
+#   2. at once, while the machine is warm (30 s), the stages summary.md lists as skipped: timeout_s is
+#      budget_left_s (status's, or the reply's lease) less 60, and GPU_CHECK_BUDGET_S is that timeout_s less 45:
+#      run(command="GPU_CHECK_BUDGET_S=<timeout_s - 45> bash scripts/gpu_check.sh http stability bulk",
+#      carry=[".carry/speech", ".whl"], timeout_s=<budget_left_s - 60>). On the warm machine it skips the setup
+#      (the first call left a marker in /tmp: GPU_CHECK_FRESH=1 redoes it); a fresh machine does it again. The
+#      stages fit from about these GPU_CHECK_BUDGET_S: http 155, bulk 145, stability 85 (what is skipped is said).
 # Beyond the image's torch, numpy, sentencepiece, pyyaml, pytest, hypothesis, prometheus-client and cuda-bindings,
 # the tests and the stability stage read audio with soundfile and soxr, and nemo and http need more: all carried
 # in .whl. Checked on a CPU with those alone (the image's packages at its versions, the wheels built for the
@@ -53,16 +67,19 @@ set -uo pipefail
 
 cd "$(dirname "$0")/.." || exit 1
 started=$(date +%s)
-BUDGET_S="${GPU_CHECK_BUDGET_S:-540}"
+BUDGET_S="${GPU_CHECK_BUDGET_S:-525}"
 OUT="${OUT:-$PWD/gpu_check_out}"
+STATE="${GPU_CHECK_STATE:-/tmp/gpu_check_state}"  # the setup, kept while the machine stays warm
+SAVE_EVERY_S="${GPU_CHECK_SAVE_EVERY_S:-15}"
 WORK="$(mktemp -d)"
-mkdir -p "$OUT"
+mkdir -p "$OUT" "$STATE"
 
 STAGES=(tests bench nemo http stability bulk)
-declare -A CAP_S=([tests]=120 [bench]=200 [nemo]=190 [http]=200 [stability]=60 [bulk]=120)
-# how long a stage's script may go on after its last look at its budget: a setting, a server run
-declare -A TAIL_S=([bench]=30 [nemo]=0 [http]=70 [bulk]=40)
+declare -A CAP_S=([tests]=120 [bench]=170 [nemo]=190 [http]=200 [stability]=60 [bulk]=120)
+# how long a stage's script may go on after its last look at its budget: a setting, a model's phase, a server run
+declare -A TAIL_S=([bench]=30 [nemo]=30 [http]=70 [bulk]=60)
 MIN_STAGE_S=60
+END_S=20  # after a stage's share: timeout's grace before it kills (15 s), then the last save
 declare -A SHOWN=([bench]=bench_table.md [nemo]=nemo_compare.md [http]=http_bench.json [stability]=stability.jsonl
                   [bulk]=bulk_bench.json)  # what summary.md shows of each stage; else, or without it, its log's end
 declare -A LOG=([tests]=gpu_tests.log [bench]=bench.log [nemo]=nemo.log [http]=http.log [stability]=stability.log
@@ -79,28 +96,110 @@ if [ $# -gt 0 ] && [ ${#chosen[@]} -gt 1 ]; then
     exit 2
 fi
 
+running=setup  # what is under way, for a summary written meanwhile or when the command is stopped
+running_since=$started
+running_share=0
+cut=""
+
+show() {  # what summary.md shows of a stage: its table, else its log's end (pytest's summary, or why it gave nothing)
+    local shown="$WORK/${SHOWN[$1]:-none}"
+    if [ -s "$shown" ]; then
+        cat "$shown"
+    else
+        tail -n 60 "$WORK/${LOG[$1]}" 2>/dev/null
+    fi
+}
+
+save() {  # summary.md (the run, the goals as measured so far by scripts/gpu_goals.py, each stage's section) and
+    # results.tar.gz under $OUT, each by a rename: a command killed while copying leaves the last whole one
+    {
+        cat "$WORK/head.md"
+        [ -z "$cut" ] || printf '\n**Cut while %s was running:** %s\n' "${running:-the last save}" "$cut"
+        echo
+        python3 scripts/gpu_goals.py "$WORK" 2>&1 || echo "(scripts/gpu_goals.py failed)"
+        cat "$WORK/stages.md"
+        if [ "$running" = setup ]; then
+            printf '\n## setup: running, %s s so far\n' "$(( $(date +%s) - running_since ))"
+        elif [ -n "$running" ]; then
+            printf '\n## %s: running, %s s of its %s s share so far (in the last summary to come back: cut here)\n\n' \
+                "$running" "$(( $(date +%s) - running_since ))" "$running_share"
+            show "$running"
+        fi
+    } > "$WORK/summary.md"
+    cp "$WORK/summary.md" "$OUT/summary.md.part" && mv -f "$OUT/summary.md.part" "$OUT/summary.md"
+    # tar's exit status 1: a file changed while it was read (a stage writing), and the archive is whole all the same
+    if tar -czf "$OUT/results.tar.gz.part" -C "$WORK" . 2> /dev/null; [ $? -le 1 ]; then
+        mv -f "$OUT/results.tar.gz.part" "$OUT/results.tar.gz"
+    else
+        rm -f "$OUT/results.tar.gz.part"
+    fi
+}
+
+stopped() {
+    cut="the command was stopped (SIG$1) after $(( $(date +%s) - started )) s"
+    save
+    exit 143
+}
+trap 'stopped TERM' TERM
+trap 'stopped INT' INT
+trap 'stopped HUP' HUP
+
+printf '# gpu_check %s: %s in %s s\n' "$(date -u +%Y-%m-%dT%H:%MZ)" "${chosen[*]}" "$BUDGET_S" > "$WORK/head.md"
+: > "$WORK/stages.md"
+save  # from the start: a command stopped in its first stage still brings back a summary
+
+# The setup (wheels, env probe, smoke decode) is done once a machine: a later call while it is warm finds the
+# marker, which names the wheels and code it was done with, and skips it.
 wheels="${GPU_CHECK_WHEELS:-.whl}"  # the carried wheels (the script's own tests name an empty folder)
-if compgen -G "$wheels/*.whl" > /dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        "$wheels"/*.whl || exit 1
-    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fingerprint="$( { find "$wheels" -maxdepth 2 -type f -printf '%P %s\n' 2> /dev/null | sort
+                  cat scripts/gpu_check.sh decoding/*.py models/*.py; } | md5sum | cut -d' ' -f1)"
+set_up=""
+if [ -z "${GPU_CHECK_FRESH:-}" ] && [ -f "$STATE/env.txt" ] \
+        && [ "$(sed -n 1p "$STATE/ready" 2> /dev/null)" = "$fingerprint" ]; then
+    set_up=1
 fi
+if [ -z "$set_up" ]; then
+    echo "== setup: the carried wheels, the env probe, the smoke decode"
+    rm -rf "$STATE/site" "$STATE/redis" "$STATE/ready"
+    if compgen -G "$wheels/*.whl" > /dev/null; then
+        if ! python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+                --target "$STATE/site" "$wheels"/*.whl > "$WORK/setup.log" 2>&1; then
+            cat "$WORK/setup.log"
+            printf '\n## setup: the carried wheels did not install\n\n' >> "$WORK/stages.md"
+            tail -n 30 "$WORK/setup.log" >> "$WORK/stages.md"
+            running=""
+            save
+            exit 1
+        fi
+    fi
+    if compgen -G "$wheels/redis/*.deb" > /dev/null; then  # Redis for the bulk-job stage, unpacked beside the image
+        for deb in "$wheels"/redis/*.deb; do dpkg -x "$deb" "$STATE/redis"; done
+    fi
+fi
+[ -d "$STATE/site" ] && export PYTHONPATH="$STATE/site${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-if compgen -G "$wheels/redis/*.deb" > /dev/null; then  # Redis for the bulk-job stage, unpacked beside the image
-    for deb in "$wheels"/redis/*.deb; do dpkg -x "$deb" /tmp/redis; done
-    export PATH="/tmp/redis/usr/bin:$PATH"
-    export LD_LIBRARY_PATH="/tmp/redis/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+if [ -d "$STATE/redis/usr/bin" ]; then
+    export PATH="$STATE/redis/usr/bin:$PATH"
+    export LD_LIBRARY_PATH="$STATE/redis/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi
 export PYTHONUNBUFFERED=1
 if [ -z "${BATCHASR_PARITY_DIR:-}" ] && [ -f .carry/nemo-parity/reference.json ]; then
     export BATCHASR_PARITY_DIR="$PWD/.carry/nemo-parity"
 fi
+fixtures="parity fixtures: ${BATCHASR_PARITY_DIR:-not found (fixture-model GPU tests will skip)}"
 
-{
-    date -u +"%Y-%m-%dT%H:%M:%SZ"
-    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-    python3 --version
-    python3 - <<'EOF'
+if [ -n "$set_up" ]; then
+    echo "== setup: as an earlier call on this machine left it"
+    { echo "(env probe and smoke decode as an earlier call on this machine found them; GPU_CHECK_FRESH=1 redoes them)"
+      cat "$STATE/env.txt"; echo "$fixtures"; } > "$OUT/env.txt"
+    conditional_off="$(sed -n 2p "$STATE/ready")"
+else
+    {
+        date -u +"%Y-%m-%dT%H:%M:%SZ"
+        nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+        python3 --version
+        # torch's CUDA start, NVRTC's compile and the module's load: any of them could hang on a bad driver
+        timeout -s INT -k 10 60 python3 - <<'EOF' || echo "env probe failed or timed out (60 s): exit status $?"
 import torch
 
 from decoding.cuda_conditional import conditional_support, load_condition_kernel
@@ -123,13 +222,13 @@ try:  # the condition kernel: NVRTC's version, and whether its cubin (or PTX) lo
 except Exception as exc:  # noqa: BLE001 - a diagnostic line, whatever went wrong
     print("condition kernel unavailable:", repr(exc))
 EOF
-    echo "parity fixtures: ${BATCHASR_PARITY_DIR:-not found (fixture-model GPU tests will skip)}"
-} 2>&1 | tee "$OUT/env.txt"
+    } 2>&1 | tee "$OUT/env.txt"
 
-# Conditional nodes, tried once before anything leans on them: if a decode with them hangs, fails or gives other
-# tokens than eager, the stages after tests run with them switched off ("auto" takes plain graphs) instead of
-# hanging until their shares run out. tests/gpu keeps them on: it is where such a fault is told apart.
-timeout -s INT -k 10 90 python3 - <<'EOF' 2>&1 | tee -a "$OUT/env.txt"
+    # Conditional nodes, tried once before anything leans on them: if a decode with them hangs, fails or gives
+    # other tokens than eager, the stages after tests run with them switched off ("auto" takes plain graphs)
+    # instead of hanging until their shares run out. tests/gpu keeps them on: it is where such a fault is told
+    # apart.
+    timeout -s INT -k 10 90 python3 - <<'EOF' 2>&1 | tee -a "$OUT/env.txt"
 import os
 from pathlib import Path
 
@@ -153,13 +252,19 @@ for name, model in models.items():
     print(f"conditional smoke, {name}: {'the same tokens as eager' if eager == graphs else 'OTHER TOKENS than eager'}")
 raise SystemExit(0 if same else 1)
 EOF
-smoke_rc=${PIPESTATUS[0]}  # read at once: any command resets PIPESTATUS
-conditional_off=""
-if [ "$smoke_rc" -ne 0 ]; then
-    echo "conditional smoke failed: the stages after tests run with BATCHASR_CONDITIONAL_NODES=0" \
-        | tee -a "$OUT/env.txt"
-    conditional_off=1
+    smoke_rc=${PIPESTATUS[0]}  # read at once: any command resets PIPESTATUS
+    conditional_off=""
+    if [ "$smoke_rc" -ne 0 ]; then
+        echo "conditional smoke failed: the stages after tests run with BATCHASR_CONDITIONAL_NODES=0" \
+            | tee -a "$OUT/env.txt"
+        conditional_off=1
+    fi
+    cp "$OUT/env.txt" "$STATE/env.txt"
+    printf '%s\n%s\n' "$fingerprint" "$conditional_off" > "$STATE/ready"
+    echo "$fixtures" | tee -a "$OUT/env.txt"
 fi
+grep -E "^(\(env probe|auto picks|condition kernel|conditional smoke|env probe failed)" "$OUT/env.txt" \
+    | sed 's/^/    /' >> "$WORK/head.md"
 
 # Each stage: $1 its share in seconds, then the extra options. Its files go to $WORK.
 stage_tests() {  # -v: a test's name is written before it runs, so a test that hangs the GPU is named
@@ -168,33 +273,27 @@ stage_tests() {  # -v: a test's name is written before it runs, so a test that h
 }
 stage_bench() {
     timeout -s INT -k 15 "$1" python3 scripts/bench_table.py --out "$WORK" --batch-sizes 128 16 1 \
-        --n-utterances 128 --budget-s "$(( $1 - TAIL_S[bench] ))" "${@:2}" > "$WORK/bench.log" 2>&1
+        --n-utterances 256 --goal-repeat 5 --budget-s "$(( $1 - TAIL_S[bench] ))" "${@:2}" > "$WORK/bench.log" 2>&1
 }
 stage_nemo() {
     timeout -s INT -k 15 "$1" python3 scripts/nemo_compare.py --out "$WORK" --n-utterances 256 --repeat 2 \
         --check-utterances 64 --budget-s "$(( $1 - TAIL_S[nemo] ))" "${@:2}" > "$WORK/nemo.log" 2>&1
 }
-stage_http() {
+stage_http() {  # the goals read the offline engine's figure (bench): transcribe's is left out
     timeout -s INT -k 15 "$1" python3 loadtest/http_bench.py --model parakeet-tdt-0.6b-v2 --device cuda \
         --dtype bfloat16 --batch-size 128 --requests 3072 --concurrency 1536 --frontends 4,0 \
-        --budget-s "$(( $1 - TAIL_S[http] ))" --out "$WORK/http_bench.json" "${@:2}" > "$WORK/http.log" 2>&1
+        --offline-baselines bench --cache-dir "$STATE/cache" --budget-s "$(( $1 - TAIL_S[http] ))" \
+        --out "$WORK/http_bench.json" "${@:2}" > "$WORK/http.log" 2>&1
 }
-stage_stability() {
+stage_stability() {  # one process: the interpreter's, CUDA's and the audio's start paid once for the three runs
     if [ ! -d .carry/speech ]; then
         echo "no .carry/speech (see the top of this script)" > "$WORK/stability.log"
         return 1
     fi
-    local rc=0 dtype
-    for dtype in bfloat16 float32; do
-        timeout -s INT -k 15 "$(( $1 / 3 ))" python3 loadtest/batch_stability.py --device cuda --dtype "$dtype" \
-            --audio .carry/speech --batch-size 128 --shuffles 2 --json "${@:2}" >> "$WORK/stability.jsonl" \
-            2>> "$WORK/stability.log" || rc=1
-    done
     # fixed batch shapes (BATCHASR_LENGTH_BUCKET_S) in bf16: do two submission orders give the same tokens and scores?
-    timeout -s INT -k 15 "$(( $1 / 3 ))" python3 loadtest/batch_stability.py --device cuda --dtype bfloat16 \
-        --audio .carry/speech --batch-size 128 --through-engine --length-bucket-s 2 --json "${@:2}" \
-        >> "$WORK/stability.jsonl" 2>> "$WORK/stability.log" || rc=1
-    return "$rc"
+    timeout -s INT -k 15 "$1" python3 loadtest/batch_stability.py --device cuda --audio .carry/speech \
+        --batch-size 128 --shuffles 2 --length-bucket-s 2 --json --runs bfloat16 float32 bfloat16:engine "${@:2}" \
+        > "$WORK/stability.jsonl" 2> "$WORK/stability.log"
 }
 stage_bulk() {
     if ! redis-server --version > /dev/null 2>&1; then
@@ -203,49 +302,50 @@ stage_bulk() {
     fi
     BATCHASR_JOB_CONSUMERS=2 timeout -s INT -k 15 "$1" python3 loadtest/http_bench.py \
         --model parakeet-tdt-0.6b-v2 --device cuda --dtype bfloat16 --batch-size 128 --requests 2048 \
-        --concurrency 1024 --frontends 4 --jobs --budget-s "$(( $1 - TAIL_S[bulk] ))" \
-        --out "$WORK/bulk_bench.json" "${@:2}" > "$WORK/bulk.log" 2>&1
+        --concurrency 1024 --frontends 4 --jobs --offline-baselines bench --cache-dir "$STATE/cache" \
+        --budget-s "$(( $1 - TAIL_S[bulk] ))" --out "$WORK/bulk_bench.json" "${@:2}" > "$WORK/bulk.log" 2>&1
 }
 
-save() {  # summary.md: the run, the issues' goals as measured so far (scripts/gpu_goals.py), each stage's section
-    { cat "$WORK/head.md"; echo; python3 scripts/gpu_goals.py "$WORK"; cat "$WORK/stages.md"; } > "$WORK/summary.md"
-    cp "$WORK/summary.md" "$OUT/summary.md"
-    tar -czf "$OUT/results.tar.gz" -C "$WORK" .
-}
-
-printf '# gpu_check %s: %s in %s s\n' "$(date -u +%Y-%m-%dT%H:%MZ)" "${chosen[*]}" "$BUDGET_S" > "$WORK/head.md"
-grep -E "^(auto picks|condition kernel|conditional smoke)" "$OUT/env.txt" | sed 's/^/    /' >> "$WORK/head.md"
-: > "$WORK/stages.md"
 status=0
 for stage in "${chosen[@]}"; do
-    left=$(( started + BUDGET_S - $(date +%s) ))
+    left=$(( started + BUDGET_S - END_S - $(date +%s) ))
     share=$(( CAP_S[$stage] < left ? CAP_S[$stage] : left ))
-    if [ "$share" -lt $(( MIN_STAGE_S + ${TAIL_S[$stage]:-0} )) ]; then  # a minute of measuring, then its tail
-        printf '\n## %s: skipped, %s s of the budget left\n' "$stage" "$left" >> "$WORK/stages.md"
+    needed=$(( MIN_STAGE_S + ${TAIL_S[$stage]:-0} ))  # a minute of measuring, then its tail
+    if [ "$share" -lt "$needed" ]; then
+        printf '\n## %s: skipped, a share of %s s left, it needs %s\n' "$stage" "$share" "$needed" >> "$WORK/stages.md"
         status=1
         continue
     fi
     echo "== $stage: up to $share s"
-    began=$(date +%s)
+    running=$stage
+    running_since=$(date +%s)
+    running_share=$share
     if [ "$stage" != tests ] && [ -n "$conditional_off" ]; then
-        (export BATCHASR_CONDITIONAL_NODES=0; "stage_$stage" "$share" "$@")
+        (export BATCHASR_CONDITIONAL_NODES=0; "stage_$stage" "$share" "$@") &
     else
-        "stage_$stage" "$share" "$@"
+        "stage_$stage" "$share" "$@" &
     fi
+    pid=$!
+    next_save=$(( running_since + SAVE_EVERY_S ))
+    while kill -0 "$pid" 2> /dev/null; do  # its files reach $OUT while it runs
+        sleep 1
+        if [ "$(date +%s)" -ge "$next_save" ]; then
+            save
+            next_save=$(( $(date +%s) + SAVE_EVERY_S ))
+        fi
+    done
+    wait "$pid"
     rc=$?
+    running=""
     [ "$rc" -eq 0 ] || status=1
     why=""
     [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ] && why=" (stopped: its share ran out)"
-    printf '\n## %s: exit status %s%s, %s s\n\n' "$stage" "$rc" "$why" "$(( $(date +%s) - began ))" \
+    printf '\n## %s: exit status %s%s, %s s\n\n' "$stage" "$rc" "$why" "$(( $(date +%s) - running_since ))" \
         >> "$WORK/stages.md"
-    shown="$WORK/${SHOWN[$stage]:-none}"
-    if [ -s "$shown" ]; then
-        cat "$shown" >> "$WORK/stages.md"
-    else  # pytest's summary, or why a stage gave nothing
-        tail -n 60 "$WORK/${LOG[$stage]}" >> "$WORK/stages.md" 2>/dev/null
-    fi
+    show "$stage" >> "$WORK/stages.md"
     save
 done
+running=""
 save
 cat "$OUT/summary.md"
 exit "$status"

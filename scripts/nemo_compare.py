@@ -21,7 +21,10 @@ NeMo's precision follows the Open ASR Leaderboard's NeMo runner: the whole model
         [--budget-s S]
 
 Writes DIR/nemo_compare.jsonl (one object a model) and DIR/nemo_compare.md (the table for docs/benchmarks.md),
-both after each model. With ``--budget-s``, no model (and no second attention kernel) is begun once it is spent.
+both rewritten after each phase of a model (the float32 check, NeMo's timing, each attention kernel's), so a run
+stopped from outside keeps what it measured; an interrupt (the stage's time limit sends SIGINT) is written down
+as where the model stopped. ``--budget-s`` counts from the process's start: no model is begun where the last
+one's time does not fit in what is left, and no second attention kernel where the first one's does not.
 Needs NeMo (``nemo_toolkit[asr]``) importable; scripts/gpu_check.sh installs it from carried wheels.
 """
 
@@ -195,19 +198,24 @@ def matmul_peak_flops(device: torch.device, dtype: torch.dtype, n: int = 8192, r
 
 # --- one model ------------------------------------------------------------------------------------------------
 
-def compare_model(name: str, args: argparse.Namespace, workdir: Path, peak: float, budget: Budget) -> dict[str, Any]:
+def compare_model(name: str, args: argparse.Namespace, workdir: Path, peak: float, budget: Budget,
+                  record: dict[str, Any], save: Callable[[], object]) -> None:
+    """Fills ``record`` phase by phase, calling ``save`` after each; ``record["running"]`` names the phase under
+    way, for a record cut short."""
     dtype = getattr(torch, args.dtype)
     waves = synthetic_audio(args.n_utterances, args.seed)
     audio_s = sum(len(w) for w in waves) / SAMPLE_RATE
     check = waves[: args.check_utterances]
     path = workdir / f"{name}.nemo"
     started = time.perf_counter()
+    record["running"] = "writing the checkpoint"
     shift = save_random_checkpoint(name, path, args.device, waves[:4], args.seed)
     print(f"{name}: checkpoint written in {time.perf_counter() - started:.0f} s (blank shift {shift:+.2f})",
           flush=True)
-    record: dict[str, Any] = {"model": name, "batch_size": args.batch_size, "dtype": args.dtype,
-                              "n_utterances": len(waves), "audio_s": round(audio_s, 2), "repeat": args.repeat,
-                              "blank_shift": round(shift, 3), "gpu_hour_usd": args.gpu_hour_usd}
+    record.update({"batch_size": args.batch_size, "dtype": args.dtype, "n_utterances": len(waves),
+                   "audio_s": round(audio_s, 2), "repeat": args.repeat, "blank_shift": round(shift, 3),
+                   "gpu_hour_usd": args.gpu_hour_usd, "running": "comparing tokens in float32"})
+    save()
 
     # float32 first: both sides must give the same tokens
     with exact_float32():
@@ -218,6 +226,8 @@ def compare_model(name: str, args: argparse.Namespace, workdir: Path, peak: floa
         nemo_tokens = nemo_transcriber(nemo32, args.batch_size)(check)
     record["float32_agreement"] = agreement(ours_tokens, nemo_tokens)
     print(f"{name}: float32 tokens {record['float32_agreement']}", flush=True)
+    record["running"] = "timing NeMo"
+    save()
 
     nemo = rebuild_nemo_decoding(nemo32.to(dtype))
     del nemo32
@@ -227,20 +237,28 @@ def compare_model(name: str, args: argparse.Namespace, workdir: Path, peak: floa
     record["nemo_graph_mode"] = nemo_graph_mode(nemo)
     del nemo
     _free()
+    record.update({"nemo": _side(audio_s, nemo_run, args.gpu_hour_usd), "nemo_stage_s": nemo_stages, "runs": []})
+    save()
 
-    record["nemo"] = _side(audio_s, nemo_run, args.gpu_hour_usd)
-    record["nemo_stage_s"] = nemo_stages
-    ours = load_model(path, device=args.device, dtype=args.dtype, attention_kernel=args.attention_kernels[0])
-    record["runs"] = []
-    for n, kernel in enumerate(args.attention_kernels):  # past the first, only while the budget lasts
-        if n and budget.spent:
-            record["not_measured"] = f"attention kernel {kernel}: budget spent"
+    ours = None
+    kernel_s = None  # the first kernel's run: what a second one is expected to take
+    for kernel in args.attention_kernels:
+        if kernel_s is not None and not budget.allows(kernel_s):
+            record["not_measured"] = (f"attention kernel {kernel}: {budget.left():.0f} s of the budget left, a "
+                                      f"kernel's run takes about {kernel_s:.0f} s")
             break
+        record["running"] = f"timing batchasr with {kernel} attention"
+        save()
+        started = time.monotonic()
+        if ours is None:
+            ours = load_model(path, device=args.device, dtype=args.dtype, attention_kernel=kernel)
         ours.encoder.set_attention_kernel(kernel)
         record["runs"].append(batchasr_run(ours, path.stem, waves, nemo_run, args, peak))
+        kernel_s = kernel_s or time.monotonic() - started
+        save()
+    record.pop("running")
     del ours
     _free()
-    return record
 
 
 def batchasr_run(ours: ASRModel, name: str, waves: list[np.ndarray], nemo_run: TimedPasses,
@@ -282,13 +300,14 @@ HEADER = ("| model | batch | dtype | attention | batchasr RTFx (graph mode) | Ne
           "stages s: features / encoder / decoder (batchasr; NeMo) | "
           "encoder: share of the speed of light (matmul peak) | $ per 1M audio hours (batchasr / NeMo) |\n"
           "|---|---|---|---|---|---|---|---|---|---|---|---|")
+COLUMNS = HEADER.splitlines()[0].count("|") - 1
 
 
 def table_rows(r: dict[str, Any]) -> list[str]:
-    same32 = r["float32_agreement"]
+    """A row per attention kernel timed, and one saying what is missing from a record cut short or failed."""
     rows = []
-    for run in r["runs"]:
-        same, ours, encoder = run["agreement"], run["batchasr"], run["encoder"]
+    for run in r.get("runs", []):
+        same, same32, ours, encoder = run["agreement"], r["float32_agreement"], run["batchasr"], run["encoder"]
         rows.append(
             f"| {r['model']} | {r['batch_size']} | {r['dtype']} | {run['attention_kernel']} | {ours['rtfx']:.0f} "
             f"({run['stages']['mode']}) | {r['nemo']['rtfx']:.0f} ({r.get('nemo_graph_mode')}) | "
@@ -298,7 +317,17 @@ def table_rows(r: dict[str, Any]) -> list[str]:
             f"{encoder['share_of_speed_of_light']:.0%} "
             f"({encoder['achieved_tflops']:.3g} of {encoder['peak_tflops']:.3g} TFLOP/s) | "
             f"{ours['usd_per_million_audio_hours']:,.0f} / {r['nemo']['usd_per_million_audio_hours']:,.0f} |")
+    missing = next((f"{what}: {r[key]}" for key, what in MISSING if key in r), None)
+    if missing:
+        nemo = f"{r['nemo']['rtfx']:.0f} ({r.get('nemo_graph_mode')})" if "nemo" in r else ""
+        same32 = r.get("float32_agreement")
+        cells = [r["model"], r.get("batch_size", ""), r.get("dtype", ""), "", missing.replace("|", "/"), nemo, "",
+                 "", f"{same32['identical']}/{same32['utterances']}" if same32 else ""]
+        rows.append("| " + " | ".join(map(str, cells)) + " |" + " |" * (COLUMNS - len(cells)))
     return rows
+
+
+MISSING = (("error", "failed"), ("stopped", "not measured"), ("not_measured", "not measured"), ("running", "running"))
 
 
 def _stages(stage_s: dict[str, float]) -> str:
@@ -321,42 +350,69 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     add_budget_option(parser)
     args = parser.parse_args(argv)
+    budget = Budget.from_launch(args.budget_s)  # the stage's time limit counts from the launch, imports included
     args.out.mkdir(parents=True, exist_ok=True)
+    records = Records(args.out)
     device = torch.device(args.device)
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     peak = matmul_peak_flops(device, getattr(torch, args.dtype))
     print(f"measured {args.dtype} matrix-product peak: {peak / 1e12:.1f} TFLOP/s", flush=True)
-    rows, failed, budget = [], False, Budget(args.budget_s)
+    failed = False
     expected_s = 0.0  # a model's run, from the last one's (the next is larger: the list goes up in size)
-    with (args.out / "nemo_compare.jsonl").open("w") as jsonl, tempfile.TemporaryDirectory() as workdir:
+    with tempfile.TemporaryDirectory() as workdir:
         for name in args.models:
             if not budget.allows(expected_s) or budget.spent:
-                rows.append(f"| {name} | not measured: {budget.left():.0f} s of the budget left, "
-                            f"a model takes about {expected_s:.0f} s |")
+                records.add({"model": name, "gpu": gpu, "not_measured": f"{budget.left():.0f} s of the budget "
+                             f"left, a model takes about {expected_s:.0f} s"})
                 continue
+            record = records.add({"model": name, "gpu": gpu, "attention_kernels": list(args.attention_kernels),
+                                  "running": "making its audio"})
             started = time.monotonic()
             try:
-                record = compare_model(name, args, Path(workdir), peak, budget)
+                compare_model(name, args, Path(workdir), peak, budget, record, records.save)
+            except KeyboardInterrupt:  # the stage's time ran out: keep every phase measured, and say where it stopped
+                phase = record.pop("running", "writing its record")
+                record["stopped"] = f"interrupted while {phase} (the stage's time ran out)"
+                print(records.save())
+                return 130
             except Exception as exc:  # one failing model must not lose the other's record
                 traceback.print_exc()
-                record, failed = {"model": name, "error": f"{type(exc).__name__}: {exc}"}, True
-            else:
-                rows.extend(table_rows(record))
-                print("\n".join(table_rows(record)), flush=True)
-            record["gpu"] = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-            jsonl.write(json.dumps(record) + "\n")
-            jsonl.flush()
-            (Path(workdir) / f"{name}.nemo").unlink(missing_ok=True)
-            _free()
+                record["error"] = f"{type(exc).__name__}: {exc} (while {record.pop('running', 'writing its record')})"
+                failed = True
+            finally:
+                (Path(workdir) / f"{name}.nemo").unlink(missing_ok=True)
+                _free()
+            records.save()
             expected_s = 1.5 * (time.monotonic() - started)
-            write_table(args.out, rows)
-    print(write_table(args.out, rows))  # again: rows for models the budget left out
+    print(records.save())
     return 1 if failed else 0
 
 
-def write_table(out: Path, rows: list[str]) -> str:
-    table = HEADER + "\n" + "\n".join(rows) + "\n"
-    (out / "nemo_compare.md").write_text(table)
-    return table
+class Records:
+    """DIR/nemo_compare.jsonl and DIR/nemo_compare.md, rewritten whole whenever a record grows (each by a rename:
+    a run stopped mid-write leaves the last whole file)."""
+
+    def __init__(self, out: Path):
+        self.out = out
+        self.records: list[dict[str, Any]] = []
+        self.save()
+
+    def add(self, record: dict[str, Any]) -> dict[str, Any]:
+        self.records.append(record)
+        self.save()
+        return record
+
+    def save(self) -> str:
+        table = HEADER + "\n" + "".join(row + "\n" for r in self.records for row in table_rows(r))
+        _replace(self.out / "nemo_compare.jsonl", "".join(json.dumps(r) + "\n" for r in self.records))
+        _replace(self.out / "nemo_compare.md", table)
+        return table
+
+
+def _replace(path: Path, text: str) -> None:
+    partial = path.with_name(path.name + ".part")
+    partial.write_text(text)
+    partial.replace(path)
 
 
 if __name__ == "__main__":

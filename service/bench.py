@@ -13,6 +13,7 @@ import copy
 import hashlib
 import io
 import json
+import os
 import statistics
 import sys
 import time
@@ -60,7 +61,7 @@ class BenchResult:
     rtfx: float
     stage_s: dict[str, float]
     stage_cpu_s: dict[str, float] | None  # CPU time per stage (CPU runs; steadier on a shared machine)
-    decoder_share: float  # decoder seconds / sum of stage seconds
+    decoder_share: float  # decoder seconds / sum of stage seconds, of the median pass (stage_median_s)
     tokens: int  # tokens in one pass
     frames: int  # encoder frames in one pass
     tokens_per_frame: float
@@ -71,6 +72,9 @@ class BenchResult:
     hotwords: int = 0  # phrases boosted in every row (decoding.boosting): label looping's graphs that boost
     torch: str = field(default_factory=lambda: torch.__version__)
     gpu: str | None = None
+    # per timed pass: each stage's median over the passes (one slow pass moves a sum, not this), and each wall time
+    stage_median_s: dict[str, float] | None = None
+    pass_s: list[float] | None = None
 
 
 # --- inputs ---------------------------------------------------------------------------------------------------
@@ -202,6 +206,20 @@ def timed_passes(run: Callable[[], Any], device: torch.device, repeat: int = 1) 
     return TimedPasses(seconds, result)
 
 
+def process_age_s() -> float:
+    """Seconds since this process started (Linux /proc; 0 where that cannot be read or makes no sense)."""
+    try:
+        started_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime_s = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    age = uptime_s - started_ticks / os.sysconf("SC_CLK_TCK")
+    return age if 0 <= age < MAX_PLAUSIBLE_AGE_S else 0.0
+
+
+MAX_PLAUSIBLE_AGE_S = 600  # no script spends this long before its budget is made: a larger age is a misreading
+
+
 @dataclass
 class Budget:
     """The seconds a benchmark script may spend (scripts/gpu_check.sh shares the device time out between stages):
@@ -209,6 +227,12 @@ class Budget:
 
     seconds: float | None  # None: no limit
     started: float = field(default_factory=time.monotonic)
+
+    @classmethod
+    def from_launch(cls, seconds: float | None) -> Budget:
+        """Counted from the process's start, as the time limit around a stage counts: imports (torch, NeMo) and
+        CUDA's start take seconds of it before ``main`` runs."""
+        return cls(seconds, time.monotonic() - process_age_s())
 
     def left(self) -> float:
         return float("inf") if self.seconds is None else self.seconds - (time.monotonic() - self.started)
@@ -224,7 +248,7 @@ class Budget:
 
 def add_budget_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget-s", type=float, default=None,
-                        help="begin no new measurement after this many seconds (default: no limit)")
+                        help="begin no new measurement this many seconds after the process started (default: no limit)")
 
 
 # --- random-weight checkpoints (for tools that need a file: HTTP bench, NeMo comparison) ----------------------
@@ -329,9 +353,10 @@ def prepare(name: str | None, device: str = "auto", dtype: str = "auto", seed: i
 
 def measure(work: Workload, batch_size: int = 16, repeat: int = 1, decoder_algorithm: str = "label_looping",
             cuda_graphs: str = "auto", scores: bool = True, hotwords: int = 0) -> BenchResult:
-    """One untimed warm-up batch, then ``repeat`` timed passes over all inputs. ``scores``: the decoder stage also
-    gives each token its log-probability, as the service's does; without, it is the greedy search alone.
-    ``hotwords``: that many random phrases boosted in every row (``synthetic_hotwords``)."""
+    """One untimed warm-up batch, then ``repeat`` timed passes over all inputs, each stage timed in each pass.
+    ``scores``: the decoder stage also gives each token its log-probability, as the service's does; without, it
+    is the greedy search alone. ``hotwords``: that many random phrases boosted in every row
+    (``synthetic_hotwords``)."""
     if batch_size < 1 or repeat < 1:
         raise ValueError("batch size and repeat must be >= 1")
     if hotwords < 0:
@@ -345,27 +370,35 @@ def measure(work: Workload, batch_size: int = 16, repeat: int = 1, decoder_algor
     phrases = synthetic_hotwords(hotwords, work.model.config.vocab_size, seed=0)
     settings = (work.decoder, decoder_algorithm, cuda_graphs, scores, phrases)
     run_batches(model, waveforms, batches[:1], *settings, None)
-    clock = StageClock(model.device)
-    synchronize(model.device)
-    start = time.perf_counter()
+    clocks, pass_s = [], []
     for _ in range(repeat):
+        clock = StageClock(model.device)
+        synchronize(model.device)
+        start = time.perf_counter()
         output = run_batches(model, waveforms, batches, *settings, clock)
-    synchronize(model.device)
-    wall_s = time.perf_counter() - start
-    return _result(work, batch_size, repeat, decoder_algorithm, cuda_graphs, scores, hotwords, output, wall_s,
-                   clock)
+        synchronize(model.device)
+        pass_s.append(time.perf_counter() - start)
+        clocks.append(clock)
+    return _result(work, batch_size, repeat, decoder_algorithm, cuda_graphs, scores, hotwords, output, pass_s,
+                   clocks)
 
 
 def _result(work: Workload, batch_size: int, repeat: int, decoder_algorithm: str, cuda_graphs: str, scores: bool,
-            hotwords: int, output: PassOutput, wall_s: float, clock: StageClock) -> BenchResult:
-    stage_s = clock.stage_seconds()
-    stage_cpu_s = None if clock.cuda else {k: round(v, 4) for k, v in clock.stage_seconds(cpu_time=True).items()}
+            hotwords: int, output: PassOutput, pass_s: list[float], clocks: list[StageClock]) -> BenchResult:
+    passes = [clock.stage_seconds() for clock in clocks]
+    stage_s = {stage: sum(p[stage] for p in passes) for stage in passes[0]}
+    median_s = {stage: statistics.median(p[stage] for p in passes) for stage in passes[0]}
+    stage_cpu_s = None
+    if not clocks[0].cuda:
+        cpu_passes = [clock.stage_seconds(cpu_time=True) for clock in clocks]
+        stage_cpu_s = {stage: round(sum(p[stage] for p in cpu_passes), 4) for stage in cpu_passes[0]}
     model = work.model
     mode = "eager"  # CTC and frame looping
     if work.decoder != "ctc" and decoder_algorithm == "label_looping":
         mode = model.label_looper(cuda_graphs).mode or "eager"
     # the model's rate, which --audio is read at: an 8 kHz model's seconds counted at 16 kHz were halves
     audio_s = sum(len(w) for w in work.waveforms) / model.sample_rate * repeat
+    wall_s = sum(pass_s)
     n_tokens = sum(len(t) for t in output.tokens.values())
     return BenchResult(
         model=work.name, device=str(model.device), dtype=str(model.dtype).removeprefix("torch."),
@@ -373,12 +406,13 @@ def _result(work: Workload, batch_size: int, repeat: int, decoder_algorithm: str
         cuda_graphs=cuda_graphs, mode=mode, n_utterances=len(work.waveforms), repeat=repeat,
         audio_s=round(audio_s, 3), wall_s=round(wall_s, 4), rtfx=round(audio_s / wall_s, 2),
         stage_s={k: round(v, 4) for k, v in stage_s.items()}, stage_cpu_s=stage_cpu_s,
-        decoder_share=round(stage_s["decoder"] / max(sum(stage_s.values()), 1e-12), 4), tokens=n_tokens,
+        decoder_share=round(median_s["decoder"] / max(sum(median_s.values()), 1e-12), 4), tokens=n_tokens,
         frames=output.frames, tokens_per_frame=round(n_tokens / max(output.frames, 1), 4),
         tokens_sha1=tokens_sha1(output.tokens),
         blank_bias=None if work.blank_bias is None else round(work.blank_bias, 3),
         attention_kernel=model.encoder.attention_kernel, scores=scores, hotwords=hotwords,
-        gpu=torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else None)
+        gpu=torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else None,
+        stage_median_s={k: round(v, 4) for k, v in median_s.items()}, pass_s=[round(s, 4) for s in pass_s])
 
 
 def run_bench(args: argparse.Namespace) -> BenchResult:

@@ -69,44 +69,124 @@ def test_bench_boosts_hotwords_alike_in_both_algorithms_and_on_the_ctc_head(pari
     assert "hotwords must be >= 0" in capsys.readouterr().err
 
 
-def test_the_gpu_bench_table_measures_every_setting_and_goes_past_one_that_fails(parity_dir, tmp_path, monkeypatch):
+def run_bench_table(table, out, monkeypatch, *args: str) -> tuple[int, list[dict], list[str]]:
+    """scripts/bench_table.py's main on CPU, float32: its exit status, bench.jsonl's records, bench_table.md."""
+    monkeypatch.setattr("sys.argv", ["bench_table.py", "--out", str(out), "--device", "cpu", "--dtype", "float32",
+                                     *args])
+    status = table.main()
+    records = [json.loads(line) for line in (out / "bench.jsonl").read_text().splitlines()]
+    return status, records, (out / "bench_table.md").read_text().splitlines()
+
+
+@pytest.fixture()
+def bench_table():
+    yield load_script(REPO / "scripts" / "bench_table.py")
+    del sys.modules["bench_table"]
+
+
+def test_the_gpu_bench_table_measures_every_setting_and_shows_the_ones_that_fail(bench_table, parity_dir, tmp_path,
+                                                                                  monkeypatch):
     """scripts/bench_table.py runs only where a GPU is lent: here, on CPU, the graph modes fail (they need CUDA)
-    and every other setting still gives its row, hotwords included, for a transducer and a CTC model."""
-    table = load_script(REPO / "scripts" / "bench_table.py")
-    monkeypatch.setattr("sys.argv", ["bench_table.py", "--out", str(tmp_path), "--device", "cpu", "--dtype", "float32",
-                                     "--models", str(parity_dir / "tdt.nemo"), str(parity_dir / "ctc.nemo"),
-                                     "--batch-sizes", "2", "--n-utterances", "3"])
-    assert table.main() == 0
-    lines = [json.loads(line) for line in (tmp_path / "bench.jsonl").read_text().splitlines()]
+    and every other setting still gives its row, hotwords included, for a transducer and a CTC model. The
+    failures are rows of the table too, and the exit status says there were some."""
+    status, lines, rows = run_bench_table(bench_table, tmp_path, monkeypatch, "--batch-sizes", "2",
+                                          "--n-utterances", "3", "--models", str(parity_dir / "tdt.nemo"),
+                                          str(parity_dir / "ctc.nemo"))
+    assert status == 1
     failed = [(r["cuda_graphs"], r["hotwords"]) for r in lines if "error" in r]
-    assert failed == [(s[1], s[4]) for s in table.TRANSDUCER_SETTINGS if s[1] in ("no_while", "conditional")]
+    assert failed == [(s[1], s[4]) for s in bench_table.TRANSDUCER_SETTINGS if s[1] in ("no_while", "conditional")]
     measured = [r for r in lines if "error" not in r]
     assert [(r["decoder"], r["hotwords"]) for r in measured] == [("tdt", 0), ("tdt", 0), ("ctc", 0), ("ctc", 20)]
     assert measured[0]["tokens_sha1"] == measured[1]["tokens_sha1"]  # frame looping and label looping
-    rows = (tmp_path / "bench_table.md").read_text().splitlines()
-    assert len(rows) == 2 + len(measured) and all(row.count("|") == rows[0].count("|") for row in rows)
+    table_rows = [row for row in rows[2:] if row]
+    assert len(table_rows) == len(lines) and all(row.count("|") == rows[0].count("|") for row in table_rows)
+    assert sum("| **failed**: " in row for row in table_rows) == len(failed)
     goals = load_script(REPO / "scripts" / "gpu_goals.py").bench_goals(lines)  # reads what the table wrote
-    assert [(measured, met) for _, measured, met in goals] == [("at batch 2 of 2", True)]
+    assert goals[2][1:] == ("failed settings (3) at batch 2", False)  # the failed graph modes count against it
+    assert [(measured, met) for _, measured, met in goals[:2]] == [
+        ("not measured", False), ("frame looping: not measured; label looping: not measured", False)]  # batch 128
 
 
-def test_the_gpu_bench_table_begins_nothing_once_its_budget_is_spent(parity_dir, tmp_path, monkeypatch):
+def test_the_gpu_bench_table_fails_when_no_model_can_be_prepared(bench_table, tmp_path, monkeypatch):
+    status, lines, rows = run_bench_table(bench_table, tmp_path, monkeypatch, "--batch-sizes", "2",
+                                          "--models", str(tmp_path / "missing.nemo"))
+    assert status == 1
+    assert [r["model"] for r in lines] == [str(tmp_path / "missing.nemo")] and "preparing" in lines[0]["error"]
+    assert "| **failed**: preparing: ValueError(" in rows[2]
+
+
+def test_the_gpu_bench_table_begins_nothing_once_its_budget_is_spent(bench_table, parity_dir, tmp_path, monkeypatch):
     """The device run shares its minutes out between stages: a spent budget leaves the table's header and a line
     for each batch size and model not measured, in the order they would have come, and prepares no model."""
-    table = load_script(REPO / "scripts" / "bench_table.py")
     models = [str(parity_dir / "tdt.nemo"), str(parity_dir / "ctc.nemo")]
-    monkeypatch.setattr("sys.argv", ["bench_table.py", "--out", str(tmp_path), "--device", "cpu", "--dtype", "float32",
-                                     "--models", *models, "--batch-sizes", "4", "1", "--budget-s", "0"])
-    assert table.main() == 0
-    assert (tmp_path / "bench.jsonl").read_text() == ""
-    lines = (tmp_path / "bench_table.md").read_text().splitlines()
-    assert lines[:2] == table.HEADER.splitlines()
-    assert [line for line in lines[2:] if line] == [f"Not measured (budget spent): {m} at batch {b}"
-                                                     for b in (4, 1) for m in models]
+    status, lines, rows = run_bench_table(bench_table, tmp_path, monkeypatch, "--models", *models,
+                                          "--batch-sizes", "4", "1", "--budget-s", "0")
+    assert status == 0
+    assert [(r["model"], r["batch_size"], r["not_measured"]) for r in lines] == [
+        (m, b, "budget spent") for b in (4, 1) for m in models]  # for the goals: "not measured", not nothing
+    assert rows[:2] == bench_table.HEADER.splitlines()
+    assert [line for line in rows[2:] if line] == [f"Not measured (budget spent): {m} at batch {b}"
+                                                   for b in (4, 1) for m in models]
+
+
+def test_each_batch_size_is_decoded_in_buffers_of_its_own_size(bench_table, parity_dir, tmp_path, monkeypatch):
+    """The model keeps its label-looping decoders, whose buffers only grow: after batch 4, batch 2 searched 4
+    rows (speed-up column skewed). Each batch size is measured as a fresh `batchasr bench --batch-size N`."""
+    capacities = []
+    measure = bench_table.measure
+
+    def measured_rows(work, batch_size, repeat, algorithm, graphs, *rest):
+        result = measure(work, batch_size, repeat, algorithm, graphs, *rest)
+        if algorithm == "label_looping":
+            capacities.append((batch_size, work.model.label_looper(graphs).capacity[0]))
+        return result
+
+    monkeypatch.setattr(bench_table, "measure", measured_rows)
+    monkeypatch.setattr(bench_table, "TRANSDUCER_SETTINGS", bench_table.TRANSDUCER_SETTINGS[:2])
+    run_bench_table(bench_table, tmp_path, monkeypatch, "--batch-sizes", "4", "2", "--n-utterances", "4",
+                    "--models", str(parity_dir / "tdt.nemo"))
+    assert capacities == [(4, 4), (2, 2)]
+
+
+def test_the_goal_settings_get_more_passes_and_their_median(bench_table, parity_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(bench_table, "GOAL_BATCH", 2)
+    monkeypatch.setattr(bench_table, "TRANSDUCER_SETTINGS", bench_table.TRANSDUCER_SETTINGS[:2])
+    monkeypatch.setattr(bench_table, "GOAL_SETTINGS", bench_table.TRANSDUCER_SETTINGS[:1])
+    _, lines, rows = run_bench_table(bench_table, tmp_path, monkeypatch, "--batch-sizes", "2", "4",
+                                     "--n-utterances", "3", "--goal-repeat", "3",
+                                     "--models", str(parity_dir / "tdt.nemo"))
+    assert [(r["batch_size"], r["decoder_algorithm"], r["repeat"], len(r["pass_s"])) for r in lines] == [
+        (2, "frame_looping", 3, 3), (2, "label_looping", 1, 1), (4, "frame_looping", 1, 1),
+        (4, "label_looping", 1, 1)]
+    goal = lines[0]
+    assert goal["stage_median_s"]["decoder"] <= goal["stage_s"]["decoder"] / 1.5  # one pass's, not three's
+    assert "| 3 x 3 |" in rows[2]
+
+
+def test_with_conditional_nodes_off_the_conditional_rows_are_no_while(bench_table, parity_dir, tmp_path, monkeypatch):
+    """gpu_check.sh switches them off when its smoke decode fails: forced conditional rows would all fail, and
+    the goals read on them vanish. no_while stands in, and the table and the records say so."""
+    monkeypatch.setenv("BATCHASR_CONDITIONAL_NODES", "0")
+    _, lines, rows = run_bench_table(bench_table, tmp_path, monkeypatch, "--batch-sizes", "2", "--n-utterances", "2",
+                                     "--models", str(parity_dir / "tdt.nemo"))
+    asked = [(r["decoder_algorithm"], r["cuda_graphs"], r["attention_kernel"], r["scores"], r["hotwords"])
+             for r in lines]
+    assert asked == bench_table.transducer_settings("off") and "conditional" not in {a[1] for a in asked}
+    assert len(asked) == len(bench_table.TRANSDUCER_SETTINGS) - 1  # conditional without scores is no_while's row
+    assert all(r["conditional_nodes"].startswith("off: switched off") for r in lines)
+    assert any(row.startswith("Conditional nodes off: switched off") for row in rows)
 
 
 def test_a_budget_without_a_limit_is_never_spent():
     assert not Budget(None).spent and Budget(None).left() == float("inf")
     assert Budget(0).spent and 59 < Budget(60).left() <= 60
+
+
+def test_a_budget_counts_from_the_process_start():
+    """A stage's time limit counts from its launch: imports (torch, NeMo) used to be left out of the budget."""
+    code = "import time; time.sleep(1.5); from service.bench import Budget; print(Budget.from_launch(60).left())"
+    left = subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, capture_output=True, text=True).stdout
+    assert float(left) <= 58.5
 
 
 def test_bench_reads_audio_files_and_prints_a_table(parity_dir, parity_audio, capsys):
@@ -182,6 +262,20 @@ def test_batch_stability_finds_float32_unmoved_by_its_neighbours(parity_dir, cap
     # the comparison itself counts what moved
     assert stability.compare({0: [1, 2, 3], 1: [4]}, {0: [1, 3], 1: [4]}) == {
         "changed": 1, "utterances": 2, "changed_share": 0.5, "token_edit_rate": 0.25}
+
+
+def test_batch_stability_runs_several_settings_in_one_process_and_goes_past_a_failed_one(parity_dir, capsys):
+    """The GPU run's stability stage: bf16 and float32 alone and in batches, and bf16 through the engine, paying
+    the interpreter's, CUDA's and the audio's start once; a run that fails does not lose the others."""
+    stability = load_script(REPO / "loadtest" / "batch_stability.py")
+    status = stability.main(["--model", str(parity_dir / "tdt.nemo"), "--audio", str(parity_dir / "audio"),
+                             "--device", "cpu", "--batch-size", "4", "--shuffles", "0", "--json", "--length-bucket-s",
+                             "4", "--runs", "float32", "float64", "bfloat16:engine"])
+    results = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert status == 1 and [r.get("dtype", r.get("run")) for r in results] == ["float32", "float64", "bfloat16"]
+    assert "error" in results[1] and results[2]["length_bucket_s"] == 4 and results[2]["tokens_moved"] == 0
+    with pytest.raises(SystemExit):
+        stability.main(["--runs", "float32:batched"])
 
 
 def test_batch_stability_through_the_engine_with_fixed_shapes_finds_bf16_unmoved(parity_dir, capsys):

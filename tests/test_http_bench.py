@@ -45,13 +45,16 @@ def test_server_cpu_tells_the_main_thread_from_the_rest(http_bench):
     assert view["event_loop_ceiling_rtfx"] == round(50.0 / (after.event_loop_s - middle.event_loop_s), 1)
 
 
-def test_a_small_run_reports_http_half_load_and_a_bulk_job(parity_dir, tmp_path):
-    """Both server layouts on the same audio: HTTP in the engine's process, and in two front ends."""
-    out = tmp_path / "report.json"
-    command = [sys.executable, "loadtest/http_bench.py", "--model", "models/assets/default.nemo",
-               "--audio-dir", str(parity_dir / "audio"), "--requests", "24", "--concurrency", "8",
-               "--batch-size", "4", "--jobs", "--frontends", "0,2", "--out", str(out)]
-    subprocess.run(command, cwd=REPO, check=True, timeout=300, capture_output=True)
+def test_a_small_run_reports_a_bulk_job_after_saturation_then_half_load_on_the_kept_baseline(parity_dir, tmp_path):
+    """Both server layouts on the same audio: HTTP in the engine's process, and in two front ends. With --jobs
+    the bulk job comes right after saturation (the half-load run came first, and a spent budget skipped both);
+    a second run on the same clips reuses the kept offline baseline and measures half load."""
+    out, cache = tmp_path / "out" / "bulk_bench.json", tmp_path / "cache"
+    out.parent.mkdir()
+    common = [sys.executable, "loadtest/http_bench.py", "--model", "models/assets/default.nemo",
+              "--audio-dir", str(parity_dir / "audio"), "--batch-size", "4", "--cache-dir", str(cache)]
+    subprocess.run([*common, "--requests", "24", "--concurrency", "8", "--jobs", "--frontends", "0,2",
+                    "--out", str(out)], cwd=REPO, check=True, timeout=300, capture_output=True)
     report = json.loads(out.read_text())
     assert report["offline"]["transcribe"]["rtfx"] > 0 and report["offline"]["bench"]["rtfx"] > 0
     assert [run["frontends"] for run in report["servers"]] == [0, 2]
@@ -60,15 +63,86 @@ def test_a_small_run_reports_http_half_load_and_a_bulk_job(parity_dir, tmp_path)
         assert saturation["requests"] == 24 and saturation["rtfx"] > 0
         assert saturation["front_end"]["event_loop_cpu_ms_per_request"] >= 0  # /proc counts 10 ms ticks
         assert saturation["server"]["mean_batch_size"] > 1  # 8 in flight were batched
-        assert 0 < run["http_half_load"]["p50_s"] <= run["http_half_load"]["p99_s"]
         assert run["bulk_job"]["status"] == "completed" and run["bulk_job"]["items"] == 24
+        assert run["bulk_vs_bench"] == round(run["bulk_job"]["rtfx_wall"] / report["offline"]["bench"]["rtfx"], 3)
+        assert run["http_half_load"] == "not measured: --jobs times the bulk job instead"
     in_process, split = report["servers"]
     assert in_process["http_saturation"]["front_end"]["event_loop_cpu_ms_per_request"] > 0
     assert "front_end_processes" not in in_process["http_saturation"]["front_end"]
     front_ends = split["http_saturation"]["front_end"]["front_end_processes"]
     assert front_ends["count"] == 2 and front_ends["cpu_ms_per_request"] > 0
-    goals = load_script(REPO / "scripts" / "gpu_goals.py").http_goals(report)  # reads what the bench wrote
-    assert [met is not None for _, _, met in goals] == [True, True]
+    # the servers' logs beside the report, to come back with the results
+    assert sorted(p.name for p in out.parent.iterdir()) == ["bulk_bench.json", "bulk_bench_serve_0.log",
+                                                           "bulk_bench_serve_2.log"]
+    assert all((out.parent / f"bulk_bench_serve_{n}.log").stat().st_size > 0 for n in (0, 2))
+    goals = load_script(REPO / "scripts" / "gpu_goals.py").http_goals(report, "bulk")  # reads what the bench wrote
+    assert len(goals) == 4 and all("not measured" not in measured for _, measured, _ in goals)
+
+    again = tmp_path / "http_bench.json"
+    subprocess.run([*common, "--requests", "12", "--concurrency", "4", "--frontends", "0", "--out", str(again)],
+                   cwd=REPO, check=True, timeout=300, capture_output=True)
+    report = json.loads(again.read_text())
+    assert report["offline"]["reused"] == "measured by an earlier run on the same clips (24 requests)"
+    [run] = report["servers"]
+    assert 0 < run["http_half_load"]["p50_s"] <= run["http_half_load"]["p99_s"] and "bulk_job" not in run
+
+
+def test_with_jobs_the_bulk_job_is_timed_even_once_the_budget_is_spent(http_bench, tmp_path, monkeypatch):
+    """The stage's budget is spent by the time saturation ends: the bulk job, which the stage is for, still runs."""
+    class Server:
+        pid = os.getpid()
+
+        def terminate(self):
+            pass
+
+        def wait(self, timeout):
+            pass
+
+    async def saturate(url, bodies, durations, concurrency):
+        return {"rtfx": 100.0, "wall_s": 1.0, "requests_per_s": 10.0}
+
+    async def bulk_job(url, clips):
+        return {"status": "completed", "rtfx_wall": 90.0, "wall_s": 1.0}
+
+    async def open_loop(*_):
+        raise AssertionError("no half-load run with --jobs")
+
+    for name, stand_in in (("start_server", lambda *_: Server()), ("saturate", saturate), ("bulk_job", bulk_job),
+                           ("open_loop", open_loop), ("server_counters", lambda url: {})):
+        monkeypatch.setattr(http_bench, name, stand_in)
+    run = {"frontends": 4}
+    args = argparse.Namespace(concurrency=2, out=tmp_path / "bulk_bench.json")
+    clip = http_bench.Clip("a.wav", b"RIFF", None, 2.0)
+    http_bench.server_run(run, "model.nemo", [clip, clip], {"bench": {"rtfx": 100.0}}, "redis://x", args,
+                          http_bench.Budget(0), lambda: None)
+    assert run["bulk_job"]["rtfx_wall"] == 90.0 and run["bulk_vs_bench"] == 0.9 and run["http_vs_bench"] == 1.0
+
+
+def test_the_checkpoint_is_kept_for_the_same_calibration_clips(http_bench, tmp_path, monkeypatch):
+    """The http and bulk stages of one call build one 2.4 GB checkpoint, not two."""
+    made = []
+
+    def save(name, path, device, waves, seed):
+        made.append(path)
+        path.write_bytes(b"nemo")
+        return 1.5
+
+    monkeypatch.setattr(http_bench, "save_random_checkpoint", save)
+    clips = [http_bench.Clip(f"{i}.wav", bytes([i]), None, 1.0) for i in range(6)]
+    first = http_bench.random_checkpoint("parakeet-tdt-0.6b-v2", clips, "cpu", tmp_path, tmp_path / "work")
+    assert http_bench.random_checkpoint("parakeet-tdt-0.6b-v2", clips[:4], "cpu", tmp_path, tmp_path) == first
+    assert first[1] == 1.5 and len(made) == 1
+    http_bench.random_checkpoint("parakeet-tdt-0.6b-v2", clips[2:], "cpu", tmp_path, tmp_path)  # other audio
+    assert len(made) == 2
+
+
+def test_a_large_server_log_keeps_its_start_and_end(http_bench, tmp_path):
+    log = tmp_path / "serve.log"
+    log.write_bytes(b"start\n" + b"x" * 3_000_000 + b"\nend\n")
+    http_bench.trim_log(log, max_bytes=1_000_000)
+    text = log.read_bytes()
+    assert text.startswith(b"start\n") and text.endswith(b"\nend\n") and b"bytes cut ...]" in text
+    assert 1_000_000 <= len(text) < 1_000_100
 
 
 def test_a_spent_budget_keeps_the_offline_baseline_and_begins_no_server(parity_dir, tmp_path):
@@ -81,6 +155,17 @@ def test_a_spent_budget_keeps_the_offline_baseline_and_begins_no_server(parity_d
     assert report["offline"]["bench"]["rtfx"] > 0
     assert report["servers"] == [{"frontends": 0, "not_measured": "budget spent"},
                                  {"frontends": 2, "not_measured": "budget spent"}]
+
+
+def test_a_failure_before_any_server_is_in_the_report(tmp_path):
+    """The GPU run's summary reads the report: a bench that failed before its first server used to leave none, and
+    the HTTP goal's row with it."""
+    out = tmp_path / "http_bench.json"
+    command = [sys.executable, "loadtest/http_bench.py", "--model", str(tmp_path / "missing.nemo"), "--requests", "2",
+               "--device", "cpu", "--out", str(out)]
+    assert subprocess.run(command, cwd=REPO, timeout=300, capture_output=True).returncode == 1
+    report = json.loads(out.read_text())
+    assert report["servers"] == [] and "missing.nemo" in report["error"]
 
 
 def test_a_server_that_cannot_start_is_reported_at_once_with_its_output(http_bench, tmp_path):
