@@ -305,7 +305,7 @@ class JobConsumer:
         audio = record.get("audio")
         if attempts > self.options.max_attempts:
             last = await self.store.last_error(job_id, index) or "the worker died while processing it"
-            await self._fail(job_id, index, audio, f"gave up after {attempts - 1} attempts: {last}")
+            await self._fail(job_id, index, audio, _gave_up(attempts - 1, last))
             return
         multichannel, skip_silence = bool(record.get("multichannel")), bool(record.get("skip_silence"))
         try:  # checked at submission through HTTP; a job written straight into Redis is checked here
@@ -315,7 +315,7 @@ class JobConsumer:
         except SourceUnavailable as exc:
             if attempts < self.options.max_attempts:
                 raise  # delivered again after the visibility timeout (_handle)
-            await self._fail(job_id, index, audio, f"gave up after {attempts} attempts: {exc}")
+            await self._fail(job_id, index, audio, _gave_up(attempts, str(exc)))
             return
         except (AudioRequestError, JobInputError, OSError, ValueError) as exc:
             await self._fail(job_id, index, audio, str(exc))
@@ -378,6 +378,11 @@ class JobConsumer:
         if outcome == 2:
             job = await self.store.get(job_id)
             self.metrics.count_job(job.status.value)
+
+
+def _gave_up(attempts: int, why: str) -> str:
+    """An item's error once its attempts are spent (dead-lettered, or failed on its last attempt)."""
+    return f"gave up after {attempts} attempts: {why}"
 
 
 def _decode_and_close(body: BinaryIO, limits: AudioLimits, multichannel: bool, stretch: Stretch) -> np.ndarray:
