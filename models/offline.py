@@ -24,7 +24,7 @@ from decoding.types import HOTWORD_BOOST, Hotwords
 from .audio_io import AudioError
 from .conversation import Conversation, assemble, duplicate_channels
 from .crosstalk import heard_elsewhere
-from .segmenter import Segment, length_bucket_end, plan_pieces, stitch
+from .segmenter import DEFAULT_MAX_SEGMENT_S, Segment, length_bucket_end, plan_pieces, stitch
 from .silence import Elsewhere
 from .transcript import Transcript, build_transcript
 
@@ -129,7 +129,10 @@ def _transcribe_window(model: ASRModel, loaded: list[Loaded], options: OfflineOp
 
 def _batches(lengths: list[int], options: OfflineOptions, sample_rate: int) -> Iterator[tuple[list[int], int, int]]:
     """(piece indices, samples each row is padded to, rows) per batch: pieces of like lengths, longest first.
-    With length buckets, a batch holds one bucket's pieces, padded to its end and to ``batch_size`` rows."""
+    With length buckets, a batch holds one bucket's pieces, padded to its end and to as many rows as that end
+    allows: ``batch_size`` rows of the longest piece (``max_segment_s``, or ``DEFAULT_MAX_SEGMENT_S`` when
+    inputs are taken whole) is the padded audio a batch may hold, as the service's MAX_BATCH_AUDIO_S. Without it
+    a lone hour-long input was padded to ``batch_size`` hour-long rows."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True)
     if options.length_bucket_s is None:
         for start in range(0, len(order), options.batch_size):
@@ -138,11 +141,13 @@ def _batches(lengths: list[int], options: OfflineOptions, sample_rate: int) -> I
         return
     bucket_samples = round(options.length_bucket_s * sample_rate)
     longest = int(options.max_segment_s * sample_rate) if options.max_segment_s is not None else None
+    padded_samples = options.batch_size * (longest or round(DEFAULT_MAX_SEGMENT_S * sample_rate))
     for end, members in itertools.groupby(order, key=lambda i: length_bucket_end(lengths[i], bucket_samples,
                                                                                   longest)):
         members = list(members)
-        for start in range(0, len(members), options.batch_size):
-            yield members[start : start + options.batch_size], end, options.batch_size
+        rows = max(1, min(options.batch_size, padded_samples // end))  # one shape a bucket, whatever its company
+        for start in range(0, len(members), rows):
+            yield members[start : start + rows], end, rows
 
 
 def _outcome(model: ASRModel, wave: np.ndarray, pieces: dict[int, list], repeats: dict[int, int]

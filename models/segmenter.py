@@ -26,6 +26,9 @@ NO_CUT = 1 << 62  # the last piece keeps everything after its start cut, even a 
 # the shortest pieces a recording may be cut into (``max_segment_s``), for the library, `batchasr transcribe` and the
 # service alike: cuts overlap by 2 s, so a shorter piece would be mostly overlap, and the cuts must move on past it
 MIN_SEGMENT_S = 5.0
+# where longer recordings are cut by default (the service's and `batchasr transcribe`'s): about what the encoder
+# was trained on, and what a batch's padded-audio budget is counted in when nothing else sets it
+DEFAULT_MAX_SEGMENT_S = 30.0
 SEGMENT_TOO_SHORT = f"must be at least {MIN_SEGMENT_S:g} seconds"
 # the shortest length bucket (``length_bucket_s``): finer buckets rarely hold two pieces, so their batches are
 # nearly all padding (pieces of speech's lengths, batches of 32: 9% of what was computed was audio at 0.1 s buckets,

@@ -108,7 +108,7 @@ def _transcribe_parser(sub: argparse._SubParsersAction) -> None:
                    help="with --output-dir or --output: leave out inputs whose result is already there (to resume "
                         "a run)")
     add_layout_options(p)
-    p.add_argument("--max-segment-s", type=_segment_seconds, default=30.0,
+    p.add_argument("--max-segment-s", type=_segment_seconds, default=30.0,  # DEFAULT_MAX_SEGMENT_S; models load late
                    help="cut longer audio at quiet points into pieces this long, as the service does, and stitch "
                         "them back (default: 30; at least 5, as BATCHASR_MAX_SEGMENT_S; 0: take every file whole, "
                         "as NeMo does)")

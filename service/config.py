@@ -15,7 +15,7 @@ from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from decoding.types import HOTWORD_BOOST, MAX_HOTWORD_BOOST
-from models.segmenter import length_bucket_problem, segment_problem
+from models.segmenter import DEFAULT_MAX_SEGMENT_S, length_bucket_problem, segment_problem
 
 from .batcher import POOL_FACTOR
 
@@ -77,7 +77,7 @@ class Settings(BaseSettings):
     max_batch_audio_s: float | None = None  # padded seconds in one batch (bounds memory); see batch_audio_limit_s
     max_wait_ms: float = 10.0
     max_queue: int = 2048  # queued segments beyond which requests get 429
-    max_segment_s: float = 30.0  # longer audio is split near here at quiet points
+    max_segment_s: float = DEFAULT_MAX_SEGMENT_S  # longer audio is split near here at quiet points
     segment_overlap_s: float = 2.0
     # fixed batch shapes: pieces of one length bucket of this many seconds per batch, padded to its end and to as
     # many rows as fit the padded-audio limit, so bf16 transcripts do not move with their neighbours

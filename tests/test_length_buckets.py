@@ -147,3 +147,16 @@ def test_offline_buckets_end_at_the_longest_piece_too():
         ([0, 1], 30 * 16000, 4), ([2], 28 * 16000, 4)]
     whole = OfflineOptions(batch_size=4, max_segment_s=None, length_bucket_s=7.0)  # no longest piece: as before
     assert [end for _, end, _ in _batches([30 * 16000], whole, 16000)] == [35 * 16000]
+
+
+def test_offline_buckets_of_long_inputs_have_fewer_rows():
+    """Inputs taken whole (no max_segment_s): a lone hour-long file was padded to batch_size hour-long rows. A
+    batch holds at most batch_size x 30 s of padded audio, in as many rows as a bucket's end allows: still one
+    shape a bucket."""
+    whole = OfflineOptions(batch_size=8, max_segment_s=None, length_bucket_s=10.0)
+    hour, minute, short = 3600 * 16000, 60 * 16000, 9 * 16000
+    batches = list(_batches([hour, minute, minute, minute, minute, short], whole, 16000))
+    assert [(sorted(rows), end, n) for rows, end, n in batches] == [
+        ([0], hour, 1), ([1, 2, 3, 4], minute, 4), ([5], 10 * 16000, 8)]
+    cut = OfflineOptions(batch_size=8, max_segment_s=20.0, length_bucket_s=10.0)  # pieces of 20 s at most: full rows
+    assert [n for _, _, n in _batches([20 * 16000, 15 * 16000, short], cut, 16000)] == [8, 8]
