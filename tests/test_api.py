@@ -110,6 +110,14 @@ def test_verbose_json_defaults_to_segments_only(server, parity_audio):
     assert "segments" in body and "words" not in body
 
 
+def test_verbose_json_with_words_alone_has_no_segments(server, parity_audio):
+    """As OpenAI's: ``timestamp_granularities[]=word`` alone gives words and leaves the segments out."""
+    body = _post(server.url, Path(parity_audio[2]).read_bytes(), response_format="verbose_json",
+                 **{"timestamp_granularities[]": "word"}).json()
+    assert body["words"] and "segments" not in body
+    assert " ".join(w["word"] for w in body["words"]) == body["text"]
+
+
 def _flac(wave: np.ndarray) -> bytes:
     buffer = io.BytesIO()
     sf.write(buffer, wave, 16000, format="FLAC")

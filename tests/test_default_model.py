@@ -15,9 +15,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from models import load_model
-from models.asr_model import DEFAULT_MODEL
+from models.asr_model import DEFAULT_MODEL, resolve_dtype
 
 DATA = Path(__file__).parent / "data" / "default_model"
 EXPECTED: dict[str, str] = json.loads((DATA / "expected.json").read_text())
@@ -50,3 +51,13 @@ def test_cli_transcribes_without_model_flag():
                          capture_output=True, text=True, check=True, timeout=120)
     record = json.loads(out.stdout)
     assert record["text"] == EXPECTED[name]
+
+
+def test_auto_dtype_is_bf16_on_cuda_and_float32_on_cpu():
+    """DESIGN's contract for ``load_model(dtype="auto")``: decided from the device alone, so it is checked here."""
+    assert resolve_dtype("auto", torch.device("cuda", 0)) == torch.bfloat16
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert resolve_dtype("float16", torch.device("cuda")) == torch.float16
+    with pytest.raises(ValueError, match="unknown dtype 'fp8'"):
+        resolve_dtype("fp8", torch.device("cpu"))
+    assert load_model(device="cpu").dtype == torch.float32

@@ -35,7 +35,7 @@ def section(text: str, start: str, end: str = "\n\n") -> str:
     return text[first:last if last >= 0 else None]
 
 
-SETTINGS = section(README, "Settings come from `BATCHASR_*`")
+SETTINGS = section(README, "Settings of `serve` and `worker` come from `BATCHASR_*`")
 METRICS = section(README, "Metrics: `batchasr_")
 COMMAND_LINE = section(README, "## Command line", "\n## ")
 SYNOPSIS = section(COMMAND_LINE, "```\n", "```").removeprefix("```\n")
