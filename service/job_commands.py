@@ -308,7 +308,7 @@ def jobs_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="one JSON object a line, as GET /v1/jobs/{id} gives it")
     action = p.add_mutually_exclusive_group()
     action.add_argument("--cancel", nargs="+", metavar="JOB_ID", help="cancel these jobs instead of listing: items "
-                                                                        "not started are dropped")
+                                                                        "not finished are dropped")
     action.add_argument("--purge", nargs="+", metavar="JOB_ID", help="delete these jobs at once instead of "
                                                                        "listing: records, results, uploaded audio")
     action.add_argument("--retry", nargs="+", metavar="JOB_ID", help="queue these jobs' failed items again instead "

@@ -18,10 +18,15 @@ end
 # Returns {state, attempts[, input JSON, upload size[, upload]]}: the caller processes the item only if state is
 # "in_progress", and then gets its input in the same round trip (a missing one comes back as nil, a missing upload
 # as size -1), and a small upload with it (a larger one it reads a piece at a time: service.job_uploads).
+# "cancelling" (with the input): the job was cancelled since the item was queued (a worker read it ahead, or it was
+# queued on a page the cancel had not reached): the caller finishes it as cancelled.
 START_ITEM = _ALLOW_OOM + _EXPIRE_WITH_JOB + """
 local state = redis.call('HGET', KEYS[2], ARGV[1])
 if state == false then return {'missing', 0} end
 if state == 'completed' or state == 'failed' or state == 'cancelled' then return {state, 0} end
+if redis.call('HEXISTS', KEYS[1], 'cancel_requested') == 1 then
+  return {'cancelling', 0, redis.call('HGET', KEYS[4], ARGV[1]), -1}
+end
 local attempts = redis.call('HINCRBY', KEYS[3], ARGV[1], 1)
 expire_with_job(KEYS[1], KEYS[3])
 if state == 'queued' then
@@ -365,6 +370,7 @@ for i = 6, #ARGV do
   end
 end
 if queued == 0 then return {0, kept, deferred, counted} end
+redis.call('HDEL', KEYS[1], 'cancel_requested')  -- a cancelled job's failed items, retried, are wanted again
 redis.call('HINCRBY', KEYS[1], 'n_failed', -queued)
 redis.call('HINCRBY', KEYS[1], 'n_queued', queued)
 redis.call('HSET', KEYS[1], 'status', 'in_progress')

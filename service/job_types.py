@@ -127,11 +127,12 @@ class JobOptions:
     hotwords: tuple[str, ...] = ()  # words and phrases made likelier (decoding.boosting)
 
 
-@dataclass(frozen=True)
+@dataclass
 class ItemStart:
     """What a consumer learns when it starts an item: its state, deliveries so far, and (in progress) its input
     record, its upload's size (None once expired, or for a path or URL input) and, up to INLINE_UPLOAD_BYTES, the
-    upload itself (a larger one: ``read_upload``)."""
+    upload itself (a larger one: ``read_upload``), let go once decoded. "cancelling": its job was cancelled, and
+    the record holds only its ``audio``."""
     state: str
     attempts: int
     record: dict[str, Any] = field(default_factory=dict)

@@ -2,6 +2,10 @@
 are read first, and each owner's stream in turn), feeds them to the batcher behind HTTP requests and in their job's
 priority, writes each result once, then acknowledges.
 
+Cancelling: a job cancelled while a consumer holds some of its items (read ahead, up to its prefetch) has them
+cancelled here, unless the engine is computing their batch: ``start_item`` says so of an item not yet begun, and a
+look every CANCEL_CHECK_INTERVAL_S at the jobs of the items in hand stops those being read or waiting for a batch.
+
 Failure handling: bad audio or a refused input fails its item at once (dead-lettered); any other error
 leaves the delivery unacknowledged, so it is reclaimed (XAUTOCLAIM) after the visibility timeout, and an
 item that has been started ``max_attempts`` times is failed with its last error. Deliveries still being worked
@@ -18,11 +22,11 @@ import logging
 import math
 import os
 import socket
-from collections import defaultdict
-from collections.abc import Callable
+from collections import Counter, defaultdict
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import BinaryIO, Protocol
+from typing import BinaryIO, Protocol, TypeVar
 
 import numpy as np
 import redis.asyncio as aioredis
@@ -59,6 +63,9 @@ FORGET_INTERVAL_S = 600.0  # how often a consumer deletes the names of consumers
 PRUNE_INTERVAL_S = 60.0  # how often a consumer looks for API keys' streams gone idle (item_streams.STREAM_IDLE_S)
 LAG_INTERVAL_S = 1.0  # how often a consumer reads the lag metric: Prometheus scrapes every 15 s, KEDA polls every 30 s
 GONE_AFTER_S = 3600.0  # idle this long, holding nothing: a consumer that is gone (at least ten visibility timeouts)
+CANCEL_CHECK_INTERVAL_S = 1.0  # how often a consumer asks whether the jobs of the items in its hands were cancelled
+
+T = TypeVar("T")
 
 
 def default_consumer_name() -> str:
@@ -83,6 +90,56 @@ class JobMetrics(Protocol):
     def count_webhook(self, outcome: str) -> None: ...
 
     def observe_webhooks_waiting(self, waiting: int) -> None: ...
+
+
+class JobCancelled(Exception):
+    """The item's job was cancelled (or deleted) while the item was read or waited for a batch."""
+
+
+class CancelWatch:
+    """The jobs whose items a consumer holds, each with an event its items wait on beside their work, set once a
+    look finds the job cancelled."""
+
+    def __init__(self):
+        self._events: dict[str, asyncio.Event] = {}
+        self._holders: Counter[str] = Counter()
+
+    @contextlib.contextmanager
+    def holding(self, job_id: str) -> Iterator[asyncio.Event]:
+        event = self._events.setdefault(job_id, asyncio.Event())
+        self._holders[job_id] += 1
+        try:
+            yield event
+        finally:
+            self._holders[job_id] -= 1
+            if not self._holders[job_id]:
+                del self._holders[job_id], self._events[job_id]
+
+    def jobs(self) -> list[str]:
+        return list(self._events)
+
+    def cancelled(self, job_ids: list[str]) -> None:
+        for job_id in job_ids:
+            if job_id in self._events:  # an item of it may have ended during the look
+                self._events[job_id].set()
+
+
+async def unless_cancelled(cancelled: asyncio.Event, work: Awaitable[T]) -> T:
+    """``work``'s result, or ``JobCancelled`` (and ``work`` cancelled: a batcher drops an item whose request is
+    gone) should ``cancelled`` be set first."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.create_task(cancelled.wait())
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:  # this one cancelled too (shutdown): neither is left behind
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        raise JobCancelled
+    return task.result()
 
 
 @dataclass(frozen=True)
@@ -121,6 +178,7 @@ class JobConsumer:
         self._reclaim_from: dict[str, bytes | str] = {}  # per stream, where the next look for stalled items goes on
         self._reclaim, self._keep_claims, self._check_settings = Periodic(), Periodic(), Periodic()
         self._read_lag, self._prune, self._forget = Periodic(), Periodic(), Periodic()
+        self._cancels, self._look_for_cancels = CancelWatch(), Periodic()
         self._group_ready = False  # made once, and again after an error (a Redis that lost it)
         self._store_risks: dict[str, str] | None = {}  # those last read (JobStore.durability_risks; None: unknown)
         self.connected = False
@@ -199,6 +257,8 @@ class JobConsumer:
             # the deliveries in hand is due (waiting them out, with long items, let another worker take them all)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.audio.changed(), min(LAG_INTERVAL_S, self.options.visibility_timeout_s / 3))
+        if self._cancels.jobs() and self._look_for_cancels.due(CANCEL_CHECK_INTERVAL_S):
+            self._cancels.cancelled(await self.store.cancel_requested(self._cancels.jobs()))
         if self._read_lag.due(LAG_INTERVAL_S):  # not every step: two round trips over every stream
             backlog = await self.store.backlog()
             self.metrics.observe_job_backlog(backlog.waiting, backlog.delivered)
@@ -299,8 +359,21 @@ class JobConsumer:
         except JobInputError as exc:
             await self._fail(job_id, index, None, str(exc))
             return
+        if start.state == "cancelling":
+            await self._cancel(job_id, index, start.record.get("audio"))
+            return
         if start.state != "in_progress":
             return  # finished, cancelled or expired meanwhile: just acknowledge
+        with self._cancels.holding(job_id) as cancelled:
+            try:
+                await self._transcribe_item(job_id, index, start, share, priority, owner, cancelled)
+            except JobCancelled:
+                await self._cancel(job_id, index, start.record.get("audio"))
+
+    async def _transcribe_item(self, job_id: str, index: int, start: ItemStart, share: AudioClaim,
+                               priority: Priority, owner: str, cancelled: asyncio.Event) -> None:
+        """A started item read, transcribed and finished; ``JobCancelled`` where ``cancelled`` is set while it is
+        read or waits for a batch."""
         record, attempts = start.record, start.attempts
         audio = record.get("audio")
         if attempts > self.options.max_attempts:
@@ -310,8 +383,8 @@ class JobConsumer:
         multichannel, skip_silence = bool(record.get("multichannel")), bool(record.get("skip_silence"))
         try:  # checked at submission through HTTP; a job written straight into Redis is checked here
             hotwords = hotword_tokens(record.get("hotwords") or [], self.transcriber.tokenizer)
-            waveform = await self._load(start, multichannel)
-            del start  # a small upload's bytes with it: gone once decoded, not when the item ends
+            waveform = await unless_cancelled(cancelled, self._load(start, multichannel))
+            start.upload = None  # a small upload's bytes: gone once decoded, not when the item ends
         except SourceUnavailable as exc:
             if attempts < self.options.max_attempts:
                 raise  # delivered again after the visibility timeout (_handle)
@@ -324,12 +397,13 @@ class JobConsumer:
         while True:
             try:
                 if multichannel:
-                    result = await self.transcriber.transcribe_channels(waveform, priority, skip_silence, hotwords,
-                                                                        owner)
+                    result = await unless_cancelled(cancelled, self.transcriber.transcribe_channels(
+                        waveform, priority, skip_silence, hotwords, owner))
                     transcript = result.conversation
                     transcript.names = record.get("channel_names") or []
                 else:
-                    result = await self.transcriber.transcribe(waveform, priority, skip_silence, hotwords, owner)
+                    result = await unless_cancelled(cancelled, self.transcriber.transcribe(
+                        waveform, priority, skip_silence, hotwords, owner))
                     transcript = result.transcript
                 break
             except QueueFull:  # HTTP traffic holds the queue; bulk work waits its turn
@@ -364,6 +438,11 @@ class JobConsumer:
             body = await self.store.read_upload(start)
         return await loop.run_in_executor(self.decode_pool, _decode_and_close, body, self.limits, multichannel, stretch)
 
+    async def _cancel(self, job_id: str, index: int, audio: str | None) -> None:
+        """The item cancelled, its job having been: its record as the cancel gives those still queued."""
+        outcome = await self.store.finish_item(job_id, index, "cancelled", item_record(audio, "cancelled"))
+        await self._after_finish(job_id, "cancelled", outcome)
+
     async def _fail(self, job_id: str, index: int, audio: str | None, error: str) -> None:
         outcome = await self.store.finish_item(job_id, index, "failed", item_record(audio, "failed", error=error),
                                                error=error)  # dead-lettered in the same step
@@ -374,7 +453,8 @@ class JobConsumer:
     async def _after_finish(self, job_id: str, item_status: str, outcome: int) -> None:
         if outcome == 0:
             return  # a redelivery of an item that already had its result
-        self.metrics.count_job_item(item_status)
+        if item_status != "cancelled":  # as the cancel counts those it finds queued: not by item
+            self.metrics.count_job_item(item_status)
         if outcome == 2:
             job = await self.store.get(job_id)
             self.metrics.count_job(job.status.value)

@@ -420,6 +420,10 @@ class JobStore(ItemStreams):
                 INPUTS_KEY.format(job_id=job_id), UPLOAD_KEY.format(job_id=job_id, index=index)]
         state, attempts, *item = await self._start(keys=keys, args=[index, _now(), INLINE_UPLOAD_BYTES])
         state = state.decode() if isinstance(state, bytes) else state
+        if state == "cancelling":  # its input, for the name its cancelled record gives
+            with contextlib.suppress(TypeError, ValueError, AttributeError):
+                return ItemStart(state, int(attempts), {"audio": json.loads(item[0]).get("audio")})
+            return ItemStart(state, int(attempts))
         if state != "in_progress":
             return ItemStart(state, int(attempts))
         raw_input, upload_bytes, *upload = item
@@ -494,11 +498,15 @@ class JobStore(ItemStreams):
     # --- cancel, retry, delete ---------------------------------------------------------------------------------
 
     async def cancel(self, job_id: str) -> tuple[Job, bool]:
-        """Items not started yet are cancelled; items in progress finish. Returns the job after, and whether this
-        call ended it (then it is this caller's to count: a job ends once). A page of items per script call (20k
-        items took 7.7 s one by one, two round trips each)."""
+        """Items still queued are cancelled here; items a worker holds are cancelled by it (``start_item`` says
+        "cancelling", and a consumer looks for cancels of the jobs in its hands: service.job_worker), except those
+        in a batch the engine is computing, which finish. Returns the job after, and whether this call ended it
+        (then it is this caller's to count: a job ends once). A page of items per script call (20k items took 7.7 s
+        one by one, two round trips each)."""
         job = await self.get(job_id)
         keys = [*(t.format(job_id=job_id) for t in (JOB_KEY, STATES_KEY, RESULTS_KEY, INPUTS_KEY)), WEBHOOK_STREAM]
+        if job.status.value in ("queued", "in_progress"):  # first: an item started from now on is cancelled
+            await self.redis.hset(keys[0], "cancel_requested", _now())
         ended = False
         cancelled = json.dumps(item_record(None, "cancelled"))
         for first in range(0, job.total_items, RESULTS_PAGE):
@@ -508,6 +516,16 @@ class JobStore(ItemStreams):
             await self._expire_finished(job_id)
         await self._confirm_replicated()
         return await self.get(job_id), ended
+
+    async def cancel_requested(self, job_ids: list[str]) -> list[str]:
+        """Which of these jobs were cancelled (or deleted: their items are not worth finishing either), in one
+        round trip."""
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.hmget(JOB_KEY.format(job_id=job_id), "cancel_requested", "total")
+        found = await pipe.execute()
+        return [job_id for job_id, (requested, total) in zip(job_ids, found, strict=True)
+                if requested is not None or total is None]
 
     async def retry_failed(self, job_id: str, owner: str | None = None) -> Retried:
         """Queue the job's failed items again, each from a first attempt, on its owner's stream: those of a path
@@ -542,8 +560,9 @@ class JobStore(ItemStreams):
 
     async def delete(self, job_id: str, owner: str | None = None) -> None:
         """Everything of the job, at once: its records and results, its uploaded audio, its place in its owner's
-        list and its idempotency key (``JobNotFound`` as ``get``). Items not started never start; an item in
-        progress finishes, and its result is dropped (``finish_item`` writes nothing for a job that is gone)."""
+        list and its idempotency key (``JobNotFound`` as ``get``). Items not started never start; the consumers
+        holding items let them go (``cancel_requested``), and any that finishes writes nothing (``finish_item``
+        writes nothing for a job that is gone)."""
         try:
             job = await self.get(job_id, owner)
         except JobNotFound:

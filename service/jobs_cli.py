@@ -269,7 +269,7 @@ async def run_list(redis_url: str | None, server: str | None, api_key: str | Non
 
 async def run_action(redis_url: str | None, server: str | None, api_key: str | None, job_ids: list[str],
                      action: JobAction, output: TextIO) -> int:
-    """Cancel each job (items not started are dropped), purge it (delete it at once), or retry its failed items (all
+    """Cancel each job (items not finished are dropped), purge it (delete it at once), or retry its failed items (all
     of them, as the key's queued-items limit makes room: ``_retried_in_full``); a JSON line each. Each is tried
     again through an outage, as submit does."""
     async def act_on_all(client: JobClient) -> None:

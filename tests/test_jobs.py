@@ -826,6 +826,70 @@ def test_cancel_stops_unstarted_items(redis_server, model, parity_audio):
     assert not client.keys("batchasr:upload:*")  # inputs of a finished job are dropped
 
 
+def test_cancel_stops_the_items_a_worker_holds(redis_server, model, parity_audio):
+    """A worker reads items ahead (up to its prefetch) and starts them: a cancel reached none of those, so a job
+    smaller than the prefetch could not be stopped (24 of 24 transcribed, and the job ended "completed"). Here
+    every item waits in the batcher (a batch is held for MAX_WAIT_MS to fill) when the job is cancelled: the
+    worker lets them go, and the job ends cancelled without waiting for them."""
+    n = 8
+    items = upload_items(parity_audio, n)
+    settings = Settings(redis_url=redis_server.url, max_batch_size=64, max_wait_ms=120_000, job_prefetch=n)
+
+    async def submit() -> str:
+        store = JobStore.from_url(redis_server.url)
+        job, _ = await store.submit(items)
+        await store.close()
+        return job.id
+
+    with run_server(settings, model) as running:
+        job_id = asyncio.run(submit())
+
+        def job() -> dict:
+            return httpx.get(f"{running.url}/v1/jobs/{job_id}", timeout=30).json()
+
+        _wait_for(lambda: running.metric("batchasr_queue_depth") == n, 60, "the items to wait in the batcher")
+        assert job()["counts"]["in_progress"] == n
+        dropped = running.metric("batchasr_dropped_items_total", '{reason="cancelled"}')
+        cancelled_at = time.monotonic()
+        assert httpx.delete(f"{running.url}/v1/jobs/{job_id}", timeout=30).status_code == 200
+        _wait_for(lambda: job()["status"] == "cancelled", 30, "the job to end cancelled")
+        assert time.monotonic() - cancelled_at < 30  # long before the batch would have been released
+        assert job()["counts"] == {"queued": 0, "in_progress": 0, "completed": 0, "failed": 0, "cancelled": n}
+        _wait_for(lambda: running.metric("batchasr_queue_depth") == 0, 10, "the batcher to let them go")
+        assert running.metric("batchasr_dropped_items_total", '{reason="cancelled"}') - dropped == n
+        assert running.metric("batchasr_jobs_total", '{status="cancelled"}') == 1
+    records = asyncio.run(JobStore.from_url(redis_server.url).results(job_id))
+    assert records == [item_record(item.audio, "cancelled") for item in items]
+    client = redis_server.client()
+    assert client.xpending(ITEM_STREAM, GROUP)["pending"] == 0
+    assert not client.keys("batchasr:upload:*")
+
+
+def test_a_retry_of_a_cancelled_jobs_failed_items_runs_them(redis_server):
+    """The cancel is remembered on the job, so that items started later are cancelled; a retry of its failed
+    items forgets it, or they would be cancelled as they start."""
+    items = [ItemInput(audio=f"{i}.wav", url=f"https://media.example/{i}.wav") for i in range(3)]
+
+    async def scenario() -> None:
+        store = JobStore.from_url(redis_server.url)
+        job, _ = await store.submit(items)
+        await store.start_item(job.id, 0)
+        await store.start_item(job.id, 1)
+        await store.cancel(job.id)
+        assert (await store.start_item(job.id, 1)).state == "cancelling"  # a worker's next look at it
+        assert (await store.start_item(job.id, 1)).record == {"audio": items[1].audio}
+        await store.finish_item(job.id, 0, "failed", item_record(items[0].audio, "failed", error="x"), error="x")
+        assert await store.finish_item(job.id, 1, "cancelled", item_record(items[1].audio, "cancelled")) == 2
+        assert (await store.get(job.id)).status.value == "cancelled"
+        assert await store.cancel_requested([job.id, "no-such-job"]) == [job.id, "no-such-job"]
+        assert (await store.retry_failed(job.id)).retried == 1
+        assert await store.cancel_requested([job.id]) == []
+        assert (await store.start_item(job.id, 0)).state == "in_progress"
+        await store.close()
+
+    asyncio.run(scenario())
+
+
 def test_a_job_that_cancelling_ends_is_counted_once(redis_server, model, parity_audio):
     """With no item in progress, the cancel ends the job: no consumer finishes it, so the route counts it (it was
     never counted: Grafana's jobs by final status missed every job cancelled before it started)."""
