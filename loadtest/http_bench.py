@@ -62,6 +62,7 @@ from service.bench import (
     timed_passes,
 )
 from service.cli import raise_open_files_limit
+from service.processes import process_title
 
 try:
     from uvloop import run as run_client  # keeps the load generator's own CPU per request low
@@ -72,6 +73,7 @@ SAMPLE_RATE = 16000
 DISTINCT_CLIPS = 512  # synthetic clips made; more requests take them again (the mix's durations are kept)
 SERVER_LOG_MAX_BYTES = 2 << 20  # a server's log kept with the results: its start and its end
 OFFLINE_BASELINES = ("bench", "transcribe")
+FRONT_END_TITLE = process_title("batchasr-frontend-")  # as ps shows a front end
 
 
 @dataclass
@@ -245,12 +247,12 @@ def _cpu_s(pid: int, thread: int | None = None) -> float:
 
 
 def _front_end_pids(pid: int) -> list[int]:
-    """The server's front-end processes: its children started by multiprocessing's spawn."""
+    """The server's front-end processes: its children named as front ends (not its job consumers)."""
     pids = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            if parent == pid and b"spawn_main" in (stat.parent / "cmdline").read_bytes():
+            if parent == pid and (stat.parent / "comm").read_text().startswith(FRONT_END_TITLE):
                 pids.append(int(stat.parent.name))
         except (OSError, IndexError, ValueError):
             continue  # exited meanwhile
@@ -390,7 +392,8 @@ def start_server(model: str, port: int, redis_url: str | None, frontends: int, m
             if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
                 return process
         except httpx.TransportError:
-            time.sleep(0.2)
+            pass
+        time.sleep(0.2)  # a 503 while warming up too: polled flat out, it took the warm-up's GIL
     why = "did not become ready" if process.poll() is None else f"exited with status {process.returncode}"
     process.kill()
     tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
@@ -433,7 +436,11 @@ def server_run(run: dict, model: str, clips: list[Clip], offline: dict, redis_ur
         save()
     finally:
         server.terminate()
-        server.wait(60)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:  # left running, it would share the device with the next layout's
+            server.kill()
+            server.wait()
         trim_log(log)
 
 

@@ -21,6 +21,7 @@ DECODER_SHARE_MAX = 0.05  # issue 3: the decoder's share of the time, batch 128,
 DECODER_SPEEDUP_MIN = 5.0  # issue 3: label looping + conditional against frame looping eager, decoder time
 HTTP_SHARE_MIN = 0.90  # issue 4: HTTP RTFx against the offline engine's (a bulk job's too)
 NEMO_RATIO_MIN = 1.3  # issue 7: RTFx against NeMo's on the same GPU
+NEMO_BEST_MODE = "full_graph"  # NeMo's label looping in one graph with conditional nodes: its fast path
 GOAL_BATCH = 128
 GRAPH_MODES = {"off": "eager"}  # a requested cuda_graphs that failed or was not measured, as a mode
 
@@ -194,13 +195,15 @@ def nemo_goals(records: list[dict[str, Any]]) -> list[Row]:
         else:
             rows.append((goal, why, False))
         runs = r.get("runs", [])
+        nemo_at_best = r.get("nemo_graph_mode") == NEMO_BEST_MODE  # else NeMo fell back: no fair ratio
         for run in runs:
             same = run["agreement"]
             rows.append((_ratio_goal(r, run["attention_kernel"]),
                          f"{run['rtfx_ratio']:.2f}x ({run['batchasr']['rtfx']:.0f} against {r['nemo']['rtfx']:.0f}, "
-                         f"NeMo's graph mode {r.get('nemo_graph_mode')}); "
+                         f"NeMo's graph mode {r.get('nemo_graph_mode')}"
+                         f"{'' if nemo_at_best else f', not {NEMO_BEST_MODE}: not judged'}); "
                          f"the same tokens in {same['identical']} of {same['utterances']} utterances",
-                         run["rtfx_ratio"] >= NEMO_RATIO_MIN))
+                         nemo_at_best and run["rtfx_ratio"] >= NEMO_RATIO_MIN))
         rows += [(_ratio_goal(r, kernel), why, False) for kernel in r.get("attention_kernels", [])[len(runs):]]
     return rows
 

@@ -121,6 +121,19 @@ def run_async(main: Coroutine[Any, Any, Any]) -> Any:
     return uvloop.run(main)
 
 
+def process_title(name: str) -> str:
+    """What ps shows for the helper process ``name`` (``batchasr-frontend-0``: ``asr-frontend-0``)."""
+    return name.replace("batchasr-", "asr-", 1)[:15]
+
+
+def _run_named(name: str, target: Callable[..., None], args: tuple) -> None:
+    """``target(*args)`` in a process that ps, top and /proc show by its role (``asr-frontend-0``,
+    ``asr-consumer-1``: Linux keeps 15 characters), not as one more python."""
+    with contextlib.suppress(OSError):  # not Linux, or /proc read-only: the name is a convenience
+        Path("/proc/self/comm").write_text(process_title(name))
+    target(*args)
+
+
 @dataclass(frozen=True)
 class ProcessSpec:
     name: str
@@ -143,7 +156,8 @@ class ProcessPool:
         self._processes = [self._spawn(spec) for spec in self.specs]
 
     def _spawn(self, spec: ProcessSpec) -> BaseProcess:
-        process = self._context.Process(target=spec.target, name=spec.name, args=spec.args, daemon=True)
+        process = self._context.Process(target=_run_named, name=spec.name, args=(spec.name, spec.target, spec.args),
+                                        daemon=True)
         process.start()
         return process
 

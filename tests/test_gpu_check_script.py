@@ -85,7 +85,7 @@ def test_a_command_stopped_mid_stage_keeps_its_rows_and_names_the_stage(tmp_path
     """The device tool stops a command at its timeout: the running stage's rows used to stay in a temporary
     folder, and in the first stage even summary.md was not written yet."""
     bench = ["--device", "cpu", "--dtype", "float32", "--models", str(parity_dir / "tdt.nemo"), "--batch-sizes",
-             "8", "4", "2", "1", "--n-utterances", "128"]  # 20 s or more on a CPU, a row every second or so
+             "8", "4", "2", "1", "--n-utterances", "1024"]  # a minute or more on a CPU, a row every few seconds
     process = subprocess.Popen(["bash", "scripts/gpu_check.sh", "bench", *bench], cwd=REPO, start_new_session=True,
                                env=environment(tmp_path, state, 300, GPU_CHECK_SAVE_EVERY_S="1"),
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -96,8 +96,16 @@ def test_a_command_stopped_mid_stage_keeps_its_rows_and_names_the_stage(tmp_path
         assert rows_in_results(tmp_path), "no bench rows reached the results while the stage ran"
         summary = (tmp_path / "summary.md").read_text()
         assert "## bench: running, " in summary and "| tdt.nemo |" in summary.replace(str(parity_dir) + "/", "")
+        stage = descendants(process.pid)
+        assert any(b"bench_table.py" in cmdline(pid) for pid in stage)
         os.killpg(process.pid, signal.SIGTERM)  # the tool's stop: the whole command at once
         process.wait(30)
+        # the stage's timeout leads a process group of its own, which that signal missed: the script passes it on,
+        # so the stage writes down what it has and ends rather than run on unseen
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in stage):
+            time.sleep(0.2)
+        assert not [pid for pid in stage if Path(f"/proc/{pid}").exists()]
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
@@ -114,3 +122,27 @@ def rows_in_results(out: Path) -> int:
             return len(tar.extractfile("./bench.jsonl").read().splitlines())
     except (FileNotFoundError, KeyError, tarfile.TarError, EOFError):
         return 0
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid``, whatever its process group."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
+
+
+def cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""

@@ -138,6 +138,19 @@ def test_issue_7_goals_per_model_and_attention_kernel(goals):
     assert rows[3][1] == "failed: ImportError: nemo"
 
 
+def test_issue_7_ratio_is_not_judged_against_a_nemo_that_fell_back(goals):
+    """NeMo falls back to partial graphs (no_while_loops) with only a warning where its conditional nodes fail:
+    beating that is no goal met."""
+    run = {"attention_kernel": "reference", "rtfx_ratio": 2.5, "batchasr": {"rtfx": 5000.0},
+           "agreement": {"identical": 256, "utterances": 256}}
+    record = {"model": "parakeet-tdt-0.6b-v2", "dtype": "bfloat16", "batch_size": 128, "nemo": {"rtfx": 2000.0},
+              "nemo_graph_mode": "no_while_loops", "float32_agreement": {"identical": 64, "utterances": 64},
+              "runs": [run]}
+    rows = goals.nemo_goals([record])
+    assert [met for _, _, met in rows] == [True, False]
+    assert "NeMo's graph mode no_while_loops, not full_graph: not judged" in rows[1][1]
+
+
 def test_issue_7_a_model_cut_short_has_a_row_for_each_part_missing(goals):
     record = {"model": "parakeet-tdt-0.6b-v2", "dtype": "bfloat16", "batch_size": 128,
               "attention_kernels": ["reference", "sdpa"], "float32_agreement": {"identical": 64, "utterances": 64},

@@ -101,13 +101,49 @@ def without_nemo(nemo_compare, parity_dir, monkeypatch):
     monkeypatch.setattr(nemo_compare, "rebuild_nemo_decoding", lambda nemo: nemo)
     monkeypatch.setattr(nemo_compare, "nemo_stage_seconds", lambda *_: {"features": 0.1, "encoder": 1, "decoder": 1})
     monkeypatch.setattr(nemo_compare, "nemo_graph_mode", lambda nemo: None)
+    monkeypatch.setattr(nemo_compare, "nemo_conditional_nodes", lambda: "supported")
     monkeypatch.setattr(nemo_compare, "matmul_peak_flops", lambda *_: 1e12)
 
 
-def run_main(nemo_compare, out: Path) -> int:
-    return nemo_compare.main(["--out", str(out), "--models", "parakeet-tdt-0.6b-v2", "--device", "cpu",
+def run_main(nemo_compare, out: Path, models: tuple[str, ...] = ("parakeet-tdt-0.6b-v2",)) -> int:
+    return nemo_compare.main(["--out", str(out), "--models", *models, "--device", "cpu",
                               "--dtype", "float32", "--n-utterances", "2", "--check-utterances", "2",
                               "--batch-size", "2", "--repeat", "1"])
+
+
+def test_a_missing_nemo_fails_every_model_before_any_checkpoint(nemo_compare, without_nemo, tmp_path, monkeypatch):
+    """Found once, up front: each model used to write its checkpoint (4.4 GB for the 1.1B) and time batchasr in
+    float32 before NeMo's import failed."""
+    def no_nemo():
+        raise ModuleNotFoundError("No module named 'nemo'")
+
+    def checkpoint(*_):
+        raise AssertionError("no checkpoint should be written")
+
+    monkeypatch.setattr(nemo_compare, "nemo_conditional_nodes", no_nemo)
+    monkeypatch.setattr(nemo_compare, "save_random_checkpoint", checkpoint)
+    assert run_main(nemo_compare, tmp_path, ("parakeet-tdt-0.6b-v2", "parakeet-rnnt-1.1b")) == 1
+    records = [json.loads(line) for line in (tmp_path / "nemo_compare.jsonl").read_text().splitlines()]
+    assert [r["error"] for r in records] == ["NeMo does not import: ModuleNotFoundError: No module named 'nemo'"] * 2
+
+
+def test_every_model_is_timed_with_the_first_kernel_before_any_with_the_second(nemo_compare, without_nemo,
+                                                                              tmp_path, monkeypatch):
+    """A budget that runs short leaves the second kernel out, not the second model (issue 7 wants both)."""
+    order = []
+
+    def batchasr_run(ours, name, *_):
+        order.append((name, ours.encoder.attention_kernel))
+        return {"attention_kernel": ours.encoder.attention_kernel}
+
+    monkeypatch.setattr(nemo_compare, "batchasr_run", batchasr_run)
+    monkeypatch.setattr(nemo_compare, "table_rows", lambda r: [])
+    assert run_main(nemo_compare, tmp_path, ("parakeet-tdt-0.6b-v2", "parakeet-rnnt-1.1b")) == 0
+    assert order == [("parakeet-tdt-0.6b-v2", "reference"), ("parakeet-rnnt-1.1b", "reference"),
+                     ("parakeet-tdt-0.6b-v2", "sdpa"), ("parakeet-rnnt-1.1b", "sdpa")]
+    records = [json.loads(line) for line in (tmp_path / "nemo_compare.jsonl").read_text().splitlines()]
+    assert [r["nemo_conditional_nodes"] for r in records] == ["supported"] * 2
+    assert not any("running" in r for r in records)
 
 
 def test_an_interrupt_keeps_every_phase_measured_and_says_where_it_stopped(nemo_compare, without_nemo, tmp_path,
