@@ -15,7 +15,7 @@ from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 from starlette.datastructures import UploadFile as StarletteUpload
 from starlette.exceptions import HTTPException
 
@@ -200,10 +200,22 @@ def _job_hotwords(service: ServiceState, values: list[str]) -> tuple[str, ...]:
     return tuple(phrases)
 
 
+def _invalid_job(exc: ValidationError) -> ApiError:
+    """A JSON job's first problem as a 400 naming its place (``items.3.path``), and how many more there are."""
+    problems = exc.errors(include_url=False)
+    first = problems[0]
+    where = ".".join(str(part) for part in first["loc"])
+    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+    message = f"invalid job: {where + ': ' if where else ''}{first['msg']}{more}"
+    return ApiError(400, message, param=where or None, code="invalid_job")
+
+
 async def _json_items(request: Request, service: ServiceState) -> tuple[list[ItemInput], JobOptions]:
     raw = await request.body()  # at most JSON_JOB_BYTES (service.body_limit)
     try:  # off the event loop: a large job takes seconds to validate, and every other request would wait
         body = await asyncio.to_thread(JobCreate.model_validate_json, raw)
+    except ValidationError as exc:  # the first problem, where it is, in a line (pydantic's dump named no field)
+        raise _invalid_job(exc) from exc
     except ValueError as exc:
         raise ApiError(400, f"invalid job: {exc}", code="invalid_job") from exc
     if len(body.items) > service.settings.max_job_items:

@@ -189,7 +189,7 @@ async def run_submit(inputs: list[Input], redis_url: str | None, server: str | N
             print(_how_it_stands(job), file=sys.stderr)
         return 0 if all(job["status"] == "completed" for job in jobs) else 1
     except (httpx.HTTPError, *REDIS_ERRORS) as exc:
-        print(f"error: cannot reach {'the server' if server else 'Redis'}: {exc}", file=sys.stderr)
+        print(f"error: cannot reach {_target(server, redis_url)}: {exc}", file=sys.stderr)
         return 2
     except REDIS_FULL:
         print("error: Redis is out of memory: nothing of that job was queued (submit fewer bytes a job with "
@@ -276,6 +276,9 @@ async def run_action(redis_url: str | None, server: str | None, api_key: str | N
         for number, job_id in enumerate(job_ids):
             if action == "retry":
                 answer = await _retried_in_full(client, job_id, first=number == 0)
+                if answer.get("unretried_items"):
+                    print(f"{job_id}: {answer['unretried_items']} failed items not retried: they were uploads, whose "
+                          "audio is not kept past a failure; submit those files again", file=sys.stderr)
             else:
                 answer = await _acted_on(client, job_id, action, first=number == 0)
             _write_out(output, json.dumps(answer) + "\n")
@@ -377,13 +380,18 @@ async def _with_client(redis_url: str | None, server: str | None, api_key: str |
     except CannotWrite as exc:
         return cannot_write(exc.error)
     except (httpx.HTTPError, *REDIS_ERRORS) as exc:
-        print(f"error: cannot reach {'the server' if server else 'Redis'}: {exc}", file=sys.stderr)
+        print(f"error: cannot reach {_target(server, redis_url)}: {exc}", file=sys.stderr)
         return 2
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     finally:
         await client.close()
+
+
+def _target(server: str | None, redis_url: str | None) -> str:
+    """What a command could not reach, named as given (a Redis URL's password as ***)."""
+    return f"the server at {server}" if server else f"Redis at {redacted_url(redis_url or '')}"
 
 
 def _room(queued_items: int, max_queued_items: int | None) -> str:

@@ -22,7 +22,7 @@ from service.jobs_cli import run_action
 from tests.servers import run_server, wait_job
 
 
-def test_failed_path_and_url_items_are_queued_again_and_the_job_ends_again(redis_server):
+def test_failed_path_and_url_items_are_queued_again_and_the_job_ends_again(redis_server, capsys):
     client = redis_server.client()
     items = [ItemInput(audio="a.wav", path="/audio/a.wav"), ItemInput(audio="b.wav", url="https://media.example/b"),
              ItemInput(audio="c.wav", upload=b"RIFF not audio"), ItemInput(audio="d.wav", path="/audio/d.wav")]
@@ -76,6 +76,7 @@ def test_failed_path_and_url_items_are_queued_again_and_the_job_ends_again(redis
             output = io.StringIO()  # `batchasr jobs --redis-url URL --retry ID`: straight in Redis
             assert await run_action(redis_server.url, None, None, [job.id], "retry", output) == 0
             assert json.loads(output.getvalue())["unretried_items"] == 1
+            assert "1 failed items not retried: they were uploads" in capsys.readouterr().err  # and what to do
         finally:
             await store.close()
 

@@ -321,12 +321,18 @@ def test_a_jobs_path_items_may_name_a_stretch_the_worker_reads_from_disk(redis_s
         refused = [httpx.post(f"{running.url}/v1/jobs", json={"items": [{"path": str(long_file), **bad}]}, timeout=30)
                    for bad in ({"offset": -1}, {"duration": 0}, {"offset": "ten"},
                                {"offset": 1e308}, {"duration": 1e308})]  # finite, but infinitely many frames
+        empty = httpx.post(f"{running.url}/v1/jobs", json={"items": []}, timeout=30).json()["error"]
     assert done["status"] == "completed_with_errors"
     assert [line["text"] for line in lines[:2]] == expected
     assert lines[0]["audio"] == f"{long_file} [0.5 s to 1.5 s]" and lines[1]["audio"] == f"{long_file} [1.5 s to end]"
     assert lines[2]["status"] == "failed" and "the limit is 2 s" in lines[2]["error"]  # the whole file is too long
     assert lines[3]["status"] == "failed" and "lies past the end of the audio" in lines[3]["error"]
     assert all(r.status_code == 400 and r.json()["error"]["code"] == "invalid_job" for r in refused)
+    # the place and the problem in a line, not pydantic's dump of it
+    assert refused[2].json()["error"]["param"] == "items.0.offset"
+    assert refused[2].json()["error"]["message"].startswith("invalid job: items.0.offset: Input should be a valid")
+    assert empty["param"] == "items" and empty["message"] == (
+        "invalid job: items: List should have at least 1 item after validation, not 0")
 
 
 def test_submit_paths_sends_where_the_files_are_not_their_bytes(redis_server, parity_dir, parity_audio, tmp_path,
