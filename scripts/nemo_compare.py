@@ -390,7 +390,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"measured {args.dtype} matrix-product peak: {peak / 1e12:.1f} TFLOP/s", flush=True)
     try:
         nemo_nodes = nemo_conditional_nodes()
-    except ImportError as exc:  # every model would fail the same way, each after its checkpoint: say so at once
+    except KeyboardInterrupt:  # the stage's time ran out in NeMo's import (tens of seconds)
+        for name in args.models:
+            records.add({"model": name, "gpu": gpu, "stopped": "interrupted while NeMo was imported"})
+        print(records.save())
+        return 130
+    except Exception as exc:  # every model would fail the same way, each after its checkpoint: say so at once
         traceback.print_exc()
         for name in args.models:
             records.add({"model": name, "gpu": gpu, "error": f"NeMo does not import: {type(exc).__name__}: {exc}"})

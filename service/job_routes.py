@@ -394,8 +394,8 @@ def _line(record: dict[str, Any]) -> bytes:
 @router.delete("/{job_id}", responses=error_responses(400, 404))
 async def cancel_job(job_id: str, request: Request, service: ServiceDep, purge: bool = False) -> dict[str, Any]:
     """Cancel: items not finished are dropped, those queued at once and those workers hold within about a second
-    (but for a batch the engine is computing). With `purge=true`, delete the job now: its records, results and
-    uploaded audio (the items workers hold are dropped the same way)."""
+    (one in a batch being computed too: its result is dropped). With `purge=true`, delete the job now: its
+    records, results and uploaded audio (the items workers hold are dropped the same way)."""
     store = _store(service)
     if purge:
         await _from_store(job_id, store.delete(job_id, request_owner(request)))

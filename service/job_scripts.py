@@ -15,17 +15,19 @@ end
 """
 
 # KEYS: job, states, attempts, inputs, upload. ARGV: index, now, the largest upload returned whole.
-# Returns {state, attempts[, input JSON, upload size[, upload]]}: the caller processes the item only if state is
-# "in_progress", and then gets its input in the same round trip (a missing one comes back as nil, a missing upload
-# as size -1), and a small upload with it (a larger one it reads a piece at a time: service.job_uploads).
-# "cancelling" (with the input): the job was cancelled since the item was queued (a worker read it ahead, or it was
-# queued on a page the cancel had not reached): the caller finishes it as cancelled.
+# Returns {state, attempts[, cancels, input JSON, upload size[, upload]]}: the caller processes the item only if
+# state is "in_progress", and then gets the job's cancels so far (a later one is what stops the item: see
+# REQUEST_CANCEL) and its input in the same round trip (a missing one comes back as nil, a missing upload as size
+# -1), and a small upload with it (a larger one it reads a piece at a time: service.job_uploads). "cancelling"
+# (with the input): the job was cancelled since the item was queued (a worker read it ahead, or it was queued on a
+# page the cancel had not reached): the caller finishes it as cancelled.
 START_ITEM = _ALLOW_OOM + _EXPIRE_WITH_JOB + """
 local state = redis.call('HGET', KEYS[2], ARGV[1])
 if state == false then return {'missing', 0} end
 if state == 'completed' or state == 'failed' or state == 'cancelled' then return {state, 0} end
+local cancels = tonumber(redis.call('HGET', KEYS[1], 'cancels') or '0')
 if redis.call('HEXISTS', KEYS[1], 'cancel_requested') == 1 then
-  return {'cancelling', 0, redis.call('HGET', KEYS[4], ARGV[1]), -1}
+  return {'cancelling', 0, cancels, redis.call('HGET', KEYS[4], ARGV[1]), -1}
 end
 local attempts = redis.call('HINCRBY', KEYS[3], ARGV[1], 1)
 expire_with_job(KEYS[1], KEYS[3])
@@ -38,10 +40,23 @@ if state == 'queued' then
   end
 end
 local input = redis.call('HGET', KEYS[4], ARGV[1])
-if redis.call('EXISTS', KEYS[5]) == 0 then return {'in_progress', attempts, input, -1} end
+if redis.call('EXISTS', KEYS[5]) == 0 then return {'in_progress', attempts, cancels, input, -1} end
 local size = redis.call('STRLEN', KEYS[5])
-if size > tonumber(ARGV[3]) then return {'in_progress', attempts, input, size} end
-return {'in_progress', attempts, input, size, redis.call('GET', KEYS[5])}
+if size > tonumber(ARGV[3]) then return {'in_progress', attempts, cancels, input, size} end
+return {'in_progress', attempts, cancels, input, size, redis.call('GET', KEYS[5])}
+"""
+
+# KEYS: job. A cancel, remembered on a job still queued or in progress (not on one gone: a purge or its
+# TTL between the caller's read and this left a record of this field alone, never to expire): its number among the
+# job's cancels ('cancels'), in 'cancel_requested' until a retry of its failed items clears it. A consumer stops
+# the items it holds that were started before this cancel, not those of a retry since. Returns that number, or 0.
+# allow-oom: a full Redis is when an operator cancels.
+REQUEST_CANCEL = _ALLOW_OOM + """
+local status = redis.call('HGET', KEYS[1], 'status')
+if status ~= 'queued' and status ~= 'in_progress' then return 0 end
+local cancels = redis.call('HINCRBY', KEYS[1], 'cancels', 1)
+redis.call('HSET', KEYS[1], 'cancel_requested', cancels)
+return cancels
 """
 
 # The end of a job, shared by the scripts that finish items: once every item is finished, the job's status

@@ -138,6 +138,7 @@ class ItemStart:
     record: dict[str, Any] = field(default_factory=dict)
     upload_bytes: int | None = None
     upload: bytes | None = None
+    cancels: int = 0  # its job's cancels when it started: a later one stops it (service.job_worker)
 
 
 @dataclass

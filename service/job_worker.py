@@ -3,8 +3,9 @@ are read first, and each owner's stream in turn), feeds them to the batcher behi
 priority, writes each result once, then acknowledges.
 
 Cancelling: a job cancelled while a consumer holds some of its items (read ahead, up to its prefetch) has them
-cancelled here, unless the engine is computing their batch: ``start_item`` says so of an item not yet begun, and a
-look every CANCEL_CHECK_INTERVAL_S at the jobs of the items in hand stops those being read or waiting for a batch.
+cancelled here: ``start_item`` says so of an item not yet begun, and a look every CANCEL_CHECK_INTERVAL_S at the
+jobs of the items in hand stops those being read or transcribed (the batcher drops their pieces still queued; a
+batch already computing runs on, and their results are dropped).
 
 Failure handling: bad audio or a refused input fails its item at once (dead-lettered); any other error
 leaves the delivery unacknowledged, so it is reclaimed (XAUTOCLAIM) after the visibility timeout, and an
@@ -22,7 +23,7 @@ import logging
 import math
 import os
 import socket
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -97,31 +98,34 @@ class JobCancelled(Exception):
 
 
 class CancelWatch:
-    """The jobs whose items a consumer holds, each with an event its items wait on beside their work, set once a
-    look finds the job cancelled."""
+    """The items a consumer holds, by job: each with an event it waits on beside its work, set once a look finds its
+    job cancelled after it started (a cancel's number above the job's cancels then: a retry of a cancelled job's
+    failed items runs them, even should a look that began before the retry answer after it), or deleted."""
 
     def __init__(self):
-        self._events: dict[str, asyncio.Event] = {}
-        self._holders: Counter[str] = Counter()
+        self._held: dict[str, list[tuple[int, asyncio.Event]]] = defaultdict(list)
 
     @contextlib.contextmanager
-    def holding(self, job_id: str) -> Iterator[asyncio.Event]:
-        event = self._events.setdefault(job_id, asyncio.Event())
-        self._holders[job_id] += 1
+    def holding(self, job_id: str, cancels: int) -> Iterator[asyncio.Event]:
+        """``cancels``: the job's when the item started (ItemStart.cancels)."""
+        held = (cancels, asyncio.Event())
+        self._held[job_id].append(held)
         try:
-            yield event
+            yield held[1]
         finally:
-            self._holders[job_id] -= 1
-            if not self._holders[job_id]:
-                del self._holders[job_id], self._events[job_id]
+            self._held[job_id].remove(held)
+            if not self._held[job_id]:
+                del self._held[job_id]
 
     def jobs(self) -> list[str]:
-        return list(self._events)
+        return list(self._held)
 
-    def cancelled(self, job_ids: list[str]) -> None:
-        for job_id in job_ids:
-            if job_id in self._events:  # an item of it may have ended during the look
-                self._events[job_id].set()
+    def cancelled(self, cancels: dict[str, float]) -> None:
+        """``cancels``: each cancelled job's latest cancel (JobStore.cancel_requested)."""
+        for job_id, latest in cancels.items():
+            for started_after, event in self._held.get(job_id, ()):
+                if latest > started_after:
+                    event.set()
 
 
 async def unless_cancelled(cancelled: asyncio.Event, work: Awaitable[T]) -> T:
@@ -364,7 +368,7 @@ class JobConsumer:
             return
         if start.state != "in_progress":
             return  # finished, cancelled or expired meanwhile: just acknowledge
-        with self._cancels.holding(job_id) as cancelled:
+        with self._cancels.holding(job_id, start.cancels) as cancelled:
             try:
                 await self._transcribe_item(job_id, index, start, share, priority, owner, cancelled)
             except JobCancelled:
@@ -453,7 +457,7 @@ class JobConsumer:
     async def _after_finish(self, job_id: str, item_status: str, outcome: int) -> None:
         if outcome == 0:
             return  # a redelivery of an item that already had its result
-        if item_status != "cancelled":  # as the cancel counts those it finds queued: not by item
+        if item_status != "cancelled":  # items are counted as they complete or fail (a cancel counts its job)
             self.metrics.count_job_item(item_status)
         if outcome == 2:
             job = await self.store.get(job_id)

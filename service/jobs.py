@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 import secrets
 import time
 from collections.abc import AsyncIterator, Collection, Sequence
@@ -53,6 +54,7 @@ from .job_scripts import (
     PROMOTE_WEBHOOKS,
     RECORD_ERROR,
     RECORD_WEBHOOK,
+    REQUEST_CANCEL,
     RESERVE_ITEMS,
     RETRY_FAILED,
     START_ITEM,
@@ -125,6 +127,7 @@ class JobStore(ItemStreams):
         self._defer_webhook = client.register_script(DEFER_WEBHOOK)
         self._promote_webhooks = client.register_script(PROMOTE_WEBHOOKS)
         self._cancel_queued = client.register_script(CANCEL_QUEUED)
+        self._request_cancel = client.register_script(REQUEST_CANCEL)
         self._record_error = client.register_script(RECORD_ERROR)
         self._expire_all = client.register_script(EXPIRE_ALL)
         self._retry_failed = client.register_script(RETRY_FAILED)
@@ -422,11 +425,11 @@ class JobStore(ItemStreams):
         state = state.decode() if isinstance(state, bytes) else state
         if state == "cancelling":  # its input, for the name its cancelled record gives
             with contextlib.suppress(TypeError, ValueError, AttributeError):
-                return ItemStart(state, int(attempts), {"audio": json.loads(item[0]).get("audio")})
+                return ItemStart(state, int(attempts), {"audio": json.loads(item[1]).get("audio")})
             return ItemStart(state, int(attempts))
         if state != "in_progress":
             return ItemStart(state, int(attempts))
-        raw_input, upload_bytes, *upload = item
+        cancels, raw_input, upload_bytes, *upload = item
         try:  # a job written straight into Redis may lack one: failed, not delivered again for good
             record = json.loads(raw_input)
             if not isinstance(record, dict):
@@ -435,7 +438,7 @@ class JobStore(ItemStreams):
             raise JobInputError(f"item {index} of job {job_id} has no input record that can be read "
                                 f"({'none' if raw_input is None else exc})") from exc
         return ItemStart(state, int(attempts), record, None if upload_bytes < 0 else upload_bytes,
-                         upload[0] if upload else None)
+                         upload[0] if upload else None, int(cancels))
 
     async def read_upload(self, start: ItemStart) -> BinaryIO:
         """A started item's upload as a file, the caller's to close: the bytes ``start`` brought, or a temporary
@@ -499,14 +502,13 @@ class JobStore(ItemStreams):
 
     async def cancel(self, job_id: str) -> tuple[Job, bool]:
         """Items still queued are cancelled here; items a worker holds are cancelled by it (``start_item`` says
-        "cancelling", and a consumer looks for cancels of the jobs in its hands: service.job_worker), except those
-        in a batch the engine is computing, which finish. Returns the job after, and whether this call ended it
+        "cancelling", and a consumer looks for cancels of the jobs in its hands: service.job_worker), those in a
+        batch being computed too (their results are dropped). Returns the job after, and whether this call ended it
         (then it is this caller's to count: a job ends once). A page of items per script call (20k items took 7.7 s
         one by one, two round trips each)."""
         job = await self.get(job_id)
         keys = [*(t.format(job_id=job_id) for t in (JOB_KEY, STATES_KEY, RESULTS_KEY, INPUTS_KEY)), WEBHOOK_STREAM]
-        if job.status.value in ("queued", "in_progress"):  # first: an item started from now on is cancelled
-            await self.redis.hset(keys[0], "cancel_requested", _now())
+        await self._request_cancel(keys=keys[:1])  # first: an item started from now on is cancelled
         ended = False
         cancelled = json.dumps(item_record(None, "cancelled"))
         for first in range(0, job.total_items, RESULTS_PAGE):
@@ -517,15 +519,16 @@ class JobStore(ItemStreams):
         await self._confirm_replicated()
         return await self.get(job_id), ended
 
-    async def cancel_requested(self, job_ids: list[str]) -> list[str]:
-        """Which of these jobs were cancelled (or deleted: their items are not worth finishing either), in one
-        round trip."""
+    async def cancel_requested(self, job_ids: list[str]) -> dict[str, float]:
+        """Those of these jobs that were cancelled, each with its cancel's number (REQUEST_CANCEL), and those
+        deleted (their items are not worth finishing either) with infinity, in one round trip."""
         pipe = self.redis.pipeline(transaction=False)
         for job_id in job_ids:
             pipe.hmget(JOB_KEY.format(job_id=job_id), "cancel_requested", "total")
         found = await pipe.execute()
-        return [job_id for job_id, (requested, total) in zip(job_ids, found, strict=True)
-                if requested is not None or total is None]
+        return {job_id: math.inf if total is None else float(requested)
+                for job_id, (requested, total) in zip(job_ids, found, strict=True)
+                if requested is not None or total is None}
 
     async def retry_failed(self, job_id: str, owner: str | None = None) -> Retried:
         """Queue the job's failed items again, each from a first attempt, on its owner's stream: those of a path

@@ -390,8 +390,8 @@ async def _with_client(redis_url: str | None, server: str | None, api_key: str |
 
 
 def _target(server: str | None, redis_url: str | None) -> str:
-    """What a command could not reach, named as given (a Redis URL's password as ***)."""
-    return f"the server at {server}" if server else f"Redis at {redacted_url(redis_url or '')}"
+    """What a command could not reach, named as given (a URL's password as ***)."""
+    return f"the server at {redacted_url(server)}" if server else f"Redis at {redacted_url(redis_url or '')}"
 
 
 def _room(queued_items: int, max_queued_items: int | None) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import math
 import os
 import signal
 import subprocess
@@ -27,12 +28,14 @@ from service.job_keys import (
     DEAD_LETTER_STREAM,
     GROUP,
     ITEM_STREAM,
+    JOB_KEY,
     OWNER_STREAMS_KEY,
     RESULTS_KEY,
     WEBHOOK_STREAM,
     item_stream,
 )
 from service.job_types import ItemInput, Job, JobOptions, JobPriority, Retried, item_record
+from service.job_worker import CancelWatch
 from service.jobs import JobStore
 from service.metrics import Metrics
 from service.runtime import READING_SHARE, build_stack
@@ -881,10 +884,47 @@ def test_a_retry_of_a_cancelled_jobs_failed_items_runs_them(redis_server):
         await store.finish_item(job.id, 0, "failed", item_record(items[0].audio, "failed", error="x"), error="x")
         assert await store.finish_item(job.id, 1, "cancelled", item_record(items[1].audio, "cancelled")) == 2
         assert (await store.get(job.id)).status.value == "cancelled"
-        assert await store.cancel_requested([job.id, "no-such-job"]) == [job.id, "no-such-job"]
+        assert await store.cancel_requested([job.id, "no-such-job"]) == {job.id: 1, "no-such-job": math.inf}
         assert (await store.retry_failed(job.id)).retried == 1
-        assert await store.cancel_requested([job.id]) == []
-        assert (await store.start_item(job.id, 0)).state == "in_progress"
+        assert await store.cancel_requested([job.id]) == {}
+        retried = await store.start_item(job.id, 0)
+        assert retried.state == "in_progress" and retried.cancels == 1
+        # a look at the cancels that began before the retry and answers after it stops nothing begun since
+        watch = CancelWatch()
+        with watch.holding(job.id, retried.cancels) as cancelled:
+            watch.cancelled({job.id: 1})
+            assert not cancelled.is_set()
+            await store.cancel(job.id)  # a second cancel does
+            watch.cancelled(await store.cancel_requested([job.id]))
+            assert cancelled.is_set()
+        assert watch.jobs() == []
+        await store.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_cancel_goes_through_a_full_redis_and_writes_nothing_for_a_job_gone(redis_server, parity_audio):
+    """A full Redis (noeviction) is when an operator cancels: the cancel's first write was a plain HSET, which
+    Redis refused there. And a job purged (or expired) between the cancel's read and its write was recreated as a
+    record of that one field, with no TTL, that every read of it then failed on."""
+    client = redis_server.client()
+
+    async def scenario() -> None:
+        store = JobStore.from_url(redis_server.url)
+        job, _ = await store.submit(upload_items(parity_audio, 5))
+        client.config_set("maxmemory-policy", "noeviction")
+        client.config_set("maxmemory", client.info("memory")["used_memory"] - 1024)
+        try:
+            with pytest.raises(OutOfMemoryError):
+                await store.submit(upload_items(parity_audio, 1))
+            cancelled, ended = await store.cancel(job.id)
+            assert ended and cancelled.status.value == "cancelled" and cancelled.counts["cancelled"] == 5
+        finally:
+            client.config_set("maxmemory", 0)
+        gone, _ = await store.submit(upload_items(parity_audio, 1))
+        await store.delete(gone.id)
+        assert await store._request_cancel(keys=[JOB_KEY.format(job_id=gone.id)]) == 0  # what cancel does next
+        assert not client.exists(JOB_KEY.format(job_id=gone.id))
         await store.close()
 
     asyncio.run(scenario())

@@ -111,11 +111,14 @@ def run_main(nemo_compare, out: Path, models: tuple[str, ...] = ("parakeet-tdt-0
                               "--batch-size", "2", "--repeat", "1"])
 
 
-def test_a_missing_nemo_fails_every_model_before_any_checkpoint(nemo_compare, without_nemo, tmp_path, monkeypatch):
+@pytest.mark.parametrize("error", [ModuleNotFoundError("No module named 'nemo'"),
+                                   RuntimeError("lightning and torch disagree")])  # a broken install, too
+def test_a_missing_nemo_fails_every_model_before_any_checkpoint(nemo_compare, without_nemo, tmp_path, monkeypatch,
+                                                                 error):
     """Found once, up front: each model used to write its checkpoint (4.4 GB for the 1.1B) and time batchasr in
     float32 before NeMo's import failed."""
     def no_nemo():
-        raise ModuleNotFoundError("No module named 'nemo'")
+        raise error
 
     def checkpoint(*_):
         raise AssertionError("no checkpoint should be written")
@@ -124,7 +127,7 @@ def test_a_missing_nemo_fails_every_model_before_any_checkpoint(nemo_compare, wi
     monkeypatch.setattr(nemo_compare, "save_random_checkpoint", checkpoint)
     assert run_main(nemo_compare, tmp_path, ("parakeet-tdt-0.6b-v2", "parakeet-rnnt-1.1b")) == 1
     records = [json.loads(line) for line in (tmp_path / "nemo_compare.jsonl").read_text().splitlines()]
-    assert [r["error"] for r in records] == ["NeMo does not import: ModuleNotFoundError: No module named 'nemo'"] * 2
+    assert [r["error"] for r in records] == [f"NeMo does not import: {type(error).__name__}: {error}"] * 2
 
 
 def test_every_model_is_timed_with_the_first_kernel_before_any_with_the_second(nemo_compare, without_nemo,
