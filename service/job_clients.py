@@ -17,6 +17,7 @@ import redis.asyncio as aioredis
 
 from .job_types import ANONYMOUS, JobNotFound, JobOptions, JobStatus, deleted_job
 from .jobs import JobStore
+from .logs import redacted_url
 from .redis_outages import REDIS_ERRORS
 from .stretch_upload import stretch_upload
 from .submit_inputs import Input, item_input, json_item, sent_as_json
@@ -241,9 +242,19 @@ class Outage:
         away = not isinstance(exc, httpx.HTTPStatusError) or exc.response.status_code in OUTAGE_STATUSES
         if not away or time.monotonic() + self.backoff_s > self.deadline:
             raise exc
-        print(f"\nwarning: {self.doing}: {exc}; trying again in {self.backoff_s:.0f} s", file=sys.stderr)
+        print(f"\nwarning: {self.doing}: {said(exc)}; trying again in {self.backoff_s:.0f} s", file=sys.stderr)
         await asyncio.sleep(self.backoff_s)
         self.backoff_s, self.tries = min(2 * self.backoff_s, 30.0), self.tries + 1
+
+
+def said(exc: Exception) -> str:
+    """The error, with the address httpx's messages leave out ("All connection attempts failed"); Redis's name
+    theirs."""
+    try:
+        url = exc.request.url  # type: ignore[attr-defined]  # an httpx error knows the request it failed
+    except (AttributeError, RuntimeError):
+        return str(exc)
+    return f"{exc} ({redacted_url(str(url.copy_with(query=None)))})"
 
 
 async def riding_out(call: Callable[[], Awaitable[T]], doing: str = "following the jobs",

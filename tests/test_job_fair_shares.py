@@ -537,3 +537,4 @@ def test_a_submit_waiting_for_room_rides_out_the_server_going_away(redis_server,
     assert record["status"] == "completed" and record["audio"] == parity_audio[0]
     said = capsys.readouterr().err
     assert "waiting for room:" in said and "submitting: " in said and "trying again" in said
+    assert f"(http://127.0.0.1:{port}/v1/jobs); trying again" in said  # where it could not reach
