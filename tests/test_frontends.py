@@ -342,6 +342,26 @@ def test_bulk_jobs_through_a_front_end_and_a_consumer_process(parity_dir, parity
         redis.stop()
 
 
+def test_a_consumer_process_lets_a_cancelled_jobs_items_go(parity_dir, parity_audio, tmp_path):
+    """In a consumer process of its own, the items a cancelled job's consumer holds wait in the engine's batcher
+    across the link: they are let go there too (the batch would have waited two minutes to fill)."""
+    redis = RedisServer(tmp_path).start()
+    try:
+        with serve_process(parity_dir / MODEL, frontends=1, job_consumers=1, redis_url=redis.url,
+                           max_batch_size=64, max_wait_ms=120_000, job_prefetch=8) as running:
+            files = [("files", (Path(p).name, Path(p).read_bytes(), "audio/wav")) for p in parity_audio[:8]]
+            job = httpx.post(f"{running.url}/v1/jobs", files=files, timeout=60).json()
+            assert _eventually(lambda: running.metric("batchasr_queue_depth") == 8, timeout=60)
+            assert httpx.delete(f"{running.url}/v1/jobs/{job['id']}", timeout=30).status_code == 200
+            assert _eventually(lambda: httpx.get(f"{running.url}/v1/jobs/{job['id']}").json()["status"]
+                               == "cancelled", timeout=30)
+            assert httpx.get(f"{running.url}/v1/jobs/{job['id']}").json()["counts"]["cancelled"] == 8
+            assert _eventually(lambda: running.metric("batchasr_queue_depth") == 0, timeout=10)
+            assert running.metric("batchasr_dropped_items_total", '{reason="cancelled"}') == 8
+    finally:
+        redis.stop()
+
+
 def test_job_consumer_processes_need_front_ends_under_serve(parity_dir):
     env = {**os.environ, "BATCHASR_JOB_CONSUMERS": "2"}
     done = subprocess.run([sys.executable, "-m", "service.cli", "serve", "--model", str(parity_dir / MODEL)],
