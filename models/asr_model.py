@@ -275,8 +275,9 @@ class ASRModel(nn.Module):
         long quiet stretches out (models.silence): a call's channel is quiet half the time. ``hotwords`` (words or
         phrases, as the model writes them) are made likelier by ``hotword_boost`` on their tokens' logits
         (decoding.boosting; any decoder). ``length_bucket_s`` fixes the batch shapes: batches of one length bucket
-        of that many seconds, padded to its end and to ``batch_size`` rows, so in bf16 an input's tokens and
-        scores do not depend on the other inputs (at the cost of computing the padding).
+        of that many seconds, padded to its end and to as many of ``batch_size`` rows as fit ``batch_size`` x
+        ``max_segment_s`` of audio at that end, so in bf16 an input's tokens and scores do not depend on the other
+        inputs (at the cost of computing the padding).
         """
         if isinstance(audio, (np.ndarray, str, Path, AudioClip)):
             audio = [audio]

@@ -63,18 +63,58 @@ Outcome = Transcript | Conversation | AudioError | OSError
 def transcribe_stream(model: ASRModel, audio: Iterable[AudioInput], options: OfflineOptions,
                       return_errors: bool = False) -> Iterator[Outcome]:
     """Transcripts in input order (see the module's description). An input that cannot be read raises its error
-    there, or with ``return_errors`` comes out as it."""
-    window = options.window or WINDOW_BATCHES * options.batch_size
+    there, or with ``return_errors`` comes out as it.
+
+    A window holds at most WINDOW_BATCHES x ``batch_size`` inputs, and about as much audio as that many full
+    batches of the longest pieces: no input of a window comes out before all of it is transcribed, and an archive
+    of two-hour recordings was read 256 at a time (512 h of audio held, nothing written for hours). Without
+    ``window``, the first window is read until it holds that much audio, and each next one is as many inputs as
+    the last one's mean length allows."""
+    most = options.window or WINDOW_BATCHES * options.batch_size
+    window_s = WINDOW_BATCHES * options.batch_size * (options.max_segment_s or DEFAULT_MAX_SEGMENT_S)
     inputs = enumerate(audio)
     with ThreadPoolExecutor(options.readers, thread_name_prefix="batchasr-read") as readers:
-        reading = _read_window(model, readers, inputs, window, options.multichannel)
+        if options.window:
+            reading = _read_window(model, readers, inputs, options.window, options.multichannel)
+        else:
+            reading = _first_window(model, readers, inputs, window_s, most, options)
         while reading:
             loaded = [future.result() for future in reading]
-            reading = _read_window(model, readers, inputs, window, options.multichannel)  # the next, meanwhile
+            count = options.window or _window_count(loaded, window_s, most, model.sample_rate)
+            reading = _read_window(model, readers, inputs, count, options.multichannel)  # the next, meanwhile
             for outcome in _transcribe_window(model, loaded, options):
                 if isinstance(outcome, Exception) and not return_errors:
                     raise outcome
                 yield outcome
+
+
+def _first_window(model: ASRModel, readers: ThreadPoolExecutor, inputs: Iterator[tuple[int, AudioInput]],
+                  window_s: float, most: int, options: OfflineOptions) -> list[Future[Loaded]]:
+    """Inputs read, ``options.readers`` at a time, until those done hold ``window_s`` of audio or ``most`` are
+    read: no mean length is known yet."""
+    window: list[Future[Loaded]] = []
+    counted, seconds = 0, 0.0
+    for index, item in inputs:
+        window.append(readers.submit(_read, model, item, index, options.multichannel))
+        while len(window) - counted >= options.readers:  # the readers all busy: the oldest's length, once read
+            seconds += _seconds(window[counted].result(), model.sample_rate)
+            counted += 1
+        if len(window) >= most or seconds >= window_s:
+            break
+    return window
+
+
+def _seconds(loaded: Loaded, sample_rate: int) -> float:
+    return loaded.size / sample_rate if isinstance(loaded, np.ndarray) else 0.0
+
+
+def _window_count(loaded: list[Loaded], window_s: float, most: int, sample_rate: int) -> int:
+    """Inputs in the next window: as many as fit ``window_s`` at the mean length of those just read (every
+    channel counted), at least one and at most ``most``."""
+    seconds = [_seconds(wave, sample_rate) for wave in loaded if isinstance(wave, np.ndarray)]
+    if not seconds or sum(seconds) <= 0:
+        return most
+    return max(1, min(most, int(window_s / (sum(seconds) / len(seconds)))))
 
 
 def _read_window(model: ASRModel, readers: ThreadPoolExecutor, inputs: Iterator[tuple[int, AudioInput]],

@@ -96,6 +96,36 @@ def test_a_list_of_files_is_read_a_window_at_a_time(model, parity_audio, monkeyp
     assert read_by_first_batch[0] == 40  # arrays: one window, every input sorted together
 
 
+def test_long_recordings_come_out_a_few_at_a_time(model, parity_audio, tmp_path, monkeypatch):
+    """A window was a count of inputs (16 batches): an archive of two-hour recordings was read 256 at a time, held
+    whole, and nothing came out for hours. Now a window holds about 16 full batches of the longest pieces' audio
+    (here 2 x 2 x 30 s): the first is read until it does, the next as many as the mean length allows."""
+    from models import offline
+
+    monkeypatch.setattr(offline, "WINDOW_BATCHES", 2)
+    recording, _ = long_recording(parity_audio, 100)
+    paths = []
+    for i in range(6):
+        paths.append(tmp_path / f"tape{i}.wav")
+        sf.write(paths[-1], recording, 16000)
+    read: list[int] = []
+    load_audio = model.load_audio
+    monkeypatch.setattr(model, "load_audio",
+                        lambda item, index=0, *rest: read.append(index) or load_audio(item, index, *rest))
+    options = offline.OfflineOptions(batch_size=2, max_segment_s=30.0, readers=1)
+    outcomes = offline.transcribe_stream(model, [str(p) for p in paths], options)
+    first = next(outcomes)
+    assert len(read) <= 3  # the first window's two (200 s), and one read ahead
+    rest = list(outcomes)
+    assert len(read) == 6 and all(t.text == first.text for t in rest)
+    small = offline.OfflineOptions(batch_size=2, max_segment_s=30.0, readers=1)  # short clips: windows of 2 batches
+    read.clear()
+    clips = offline.transcribe_stream(model, parity_audio[:8], small)
+    next(clips)
+    assert len(read) == 8  # the first window's 4, and the next 4 read ahead
+    list(clips)
+
+
 def test_an_unreadable_input_comes_out_in_its_place_or_raises(model, parity_audio, tmp_path):
     bad = tmp_path / "bad.wav"
     bad.write_bytes(b"not audio" * 50)
