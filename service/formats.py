@@ -85,8 +85,10 @@ class _Fill:
 
 def _cue(words: list[Word], layout: SubtitleLayout, lead: int) -> Cue:
     texts = [w.word for w in words]
-    # a word may take no time (a TDT token of duration 0 before the next word's, on one frame)
-    end_s = max(words[-1].end_s, words[0].start_s + MIN_CUE_S)
+    # a word may take no time (a TDT token of duration 0 before the next word's, on one frame), and one alone may
+    # span a long pause (a word read into the quiet of a tape, 12.9 s): on screen at least MIN_CUE_S, at most
+    # max_cue_s
+    end_s = min(max(words[-1].end_s, words[0].start_s + MIN_CUE_S), words[0].start_s + layout.max_cue_s)
     return Cue(words[0].start_s, end_s, " ".join(texts), lines=_balanced(texts, layout.max_line_width, lead))
 
 

@@ -65,7 +65,8 @@ def engine_error(exc: QueueFull | TimeoutError | EngineUnavailable | BatcherClos
     if isinstance(exc, TimeoutError):
         # not to be sent again: it had the whole timeout, and OpenAI's clients (which retry a 5xx twice) would
         # upload it again for as long each time
-        return ApiError(504, "transcription did not finish within the request timeout", type="server_error",
+        why = f": {exc}" if str(exc) else ""  # the batcher says why it dropped a piece
+        return ApiError(504, f"transcription did not finish within the request timeout{why}", type="server_error",
                         code="timeout", headers={"x-should-retry": "false"})
     return ApiError(503, str(exc), type="server_error", code="engine_unavailable", headers={"Retry-After": "5"})
 

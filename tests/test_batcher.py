@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -247,6 +248,18 @@ def test_items_that_could_not_be_done_before_their_deadline_are_failed_instead_o
     b.submit([too_late, in_time])
     assert b.next_batch().items == [in_time]
     assert drops == ["expired"] and isinstance(too_late.future.exception(), TimeoutError)
+    # said as it is: not a hang, a refusal with time left that two batches would not fit in
+    assert re.fullmatch(r"dropped before it ran: 0\.\d s of its 0\.8 s were left, and 2 batches take 1\.0 s at the "
+                        r"engine's recent pace", str(too_late.future.exception()))
+    assert str(expired_late(b)) == "not processed within 0 s"
+
+
+def expired_late(b) -> BaseException | None:
+    """The error of an item whose time ran out before anyone looked."""
+    late = _item(1, timeout_s=0.0)
+    b.submit([late, _item(1, timeout_s=30.0)])
+    b.next_batch()
+    return late.future.exception()
 
 
 def test_close_drains_then_stops():

@@ -55,6 +55,9 @@ def test_cues_split_on_duration_and_length():
     groups = cues(words, SubtitleLayout(max_cue_s=3.0))
     assert [c.text for c in groups] == ["w0 w1 w2", "w3 w4 w5", "w6 w7 w8", "w9"]
     assert all(c.end_s - c.start_s <= 3.0 for c in groups)
+    # a word alone that spans a long pause (read into a tape's quiet) is on screen for the cue's longest, no more
+    long = cues([Word("distantly", 627.28, 640.16), Word("after", 641.0, 641.3)], SubtitleLayout())
+    assert [(c.text, c.start_s, c.end_s) for c in long] == [("distantly", 627.28, 633.28), ("after", 641.0, 641.3)]
 
 
 SENTENCE = ["the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog", "and", "then", "it", "runs", "far",
