@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import secrets
 import signal
 import sys
@@ -88,30 +89,43 @@ async def _consume_jobs(settings: Settings, stack: Any, metrics_port: int | None
 class Progress:
     """One line on stderr, redrawn: done/total, failures, elapsed, and about how long is left at the rate items
     have ended since the line was first drawn (a job followed when half done is not taken for half done in no
-    time)."""
+    time). Where stderr is no terminal (a log, CI), a line of its own every LOG_EVERY_S and at the end instead:
+    redrawn there, a long item's wait was dozens of frames joined by carriage returns."""
 
-    def __init__(self, stream: TextIO | None = None, width: int = 30, clock: Callable[[], float] = time.monotonic):
+    LOG_EVERY_S = 30.0
+
+    def __init__(self, stream: TextIO | None = None, width: int = 30, clock: Callable[[], float] = time.monotonic,
+                 tty: bool | None = None):
         # stderr as it is now, not as it was when this module was imported (a test's capture, closed since)
         self.stream, self.width, self.clock = stream or sys.stderr, width, clock
-        self.started, self.done_at_start, self.drawn = clock(), None, 0
+        self.tty = self.stream.isatty() if tty is None else tty
+        self.started, self.done_at_start, self.drawn, self.logged_at = clock(), None, 0, -math.inf
 
     def update(self, job: dict[str, Any]) -> None:
         total = max(1, job["total_items"])
         done = _items_ended(job)
         if self.done_at_start is None:
             self.done_at_start = done
-        elapsed, progressed = self.clock() - self.started, done - self.done_at_start
+        now = self.clock()
+        elapsed, progressed = now - self.started, done - self.done_at_start
         filled = int(self.width * done / total)
         bar = "#" * filled + "." * (self.width - filled)
         line = f"[{bar}] {done}/{total} items, {job['counts']['failed']} failed, {elapsed:.1f} s"
         if progressed and done < total:
             line += f", about {_spoken(elapsed / progressed * (total - done))} left"
+        if not self.tty:
+            if done >= total or now - self.logged_at >= self.LOG_EVERY_S:
+                self.stream.write(line + "\n")
+                self.logged_at = now
+                self.stream.flush()
+            return
         self.stream.write(f"\r{line.ljust(self.drawn)}")  # over all of the line before, however long it was
         self.drawn = len(line)
         self.stream.flush()
 
     def close(self) -> None:
-        self.stream.write("\n")
+        if self.tty:
+            self.stream.write("\n")
 
 
 def _spoken(seconds: float) -> str:

@@ -296,7 +296,7 @@ def test_the_progress_line_says_how_long_is_left_at_the_rate_since_it_was_first_
 
     now = [1000.0]
     out = io.StringIO()
-    bar = Progress(out, width=10, clock=lambda: now[0])
+    bar = Progress(out, width=10, clock=lambda: now[0], tty=True)
     lines = []
     for seconds, state in ((0, job(40)), (30, job(55, 5)), (600, job(70, 5)), (36000, job(72, 5)),
                            (36060, job(99, 1))):
@@ -312,3 +312,19 @@ def test_the_progress_line_says_how_long_is_left_at_the_rate_since_it_was_first_
     # nothing left once every item has ended, drawn over all of the longer line before
     assert lines[4] == "[##########] 100/100 items, 1 failed, 36060.0 s".ljust(len(lines[3]))
     assert out.getvalue().endswith("\n")
+
+
+def test_the_progress_is_a_line_every_half_minute_where_stderr_is_a_log():
+    from service.jobs_cli import Progress
+
+    now = [0.0]
+    out = io.StringIO()  # no terminal
+    bar = Progress(out, width=4, clock=lambda: now[0])
+    for seconds, completed in ((0, 0), (1, 0), (2, 1), (31, 1), (32, 2), (33, 4)):
+        now[0] = seconds
+        bar.update({"total_items": 4, "counts": {"completed": completed, "failed": 0, "cancelled": 0}})
+    bar.close()
+    assert "\r" not in out.getvalue()
+    assert out.getvalue().splitlines() == [
+        "[....] 0/4 items, 0 failed, 0.0 s", "[#...] 1/4 items, 0 failed, 31.0 s, about 2 min left",
+        "[####] 4/4 items, 0 failed, 33.0 s"]
