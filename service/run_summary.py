@@ -10,6 +10,9 @@ from models.conversation import Conversation
 from models.transcript import Transcript
 
 LEAST_SURE_SHOWN = 5
+# an avg_logprob below this reads like noise or silence: 84 recordings of noise alone (white, pink and brown, seven
+# levels) were all at -0.82 or lower, clean held-out speech at -0.13 to 0 (README, "Confidence")
+NOISE_LIKE_LOGPROB = -0.8
 
 
 @dataclass
@@ -40,3 +43,17 @@ class RunSummary:
                          "(avg_logprob): " + ", ".join(f"{name} ({score:.3f})" for score, name in
                                                       sorted(self.by_file)[:LEAST_SURE_SHOWN]))
         return "\n".join(lines) + "\n"
+
+    def noise_hint(self, skipping_silence: bool) -> str:
+        """A line on the files whose transcripts read like words made of noise or silence (a tape's long quiet
+        stretches read as pages of words), and what to do; empty when there are none."""
+        noisy = sorted((score, name) for score, name in self.by_file if score < NOISE_LIKE_LOGPROB)
+        if not noisy:
+            return ""
+        names = ", ".join(name for _, name in noisy[:LEAST_SURE_SHOWN]) + (", ..." if len(noisy) > LEAST_SURE_SHOWN
+                                                                           else "")
+        advice = ("" if skipping_silence else
+                  "; where they hold long quiet stretches, --skip-silence leaves those out rather than read words "
+                  "into them")
+        return (f"{len(noisy)} of {self.files} files read like noise or silence (avg_logprob below "
+                f"{NOISE_LIKE_LOGPROB}): {names}{advice}\n")

@@ -112,6 +112,7 @@ def _write_results(args: argparse.Namespace, inputs: TranscribeInputs, outcomes:
         print(f"{failed} of {len(inputs.entries)} {what} could not be read", file=sys.stderr)
     if len(inputs.entries) > 1:
         sys.stderr.write(summary.report())
+    sys.stderr.write(summary.noise_hint(args.skip_silence))
     sys.stderr.write(scored.report())
     return 1 if failed else 0
 

@@ -55,6 +55,24 @@ def test_a_run_over_many_files_ends_with_a_summary_naming_the_least_sure(parity_
     assert f"mean token log-probability {sum(scores) / len(scores):.4f}" in err
 
 
+def test_files_that_read_like_noise_are_named_with_what_to_do(tmp_path, capsys):
+    """A tape of long quiet stretches reads as pages of made-up words without --skip-silence: the run says which
+    files read like noise (their avg_logprob), and what leaves the quiet out."""
+    speech = Path(__file__).parent / "data" / "default_model" / "sentences_000110.wav"
+    hiss = tmp_path / "hiss.wav"
+    spectrum = np.fft.rfft(np.random.default_rng(0).standard_normal(8 * 16000))
+    pink = np.fft.irfft(spectrum / np.sqrt(np.maximum(np.arange(len(spectrum)), 1)), 8 * 16000)
+    sf.write(hiss, (pink / pink.std() * 0.05).astype(np.float32), 16000)
+    assert main(["transcribe", "--format", "text", str(speech), str(hiss)]) == 0
+    err = capsys.readouterr().err
+    assert f"1 of 2 files read like noise or silence (avg_logprob below -0.8): {hiss}; where they hold" in err
+    assert main(["transcribe", "--format", "text", "--skip-silence", str(hiss)]) == 0
+    err = capsys.readouterr().err
+    assert f"1 of 1 files read like noise or silence (avg_logprob below -0.8): {hiss}\n" in err
+    assert main(["transcribe", "--format", "text", str(speech)]) == 0
+    assert "noise" not in capsys.readouterr().err
+
+
 def test_subtitle_lines_follow_the_layout_options(parity_dir, parity_audio, capsys):
     model = str(parity_dir / "tdt.nemo")
     assert main(["transcribe", "--model", model, "--format", "srt", parity_audio[2]]) == 0
