@@ -141,7 +141,7 @@ async def unless_cancelled(cancelled: asyncio.Event, work: Awaitable[T]) -> T:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-    if task.cancelled():
+    if task.cancelled() and cancelled.is_set():  # cancelled here, for the job: not a cancel from within the work
         raise JobCancelled
     return task.result()
 
@@ -261,8 +261,9 @@ class JobConsumer:
             # the deliveries in hand is due (waiting them out, with long items, let another worker take them all)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.audio.changed(), min(LAG_INTERVAL_S, self.options.visibility_timeout_s / 3))
-        if self._cancels.jobs() and self._look_for_cancels.due(CANCEL_CHECK_INTERVAL_S):
-            self._cancels.cancelled(await self.store.cancel_requested(self._cancels.jobs()))
+        held_jobs = self._cancels.jobs()
+        if held_jobs and self._look_for_cancels.due(CANCEL_CHECK_INTERVAL_S):
+            self._cancels.cancelled(await self.store.cancel_requested(held_jobs))
         if self._read_lag.due(LAG_INTERVAL_S):  # not every step: two round trips over every stream
             backlog = await self.store.backlog()
             self.metrics.observe_job_backlog(backlog.waiting, backlog.delivered)
