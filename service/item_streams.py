@@ -176,6 +176,22 @@ class ItemStreams:
                 break
         return start, claimed
 
+    async def claim_own_left(self, stream: str, consumer: str, count: int, held: Collection[bytes]
+                             ) -> list[tuple[bytes, dict]]:
+        """Up to ``count`` of ``stream``'s deliveries to ``consumer`` that it does not hold: those its previous life
+        left when it was killed (a container restarted in place keeps its host-pid name), claimed again at once,
+        not after the visibility timeout. Entries trimmed away while pending are acknowledged."""
+        pending = await self.redis.xpending_range(stream, GROUP, min="-", max="+", count=count + len(held),
+                                                  consumername=consumer)
+        ids = [entry["message_id"] for entry in pending if entry["message_id"] not in held][:count]
+        if not ids:
+            return []
+        claimed = {message_id: fields for message_id, fields in await self.redis.xclaim(stream, GROUP, consumer, 0, ids)
+                   if fields}
+        if gone := [message_id for message_id in ids if message_id not in claimed]:
+            await self.redis.xack(stream, GROUP, *gone)
+        return list(claimed.items())
+
     async def backlog(self) -> Backlog:
         """Items waiting, and delivered and not acknowledged, over every stream (two round trips: the streams, then
         GROUP_COUNTS; a lag not known counts none)."""

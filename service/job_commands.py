@@ -125,7 +125,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         return 2
     try:
         job_bytes = parse_size(args.job_bytes)
-        entries = _submitted_manifest(args)
+        entries, unreadable = _submitted_manifest(args)
         inputs = collect_audio(args.paths, args.url_list) if entries is None else [
             entry.clip.path if entry.clip.whole else entry.clip
             for entry in entries]
@@ -133,8 +133,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
             inputs = [s if isinstance(s, str) else WorkerPath(AudioClip(s) if isinstance(s, Path) else s)
                       for s in inputs]
         elif gone := next((s for s in inputs if isinstance(s, Path) and not s.is_file()), None):
-            # uploaded from here: a link to nothing (directories list them, for reading to report) is refused by
-            # name before any job is sent, as a manifest's missing file is
+            # uploaded from here: a file named, or a directory's link to nothing, is refused by name before any
+            # job is sent (a mistyped argument; a manifest's line whose file is gone is left out, by its line)
             raise ValueError(f"{gone}: no such audio file")
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -175,53 +175,70 @@ def cmd_submit(args: argparse.Namespace) -> int:
                                                            hotwords=tuple(args.hotwords)),
                                         write_result=write_result))
     sys.stderr.write(scored.report())
+    if unreadable:
+        print(f"{unreadable} manifest lines were not sent: their audio could not be read here", file=sys.stderr)
+        return max(status, 1)
     return status
 
 
 def _misplaced_output_option(args: argparse.Namespace) -> str | None:
     """What is wrong with where and how ``submit``'s results are written, as ``jobs`` checks its own
-    (``_misplaced_results_option``): both places given, or a file format with no files to take it."""
+    (``_misplaced_results_option``): both places given, the manifest read given as the place, or a file format
+    with no files to take it."""
+    from .line_output import same_file
+
     if args.output is not None and args.output_dir is not None:
         return "--output writes result lines, --output-dir a file per input: give one"
+    if args.output is not None and args.manifest is not None and same_file(args.output, args.manifest):
+        return f"--output {args.output} is the manifest being read: write the results to another file"
     if args.format in ("text", "srt", "vtt") and args.output_dir is None:
         return f"--format {args.format} is the format of --output-dir's files: result lines are JSON"
     return None
 
 
-def _submitted_manifest(args: argparse.Namespace) -> list[ManifestEntry] | None:
-    """``submit --manifest``'s lines (None without it), the options checked; ValueError saying what is wrong."""
+def _submitted_manifest(args: argparse.Namespace) -> tuple[list[ManifestEntry] | None, int]:
+    """``submit --manifest``'s lines to send (None without it) and how many were left out (``_uploadable``), the
+    options checked; ValueError saying what is wrong."""
     from .manifest import read_manifest
 
     if args.format == "manifest" and (args.manifest is None or not args.wait or args.output_dir is not None):
         raise ValueError("--format manifest writes a --manifest's lines with their results: it needs --manifest and "
                          "--wait, and no --output-dir")
     if args.manifest is None:
-        return None
+        return None, 0
     if args.paths or args.url_list:
         raise ValueError("give files, directories and URLs, or --manifest, not both")
     if args.output_dir is not None:
         raise ValueError("--manifest writes result lines (a manifest's lines may share a file): no --output-dir")
     entries = read_manifest(args.manifest)
-    if not args.paths_not_bytes:  # uploaded from here: a line whose audio cannot be read here is refused, by its line
-        _check_uploadable(entries, args.multichannel)
-    return entries
+    if not entries:
+        raise ValueError(f"{args.manifest}: no lines")
+    if args.paths_not_bytes:  # the workers read them: a line they cannot read fails as its item
+        return entries, 0
+    uploadable = [entry for entry in entries if _uploadable(entry, args.multichannel)]
+    if not uploadable:
+        raise ValueError(f"{args.manifest}: no line's audio could be read")
+    return uploadable, len(entries) - len(uploadable)
 
 
-def _check_uploadable(entries: list[ManifestEntry], multichannel: bool) -> None:
-    """ValueError naming the first line whose audio cannot be uploaded: a file that is not there, or a stretch of a
-    file that does not open as audio (before any job is sent, as a bad line is refused before transcribe loads its
-    model)."""
+def _uploadable(entry: ManifestEntry, multichannel: bool) -> bool:
+    """Whether a line's audio can be uploaded from here; if not (a file that is not there, or a stretch of one that
+    does not open as audio), said on stderr by its line and left out, the rest sent, as ``transcribe --manifest``
+    reports such a line and transcribes the rest. A whole file goes as its bytes: one that is no audio fails as its
+    item."""
     from .stretch_upload import stretch_upload_size
 
-    for entry in entries:
-        clip = entry.clip
-        if not clip.path.is_file():
-            raise ValueError(f"{entry.where}: {clip.path}: no such audio file")
-        if not clip.whole:
-            try:
-                stretch_upload_size(clip, multichannel)  # opens it: its header is read again when jobs are split
-            except (OSError, ValueError, RuntimeError, TypeError) as exc:  # libsndfile's errors are RuntimeErrors
-                raise ValueError(f"{entry.where}: {clip.path}: cannot read audio ({exc})") from exc
+    clip = entry.clip
+    if not clip.path.is_file():
+        print(f"error: {entry.where}: {clip.path}: no such audio file", file=sys.stderr)
+        return False
+    if not clip.whole:
+        try:
+            stretch_upload_size(clip, multichannel)  # opens it: its header is read again when jobs are split
+        except (OSError, ValueError, RuntimeError, TypeError) as exc:  # libsndfile's errors are RuntimeErrors
+            print(f"error: {entry.where}: {clip.path}: cannot read audio ({exc})", file=sys.stderr)
+            return False
+    return True
 
 
 def _manifest_writer(entries: list[ManifestEntry], out: TextIO, scored: ErrorRate

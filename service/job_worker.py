@@ -180,6 +180,7 @@ class JobConsumer:
         self._held: dict[str, set[bytes]] = defaultdict(set)  # deliveries in hand, by stream
         self.audio = AudioBudget(options.max_audio_s, options.first_item_s, options.max_reading)
         self._reclaim_from: dict[str, bytes | str] = {}  # per stream, where the next look for stalled items goes on
+        self._own_left = True  # deliveries to this name that a previous life of it left may be pending still
         self._reclaim, self._keep_claims, self._check_settings = Periodic(), Periodic(), Periodic()
         self._read_lag, self._prune, self._forget = Periodic(), Periodic(), Periodic()
         self._cancels, self._look_for_cancels = CancelWatch(), Periodic()
@@ -296,15 +297,33 @@ class JobConsumer:
         self.metrics.observe_job_store_risks(tuple(now))
 
     async def _reclaim_stalled(self, count: int) -> list[tuple[str, bytes, dict]]:
+        """Deliveries to this consumer's name that it does not hold (its previous life's, until none is left), then
+        other consumers' stalled ones: up to ``count`` in all."""
+        streams = await self.store.streams_with_pending()  # the higher priorities' first
+        own = await self._claim_own_left(streams, count) if self._own_left else []
         claimed = []
-        for stream in await self.store.streams_with_pending():  # the higher priorities' first
-            if len(claimed) < count:
+        for stream in streams:
+            if len(own) + len(claimed) < count:
                 self._reclaim_from[stream], stalled = await self.store.claim_stalled(
-                    stream, self.options.name, self.options.visibility_timeout_s, count - len(claimed),
+                    stream, self.options.name, self.options.visibility_timeout_s, count - len(own) - len(claimed),
                     self._reclaim_from.get(stream, "0-0"))
                 claimed += [(stream, message_id, fields) for message_id, fields in stalled]
         if claimed:
             log.info("reclaimed %d items from stalled consumers", len(claimed))
+            self.metrics.count_job_items_reclaimed(len(claimed))
+        return own + claimed
+
+    async def _claim_own_left(self, streams: list[str], count: int) -> list[tuple[str, bytes, dict]]:
+        claimed = []
+        for stream in streams:
+            if len(claimed) < count:
+                left = await self.store.claim_own_left(stream, self.options.name, count - len(claimed),
+                                                       self._held.get(stream, ()))
+                claimed += [(stream, message_id, fields) for message_id, fields in left]
+        self._own_left = len(claimed) == count  # room for more than were left: none is
+        if claimed:
+            log.info("took back %d items that this consumer's name (%s) held when its last run ended", len(claimed),
+                     self.options.name)
             self.metrics.count_job_items_reclaimed(len(claimed))
         return claimed
 

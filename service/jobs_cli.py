@@ -177,8 +177,8 @@ async def run_submit(inputs: list[Input], redis_url: str | None, server: str | N
     # after its job was written (no replica confirmed it: wait_replicas), gets that job rather than making a second;
     # but a first try that reaches nothing at all is a wrong address most likely, and said at once
     idempotency_key = idempotency_key or f"submit-{secrets.token_urlsafe(16)}"
+    jobs: list[dict[str, Any]] = []
     try:
-        jobs = []
         for number, part in enumerate(parts, start=1):
             key = f"{idempotency_key}.{number}" if len(parts) > 1 else idempotency_key
             jobs.append(await _submitted_when_it_fits(client, part, key, options, first=number == 1))
@@ -212,8 +212,21 @@ async def run_submit(inputs: list[Input], redis_url: str | None, server: str | N
     except ValueError as exc:  # a job the server or the store refused, with the reason
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except asyncio.CancelledError:  # Ctrl-C (asyncio.run cancels this task): the jobs sent go on without us
+        if jobs:
+            print(_how_to_take_up(jobs, idempotency_key, len(parts)), file=sys.stderr)
+        raise
     finally:
         await client.close()
+
+
+def _how_to_take_up(jobs: list[dict[str, Any]], idempotency_key: str, parts: int) -> str:
+    """What a submit cut short says: the jobs it sent go on, and how their results are had (a cut-short
+    ``--wait --format manifest`` wrote nothing: it is the same command again, under the same key, that writes it)."""
+    ids = " ".join(job["id"] for job in jobs)
+    sent = f"{len(jobs)} of {parts} jobs were sent" if len(jobs) < parts else "the jobs go on"
+    return (f"{sent}: {ids}; their results: batchasr jobs --results {ids} --wait; or run this command again with "
+            f"--idempotency-key {idempotency_key}: it takes up these jobs (and sends the rest) instead of new ones")
 
 
 async def _followed(client: JobClient, jobs: list[dict[str, Any]], progress: Callable[[], Progress], poll_s: float

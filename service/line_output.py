@@ -5,8 +5,10 @@ it comes, so that a run cut short keeps what it did and ``--skip-existing`` resu
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
+import stat
 import sys
 from collections import Counter
 from pathlib import Path
@@ -15,6 +17,7 @@ from typing import Any, TextIO
 LINE_FORMATS = ("jsonl", "manifest")
 PREDICTION_FIELDS = ("pred_text", "avg_logprob")  # what a manifest line gains (service.manifest), and ``duration``
 # where it had none
+RESULT_FIELDS = {"jsonl": ("audio", "text"), "manifest": ("audio_filepath", "pred_text")}  # in every result line
 
 
 def line_key(format: str, line: dict[str, Any]) -> str:
@@ -81,26 +84,48 @@ def lines_done(path: Path, format: str) -> Counter[str]:
 
 def _counted_lines(path: Path, whole: bytes, format: str) -> Counter[str]:
     """The inputs of whole lines ``whole`` (``lines_done``), counted; ValueError naming the first that is not a
-    result line."""
+    result line of ``format``: a manifest being read, or another format's results, are not taken as done."""
     done: Counter[str] = Counter()
     for number, line in enumerate(whole.decode("utf-8").splitlines(), start=1):
         if line.strip():
             try:
-                done[line_key(format, json.loads(line))] += 1
-            except (ValueError, AttributeError) as exc:
+                record = json.loads(line)
+                if not isinstance(record, dict):
+                    raise ValueError(f"JSON, but not an object: {line[:40]}")
+                if missing := [name for name in RESULT_FIELDS[format] if name not in record]:
+                    raise ValueError(f"no {' or '.join(missing)}: not --format {format}'s result")
+                done[line_key(format, record)] += 1
+            except ValueError as exc:
                 raise ValueError(f"{path}:{number}: not a result line this command wrote ({exc})") from exc
     return done
 
 
 def open_results(stack: contextlib.ExitStack, path: str | Path | None, mode: str) -> TextIO:
-    """Where a command's results go: standard output, or ``path`` opened (``OSError`` where it cannot be) and
-    closed when ``stack`` ends, quietly: a write that failed has been told (``cannot_write``), and the buffered
-    rest cannot go either, so its close raising the same error again is left unsaid."""
+    """Where a command's results go: standard output, or ``path`` opened (``OSError`` where it cannot be, or another
+    command holds it), locked against other commands, and closed when ``stack`` ends, quietly: a write that failed
+    has been told (``cannot_write``), and the buffered rest cannot go either, so its close raising the same error
+    again is left unsaid."""
     if path is None:
         return sys.stdout
-    out = open(path, mode, encoding="utf-8")  # noqa: SIM115 - closed by the stack
+    out = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed by the stack; emptied (mode "w") once locked
     stack.callback(_close_quietly, out)
+    if not stat.S_ISREG(os.fstat(out.fileno()).st_mode):  # /dev/null, a pipe: for any number of writers
+        return out
+    try:  # held until the command ends: two runs appending to one file wrote every result twice
+        fcntl.flock(out.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise OSError(f"{path}: another batchasr command is writing its results there") from None
+    if mode == "w":
+        out.truncate(0)
     return out
+
+
+def same_file(a: Path, b: Path) -> bool:
+    """Whether two paths name one file (a link, or another spelling, to it included)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one is not there yet
+        return a.resolve() == b.resolve()
 
 
 def _close_quietly(out: TextIO) -> None:

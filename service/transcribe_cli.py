@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from .formats import SubtitleLayout
-from .line_output import LINE_FORMATS, cannot_write, open_results
+from .line_output import LINE_FORMATS, cannot_write, open_results, same_file
 from .manifest import ManifestEntry
 
 if TYPE_CHECKING:
@@ -39,6 +39,11 @@ def run_transcribe(args: argparse.Namespace, layout: SubtitleLayout) -> int:
             out = open_results(stack, args.output, "a")
         except OSError as exc:
             return cannot_write(exc)
+        try:  # read once the file is locked: another run's lines could be coming meanwhile
+            inputs = _left_to_do(args, inputs)
+        except ValueError as exc:  # a file that is not this command's results: left as it is
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         try:
             model = load_model(args.model, device=args.device, dtype=args.dtype,
                                attention_kernel=args.attention_kernel or "auto")
@@ -144,12 +149,14 @@ def _transcribe_inputs(args: argparse.Namespace) -> TranscribeInputs:
     if args.manifest is not None:
         if args.output_dir is not None:
             raise ValueError("--manifest prints its results (a manifest's lines may share a file): no --output-dir")
+        if args.output is not None and same_file(args.output, args.manifest):
+            raise ValueError(f"--output {args.output} is the manifest being read: write the results to another file")
         entries = read_manifest(args.manifest)
         if not entries:
             raise ValueError(f"{args.manifest}: no lines")
         if args.format in ("srt", "vtt") and len(entries) > 1:
             raise ValueError(f"--format {args.format} prints one transcript; the manifest has {len(entries)}")
-        return _left_to_do(args, TranscribeInputs(entries, [None] * len(entries), from_manifest=True))
+        return TranscribeInputs(entries, [None] * len(entries), from_manifest=True)
     named = output_names(args.audio, file_suffix(args.format), files=args.output_dir is not None)  # else one stream
     if not named:
         raise ValueError("no audio files found")
@@ -160,11 +167,12 @@ def _transcribe_inputs(args: argparse.Namespace) -> TranscribeInputs:
         named = {path: name for path, name in named.items() if path not in done}
         print(f"{len(done)} files already transcribed in {args.output_dir}; {len(named)} to go", file=sys.stderr)
     outputs = [None if args.output_dir is None else args.output_dir / name for name in named.values()]
-    return _left_to_do(args, TranscribeInputs(file_entries(named), outputs, from_manifest=False))
+    return TranscribeInputs(file_entries(named), outputs, from_manifest=False)
 
 
 def _left_to_do(args: argparse.Namespace, inputs: TranscribeInputs) -> TranscribeInputs:
-    """With ``--output FILE --skip-existing``, the inputs whose lines the file does not hold yet."""
+    """With ``--output FILE --skip-existing``, the inputs whose lines the file does not hold yet; ValueError where
+    it holds anything but this command's result lines (``lines_done``)."""
     from .line_output import inputs_done, lines_done
 
     if args.output is None or not args.skip_existing:

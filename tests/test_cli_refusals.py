@@ -126,3 +126,83 @@ def test_a_server_address_that_is_not_one_is_refused_at_once(parity_audio, addre
                                 capture_output=True, text=True, timeout=60)
         assert result.returncode == 2 and f"error: --server {address!r}: {problem}" in result.stderr, result.stderr
         assert "Traceback" not in result.stderr and "trying again" not in result.stderr
+
+
+def _manifest_of_one(tmp_path: Path) -> Path:
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text(json.dumps({"audio_filepath": CLIP, "duration": 1.0}) + "\n")
+    return manifest
+
+
+@pytest.mark.parametrize("resume", [[], ["--skip-existing"]])
+def test_the_manifest_being_read_is_no_place_for_its_results(tmp_path, capsys, resume):
+    """Given as its own --output, the manifest grew by its results (or, resumed, every line counted as done)."""
+    manifest = _manifest_of_one(tmp_path)
+    kept = manifest.read_bytes()
+    assert main(["transcribe", "--manifest", str(manifest), "--format", "manifest", "--output",
+                 str(tmp_path / "." / "m.jsonl"), *resume]) == 2
+    assert "is the manifest being read" in capsys.readouterr().err
+    assert manifest.read_bytes() == kept
+
+
+def test_submit_leaves_the_manifest_it_reads_whole_when_told_to_write_results_there(tmp_path, capsys):
+    """submit empties its --output before a job is sent: the manifest itself, lost, had it been given as one."""
+    manifest = _manifest_of_one(tmp_path)
+    kept = manifest.read_bytes()
+    assert main(["submit", *NO_REDIS, "--manifest", str(manifest), "--wait", "--format", "manifest",
+                 "--output", str(manifest)]) == 2
+    assert "is the manifest being read" in capsys.readouterr().err
+    assert manifest.read_bytes() == kept
+
+
+@pytest.mark.parametrize(("format", "lines"), [
+    ("manifest", [{"audio_filepath": CLIP, "duration": 1.0}]),  # a manifest: lines with no prediction
+    ("manifest", [{"audio": CLIP, "text": "jsonl's record"}]),
+    ("jsonl", [{"audio_filepath": CLIP, "pred_text": "a manifest's result"}]),
+])
+def test_skip_existing_counts_only_its_own_formats_result_lines_as_done(tmp_path, capsys, format, lines):
+    """Any JSON object was taken as a result: a manifest given as --output was all 'done', and results of another
+    format were added to."""
+    out = tmp_path / "out.jsonl"
+    out.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    kept = out.read_bytes()
+    assert main(["transcribe", "--format", format, "--output", str(out), "--skip-existing", CLIP]) == 2
+    err = capsys.readouterr().err
+    assert "out.jsonl:1: not a result line this command wrote (no " in err and f"--format {format}'s" in err
+    assert out.read_bytes() == kept
+
+
+@pytest.mark.parametrize("command", [
+    ["transcribe", "--format", "jsonl", CLIP],
+    ["submit", *NO_REDIS, "--wait", CLIP],
+])
+def test_a_results_file_another_command_is_writing_is_refused(tmp_path, capsys, command):
+    """Two runs given one --output (a rerun while the first goes on under nohup) each wrote every result."""
+    import fcntl
+
+    out = tmp_path / "out.jsonl"
+    out.write_text("a line the other command wrote\n")
+    with out.open("a") as other:
+        fcntl.flock(other.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert main([*command, "--output", str(out)]) == 2
+    assert "another batchasr command is writing its results there" in capsys.readouterr().err
+    assert out.read_text() == "a line the other command wrote\n"
+
+
+def test_a_submit_cut_short_says_how_its_jobs_results_are_had(redis_server, parity_audio, tmp_path):
+    """Ctrl-C while `submit --wait --format manifest` waited wrote nothing and said only "interrupted": the job goes
+    on, and its manifest is had by running the command again under the key it was sent with, which it now says."""
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text(json.dumps({"audio_filepath": parity_audio[0]}) + "\n")
+    run = [sys.executable, "-m", "service.cli", "submit", "--redis-url", redis_server.url, "--manifest",
+           str(manifest), "--wait", "--format", "manifest"]
+    waiting = subprocess.Popen(run, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    sent = waiting.stderr.readline()  # "job ID: 1 items" (no worker: it stays queued)
+    job_id = sent.split()[1].rstrip(":")
+    waiting.send_signal(signal.SIGINT)
+    assert waiting.wait(timeout=30) == 130
+    err = waiting.stderr.read()
+    assert f"the jobs go on: {job_id}; their results: batchasr jobs --results {job_id} --wait" in err, err
+    key = err.split("--idempotency-key ")[1].split(":")[0]
+    again = subprocess.run([*run[:-3], "--idempotency-key", key], capture_output=True, text=True, timeout=60)
+    assert again.returncode == 0 and again.stderr.startswith(f"job {job_id}: "), again.stderr  # the same job

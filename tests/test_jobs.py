@@ -678,6 +678,44 @@ def test_finishing_an_item_frees_its_upload_and_dead_letters_a_failure_with_it(r
     asyncio.run(scenario())
 
 
+def test_a_worker_restarted_under_its_name_takes_back_at_once_what_it_held(redis_server, model, parity_audio,
+                                                                          expected):
+    """A worker killed and started again under the same name (a container restarted in place keeps its host-pid
+    name) waited out the visibility timeout, five minutes by default, for the items its last life held."""
+    items = upload_items(parity_audio, 6)
+
+    async def setup(consumer, store):
+        job, _ = await store.submit(items)
+        assert len(await store.read_items(consumer.options.name, 4, 0)) == 4  # its last life's: never finished
+        return job
+
+    settings = Settings(redis_url=redis_server.url)  # the visibility timeout of 300 s
+    metrics = Metrics()
+    job, records = asyncio.run(_run_consumer(settings, model, items, setup, timeout_s=30, metrics=metrics))
+    assert job.finished and job.counts["completed"] == len(items)
+    _check_results(records, items, expected)
+    assert metrics.registry.get_sample_value("batchasr_job_items_reclaimed_total") == 4
+
+
+def test_a_consumer_takes_back_only_the_deliveries_to_its_name_it_does_not_hold(redis_server):
+    async def scenario() -> None:
+        store = JobStore.from_url(redis_server.url)
+        await store.ensure_group()
+        await store.submit([ItemInput(audio=f"{i}.wav", url=f"https://media.example/{i}.wav") for i in range(5)])
+        reply = await store.redis.xreadgroup(GROUP, "w", {ITEM_STREAM: ">"}, count=4)
+        delivered = [message_id for message_id, _ in reply[0][1]]
+        await store.redis.xreadgroup(GROUP, "other", {ITEM_STREAM: ">"}, count=1)  # another's: not taken
+        await store.redis.xdel(ITEM_STREAM, delivered[3])  # trimmed away while pending: acknowledged, not taken
+        taken = await store.claim_own_left(ITEM_STREAM, "w", 10, {delivered[0]})  # one in hand
+        assert [message_id for message_id, _ in taken] == delivered[1:3]
+        assert await store.claim_own_left(ITEM_STREAM, "w", 10, set(delivered[:3])) == []
+        owners = [entry["consumer"] for entry in await store.redis.xpending_range(ITEM_STREAM, GROUP, "-", "+", 10)]
+        assert owners == [b"w", b"w", b"w", b"other"]
+        await store.close()
+
+    asyncio.run(scenario())
+
+
 def test_stalled_deliveries_behind_many_live_ones_are_reached(redis_server):
     """XAUTOCLAIM looks at ten pending entries per one asked for. Each look used to start over at the oldest, so a
     consumer with little room never got past the deliveries live workers were still renewing."""

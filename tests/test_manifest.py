@@ -287,15 +287,26 @@ def test_submit_takes_a_manifest_or_files_and_manifest_lines_need_one(parity_aud
         assert message in capsys.readouterr().err
 
 
-def test_submit_refuses_a_manifest_line_whose_audio_it_cannot_upload_naming_the_line(parity_audio, tmp_path, capsys):
+def test_submit_leaves_out_a_manifest_line_whose_audio_it_cannot_upload_naming_it(redis_server, parity_audio,
+                                                                                  tmp_path, capsys):
+    """A line whose file is gone, or whose stretch does not open as audio, is said by its line and left out, the rest
+    submitted (status 1), as transcribe --manifest does: one bad file in thousands refused the whole manifest."""
     (tmp_path / "notes.wav").write_text("not audio\n")
-    for line, message in [({"audio_filepath": "gone.wav"}, "no such audio file"),
-                          ({"audio_filepath": "gone.wav", "offset": 0.5, "duration": 1.0}, "no such audio file"),
-                          ({"audio_filepath": "notes.wav", "offset": 0.5, "duration": 1.0}, "cannot read audio")]:
-        manifest = _write_manifest(tmp_path / "m.json", [{"audio_filepath": parity_audio[0]}, line])
-        # refused before anything is sent (this Redis is not there), not a traceback
-        assert main(["submit", "--redis-url", "redis://127.0.0.1:1", "--manifest", str(manifest)]) == 2
-        assert f"m.json:2: {tmp_path / line['audio_filepath']}: {message}" in capsys.readouterr().err
+    bad = [({"audio_filepath": "gone.wav"}, "no such audio file"),
+           ({"audio_filepath": "gone.wav", "offset": 0.5, "duration": 1.0}, "no such audio file"),
+           ({"audio_filepath": "notes.wav", "offset": 0.5, "duration": 1.0}, "cannot read audio")]
+    manifest = _write_manifest(tmp_path / "m.json", [{"audio_filepath": parity_audio[0]}, *(line for line, _ in bad),
+                                                     {"audio_filepath": parity_audio[1], "duration": 1.0}])
+    assert main(["submit", "--redis-url", redis_server.url, "--manifest", str(manifest)]) == 1
+    captured = capsys.readouterr()
+    for number, (line, message) in enumerate(bad, start=2):
+        assert f"error: m.json:{number}: {tmp_path / line['audio_filepath']}: {message}" in captured.err
+    assert "3 manifest lines were not sent" in captured.err
+    assert json.loads(captured.out)["total_items"] == 2
+    # nothing left to send: refused, nothing sent (this Redis is not there)
+    only_bad = _write_manifest(tmp_path / "bad.json", [line for line, _ in bad])
+    assert main(["submit", "--redis-url", "redis://127.0.0.1:1", "--manifest", str(only_bad)]) == 2
+    assert "bad.json: no line's audio could be read" in capsys.readouterr().err
 
 
 def test_a_jobs_path_items_may_name_a_stretch_the_worker_reads_from_disk(redis_server, parity_dir, parity_audio,
