@@ -15,7 +15,7 @@ from typing import Any, Literal, TypeVar
 import httpx
 import redis.asyncio as aioredis
 
-from .job_types import ANONYMOUS, JobNotFound, JobOptions, JobStatus, deleted_job
+from .job_types import ANONYMOUS, MAX_QUEUED_ITEMS_HEADER, JobNotFound, JobOptions, JobStatus, deleted_job
 from .jobs import JobStore
 from .logs import redacted_url
 from .redis_outages import REDIS_ERRORS
@@ -51,6 +51,15 @@ class AtQueuedLimit(Exception):
     def __init__(self, reason: str, retry_after_s: float):
         super().__init__(reason)
         self.retry_after_s = retry_after_s
+
+
+class NeverFits(ValueError):
+    """A job of more items than the server lets one key have queued at once (413 ``too_many_items`` with the
+    limit in ``MAX_QUEUED_ITEMS_HEADER``): it fits as jobs of at most ``limit`` items."""
+
+    def __init__(self, reason: str, limit: int):
+        super().__init__(reason)
+        self.limit = limit
 
 
 def _no_such_job(job_id: str) -> NoSuchJob:
@@ -98,6 +107,8 @@ class ServerClient:
                     form["hotwords"] = ",".join(options.hotwords)
                 response = await self.http.post("/v1/jobs", files=parts, data=form, headers=headers)
         _raise_at_queued_limit(response)
+        if response.status_code == 413 and (limit := response.headers.get(MAX_QUEUED_ITEMS_HEADER, "")).isdigit():
+            raise NeverFits(response.json()["error"]["message"], int(limit))
         if response.is_client_error:  # the server's reason (a URL it does not take, ...), not just the status
             raise ValueError(f"the server refused the job: {response.json()['error']['message']}")
         response.raise_for_status()

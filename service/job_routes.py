@@ -43,6 +43,7 @@ from .http import (
 )
 from .job_types import (
     ANONYMOUS,
+    MAX_QUEUED_ITEMS_HEADER,
     IdempotencyKeyReused,
     ItemInput,
     JobInputError,
@@ -287,8 +288,9 @@ async def _submit(store: JobStore, settings: Settings, items: list[ItemInput], o
     except UploadTooLarge as exc:  # larger than its Redis stores in one value: the form's limits let it through
         raise ApiError(413, str(exc), param="files", code="audio_too_large") from exc
     except TooManyQueued as exc:
-        if exc.never_fits:
-            raise ApiError(413, str(exc), param="items", code="too_many_items") from exc
+        if exc.never_fits:  # the limit in a header: batchasr submit sends such a job as smaller ones
+            raise ApiError(413, str(exc), param="items", code="too_many_items",
+                           headers={MAX_QUEUED_ITEMS_HEADER: str(exc.limit)}) from exc
         raise _at_queued_limit(exc) from exc
     except IdempotencyKeyReused as exc:
         raise ApiError(400, str(exc), param="Idempotency-Key", code="idempotency_key_reused") from exc

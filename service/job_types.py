@@ -64,6 +64,9 @@ class IdempotencyKeyReused(JobInputError):
                          f"made job {job_id}: send a new key for a new job")
 
 
+MAX_QUEUED_ITEMS_HEADER = "X-Max-Queued-Items"  # on a 413 for a job past the limit: the limit, to split it by
+
+
 class TooManyQueued(Exception):
     """A job that would take its owner past the items it may have queued or in progress at once
     (``JobStore.max_queued_items``; HTTP: 429, or 413 for a job that could never fit)."""

@@ -23,6 +23,7 @@ import logging
 import math
 import os
 import socket
+import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -65,6 +66,7 @@ PRUNE_INTERVAL_S = 60.0  # how often a consumer looks for API keys' streams gone
 LAG_INTERVAL_S = 1.0  # how often a consumer reads the lag metric: Prometheus scrapes every 15 s, KEDA polls every 30 s
 GONE_AFTER_S = 3600.0  # idle this long, holding nothing: a consumer that is gone (at least ten visibility timeouts)
 CANCEL_CHECK_INTERVAL_S = 1.0  # how often a consumer asks whether the jobs of the items in its hands were cancelled
+OUTAGE_PAUSES_S = (0.5, 5.0)  # an item's write tried again through an outage: first pause, doubling to the longest
 
 T = TypeVar("T")
 
@@ -185,6 +187,7 @@ class JobConsumer:
         self._read_lag, self._prune, self._forget = Periodic(), Periodic(), Periodic()
         self._cancels, self._look_for_cancels = CancelWatch(), Periodic()
         self._group_ready = False  # made once, and again after an error (a Redis that lost it)
+        self._stopping = asyncio.Event()  # set once the loop has stopped: items in hand no longer wait out an outage
         self._store_risks: dict[str, str] | None = {}  # those last read (JobStore.durability_risks; None: unknown)
         self.connected = False
 
@@ -196,10 +199,13 @@ class JobConsumer:
         halt = asyncio.Event()  # stop, or the engine failed
         webhooks = asyncio.create_task(self.webhook_deliveries.run(halt))
         await step_until_stopped(stop, self._step, "job consumer", self._failed, until=self.engine_failed)
+        self._stopping.set()
         if self.engine_failed():
             log.error("the engine failed: this consumer takes no more items (those in hand go back to the stream, "
                       "for other workers, after the visibility timeout)")
         halt.set()
+        if held := sum(not task.done() for task in self._in_flight):  # the stop would otherwise pass in silence
+            log.info("job consumer stopping: finishing the %d items in hand", held)
         await self._finish_in_flight()
         await webhooks
         await self.close()
@@ -342,7 +348,7 @@ class JobConsumer:
             return
         try:
             await self._process(job_id, index, share, BATCHER_PRIORITY[stream_priority(stream)], stream_owner(stream))
-            await self.store.ack_item(stream, message_id)
+            await self._through_outage(lambda: self.store.ack_item(stream, message_id))
         except TimeoutError as exc:  # the transcription or a fetch took too long (an OSError, but not Redis's)
             log.warning("item %s/%d timed out; it will be retried", job_id, index)
             await self._record_error(job_id, index, f"timed out{': ' + str(exc) if str(exc) else ''}")
@@ -350,7 +356,8 @@ class JobConsumer:
             log.warning("item %s/%d could not be fetched (%s); it will be retried", job_id, index, exc)
             await self._record_error(job_id, index, str(exc))
         except (*REDIS_ERRORS, aioredis.RedisError) as exc:  # unacknowledged: back after the visibility timeout
-            log.warning("redis error on %s/%d (%s); it will be retried", job_id, index, exc)
+            log.warning("redis error on %s/%d (%s); it is delivered again after the visibility timeout (%.0f s)",
+                        job_id, index, exc, self.options.visibility_timeout_s)
         except Exception as exc:  # likewise retried, until max_attempts
             log.exception("item %s/%d failed; it will be retried", job_id, index)
             await self._record_error(job_id, index, f"{type(exc).__name__}: {exc}")
@@ -437,8 +444,10 @@ class JobConsumer:
                 return
         record_out = item_record(audio, "completed", **{k: v for k, v in to_record(transcript).items()
                                                        if k in RESULT_KEYS})
-        outcome = await self.store.finish_item(job_id, index, "completed", record_out, audio_s=result.audio_s,
-                                               compute_s=result.compute_s, logprobs=transcript.token_logprobs)
+        del waveform  # not held while the result waits for Redis
+        outcome = await self._through_outage(lambda: self.store.finish_item(
+            job_id, index, "completed", record_out, audio_s=result.audio_s, compute_s=result.compute_s,
+            logprobs=transcript.token_logprobs))
         await self._after_finish(job_id, "completed", outcome)
 
     async def _load(self, start: ItemStart, multichannel: bool):
@@ -464,15 +473,33 @@ class JobConsumer:
 
     async def _cancel(self, job_id: str, index: int, audio: str | None) -> None:
         """The item cancelled, its job having been: its record as the cancel gives those still queued."""
-        outcome = await self.store.finish_item(job_id, index, "cancelled", item_record(audio, "cancelled"))
+        outcome = await self._through_outage(lambda: self.store.finish_item(job_id, index, "cancelled",
+                                                                            item_record(audio, "cancelled")))
         await self._after_finish(job_id, "cancelled", outcome)
 
     async def _fail(self, job_id: str, index: int, audio: str | None, error: str) -> None:
-        outcome = await self.store.finish_item(job_id, index, "failed", item_record(audio, "failed", error=error),
-                                               error=error)  # dead-lettered in the same step
+        outcome = await self._through_outage(lambda: self.store.finish_item(  # dead-lettered in the same step
+            job_id, index, "failed", item_record(audio, "failed", error=error), error=error))
         if outcome:
             self.metrics.count_job_item_dead_lettered()
         await self._after_finish(job_id, "failed", outcome)
+
+    async def _through_outage(self, write: Callable[[], Awaitable[T]]) -> T:
+        """``write()``, an item's end (its result, its acknowledgement: both may be written twice), tried again
+        through a Redis outage for up to the visibility timeout while the consumer runs. Given up at once, work
+        done was thrown away for want of Redis for seconds (a restart, a failover), and its item transcribed again,
+        an attempt more, after the visibility timeout; given up later, the item goes to another worker as before."""
+        deadline = time.monotonic() + self.options.visibility_timeout_s
+        pause_s = OUTAGE_PAUSES_S[0]
+        while True:
+            try:
+                return await write()
+            except REDIS_ERRORS:
+                if self._stopping.is_set() or time.monotonic() + pause_s > deadline:
+                    raise
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), pause_s)
+            pause_s = min(2 * pause_s, OUTAGE_PAUSES_S[1])
 
     async def _after_finish(self, job_id: str, item_status: str, outcome: int) -> None:
         if outcome == 0:
@@ -480,7 +507,7 @@ class JobConsumer:
         if item_status != "cancelled":  # items are counted as they complete or fail (a cancel counts its job)
             self.metrics.count_job_item(item_status)
         if outcome == 2:
-            job = await self.store.get(job_id)
+            job = await self._through_outage(lambda: self.store.get(job_id))
             self.metrics.count_job(job.status.value)
 
 

@@ -23,6 +23,7 @@ from .job_clients import (
     AtQueuedLimit,
     JobAction,
     JobClient,
+    NeverFits,
     NoSuchJob,
     client_for,
     job_records,
@@ -177,12 +178,25 @@ async def run_submit(inputs: list[Input], redis_url: str | None, server: str | N
     # after its job was written (no replica confirmed it: wait_replicas), gets that job rather than making a second;
     # but a first try that reaches nothing at all is a wrong address most likely, and said at once
     idempotency_key = idempotency_key or f"submit-{secrets.token_urlsafe(16)}"
+    to_send = [(f"{idempotency_key}.{n}" if len(parts) > 1 else idempotency_key, part)
+               for n, part in enumerate(parts, start=1)]
     jobs: list[dict[str, Any]] = []
+    parts, first = [], True  # the parts sent, in order, each its job's; whether the server has answered yet
     try:
-        for number, part in enumerate(parts, start=1):
-            key = f"{idempotency_key}.{number}" if len(parts) > 1 else idempotency_key
-            jobs.append(await _submitted_when_it_fits(client, part, key, options, first=number == 1))
-            print(f"job {jobs[-1]['id']}: {jobs[-1]['total_items']} items", file=sys.stderr)
+        while to_send:
+            key, part = to_send.pop(0)
+            try:
+                job = await _submitted_when_it_fits(client, part, key, options, first=first)
+            except NeverFits as exc:  # more than a key may have queued: as jobs it can, each when there is room
+                first = False
+                smaller = split_into_jobs(part, job_bytes, options.multichannel, max_items=exc.limit)
+                print(f"{exc}: sent as {len(smaller)} jobs of at most {exc.limit} items", file=sys.stderr)
+                to_send[:0] = [(f"{key}.{n}", p) for n, p in enumerate(smaller, start=1)]  # the same keys again
+                continue
+            jobs.append(job)
+            parts.append(part)
+            first = False
+            print(f"job {job['id']}: {job['total_items']} items", file=sys.stderr)
         if not wait:
             try:  # flushed here: a full disk or a closed pipe is told, with the jobs it could not name
                 _write_out(output, "".join(json.dumps(job) + "\n" for job in jobs))
@@ -214,7 +228,7 @@ async def run_submit(inputs: list[Input], redis_url: str | None, server: str | N
         return 2
     except asyncio.CancelledError:  # Ctrl-C (asyncio.run cancels this task): the jobs sent go on without us
         if jobs:
-            print(_how_to_take_up(jobs, idempotency_key, len(parts)), file=sys.stderr)
+            print(_how_to_take_up(jobs, idempotency_key, len(jobs) + len(to_send)), file=sys.stderr)
         raise
     finally:
         await client.close()

@@ -24,6 +24,8 @@ FORWARDED_METRIC_CALLS = ("observe_job_backlog", "observe_job_store_risks", "cou
                           "observe_webhooks_waiting", "observe_intake_wait")
 INTAKE_WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# up to full batches of 30 s pieces at the largest batch sizes (128 x 30 s: 3840 s; 256 x 30 s: 7680 s)
+BATCH_AUDIO_BUCKETS_S = (1, 5, 15, 30, 60, 120, 300, 600, 1200, 2400, 4800, 9600)
 UNSURE_BELOW = 0.5  # a token less likely than this is counted unsure
 UNSURE_LOGPROB = math.log(UNSURE_BELOW)
 # up to the longest waits there are: a request's timeout (600 s) and a job item's (3600 s); past 300 s every wait
@@ -59,7 +61,7 @@ class Metrics:
         self.batch_size = Histogram("batchasr_batch_size", "Items per engine batch", buckets=BATCH_SIZE_BUCKETS,
                                     registry=r)
         self.batch_audio_seconds = Histogram("batchasr_batch_audio_seconds", "Seconds of audio per batch",
-                                             buckets=(1, 5, 15, 30, 60, 120, 300, 600, 1200), registry=r)
+                                             buckets=BATCH_AUDIO_BUCKETS_S, registry=r)
         self.padding_ratio = Histogram("batchasr_padding_ratio", "Share of each batch's samples that is padding",
                                        buckets=(0.01, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0), registry=r)
         self.queue_depth = Gauge("batchasr_queue_depth", "Items waiting for the engine", registry=r)

@@ -45,13 +45,16 @@ async def step_until_stopped(stop: asyncio.Event, step: Callable[[], Awaitable[o
     Redis refusing (full, read-only, a lost group) or a bug. A consumer that stopped would strand its stream,
     silently; so each failure is logged, handed to ``on_failure`` and waited out, from 1 s doubling to
     ``MAX_BACKOFF_S``, or less if ``stop`` is set meanwhile."""
-    backoff_s = 1.0
+    backoff_s, away = 1.0, False
     while not stop.is_set() and not until():
         try:
             await step()
-            backoff_s = 1.0
+            if away:  # the outage's end said, as its start was: a log that ends at "retrying" reads as still away
+                log.info("%s: redis reachable again", what)
+            backoff_s, away = 1.0, False
             continue
         except Exception as exc:
+            away = away or isinstance(exc, REDIS_ERRORS)
             if isinstance(exc, REDIS_ERRORS):
                 log.warning("%s: redis %s (%s); retrying in %.0f s", what, outage(exc), exc, backoff_s)
             elif isinstance(exc, aioredis.RedisError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
@@ -15,6 +16,8 @@ from .logs import CURRENT_REQUEST, log_fields
 log = logging.getLogger("batchasr.api")
 
 UNMATCHED = "unmatched"  # the route label of a request no route can be named for
+MAX_ERROR_BODY = 64 * 1024  # an error body past this is not read for the log line (ours are a few hundred bytes)
+ERROR_LOGGED = 300  # chars of an error's message in the request's log line
 
 
 class RequestLogMiddleware:
@@ -36,13 +39,15 @@ class RequestLogMiddleware:
         # each request runs in a task of its own, whose context ends with it
         CURRENT_REQUEST.set({"request_id": request_id, "method": scope["method"], "path": scope["path"]})
         started = time.perf_counter()
-        status, answered = 500, False
+        status, answered, refusal = 500, False, {}
 
         async def send_with_id(message: dict) -> None:
-            nonlocal status, answered
+            nonlocal status, answered, refusal
             if message["type"] == "http.response.start":
                 status, answered = message["status"], True
                 message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode("latin-1"))]
+            elif status >= 400 and not refusal:  # the error's code and message, for the request's log line
+                refusal = _error_of(message.get("body", b""))
             await send(message)
 
         try:
@@ -59,7 +64,7 @@ class RequestLogMiddleware:
                 self.service.metrics.observe_request(route_path, status, elapsed)
             log.info("request", extra=log_fields(event="request", request_id=request_id, method=scope["method"],
                                                  path=scope["path"], status=status,
-                                                 duration_ms=round(elapsed * 1000, 2)))
+                                                 duration_ms=round(elapsed * 1000, 2), **refusal))
 
     def _route_of(self, scope: dict) -> str:
         """The route of a request answered before routing (a 401 from ApiKeyGate, a 413 from BodyLimitMiddleware):
@@ -79,6 +84,19 @@ def observe_refused_head(service: ServiceState, error: ApiError, request_id: str
     log.warning("request", extra=log_fields(event="request", request_id=request_id, method=None, path=None,
                                             status=error.status, code=error.code,
                                             duration_ms=round(duration_s * 1000, 2)))
+
+
+def _error_of(body: bytes) -> dict[str, str]:
+    """An error response's ``code`` and ``error`` (its message, cut to ERROR_LOGGED chars), from the body every
+    refusal has (service.http); nothing from any other body."""
+    if len(body) > MAX_ERROR_BODY:
+        return {}
+    try:
+        error = json.loads(body)["error"]
+        return {**({"code": str(error["code"])} if error.get("code") else {}),
+                "error": str(error["message"])[:ERROR_LOGGED]}
+    except (ValueError, KeyError, TypeError, AttributeError):  # not JSON, or not an error's shape (/healthz's)
+        return {}
 
 
 def _route_path(route: Any) -> str | None:

@@ -484,6 +484,15 @@ def test_each_request_logs_one_json_line_with_its_request_id(server, parity_audi
     [line] = [line for line in lines if line.get("request_id") == "trace-42"]
     assert line["event"] == "request" and line["path"] == "/v1/transcribe" and line["status"] == 200
     assert line["level"] == "info" and line["duration_ms"] > 0 and line["ts"].endswith("Z")
+    assert "code" not in line and "error" not in line
+    # a refusal's line says which and why (its status alone left the operator to search by request id)
+    with caplog.at_level(logging.INFO, logger="batchasr.api"):
+        refused = httpx.post(f"{server.url}/v1/transcribe", content=b"not audio", timeout=60,
+                             headers={"content-type": "audio/wav", "x-request-id": "trace-43"})
+    lines = [json.loads(JsonFormatter().format(r)) for r in caplog.records if r.name == "batchasr.api"]
+    [line] = [line for line in lines if line.get("request_id") == "trace-43"]
+    assert line["status"] == refused.status_code == 400
+    assert (line["code"], line["error"]) == (refused.json()["error"]["code"], refused.json()["error"]["message"])
     plain = json.loads(JsonFormatter().format(logging.LogRecord("x", logging.WARNING, "", 0, "a %s", ("b",), None)))
     assert plain["message"] == "a b" and plain["level"] == "warning"
 

@@ -489,6 +489,16 @@ def test_server_errors_fire_past_one_request_in_twenty_and_a_full_queue_after_a_
     scrapes = minutes_of(healthy, 40, lambda m: healthy.observe_request("transcriptions", 200, 0.2))
     promtool_alerts(tmp_path, scrapes, [{"eval_time": "30m", "alertname": name, "exp_alerts": []}
                                         for name in ("BatchasrServerErrors", "BatchasrQueueFull")])
+    paced = Metrics()  # a backfill submit paced by its key's limit on queued items: 429 on the job routes, by design
+
+    def backfill_minute(m: int) -> None:
+        paced.observe_request("/v1/transcribe", 200, 0.2)
+        for _ in range(2):
+            paced.observe_request("/v1/jobs", 429, 0.01)
+        paced.observe_request("/v1/jobs/{job_id}/retry", 429, 0.01)
+
+    promtool_alerts(tmp_path, minutes_of(paced, 40, backfill_minute),
+                    [{"eval_time": "30m", "alertname": "BatchasrQueueFull", "exp_alerts": []}])
 
 
 def test_queue_wait_fires_on_http_waits_not_on_job_items_waiting(tmp_path):

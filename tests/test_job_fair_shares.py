@@ -426,6 +426,7 @@ def test_a_key_at_its_limit_is_refused_over_http_while_other_keys_go_on(redis_se
         assert submit("bob-key", 2).status_code == 202
         too_big = submit("bob-key", 3)
         assert too_big.status_code == 413 and too_big.json()["error"]["code"] == "too_many_items"
+        assert too_big.headers["X-Max-Queued-Items"] == "2"  # what to split it by
         client = redis_server.client()  # none of the refused ones written (their fetches keep the rest in hand)
         assert [client.xlen(item_stream(JobPriority.NORMAL, owner)) for owner in (ALICE, BOB)] == [2, 2]
 
@@ -501,6 +502,29 @@ def test_submit_waits_for_room_and_goes_on_as_the_first_jobs_are_done(redis_serv
     records = [json.loads(line) for line in done.stdout.splitlines()]
     assert [r["audio"] for r in records] == files and all(r["status"] == "completed" for r in records)
     assert all(Path(f).exists() for f in files)
+
+
+def test_submit_sends_a_job_past_the_keys_limit_as_jobs_within_it(redis_server, model, parity_audio, monkeypatch):
+    """A backfill of more items than the key may have queued at once was refused whole (413, "submit it as smaller
+    jobs"), where README promised a backfill of any size goes in at the workers' pace: now it is sent as jobs of at
+    most the limit the refusal names, each when there is room; run again under its key, it takes them up."""
+    monkeypatch.setattr(job_routes, "QUEUED_RETRY_AFTER_S", 1)
+    settings = Settings(redis_url=redis_server.url, api_keys=["alice-key"], job_max_queued_items=2)
+    files = parity_audio[:3] + parity_audio[:2]
+    with run_server(settings, model) as running:
+        command = [sys.executable, "-m", "service.cli", "submit", "--server", running.url, "--api-key", "alice-key",
+                   "--idempotency-key", "backfill", *files]
+        done = subprocess.run([*command, "--wait"], capture_output=True, text=True, timeout=300)
+        again = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "sent as 3 jobs of at most 2 items" in done.stderr and "waiting for room:" in done.stderr
+    sent = [line for line in done.stderr.splitlines() if line.startswith("job ") and line.endswith(" items")]
+    assert [line.split(": ")[1] for line in sent] == ["2 items", "2 items", "1 items"]
+    records = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [r["audio"] for r in records] == files and all(r["status"] == "completed" for r in records)
+    assert again.returncode == 0, again.stderr
+    assert [json.loads(line)["id"] for line in again.stdout.splitlines()] == [line.split()[1].rstrip(":")
+                                                                             for line in sent]
 
 
 def test_a_submit_waiting_for_room_rides_out_the_server_going_away(redis_server, model, parity_audio, silent_site,

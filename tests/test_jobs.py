@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
+import logging
 import math
 import os
 import signal
@@ -38,6 +40,7 @@ from service.job_types import ItemInput, Job, JobOptions, JobPriority, Retried, 
 from service.job_worker import CancelWatch
 from service.jobs import JobStore
 from service.metrics import Metrics
+from service.redis_outages import REDIS_ERRORS
 from service.runtime import READING_SHARE, build_stack
 from tests.conftest import long_recording
 from tests.ports import free_port
@@ -132,6 +135,39 @@ def test_redis_restart_mid_job_loses_nothing(tmp_path, parity_dir, parity_audio,
         assert server.client().hlen(RESULTS_KEY.format(job_id=job.id)) == 60
     finally:
         server.stop()
+
+
+def test_a_transcription_done_while_redis_restarts_is_written_once_it_is_back(tmp_path, model, parity_audio,
+                                                                              expected, caplog):
+    """Results finished while Redis was away were thrown away: their items waited out the visibility timeout (5 min)
+    to be transcribed again, an attempt more each (with JOB_MAX_ATTEMPTS=1, failed "the worker died" with no worker
+    dead). Now their writes wait for Redis, and the outage's end is logged."""
+    server = RedisServer(tmp_path, appendonly=True).start()
+    items = upload_items(parity_audio, 3)
+    settings = Settings(redis_url=server.url, job_max_attempts=1)  # the visibility timeout of 300 s
+
+    async def restart_redis_mid_transcription(consumer, store) -> None:
+        transcribe, restarts = consumer.transcriber.transcribe, []
+
+        async def transcribed(*args, **kwargs):
+            if restarts:
+                return await transcribe(*args, **kwargs)
+            restarts.append(await asyncio.to_thread(server.stop))  # stopped now, back 2 s after the result is ready
+            result = await transcribe(*args, **kwargs)
+            restarts.append(asyncio.create_task(asyncio.sleep(2)))
+            restarts[-1].add_done_callback(lambda _: server.start())
+            return result
+
+        consumer.transcriber.transcribe = transcribed
+
+    try:
+        with caplog.at_level(logging.INFO, logger="service.redis_outages"):
+            job, records = asyncio.run(_run_consumer(settings, model, items, restart_redis_mid_transcription))
+    finally:
+        server.stop()
+    assert job.finished and job.counts["completed"] == len(items), job.counts  # within the minute, not after five
+    _check_results(records, items, expected)
+    assert "job consumer: redis reachable again" in caplog.text
 
 
 def test_the_job_store_uses_no_connection_a_redis_restart_closed(tmp_path):
@@ -523,8 +559,11 @@ async def _run_consumer(settings: Settings, model, items: list[ItemInput], setup
         stop = asyncio.Event()
         task = asyncio.create_task(consumer.run(stop))
         deadline = time.monotonic() + timeout_s
-        while not (job := await stack.jobs.get(job.id)).finished and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
             assert not task.done(), f"the consumer stopped: {task.exception()!r}"
+            with contextlib.suppress(*REDIS_ERRORS):  # a Redis the test restarts
+                if (job := await stack.jobs.get(job.id)).finished:
+                    break
             await asyncio.sleep(0.1)
         stop.set()
         await task

@@ -67,3 +67,15 @@ def test_queue_waits_are_told_apart_up_to_a_job_items_timeout():
         return metrics.registry.get_sample_value("batchasr_queue_wait_seconds_bucket", {"source": "job", "le": le})
 
     assert (waits_within("300.0"), waits_within("1800.0"), waits_within("3600.0")) == (0.0, 1.0, 2.0)
+
+
+def test_a_full_batch_of_30_s_pieces_at_the_deployed_batch_size_has_a_bucket_of_its_own():
+    """The buckets ended at 1200 s: with MAX_BATCH_SIZE 128 (compose, Kubernetes) a full batch holds 3840 s, and
+    the dashboard's p95 could show no more than 1200."""
+    metrics = Metrics()
+    metrics.observe_batch(128, 128 * 30.0, 128 * 30.0, 128 * 30.0, 2.0, {}, [])
+
+    def batches_within(le: str) -> float:
+        return metrics.registry.get_sample_value("batchasr_batch_audio_seconds_bucket", {"le": le})
+
+    assert (batches_within("2400.0"), batches_within("4800.0")) == (0.0, 1.0)
