@@ -195,7 +195,7 @@ def _check_wav_header(source: bytes | BinaryIO | Path, limits: AudioLimits, whol
     if whole and declared.seconds > limits.max_duration_s:  # a stretch is checked by its own length
         raise AudioTooLarge(f"audio is {declared.seconds:.1f} s long (per its header); the limit is "
                             f"{limits.max_duration_s:.0f} s")
-    problem = truncation_message(declared, total_bytes, "upload")
+    problem = truncation_message(declared, total_bytes, "file" if isinstance(source, Path) else "upload")
     if problem:
         raise AudioRequestError(problem)
 

@@ -199,7 +199,7 @@ def _misplaced_output_option(args: argparse.Namespace) -> str | None:
 def _submitted_manifest(args: argparse.Namespace) -> tuple[list[ManifestEntry] | None, int]:
     """``submit --manifest``'s lines to send (None without it) and how many were left out (``_uploadable``), the
     options checked; ValueError saying what is wrong."""
-    from .manifest import read_manifest
+    from .manifest import read_manifest, rebase_paths
 
     if args.format == "manifest" and (args.manifest is None or not args.wait or args.output_dir is not None):
         raise ValueError("--format manifest writes a --manifest's lines with their results: it needs --manifest and "
@@ -213,6 +213,8 @@ def _submitted_manifest(args: argparse.Namespace) -> tuple[list[ManifestEntry] |
     entries = read_manifest(args.manifest)
     if not entries:
         raise ValueError(f"{args.manifest}: no lines")
+    if args.format == "manifest" and args.output is not None:
+        rebase_paths(entries, args.manifest.parent, args.output.parent)
     if args.paths_not_bytes:  # the workers read them: a line they cannot read fails as its item
         return entries, 0
     uploadable = [entry for entry in entries if _uploadable(entry, args.multichannel)]
@@ -246,7 +248,7 @@ def _manifest_writer(entries: list[ManifestEntry], out: TextIO, scored: ErrorRat
     """``submit --manifest --format manifest``: each result written to ``out`` as its line (results come in input
     order, one a line, so the n-th is the n-th line's) and scored against its reference; a failed item's error on
     stderr, naming its line."""
-    from .manifest import record_line
+    from .manifest import record_line, short_stretch
 
     pending = iter(entries)
 
@@ -256,6 +258,8 @@ def _manifest_writer(entries: list[ManifestEntry], out: TextIO, scored: ErrorRat
             print(f"error: {entry.where}: {record['status']}: {record.get('error') or ''}", file=sys.stderr)
             return
         scored.add(entry, record["text"])
+        if warning := short_stretch(entry, record.get("duration_s") or 0.0):
+            print(warning, file=sys.stderr)
         out.write(record_line(entry, record))
 
     return write

@@ -2,7 +2,8 @@
 
 In: JSON lines, each naming its audio by ``audio_filepath`` (relative paths from the manifest's folder, as NeMo
 reads them), with ``offset`` and ``duration`` in seconds to take one stretch of a longer recording. Out: each
-line as it came, with ``pred_text`` added (NeMo's ``transcribe_speech`` convention), ``avg_logprob`` for
+line as it came (its ``audio_filepath`` made relative to the folder of the manifest written, where that is
+another), with ``pred_text`` added (NeMo's ``transcribe_speech`` convention), ``avg_logprob`` for
 filtering pseudo-labels, and ``duration`` where the line had none. Lines with a reference ``text`` are scored:
 the run ends with their word error rate.
 """
@@ -10,6 +11,7 @@ the run ends with their word error rate.
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -22,6 +24,7 @@ from models.transcript import Transcript, rounded
 from models.wer import edit_distance
 
 AUDIO_FIELD = "audio_filepath"
+SHORT_BY_S = 0.05  # a stretch this much shorter than its line's duration is said to run past the end of its audio
 _NOT_A_WORD = re.compile(r"[^\w\s']")  # punctuation: dropped before scoring, with case
 
 
@@ -69,6 +72,18 @@ def file_entries(paths: Iterable[Path]) -> list[ManifestEntry]:
     return [ManifestEntry({AUDIO_FIELD: str(path)}, AudioClip(path), str(path)) for path in paths]
 
 
+def rebase_paths(entries: list[ManifestEntry], base: Path, to: Path) -> None:
+    """The relative ``audio_filepath`` of ``entries`` (relative to ``base``: the manifest's folder, or the working
+    folder for files given) rewritten relative to ``to``, the folder of the manifest they are written into, so that
+    it reads them back (as NeMo does) wherever it is; left as they came where the two folders are one."""
+    if base.resolve() == to.resolve():
+        return
+    for entry in entries:
+        audio = entry.fields[AUDIO_FIELD]
+        if not os.path.isabs(audio):
+            entry.fields = {**entry.fields, AUDIO_FIELD: os.path.relpath(base / audio, to)}
+
+
 def prediction_line(entry: ManifestEntry, text: str, avg_logprob: float | None, duration_s: float) -> str:
     """The entry's line with the prediction: ``pred_text``, ``avg_logprob``, and ``duration`` if it had none."""
     line = dict(entry.fields)
@@ -76,6 +91,16 @@ def prediction_line(entry: ManifestEntry, text: str, avg_logprob: float | None, 
     line["pred_text"] = text
     line["avg_logprob"] = avg_logprob
     return json.dumps(line, ensure_ascii=False) + "\n"
+
+
+def short_stretch(entry: ManifestEntry, duration_s: float) -> str | None:
+    """A warning where the line's ``duration`` runs past the end of its audio (its line keeps the duration it came
+    with, which filters and buckets for training would take as the audio's), else None."""
+    asked = entry.clip.duration_s
+    if asked is None or duration_s >= asked - SHORT_BY_S:
+        return None
+    return (f"warning: {entry.where}: the audio ends {duration_s:.2f} s after its offset, short of the line's duration "
+            f"of {asked:g} s")
 
 
 def transcript_line(entry: ManifestEntry, transcript: Transcript | Conversation) -> str:

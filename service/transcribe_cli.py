@@ -80,7 +80,7 @@ def _write_results(args: argparse.Namespace, inputs: TranscribeInputs, outcomes:
     from models.conversation import Conversation
 
     from .formats import render, to_record
-    from .manifest import ErrorRate, transcript_line
+    from .manifest import ErrorRate, short_stretch, transcript_line
     from .output_files import write_whole
     from .run_summary import RunSummary
 
@@ -95,6 +95,8 @@ def _write_results(args: argparse.Namespace, inputs: TranscribeInputs, outcomes:
             continue
         summary.add(entry.where, outcome)
         scored.add(entry, outcome.text)
+        if inputs.from_manifest and (warning := short_stretch(entry, outcome.duration_s)):
+            print(warning, file=sys.stderr)
         try:
             if output is not None:
                 write_whole(output, render(outcome, str(entry.clip), args.format, layout))
@@ -132,7 +134,7 @@ class TranscribeInputs:
 def _transcribe_inputs(args: argparse.Namespace) -> TranscribeInputs:
     """What ``transcribe`` was given, checked before any model loads; ValueError (or FileNotFoundError) saying
     what is wrong."""
-    from .manifest import file_entries, read_manifest
+    from .manifest import file_entries, read_manifest, rebase_paths
     from .output_files import file_suffix, output_names
 
     if bool(args.manifest) == bool(args.audio):
@@ -156,6 +158,8 @@ def _transcribe_inputs(args: argparse.Namespace) -> TranscribeInputs:
             raise ValueError(f"{args.manifest}: no lines")
         if args.format in ("srt", "vtt") and len(entries) > 1:
             raise ValueError(f"--format {args.format} prints one transcript; the manifest has {len(entries)}")
+        if args.format == "manifest" and args.output is not None:
+            rebase_paths(entries, args.manifest.parent, args.output.parent)
         return TranscribeInputs(entries, [None] * len(entries), from_manifest=True)
     named = output_names(args.audio, file_suffix(args.format), files=args.output_dir is not None)  # else one stream
     if not named:
@@ -167,7 +171,10 @@ def _transcribe_inputs(args: argparse.Namespace) -> TranscribeInputs:
         named = {path: name for path, name in named.items() if path not in done}
         print(f"{len(done)} files already transcribed in {args.output_dir}; {len(named)} to go", file=sys.stderr)
     outputs = [None if args.output_dir is None else args.output_dir / name for name in named.values()]
-    return TranscribeInputs(file_entries(named), outputs, from_manifest=False)
+    entries = file_entries(named)
+    if args.format == "manifest" and args.output is not None:  # a manifest made of files, read back from its folder
+        rebase_paths(entries, Path(), args.output.parent)
+    return TranscribeInputs(entries, outputs, from_manifest=False)
 
 
 def _left_to_do(args: argparse.Namespace, inputs: TranscribeInputs) -> TranscribeInputs:

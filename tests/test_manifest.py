@@ -218,11 +218,14 @@ def test_a_manifest_submitted_as_a_bulk_job_gives_what_transcribe_gives(redis_se
         {"audio_filepath": "broken.wav"},
         {"audio_filepath": parity_audio[1], "offset": 1.5},  # 16-bit: its own frames, in FLAC
         {"audio_filepath": "float.wav", "offset": 0.25, "duration": 1.5},  # float: the 16 kHz samples, float32
+        {"audio_filepath": parity_audio[0], "offset": 0.5, "duration": 60.0},  # past its end: said, kept
     ])
     sf.write(tmp_path / "float.wav", read_audio(parity_audio[2]), 16000, subtype="FLOAT")
     model_path = str(parity_dir / MODEL)
     assert main(["transcribe", "--model", model_path, "--manifest", str(manifest), "--format", "manifest"]) == 1
-    expected = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    captured = capsys.readouterr()
+    expected = [json.loads(line) for line in captured.out.splitlines()]
+    assert "warning: m.json:6: the audio ends " in captured.err  # and the line keeps its duration (below)
     model = load_model(model_path, device="cpu", dtype="float32")
     with run_server(Settings(redis_url=redis_server.url, max_wait_ms=20), model) as running:
         for target in (["--server", running.url], ["--redis-url", redis_server.url]):
@@ -236,7 +239,8 @@ def test_a_manifest_submitted_as_a_bulk_job_gives_what_transcribe_gives(redis_se
             assert [line["audio_filepath"] for line in lines] == [line["audio_filepath"] for line in expected]
             assert lines[1]["speaker"] == 3 and lines[1]["duration"] == 1.0
             assert lines[2]["duration"] == pytest.approx(expected[2]["duration"], abs=1e-3)
-            assert len(lines) == 4 and lines[3]["pred_text"]
+            assert len(lines) == 5 and lines[3]["pred_text"] and lines[4]["duration"] == 60.0
+            assert "warning: m.json:6: the audio ends " in err and "short of the line's duration of 60 s" in err
             assert "over 1 lines with a reference text" in err
 
 
@@ -377,3 +381,30 @@ def test_submit_paths_sends_where_the_files_are_not_their_bytes(redis_server, pa
         outside = main(["submit", "--server", running.url, "--paths", parity_audio[0]])
     assert (tmp_path / "txt" / f"{first.stem}.txt").read_text() == expected[0] + "\n"
     assert outside == 2 and "outside the input roots" in capsys.readouterr().err
+
+
+def test_a_manifest_written_into_another_folder_reads_back_from_there(parity_dir, parity_audio, tmp_path,
+                                                                     monkeypatch, capsys):
+    """audio_filepath was written as given (relative to the working folder) and is read, as NeMo reads it,
+    relative to the manifest's folder: a manifest made into another folder named no file there."""
+    monkeypatch.chdir(tmp_path)
+    Path("clips").mkdir()
+    for i, source in enumerate(parity_audio[:2]):
+        Path(f"clips/{i}.wav").write_bytes(Path(source).read_bytes())
+    model = ["transcribe", "--model", str(parity_dir / MODEL)]
+    made, again = Path("manifests/made.jsonl"), Path("out/deep/again.jsonl")
+    made.parent.mkdir()
+    again.parent.mkdir(parents=True)
+    assert main([*model, "clips", "--format", "manifest", "--output", str(made)]) == 0
+    assert [json.loads(line)["audio_filepath"] for line in made.read_text().splitlines()] == [
+        "../clips/0.wav", "../clips/1.wav"]
+    rewrite = [*model, "--manifest", str(made), "--format", "manifest", "--output", str(again)]
+    assert main(rewrite) == 0
+    lines = [json.loads(line) for line in again.read_text().splitlines()]
+    assert [line["audio_filepath"] for line in lines] == ["../../clips/0.wav", "../../clips/1.wav"]
+    capsys.readouterr()
+    assert main([*rewrite, "--skip-existing"]) == 0  # resumed: the lines as written are what it matches
+    assert "2 inputs already in" in capsys.readouterr().err
+    assert main([*model, "--manifest", str(again), "--format", "manifest"]) == 0  # read back from its folder
+    assert [json.loads(line)["pred_text"] for line in capsys.readouterr().out.splitlines()] == [
+        line["pred_text"] for line in lines]
