@@ -14,6 +14,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from .job_keys import (
+    CONSUMER_NAME_KEY,
     GROUP,
     ITEM_STREAMS,
     OWNER_STREAMS_KEY,
@@ -22,7 +23,17 @@ from .job_keys import (
     WEBHOOK_STREAM,
     stream_priority,
 )
-from .job_scripts import FORGET_CONSUMERS, GROUP_COUNTS, KEEP_CLAIMED, OPEN_STREAM, PRUNE_STREAMS, TRIM_ACKNOWLEDGED
+from .job_scripts import (
+    CLAIM_OWN_LEFT,
+    FORGET_CONSUMERS,
+    GROUP_COUNTS,
+    HOLD_NAME,
+    KEEP_CLAIMED,
+    OPEN_STREAM,
+    PRUNE_STREAMS,
+    RELEASE_NAME,
+    TRIM_ACKNOWLEDGED,
+)
 from .job_types import JobPriority
 from .redis_outages import REDIS_FULL
 
@@ -56,6 +67,9 @@ class ItemStreams:
         self._forget_consumers = client.register_script(FORGET_CONSUMERS)
         self._open_stream = client.register_script(OPEN_STREAM)
         self._prune_streams = client.register_script(PRUNE_STREAMS)
+        self._hold_name = client.register_script(HOLD_NAME)
+        self._claim_own_left = client.register_script(CLAIM_OWN_LEFT)
+        self._release_name = client.register_script(RELEASE_NAME)
 
     async def ensure_group(self) -> None:
         """The consumer group on every item stream and the webhook stream (again after a Redis that lost them)."""
@@ -176,21 +190,23 @@ class ItemStreams:
                 break
         return start, claimed
 
+    async def hold_consumer_name(self, name: str, instance: str, lease_s: float) -> bool:
+        """Whether ``name`` is ``instance``'s for the next ``lease_s`` (taken or renewed), or another running
+        consumer's under the same name."""
+        return bool(await self._hold_name(keys=[CONSUMER_NAME_KEY.format(name=name)],
+                                          args=[instance, int(lease_s * 1000)]))
+
+    async def release_consumer_name(self, name: str, instance: str) -> None:
+        await self._release_name(keys=[CONSUMER_NAME_KEY.format(name=name)], args=[instance])
+
     async def claim_own_left(self, stream: str, consumer: str, count: int, held: Collection[bytes]
-                             ) -> list[tuple[bytes, dict]]:
+                             ) -> tuple[int, list[tuple[bytes, dict]]]:
         """Up to ``count`` of ``stream``'s deliveries to ``consumer`` that it does not hold: those its previous life
         left when it was killed (a container restarted in place keeps its host-pid name), claimed again at once,
-        not after the visibility timeout. Entries trimmed away while pending are acknowledged."""
-        pending = await self.redis.xpending_range(stream, GROUP, min="-", max="+", count=count + len(held),
-                                                  consumername=consumer)
-        ids = [entry["message_id"] for entry in pending if entry["message_id"] not in held][:count]
-        if not ids:
-            return []
-        claimed = {message_id: fields for message_id, fields in await self.redis.xclaim(stream, GROUP, consumer, 0, ids)
-                   if fields}
-        if gone := [message_id for message_id in ids if message_id not in claimed]:
-            await self.redis.xack(stream, GROUP, *gone)
-        return list(claimed.items())
+        not after the visibility timeout (one step: CLAIM_OWN_LEFT). Returns how many it found, and those claimed
+        (not entries trimmed away meanwhile). The caller must hold the name (``hold_consumer_name``)."""
+        found, entries = await self._claim_own_left(keys=[stream], args=[GROUP, consumer, count, *held])
+        return int(found), [(message_id, _fields(flat)) for message_id, flat in entries]
 
     async def backlog(self) -> Backlog:
         """Items waiting, and delivered and not acknowledged, over every stream (two round trips: the streams, then
@@ -251,6 +267,11 @@ def fair_shares(waiting: dict[str, int | None], count: int, turn: int = 0) -> di
             count -= given
         open_ = [stream for stream in open_ if left[stream] > 0]
     return shares
+
+
+def _fields(flat: list[bytes]) -> dict[bytes, bytes]:
+    """A stream entry's fields as a script returns them, name and value in turn, as redis-py gives them: a dict."""
+    return dict(zip(flat[::2], flat[1::2], strict=True))
 
 
 def _deliveries(reply: Any) -> list[tuple[str, bytes, dict]]:

@@ -199,6 +199,7 @@ def _misplaced_output_option(args: argparse.Namespace) -> str | None:
 def _submitted_manifest(args: argparse.Namespace) -> tuple[list[ManifestEntry] | None, int]:
     """``submit --manifest``'s lines to send (None without it) and how many were left out (``_uploadable``), the
     options checked; ValueError saying what is wrong."""
+    from .line_output import is_named_file
     from .manifest import read_manifest, rebase_paths
 
     if args.format == "manifest" and (args.manifest is None or not args.wait or args.output_dir is not None):
@@ -213,7 +214,7 @@ def _submitted_manifest(args: argparse.Namespace) -> tuple[list[ManifestEntry] |
     entries = read_manifest(args.manifest)
     if not entries:
         raise ValueError(f"{args.manifest}: no lines")
-    if args.format == "manifest" and args.output is not None:
+    if args.format == "manifest" and args.output is not None and is_named_file(args.output):
         rebase_paths(entries, args.manifest.parent, args.output.parent)
     if args.paths_not_bytes:  # the workers read them: a line they cannot read fails as its item
         return entries, 0

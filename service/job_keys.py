@@ -28,6 +28,7 @@ OWNER_STREAMS_KEY = f"{PREFIX}:item-streams"
 STREAMS_USED_KEY = f"{PREFIX}:item-streams:used"  # hash: owner's stream -> when it was last given items (ms)
 # hash: owner's stream -> "ms:priority", unlisted then as idle and deleted a grace later (the script PRUNE_STREAMS)
 RETIRED_STREAMS_KEY = f"{PREFIX}:item-streams:retired"
+CONSUMER_NAME_KEY = PREFIX + ":consumer:{name}"  # string: the running instance that holds this consumer name (TTL)
 
 JOB_KEY = PREFIX + ":job:{job_id}"  # hash: status, created_at, started_at, finished_at, total, n_<state>, ...
 INPUTS_KEY = PREFIX + ":job:{job_id}:inputs"  # hash index -> JSON {"audio", "path" | "url" | "upload"}

@@ -204,6 +204,59 @@ end
 return kept
 """
 
+# KEYS: an item stream. ARGV: the group, a consumer, how many at most, then the ids the consumer holds. Up to that
+# many deliveries to the consumer that it does not hold, claimed by it again (their idle time starts again), in one
+# step: none can be claimed by another meanwhile. Entries trimmed away while pending are acknowledged (Redis 6.2
+# answers them as nil; 7.0 leaves them out, and off the pending list). Returns {how many were found, the entries}.
+CLAIM_OWN_LEFT = _ALLOW_OOM + """
+local count = tonumber(ARGV[3])
+local held = {}
+for i = 4, #ARGV do
+  held[ARGV[i]] = true
+end
+local ids = {}
+for _, entry in ipairs(redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', count + #ARGV - 3, ARGV[2])) do
+  if not held[entry[1]] and #ids < count then
+    table.insert(ids, entry[1])
+  end
+end
+if #ids == 0 then
+  return {0, {}}
+end
+local claimed, entries = {}, {}
+for _, entry in ipairs(redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, unpack(ids))) do
+  if entry and entry[2] then
+    claimed[entry[1]] = true
+    table.insert(entries, entry)
+  end
+end
+for _, id in ipairs(ids) do
+  if not claimed[id] then
+    redis.call('XACK', KEYS[1], ARGV[1], id)
+  end
+end
+return {#ids, entries}
+"""
+
+# KEYS: a consumer name's key (CONSUMER_NAME_KEY). ARGV: this instance's id, the lease in ms. 1: the name is this
+# instance's for the lease (taken, or renewed); 0: another instance running under it holds it.
+HOLD_NAME = _ALLOW_OOM + """
+local holder = redis.call('GET', KEYS[1])
+if holder and holder ~= ARGV[1] then
+  return 0
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+
+# KEYS: a consumer name's key. ARGV: this instance's id. The name let go, if this instance holds it.
+RELEASE_NAME = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
 # KEYS: a job's uploads, written already (service.job_uploads). ARGV: seconds. Their input TTL, given in the job's
 # transaction: one command for all of them, not one each (a job of 100,000 small files spent 1.7 s on those).
 EXPIRE_ALL = """

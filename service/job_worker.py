@@ -22,6 +22,7 @@ import contextlib
 import logging
 import math
 import os
+import secrets
 import socket
 import time
 from collections import defaultdict
@@ -66,13 +67,15 @@ PRUNE_INTERVAL_S = 60.0  # how often a consumer looks for API keys' streams gone
 LAG_INTERVAL_S = 1.0  # how often a consumer reads the lag metric: Prometheus scrapes every 15 s, KEDA polls every 30 s
 GONE_AFTER_S = 3600.0  # idle this long, holding nothing: a consumer that is gone (at least ten visibility timeouts)
 CANCEL_CHECK_INTERVAL_S = 1.0  # how often a consumer asks whether the jobs of the items in its hands were cancelled
+NAME_LEASE_S = 15.0  # a consumer's hold on its name (service.item_streams.hold_consumer_name), renewed every third
 OUTAGE_PAUSES_S = (0.5, 5.0)  # an item's write tried again through an outage: first pause, doubling to the longest
 
 T = TypeVar("T")
 
 
-def default_consumer_name() -> str:
-    return f"{socket.gethostname()}-{os.getpid()}"
+def default_consumer_name(pid: int | None = None) -> str:
+    """host-pid: the same again for a container restarted in place (its hostname, and its pid as its entrypoint's)."""
+    return f"{socket.gethostname()}-{pid or os.getpid()}"
 
 
 class JobMetrics(Protocol):
@@ -183,6 +186,11 @@ class JobConsumer:
         self.audio = AudioBudget(options.max_audio_s, options.first_item_s, options.max_reading)
         self._reclaim_from: dict[str, bytes | str] = {}  # per stream, where the next look for stalled items goes on
         self._own_left = True  # deliveries to this name that a previous life of it left may be pending still
+        # this instance's hold on its name: its previous life's deliveries are taken back only while it has it (one
+        # killed lets go within NAME_LEASE_S), never from another instance running under the same name
+        self._instance, self._name_held, self._name_refused_since = secrets.token_hex(8), False, None
+        self._name_clash_said = False
+        self._hold_name = Periodic()
         self._reclaim, self._keep_claims, self._check_settings = Periodic(), Periodic(), Periodic()
         self._read_lag, self._prune, self._forget = Periodic(), Periodic(), Periodic()
         self._cancels, self._look_for_cancels = CancelWatch(), Periodic()
@@ -207,6 +215,8 @@ class JobConsumer:
         if held := sum(not task.done() for task in self._in_flight):  # the stop would otherwise pass in silence
             log.info("job consumer stopping: finishing the %d items in hand", held)
         await self._finish_in_flight()
+        with contextlib.suppress(*REDIS_ERRORS):  # a restart under this name need not wait out the lease
+            await self.store.release_consumer_name(self.options.name, self._instance)
         await webhooks
         await self.close()
 
@@ -236,6 +246,8 @@ class JobConsumer:
             self._group_ready = True
             self._check_settings.come_due()  # Redis may be another now (restarted, failed over): read it again
         self.connected = True
+        if self._hold_name.due(NAME_LEASE_S / 3):
+            await self._renew_name()
         if self._check_settings.due(self.options.store_check_interval_s):
             await self._check_store()
         if self._keep_claims.due(self.options.visibility_timeout_s / 3):
@@ -306,7 +318,7 @@ class JobConsumer:
         """Deliveries to this consumer's name that it does not hold (its previous life's, until none is left), then
         other consumers' stalled ones: up to ``count`` in all."""
         streams = await self.store.streams_with_pending()  # the higher priorities' first
-        own = await self._claim_own_left(streams, count) if self._own_left else []
+        own = await self._claim_own_left(streams, count) if self._own_left and self._name_held else []
         claimed = []
         for stream in streams:
             if len(own) + len(claimed) < count:
@@ -319,14 +331,29 @@ class JobConsumer:
             self.metrics.count_job_items_reclaimed(len(claimed))
         return own + claimed
 
+    async def _renew_name(self) -> None:
+        """Hold this consumer's name for NAME_LEASE_S more; where another instance holds it past a lease (two
+        workers given one --name, or host-pid alike under host networking), say so once."""
+        name = self.options.name
+        self._name_held = await self.store.hold_consumer_name(name, self._instance, NAME_LEASE_S)
+        if self._name_held:
+            self._name_refused_since = None
+            return
+        since = self._name_refused_since = self._name_refused_since or time.monotonic()
+        if time.monotonic() - since >= NAME_LEASE_S and not self._name_clash_said:  # not a previous life's lease
+            log.warning("another running consumer has the name %s: give each worker a name of its own (--name, "
+                        "BATCHASR_WORKER_NAME); the items held under it are left to the visibility timeout", name)
+            self._name_clash_said = True
+
     async def _claim_own_left(self, streams: list[str], count: int) -> list[tuple[str, bytes, dict]]:
-        claimed = []
+        claimed, found = [], 0
         for stream in streams:
-            if len(claimed) < count:
-                left = await self.store.claim_own_left(stream, self.options.name, count - len(claimed),
-                                                       self._held.get(stream, ()))
+            if found < count:
+                seen, left = await self.store.claim_own_left(stream, self.options.name, count - found,
+                                                             self._held.get(stream, ()))
+                found += seen
                 claimed += [(stream, message_id, fields) for message_id, fields in left]
-        self._own_left = len(claimed) == count  # room for more than were left: none is
+        self._own_left = found == count  # room for more than were left: none is
         if claimed:
             log.info("took back %d items that this consumer's name (%s) held when its last run ended", len(claimed),
                      self.options.name)

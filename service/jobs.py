@@ -458,9 +458,12 @@ class JobStore(ItemStreams):
         outcome = int(await self._finish(keys=keys, args=[index, state, json.dumps(result), error, _now(),
                                                           audio_s, compute_s, job_id, len(scores), sum(scores),
                                                           DEAD_LETTERS_KEPT]))
-        if outcome == 2:
-            await self._expire_finished(job_id)
+        if outcome == 2 or (outcome == 0 and await self._finished(job_id)):  # 0: a write tried again after an
+            await self._expire_finished(job_id)  # outage may have ended the job, and met the outage here
         return outcome
+
+    async def _finished(self, job_id: str) -> bool:
+        return bool(await self.redis.hexists(JOB_KEY.format(job_id=job_id), "finished_at"))  # Job.finished
 
     async def record_error(self, job_id: str, index: int, error: str) -> None:
         await self._record_error(keys=[JOB_KEY.format(job_id=job_id), ERRORS_KEY.format(job_id=job_id)],

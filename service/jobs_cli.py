@@ -184,15 +184,18 @@ async def run_submit(inputs: list[Input], redis_url: str | None, server: str | N
     parts, first = [], True  # the parts sent, in order, each its job's; whether the server has answered yet
     try:
         while to_send:
-            key, part = to_send.pop(0)
+            key, part = to_send[0]  # left there until sent: a Ctrl-C meanwhile counts it as still to send
             try:
                 job = await _submitted_when_it_fits(client, part, key, options, first=first)
             except NeverFits as exc:  # more than a key may have queued: as jobs it can, each when there is room
+                if not 0 < exc.limit < len(part):  # a limit of none, or one it is within: no split would fit
+                    raise ValueError(f"the server refused the job: {exc}") from exc
                 first = False
                 smaller = split_into_jobs(part, job_bytes, options.multichannel, max_items=exc.limit)
                 print(f"{exc}: sent as {len(smaller)} jobs of at most {exc.limit} items", file=sys.stderr)
-                to_send[:0] = [(f"{key}.{n}", p) for n, p in enumerate(smaller, start=1)]  # the same keys again
+                to_send[:1] = [(f"{key}.{n}", p) for n, p in enumerate(smaller, start=1)]  # the same keys again
                 continue
+            to_send.pop(0)
             jobs.append(job)
             parts.append(part)
             first = False

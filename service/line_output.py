@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 LINE_FORMATS = ("jsonl", "manifest")
+DESCRIPTOR_FOLDERS = ("/dev/", "/proc/")  # paths that stand for a descriptor or a device, not a file of their own
 PREDICTION_FIELDS = ("pred_text", "avg_logprob")  # what a manifest line gains (service.manifest), and ``duration``
 # where it had none
 RESULT_FIELDS = {"jsonl": ("audio", "text"), "manifest": ("audio_filepath", "pred_text")}  # in every result line
@@ -109,15 +110,34 @@ def open_results(stack: contextlib.ExitStack, path: str | Path | None, mode: str
         return sys.stdout
     out = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed by the stack; emptied (mode "w") once locked
     stack.callback(_close_quietly, out)
-    if not stat.S_ISREG(os.fstat(out.fileno()).st_mode):  # /dev/null, a pipe: for any number of writers
-        return out
-    try:  # held until the command ends: two runs appending to one file wrote every result twice
+    if is_named_file(path, out.fileno()):
+        _lock(out, path)
+        if mode == "w":
+            out.truncate(0)
+    return out
+
+
+def is_named_file(path: str | Path, fd: int | None = None) -> bool:
+    """Whether ``path`` is a file of its own: not /dev/null, a pipe, or a descriptor (/dev/stdout, /dev/fd/N)
+    standing for whatever the shell gave, which several commands may share (``... --output /dev/stdout >> f``)."""
+    if os.path.abspath(path).startswith(DESCRIPTOR_FOLDERS):
+        return False
+    with contextlib.suppress(OSError):
+        return stat.S_ISREG(os.fstat(fd).st_mode if fd is not None else os.stat(path).st_mode)
+    return True  # not there yet: it will be one
+
+
+def _lock(out: TextIO, path: str | Path) -> None:
+    """An exclusive lock on the results file, held until the command ends: two runs appending to one file wrote
+    every result twice. Where the file system has no locks (Lustre without flock, NFS without lockd), said and
+    gone on without one."""
+    try:
         fcntl.flock(out.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         raise OSError(f"{path}: another batchasr command is writing its results there") from None
-    if mode == "w":
-        out.truncate(0)
-    return out
+    except OSError as exc:  # ENOLCK, ENOSYS, EOPNOTSUPP, EINVAL: no locking there
+        print(f"warning: {path}: cannot be locked ({exc.strerror}): make sure no other command writes it",
+              file=sys.stderr)
 
 
 def same_file(a: Path, b: Path) -> bool:

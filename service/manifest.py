@@ -76,12 +76,15 @@ def rebase_paths(entries: list[ManifestEntry], base: Path, to: Path) -> None:
     """The relative ``audio_filepath`` of ``entries`` (relative to ``base``: the manifest's folder, or the working
     folder for files given) rewritten relative to ``to``, the folder of the manifest they are written into, so that
     it reads them back (as NeMo does) wherever it is; left as they came where the two folders are one."""
-    if base.resolve() == to.resolve():
+    base, to = os.path.realpath(base), os.path.realpath(to)  # as the files are opened: through links
+    if base == to:
         return
     for entry in entries:
         audio = entry.fields[AUDIO_FIELD]
-        if not os.path.isabs(audio):
-            entry.fields = {**entry.fields, AUDIO_FIELD: os.path.relpath(base / audio, to)}
+        if not os.path.isabs(audio):  # its folder through links, its own name as given (a link, maybe)
+            folder, name = os.path.split(os.path.join(base, audio))
+            entry.fields = {**entry.fields, AUDIO_FIELD: os.path.relpath(os.path.join(os.path.realpath(folder), name),
+                                                                         to)}
 
 
 def prediction_line(entry: ManifestEntry, text: str, avg_logprob: float | None, duration_s: float) -> str:

@@ -103,7 +103,8 @@ async def _consume(settings: Settings, engine_path: str, index: int) -> None:
     link = await EngineLink.connect(engine_path, on_lost=stop.set)
     stack = build_frontend_stack(settings, link)
     assert stack.jobs is not None, "job consumers need settings.redis_url"
-    name = f"{settings.worker_name}-{index}" if settings.worker_name else default_consumer_name()
+    # the engine process's name and the index: the same for this consumer's process started again (ProcessPool)
+    name = f"{settings.worker_name or default_consumer_name(os.getppid())}-{index}"
     prefetch = max(1, settings.job_items_in_flight // settings.job_consumers)
     consumer = make_consumer(settings, stack.jobs, stack.transcriber, stack.limits, link, stack.decode_pool, name,
                              prefetch, lambda: link.failed)

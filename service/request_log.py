@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 import uuid
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from starlette.routing import BaseRoute, Match
 
@@ -18,6 +20,8 @@ log = logging.getLogger("batchasr.api")
 UNMATCHED = "unmatched"  # the route label of a request no route can be named for
 MAX_ERROR_BODY = 64 * 1024  # an error body past this is not read for the log line (ours are a few hundred bytes)
 ERROR_LOGGED = 300  # chars of an error's message in the request's log line
+# a URL as a refusal may quote one, up to the punctuation that ends its sentence
+_URL = re.compile(r"\b[a-z][a-z0-9+.-]*://[^\s'\"<>]*[^\s'\"<>:,.;)]", re.IGNORECASE)
 
 
 class RequestLogMiddleware:
@@ -94,9 +98,20 @@ def _error_of(body: bytes) -> dict[str, str]:
     try:
         error = json.loads(body)["error"]
         return {**({"code": str(error["code"])} if error.get("code") else {}),
-                "error": str(error["message"])[:ERROR_LOGGED]}
+                "error": _URL.sub(_without_secrets, str(error["message"]))[:ERROR_LOGGED]}
     except (ValueError, KeyError, TypeError, AttributeError):  # not JSON, or not an error's shape (/healthz's)
         return {}
+
+
+def _without_secrets(url: re.Match) -> str:
+    """A URL quoted in a refusal, for the log: its user and password, and its query (a pre-signed URL's
+    credentials and signature), as ``***``."""
+    try:
+        parts = urlsplit(url.group())
+    except ValueError:  # not one urlsplit can read (an unclosed IPv6 bracket): none of it
+        return "***"
+    netloc = parts.netloc if "@" not in parts.netloc else "***@" + parts.netloc.rsplit("@", 1)[1]
+    return urlunsplit(parts._replace(netloc=netloc, query="***" if parts.query else "", fragment=""))
 
 
 def _route_path(route: Any) -> str | None:

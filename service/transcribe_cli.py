@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from .formats import SubtitleLayout
-from .line_output import LINE_FORMATS, cannot_write, open_results, same_file
+from .line_output import LINE_FORMATS, cannot_write, is_named_file, open_results, same_file
 from .manifest import ManifestEntry
 
 if TYPE_CHECKING:
@@ -158,7 +158,7 @@ def _transcribe_inputs(args: argparse.Namespace) -> TranscribeInputs:
             raise ValueError(f"{args.manifest}: no lines")
         if args.format in ("srt", "vtt") and len(entries) > 1:
             raise ValueError(f"--format {args.format} prints one transcript; the manifest has {len(entries)}")
-        if args.format == "manifest" and args.output is not None:
+        if args.format == "manifest" and args.output is not None and is_named_file(args.output):
             rebase_paths(entries, args.manifest.parent, args.output.parent)
         return TranscribeInputs(entries, [None] * len(entries), from_manifest=True)
     named = output_names(args.audio, file_suffix(args.format), files=args.output_dir is not None)  # else one stream
@@ -172,7 +172,7 @@ def _transcribe_inputs(args: argparse.Namespace) -> TranscribeInputs:
         print(f"{len(done)} files already transcribed in {args.output_dir}; {len(named)} to go", file=sys.stderr)
     outputs = [None if args.output_dir is None else args.output_dir / name for name in named.values()]
     entries = file_entries(named)
-    if args.format == "manifest" and args.output is not None:  # a manifest made of files, read back from its folder
+    if args.format == "manifest" and args.output is not None and is_named_file(args.output):  # read back from there
         rebase_paths(entries, Path(), args.output.parent)
     return TranscribeInputs(entries, outputs, from_manifest=False)
 

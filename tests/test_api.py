@@ -21,6 +21,7 @@ import soundfile as sf
 import torch
 
 from models import load_model
+from service import request_log
 from service.config import Settings
 from service.http import ERROR_DESCRIPTIONS, EVERY_ROUTE_ERRORS, owner_of, upload_too_large_message
 from service.logs import JsonFormatter
@@ -493,6 +494,10 @@ def test_each_request_logs_one_json_line_with_its_request_id(server, parity_audi
     [line] = [line for line in lines if line.get("request_id") == "trace-43"]
     assert line["status"] == refused.status_code == 400
     assert (line["code"], line["error"]) == (refused.json()["error"]["code"], refused.json()["error"]["message"])
+    quoted = {"error": {"message": "items.0.url: https://u:pw@media.example/a.wav?X-Amz-Signature=s3cr3t: not "
+                                   "allowed", "type": "invalid_request_error", "param": None, "code": "invalid_job"}}
+    assert request_log._error_of(json.dumps(quoted).encode()) == {  # a pre-signed URL's signature is not logged
+        "code": "invalid_job", "error": "items.0.url: https://***@media.example/a.wav?***: not allowed"}
     plain = json.loads(JsonFormatter().format(logging.LogRecord("x", logging.WARNING, "", 0, "a %s", ("b",), None)))
     assert plain["message"] == "a b" and plain["level"] == "warning"
 

@@ -206,3 +206,22 @@ def test_a_submit_cut_short_says_how_its_jobs_results_are_had(redis_server, pari
     key = err.split("--idempotency-key ")[1].split(":")[0]
     again = subprocess.run([*run[:-3], "--idempotency-key", key], capture_output=True, text=True, timeout=60)
     assert again.returncode == 0 and again.stderr.startswith(f"job {job_id}: "), again.stderr  # the same job
+
+
+def test_results_go_on_without_a_lock_where_the_file_system_has_none(tmp_path, capsys, monkeypatch):
+    """Lustre without flock (ENOSYS), NFS without lockd (ENOLCK): the lock is said to be missing, not the run
+    refused. Descriptors (/dev/stdout, /dev/fd/N) stand for what the shell gave: several commands may share it."""
+    import errno
+    import fcntl
+
+    from service.line_output import is_named_file
+
+    def no_locks_here(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks_here)
+    out = tmp_path / "out.jsonl"
+    assert main(["transcribe", "--format", "jsonl", "--output", str(out), CLIP]) == 0
+    assert "out.jsonl: cannot be locked (No locks available)" in capsys.readouterr().err
+    assert json.loads(out.read_text())["text"]
+    assert not is_named_file("/dev/stdout") and not is_named_file("/dev/fd/1") and is_named_file(out)

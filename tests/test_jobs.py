@@ -37,7 +37,7 @@ from service.job_keys import (
     item_stream,
 )
 from service.job_types import ItemInput, Job, JobOptions, JobPriority, Retried, item_record
-from service.job_worker import CancelWatch
+from service.job_worker import NAME_LEASE_S, CancelWatch
 from service.jobs import JobStore
 from service.metrics import Metrics
 from service.redis_outages import REDIS_ERRORS
@@ -737,6 +737,34 @@ def test_a_worker_restarted_under_its_name_takes_back_at_once_what_it_held(redis
     assert metrics.registry.get_sample_value("batchasr_job_items_reclaimed_total") == 4
 
 
+def test_a_consumer_takes_back_its_names_items_only_while_no_other_running_instance_holds_the_name(
+        redis_server, model, caplog):
+    """Two instances under one name (two workers given one --name; host-pid alike under host networking): one
+    starting took every item the other was working on. Now the name is held by a lease its holder renews; a killed
+    instance's lapses, and its items are taken back then; another's running one is left alone, and said."""
+    async def scenario() -> None:
+        stack = build_stack(Settings(redis_url=redis_server.url), model)
+        try:
+            consumer, store = stack.make_consumer(), stack.jobs
+            name = consumer.options.name
+            await store.ensure_group()
+            await store.submit([ItemInput(audio=f"{i}.wav", url=f"https://media.example/{i}.wav") for i in range(3)])
+            assert len(await store.read_items(name, 3, 0)) == 3  # in the other instance's hands
+            assert await store.hold_consumer_name(name, "the-other-instance", 60)
+            await consumer._renew_name()
+            assert await consumer._reclaim_stalled(10) == []
+            consumer._name_refused_since -= NAME_LEASE_S  # refused for a whole lease: not a previous life's
+            await consumer._renew_name()
+            assert "another running consumer has the name" in caplog.text
+            await store.release_consumer_name(name, "the-other-instance")  # it stopped (or its lease lapsed)
+            await consumer._renew_name()
+            assert len(await consumer._reclaim_stalled(10)) == 3
+        finally:
+            await stack.stop()
+
+    asyncio.run(scenario())
+
+
 def test_a_consumer_takes_back_only_the_deliveries_to_its_name_it_does_not_hold(redis_server):
     async def scenario() -> None:
         store = JobStore.from_url(redis_server.url)
@@ -746,9 +774,10 @@ def test_a_consumer_takes_back_only_the_deliveries_to_its_name_it_does_not_hold(
         delivered = [message_id for message_id, _ in reply[0][1]]
         await store.redis.xreadgroup(GROUP, "other", {ITEM_STREAM: ">"}, count=1)  # another's: not taken
         await store.redis.xdel(ITEM_STREAM, delivered[3])  # trimmed away while pending: acknowledged, not taken
-        taken = await store.claim_own_left(ITEM_STREAM, "w", 10, {delivered[0]})  # one in hand
-        assert [message_id for message_id, _ in taken] == delivered[1:3]
-        assert await store.claim_own_left(ITEM_STREAM, "w", 10, set(delivered[:3])) == []
+        found, taken = await store.claim_own_left(ITEM_STREAM, "w", 10, {delivered[0]})  # one in hand
+        assert found == 3 and [message_id for message_id, _ in taken] == delivered[1:3]
+        assert all(fields[b"job"] for _, fields in taken)
+        assert await store.claim_own_left(ITEM_STREAM, "w", 10, set(delivered[:3])) == (0, [])
         owners = [entry["consumer"] for entry in await store.redis.xpending_range(ITEM_STREAM, GROUP, "-", "+", 10)]
         assert owners == [b"w", b"w", b"w", b"other"]
         await store.close()
@@ -1085,3 +1114,23 @@ def test_results_expire_after_the_job(redis_server, model, parity_audio):
     asyncio.run(drain_jobs(Settings(redis_url=redis_server.url, job_result_ttl_s=120), model, body))
     ttl = redis_server.client().ttl(RESULTS_KEY.format(job_id=state["job"].id))
     assert 0 < ttl <= 120
+
+
+def test_a_finish_written_again_after_an_outage_still_sets_the_finished_jobs_expiry(redis_server):
+    """The result script ended the job, then the outage met the expiry that follows it; the write tried again found
+    the result there (0) and set none: the job's keys kept the submission's TTL, days past JOB_RESULT_TTL_S."""
+    async def scenario() -> None:
+        store = JobStore.from_url(redis_server.url)
+        store.result_ttl_s = 120
+        await store.ensure_group()
+        job, _ = await store.submit([ItemInput(audio="a.wav", url="https://media.example/a.wav")])
+        await store.start_item(job.id, 0)
+        record = item_record("a.wav", "completed", text="a")
+        assert await store.finish_item(job.id, 0, "completed", record) == 2
+        results = RESULTS_KEY.format(job_id=job.id)
+        await store.redis.persist(results)  # as if the expiry had not been reached
+        assert await store.finish_item(job.id, 0, "completed", record) == 0
+        assert 0 < await store.redis.ttl(results) <= 120
+        await store.close()
+
+    asyncio.run(scenario())

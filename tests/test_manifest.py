@@ -408,3 +408,8 @@ def test_a_manifest_written_into_another_folder_reads_back_from_there(parity_dir
     assert main([*model, "--manifest", str(again), "--format", "manifest"]) == 0  # read back from its folder
     assert [json.loads(line)["pred_text"] for line in capsys.readouterr().out.splitlines()] == [
         line["pred_text"] for line in lines]
+    Path("link").symlink_to(tmp_path / "out" / "deep")  # written through a link: relative to where it leads,
+    assert main([*model, "--manifest", str(made), "--format", "manifest", "--output", "link/via.jsonl"]) == 0
+    via = [json.loads(line)["audio_filepath"] for line in Path("link/via.jsonl").read_text().splitlines()]
+    assert via == ["../../clips/0.wav", "../../clips/1.wav"]  # as the file system (and NeMo) opens them
+    assert main([*model, "--manifest", "link/via.jsonl", "--format", "jsonl"]) == 0
