@@ -190,6 +190,7 @@ class JobConsumer:
         # killed lets go within NAME_LEASE_S), never from another instance running under the same name
         self._instance, self._name_held, self._name_refused_since = secrets.token_hex(8), False, None
         self._name_clash_said = False
+        self._own_taken = 0  # of its previous life's items, taken back so far
         self._hold_name = Periodic()
         self._reclaim, self._keep_claims, self._check_settings = Periodic(), Periodic(), Periodic()
         self._read_lag, self._prune, self._forget = Periodic(), Periodic(), Periodic()
@@ -354,10 +355,12 @@ class JobConsumer:
                 found += seen
                 claimed += [(stream, message_id, fields) for message_id, fields in left]
         self._own_left = found == count  # room for more than were left: none is
+        self._own_taken += len(claimed)
         if claimed:
-            log.info("took back %d items that this consumer's name (%s) held when its last run ended", len(claimed),
-                     self.options.name)
             self.metrics.count_job_items_reclaimed(len(claimed))
+        if self._own_taken and not self._own_left:  # said once, when all are taken (a pass takes as many as fit)
+            log.info("took back %d items that this consumer's name (%s) held when its last run ended",
+                     self._own_taken, self.options.name)
         return claimed
 
     async def _finish_in_flight(self) -> None:
