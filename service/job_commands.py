@@ -185,12 +185,12 @@ def _misplaced_output_option(args: argparse.Namespace) -> str | None:
     """What is wrong with where and how ``submit``'s results are written, as ``jobs`` checks its own
     (``_misplaced_results_option``): both places given, the manifest read given as the place, or a file format
     with no files to take it."""
-    from .line_output import same_file
+    from .line_output import output_is_input
 
     if args.output is not None and args.output_dir is not None:
         return "--output writes result lines, --output-dir a file per input: give one"
-    if args.output is not None and args.manifest is not None and same_file(args.output, args.manifest):
-        return f"--output {args.output} is the manifest being read: write the results to another file"
+    if problem := output_is_input(args.output, args.manifest):
+        return problem
     if args.format in ("text", "srt", "vtt") and args.output_dir is None:
         return f"--format {args.format} is the format of --output-dir's files: result lines are JSON"
     return None
@@ -199,7 +199,6 @@ def _misplaced_output_option(args: argparse.Namespace) -> str | None:
 def _submitted_manifest(args: argparse.Namespace) -> tuple[list[ManifestEntry] | None, int]:
     """``submit --manifest``'s lines to send (None without it) and how many were left out (``_uploadable``), the
     options checked; ValueError saying what is wrong."""
-    from .line_output import is_named_file
     from .manifest import read_manifest, rebase_paths
 
     if args.format == "manifest" and (args.manifest is None or not args.wait or args.output_dir is not None):
@@ -214,8 +213,8 @@ def _submitted_manifest(args: argparse.Namespace) -> tuple[list[ManifestEntry] |
     entries = read_manifest(args.manifest)
     if not entries:
         raise ValueError(f"{args.manifest}: no lines")
-    if args.format == "manifest" and args.output is not None and is_named_file(args.output):
-        rebase_paths(entries, args.manifest.parent, args.output.parent)
+    if args.format == "manifest":
+        rebase_paths(entries, args.manifest.parent, args.output)
     if args.paths_not_bytes:  # the workers read them: a line they cannot read fails as its item
         return entries, 0
     uploadable = [entry for entry in entries if _uploadable(entry, args.multichannel)]

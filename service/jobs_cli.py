@@ -181,7 +181,7 @@ async def run_submit(inputs: list[Input], redis_url: str | None, server: str | N
     to_send = [(f"{idempotency_key}.{n}" if len(parts) > 1 else idempotency_key, part)
                for n, part in enumerate(parts, start=1)]
     jobs: list[dict[str, Any]] = []
-    parts, first = [], True  # the parts sent, in order, each its job's; whether the server has answered yet
+    sent, first = [], True  # the parts sent, in order, each its job's; whether the server has answered yet
     try:
         while to_send:
             key, part = to_send[0]  # left there until sent: a Ctrl-C meanwhile counts it as still to send
@@ -197,7 +197,7 @@ async def run_submit(inputs: list[Input], redis_url: str | None, server: str | N
                 continue
             to_send.pop(0)
             jobs.append(job)
-            parts.append(part)
+            sent.append(part)
             first = False
             print(f"job {job['id']}: {job['total_items']} items", file=sys.stderr)
         if not wait:
@@ -207,7 +207,7 @@ async def run_submit(inputs: list[Input], redis_url: str | None, server: str | N
                 return cannot_write(exc.error, f" (the jobs were submitted: {', '.join(j['id'] for j in jobs)})")
             return 0
         jobs = await _followed(client, jobs, progress, poll_s)
-        for part, job in zip(parts, jobs, strict=True):
+        for part, job in zip(sent, jobs, strict=True):
             try:  # flushed a job at a time: a full disk or a closed pipe is told here, not as a traceback at exit
                 async with contextlib.aclosing(results_in_order(client, job["id"], part)) as results:
                     async for source, record in results:
@@ -237,12 +237,12 @@ async def run_submit(inputs: list[Input], redis_url: str | None, server: str | N
         await client.close()
 
 
-def _how_to_take_up(jobs: list[dict[str, Any]], idempotency_key: str, parts: int) -> str:
+def _how_to_take_up(jobs: list[dict[str, Any]], idempotency_key: str, total: int) -> str:
     """What a submit cut short says: the jobs it sent go on, and how their results are had (a cut-short
     ``--wait --format manifest`` wrote nothing: it is the same command again, under the same key, that writes it)."""
     ids = " ".join(job["id"] for job in jobs)
-    sent = f"{len(jobs)} of {parts} jobs were sent" if len(jobs) < parts else "the jobs go on"
-    return (f"{sent}: {ids}; their results: batchasr jobs --results {ids} --wait; or run this command again with "
+    how = f"{len(jobs)} of {total} jobs were sent" if len(jobs) < total else "the jobs go on"
+    return (f"{how}: {ids}; their results: batchasr jobs --results {ids} --wait; or run this command again with "
             f"--idempotency-key {idempotency_key}: it takes up these jobs (and sends the rest) instead of new ones")
 
 

@@ -140,12 +140,16 @@ def _lock(out: TextIO, path: str | Path) -> None:
               file=sys.stderr)
 
 
-def same_file(a: Path, b: Path) -> bool:
-    """Whether two paths name one file (a link, or another spelling, to it included)."""
+def output_is_input(output: Path | None, manifest: Path | None) -> str | None:
+    """What is wrong where ``--output`` names the manifest being read (a link, or another spelling, to it
+    included): its lines would be appended to, or emptied; None where it does not."""
+    if output is None or manifest is None:
+        return None
     try:
-        return os.path.samefile(a, b)
+        same = os.path.samefile(output, manifest)
     except OSError:  # one is not there yet
-        return a.resolve() == b.resolve()
+        same = output.resolve() == manifest.resolve()
+    return f"--output {output} is the manifest being read: write the results to another file" if same else None
 
 
 def _close_quietly(out: TextIO) -> None:

@@ -72,11 +72,16 @@ def file_entries(paths: Iterable[Path]) -> list[ManifestEntry]:
     return [ManifestEntry({AUDIO_FIELD: str(path)}, AudioClip(path), str(path)) for path in paths]
 
 
-def rebase_paths(entries: list[ManifestEntry], base: Path, to: Path) -> None:
+def rebase_paths(entries: list[ManifestEntry], base: Path, output: Path | None) -> None:
     """The relative ``audio_filepath`` of ``entries`` (relative to ``base``: the manifest's folder, or the working
-    folder for files given) rewritten relative to ``to``, the folder of the manifest they are written into, so that
-    it reads them back (as NeMo does) wherever it is; left as they came where the two folders are one."""
-    base, to = os.path.realpath(base), os.path.realpath(to)  # as the files are opened: through links
+    folder for files given) rewritten relative to the folder of ``output``, the manifest they are written into, so
+    that it reads them back (as NeMo does) wherever it is; left as they came where the two folders are one, or where
+    the lines go to standard output or a descriptor (``is_named_file``: they have no folder of their own)."""
+    from .line_output import is_named_file
+
+    if output is None or not is_named_file(output):
+        return
+    base, to = os.path.realpath(base), os.path.realpath(output.parent)  # as the files are opened: through links
     if base == to:
         return
     for entry in entries:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from .formats import SubtitleLayout
-from .line_output import LINE_FORMATS, cannot_write, is_named_file, open_results, same_file
+from .line_output import LINE_FORMATS, cannot_write, open_results, output_is_input
 from .manifest import ManifestEntry
 
 if TYPE_CHECKING:
@@ -95,7 +95,7 @@ def _write_results(args: argparse.Namespace, inputs: TranscribeInputs, outcomes:
             continue
         summary.add(entry.where, outcome)
         scored.add(entry, outcome.text)
-        if inputs.from_manifest and (warning := short_stretch(entry, outcome.duration_s)):
+        if warning := short_stretch(entry, outcome.duration_s):  # files given have no duration to run past
             print(warning, file=sys.stderr)
         try:
             if output is not None:
@@ -151,15 +151,15 @@ def _transcribe_inputs(args: argparse.Namespace) -> TranscribeInputs:
     if args.manifest is not None:
         if args.output_dir is not None:
             raise ValueError("--manifest prints its results (a manifest's lines may share a file): no --output-dir")
-        if args.output is not None and same_file(args.output, args.manifest):
-            raise ValueError(f"--output {args.output} is the manifest being read: write the results to another file")
+        if problem := output_is_input(args.output, args.manifest):
+            raise ValueError(problem)
         entries = read_manifest(args.manifest)
         if not entries:
             raise ValueError(f"{args.manifest}: no lines")
         if args.format in ("srt", "vtt") and len(entries) > 1:
             raise ValueError(f"--format {args.format} prints one transcript; the manifest has {len(entries)}")
-        if args.format == "manifest" and args.output is not None and is_named_file(args.output):
-            rebase_paths(entries, args.manifest.parent, args.output.parent)
+        if args.format == "manifest":
+            rebase_paths(entries, args.manifest.parent, args.output)
         return TranscribeInputs(entries, [None] * len(entries), from_manifest=True)
     named = output_names(args.audio, file_suffix(args.format), files=args.output_dir is not None)  # else one stream
     if not named:
@@ -172,8 +172,8 @@ def _transcribe_inputs(args: argparse.Namespace) -> TranscribeInputs:
         print(f"{len(done)} files already transcribed in {args.output_dir}; {len(named)} to go", file=sys.stderr)
     outputs = [None if args.output_dir is None else args.output_dir / name for name in named.values()]
     entries = file_entries(named)
-    if args.format == "manifest" and args.output is not None and is_named_file(args.output):  # read back from there
-        rebase_paths(entries, Path(), args.output.parent)
+    if args.format == "manifest":  # a manifest of files, read back from its own folder
+        rebase_paths(entries, Path(), args.output)
     return TranscribeInputs(entries, outputs, from_manifest=False)
 
 

@@ -765,13 +765,18 @@ def test_a_consumer_takes_back_its_names_items_only_while_no_other_running_insta
     asyncio.run(scenario())
 
 
+async def _url_items_delivered(store: JobStore, n: int, consumer: str, count: int) -> list[bytes]:
+    """``n`` URL items submitted as one job, ``count`` of them delivered to ``consumer``: their message ids."""
+    await store.ensure_group()
+    await store.submit([ItemInput(audio=f"{i}.wav", url=f"https://media.example/{i}.wav") for i in range(n)])
+    reply = await store.redis.xreadgroup(GROUP, consumer, {ITEM_STREAM: ">"}, count=count)
+    return [message_id for message_id, _ in reply[0][1]]
+
+
 def test_a_consumer_takes_back_only_the_deliveries_to_its_name_it_does_not_hold(redis_server):
     async def scenario() -> None:
         store = JobStore.from_url(redis_server.url)
-        await store.ensure_group()
-        await store.submit([ItemInput(audio=f"{i}.wav", url=f"https://media.example/{i}.wav") for i in range(5)])
-        reply = await store.redis.xreadgroup(GROUP, "w", {ITEM_STREAM: ">"}, count=4)
-        delivered = [message_id for message_id, _ in reply[0][1]]
+        delivered = await _url_items_delivered(store, 5, "w", 4)
         await store.redis.xreadgroup(GROUP, "other", {ITEM_STREAM: ">"}, count=1)  # another's: not taken
         await store.redis.xdel(ITEM_STREAM, delivered[3])  # trimmed away while pending: acknowledged, not taken
         found, taken = await store.claim_own_left(ITEM_STREAM, "w", 10, {delivered[0]})  # one in hand
@@ -790,11 +795,7 @@ def test_stalled_deliveries_behind_many_live_ones_are_reached(redis_server):
     consumer with little room never got past the deliveries live workers were still renewing."""
     async def scenario() -> None:
         store = JobStore.from_url(redis_server.url)
-        await store.ensure_group()
-        items = [ItemInput(audio=f"{i}.wav", url=f"https://media.example/{i}.wav") for i in range(30)]
-        await store.submit(items)
-        reply = await store.redis.xreadgroup(GROUP, "live", {ITEM_STREAM: ">"}, count=30)
-        delivered = [message_id for message_id, _ in reply[0][1]]
+        delivered = await _url_items_delivered(store, 30, "live", 30)
         await asyncio.sleep(0.3)
         await store.keep_claimed(ITEM_STREAM, "live", delivered[:25])  # a live worker renews these; 5 stall
         start, claimed = "0-0", []
@@ -812,10 +813,7 @@ def test_a_worker_renews_only_the_deliveries_still_its_own(redis_server):
     held, taking back those another worker had reclaimed: both transcribed them, and their audio counted twice."""
     async def scenario() -> None:
         store = JobStore.from_url(redis_server.url)
-        await store.ensure_group()
-        await store.submit([ItemInput(audio=f"{i}.wav", url=f"https://media.example/{i}.wav") for i in range(4)])
-        reply = await store.redis.xreadgroup(GROUP, "paused", {ITEM_STREAM: ">"}, count=4)
-        held = [message_id for message_id, _ in reply[0][1]]
+        held = await _url_items_delivered(store, 4, "paused", 4)
         await asyncio.sleep(0.3)
         _, taken = await store.claim_stalled(ITEM_STREAM, "other", 0.2, 2)  # the visibility timeout passed
         assert [message_id for message_id, _ in taken] == held[:2]
