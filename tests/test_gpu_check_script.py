@@ -85,7 +85,7 @@ def test_a_command_stopped_mid_stage_keeps_its_rows_and_names_the_stage(tmp_path
     """The device tool stops a command at its timeout: the running stage's rows used to stay in a temporary
     folder, and in the first stage even summary.md was not written yet."""
     bench = ["--device", "cpu", "--dtype", "float32", "--models", str(parity_dir / "tdt.nemo"), "--batch-sizes",
-             "8", "4", "2", "1", "--n-utterances", "1024"]  # a minute or more on a CPU, a row every few seconds
+             "8", "4", "2", "1", "--n-utterances", "256"]  # half a minute or more on a CPU, a row every few seconds
     process = subprocess.Popen(["bash", "scripts/gpu_check.sh", "bench", *bench], cwd=REPO, start_new_session=True,
                                env=environment(tmp_path, state, 300, GPU_CHECK_SAVE_EVERY_S="1"),
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
