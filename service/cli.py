@@ -112,7 +112,7 @@ def _transcribe_parser(sub: argparse._SubParsersAction) -> None:
                    help="cut longer audio at quiet points into pieces this long, as the service does, and stitch "
                         "them back (default: 30; at least 5, as BATCHASR_MAX_SEGMENT_S; 0: take every file whole, "
                         "as NeMo does)")
-    p.add_argument("audio", nargs="*", help="audio files (WAV, FLAC, OGG, MP3, M4A, MP4, WebM, ...: see the README) "
+    p.add_argument("audio", nargs="*", help="audio files (WAV, FLAC, OGG, MP3, M4A, MP4, WebM, ...: see docs/cli.md) "
                                             "and directories of them")
     p.set_defaults(func=cmd_transcribe)
 

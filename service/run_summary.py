@@ -11,7 +11,7 @@ from models.transcript import Transcript
 
 LEAST_SURE_SHOWN = 5
 # an avg_logprob below this reads like noise or silence: 84 recordings of noise alone (white, pink and brown, seven
-# levels) were all at -0.82 or lower, clean held-out speech at -0.13 to 0 (README, "Confidence")
+# levels) were all at -0.82 or lower, clean held-out speech at -0.13 to 0 (docs/confidence.md)
 NOISE_LIKE_LOGPROB = -0.8
 
 

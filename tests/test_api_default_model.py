@@ -82,7 +82,7 @@ def test_48k_stereo_and_8k_inputs_give_the_16k_text(server, name):
     assert _text(server, _flac(stereo_48k, 48000))["text"] == original
     # A telephone-band recording: its 8 kHz file and the same recording at 16 kHz must read the same. Against the
     # wide-band original they need not: 8 kHz keeps nothing above 4 kHz, and the model hears that (voice_000142's
-    # "some place" is "compass" band-limited, by the model alone as by HTTP; its telephone WER is in the README)
+    # "some place" is "compass" band-limited, by the model alone as by HTTP; its telephone WER is in docs/confidence.md)
     phone_8k = soxr.resample(wave, 16000, 8000)
     phone_16k = soxr.resample(phone_8k, 8000, 16000)
     assert _text(server, _float_wav(phone_8k, 8000))["text"] == _text(server, _float_wav(phone_16k, 16000))["text"]

@@ -357,7 +357,7 @@ def test_each_request_over_http_boosts_its_own_hotwords(model, spoken):
 
 
 def test_hotwords_in_the_query_string_reach_both_routes_every_value_counted(model, spoken):
-    # the README: hotwords on both transcription routes, query or form field, repeated or comma-separated
+    # docs/hotwords.md: hotwords on both transcription routes, query or form field, repeated or comma-separated
     data = _flac(spoken)
     with run_server(Settings(), model) as running:
         openai = httpx.post(f"{running.url}/v1/audio/transcriptions", params={"hotwords": HOTWORD},

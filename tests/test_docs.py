@@ -1,6 +1,8 @@
-"""The README and deploy/README checked against what they document: every setting, metric and command-line option
-is in the README, and the README names none that is not there; deploy/README's autoscaling and shutdown figures are
-the manifests', and its streams and consumer group the ones the workers use."""
+"""The README, its pages under docs/ and deploy/README checked against what they document: every setting is a row of
+docs/settings.md's table, every metric one of docs/metrics.md's, every command-line option in docs/cli.md, and the
+docs name none that is not there; deploy/README's autoscaling and shutdown figures are the manifests', and its streams
+and consumer group the ones the workers use. Every relative link leads to a file and heading that exist, and the
+README's set-up still gives its two commands."""
 
 from __future__ import annotations
 
@@ -18,7 +20,11 @@ from service.job_keys import DEAD_LETTER_STREAM, GROUP, ITEM_STREAMS, WEBHOOK_RE
 from service.metrics import Metrics
 
 REPO = Path(__file__).resolve().parent.parent
-README = (REPO / "README.md").read_text()
+DOCS = REPO / "docs"
+PAGES = [REPO / "README.md", *sorted(DOCS.glob("*.md"))]  # the README and its pages
+# what the README and its pages say, for what may be mentioned anywhere in them; not docs/benchmarks.md, a record of
+# measurements that names the settings of trials since removed (BATCHASR_SPLIT_PADDING_ABOVE)
+README = "\n\n".join(page.read_text() for page in PAGES if page.name != "benchmarks.md")
 DEPLOY_README = " ".join((REPO / "deploy" / "README.md").read_text().split())  # a phrase may wrap anywhere
 K8S = REPO / "deploy" / "k8s"
 SAMPLE_SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}  # the samples a scrape shows
@@ -35,14 +41,58 @@ def section(text: str, start: str, end: str = "\n\n") -> str:
     return text[first:last if last >= 0 else None]
 
 
-SETTINGS = section(README, "Settings of `serve` and `worker` come from `BATCHASR_*`")
-METRICS = section(README, "Metrics: `batchasr_")
-COMMAND_LINE = section(README, "## Command line", "\n## ")
+SETTINGS = (DOCS / "settings.md").read_text()  # its table, a row per setting, and the prose around it
+METRICS = (DOCS / "metrics.md").read_text()  # its table, a row per metric
+COMMAND_LINE = (DOCS / "cli.md").read_text()
 SYNOPSIS = section(COMMAND_LINE, "```\n", "```").removeprefix("```\n")
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def table_column(text: str, header: str) -> list[str]:
+    """The first cells of the rows of ``text``'s table whose first column is headed ``header``."""
+    for table in re.findall(r"(?:^\|.*\n?)+", text, re.MULTILINE):
+        head, rule, *rows = table.splitlines()
+        if head.split("|")[1].strip() == header:
+            assert set(rule) <= set("|- :"), rule
+            return [row.split("|")[1].strip() for row in rows]
+    raise AssertionError(f"no table headed {header!r}")
+
+
+def setting_rows() -> list[str]:
+    """The settings docs/settings.md's table has a row for, by name without ``BATCHASR_``; a row that names none
+    as `` `BATCHASR_NAME` `` fails."""
+    cells = table_column(SETTINGS, "setting")
+    assert [cell for cell in cells if not re.fullmatch(r"`BATCHASR_[A-Z0-9_]+`", cell)] == []
+    return [cell.strip("`").removeprefix("BATCHASR_") for cell in cells]
+
+
+def metric_rows() -> list[str]:
+    """The metrics docs/metrics.md's table has a row for, as it names them (labels in braces)."""
+    cells = table_column(METRICS, "metric")
+    assert [cell for cell in cells if not re.fullmatch(r"`batchasr_[a-z_]+(\{[a-z_,]+\})?`", cell)] == []
+    return [cell.strip("`") for cell in cells]
+
+
+def without_code(text: str) -> str:
+    """Markdown less its code blocks and code spans (a span may wrap), where brackets are not links."""
+    text = re.sub(r"^```.*?^```", "", text, flags=re.MULTILINE | re.DOTALL)
+    return re.sub(r"`[^`]*`", "code", text)
+
+
+def github_anchors(text: str) -> set[str]:
+    """The anchors GitHub gives a page's headings: lowercased, punctuation but hyphens dropped, spaces as hyphens,
+    and a heading met again numbered (-1, -2, ...)."""
+    anchors: set[str] = set()
+    seen: dict[str, int] = {}
+    for heading in re.findall(r"^#{1,6}[ \t]+(.+?)[ \t#]*$", without_code(text), re.MULTILINE):
+        anchor = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        seen[anchor] = seen.get(anchor, -1) + 1
+        anchors.add(f"{anchor}-{seen[anchor]}" if seen[anchor] else anchor)
+    return anchors
 
 
 def documented_metric(metric: MetricWrapperBase) -> str:
-    """How the README names a metric: as a scrape shows it (a counter with ``_total``), its labels in braces."""
+    """How docs/metrics.md names a metric: as a scrape shows it (a counter with ``_total``), its labels in braces."""
     name = metric._name + ("_total" if metric._type == "counter" else "")  # prometheus_client has no public accessor
     labels = metric._labelnames
     return name + (f"{{{','.join(labels)}}}" if labels else "")
@@ -71,14 +121,17 @@ def k8s_objects() -> dict[tuple[str, str], dict]:
 # --- settings ------------------------------------------------------------------------------------------------------
 
 
-def test_every_setting_is_in_the_readmes_settings():
-    missing = [f"BATCHASR_{name.upper()}" for name in Settings.model_fields
-               if not re.search(rf"`(BATCHASR_)?{name.upper()}`", SETTINGS)]
-    assert not missing, f"the README's settings paragraph leaves out {missing}"
+def test_every_setting_has_a_row_in_the_settings_table():
+    rows = setting_rows()
+    missing = [f"BATCHASR_{name.upper()}" for name in Settings.model_fields if name.upper() not in rows]
+    assert not missing, f"docs/settings.md's table has no row for {missing}"
 
 
-def test_the_readme_names_no_setting_that_is_not_there():
+def test_the_docs_name_no_setting_that_is_not_there():
     fields = {name.upper() for name in Settings.model_fields}
+    rows = setting_rows()
+    assert set(rows) - fields == set(), "docs/settings.md's table has a row for a setting the code lacks"
+    assert sorted(rows) == sorted(set(rows)), "docs/settings.md's table has a setting twice"
     others = {name.removeprefix("BATCHASR_") for name in OTHER_VARIABLES}  # read by that prefix, not settings
     assert set(re.findall(r"`(?:BATCHASR_)?([A-Z][A-Z0-9_]+)`", SETTINGS)) - fields - others == set()
     assert {name for name in others if name not in README} == set()  # each checked below as read somewhere
@@ -92,9 +145,12 @@ def test_the_readme_names_no_setting_that_is_not_there():
 # --- metrics -------------------------------------------------------------------------------------------------------
 
 
-def test_every_metric_is_in_the_readmes_metrics_with_its_labels():
-    missing = [documented_metric(m) for m in service_metrics() if f"`{documented_metric(m)}`" not in METRICS]
-    assert not missing, f"the README's metrics paragraph leaves out (or names without their labels) {missing}"
+def test_every_metric_has_a_row_in_the_metrics_table_with_its_labels():
+    rows = metric_rows()
+    missing = [documented_metric(m) for m in service_metrics() if documented_metric(m) not in rows]
+    assert not missing, f"docs/metrics.md's table has no row for (or names without their labels) {missing}"
+    assert sorted(rows) == sorted(set(rows)), "docs/metrics.md's table has a metric twice"
+    assert set(rows) - {documented_metric(m) for m in service_metrics()} == set(), "a row for no metric"
 
 
 def test_the_docs_name_no_metric_that_is_not_there():
@@ -110,12 +166,12 @@ def test_the_docs_name_no_metric_that_is_not_there():
 # --- the command line ----------------------------------------------------------------------------------------------
 
 
-def test_every_option_of_every_command_is_in_the_readmes_command_line():
+def test_every_option_of_every_command_is_in_the_command_line_page():
     missing = [f"batchasr {name} {option}" for name, parser in subcommands().items()
                for option in sorted(long_options(parser)) if not re.search(rf"{option}(?![\w-])", COMMAND_LINE)]
     missing += [f"batchasr {option}" for option in sorted(long_options(build_parser()))
                 if not re.search(rf"{option}(?![\w-])", COMMAND_LINE)]
-    assert not missing, f"the README's command line section leaves out {missing}"
+    assert not missing, f"docs/cli.md leaves out {missing}"
 
 
 def test_the_synopsis_gives_each_command_only_its_own_options():
@@ -130,13 +186,36 @@ def test_the_synopsis_gives_each_command_only_its_own_options():
     assert shown == set(commands)
 
 
-def test_the_readme_names_no_option_that_is_not_there():
+def test_the_docs_name_no_option_that_is_not_there():
     commands = subcommands()
     every = set().union(*map(long_options, commands.values()), long_options(build_parser()))
     assert set(OPTION.findall(COMMAND_LINE)) - every == set()
     # "`submit --priority`" and the like, anywhere: an option of that command
     for mention in re.finditer(rf"`(?:batchasr )?({'|'.join(commands)})((?: [^`-][^`]*?)?) (--[\w-]+)", README):
         assert mention.group(3) in long_options(commands[mention.group(1)]), mention.group(0)
+
+
+# --- links and the set-up -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("page", [*PAGES, REPO / "deploy" / "README.md"], ids=lambda page: str(page.relative_to(REPO)))
+def test_every_relative_link_leads_to_a_file_and_heading_there(page):
+    for target in LINK.findall(without_code(page.read_text())):
+        if re.match(r"[a-z][a-z0-9+.-]*:", target):  # https:, mailto: and the like
+            continue
+        path, _, anchor = target.partition("#")
+        linked = (page.parent / path).resolve() if path else page
+        assert linked.is_relative_to(REPO) and linked.exists(), f"{target}: no such file"
+        assert not anchor or anchor in github_anchors(linked.read_text()), f"{target}: no such heading"
+
+
+def test_the_readmes_set_up_gives_exactly_two_commands_one_serving_one_testing():
+    set_up = section(PAGES[0].read_text(), "## Set up on a fresh machine\n", "\n## ")
+    blocks = re.findall(r"^```[^\n]*\n(.*?)^```", set_up, re.MULTILINE | re.DOTALL)
+    assert [block.count("\n") for block in blocks] == [1, 1]  # two blocks, of one line each
+    serve, tests = (block.strip() for block in blocks)
+    assert serve.startswith("pip install torch==") and serve.endswith(" && batchasr serve")
+    assert tests.startswith("pip install torch==") and " && python -m pytest " in tests
 
 
 # --- deploy/README against the manifests ---------------------------------------------------------------------------

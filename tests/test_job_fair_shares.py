@@ -506,8 +506,8 @@ def test_submit_waits_for_room_and_goes_on_as_the_first_jobs_are_done(redis_serv
 
 def test_submit_sends_a_job_past_the_keys_limit_as_jobs_within_it(redis_server, model, parity_audio, monkeypatch):
     """A backfill of more items than the key may have queued at once was refused whole (413, "submit it as smaller
-    jobs"), where README promised a backfill of any size goes in at the workers' pace: now it is sent as jobs of at
-    most the limit the refusal names, each when there is room; run again under its key, it takes them up."""
+    jobs"), where docs/settings.md promised a backfill of any size goes in at the workers' pace: now it is sent as
+    jobs of at most the limit the refusal names, each when there is room; run again under its key, it takes them up."""
     monkeypatch.setattr(job_routes, "QUEUED_RETRY_AFTER_S", 1)
     settings = Settings(redis_url=redis_server.url, api_keys=["alice-key"], job_max_queued_items=2)
     files = parity_audio[:3] + parity_audio[:2]

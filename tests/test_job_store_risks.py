@@ -23,7 +23,7 @@ NO_RISK = dict.fromkeys(JOB_STORE_RISKS, 0)
 
 @pytest.fixture
 def durable_redis(tmp_path):
-    """A Redis as the README asks for: appendonly yes, noeviction (its default)."""
+    """A Redis as docs/jobs.md asks for: appendonly yes, noeviction (its default)."""
     server = RedisServer(tmp_path, appendonly=True).start()
     yield server
     server.stop()

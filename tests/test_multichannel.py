@@ -417,7 +417,7 @@ def test_skip_silence_over_http_and_in_jobs_leaves_the_quiet_out(server, model):
     silent = httpx.post(f"{server.url}/v1/transcribe?skip_silence=true", content=_flac(np.zeros(5 * RATE)),
                         timeout=120)
     assert silent.status_code == 200 and silent.json()["text"] == "" and silent.json()["segments"] == 0
-    assert silent.json()["tokens"] == [] and "avg_logprob" not in silent.json()  # no mean of nothing (README)
+    assert silent.json()["tokens"] == [] and "avg_logprob" not in silent.json()  # no mean of nothing (docs/http-api.md)
     submitted = httpx.post(f"{server.url}/v1/jobs", files=[("files", ("call.flac", data, "audio/flac"))],
                            data={"multichannel": "true", "skip_silence": "true"}, timeout=60)
     assert submitted.status_code == 202 and submitted.json()["skip_silence"] is True
