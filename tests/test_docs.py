@@ -218,6 +218,20 @@ def test_the_readmes_set_up_gives_exactly_two_commands_one_serving_one_testing()
     assert tests.startswith("pip install torch==") and " && python -m pytest " in tests
 
 
+def test_the_architecture_page_names_every_module_and_script():
+    """A module added without a line there is one a newcomer cannot find; loadtest's scripts may be named in
+    docs/benchmarks.md instead, beside the question each answers."""
+    architecture = (DOCS / "architecture.md").read_text()
+    benchmarks = (DOCS / "benchmarks.md").read_text()
+    modules = [path for package in ("models", "models/training", "decoding", "service")
+               for path in sorted((REPO / package).glob("*.py")) if path.name != "__init__.py"]
+    scripts = [path for path in sorted((REPO / "scripts").iterdir()) if path.suffix in (".py", ".sh")]
+    unnamed = [path for path in modules + scripts if f"`{path.name}`" not in architecture]
+    unnamed += [path for path in sorted((REPO / "loadtest").glob("*.py"))
+                if f"`{path.name}`" not in architecture and path.name not in benchmarks]
+    assert [str(path.relative_to(REPO)) for path in unnamed] == []
+
+
 # --- deploy/README against the manifests ---------------------------------------------------------------------------
 
 
