@@ -186,6 +186,10 @@ class JobConsumer:
         self.audio = AudioBudget(options.max_audio_s, options.first_item_s, options.max_reading)
         self._reclaim_from: dict[str, bytes | str] = {}  # per stream, where the next look for stalled items goes on
         self._own_left = True  # deliveries to this name that a previous life of it left may be pending still
+        self._own_left_why = "held when its last run ended"
+        # deliveries this instance left unacknowledged on purpose (a timeout, a source down, an error), by stream,
+        # with when: they come back after the visibility timeout, not with those an outage may have lost in flight
+        self._left: dict[str, dict[bytes, float]] = defaultdict(dict)
         # this instance's hold on its name: its previous life's deliveries are taken back only while it has it (one
         # killed lets go within NAME_LEASE_S), never from another instance running under the same name
         self._instance, self._name_held, self._name_refused_since = secrets.token_hex(8), False, None
@@ -224,6 +228,10 @@ class JobConsumer:
     def _failed(self, exc: Exception) -> None:
         self.connected = self.connected and not isinstance(exc, REDIS_ERRORS)
         self._group_ready = self._group_ready and not group_lost(exc)
+        if isinstance(exc, REDIS_ERRORS):  # a read's reply lost with its connection leaves deliveries to this name
+            # that it never saw, pending until the visibility timeout: taken back as a previous life's are
+            self._own_left, self._own_left_why = True, "delivered to this consumer while Redis was away"
+            self._reclaim.come_due()
 
     async def close(self) -> None:
         """Release the URL fetcher's and the webhook sender's connections (``run`` does this when it returns)."""
@@ -351,7 +359,7 @@ class JobConsumer:
         for stream in streams:
             if found < count:
                 seen, left = await self.store.claim_own_left(stream, self.options.name, count - found,
-                                                             self._held.get(stream, ()))
+                                                             [*self._held.get(stream, ()), *self._left_lately(stream)])
                 found += seen
                 claimed += [(stream, message_id, fields) for message_id, fields in left]
         self._own_left = found == count  # room for more than were left: none is
@@ -359,9 +367,20 @@ class JobConsumer:
         if claimed:
             self.metrics.count_job_items_reclaimed(len(claimed))
         if self._own_taken and not self._own_left:  # said once, when all are taken (a pass takes as many as fit)
-            log.info("took back %d items that this consumer's name (%s) held when its last run ended",
-                     self._own_taken, self.options.name)
+            log.info("took back %d items %s (consumer %s)", self._own_taken, self._own_left_why, self.options.name)
+            self._own_taken = 0
         return claimed
+
+    def _leave(self, stream: str, message_id: bytes) -> None:
+        self._left_lately(stream)  # those past the visibility timeout dropped: as many kept as failed lately
+        self._left[stream][message_id] = time.monotonic()
+
+    def _left_lately(self, stream: str) -> list[bytes]:
+        """The deliveries of ``stream`` this instance left unacknowledged within the visibility timeout."""
+        left, since = self._left[stream], time.monotonic() - self.options.visibility_timeout_s
+        for message_id in [message_id for message_id, when in left.items() if when < since]:
+            del left[message_id]  # another consumer's to reclaim now, or this one's as any stalled item
+        return list(left)
 
     async def _finish_in_flight(self) -> None:
         if self._in_flight:
@@ -376,9 +395,11 @@ class JobConsumer:
             share.release()
             await self._discard(stream, message_id, fields)
             return
+        acknowledged = False
         try:
             await self._process(job_id, index, share, BATCHER_PRIORITY[stream_priority(stream)], stream_owner(stream))
             await self._through_outage(lambda: self.store.ack_item(stream, message_id))
+            acknowledged = True
         except TimeoutError as exc:  # the transcription or a fetch took too long (an OSError, but not Redis's)
             log.warning("item %s/%d timed out; it will be retried", job_id, index)
             await self._record_error(job_id, index, f"timed out{': ' + str(exc) if str(exc) else ''}")
@@ -393,6 +414,8 @@ class JobConsumer:
             await self._record_error(job_id, index, f"{type(exc).__name__}: {exc}")
         finally:
             share.release()
+            if not acknowledged:
+                self._leave(stream, message_id)
 
     async def _record_error(self, job_id: str, index: int, error: str) -> None:
         """What a later attempt reports if it gives up (a generic reason instead, if Redis cannot take it)."""

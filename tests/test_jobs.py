@@ -142,11 +142,9 @@ def test_a_transcription_done_while_redis_restarts_is_written_once_it_is_back(tm
     """Results finished while Redis was away were thrown away: their items waited out the visibility timeout (5 min)
     to be transcribed again, an attempt more each (with JOB_MAX_ATTEMPTS=1, failed "the worker died" with no worker
     dead). Now their writes wait for Redis, and the outage's end is logged."""
-    server = RedisServer(tmp_path, appendonly=True).start()
     items = upload_items(parity_audio, 3)
-    settings = Settings(redis_url=server.url, job_max_attempts=1)  # the visibility timeout of 300 s
 
-    async def restart_redis_mid_transcription(consumer, store) -> None:
+    async def restart_redis_mid_transcription(consumer, store, server) -> None:
         transcribe, restarts = consumer.transcriber.transcribe, []
 
         async def transcribed(*args, **kwargs):
@@ -161,14 +159,76 @@ def test_a_transcription_done_while_redis_restarts_is_written_once_it_is_back(tm
 
         consumer.transcriber.transcribe = transcribed
 
-    try:
-        with caplog.at_level(logging.INFO, logger="service.redis_outages"):
-            job, records = asyncio.run(_run_consumer(settings, model, items, restart_redis_mid_transcription))
-    finally:
-        server.stop()
+    with caplog.at_level(logging.INFO, logger="service.redis_outages"):  # the visibility timeout of 300 s
+        job, records = _consume_with_redis_restarting(tmp_path, model, items, restart_redis_mid_transcription,
+                                                      job_max_attempts=1)
     assert job.finished and job.counts["completed"] == len(items), job.counts  # within the minute, not after five
     _check_results(records, items, expected)
     assert "job consumer: redis reachable again" in caplog.text
+
+
+def test_deliveries_whose_reply_was_lost_as_redis_restarted_are_taken_back_once_it_is_back(tmp_path, model,
+                                                                                          parity_audio, expected,
+                                                                                          caplog):
+    """A read's reply lost with its connection (Redis restarting as it answered) left its items delivered to the
+    consumer, which never saw them: they waited out the visibility timeout, 5 minutes (a 306 s test in CI). Now a
+    consumer that met an outage takes back at once the deliveries to its name that it does not hold."""
+    items = upload_items(parity_audio, 3)
+
+    async def lose_the_first_reply(consumer, store, server) -> None:
+        read, lost = consumer.store.read_items, []
+
+        async def read_items(*args, **kwargs):
+            taken = await read(*args, **kwargs)
+            if taken and not lost:  # delivered in Redis, and the reply lost with the connection
+                lost.extend(taken)
+                await asyncio.to_thread(server.stop)
+                asyncio.get_running_loop().call_later(1.0, server.start)
+                raise RedisConnectionError("Connection closed by server.")
+            return taken
+
+        consumer.store.read_items = read_items
+
+    with caplog.at_level(logging.INFO, logger="service.job_worker"):  # the visibility timeout of 300 s
+        job, records = _consume_with_redis_restarting(tmp_path, model, items, lose_the_first_reply)
+    assert job.finished, job.counts  # within the minute, not after five
+    _check_results(records, items, expected)
+    assert "took back 3 items delivered to this consumer while Redis was away" in caplog.text
+
+
+def test_an_item_left_for_the_visibility_timeout_is_not_taken_back_after_an_outage(tmp_path, model, parity_audio):
+    """What a consumer leaves unacknowledged on purpose (a timeout, a source down) comes back after the visibility
+    timeout, an attempt later: an outage, after which the deliveries the consumer does not hold are taken back,
+    does not bring it back sooner."""
+    calls: list[float] = []
+
+    async def time_out_then_restart_redis(consumer, store, server) -> None:
+        def restart() -> None:
+            server.stop()
+            asyncio.get_running_loop().call_later(1.0, server.start)
+
+        async def transcribe(*args, **kwargs):
+            calls.append(time.monotonic())
+            asyncio.get_running_loop().call_later(0.5, restart)  # once the item has been left
+            raise TimeoutError("the transcription took too long")
+
+        consumer.transcriber.transcribe = transcribe
+
+    job, _ = _consume_with_redis_restarting(tmp_path, model, upload_items(parity_audio, 1),
+                                            time_out_then_restart_redis, timeout_s=6)
+    assert not job.finished and len(calls) == 1  # left to the visibility timeout (300 s)
+
+
+def _consume_with_redis_restarting(tmp_path: Path, model, items: list[ItemInput], setup, timeout_s: float = 60,
+                                   **settings) -> tuple[Job, list[dict]]:
+    """``_run_consumer`` on a private Redis that keeps what it holds across restarts (append-only), which
+    ``setup(consumer, store, server)`` arranges."""
+    server = RedisServer(tmp_path, appendonly=True).start()
+    try:
+        return asyncio.run(_run_consumer(Settings(redis_url=server.url, **settings), model, items,
+                                         lambda consumer, store: setup(consumer, store, server), timeout_s))
+    finally:
+        server.stop()
 
 
 def test_the_job_store_uses_no_connection_a_redis_restart_closed(tmp_path):
