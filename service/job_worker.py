@@ -186,7 +186,7 @@ class JobConsumer:
         self.audio = AudioBudget(options.max_audio_s, options.first_item_s, options.max_reading)
         self._reclaim_from: dict[str, bytes | str] = {}  # per stream, where the next look for stalled items goes on
         self._own_left = True  # deliveries to this name that a previous life of it left may be pending still
-        self._own_left_why = "held when its last run ended"
+        self._own_left_why = "that its name held when its last run ended"
         # deliveries this instance left unacknowledged on purpose (a timeout, a source down, an error), by stream,
         # with when: they come back after the visibility timeout, not with those an outage may have lost in flight
         self._left: dict[str, dict[bytes, float]] = defaultdict(dict)

@@ -779,7 +779,7 @@ def test_finishing_an_item_frees_its_upload_and_dead_letters_a_failure_with_it(r
 
 
 def test_a_worker_restarted_under_its_name_takes_back_at_once_what_it_held(redis_server, model, parity_audio,
-                                                                          expected):
+                                                                          expected, caplog):
     """A worker killed and started again under the same name (a container restarted in place keeps its host-pid
     name) waited out the visibility timeout, five minutes by default, for the items its last life held."""
     items = upload_items(parity_audio, 6)
@@ -791,10 +791,12 @@ def test_a_worker_restarted_under_its_name_takes_back_at_once_what_it_held(redis
 
     settings = Settings(redis_url=redis_server.url)  # the visibility timeout of 300 s
     metrics = Metrics()
-    job, records = asyncio.run(_run_consumer(settings, model, items, setup, timeout_s=30, metrics=metrics))
+    with caplog.at_level(logging.INFO, logger="service.job_worker"):
+        job, records = asyncio.run(_run_consumer(settings, model, items, setup, timeout_s=30, metrics=metrics))
     assert job.finished and job.counts["completed"] == len(items)
     _check_results(records, items, expected)
     assert metrics.registry.get_sample_value("batchasr_job_items_reclaimed_total") == 4
+    assert "took back 4 items that its name held when its last run ended" in caplog.text
 
 
 def test_a_consumer_takes_back_its_names_items_only_while_no_other_running_instance_holds_the_name(
