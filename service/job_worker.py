@@ -377,7 +377,10 @@ class JobConsumer:
 
     def _left_lately(self, stream: str) -> list[bytes]:
         """The deliveries of ``stream`` this instance left unacknowledged within the visibility timeout."""
-        left, since = self._left[stream], time.monotonic() - self.options.visibility_timeout_s
+        left = self._left.get(stream)  # a look adds no entry: every stream with pending items is looked at
+        if not left:
+            return []
+        since = time.monotonic() - self.options.visibility_timeout_s
         for message_id in [message_id for message_id, when in left.items() if when < since]:
             del left[message_id]  # another consumer's to reclaim now, or this one's as any stalled item
         return list(left)

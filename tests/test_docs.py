@@ -24,7 +24,7 @@ DOCS = REPO / "docs"
 PAGES = [REPO / "README.md", *sorted(DOCS.glob("*.md"))]  # the README and its pages
 # what the README and its pages say, for what may be mentioned anywhere in them; not docs/benchmarks.md, a record of
 # measurements that names the settings of trials since removed (BATCHASR_SPLIT_PADDING_ABOVE)
-README = "\n\n".join(page.read_text() for page in PAGES if page.name != "benchmarks.md")
+PAGES_TEXT = "\n\n".join(page.read_text() for page in PAGES if page.name != "benchmarks.md")
 DEPLOY_README = " ".join((REPO / "deploy" / "README.md").read_text().split())  # a phrase may wrap anywhere
 K8S = REPO / "deploy" / "k8s"
 SAMPLE_SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}  # the samples a scrape shows
@@ -134,11 +134,11 @@ def test_the_docs_name_no_setting_that_is_not_there():
     assert sorted(rows) == sorted(set(rows)), "docs/settings.md's table has a setting twice"
     others = {name.removeprefix("BATCHASR_") for name in OTHER_VARIABLES}  # read by that prefix, not settings
     assert set(re.findall(r"`(?:BATCHASR_)?([A-Z][A-Z0-9_]+)`", SETTINGS)) - fields - others == set()
-    assert {name for name in others if name not in README} == set()  # each checked below as read somewhere
+    assert {name for name in others if name not in PAGES_TEXT} == set()  # each checked below as read somewhere
     paths = [path for part in OTHER_VARIABLES_READ_IN for path in
              ([REPO / part] if (REPO / part).is_file() else (REPO / part).rglob("*"))]
     sources = [path.read_text() for path in paths if path.suffix in (".py", ".sh", ".yml") and path != Path(__file__)]
-    for name in set(re.findall(r"BATCHASR_([A-Z][A-Z0-9_]*[A-Z0-9])", README + DEPLOY_README)) - fields:
+    for name in set(re.findall(r"BATCHASR_([A-Z][A-Z0-9_]*[A-Z0-9])", PAGES_TEXT + DEPLOY_README)) - fields:
         assert any(f"BATCHASR_{name}" in source for source in sources), f"BATCHASR_{name} is read nowhere"
 
 
@@ -158,7 +158,7 @@ def test_the_docs_name_no_metric_that_is_not_there():
                for suffix in SAMPLE_SUFFIXES.get(m._type, ()) + (("",) if m._type != "counter" else ())}
     adapter = yaml.safe_load((K8S / "prometheus-adapter-values.yaml").read_text())
     made_by_the_adapter = {rule["name"]["as"] for rule in adapter["rules"]["custom"]}
-    for text in (README, DEPLOY_README):
+    for text in (PAGES_TEXT, DEPLOY_README):
         named = set(re.findall(r"batchasr_[a-z_]*[a-z]", text))
         assert named - exposed - made_by_the_adapter == set()
 
@@ -191,7 +191,7 @@ def test_the_docs_name_no_option_that_is_not_there():
     every = set().union(*map(long_options, commands.values()), long_options(build_parser()))
     assert set(OPTION.findall(COMMAND_LINE)) - every == set()
     # "`submit --priority`" and the like, anywhere: an option of that command
-    for mention in re.finditer(rf"`(?:batchasr )?({'|'.join(commands)})((?: [^`-][^`]*?)?) (--[\w-]+)", README):
+    for mention in re.finditer(rf"`(?:batchasr )?({'|'.join(commands)})((?: [^`-][^`]*?)?) (--[\w-]+)", PAGES_TEXT):
         assert mention.group(3) in long_options(commands[mention.group(1)]), mention.group(0)
 
 
@@ -237,7 +237,7 @@ def test_the_architecture_page_names_every_module_and_script():
 
 def test_the_docs_name_the_streams_and_group_the_workers_use():
     known = {*ITEM_STREAMS.values(), DEAD_LETTER_STREAM, WEBHOOK_STREAM, WEBHOOK_RETRIES_KEY}
-    for text in (README, DEPLOY_README):
+    for text in (PAGES_TEXT, DEPLOY_README):
         assert set(re.findall(r"`(batchasr:[a-z:]+)`", text)) - known == set()
     autoscaling = section(DEPLOY_README, "- Worker autoscaling", " ## ")
     triggers = k8s_objects()["ScaledObject", "batchasr-worker"]["spec"]["triggers"]
