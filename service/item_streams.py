@@ -203,8 +203,9 @@ class ItemStreams:
                              ) -> tuple[int, list[tuple[bytes, dict]]]:
         """Up to ``count`` of ``stream``'s deliveries to ``consumer`` that it does not hold: those its previous life
         left when it was killed (a container restarted in place keeps its host-pid name), claimed again at once,
-        not after the visibility timeout (one step: CLAIM_OWN_LEFT). Returns how many it found, and those claimed
-        (not entries trimmed away meanwhile). The caller must hold the name (``hold_consumer_name``)."""
+        not after the visibility timeout (one step: CLAIM_OWN_LEFT); the webhook stream's too. Returns how many it
+        found, and those claimed (not entries trimmed away meanwhile). The caller must hold the name
+        (``hold_consumer_name``)."""
         found, entries = await self._claim_own_left(keys=[stream], args=[GROUP, consumer, count, *held])
         return int(found), [(message_id, _fields(flat)) for message_id, flat in entries]
 

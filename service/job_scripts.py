@@ -204,10 +204,11 @@ end
 return kept
 """
 
-# KEYS: an item stream. ARGV: the group, a consumer, how many at most, then the ids the consumer holds. Up to that
-# many deliveries to the consumer that it does not hold, claimed by it again (their idle time starts again), in one
-# step: none can be claimed by another meanwhile. Entries trimmed away while pending are acknowledged (Redis 6.2
-# answers them as nil; 7.0 leaves them out, and off the pending list). Returns {how many were found, the entries}.
+# KEYS: an item stream (or the webhook stream). ARGV: the group, a consumer, how many at most, then the ids the
+# consumer holds. Up to that many deliveries to the consumer that it does not hold, claimed by it again (their idle
+# time starts again), in one step: none can be claimed by another meanwhile. Entries trimmed away while pending are
+# acknowledged (Redis 6.2 answers them as nil; 7.0 leaves them out, and off the pending list). Returns {how many were
+# found, the entries}.
 CLAIM_OWN_LEFT = _ALLOW_OOM + """
 local count = tonumber(ARGV[3])
 local held = {}

@@ -180,7 +180,8 @@ class JobConsumer:
         self.metrics = metrics
         self.options = options
         self.decode_pool = decode_pool
-        self.webhook_deliveries = WebhookWorker(store, webhooks, options.name, metrics)
+        self.webhook_deliveries = WebhookWorker(store, webhooks, options.name, metrics,
+                                                name_held=lambda: self._name_held)
         self._in_flight: set[asyncio.Task] = set()
         self._held: dict[str, set[bytes]] = defaultdict(set)  # deliveries in hand, by stream
         self.audio = AudioBudget(options.max_audio_s, options.first_item_s, options.max_reading)

@@ -2,8 +2,10 @@
 
 The script that finishes a job with a webhook also queues its delivery on the webhook stream, read by the
 workers' consumer group as the items are. A delivery is acknowledged in the transaction that records its
-outcome on the job; one a worker dropped (killed mid-delivery) is reclaimed after ``CLAIM_IDLE_S``; one a
-stopping worker had in hand is queued again at once. A receiver may therefore get a message twice: its
+outcome on the job; one a worker dropped (killed mid-delivery) is reclaimed after ``CLAIM_IDLE_S``, or at once by
+the worker restarted under its name; one a stopping worker had in hand is queued again at once. A read whose reply
+was lost as Redis went away left its deliveries pending under the worker's name, unseen: it takes them back once
+Redis is back. A receiver may therefore get a message twice: its
 ``webhook-id`` stays the same, for the receiver to drop the second, as Standard Webhooks asks of receivers.
 
 A delivery is one attempt. One that failed and may be tried again leaves the stream for a sorted set of retries,
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Protocol
 
 from .intervals import Periodic
@@ -45,12 +48,15 @@ class WebhookMetrics(Protocol):
 
 
 class WebhookWorker:
-    """One consumer's share of the webhook stream. ``sender`` None: deliveries are recorded as failed, with why."""
+    """One consumer's share of the webhook stream. ``sender`` None: deliveries are recorded as failed, with why.
+    ``name_held`` says whether this instance holds its consumer name (the job consumer's lease): only then are the
+    deliveries to the name that it does not have in hand its own, to take back without waiting for the claim
+    timeout; never from another instance running under the same name."""
 
     def __init__(self, store: JobStore, sender: WebhookSender | None, name: str, metrics: WebhookMetrics,
                  in_flight: int = IN_FLIGHT,
                  claim_idle_s: float = CLAIM_IDLE_S, reclaim_interval_s: float = 5.0,
-                 stop_grace_s: float = STOP_GRACE_S):
+                 stop_grace_s: float = STOP_GRACE_S, name_held: Callable[[], bool] = lambda: False):
         self.store = store
         self.sender = sender
         self.name = name
@@ -65,6 +71,9 @@ class WebhookWorker:
         self._promote = Periodic()
         self._group_ready = False
         self._reclaim_from: bytes | str = "0-0"  # where the next look for stalled deliveries goes on
+        self.name_held = name_held
+        self._own_left = True  # deliveries to this name that a previous life of it left may be pending still
+        self._own_left_why = "that its name held when its last run ended"
 
     async def run(self, stop: asyncio.Event, block_ms: int = 1000) -> None:
         """Deliver until ``stop`` is set; then give deliveries in progress ``stop_grace_s`` and hand back the rest."""
@@ -73,6 +82,10 @@ class WebhookWorker:
 
     def _failed(self, exc: Exception) -> None:
         self._group_ready = self._group_ready and not group_lost(exc)
+        if isinstance(exc, REDIS_ERRORS):  # a read's reply lost with its connection leaves deliveries to this name
+            # that it never saw, pending until the claim timeout: taken back as a previous life's are
+            self._own_left, self._own_left_why = True, "delivered to this worker while Redis was away"
+            self._reclaim.come_due()
 
     async def close(self) -> None:
         """Release the sender's connections (after ``run`` or ``drain``)."""
@@ -114,11 +127,24 @@ class WebhookWorker:
         return len(entries)
 
     async def _reclaim_stalled(self, count: int) -> list[tuple[bytes, dict]]:
+        """Deliveries to this worker's name that it does not have in hand, then other workers' stalled ones: up to
+        ``count`` in all."""
+        own = await self._take_back_own_left(count) if self._own_left and self.name_held() else []
+        if len(own) == count:
+            return own
         self._reclaim_from, claimed = await self.store.claim_stalled(WEBHOOK_STREAM, self.name, self.claim_idle_s,
-                                                                     count, self._reclaim_from)
+                                                                     count - len(own), self._reclaim_from)
         if claimed:
             log.info("reclaimed %d webhook deliveries from stalled consumers", len(claimed))
-        return claimed
+        return own + claimed
+
+    async def _take_back_own_left(self, count: int) -> list[tuple[bytes, dict]]:
+        in_hand = [message_id for message_id, *_ in self._deliveries.values()]
+        found, taken = await self.store.claim_own_left(WEBHOOK_STREAM, self.name, count, in_hand)
+        self._own_left = found == count  # room for more than were left: none is
+        if taken:
+            log.info("took back %d webhook deliveries %s (consumer %s)", len(taken), self._own_left_why, self.name)
+        return taken
 
     async def _deliver(self, message_id: bytes, job_id: str, end: int, attempt: int) -> None:
         try:

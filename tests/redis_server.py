@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import redis
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from tests.ports import free_port
 
@@ -41,6 +43,23 @@ class RedisServer:
 
     def client(self) -> redis.Redis:
         return redis.Redis(port=self.port, password=self.password)
+
+
+def first_reply_lost(read: Callable[..., Awaitable], server: RedisServer, lost: list) -> Callable[..., Awaitable]:
+    """``read`` (an async read from ``server``) whose first reply with something in it is lost with its connection as
+    Redis stops, to start again a second later: what it read stays delivered in Redis, and the reader never saw it.
+    ``lost`` gets the reply."""
+
+    async def read_losing_the_first_reply(*args, **kwargs):
+        reply = await read(*args, **kwargs)
+        if reply and not lost:
+            lost.append(reply)
+            await asyncio.to_thread(server.stop)
+            asyncio.get_running_loop().call_later(1.0, server.start)
+            raise RedisConnectionError("Connection closed by server.")
+        return reply
+
+    return read_losing_the_first_reply
 
 
 class RedisSentinel:

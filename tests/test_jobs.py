@@ -44,7 +44,7 @@ from service.redis_outages import REDIS_ERRORS
 from service.runtime import READING_SHARE, build_stack
 from tests.conftest import long_recording
 from tests.ports import free_port
-from tests.redis_server import RedisServer
+from tests.redis_server import RedisServer, first_reply_lost
 from tests.servers import drain_jobs, metric, run_server, upload_items
 
 MODEL_FILE = "tdt.nemo"  # the fastest fixture: one encoder layer
@@ -176,18 +176,7 @@ def test_deliveries_whose_reply_was_lost_as_redis_restarted_are_taken_back_once_
     items = upload_items(parity_audio, 3)
 
     async def lose_the_first_reply(consumer, store, server) -> None:
-        read, lost = consumer.store.read_items, []
-
-        async def read_items(*args, **kwargs):
-            taken = await read(*args, **kwargs)
-            if taken and not lost:  # delivered in Redis, and the reply lost with the connection
-                lost.extend(taken)
-                await asyncio.to_thread(server.stop)
-                asyncio.get_running_loop().call_later(1.0, server.start)
-                raise RedisConnectionError("Connection closed by server.")
-            return taken
-
-        consumer.store.read_items = read_items
+        consumer.store.read_items = first_reply_lost(consumer.store.read_items, server, [])
 
     with caplog.at_level(logging.INFO, logger="service.job_worker"):  # the visibility timeout of 300 s
         job, records = _consume_with_redis_restarting(tmp_path, model, items, lose_the_first_reply)

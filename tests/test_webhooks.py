@@ -9,6 +9,7 @@ import hashlib
 import hmac
 import itertools
 import json
+import logging
 import socket
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from service.job_keys import GROUP, ITEM_STREAM, WEBHOOK_STREAM
 from service.job_types import ItemInput, Job, JobOptions, JobStatus, item_record
 from service.jobs import JobStore
 from service.metrics import Metrics
+from service.runtime import build_stack
 from service.url_rules import NoPublicAddress, PublicAddressResolver, UrlRefused
 from service.webhook_worker import WebhookWorker
 from service.webhooks import WebhookSender, check_webhook_url, sign
@@ -348,6 +350,19 @@ async def _finished_job_with_webhook(store: JobStore, url: str) -> str:
     return job.id
 
 
+async def _delivery_left_by_a_killed_worker(store: JobStore, hook: Receiver, name: str) -> str:
+    """A finished job whose webhook delivery worker ``name`` took, posted to ``hook`` (which must hang), and was
+    killed in (no acknowledgement, no hand-back); the job's id."""
+    job_id = await _finished_job_with_webhook(store, hook.url())
+    doomed = WebhookWorker(store, WebhookSender(SECRET, url_prefixes=[hook.prefix()]), name, Metrics())
+    assert await doomed.step(block_ms=100) == 1
+    await asyncio.to_thread(_wait_for, lambda: hook.received, 10, "the first delivery never arrived")
+    for task in list(doomed._deliveries):
+        task.cancel()
+    await doomed.sender.close()
+    return job_id
+
+
 def _count(metrics: Metrics, outcome: str) -> float:
     return metrics.registry.get_sample_value("batchasr_webhooks_total", {"outcome": outcome}) or 0.0
 
@@ -408,14 +423,8 @@ def test_a_delivery_whose_worker_died_is_reclaimed_by_another(redis_server, rece
     async def scenario() -> Job:
         store = JobStore.from_url(redis_server.url)
         await store.ensure_group()
-        job_id = await _finished_job_with_webhook(store, hook.url())
-        doomed = WebhookWorker(store, WebhookSender(SECRET, url_prefixes=[hook.prefix()]), "doomed", Metrics())
-        assert await doomed.step(block_ms=100) == 1
-        await asyncio.to_thread(_wait_for, lambda: hook.received, 10, "the first delivery never arrived")
-        for task in list(doomed._deliveries):  # killed: no acknowledgement, no hand-back
-            task.cancel()
+        job_id = await _delivery_left_by_a_killed_worker(store, hook, "doomed")
         await asyncio.sleep(0.6)
-        await doomed.sender.close()
         return await _deliver_the_rest(store, hook, job_id, claim_idle_s=0.5)
 
     job = asyncio.run(scenario())
@@ -545,6 +554,89 @@ def test_a_delivery_redis_restarted_under_is_made_again_once_it_is_back(tmp_path
         server.stop()
     assert (job.webhook_status, job.webhook_attempts) == ("delivered", 1)
     assert len(hook.received) == 2 and len({headers["webhook-id"] for headers, _ in hook.received}) == 1
+
+
+def test_a_delivery_whose_read_reply_was_lost_as_redis_restarted_is_taken_back_once_it_is_back(tmp_path, receiver,
+                                                                                                 caplog):
+    """A read that Redis answered as it stopped left its delivery pending under the worker's name, unseen: it
+    waited out the claim timeout (5 minutes) before anyone posted it. A worker holding its name now takes back,
+    once Redis is back, the deliveries to the name that it does not have in hand."""
+    from tests.redis_server import RedisServer, first_reply_lost
+
+    hook = receiver(200)
+    server = RedisServer(tmp_path, appendonly=True).start()
+
+    async def scenario() -> Job:
+        store = JobStore.from_url(server.url)
+        await store.ensure_group()
+        job_id = await _finished_job_with_webhook(store, hook.url())
+        lost: list = []
+        store.redis.xreadgroup = first_reply_lost(store.redis.xreadgroup, server, lost)
+        stop = asyncio.Event()
+        worker = WebhookWorker(store, WebhookSender(SECRET, url_prefixes=[hook.prefix()]), "w", Metrics(),
+                               name_held=lambda: True)  # the claim timeout as shipped: 300 s
+        running = asyncio.create_task(worker.run(stop, block_ms=100))
+        job_key = f"batchasr:job:{job_id}"
+        await asyncio.to_thread(_wait_for, lambda: server.client().hget(job_key, "webhook_status") == b"delivered",
+                                30, "the delivery whose reply was lost was not made once Redis was back")
+        stop.set()
+        await running
+        await worker.close()
+        await store.close()
+        return lost
+
+    try:
+        with caplog.at_level(logging.INFO, logger="service.webhook_worker"):
+            lost = asyncio.run(scenario())
+        assert server.client().xpending(WEBHOOK_STREAM, GROUP)["pending"] == 0
+    finally:
+        server.stop()
+    assert lost and len(hook.received) == 1, caplog.text
+    assert "took back 1 webhook deliveries delivered to this worker while Redis was away (consumer w)" in caplog.text
+
+
+@pytest.mark.parametrize("name_held", [True, False])
+def test_a_worker_restarted_under_its_name_takes_back_its_previous_lifes_delivery_at_once(redis_server, receiver,
+                                                                                         name_held):
+    """A worker killed mid-delivery and started again under its name (a container restarted in place) posts the
+    delivery its previous life left at once, not after the claim timeout; one that another running instance's
+    lease keeps from the name leaves it to the claim timeout, as it may be that instance's in hand."""
+    hook = receiver(None, 200)  # the first delivery hangs: its worker is killed meanwhile
+
+    async def scenario() -> tuple[Job, int]:
+        store = JobStore.from_url(redis_server.url)
+        await store.ensure_group()
+        job_id = await _delivery_left_by_a_killed_worker(store, hook, "w")
+        sender = WebhookSender(SECRET, url_prefixes=[hook.prefix()])
+        metrics = Metrics()
+        await WebhookWorker(store, sender, "w", metrics, name_held=lambda: name_held).drain()
+        await sender.close()
+        job = await store.get(job_id)
+        await store.close()
+        return job, _count(metrics, "delivered")
+
+    job, delivered = asyncio.run(scenario())
+    pending = redis_server.client().xpending(WEBHOOK_STREAM, GROUP)["pending"]
+    if name_held:
+        assert (job.webhook_status, job.webhook_attempts, delivered, pending) == ("delivered", 1, 1, 0)
+        assert len(hook.received) == 2 and len({headers["webhook-id"] for headers, _ in hook.received}) == 1
+    else:
+        assert (job.webhook_status, delivered, pending, len(hook.received)) == ("pending", 0, 1, 1)
+
+
+def test_the_job_consumers_webhook_deliveries_take_back_their_own_only_while_it_holds_its_name(redis_server, model):
+    stack = build_stack(Settings(redis_url=redis_server.url), model)
+
+    async def scenario() -> tuple[bool, bool]:
+        try:
+            consumer = stack.make_consumer()
+            before = consumer.webhook_deliveries.name_held()
+            await consumer._renew_name()
+            return before, consumer.webhook_deliveries.name_held()
+        finally:
+            await stack.stop()
+
+    assert asyncio.run(scenario()) == (False, True)
 
 
 @pytest.mark.parametrize("meanwhile", ["deleted", "ended again"])
