@@ -24,6 +24,7 @@ from .job_keys import (
     stream_priority,
 )
 from .job_scripts import (
+    CLAIM_FROM_GONE,
     CLAIM_OWN_LEFT,
     FORGET_CONSUMERS,
     GROUP_COUNTS,
@@ -69,6 +70,7 @@ class ItemStreams:
         self._prune_streams = client.register_script(PRUNE_STREAMS)
         self._hold_name = client.register_script(HOLD_NAME)
         self._claim_own_left = client.register_script(CLAIM_OWN_LEFT)
+        self._claim_from_gone = client.register_script(CLAIM_FROM_GONE)
         self._release_name = client.register_script(RELEASE_NAME)
 
     async def ensure_group(self) -> None:
@@ -208,6 +210,23 @@ class ItemStreams:
         (``hold_consumer_name``)."""
         found, entries = await self._claim_own_left(keys=[stream], args=[GROUP, consumer, count, *held])
         return int(found), [(message_id, _fields(flat)) for message_id, flat in entries]
+
+    async def claim_from_gone(self, streams: list[str], consumer: str, count: int, idle_s: float
+                              ) -> tuple[list[tuple[str, bytes, dict]], set[str]]:
+        """Up to ``count`` deliveries, over ``streams`` in turn, to consumers that are gone (no running instance
+        holds their name: ``hold_consumer_name``) and have been idle ``idle_s``, each delivery idle as long: claimed
+        by ``consumer`` at once, not after the visibility timeout (one step: CLAIM_FROM_GONE). A worker replaced under
+        a new name (a pod rescheduled) so loses no more than its lease's time. The entries claimed, as (stream,
+        message id, fields), and the names they were taken from. ``idle_s`` must be past a name's lease: a running
+        consumer renews it more often."""
+        prefix = CONSUMER_NAME_KEY.format(name="")
+        reply = await self._claim_from_gone(keys=streams, args=[GROUP, consumer, count, int(idle_s * 1000), prefix])
+        claimed, names = [], set()
+        for stream, entries, gone in reply:
+            stream = stream.decode() if isinstance(stream, bytes) else stream
+            claimed += [(stream, message_id, _fields(flat)) for message_id, flat in entries]
+            names.update(name.decode(errors="replace") for name in gone)
+        return claimed, names
 
     async def backlog(self) -> Backlog:
         """Items waiting, and delivered and not acknowledged, over every stream (two round trips: the streams, then

@@ -204,12 +204,31 @@ end
 return kept
 """
 
+# Pending deliveries, listed by the script that calls this, claimed by a consumer (their idle time starts again): the
+# entries claimed. Entries trimmed away while pending are acknowledged (Redis 6.2 answers them as nil; 7.0 leaves them
+# out, and off the pending list).
+_CLAIM = """
+local function claim(stream, group, consumer, ids)
+  local claimed, entries = {}, {}
+  for _, entry in ipairs(redis.call('XCLAIM', stream, group, consumer, 0, unpack(ids))) do
+    if entry and entry[2] then
+      claimed[entry[1]] = true
+      table.insert(entries, entry)
+    end
+  end
+  for _, id in ipairs(ids) do
+    if not claimed[id] then
+      redis.call('XACK', stream, group, id)
+    end
+  end
+  return entries
+end
+"""
+
 # KEYS: an item stream (or the webhook stream). ARGV: the group, a consumer, how many at most, then the ids the
-# consumer holds. Up to that many deliveries to the consumer that it does not hold, claimed by it again (their idle
-# time starts again), in one step: none can be claimed by another meanwhile. Entries trimmed away while pending are
-# acknowledged (Redis 6.2 answers them as nil; 7.0 leaves them out, and off the pending list). Returns {how many were
-# found, the entries}.
-CLAIM_OWN_LEFT = _ALLOW_OOM + """
+# consumer holds. Up to that many deliveries to the consumer that it does not hold, claimed by it again, in one step:
+# none can be claimed by another meanwhile. Returns {how many were found, the entries}.
+CLAIM_OWN_LEFT = _ALLOW_OOM + _CLAIM + """
 local count = tonumber(ARGV[3])
 local held = {}
 for i = 4, #ARGV do
@@ -224,19 +243,7 @@ end
 if #ids == 0 then
   return {0, {}}
 end
-local claimed, entries = {}, {}
-for _, entry in ipairs(redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, unpack(ids))) do
-  if entry and entry[2] then
-    claimed[entry[1]] = true
-    table.insert(entries, entry)
-  end
-end
-for _, id in ipairs(ids) do
-  if not claimed[id] then
-    redis.call('XACK', KEYS[1], ARGV[1], id)
-  end
-end
-return {#ids, entries}
+return {#ids, claim(KEYS[1], ARGV[1], ARGV[2], ids)}
 """
 
 # KEYS: a consumer name's key (CONSUMER_NAME_KEY). ARGV: this instance's id, the lease in ms. 1: the name is this
@@ -350,6 +357,41 @@ for _, stream in ipairs(KEYS) do
   end
 end
 return forgotten
+"""
+
+# KEYS: streams. ARGV: group, a consumer, how many at most, idle ms, CONSUMER_NAME_KEY's text before the name.
+# Up to that many deliveries, over the streams in turn, to consumers that are gone: their name held by no running
+# instance (its lease lapsed with the worker killed, or let go as it stopped), idle that long, each delivery idle
+# that long too; claimed by the consumer in one step, so that none is claimed twice, nor from a consumer that came
+# back meanwhile. (Name keys are read by their names' text: the names are known only here.) Returns {stream, claimed
+# entries, the gone consumers' names} for each stream where some were claimed.
+CLAIM_FROM_GONE = _ALLOW_OOM + _GROUP_FIELDS + _CLAIM + """
+local left, idle = tonumber(ARGV[3]), tonumber(ARGV[4])
+local claimed = {}
+for _, stream in ipairs(KEYS) do
+  if left > 0 and group_fields(stream, ARGV[1]) then
+    local entries, names = {}, {}
+    for _, consumer in ipairs(xinfo('CONSUMERS', stream, ARGV[1])) do
+      local name = consumer['name']
+      if left > 0 and consumer['pending'] > 0 and consumer['idle'] >= idle and name ~= ARGV[2]
+          and redis.call('EXISTS', ARGV[5] .. name) == 0 then
+        local ids = {}
+        for _, entry in ipairs(redis.call('XPENDING', stream, ARGV[1], 'IDLE', idle, '-', '+', left, name)) do
+          table.insert(ids, entry[1])
+        end
+        if #ids > 0 then
+          for _, entry in ipairs(claim(stream, ARGV[1], ARGV[2], ids)) do
+            table.insert(entries, entry)
+          end
+          left = left - #ids
+          table.insert(names, name)
+        end
+      end
+    end
+    if #names > 0 then table.insert(claimed, {stream, entries, names}) end
+  end
+end
+return claimed
 """
 
 # Redis's clock in ms (TIME: seconds, microseconds), for the times the owners' streams were used and retired.

@@ -164,6 +164,7 @@ class ConsumerOptions:
     max_reading: int = 64  # items fetched and decoded at once
     store_check_interval_s: float = 60.0  # how often Redis's settings are read for risks to jobs
     stream_idle_s: float = STREAM_IDLE_S  # an API key's streams given no items this long are pruned when settled
+    name_lease_s: float = NAME_LEASE_S  # this consumer's hold on its name; another's lapsed this long is gone
 
 
 class JobConsumer:
@@ -181,7 +182,7 @@ class JobConsumer:
         self.options = options
         self.decode_pool = decode_pool
         self.webhook_deliveries = WebhookWorker(store, webhooks, options.name, metrics,
-                                                name_held=lambda: self._name_held)
+                                                name_held=lambda: self._name_held, gone_after_s=self._gone_after_s)
         self._in_flight: set[asyncio.Task] = set()
         self._held: dict[str, set[bytes]] = defaultdict(set)  # deliveries in hand, by stream
         self.audio = AudioBudget(options.max_audio_s, options.first_item_s, options.max_reading)
@@ -204,6 +205,7 @@ class JobConsumer:
         self._stopping = asyncio.Event()  # set once the loop has stopped: items in hand no longer wait out an outage
         self._store_risks: dict[str, str] | None = {}  # those last read (JobStore.durability_risks; None: unknown)
         self.connected = False
+        self._connected_since: float | None = None  # since when Redis has answered without a break
 
     # --- loops -----------------------------------------------------------------------------------------
 
@@ -228,6 +230,7 @@ class JobConsumer:
 
     def _failed(self, exc: Exception) -> None:
         self.connected = self.connected and not isinstance(exc, REDIS_ERRORS)
+        self._connected_since = self._connected_since if self.connected else None
         self._group_ready = self._group_ready and not group_lost(exc)
         if isinstance(exc, REDIS_ERRORS):  # a read's reply lost with its connection leaves deliveries to this name
             # that it never saw, pending until the visibility timeout: taken back as a previous life's are
@@ -256,7 +259,8 @@ class JobConsumer:
             self._group_ready = True
             self._check_settings.come_due()  # Redis may be another now (restarted, failed over): read it again
         self.connected = True
-        if self._hold_name.due(NAME_LEASE_S / 3):
+        self._connected_since = self._connected_since or time.monotonic()
+        if self._hold_name.due(self.options.name_lease_s / 3):
             await self._renew_name()
         if self._check_settings.due(self.options.store_check_interval_s):
             await self._check_store()
@@ -329,6 +333,7 @@ class JobConsumer:
         other consumers' stalled ones: up to ``count`` in all."""
         streams = await self.store.streams_with_pending()  # the higher priorities' first
         own = await self._claim_own_left(streams, count) if self._own_left and self._name_held else []
+        own += await self._claim_from_gone(streams, count - len(own)) if len(own) < count else []
         claimed = []
         for stream in streams:
             if len(own) + len(claimed) < count:
@@ -341,16 +346,38 @@ class JobConsumer:
             self.metrics.count_job_items_reclaimed(len(claimed))
         return own + claimed
 
+    def _gone_after_s(self) -> float | None:
+        """How long a consumer whose name no running instance holds must have been idle to be taken for gone; None
+        while this one may not judge: only one that holds its own name (leases are kept, then) and has been
+        connected for a lease's time does, so that after an outage running consumers renew theirs first."""
+        lease, since = self.options.name_lease_s, self._connected_since
+        if not self._name_held or since is None or time.monotonic() - since < lease:
+            return None
+        return lease
+
+    async def _claim_from_gone(self, streams: list[str], count: int) -> list[tuple[str, bytes, dict]]:
+        """Deliveries to consumers gone (``_gone_after_s``): a worker killed and replaced under a new name (a pod
+        rescheduled) leaves its items for its lease's time, not the visibility timeout."""
+        if (idle_s := self._gone_after_s()) is None:
+            return []
+        claimed, names = await self.store.claim_from_gone(streams, self.options.name, count, idle_s)
+        if claimed:
+            log.info("reclaimed %d items from consumers gone (no running worker holds the name %s)", len(claimed),
+                     ", ".join(sorted(names)))
+            self.metrics.count_job_items_reclaimed(len(claimed))
+        return claimed
+
     async def _renew_name(self) -> None:
-        """Hold this consumer's name for NAME_LEASE_S more; where another instance holds it past a lease (two
-        workers given one --name, or host-pid alike under host networking), say so once."""
+        """Hold this consumer's name for a lease more (``name_lease_s``); where another instance holds it past a
+        lease (two workers given one --name, or host-pid alike under host networking), say so once."""
         name = self.options.name
-        self._name_held = await self.store.hold_consumer_name(name, self._instance, NAME_LEASE_S)
+        self._name_held = await self.store.hold_consumer_name(name, self._instance, self.options.name_lease_s)
         if self._name_held:
             self._name_refused_since = None
             return
         since = self._name_refused_since = self._name_refused_since or time.monotonic()
-        if time.monotonic() - since >= NAME_LEASE_S and not self._name_clash_said:  # not a previous life's lease
+        lease = self.options.name_lease_s
+        if time.monotonic() - since >= lease and not self._name_clash_said:  # not a previous life's lease
             log.warning("another running consumer has the name %s: give each worker a name of its own (--name, "
                         "BATCHASR_WORKER_NAME); the items held under it are left to the visibility timeout", name)
             self._name_clash_said = True

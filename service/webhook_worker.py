@@ -2,11 +2,12 @@
 
 The script that finishes a job with a webhook also queues its delivery on the webhook stream, read by the
 workers' consumer group as the items are. A delivery is acknowledged in the transaction that records its
-outcome on the job; one a worker dropped (killed mid-delivery) is reclaimed after ``CLAIM_IDLE_S``, or at once by
-the worker restarted under its name; one a stopping worker had in hand is queued again at once. A read whose reply
-was lost as Redis went away left its deliveries pending under the worker's name, unseen: it takes them back once
-Redis is back. A receiver may therefore get a message twice: its
-``webhook-id`` stays the same, for the receiver to drop the second, as Standard Webhooks asks of receivers.
+outcome on the job; one a worker dropped (killed mid-delivery) is reclaimed after ``CLAIM_IDLE_S``, at once by the
+worker restarted under its name, or by any worker once no running one holds the name (``gone_after_s``); one a
+stopping worker had in hand is queued again at once. A read whose reply was lost as Redis went away left its
+deliveries pending under the worker's name, unseen: it takes them back once Redis is back. A receiver may therefore
+get a message twice: its ``webhook-id`` stays the same, for the receiver to drop the second, as Standard Webhooks
+asks of receivers.
 
 A delivery is one attempt. One that failed and may be tried again leaves the stream for a sorted set of retries,
 in the step that acknowledges it, and is put back on the stream when due (``WebhookSender`` sets the wait: hours
@@ -51,12 +52,14 @@ class WebhookWorker:
     """One consumer's share of the webhook stream. ``sender`` None: deliveries are recorded as failed, with why.
     ``name_held`` says whether this instance holds its consumer name (the job consumer's lease): only then are the
     deliveries to the name that it does not have in hand its own, to take back without waiting for the claim
-    timeout; never from another instance running under the same name."""
+    timeout; never from another instance running under the same name. ``gone_after_s``: how long a consumer whose
+    name no running instance holds must have been idle for its deliveries to be taken (None: not now)."""
 
     def __init__(self, store: JobStore, sender: WebhookSender | None, name: str, metrics: WebhookMetrics,
                  in_flight: int = IN_FLIGHT,
                  claim_idle_s: float = CLAIM_IDLE_S, reclaim_interval_s: float = 5.0,
-                 stop_grace_s: float = STOP_GRACE_S, name_held: Callable[[], bool] = lambda: False):
+                 stop_grace_s: float = STOP_GRACE_S, name_held: Callable[[], bool] = lambda: False,
+                 gone_after_s: Callable[[], float | None] = lambda: None):
         self.store = store
         self.sender = sender
         self.name = name
@@ -72,6 +75,7 @@ class WebhookWorker:
         self._group_ready = False
         self._reclaim_from: bytes | str = "0-0"  # where the next look for stalled deliveries goes on
         self.name_held = name_held
+        self.gone_after_s = gone_after_s
         self._own_left = True  # deliveries to this name that a previous life of it left may be pending still
         self._own_left_why = "that its name held when its last run ended"
 
@@ -127,9 +131,15 @@ class WebhookWorker:
         return len(entries)
 
     async def _reclaim_stalled(self, count: int) -> list[tuple[bytes, dict]]:
-        """Deliveries to this worker's name that it does not have in hand, then other workers' stalled ones: up to
-        ``count`` in all."""
+        """Deliveries to this worker's name that it does not have in hand, then those of workers gone, then other
+        workers' stalled ones: up to ``count`` in all."""
         own = await self._take_back_own_left(count) if self._own_left and self.name_held() else []
+        if len(own) < count and (idle_s := self.gone_after_s()) is not None:
+            gone, names = await self.store.claim_from_gone([WEBHOOK_STREAM], self.name, count - len(own), idle_s)
+            own += [(message_id, fields) for _, message_id, fields in gone]
+            if gone:
+                log.info("reclaimed %d webhook deliveries from consumers gone (no running worker holds the name %s)",
+                         len(gone), ", ".join(sorted(names)))
         if len(own) == count:
             return own
         self._reclaim_from, claimed = await self.store.claim_stalled(WEBHOOK_STREAM, self.name, self.claim_idle_s,

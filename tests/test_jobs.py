@@ -108,6 +108,18 @@ def test_200_items_over_3_workers_with_one_killed_mid_batch(redis_server, parity
     _check_results(asyncio.run(JobStore.from_url(redis_server.url).results(job.id)), items, expected)
 
 
+def test_a_killed_worker_replaced_under_a_new_name_leaves_its_items_for_seconds_not_the_visibility_timeout(
+        parity_dir):
+    """loadtest/worker_loss.py: two worker processes as shipped (a visibility timeout of 300 s), one killed holding
+    items and never started again, as a pod rescheduled under a new name is: the other takes its items once its
+    name's lease has lapsed; the script fails should the job not be done within 120 s."""
+    result = subprocess.run([sys.executable, "loadtest/worker_loss.py", "--items", "40", "--timeout-s", "120",
+                             "--model", str(parity_dir / MODEL_FILE)],
+                            cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "not started again: its items taken back" in result.stdout
+
+
 def test_redis_restart_mid_job_loses_nothing(tmp_path, parity_dir, parity_audio, expected):
     server = RedisServer(tmp_path, appendonly=True).start()
     items = upload_items(parity_audio, 60)
@@ -620,6 +632,76 @@ async def _run_consumer(settings: Settings, model, items: list[ItemInput], setup
         return job, await stack.jobs.results(job.id)
     finally:
         await stack.stop()
+
+
+def test_a_gone_workers_items_are_taken_once_no_one_holds_its_name(redis_server, model, parity_audio, expected,
+                                                                   caplog):
+    """A worker killed and replaced under a new name (a pod rescheduled) left its items to the visibility timeout,
+    5 minutes. Once its name's lease has lapsed, and they have been idle as long, a running consumer takes them."""
+    items = upload_items(parity_audio, 4)
+
+    async def setup(consumer, store):
+        consumer.options = replace(consumer.options, name_lease_s=1.0)
+        job, _ = await store.submit(items)
+        assert await store.hold_consumer_name("killed-pod", "its-instance", 1.0)
+        assert len(await store.read_items("killed-pod", len(items), 0)) == len(items)  # taken, never finished
+        return job
+
+    with caplog.at_level(logging.INFO, logger="service.job_worker"):  # the visibility timeout as shipped: 300 s
+        job, records = asyncio.run(_run_consumer(Settings(redis_url=redis_server.url), model, items, setup, 30))
+    assert job.finished and job.counts["completed"] == len(items)
+    _check_results(records, items, expected)
+    assert "reclaimed 4 items from consumers gone (no running worker holds the name killed-pod)" in caplog.text
+
+
+def test_a_running_workers_items_are_not_taken_however_long_it_holds_them(redis_server, model, parity_audio):
+    items = upload_items(parity_audio, 2)
+
+    async def setup(consumer, store):
+        consumer.options = replace(consumer.options, name_lease_s=1.0)
+        job, _ = await store.submit(items)
+        assert await store.hold_consumer_name("busy-worker", "its-instance", 1.0)
+        assert len(await store.read_items("busy-worker", len(items), 0)) == len(items)
+
+        async def renew_its_lease() -> None:  # as a running consumer does, a third of a lease apart
+            while await store.hold_consumer_name("busy-worker", "its-instance", 1.0):
+                await asyncio.sleep(0.3)
+
+        asyncio.get_running_loop().create_task(renew_its_lease())  # ends with the scenario
+        return job
+
+    job, _ = asyncio.run(_run_consumer(Settings(redis_url=redis_server.url), model, items, setup, timeout_s=5))
+    assert job.counts["completed"] == 0 and not job.finished
+    pending = redis_server.client().xinfo_consumers(ITEM_STREAM, GROUP)
+    assert {entry["name"]: entry["pending"] for entry in pending}.get(b"busy-worker") == len(items)
+
+
+def test_no_worker_is_taken_for_gone_until_this_one_has_been_connected_for_a_lease(redis_server, model,
+                                                                                   parity_audio):
+    """After an outage every lease may have lapsed: running consumers renew theirs within a third of a lease once
+    Redis is back, so none is judged until this one has been connected for a lease."""
+    stack = build_stack(Settings(redis_url=redis_server.url), model)
+
+    async def scenario() -> list[int]:
+        try:
+            consumer, store = stack.make_consumer(), stack.jobs
+            consumer.options = replace(consumer.options, name_lease_s=0.5)
+            await store.submit(upload_items(parity_audio, 2))
+            assert len(await store.read_items("gone-worker", 2, 0)) == 2
+            await asyncio.sleep(0.6)  # idle past the lease, and no lease held
+            await consumer._renew_name()
+            claimed = []
+            consumer._connected_since = time.monotonic()  # just connected (again)
+            claimed.append(len(await consumer._claim_from_gone([ITEM_STREAM], 10)))
+            consumer._failed(RedisConnectionError("Connection closed by server."))  # an outage
+            claimed.append(len(await consumer._claim_from_gone([ITEM_STREAM], 10)))
+            consumer._connected_since = time.monotonic() - 0.5  # connected for a lease
+            claimed.append(len(await consumer._claim_from_gone([ITEM_STREAM], 10)))
+            return claimed
+        finally:
+            await stack.stop()
+
+    assert asyncio.run(scenario()) == [0, 0, 2]
 
 
 def test_a_dead_workers_backlog_is_reclaimed_as_fast_as_there_is_room(redis_server, model, parity_audio, expected):

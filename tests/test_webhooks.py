@@ -20,6 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
 from service.config import Settings
@@ -363,6 +364,27 @@ async def _delivery_left_by_a_killed_worker(store: JobStore, hook: Receiver, nam
     return job_id
 
 
+def _left_by_a_killed_worker_then_drained(redis_url: str, hook: Receiver, killed: str, name: str, pause_s: float = 0.0,
+                                          **options) -> tuple[Job, float, int]:
+    """A delivery left by worker ``killed`` (``_delivery_left_by_a_killed_worker``), then, ``pause_s`` later, what a
+    fresh worker ``name`` drains: the job after, how many deliveries that worker counted, how many stay pending."""
+
+    async def scenario() -> tuple[Job, float]:
+        store = JobStore.from_url(redis_url)
+        await store.ensure_group()
+        job_id = await _delivery_left_by_a_killed_worker(store, hook, killed)
+        await asyncio.sleep(pause_s)
+        sender, metrics = WebhookSender(SECRET, url_prefixes=[hook.prefix()]), Metrics()
+        await WebhookWorker(store, sender, name, metrics, **options).drain()
+        await sender.close()
+        job = await store.get(job_id)
+        await store.close()
+        return job, _count(metrics, "delivered")
+
+    job, delivered = asyncio.run(scenario())
+    return job, delivered, redis.Redis.from_url(redis_url).xpending(WEBHOOK_STREAM, GROUP)["pending"]
+
+
 def _count(metrics: Metrics, outcome: str) -> float:
     return metrics.registry.get_sample_value("batchasr_webhooks_total", {"outcome": outcome}) or 0.0
 
@@ -419,19 +441,11 @@ def test_a_purged_job_is_not_announced(redis_server, receiver):
 
 def test_a_delivery_whose_worker_died_is_reclaimed_by_another(redis_server, receiver):
     hook = receiver(None, 200)  # the first delivery hangs: its worker dies meanwhile
-
-    async def scenario() -> Job:
-        store = JobStore.from_url(redis_server.url)
-        await store.ensure_group()
-        job_id = await _delivery_left_by_a_killed_worker(store, hook, "doomed")
-        await asyncio.sleep(0.6)
-        return await _deliver_the_rest(store, hook, job_id, claim_idle_s=0.5)
-
-    job = asyncio.run(scenario())
-    assert (job.webhook_status, job.webhook_attempts) == ("delivered", 1)
+    job, delivered, pending = _left_by_a_killed_worker_then_drained(redis_server.url, hook, "doomed", "next", 0.6,
+                                                                    claim_idle_s=0.5)
+    assert (job.webhook_status, job.webhook_attempts, delivered, pending) == ("delivered", 1, 1, 0)
     assert len(hook.received) == 2  # the same message twice, as at-least-once allows
     assert len({headers["webhook-id"] for headers, _ in hook.received}) == 1
-    assert redis_server.client().xpending(WEBHOOK_STREAM, GROUP)["pending"] == 0
 
 
 def test_a_stopping_worker_hands_its_deliveries_back_at_once(redis_server, receiver):
@@ -602,21 +616,8 @@ def test_a_worker_restarted_under_its_name_takes_back_its_previous_lifes_deliver
     delivery its previous life left at once, not after the claim timeout; one that another running instance's
     lease keeps from the name leaves it to the claim timeout, as it may be that instance's in hand."""
     hook = receiver(None, 200)  # the first delivery hangs: its worker is killed meanwhile
-
-    async def scenario() -> tuple[Job, int]:
-        store = JobStore.from_url(redis_server.url)
-        await store.ensure_group()
-        job_id = await _delivery_left_by_a_killed_worker(store, hook, "w")
-        sender = WebhookSender(SECRET, url_prefixes=[hook.prefix()])
-        metrics = Metrics()
-        await WebhookWorker(store, sender, "w", metrics, name_held=lambda: name_held).drain()
-        await sender.close()
-        job = await store.get(job_id)
-        await store.close()
-        return job, _count(metrics, "delivered")
-
-    job, delivered = asyncio.run(scenario())
-    pending = redis_server.client().xpending(WEBHOOK_STREAM, GROUP)["pending"]
+    job, delivered, pending = _left_by_a_killed_worker_then_drained(redis_server.url, hook, "w", "w",
+                                                                    name_held=lambda: name_held)
     if name_held:
         assert (job.webhook_status, job.webhook_attempts, delivered, pending) == ("delivered", 1, 1, 0)
         assert len(hook.received) == 2 and len({headers["webhook-id"] for headers, _ in hook.received}) == 1
@@ -624,19 +625,38 @@ def test_a_worker_restarted_under_its_name_takes_back_its_previous_lifes_deliver
         assert (job.webhook_status, delivered, pending, len(hook.received)) == ("pending", 0, 1, 1)
 
 
-def test_the_job_consumers_webhook_deliveries_take_back_their_own_only_while_it_holds_its_name(redis_server, model):
+@pytest.mark.parametrize("judged", [True, False])
+def test_a_delivery_whose_worker_is_gone_is_taken_once_no_one_holds_its_name(redis_server, receiver, judged):
+    """A worker killed mid-delivery and replaced under a new name (a pod rescheduled): once no running worker holds
+    its name, another takes its delivery without waiting out the claim timeout (5 minutes); not while the job
+    consumer beside it may not judge (``gone_after_s`` None: just connected, or not holding its own name)."""
+    hook = receiver(None, 200)
+    job, delivered, pending = _left_by_a_killed_worker_then_drained(  # pod-a held no name lease
+        redis_server.url, hook, "pod-a", "pod-b", 0.6, gone_after_s=lambda: 0.5 if judged else None)
+    if judged:
+        assert (job.webhook_status, job.webhook_attempts, delivered, pending) == ("delivered", 1, 1, 0)
+    else:
+        assert (job.webhook_status, delivered, pending) == ("pending", 0, 1)
+
+
+def test_the_job_consumers_webhook_deliveries_judge_names_only_while_it_holds_its_own(redis_server, model):
     stack = build_stack(Settings(redis_url=redis_server.url), model)
 
-    async def scenario() -> tuple[bool, bool]:
+    async def scenario() -> list[tuple[bool, float | None]]:
         try:
             consumer = stack.make_consumer()
-            before = consumer.webhook_deliveries.name_held()
+            deliveries = consumer.webhook_deliveries
+            said = [(deliveries.name_held(), deliveries.gone_after_s())]
             await consumer._renew_name()
-            return before, consumer.webhook_deliveries.name_held()
+            consumer._connected_since = time.monotonic()
+            said.append((deliveries.name_held(), deliveries.gone_after_s()))  # may not judge others yet
+            consumer._connected_since -= consumer.options.name_lease_s
+            said.append((deliveries.name_held(), deliveries.gone_after_s()))
+            return said
         finally:
             await stack.stop()
 
-    assert asyncio.run(scenario()) == (False, True)
+    assert asyncio.run(scenario()) == [(False, None), (True, None), (True, 15.0)]
 
 
 @pytest.mark.parametrize("meanwhile", ["deleted", "ended again"])
