@@ -10,7 +10,9 @@ batch already computing runs on, and their results are dropped).
 Failure handling: bad audio or a refused input fails its item at once (dead-lettered); any other error
 leaves the delivery unacknowledged, so it is reclaimed (XAUTOCLAIM) after the visibility timeout, and an
 item that has been started ``max_attempts`` times is failed with its last error. Deliveries still being worked
-on have their idle time reset, so a long item is not reclaimed from a live worker. Redis going away, or
+on have their idle time reset, so a long item is not reclaimed from a live worker. A worker gone (killed, or
+stopped) lets go of its name's lease: its deliveries are claimed by the others a lease's time later (CLAIM_FROM_GONE),
+or by itself at once when it comes back under the same name. Redis going away, or
 refusing a command (full, read-only), is waited out with backoff; nothing is lost because nothing is
 acknowledged before its result is written.
 """
@@ -217,8 +219,8 @@ class JobConsumer:
         await step_until_stopped(stop, self._step, "job consumer", self._failed, until=self.engine_failed)
         self._stopping.set()
         if self.engine_failed():
-            log.error("the engine failed: this consumer takes no more items (those in hand go back to the stream, "
-                      "for other workers, after the visibility timeout)")
+            log.error("the engine failed: this consumer takes no more items (those in hand go to other workers once "
+                      "it has let go of its name)")
         halt.set()
         if held := sum(not task.done() for task in self._in_flight):  # the stop would otherwise pass in silence
             log.info("job consumer stopping: finishing the %d items in hand", held)
