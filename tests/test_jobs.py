@@ -658,19 +658,20 @@ def test_a_running_workers_items_are_not_taken_however_long_it_holds_them(redis_
     items = upload_items(parity_audio, 2)
 
     async def setup(consumer, store):
-        consumer.options = replace(consumer.options, name_lease_s=1.0)
+        consumer.options = replace(consumer.options, name_lease_s=2.0)
         job, _ = await store.submit(items)
-        assert await store.hold_consumer_name("busy-worker", "its-instance", 1.0)
+        assert await store.hold_consumer_name("busy-worker", "its-instance", 2.0)
         assert len(await store.read_items("busy-worker", len(items), 0)) == len(items)
 
-        async def renew_its_lease() -> None:  # as a running consumer does, a third of a lease apart
-            while await store.hold_consumer_name("busy-worker", "its-instance", 1.0):
+        async def renew_its_lease() -> None:  # as a running consumer does, every third of a lease or more often
+            while await store.hold_consumer_name("busy-worker", "its-instance", 2.0):
                 await asyncio.sleep(0.3)
 
         asyncio.get_running_loop().create_task(renew_its_lease())  # ends with the scenario
         return job
 
-    job, _ = asyncio.run(_run_consumer(Settings(redis_url=redis_server.url), model, items, setup, timeout_s=5))
+    # the consumer judges from 2 s on: its items idle past the lease, but their worker holds its name
+    job, _ = asyncio.run(_run_consumer(Settings(redis_url=redis_server.url), model, items, setup, timeout_s=7))
     assert job.counts["completed"] == 0 and not job.finished
     pending = redis_server.client().xinfo_consumers(ITEM_STREAM, GROUP)
     assert {entry["name"]: entry["pending"] for entry in pending}.get(b"busy-worker") == len(items)
