@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import math
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -39,6 +40,10 @@ from models.containers import UnreadableContainer
 BLOCK_FRAMES = 1 << 20  # decode in blocks of about a minute of 16 kHz audio
 ACCEPTED_MEDIA_PREFIXES = ("audio/", "video/")
 ACCEPTED_MEDIA_TYPES = {"", "application/octet-stream", "application/ogg", "application/mp4", "multipart/form-data"}
+
+
+class DecodeStopped(Exception):
+    """A decode given up part way, its ``stop`` set: no one waits for the audio any more (its job cancelled)."""
 
 
 class AudioRequestError(ValueError):
@@ -118,11 +123,12 @@ def stretch_frames(stretch: Stretch, rate: int, total: int) -> tuple[int, int | 
 
 
 def decode_audio(upload: bytes | BinaryIO, limits: AudioLimits, multichannel: bool = False,
-                 stretch: Stretch = WHOLE) -> np.ndarray:
+                 stretch: Stretch = WHOLE, stop: threading.Event | None = None) -> np.ndarray:
     """Decode an upload (libsndfile's formats, or a media container through FFmpeg), resampled to
     ``limits.sample_rate``, float32: mono (samples,), or with ``multichannel`` each channel apart
     (channels, samples); of ``stretch`` only. ``upload`` is its bytes, or a file holding them from its start (a
-    request's temporary file, read where it lies rather than copied into memory whole first)."""
+    request's temporary file, read where it lies rather than copied into memory whole first). ``stop`` set: given
+    up at the next block (``DecodeStopped``)."""
     size = len(upload) if isinstance(upload, (bytes, bytearray)) else _file_size(upload)
     if size == 0:
         raise AudioRequestError("the uploaded file is empty")
@@ -130,7 +136,7 @@ def decode_audio(upload: bytes | BinaryIO, limits: AudioLimits, multichannel: bo
         raise AudioTooLarge(f"upload of {size} bytes exceeds the limit of {limits.max_bytes} bytes")
     _check_wav_header(upload, limits, stretch is WHOLE)
     return _decode(io.BytesIO(upload) if isinstance(upload, (bytes, bytearray)) else upload, limits, multichannel,
-                   stretch)
+                   stretch, stop)
 
 
 def _file_size(f: BinaryIO) -> int:
@@ -140,18 +146,20 @@ def _file_size(f: BinaryIO) -> int:
     return size
 
 
-def decode_audio_file(path: Path, limits: AudioLimits, multichannel: bool = False, stretch: Stretch = WHOLE
-                      ) -> np.ndarray:
+def decode_audio_file(path: Path, limits: AudioLimits, multichannel: bool = False, stretch: Stretch = WHOLE,
+                      stop: threading.Event | None = None) -> np.ndarray:
     """Decode a file on disk as it is read, never holding its bytes: only the duration limit applies (a job's path
-    inputs are how recordings larger than an upload may come in); of ``stretch`` only."""
+    inputs are how recordings larger than an upload may come in); of ``stretch`` only; ``stop`` as
+    ``decode_audio``'s."""
     size = path.stat().st_size
     if size == 0:
         raise AudioRequestError(f"{path.name}: the file is empty")
     _check_wav_header(path, limits, stretch is WHOLE)
-    return _decode(path, limits, multichannel, stretch)
+    return _decode(path, limits, multichannel, stretch, stop)
 
 
-def _decode(source: BinaryIO | Path, limits: AudioLimits, multichannel: bool, stretch: Stretch) -> np.ndarray:
+def _decode(source: BinaryIO | Path, limits: AudioLimits, multichannel: bool, stretch: Stretch,
+            stop: threading.Event | None = None) -> np.ndarray:
     try:
         with open_audio(source) as f:
             # the duration limit counts seconds, and a second costs its samples: 60 s of silence at 655,350 Hz is a
@@ -170,7 +178,7 @@ def _decode(source: BinaryIO | Path, limits: AudioLimits, multichannel: bool, st
             claimed_s = count / f.samplerate if count else 0.0
             if claimed_s > max_s:
                 raise AudioTooLarge(f"audio is {claimed_s:.1f} s long (per its header); {_limit_text(max_s, channels)}")
-            samples = _read_resampled(f, limits, max_s, channels, first, None if stretch is WHOLE else count)
+            samples = _read_resampled(f, limits, max_s, channels, first, None if stretch is WHOLE else count, stop)
     except sf.LibsndfileError as exc:
         raise AudioRequestError(f"cannot decode audio: {exc.error_string or exc}") from exc
     except (UnreadableContainer, RuntimeError, TypeError) as exc:
@@ -201,7 +209,7 @@ def _check_wav_header(source: bytes | BinaryIO | Path, limits: AudioLimits, whol
 
 
 def _read_resampled(f: sf.SoundFile, limits: AudioLimits, max_s: float, channels: int, first_frame: int = 0,
-                    n_frames: int | None = None) -> np.ndarray:
+                    n_frames: int | None = None, stop: threading.Event | None = None) -> np.ndarray:
     """Blocks resampled as they are read (mono, or ``channels`` apart; ``n_frames`` from ``first_frame``, or all),
     until the end of the data (not the header's claim); refused past ``max_s`` seconds, or once a block holds a
     sample that is not finite (NaN or infinity in spreads through the resampler's filter, so none is missed) or
@@ -218,5 +226,7 @@ def _read_resampled(f: sf.SoundFile, limits: AudioLimits, max_s: float, channels
             raise AudioTooLarge(f"audio is longer than allowed: {_limit_text(max_s, channels)}")
         if problem := sample_problem(block):
             raise AudioRequestError(f"the audio {problem}")
+        if stop is not None and stop.is_set():  # an hour's decoding for no one, and its memory held meanwhile
+            raise DecodeStopped
         joined.add(block)
     return joined.result()

@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import os
 import secrets
 import socket
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Iterator
@@ -540,12 +542,11 @@ class JobConsumer:
         """The item's waveform (or its channels'): a file decoded straight from disk, whatever its size (only its
         duration is limited); a URL's body from the temporary file it was fetched into, and an upload's from the
         one it was read into from Redis."""
-        loop, record = asyncio.get_running_loop(), start.record
+        record = start.record
         stretch = Stretch(record["offset_s"], record["duration_s"]) if "offset_s" in record else WHOLE
         if "path" in record:
             path = resolve_input_path(record["path"], self.input_roots)
-            return await loop.run_in_executor(self.decode_pool, decode_audio_file, path, self.limits, multichannel,
-                                              stretch)
+            return await self._decode(decode_audio_file, path, self.limits, multichannel, stretch)
         if "url" in record:
             if self.urls is None:
                 raise JobInputError(f"{record['url']}: URL inputs are disabled on this worker "
@@ -555,7 +556,18 @@ class JobConsumer:
             raise JobInputError("the uploaded audio expired before it was processed")
         else:
             body = await self.store.read_upload(start)
-        return await loop.run_in_executor(self.decode_pool, _decode_and_close, body, self.limits, multichannel, stretch)
+        return await self._decode(_decode_and_close, body, self.limits, multichannel, stretch)
+
+    async def _decode(self, decode: Callable[..., np.ndarray], *args) -> np.ndarray:
+        """``decode(*args)`` in the decode pool. Cancelled (the item's job cancelled, the worker stopping), the
+        thread gives up at its next block: a cancelled recording of hours was decoded to the end for no one."""
+        stop = threading.Event()
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.decode_pool,
+                                                                    functools.partial(decode, *args, stop=stop))
+        except asyncio.CancelledError:
+            stop.set()
+            raise
 
     async def _cancel(self, job_id: str, index: int, audio: str | None) -> None:
         """The item cancelled, its job having been: its record as the cancel gives those still queued."""
@@ -602,8 +614,9 @@ def _gave_up(attempts: int, why: str) -> str:
     return f"gave up after {attempts} attempts: {why}"
 
 
-def _decode_and_close(body: BinaryIO, limits: AudioLimits, multichannel: bool, stretch: Stretch) -> np.ndarray:
+def _decode_and_close(body: BinaryIO, limits: AudioLimits, multichannel: bool, stretch: Stretch,
+                      stop: threading.Event | None = None) -> np.ndarray:
     """``decode_audio`` of a fetched or read body, decoded where it was received and closed by the thread that reads it:
     never under it, should the item's task be cancelled while the decode runs."""
     with body:
-        return decode_audio(body, limits, multichannel, stretch)
+        return decode_audio(body, limits, multichannel, stretch, stop)

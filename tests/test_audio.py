@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import struct
+import threading
 import tracemalloc
 from pathlib import Path
 from tempfile import SpooledTemporaryFile
@@ -26,7 +27,14 @@ from models.audio_io import (
 from models.config import FeatureConfig
 from models.features import LogMelFeatures
 from service import audio
-from service.audio import AudioLimits, AudioRequestError, AudioTooLarge, decode_audio, decode_audio_file
+from service.audio import (
+    AudioLimits,
+    AudioRequestError,
+    AudioTooLarge,
+    DecodeStopped,
+    decode_audio,
+    decode_audio_file,
+)
 from tests.conftest import long_recording
 
 LIMITS = AudioLimits(max_bytes=50 * 1024 * 1024, max_duration_s=60.0)
@@ -66,6 +74,29 @@ def test_a_non_finite_sample_in_a_late_block_is_refused(monkeypatch):
     samples[40000, 1] = np.nan
     with pytest.raises(AudioRequestError, match="NaN or infinite"):
         decode_audio(_encode(samples, 48000, "WAV", "FLOAT"), LIMITS)
+
+
+def test_a_decode_given_up_stops_at_its_next_block(monkeypatch, tmp_path):
+    monkeypatch.setattr(audio, "BLOCK_FRAMES", 1000)
+    blocks_read = []
+    read_block = audio.sample_problem
+
+    def counting(block):  # called once a block
+        blocks_read.append(len(block))
+        return read_block(block)
+
+    monkeypatch.setattr(audio, "sample_problem", counting)
+    data = _encode(np.zeros(48000, dtype=np.float32), 16000, "WAV", "PCM_16")
+    path = tmp_path / "a.wav"
+    path.write_bytes(data)
+    stop = threading.Event()
+    assert decode_audio(data, LIMITS, stop=stop).shape == (48000,)  # not set: decoded whole
+    stop.set()
+    for decode, source in ((decode_audio, data), (decode_audio_file, path)):
+        blocks_read.clear()
+        with pytest.raises(DecodeStopped):
+            decode(source, LIMITS, stop=stop)
+        assert len(blocks_read) == 1  # of 48
 
 
 def test_samples_too_loud_for_the_features_are_refused(tmp_path):

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import tracemalloc
 from dataclasses import replace
@@ -24,6 +25,8 @@ import torch
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError
 
+import service.job_worker as job_worker
+from service.audio import DecodeStopped
 from service.batcher import POOL_FACTOR
 from service.config import Settings
 from service.job_keys import (
@@ -1105,6 +1108,33 @@ def test_cancel_stops_the_items_a_worker_holds(redis_server, model, parity_audio
     client = redis_server.client()
     assert client.xpending(ITEM_STREAM, GROUP)["pending"] == 0
     assert not client.keys("batchasr:upload:*")
+
+
+def test_a_cancel_stops_the_decoding_of_an_item_under_way(redis_server, model, parity_audio, monkeypatch):
+    """A cancelled item's decode ran on in its thread to the end (a recording of hours, decoded for no one, its
+    memory held meanwhile): now the cancel reaches the thread, which gives up at its next block."""
+    entered, outcomes = threading.Event(), []
+    decode = job_worker.decode_audio
+
+    def decode_waiting_for_the_cancel(body, limits, multichannel, stretch, stop=None):
+        entered.set()
+        outcomes.append(stop is not None and stop.wait(30))  # the cancel reaches this thread
+        try:
+            return decode(body, limits, multichannel, stretch, stop)
+        except DecodeStopped:
+            outcomes.append("stopped")
+            raise
+
+    monkeypatch.setattr(job_worker, "decode_audio", decode_waiting_for_the_cancel)
+    with run_server(Settings(redis_url=redis_server.url), model) as running:
+        job = httpx.post(f"{running.url}/v1/jobs", files=[("files", ("a.wav", Path(parity_audio[0]).read_bytes(),
+                                                                      "audio/wav"))], timeout=30).json()
+        _wait_for(entered.is_set, 30, "the item's decode never began")
+        assert httpx.delete(f"{running.url}/v1/jobs/{job['id']}", timeout=30).status_code == 200
+        _wait_for(lambda: httpx.get(f"{running.url}/v1/jobs/{job['id']}", timeout=30).json()["status"] == "cancelled",
+                  30, "the job to end cancelled")
+        _wait_for(lambda: len(outcomes) == 2, 30, "the decode did not end")
+    assert outcomes == [True, "stopped"]
 
 
 def test_a_retry_of_a_cancelled_jobs_failed_items_runs_them(redis_server):
