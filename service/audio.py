@@ -94,13 +94,13 @@ def declared_as_audio(content_type: str | None) -> bool:
 
 
 def decode_declared_audio(upload: bytes | BinaryIO, content_type: str | None, limits: AudioLimits,
-                          multichannel: bool = False) -> np.ndarray:
+                          multichannel: bool = False, stop: threading.Event | None = None) -> np.ndarray:
     """``decode_audio``, for an upload whose type was declared by its client. A type that is not audio is a guess
     as often as not (HTTP libraries guess a file part's type from its name: a ``.ts`` recording goes as Qt's
     translation files), so the bytes decide; what is declared as something else and does not decode is refused
     as that (415), not as broken audio."""
     try:
-        return decode_audio(upload, limits, multichannel)
+        return decode_audio(upload, limits, multichannel, stop=stop)
     except (AudioTooLarge, TooManyChannels, UnsupportedSampleRate):  # audio over a limit, whatever declared
         raise
     except AudioRequestError as exc:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from typing import Any, BinaryIO, TypeVar
@@ -55,28 +56,33 @@ async def decode(service: ServiceState, data: bytes | BinaryIO, content_type: st
 
 
 async def _off_the_loop(pool: Executor, fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)`` in ``pool``. Cancelled (its client left), a call not started is dropped: the uploads of clients
-    gone were all decoded, in turn, ahead of those still waiting; one started is waited for, as its file and its
-    room in the intake budget are in use until it ends."""
-    call = pool.submit(fn, *args)
+    """``fn(*args, stop=...)`` in ``pool``. Cancelled (its client left), a call not started is dropped: the uploads
+    of clients gone were all decoded, in turn, ahead of those still waiting; one started is told to stop (a decode
+    gives up at its next block) and waited for, as its file and its room in the intake budget are in use until it
+    ends."""
+    stop = threading.Event()
+    call = pool.submit(fn, *args, stop=stop)
     try:
         return await asyncio.wrap_future(call)
     except asyncio.CancelledError:
         if not call.cancel():
+            stop.set()
             with contextlib.suppress(Exception):
                 await asyncio.shield(asyncio.wrap_future(call))
         raise
 
 
 async def unless_client_leaves(request: Request, work: Awaitable[T]) -> T:
-    """Await ``work`` unless the client goes away first: then it is cancelled and the answer is 499. Only once the
-    request's body is read: the disconnect is the next message the server sends (``wait_for_disconnect``)."""
+    """Await ``work`` unless the client goes away first: then it is cancelled, and the answer is 499 once it has
+    ended (a decode under way stops at its next block: the request's file is closed after it, not under it). Only
+    once the request's body is read: the disconnect is the next message the server sends (``wait_for_disconnect``)."""
     task = asyncio.ensure_future(work)
     client_gone = asyncio.ensure_future(wait_for_disconnect(request))
     try:
         await asyncio.wait({task, client_gone}, return_when=asyncio.FIRST_COMPLETED)
         if not task.done():
             task.cancel()
+            await asyncio.wait({task})
             raise client_closed()
         return task.result()
     finally:

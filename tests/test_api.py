@@ -10,6 +10,7 @@ import logging
 import re
 import socket
 import struct
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -473,6 +474,42 @@ def test_the_uploads_of_clients_gone_are_not_decoded_ahead_of_a_client_still_wai
         waited = time.monotonic() - started
     assert len(decoded) == 2, decoded  # the one already decoding when its client left, and the one waiting
     assert waited < 2.5 * decode_s
+
+
+def test_an_upload_whose_client_left_stops_decoding_at_its_next_block(hybrid, parity_audio, monkeypatch):
+    """A decode under way when its client left ran to the end, holding its thread, its file and its room in the
+    intake budget: a long recording's minutes decoded for no one. Now it is told to stop, and gives up."""
+    from service import request_audio
+    from service.audio import DecodeStopped
+
+    entered, outcomes = threading.Event(), []
+    real = request_audio.decode_declared_audio
+
+    def decode_waiting_for_the_client_to_leave(*args, stop=None):
+        entered.set()
+        outcomes.append(stop is not None and stop.wait(30))
+        try:
+            return real(*args, stop=stop)
+        except DecodeStopped:
+            outcomes.append("stopped")
+            raise
+        except Exception as exc:
+            outcomes.append(repr(exc))
+            raise
+
+    monkeypatch.setattr(request_audio, "decode_declared_audio", decode_waiting_for_the_client_to_leave)
+    data = Path(parity_audio[0]).read_bytes()
+    with run_server(Settings(decode_threads=1), hybrid) as running:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{running.url}/v1/transcribe", content=data, headers={"content-type": "audio/wav"},
+                       timeout=1.0)
+        assert entered.is_set()
+        deadline = time.monotonic() + 30
+        while len(outcomes) < 2:
+            assert time.monotonic() < deadline, outcomes
+            time.sleep(0.05)
+        assert httpx.get(f"{running.url}/healthz").status_code == 200
+    assert outcomes == [True, "stopped"]
 
 
 def test_each_request_logs_one_json_line_with_its_request_id(server, parity_audio, caplog):
