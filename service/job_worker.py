@@ -208,8 +208,7 @@ class JobConsumer:
         self._group_ready = False  # made once, and again after an error (a Redis that lost it)
         self._stopping = asyncio.Event()  # set once the loop has stopped: items in hand no longer wait out an outage
         self._store_risks: dict[str, str] | None = {}  # those last read (JobStore.durability_risks; None: unknown)
-        self.connected = False
-        self._connected_since: float | None = None  # since when Redis has answered without a break
+        self._connected_since: float | None = None  # since when Redis has answered without a break (None: away)
 
     # --- loops -----------------------------------------------------------------------------------------
 
@@ -233,11 +232,10 @@ class JobConsumer:
         await self.close()
 
     def _failed(self, exc: Exception) -> None:
-        self.connected = self.connected and not isinstance(exc, REDIS_ERRORS)
-        self._connected_since = self._connected_since if self.connected else None
         self._group_ready = self._group_ready and not group_lost(exc)
         if isinstance(exc, REDIS_ERRORS):  # a read's reply lost with its connection leaves deliveries to this name
             # that it never saw, pending until the visibility timeout: taken back as a previous life's are
+            self._connected_since = None
             self._own_left, self._own_left_why = True, "delivered to this consumer while Redis was away"
             self._reclaim.come_due()
 
@@ -262,7 +260,6 @@ class JobConsumer:
             await self.store.ensure_group()
             self._group_ready = True
             self._check_settings.come_due()  # Redis may be another now (restarted, failed over): read it again
-        self.connected = True
         self._connected_since = self._connected_since or time.monotonic()
         if self._hold_name.due(self.options.name_lease_s / 3):
             await self._renew_name()
