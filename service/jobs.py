@@ -79,7 +79,7 @@ from .job_types import (
     submission_fingerprint,
 )
 from .job_uploads import UploadRefused, read_upload, upload_size, write_uploads
-from .redis_outages import REDIS_ERRORS, NotReplicatedError
+from .redis_outages import REDIS_ERRORS, NotReplicatedError, SubmissionUnconfirmed
 from .redis_pools import close_pool, connection_pool, split_wait_replicas
 from .spool import SPOOL_MEMORY_BYTES
 
@@ -183,6 +183,8 @@ class JobStore(ItemStreams):
                 raise error(f"{uploads[exc.key][0].audio}: {exc}") from exc
             job, created = await self._create(job_id, items, options, key, list(uploads), stream, reserved,
                                               fingerprint)
+        except SubmissionUnconfirmed:
+            raise  # the job may be there, and these uploads its audio: left to expire with it, or with staging's TTL
         except BaseException:
             await self._discard(job_id, uploads, reserved)
             raise
@@ -209,30 +211,46 @@ class JobStore(ItemStreams):
                       fingerprint: str) -> tuple[Job, bool]:
         """The job's transaction (its ``uploads`` written already: it gives them the input TTL), queueing its items
         on ``stream`` and dropping their ``reserved`` count; the job an idempotency ``key`` names if it has one by
-        now."""
-        async with self.redis.pipeline(transaction=True) as pipe:
-            while True:
-                try:
-                    if key is not None:
-                        await pipe.watch(key)
-                        if (job := await self._job_named_by(pipe, key)) is not None:
-                            await pipe.reset()
-                            return job, False
-                    pipe.multi()
-                    if reserved is not None:  # queued now: counted on the streams from here on
-                        pipe.hdel(reserved, job_id)
-                    if key is not None:  # set with the job, in one transaction (over a key whose job is gone), and
-                        # kept as long as the job is: it lapsed at the result TTL, so a retry of a job still running
-                        # (or whose results were still kept) made a second job
-                        pipe.set(key, job_id, ex=self.input_ttl_s + self.result_ttl_s)
-                    await self._open_stream_in(pipe, stream)
-                    fields = self._queue_job(pipe, job_id, items, options, key, stream, fingerprint)
-                    if uploads:
-                        await self._expire_all(keys=uploads, args=[self.input_ttl_s], client=pipe)
-                    await pipe.execute()
-                    break
-                except aioredis.WatchError:  # another request with this key got there first: take its job
-                    continue
+        now. A transaction whose reply was lost (the connection closed after it was sent) may have run: the job is
+        looked for, and ``SubmissionUnconfirmed`` raised if Redis cannot say."""
+        sent = False
+        try:
+            async with self.redis.pipeline(transaction=True) as pipe:
+                while True:
+                    try:
+                        if key is not None:
+                            await pipe.watch(key)
+                            if (job := await self._job_named_by(pipe, key)) is not None:
+                                await pipe.reset()
+                                # this job's own: the transaction ran, and its reply was lost (redis-py raises that on
+                                # a watching connection as a WatchError, as it does another request's write)
+                                return job, job.id == job_id
+                        pipe.multi()
+                        if reserved is not None:  # queued now: counted on the streams from here on
+                            pipe.hdel(reserved, job_id)
+                        if key is not None:  # set with the job, in one transaction (over a key whose job is gone),
+                            # and kept as long as the job is: it lapsed at the result TTL, so a retry of a job still
+                            # running (or whose results were still kept) made a second job
+                            pipe.set(key, job_id, ex=self.input_ttl_s + self.result_ttl_s)
+                        await self._open_stream_in(pipe, stream)
+                        fields = self._queue_job(pipe, job_id, items, options, key, stream, fingerprint)
+                        if uploads:
+                            await self._expire_all(keys=uploads, args=[self.input_ttl_s], client=pipe)
+                        sent = True
+                        await pipe.execute()
+                        break
+                    except aioredis.WatchError:  # another request with this key got there first, or the reply
+                        continue  # was lost: the key says whose job it is
+        except REDIS_ERRORS as exc:
+            if not sent:
+                raise
+            try:  # the job is there (the reply lost) or not (the transaction with it)
+                written = await self.redis.exists(JOB_KEY.format(job_id=job_id))
+            except REDIS_ERRORS:
+                raise SubmissionUnconfirmed(f"the job store (Redis) went away as job {job_id} was written: "
+                                            f"it may have been queued") from exc
+            if not written:
+                raise
         # as written, not read back: a purge (or a Redis that lost it) a moment later made the submission a 500
         return job_from_fields(job_id, {name: str(value) for name, value in fields.items()}), True
 

@@ -26,6 +26,12 @@ class NotReplicatedError(aioredis.RedisError):
     (what it wrote may yet stay: a retried submission without an idempotency key may then make a second job)."""
 
 
+class SubmissionUnconfirmed(aioredis.ConnectionError):
+    """Redis went away as a job was written, and could not be asked whether the write was done: the job may be
+    queued. A retry with the submission's idempotency key finds it if it is; the uploads written for it are left to
+    their TTLs, not deleted (they may be its audio)."""
+
+
 # redis-py has no class of its own for this reply (a plain ResponseError: a 500); parsed to ours, it is an outage
 BaseParser.EXCEPTION_CLASSES.setdefault("NOREPLICAS", NoReplicasError)
 

@@ -62,6 +62,65 @@ def first_reply_lost(read: Callable[..., Awaitable], server: RedisServer, lost: 
     return read_losing_the_first_reply
 
 
+class RepliesCut:
+    """A TCP relay in front of ``server`` (on this event loop) that, while ``armed``, passes a command holding
+    ``marker`` on to Redis and closes the client's connection before the reply comes back: Redis ran the command, and
+    its sender never hears so. ``close_after``: Redis then stops too (``server.stop``), as a restart would."""
+
+    def __init__(self, server: RedisServer, marker: bytes = b"EXEC", close_after: bool = False):
+        self.server, self.marker, self.close_after = server, marker, close_after
+        self.armed, self.cut = 0, 0
+        self._relays: set[asyncio.Task] = set()
+
+    async def start(self) -> RepliesCut:
+        self._listener = await asyncio.start_server(self._relay, "127.0.0.1", free_port())
+        self.port = self._listener.sockets[0].getsockname()[1]
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    async def close(self) -> None:
+        self._listener.close()
+        for relay in self._relays:
+            relay.cancel()
+
+    async def _relay(self, client_in: asyncio.StreamReader, client_out: asyncio.StreamWriter) -> None:
+        self._relays.add(asyncio.current_task())
+        redis_in, redis_out = await asyncio.open_connection("127.0.0.1", self.server.port)
+        cutting = asyncio.Event()
+
+        async def commands() -> None:
+            while data := await client_in.read(65536):
+                if self.armed and self.marker in data.upper():  # a client sends a transaction whole, and waits
+                    self.armed, self.cut = self.armed - 1, self.cut + 1
+                    cutting.set()
+                redis_out.write(data)
+                await redis_out.drain()
+
+        async def replies() -> None:
+            while data := await redis_in.read(65536):
+                if cutting.is_set():  # its reply: Redis has run it
+                    if self.close_after:
+                        await asyncio.to_thread(self.server.stop)
+                    return
+                client_out.write(data)
+                await client_out.drain()
+
+        pumps = [asyncio.ensure_future(commands()), asyncio.ensure_future(replies())]
+        try:
+            await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            for pump in pumps:
+                pump.cancel()
+            client_out.transport.abort()
+            redis_out.transport.abort()
+            self._relays.discard(asyncio.current_task())
+
+
 class RedisSentinel:
     """A private Redis Sentinel (``redis-server --sentinel``) watching ``primary`` as ``service``, with a quorum of
     one, so that ``SENTINEL FAILOVER`` promotes a replica at once. ``replicas`` are told it as known (else it learns

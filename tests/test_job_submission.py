@@ -601,3 +601,75 @@ def test_an_idempotency_key_names_its_job_as_long_as_the_job_is_there(redis_serv
         again = httpx.post(f"{running.url}/v1/jobs", json=body, headers=key, timeout=30)
     assert first.status_code == 202 and again.status_code == 200, again.text
     assert again.json()["id"] == first.json()["id"]
+
+
+def _uploads(n: int) -> list[ItemInput]:
+    return [ItemInput(audio=f"{i}.wav", upload=io.BytesIO(f"RIFF {i}".encode() + bytes(2000))) for i in range(n)]
+
+
+async def _stream_length(url: str) -> int:
+    store = JobStore.from_url(url)
+    try:
+        return await store.redis.xlen(ITEM_STREAM)
+    finally:
+        await store.close()
+
+
+@pytest.mark.parametrize("idempotency_key", [None, "nightly-7"])
+def test_a_submission_whose_reply_was_lost_is_the_job_redis_wrote_with_its_audio(redis_server, idempotency_key):
+    """Redis ran the job's transaction and the connection closed before its reply came: the job is there. (With a
+    key, the lost reply came back as a WatchError, the key named the job, taken for another request's, and its
+    uploads were deleted; without one, a 503 and the uploads deleted: both left a queued job whose every item failed
+    for audio expired.)"""
+    from tests.redis_server import RepliesCut
+
+    async def scenario() -> None:
+        relay = await RepliesCut(redis_server).start()
+        store = JobStore.from_url(relay.url)
+        try:
+            relay.armed = 1
+            job, created = await store.submit(_uploads(3), idempotency_key)
+            assert relay.cut == 1 and created
+            for index in range(3):
+                start = await store.start_item(job.id, index)
+                assert start.state == "in_progress" and start.upload.startswith(f"RIFF {index}".encode())
+            assert await _stream_length(redis_server.url) == 3  # written once
+            again, created_again = await store.submit(_uploads(3), idempotency_key)
+            assert (again.id == job.id) == (not created_again) == (idempotency_key is not None)
+        finally:
+            await store.close()
+            await relay.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_submission_redis_went_away_while_writing_keeps_its_audio_for_the_job_it_may_have_queued(tmp_path):
+    """Redis ran the transaction and went away before anyone could ask: the submitter hears that the job may have
+    been queued (a 503 over HTTP), the uploads are left (they may be the job's audio), and a retry with the key,
+    once Redis is back, answers with the job."""
+    from service.redis_outages import SubmissionUnconfirmed
+    from tests.redis_server import RepliesCut
+
+    server = RedisServer(tmp_path, appendonly=True).start()
+
+    async def scenario() -> None:
+        relay = await RepliesCut(server, close_after=True).start()
+        store = JobStore.from_url(relay.url)
+        try:
+            relay.armed = 1
+            with pytest.raises(SubmissionUnconfirmed, match="may have been queued"):
+                await store.submit(_uploads(2), "tape-9")
+            await asyncio.to_thread(server.start)
+            again, created = await store.submit(_uploads(2), "tape-9")
+            assert not created
+            for index in range(2):
+                start = await store.start_item(again.id, index)
+                assert start.upload.startswith(f"RIFF {index}".encode())
+        finally:
+            await store.close()
+            await relay.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        server.stop()
