@@ -243,8 +243,11 @@ class ConditionalGraphBuilder:
         params.conditional.type = drv.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_WHILE
         params.conditional.size = 1
         params.conditional.ctx = ctx
-        # deps_info is [deps] on CUDA 12 and [deps, edge_data] on CUDA 13, in both calls' argument order
-        node = _check(drv.cuGraphAddNode(graph, *deps_info, n_deps, params), "cuGraphAddNode")
+        # deps_info is [deps] on CUDA 12 and [deps, edge_data] on CUDA 13, in both calls' argument order. The edge
+        # data goes in as None (default edges), as NeMo passes it: what the query returned points into the driver's
+        # own memory, and the node's one dependency, our condition kernel, needs no other kind of edge
+        deps, *edge_data = deps_info
+        node = _check(drv.cuGraphAddNode(graph, deps, *([None] * len(edge_data)), n_deps, params), "cuGraphAddNode")
         _check(drv.cuStreamUpdateCaptureDependencies(
             stream, [node], *([None] * (len(deps_info) - 1)), 1,
             drv.CUstreamUpdateCaptureDependencies_flags.CU_STREAM_SET_CAPTURE_DEPENDENCIES),

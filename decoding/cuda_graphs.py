@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,7 +106,7 @@ class _FullGraph:
         # lives as long as the graph.
         self.pool, route = _private_pool(device)
         self.graph = torch.cuda.CUDAGraph()
-        with route, torch.cuda.graph(self.graph, stream=streams[0], capture_error_mode="thread_local"):
+        with route, _capturing(self.graph, streams[0]):
             self.builder = ConditionalGraphBuilder(device, streams[1:])  # keeps the condition arguments alive
             looper.run(s, self.builder.while_loop)  # the eager program, its loops as WHILE nodes
 
@@ -117,9 +117,27 @@ class _FullGraph:
 def capture_graph(fn: Callable[[], Any], stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
     """A plain CUDA graph of what ``fn`` launches, captured on ``stream`` (warmed up there first)."""
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+    with _capturing(graph, stream):
         fn()
     return graph
+
+
+@contextlib.contextmanager
+def _capturing(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream) -> Iterator[None]:
+    """``torch.cuda.graph`` on ``stream``, leaving the thread as it found it should the capture fail (and the caller
+    fall back to another mode): torch ends the capture before it gives the thread its stream back, so a capture
+    whose end raised left the thread on the capture stream, and some torch versions the allocator routing its
+    allocations to the graph's pool."""
+    previous = torch.cuda.current_stream(stream.device)
+    try:
+        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+            yield
+    except BaseException:
+        with contextlib.suppress(Exception):  # raises where the pool was let go already (as torch's newer ones do)
+            torch._C._cuda_endAllocateToPool(stream.device.index, graph.pool())
+        raise
+    finally:
+        torch.cuda.set_stream(previous)
 
 
 def on_device(device: torch.device) -> contextlib.AbstractContextManager:

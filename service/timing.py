@@ -30,8 +30,8 @@ class StageClock:
 
     def stage_seconds(self, cpu_time: bool = False) -> dict[str, float]:
         """Seconds per stage, summed over batches: wall (GPU: event) time, or CPU time (CPU only)."""
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
+        if self.cuda and self.marks:  # the last mark, on the stream of them all: not the device, whose other
+            self.marks[-1][-1].synchronize()  # streams (the next batch's upload) need not be waited for
         totals = dict.fromkeys(STAGES, 0.0)
         for marks in self.marks:
             for stage, start, end in zip(STAGES, marks, marks[1:], strict=False):

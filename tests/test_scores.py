@@ -23,37 +23,12 @@ from models.audio_io import read_audio
 from models.segmenter import NO_CUT, Segment, stitch
 from models.transcript import build_transcript
 from tests.conftest import REPO, load_script
+from tests.scores import assert_scores_are_the_searchs
 from tests.test_label_looping import decoding_cases, random_batch, tiny_transducer
 
 DATA = Path(__file__).parent / "data" / "default_model"
 EXPECTED = json.loads((DATA / "expected.json").read_text())
 RATE = 16000
-
-
-def replayed_logprobs(encoded: torch.Tensor, hyp: Hypothesis, prediction, joint) -> list[torch.Tensor]:
-    """The joint's log-softmax over labels and blank where each token was emitted, stepping the prediction
-    network one label at a time as greedy search does (``encoded`` (T, d): one row)."""
-    blank = joint.vocab_size
-    state = prediction.initial_state(1, encoded.device, encoded.dtype)
-    previous = torch.tensor([blank], device=encoded.device)
-    out = []
-    for token, frame in zip(hyp.tokens, hyp.frames, strict=True):
-        pred, state = prediction.step(previous, state)
-        logits = joint.joint_after_projection(joint.project_encoder(encoded[frame : frame + 1]),
-                                              joint.project_prediction(pred))
-        out.append(torch.log_softmax(logits[0, : blank + 1].float(), dim=-1))
-        previous = torch.tensor([token], device=encoded.device)
-    return out
-
-
-def assert_scores_are_the_searchs(encoded, hyps, logprobs, prediction, joint, atol=1e-5):
-    for row, (hyp, scores) in enumerate(zip(hyps, logprobs, strict=True)):
-        assert len(scores) == len(hyp.tokens)
-        for token, score, dist in zip(hyp.tokens, scores, replayed_logprobs(encoded[row], hyp, prediction, joint),
-                                      strict=True):
-            assert int(dist.argmax()) == token  # the search's choice
-            assert score == pytest.approx(float(dist[token]), abs=atol)
-            assert score <= 1e-6
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -217,3 +217,20 @@ def test_the_engine_warm_up_captures_for_the_largest_batch_it_can_be_given(parit
         boosted = [(Hotword((5, 6)),), *[()] * (rows - 1)]  # the boosting graphs were captured too
         engine._compute(lambda: model.featurize([wave] * rows), [len(wave)] * rows, boosted)
         assert looper.n_captures == captures
+
+
+def test_a_capture_that_fails_leaves_the_thread_on_its_own_stream_for_the_next():
+    """A capture whose end raises (here: a host read inside it) must not leave the thread capturing's stream, nor
+    its allocations routed to the failed graph's pool: the fallback after it (another mode) runs on the thread."""
+    from decoding.cuda_graphs import capture_graph
+
+    x = torch.ones(4, device="cuda")
+    before = torch.cuda.current_stream()
+    with pytest.raises(RuntimeError):
+        capture_graph(lambda: (x * 2).sum().item(), torch.cuda.Stream())
+    assert torch.cuda.current_stream() == before
+    y = x + 1  # allocated from the general pool again, and freed to it
+    graph = capture_graph(lambda: x.mul_(3), torch.cuda.Stream())
+    graph.replay()
+    torch.cuda.synchronize()
+    assert x.tolist() == [3.0] * 4 and y.tolist() == [2.0] * 4

@@ -8,7 +8,7 @@ import torch
 
 from models import load_model
 from models.audio_io import read_audio
-from tests.test_scores import assert_scores_are_the_searchs
+from tests.scores import assert_scores_are_the_searchs
 
 
 @pytest.mark.parametrize("name", ["rnnt", "tdt", "tdt_ctc_hybrid"])
