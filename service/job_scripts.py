@@ -26,7 +26,8 @@ local state = redis.call('HGET', KEYS[2], ARGV[1])
 if state == false then return {'missing', 0} end
 if state == 'completed' or state == 'failed' or state == 'cancelled' then return {state, 0} end
 local cancels = tonumber(redis.call('HGET', KEYS[1], 'cancels') or '0')
-if redis.call('HEXISTS', KEYS[1], 'cancel_requested') == 1 then
+local requested = tonumber(redis.call('HGET', KEYS[1], 'cancel_requested') or '0')
+if requested > tonumber(redis.call('HGET', KEYS[1], 'cancel_set_aside') or '0') then  -- not retried since
   return {'cancelling', 0, cancels, redis.call('HGET', KEYS[4], ARGV[1]), -1}
 end
 local attempts = redis.call('HINCRBY', KEYS[3], ARGV[1], 1)
@@ -48,8 +49,10 @@ return {'in_progress', attempts, cancels, input, size, redis.call('GET', KEYS[5]
 
 # KEYS: job. A cancel, remembered on a job still queued or in progress (not on one gone: a purge or its
 # TTL between the caller's read and this left a record of this field alone, never to expire): its number among the
-# job's cancels ('cancels'), in 'cancel_requested' until a retry of its failed items clears it. A consumer stops
-# the items it holds that were started before this cancel, not those of a retry since. Returns that number, or 0.
+# job's cancels ('cancels'), in 'cancel_requested'. A consumer stops the items it holds that were started before
+# this cancel, not those of a retry since; a retry of the failed items sets the cancels so far aside for the items
+# it queues ('cancel_set_aside': START_ITEM starts them), and leaves the number for the items started before them.
+# Returns that number, or 0.
 # allow-oom: a full Redis is when an operator cancels.
 REQUEST_CANCEL = _ALLOW_OOM + """
 local status = redis.call('HGET', KEYS[1], 'status')
@@ -481,7 +484,9 @@ for i = 6, #ARGV do
   end
 end
 if queued == 0 then return {0, kept, deferred, counted} end
-redis.call('HDEL', KEYS[1], 'cancel_requested')  -- a cancelled job's failed items, retried, are wanted again
+-- a cancelled job's failed items, retried, are wanted again; those held since before the cancel are not (their
+-- consumers read 'cancel_requested' to stop them, and may not have looked yet)
+redis.call('HSET', KEYS[1], 'cancel_set_aside', redis.call('HGET', KEYS[1], 'cancels') or '0')
 redis.call('HINCRBY', KEYS[1], 'n_failed', -queued)
 redis.call('HINCRBY', KEYS[1], 'n_queued', queued)
 redis.call('HSET', KEYS[1], 'status', 'in_progress')

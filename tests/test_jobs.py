@@ -1139,7 +1139,7 @@ def test_a_cancel_stops_the_decoding_of_an_item_under_way(redis_server, model, p
 
 def test_a_retry_of_a_cancelled_jobs_failed_items_runs_them(redis_server):
     """The cancel is remembered on the job, so that items started later are cancelled; a retry of its failed
-    items forgets it, or they would be cancelled as they start."""
+    items sets it aside for them, or they would be cancelled as they start."""
     items = [ItemInput(audio=f"{i}.wav", url=f"https://media.example/{i}.wav") for i in range(3)]
 
     async def scenario() -> None:
@@ -1155,7 +1155,7 @@ def test_a_retry_of_a_cancelled_jobs_failed_items_runs_them(redis_server):
         assert (await store.get(job.id)).status.value == "cancelled"
         assert await store.cancel_requested([job.id, "no-such-job"]) == {job.id: 1, "no-such-job": math.inf}
         assert (await store.retry_failed(job.id)).retried == 1
-        assert await store.cancel_requested([job.id]) == {}
+        assert await store.cancel_requested([job.id]) == {job.id: 1}  # for items held since before the cancel
         retried = await store.start_item(job.id, 0)
         assert retried.state == "in_progress" and retried.cancels == 1
         # a look at the cancels that began before the retry and answers after it stops nothing begun since
@@ -1167,6 +1167,31 @@ def test_a_retry_of_a_cancelled_jobs_failed_items_runs_them(redis_server):
             watch.cancelled(await store.cancel_requested([job.id]))
             assert cancelled.is_set()
         assert watch.jobs() == []
+        await store.close()
+
+    asyncio.run(scenario())
+
+
+def test_an_item_held_when_its_job_was_cancelled_stops_though_a_retry_came_before_its_consumer_looked(
+        redis_server):
+    """A cancel, then a retry of the failed items within the second before the consumers look for cancels: the item
+    a consumer held since before the cancel is still stopped at its look. (The retry deleted the cancel, and the
+    item ran to the end.)"""
+    items = [ItemInput(audio=f"{i}.wav", url=f"https://media.example/{i}.wav") for i in range(2)]
+
+    async def scenario() -> None:
+        store = JobStore.from_url(redis_server.url)
+        job, _ = await store.submit(items)
+        held = await store.start_item(job.id, 0)
+        await store.start_item(job.id, 1)
+        await store.finish_item(job.id, 1, "failed", item_record(items[1].audio, "failed", error="x"), error="x")
+        watch = CancelWatch()
+        with watch.holding(job.id, held.cancels) as cancelled:
+            await store.cancel(job.id)
+            assert (await store.retry_failed(job.id)).retried == 1
+            watch.cancelled(await store.cancel_requested([job.id]))  # the consumer's look, after the retry
+            assert cancelled.is_set()
+        assert (await store.start_item(job.id, 1)).state == "in_progress"  # the retried item runs
         await store.close()
 
     asyncio.run(scenario())
