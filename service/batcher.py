@@ -166,6 +166,7 @@ class Batcher:
         self._closed = False
         self._throughput_audio_s_per_s = 0.0  # recent engine speed, for Retry-After
         self._batch_s = 0.0  # recent time per batch: an item due sooner than FINISH_BATCHES of it is dropped
+        self._queued_samples = 0  # of the items queued, all priorities
         self._on_drop = on_drop or (lambda reason: None)  # told "expired" or "cancelled" per dropped item
         # Dead items are looked for only when one may exist: a queued future was cancelled, or a deadline passed.
         self._maybe_cancelled = False
@@ -193,6 +194,7 @@ class Batcher:
         item.turn = max(turns.get(item.owner, 0), self._served[item.priority]) + _cost(item)
         turns[item.owner] = item.turn
         queue = self._queues[item.priority]
+        self._queued_samples += item.n_samples
         if not queue or queue[-1].turn <= item.turn:
             queue.append(item)
         else:
@@ -235,6 +237,7 @@ class Batcher:
                     if not item.future.done():
                         item.future.set_exception(exc)
                 queue.clear()
+            self._queued_samples = 0
             self._cond.notify_all()
 
     # --- the consumer (the engine thread) ---------------------------------------------------------------
@@ -273,19 +276,28 @@ class Batcher:
                 return self._queues[priority][0]
         return None
 
-    def _why_late(self, item: WorkItem, now: float) -> str:
+    def _why_late(self, item: WorkItem, now: float, batch_s: float) -> str:
         """Why ``item`` is dropped: its time ran out, or what is left of it is less than FINISH_BATCHES batches
         take at the engine's recent pace (said, or a refusal 0.1 s into a 5 s timeout reads as a hang)."""
         left_s = item.deadline - now
         if left_s <= 0:
             return f"not processed within {item.timeout_s:g} s"
         return (f"dropped before it ran: {left_s:.1f} s of its {item.timeout_s:g} s were left, and "
-                f"{FINISH_BATCHES} batches take {FINISH_BATCHES * self._batch_s:.1f} s at the engine's recent pace")
+                f"{FINISH_BATCHES} batches take {FINISH_BATCHES * batch_s:.1f} s at the engine's recent pace")
+
+    def _next_batch_s(self) -> float:
+        """How long the next batch takes at the engine's recent pace: a recent batch's time, or, while less audio
+        waits than that time transcribes, that audio's. (Judged by a burst of long uploads' batches, a short request
+        that came after them was dropped, and every one after it: no batch ran again to say the pace had changed.)"""
+        if self._throughput_audio_s_per_s <= 0:
+            return self._batch_s
+        return min(self._batch_s, self._queued_samples / self.sample_rate / self._throughput_audio_s_per_s)
 
     def _drop_dead_items(self) -> None:
         """Drops cancelled items, and fails with TimeoutError those that could not be done before their deadline."""
         now = time.monotonic()
-        due_by = now + FINISH_BATCHES * self._batch_s  # an item due before this would be done too late
+        batch_s = self._next_batch_s()
+        due_by = now + FINISH_BATCHES * batch_s  # an item due before this would be done too late
         if not self._maybe_cancelled and due_by < self._next_deadline:
             return  # each look is a lock per queued item: thousands, between two batches
         self._maybe_cancelled = False  # before the look: a cancel during it asks for another
@@ -299,9 +311,10 @@ class Batcher:
                     next_deadline = min(next_deadline, item.deadline)
                     continue
                 losers.add(item.owner)
+                self._queued_samples -= item.n_samples
                 if not item.future.cancelled() and item.future.set_running_or_notify_cancel():
                     self._on_drop("expired")
-                    item.future.set_exception(TimeoutError(self._why_late(item, now)))
+                    item.future.set_exception(TimeoutError(self._why_late(item, now, batch_s)))
                 else:
                     self._on_drop("cancelled")
             self._queues[priority] = self._turns_without_dropped(priority, alive, losers) if losers else alive
@@ -345,6 +358,7 @@ class Batcher:
                 chosen = self._pick_similar(anchor, pool, chosen)
         taken = {id(item) for item in chosen}
         self._advance_turns(chosen)
+        self._queued_samples -= sum(item.n_samples for item in chosen)
         for queue in self._queues.values():  # every chosen item is in a queue's first pool_size
             head = [queue.popleft() for _ in range(min(pool_size, len(queue)))]
             queue.extendleft(reversed([item for item in head if id(item) not in taken]))

@@ -254,6 +254,24 @@ def test_items_that_could_not_be_done_before_their_deadline_are_failed_instead_o
     assert str(expired_late(b)) == "not processed within 0 s"
 
 
+def test_a_short_request_after_long_ones_is_judged_by_its_own_audio_not_their_batches():
+    """A burst of long uploads made batches of 4 s; judged by them (two take 8 s), a 10 ms request with a 4 s timeout
+    was dropped unrun, and so was every request after it, the pace never measured again: a server answering 504 to
+    all until restarted. The next batch is judged by the audio waiting, up to a recent batch's time."""
+    drops = []
+    b = _batcher(on_drop=drops.append, max_batch_size=4)
+    b.record_throughput(audio_s=240.0, compute_s=4.2)  # the burst's batch
+    short = _item(0.01, timeout_s=4.0)
+    b.submit([short])
+    assert b.next_batch().items == [short] and drops == []
+    # with a batch's worth of audio waiting, its batches' time is what an item needs, as before
+    backlog = [_item(30.0, timeout_s=30.0) for _ in range(8)]
+    doomed = _item(30.0, timeout_s=4.0)
+    b.submit([*backlog, doomed])
+    assert doomed not in b.next_batch().items
+    assert drops == ["expired"] and "2 batches take 8.4 s" in str(doomed.future.exception())
+
+
 def expired_late(b) -> BaseException | None:
     """The error of an item whose time ran out before anyone looked."""
     late = _item(1, timeout_s=0.0)
