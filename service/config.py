@@ -9,9 +9,9 @@ import os
 import shlex
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Any
 
-from pydantic import Field, ValidationError, ValidationInfo, field_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from decoding.types import HOTWORD_BOOST, MAX_HOTWORD_BOOST
@@ -32,6 +32,11 @@ def _webhook_retry_delays() -> list[float]:
     from .webhooks import RETRY_DELAYS_S  # its HTTP client is imported when webhooks are, not with the settings
 
     return list(RETRY_DELAYS_S)
+
+
+# settings given as lists: comma-separated, or a JSON list
+LIST_SETTINGS = ("api_keys", "model_aliases", "languages", "input_roots", "input_url_prefixes", "webhook_url_prefixes",
+                 "webhook_retry_delays_s")
 
 
 class Settings(BaseSettings):
@@ -110,15 +115,19 @@ class Settings(BaseSettings):
     # engine's process consumes. serve needs front ends for them.
     job_consumers: int = 0
 
-    @field_validator("model", "model_name", "max_batch_audio_s", "length_bucket_s", "redis_url", "job_prefetch",
-                     "webhook_secret", "worker_name", mode="before")
+    @model_validator(mode="before")
     @classmethod
-    def _empty_is_unset(cls, value: object) -> object:
-        """``BATCHASR_X=`` (a manifest that lists every setting, some left blank) means the default, not an error."""
-        return None if isinstance(value, str) and not value.strip() else value
+    def _blank_is_default(cls, values: Any) -> Any:
+        """``BATCHASR_X=`` (a manifest that lists every setting, some left blank) means X's default: not an error
+        (a blank number or JOB_MAX_QUEUED_ITEMS refused to start), nor a blank value (a blank HOST had the server
+        listen on every interface; a blank WEBHOOK_RETRY_DELAYS_S, no retries). But for LANGUAGES, whose empty list
+        means any language."""
+        if not isinstance(values, dict):
+            return values
+        return {name: value for name, value in values.items()
+                if name == "languages" or not (isinstance(value, str) and not value.strip())}
 
-    @field_validator("api_keys", "model_aliases", "languages", "input_roots", "input_url_prefixes",
-                     "webhook_url_prefixes", "webhook_retry_delays_s", mode="before")
+    @field_validator(*LIST_SETTINGS, mode="before")
     @classmethod
     def _split_commas(cls, value: object) -> object:
         """Accept ``a,b`` as well as a JSON list from the environment."""

@@ -1073,6 +1073,16 @@ def test_a_setting_left_blank_in_the_environment_is_its_default(monkeypatch):
     settings = get_settings()
     assert settings.length_bucket_s is None and settings.job_prefetch is None and settings.redis_url is None
     assert settings.batch_audio_limit_s == Settings().batch_audio_limit_s and settings.model is None
+    # those with a default of their own take it: a blank HOST had the server listen on every interface, a blank
+    # list of retry delays sent webhooks once, and a blank number or limit refused to start
+    for name in ("HOST", "PORT", "JOB_MAX_QUEUED_ITEMS", "TOKEN_SCORES", "MODEL_ALIASES", "WEBHOOK_RETRY_DELAYS_S",
+                 "DEVICE", "MAX_SEGMENT_S"):
+        monkeypatch.setenv(f"BATCHASR_{name}", " ")
+    settings = get_settings()
+    for name, field in Settings.model_fields.items():
+        assert getattr(settings, name) == field.get_default(call_default_factory=True), name
+    monkeypatch.setenv("BATCHASR_LANGUAGES", "")
+    assert get_settings().languages == []  # the one whose blank says something: any language
 
 
 def test_languages_setting_takes_codes_and_none_takes_any(monkeypatch, hybrid, parity_audio):
