@@ -453,6 +453,8 @@ async def _from_store(job_id: str, work: Awaitable[T]) -> T:
         raise ApiError(404, f"no job `{job_id}` (it may have expired)", param="job_id", code="job_not_found") from exc
     except REDIS_ERRORS as exc:
         raise _redis_down(exc) from exc
+    except REDIS_FULL as exc:  # a write of some step Redis refused for memory (a 500 before): done, or not, in part
+        raise _store_full("the request may have been carried out in part: send it again") from exc
 
 
 def _at_queued_limit(exc: TooManyQueued) -> ApiError:

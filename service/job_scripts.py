@@ -275,6 +275,21 @@ for _, key in ipairs(KEYS) do redis.call('EXPIRE', key, ARGV[1]) end
 return #KEYS
 """
 
+# KEYS: the job's owner's list, then keys of the job to delete (its records, or a page of its uploads). ARGV: job id.
+# A purge, in steps of one page: allow-oom, since a full Redis is when an operator purges (a transaction's DELs are
+# refused there, as every command queued in a MULTI is).
+PURGE_JOB = _ALLOW_OOM + """
+redis.call('ZREM', KEYS[1], ARGV[1])
+for i = 2, #KEYS do redis.call('DEL', KEYS[i]) end
+return #KEYS - 1
+"""
+
+# KEYS: the replication mark. The write that WAIT confirms replicas hold (JobStore._confirm_replicated): allow-oom, as
+# what it confirms may be a cancel or a purge, which a full Redis takes.
+MARK_REPLICATION = _ALLOW_OOM + """
+return redis.call('INCR', KEYS[1])
+"""
+
 # XINFO's replies (a flat list of names and values each) as tables, name -> value. Parsed here: in the client, a
 # worker with a few hundred streams (API keys') spent most of a read parsing XINFO's replies.
 _XINFO = """

@@ -50,8 +50,10 @@ from .job_scripts import (
     DEFER_WEBHOOK,
     EXPIRE_ALL,
     FINISH_ITEM,
+    MARK_REPLICATION,
     OWNER_ITEMS,
     PROMOTE_WEBHOOKS,
+    PURGE_JOB,
     RECORD_ERROR,
     RECORD_WEBHOOK,
     REQUEST_CANCEL,
@@ -130,6 +132,8 @@ class JobStore(ItemStreams):
         self._request_cancel = client.register_script(REQUEST_CANCEL)
         self._record_error = client.register_script(RECORD_ERROR)
         self._expire_all = client.register_script(EXPIRE_ALL)
+        self._purge = client.register_script(PURGE_JOB)
+        self._mark_replication = client.register_script(MARK_REPLICATION)
         self._retry_failed = client.register_script(RETRY_FAILED)
         self._reserve_items = client.register_script(RESERVE_ITEMS)
         self._owner_items = client.register_script(OWNER_ITEMS)
@@ -279,7 +283,7 @@ class JobStore(ItemStreams):
         if not self.wait_replicas:
             return
         pipe = self.redis.pipeline(transaction=False)  # one connection, in order; WAIT in a MULTI would not wait
-        pipe.incr(REPLICATION_MARK_KEY)
+        await self._mark_replication(keys=[REPLICATION_MARK_KEY], client=pipe)
         pipe.wait(self.wait_replicas, REPLICA_WAIT_MS)
         _, confirmed = await pipe.execute()
         if confirmed < self.wait_replicas:
@@ -593,17 +597,15 @@ class JobStore(ItemStreams):
             # it may be the retry of a delete refused as unconfirmed: that the job is gone, a replica holds first
             await self._confirm_replicated()
             raise
-        job_key = JOB_KEY.format(job_id=job_id)
+        job_key, owned = JOB_KEY.format(job_id=job_id), OWNER_JOBS_KEY.format(owner=job.owner)
         idempotency_key = await self.redis.hget(job_key, "idempotency_key")
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.delete(*(template.format(job_id=job_id) for template in JOB_KEYS))
+        records = [template.format(job_id=job_id) for template in JOB_KEYS] + ([idempotency_key] if idempotency_key
+                                                                               else [])
+        await self._purge(keys=[owned, *records], args=[job_id])  # first: no item starts from here on
         for first in range(0, job.total_items, RESULTS_PAGE):
             last = min(first + RESULTS_PAGE, job.total_items)
-            pipe.delete(*(UPLOAD_KEY.format(job_id=job_id, index=i) for i in range(first, last)))
-        if idempotency_key:
-            pipe.delete(idempotency_key)
-        pipe.zrem(OWNER_JOBS_KEY.format(owner=job.owner), job_id)
-        await pipe.execute()
+            await self._purge(keys=[owned, *(UPLOAD_KEY.format(job_id=job_id, index=i) for i in range(first, last))],
+                              args=[job_id])
         await self._confirm_replicated()
 
     # --- webhook deliveries (used by service.webhook_worker) ---------------------------------------------------

@@ -213,3 +213,33 @@ def test_jobs_cancel_and_purge_ride_out_refusals_and_a_purge_a_refused_try_did_i
     assert [job["status"] for job in cancelled] == ["cancelled"] or ended_first
     assert [answer["deleted"] for answer in purged] == [True]
     assert "warning: cancelling job " in err and "warning: purging job " in err and "trying again" in err
+
+
+def test_a_cancel_and_a_purge_go_through_a_full_redis_confirmed_by_the_replica(replicated, parity_audio):
+    """A full Redis is when an operator cancels or purges: both went through (or the purge not at all: its DELs were
+    a transaction's, which a full Redis refuses), and then the mark that WAIT confirms was refused for memory: a 500
+    for a cancel that was done. Both are now written, and confirmed, there."""
+    from redis.exceptions import OutOfMemoryError
+
+    from tests.servers import upload_items
+
+    client = replicated.primary.client()
+
+    async def scenario() -> None:
+        store = JobStore.from_url(f"{replicated.url}?wait_replicas=1")
+        try:
+            kept, _ = await store.submit(upload_items(parity_audio, 3))
+            purged, _ = await store.submit(upload_items(parity_audio, 3))
+            client.config_set("maxmemory-policy", "noeviction")
+            client.config_set("maxmemory", 1)  # full, whatever the replica's buffers (which are not counted) hold
+            with pytest.raises(OutOfMemoryError):
+                await store.submit([URL_ITEM])
+            job, _ = await store.cancel(kept.id)
+            assert job.status.value == "cancelled"
+            await store.delete(purged.id)
+            assert not client.keys(f"*{purged.id}*") and client.keys(f"*{kept.id}*")
+            assert not replicated.replica.client().keys(f"*{purged.id}*")
+        finally:
+            await store.close()
+
+    asyncio.run(scenario())
