@@ -284,6 +284,20 @@ for i = 2, #KEYS do redis.call('DEL', KEYS[i]) end
 return #KEYS - 1
 """
 
+# KEYS: an owner's list of jobs (scored by creation). ARGV: the score at or before which a job has had a new job's
+# time, the job key's prefix. Those jobs' ids are dropped, but for jobs still there: retried, a job's records are
+# kept a new job's time from the retry, and it is listed as long as it can be read.
+PRUNE_OWNER_JOBS = """
+local dropped = 0
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])) do
+  if redis.call('EXISTS', ARGV[2] .. id) == 0 then
+    redis.call('ZREM', KEYS[1], id)
+    dropped = dropped + 1
+  end
+end
+return dropped
+"""
+
 # KEYS: the replication mark. The write that WAIT confirms replicas hold (JobStore._confirm_replicated): allow-oom, as
 # what it confirms may be a cancel or a purge, which a full Redis takes.
 MARK_REPLICATION = _ALLOW_OOM + """

@@ -53,6 +53,7 @@ from .job_scripts import (
     MARK_REPLICATION,
     OWNER_ITEMS,
     PROMOTE_WEBHOOKS,
+    PRUNE_OWNER_JOBS,
     PURGE_JOB,
     RECORD_ERROR,
     RECORD_WEBHOOK,
@@ -133,6 +134,7 @@ class JobStore(ItemStreams):
         self._record_error = client.register_script(RECORD_ERROR)
         self._expire_all = client.register_script(EXPIRE_ALL)
         self._purge = client.register_script(PURGE_JOB)
+        self._prune_owner_jobs = client.register_script(PRUNE_OWNER_JOBS)
         self._mark_replication = client.register_script(MARK_REPLICATION)
         self._retry_failed = client.register_script(RETRY_FAILED)
         self._reserve_items = client.register_script(RESERVE_ITEMS)
@@ -238,6 +240,11 @@ class JobStore(ItemStreams):
                             pipe.set(key, job_id, ex=self.input_ttl_s + self.result_ttl_s)
                         await self._open_stream_in(pipe, stream)
                         fields = self._queue_job(pipe, job_id, items, options, key, stream, fingerprint)
+                        # the owner's list: ids of jobs long expired are dropped here, those expired early
+                        # (finished) when listed
+                        horizon = float(fields["created_at"]) - self.input_ttl_s - self.result_ttl_s
+                        await self._prune_owner_jobs(keys=[OWNER_JOBS_KEY.format(owner=options.owner)],
+                                                     args=[horizon, JOB_KEY.format(job_id="")], client=pipe)
                         if uploads:
                             await self._expire_all(keys=uploads, args=[self.input_ttl_s], client=pipe)
                         sent = True
@@ -344,10 +351,8 @@ class JobStore(ItemStreams):
             pipe.xadd(stream, {"job": job_id, "index": index})
         for template in JOB_KEYS:
             pipe.expire(template.format(job_id=job_id), kept_s)
-        # the owner's list: ids of jobs long expired are dropped here, those expired early (finished) when listed
-        owned = OWNER_JOBS_KEY.format(owner=options.owner)
+        owned = OWNER_JOBS_KEY.format(owner=options.owner)  # the owner's list (kept as long as its newest job)
         pipe.zadd(owned, {job_id: float(created_at)})
-        pipe.zremrangebyscore(owned, 0, float(created_at) - kept_s)
         pipe.expire(owned, kept_s)
         return fields
 
@@ -581,8 +586,9 @@ class JobStore(ItemStreams):
             queued, left, deferred = queued + int(n_queued), left + int(n_left), deferred + int(n_deferred)
         if deferred and not queued:  # nothing written: refused, as a submission past the limit is
             raise NoRoomToRetry(int(counted), int(limit), deferred)
-        if queued:  # in progress again, its records kept as a new job's: its key too
+        if queued:  # in progress again, its records kept as a new job's: its key and its owner's list too
             await self._keep_idempotency_key(job_id, self.input_ttl_s + self.result_ttl_s)
+            await self.redis.expire(OWNER_JOBS_KEY.format(owner=job.owner), self.input_ttl_s + self.result_ttl_s)
         await self._confirm_replicated()
         return Retried(await self.get(job_id), queued, left, deferred)
 

@@ -312,3 +312,26 @@ def test_submit_wait_says_when_a_jobs_results_do_not_match_its_inputs(redis_serv
         asyncio.run(read_all(sources[:3]))
     with pytest.raises(ValueError, match=r"5 results for its 7 items"):
         asyncio.run(read_all([*sources, Path("a.wav"), Path("b.wav")]))
+
+
+def test_a_job_retried_late_in_its_life_stays_listed_while_it_is_there(redis_server):
+    """A retry keeps the job's records a new job's time from then, but its owner's list kept it no longer than from
+    its submission: it expired with the list, or a later submission pruned it by its age, and the job, still read
+    by its id, was no longer listed. (TTLs of seconds stand in for days.)"""
+    from tests.servers import settle_items
+
+    async def scenario() -> None:
+        store = JobStore.from_url(redis_server.url, input_ttl_s=1, result_ttl_s=3)  # a job kept 4 s
+        try:
+            job, _ = await store.submit([ItemInput(audio="a.wav", path="/x/a.wav")])
+            await settle_items(store, 1, "failed")
+            await asyncio.sleep(2.5)  # late in its life
+            assert (await store.retry_failed(job.id)).retried == 1
+            await asyncio.sleep(2.0)  # past its first 4 s: the list made at its submission is gone
+            assert [j.id for j in (await store.list_jobs("anonymous"))[0]] == [job.id]
+            later, _ = await store.submit([ItemInput(audio="b.wav", path="/x/b.wav")])  # prunes the list by age
+            assert [j.id for j in (await store.list_jobs("anonymous"))[0]] == [later.id, job.id]
+        finally:
+            await store.close()
+
+    asyncio.run(scenario())
