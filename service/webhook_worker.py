@@ -203,7 +203,8 @@ class WebhookWorker:
             self.metrics.count_webhook("handed_back")
             try:
                 await self.store.requeue_webhook(message_id, job_id, end, attempt)
-            except REDIS_ERRORS as exc:  # still pending: reclaimed after the claim timeout
+            except (*REDIS_ERRORS, REDIS_FULL) as exc:  # still pending: taken by another worker once this one's
+                # name is let go (about 20 s), else after the claim timeout; a full Redis refuses the entry added
                 log.warning("could not hand back the webhook of %s (%s)", job_id, exc)
         if handed:
             log.info("handed back %d webhook deliveries in progress", len(handed))

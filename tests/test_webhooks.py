@@ -439,6 +439,35 @@ def test_a_purged_job_is_not_announced(redis_server, receiver):
     assert not redis_server.client().keys(f"*{job_id}*")
 
 
+def test_a_worker_stopping_with_redis_full_leaves_its_deliveries_pending_and_stops_cleanly(redis_server, receiver):
+    """A full Redis refuses the hand-back (a transaction that adds an entry): the refusal escaped the worker's run,
+    past what follows it at a stop. The delivery is left pending, for another worker to take."""
+    hook = receiver(None, 200)
+    client = redis_server.client()
+
+    async def scenario() -> None:
+        store = JobStore.from_url(redis_server.url)
+        await store.ensure_group()
+        await _finished_job_with_webhook(store, hook.url())
+        stop = asyncio.Event()
+        stopping = WebhookWorker(store, WebhookSender(SECRET, url_prefixes=[hook.prefix()]), "stopping", Metrics(),
+                                 stop_grace_s=0.2)
+        running = asyncio.create_task(stopping.run(stop, block_ms=100))
+        await asyncio.to_thread(_wait_for, lambda: hook.received, 10, "the first delivery never arrived")
+        client.config_set("maxmemory-policy", "noeviction")
+        client.config_set("maxmemory", 1)
+        stop.set()
+        await running  # no OutOfMemoryError
+        await stopping.close()
+        await store.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        client.config_set("maxmemory", 0)
+    assert client.xpending(WEBHOOK_STREAM, GROUP)["pending"] == 1
+
+
 def test_a_delivery_whose_worker_died_is_reclaimed_by_another(redis_server, receiver):
     hook = receiver(None, 200)  # the first delivery hangs: its worker dies meanwhile
     job, delivered, pending = _left_by_a_killed_worker_then_drained(redis_server.url, hook, "doomed", "next", 0.6,
