@@ -46,6 +46,7 @@ from .http import (
     request_hotwords,
     request_owner,
     require_api_key,
+    single_fields,
     speaker_names,
     subtitle_layout,
     upload_too_large_message,
@@ -86,6 +87,9 @@ STREAM_FORMATS = ("json", "text")  # as OpenAI's: the stream's events carry text
 GRANULARITIES = ("word", "segment")
 INCLUDES = ("logprobs",)
 LOGPROB_FORMATS = ("json", "verbose_json")  # OpenAI gives logprobs in JSON only (and in the stream's events)
+# the OpenAI route's fields that take one value (the others are lists: timestamp_granularities[], include[], hotwords)
+OPENAI_SINGLE_FIELDS = ("file", "model", "language", "prompt", "response_format", "temperature", "stream",
+                        "skip_silence", "max_line_width", "max_line_count", "multichannel", "channel_names")
 
 
 def _hotwords(service: ServiceState, values: list[str]) -> Hotwords:
@@ -164,6 +168,8 @@ async def openai_transcriptions(
 ) -> Response:
     """OpenAI-compatible transcription (multipart); `skip_silence` (ours, e.g. the SDK's `extra_body`) leaves long
     quiet stretches out; `max_line_width` and `max_line_count` (Whisper's names) lay out srt and vtt cues."""
+    form = await request.form()  # parsed by FastAPI already: its fields as they came, each value of a repeated one
+    single_fields(form, *OPENAI_SINGLE_FIELDS)  # before any is judged: FastAPI took the last of each
     _check_model(service, model or None)
     spoken = _check_language(service, language)
     layout = subtitle_layout(max_line_width, max_line_count)
@@ -173,9 +179,10 @@ async def openai_transcriptions(
     if stream and response_format not in STREAM_FORMATS:
         raise ApiError(400, f"stream=true needs response_format {' or '.join(STREAM_FORMATS)}", param="stream",
                        code="invalid_parameter")
-    form = await request.form()
     for native in ("multichannel", "channel_names"):  # taken by the native route only: not ignored here
-        if (form.get(native) or request.query_params.get(native)) not in (None, "", "false", "0"):
+        given = [v for v in (form_text(form, native), request.query_params.get(native)) if v is not None]
+        # multichannel false in any of the native route's words (off, no, False...); channel_names, any name at all
+        if any(flag(v, native) if native == "multichannel" else v.strip() for v in given):
             raise ApiError(400, f"`{native}` is taken by POST /v1/transcribe (a conversation's channels transcribed "
                            "apart); this route mixes the channels down", param=native, code="invalid_parameter")
     granularities = _form_list(form, "timestamp_granularities")
@@ -237,6 +244,8 @@ async def native_transcribe(request: Request, service: ServiceDep,
     likelier where the audio leaves room for them."""
     content_type = request.headers.get("content-type", "")
     form = await request.form() if content_type.lower().startswith("multipart/form-data") else None
+    if form is not None:
+        single_fields(form, "file", "multichannel", "skip_silence", "channel_names")
     apart, skip = _option("multichannel", multichannel, form), _option("skip_silence", skip_silence, form)
     names = speaker_names(form_text(form, "channel_names") if channel_names is None and form is not None
                           else channel_names, apart)

@@ -13,15 +13,20 @@ of a body past its limit (service.body_limit) or the client's leaving, at the po
 stops arriving for ``BODY_IDLE_TIMEOUT_S`` is answered 408 and its connection closed, rather than kept for good.
 A route may instead take a whole body's file (``take_body``) and read it where it lies: an audio upload is decoded
 from it, not first copied into memory whole.
+
+A multipart form whose body ended before its closing boundary is refused (400 ``invalid_body``) where the app first
+reads it: Starlette's parser took it as a whole form of the parts before the cut, and the fields past it were lost
+without a word (``multichannel``, ``language``), or a file cut short was missing.
 """
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from email.message import Message
 from typing import Any, BinaryIO
 
-from starlette.datastructures import UploadFile
+from starlette.datastructures import Headers, UploadFile
 
 from .http import ApiError, no_room_for_body, send_error
 from .spool import spooled_file
@@ -31,6 +36,7 @@ NO_BODY_METHODS = ("GET", "HEAD", "OPTIONS", "DELETE")
 BODY_IDLE_TIMEOUT_S = 60.0  # between two pieces of a body (nginx's client_body_timeout)
 BODY_BYTES = "batchasr.body_bytes"  # the scope's key for the size of the body received (``body_bytes``)
 BODY_FILE = "batchasr.body_file"  # the scope's key for a body received whole (``take_body``)
+FORM_TAIL_BYTES = 64 << 10  # where a form's closing boundary is looked for first: clients end the body with it
 
 
 @dataclass
@@ -93,11 +99,14 @@ class BodyBufferMiddleware:
                     return
                 if not message.get("more_body", False):
                     break
-            await body.seek(0)
             left = scope[BODY_BYTES] = body.size or 0  # routes hold room for it in the intake budget
             whole = WholeBody(body.file)
             if isinstance(end, dict) and end["type"] == "http.request":
-                scope[BODY_FILE] = whole
+                if (cut := await _cut_off_form(scope, body)) is not None:
+                    end, left = cut, 0  # met at the app's first read: nothing of the form is parsed
+                else:
+                    scope[BODY_FILE] = whole
+            await body.seek(0)
 
             async def replay() -> dict:
                 nonlocal left, end
@@ -117,3 +126,29 @@ class BodyBufferMiddleware:
             await self.app(scope, replay, send)
         finally:
             await body.close()
+
+
+async def _cut_off_form(scope: dict, body: UploadFile) -> ApiError | None:
+    """The 400 for a multipart form whose body lacks its close delimiter (CRLF ``--boundary--``, RFC 2046 5.1.1),
+    where python-multipart's parser ends a form (it took a body without one as whole); None for a whole form, or any
+    other body. Looked for in the body's tail, where clients put it; past it may come an epilogue, which the parser
+    ignores, so where the tail lacks it, anywhere in the body."""
+    header = Message()  # the standard library's reading of a MIME header: a quoted boundary unquoted
+    header["content-type"] = Headers(scope=scope).get("content-type", "")
+    boundary = header.get_param("boundary")
+    if header.get_content_type() != "multipart/form-data" or not isinstance(boundary, str) or not boundary:
+        return None  # not a form, or Starlette's own 400 (no boundary)
+    close = b"\r\n--" + boundary.encode("latin-1") + b"--"
+    size = body.size or 0
+    start = max(0, size - FORM_TAIL_BYTES)
+    await body.seek(start)
+    if close in (b"\r\n" if start == 0 else b"") + await body.read():  # a form of no parts is its close alone
+        return None
+    await body.seek(0)
+    seen = b"\r\n"
+    while chunk := await body.read(REPLAY_CHUNK_BYTES):
+        seen = seen[-len(close):] + chunk
+        if close in seen:
+            return None
+    return ApiError(400, f"the multipart form ends before its closing boundary (--{boundary}--): "
+                    "the body was cut off, and the fields past the cut would be lost", code="invalid_body")

@@ -1,7 +1,7 @@
 """Request heads (the request line and the headers) bounded as they arrive: past ``MAX_HEAD_BYTES`` the answer is
 431, and a head not complete ``HEAD_TIMEOUT_S`` after the connection opened (or after its first byte came) ends the
 connection (408 if part of it came). Both answer in the API's error shape (service.http), with an ``x-request-id``
-that the log line names, and close the connection.
+that the log line names, and close the connection; so does a request httptools cannot parse (400).
 
 uvicorn's httptools parser keeps whatever head a client sends until its blank line, however long (h11's limit is
 16 KiB; httptools has none), and only then does the app see the request: a single connection could have the
@@ -10,8 +10,9 @@ has sent nothing, or half a head: each such connection was kept for good, so a c
 descriptor the process may have. Every HTTP server of the service runs this protocol (``HTTP_PROTOCOL``:
 ``batchasr serve`` and its front ends).
 
-The app never sees these requests. To count and log them as it does the others, it puts a ``HeadRefused`` in its
-lifespan state (ASGI's, which uvicorn hands its protocols) under ``HEAD_REFUSED`` (service.request_log).
+The app never sees these requests (one whose chunked body the parser fails in is, to the app, a client that left).
+To count and log them as it does the others, it puts a ``HeadRefused`` in its lifespan state (ASGI's, which uvicorn
+hands its protocols) under ``HEAD_REFUSED`` (service.request_log).
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ HeadRefused = Callable[[ApiError, str, float], None]  # (the refusal, its reques
 
 
 class BoundedHttpToolsProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol, answering 431 to a request whose head passes ``MAX_HEAD_BYTES`` and ending a
-    connection whose head does not come whole within ``HEAD_TIMEOUT_S``."""
+    """uvicorn's httptools protocol, answering 431 to a request whose head passes ``MAX_HEAD_BYTES``, ending a
+    connection whose head does not come whole within ``HEAD_TIMEOUT_S``, and answering its parser's 400 in the API's
+    error shape."""
 
     max_head_bytes = MAX_HEAD_BYTES
     head_timeout_s = HEAD_TIMEOUT_S
@@ -75,6 +77,12 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
                                            f"{self.max_head_bytes} bytes", code="request_head_too_large"))
                 return
         super().data_received(data)
+
+    def send_400_response(self, msg: str) -> None:
+        # uvicorn's answer to what its parser cannot read (a request line, a header, a chunk; Content-Length with
+        # Transfer-Encoding): plain text, where every other refusal is in the API's error shape
+        self._refuse(ApiError(400, "the request is not valid HTTP/1.1: its request line, headers or chunked body "
+                                   "could not be parsed", code="invalid_http_request"))
 
     def _begin_head(self) -> None:
         # uvicorn's keep-alive timer is cancelled by any byte that comes, and the parser skips the CRLFs between

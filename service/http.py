@@ -130,7 +130,7 @@ class ServiceState:
 
 ERROR_DESCRIPTIONS = {
     400: "A parameter, a form field or the audio is refused, or the body cannot be parsed (FastAPI's validation "
-         "errors too: never a 422)",
+         "errors too: never a 422), or the request is not HTTP the server can parse (the connection is closed)",
     401: "An API key is required (`Authorization: Bearer <key>`) and none valid was sent",
     404: "No such model, job or job item",
     405: "A method the path does not take: `Allow` names those it does",
@@ -147,10 +147,10 @@ ERROR_DESCRIPTIONS = {
          "after `Retry-After` seconds",
     504: "The transcription did not finish within the request timeout",
 }
-# what every route may answer: a request head too large or too slow is refused before routing (service.head_limit),
-# and any route may fail. A route that takes a body lists 413 itself (service.body_limit); its body's 408
-# (service.body_buffer) is the head's
-EVERY_ROUTE_ERRORS = (408, 431, 500)
+# what every route may answer: a request head too large or too slow, or one the server cannot parse, is refused
+# before routing (service.head_limit), and any route may fail. A route that takes a body lists 413 itself
+# (service.body_limit); its body's 408 (service.body_buffer) is the head's
+EVERY_ROUTE_ERRORS = (400, 408, 431, 500)
 # an uploaded file, as FastAPI writes an UploadFile's, for the routes that read their bodies themselves
 BINARY_SCHEMA = {"type": "string", "contentMediaType": "application/octet-stream"}
 
@@ -202,6 +202,8 @@ def install_error_handlers(app: FastAPI) -> None:
             return await api_error(request, client_closed())
         if isinstance(exc.__cause__, OSError) and (refusal := no_room_for_body(exc.__cause__)) is not None:
             return await api_error(request, refusal)
+        if isinstance(exc.__cause__, ApiError):  # a refusal met as FastAPI read the body (service.body_buffer)
+            return await api_error(request, exc.__cause__)
         if exc.status_code == 405:
             return _method_not_allowed(app, request)
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
@@ -352,6 +354,19 @@ def form_texts(form: FormData, *names: str) -> list[str]:
                                code="invalid_parameter")
             values.append(value)
     return values
+
+
+def single_fields(form: FormData, *names: str) -> None:
+    """400 for a field of ``names`` (each taking one value) that a multipart form repeats: one value was taken (the
+    last, as FastAPI and ``form.get`` take it) and the others dropped without a word; a second `file` was a
+    recording sent and never transcribed."""
+    for name in names:
+        if (count := len(form.getlist(name))) < 2:
+            continue
+        if name == "file":
+            raise ApiError(400, f"one file per request, not {count}: submit several as a job (POST /v1/jobs)",
+                           param=name, code="invalid_parameter")
+        raise ApiError(400, f"`{name}` came {count} times: it takes one value", param=name, code="invalid_parameter")
 
 
 def form_text(form: FormData, name: str) -> str | None:

@@ -80,9 +80,9 @@ class RequestLogMiddleware:
 
 
 def observe_refused_head(service: ServiceState, error: ApiError, request_id: str, duration_s: float) -> None:
-    """A request the server refused before its head was whole (service.head_limit: 431, or 408), which the app
-    never saw: counted under route "unmatched", since no route was matched, and logged as any request is (a
-    warning: a client that sends such heads may be an attack)."""
+    """A request the server refused before its head was whole or could be parsed (service.head_limit: 431, 408, or
+    400), which the app never saw: counted under route "unmatched", since no route was matched, and logged as any
+    request is (a warning: a client that sends such heads may be an attack)."""
     if service.metrics is not None:
         service.metrics.observe_request(UNMATCHED, error.status, duration_s)
     log.warning("request", extra=log_fields(event="request", request_id=request_id, method=None, path=None,

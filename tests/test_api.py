@@ -968,6 +968,24 @@ def test_a_method_the_path_does_not_take_is_405_naming_every_method_it_does(serv
         assert refused.json()["error"]["code"] == "method_not_allowed" and allowed in refused.json()["error"]["message"]
 
 
+def test_the_openai_route_reads_multichannel_false_as_the_native_route_does(server, hybrid, parity_audio):
+    """It refuses `multichannel` (the native route's: a call is not mixed down without a word), but took only "",
+    "false" and "0" for false: `-F multichannel=off` (or False, no), false to the native route, was refused."""
+    data = Path(parity_audio[0]).read_bytes()
+    expected = hybrid.transcribe([parity_audio[0]])[0].text
+    for word in ("off", "False", "no", "0", " FALSE "):
+        taken = _post(server.url, data, multichannel=word)
+        assert taken.status_code == 200 and taken.json()["text"] == expected, (word, taken.text)
+    in_query = httpx.post(f"{server.url}/v1/audio/transcriptions", params={"multichannel": "off"},
+                          files={"file": ("a.wav", data, "audio/wav")}, timeout=60)
+    assert in_query.status_code == 200, in_query.text
+    for form in ({"multichannel": "on"}, {"multichannel": "Yes"}, {"multichannel": "perhaps"},
+                 {"channel_names": "agent,customer"}):
+        refused = _post(server.url, data, **form)
+        error = refused.json()["error"]
+        assert refused.status_code == 400 and (error["param"], error["code"]) == (*form, "invalid_parameter"), form
+
+
 def test_missing_file_and_known_model_names(server, parity_audio):
     missing = httpx.post(f"{server.url}/v1/audio/transcriptions", data={"model": "whisper-1"})
     assert missing.status_code == 400 and missing.json()["error"]["param"] == "file"

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import asyncio
 
-from service.body_buffer import BodyBufferMiddleware, take_body
+import pytest
+
+from service.body_buffer import FORM_TAIL_BYTES, REPLAY_CHUNK_BYTES, BodyBufferMiddleware, take_body
+from service.http import ApiError
 
 CHUNK = b"x" * (256 << 10)
 
@@ -62,3 +65,47 @@ def test_a_body_whose_client_left_part_way_is_not_offered_as_a_file():
     received = seen["received"]
     assert b"".join(m.get("body", b"") for m in received[:-1]) == CHUNK * 3
     assert received[-1]["type"] == "http.disconnect"  # the route meets the leaving where it came
+
+
+def _form_seen(body: bytes) -> bytes | ApiError:
+    """What a route reading a multipart ``body`` (sent in 64 KiB pieces) met: its bytes, or the refusal."""
+    seen: list[bytes | ApiError] = []
+
+    async def route(scope: dict, receive, send) -> None:
+        received = b""
+        try:
+            while (message := await receive())["type"] == "http.request":
+                received += message.get("body", b"")
+                if not message.get("more_body"):
+                    break
+        except ApiError as exc:
+            seen.append(exc)
+            return
+        seen.append(received)
+
+    async def send(message: dict) -> None:
+        pass
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/transcribe",
+             "headers": [(b"content-type", b'multipart/form-data; boundary="b b"')]}
+    receive = _client([body[i:i + 65536] for i in range(0, len(body), 65536)], "end")
+    asyncio.run(BodyBufferMiddleware(route)(scope, receive, send))
+    return seen[0]
+
+
+@pytest.mark.parametrize("epilogue", [b"\r\n", b"", b"\r\n" + b"x" * FORM_TAIL_BYTES, b"\r\n" + b"x" * (2 << 20)],
+                         ids=["crlf", "none", "past the tail", "past the tail, several reads"])
+def test_a_form_is_whole_with_its_closing_boundary_whatever_epilogue_follows(epilogue):
+    """RFC 2046 5.1.1: past the close delimiter an epilogue, which the parser ignores. Its file part sized so that
+    the close lies across two of the reads that look for it past the tail."""
+    head = b'--b b\r\nContent-Disposition: form-data; name="file"; filename="a"\r\n\r\n'
+    form = head + b"x" * (2 * REPLAY_CHUNK_BYTES - len(head) - 4) + b"\r\n--b b--"
+    assert _form_seen(form + epilogue) == form + epilogue
+
+
+def test_a_form_without_its_closing_boundary_is_refused_at_the_first_read():
+    """Starlette's parser takes a form cut off after a part as whole, without the fields past the cut."""
+    part = b'--b b\r\nContent-Disposition: form-data; name="language"\r\n\r\nfr\r\n'
+    for cut in (part, part[:-2], part + b"--b b-", part + b"--b b--"[:-1], CHUNK * 8 + b"--b b--"):
+        refusal = _form_seen(cut)
+        assert isinstance(refusal, ApiError) and (refusal.status, refusal.code) == (400, "invalid_body"), cut[-20:]
