@@ -268,11 +268,13 @@ def _manifest_writer(entries: list[ManifestEntry], out: TextIO, scored: ErrorRat
 def _result_files(args: argparse.Namespace, inputs: list) -> Callable[[Any, dict], None]:
     """``submit --output-dir``: each completed item's result written to its own file, whole; a failed item's error
     on stderr. ValueError if two inputs would share a file."""
-    from .output_files import file_suffix, is_url, output_names
+    from .output_files import file_suffix, output_names
     from .submit_inputs import WorkerPath
 
     layout = subtitle_layout(args)
-    file_names = output_names([*(a for a in args.paths if not is_url(a)), *(i for i in inputs if isinstance(i, str))],
+    given = set(args.paths)
+    # in input order (the arguments, then --url-list's URLs), as the results come and jobs --results numbers them
+    file_names = output_names([*args.paths, *(i for i in inputs if isinstance(i, str) and i not in given)],
                               file_suffix(args.format))
     args.output_dir.mkdir(parents=True, exist_ok=True)
 

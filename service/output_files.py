@@ -28,16 +28,14 @@ def _url_name(url: str) -> Path:
 
 def output_names(arguments: Iterable[str], suffix: str, files: bool = True) -> dict[Path | str, Path]:
     """Each input the arguments name, and the name of its result: a file given by name as <stem><suffix>, a file
-    found under a directory at its path inside it, a URL by the last part of its path, numbered where another
-    input's result has that name (``audio.txt``, ``audio.2.txt``, in order: a list of thousands of
-    ``<id>/audio.wav`` URLs cannot be split into runs). With ``files`` (results written to files of those names),
-    ValueError if two files would share one."""
+    found under a directory at its path inside it, a URL by the last part of its path. With ``files`` (results
+    written to files of those names), ValueError if two files would share one, and a name an earlier input's result
+    has is numbered, in input order (``audio.txt``, ``audio.2.txt``: a list of thousands of ``<id>/audio.wav`` URLs
+    cannot be split into runs), as ``jobs --results`` numbers the same inputs' results."""
     named: dict[Path | str, Path] = {}
-    urls = []
     for argument in arguments:
         if is_url(argument):
             named[argument] = _url_name(argument).with_suffix(suffix)
-            urls.append(argument)
             continue
         root = Path(argument)
         for path in find_audio_files([argument]):
@@ -46,15 +44,15 @@ def output_names(arguments: Iterable[str], suffix: str, files: bool = True) -> d
         return named
     seen: dict[Path, Path | str] = {}
     for source, name in named.items():
-        if source in urls:
+        if isinstance(source, str):  # a URL: numbered below
             continue
         if name in seen:
             raise ValueError(f"{seen[name]} and {source} would both be written as {name}: give them in separate runs")
         seen[name] = source
-    numbered = RecordedNames(suffix, taken=set(seen))
-    for url in urls:
-        named[url] = numbered.name(url)
-    return named
+    # in input order, not files first: a file after a URL of its name is numbered, as jobs --results numbers it
+    numbered = RecordedNames(suffix)
+    return {source: numbered.name(source) if isinstance(source, str) else numbered.numbered(name)
+            for source, name in named.items()}
 
 
 STRETCH_LABEL = re.compile(r" \[[^\]]*\]$")  # a stretch of a recording, as AudioClip names it: "a.wav [1 s to 5 s]"
@@ -66,9 +64,9 @@ class RecordedNames:
     given, inside the output directory whatever that path says (its root and any ``..`` dropped: the names are
     whoever submitted's); a name already given in this run gets a number, in order (``call.srt``, ``call.2.srt``)."""
 
-    def __init__(self, suffix: str, taken: set[Path] | None = None) -> None:
+    def __init__(self, suffix: str) -> None:
         self.suffix = suffix
-        self.given: set[Path] = set(taken or ())  # names given already (or taken by others)
+        self.given: set[Path] = set()  # names given already
 
     def name(self, audio: str) -> Path:
         if is_url(audio):
@@ -76,7 +74,10 @@ class RecordedNames:
         else:
             parts = [part for part in PurePosixPath(STRETCH_LABEL.sub("", audio)).parts if part not in ("/", ".", "..")]
             name = Path(*parts) if parts else Path("item")
-        name = name.with_name(name.stem + self.suffix)
+        return self.numbered(name.with_name(name.stem + self.suffix))
+
+    def numbered(self, name: Path) -> Path:
+        """``name`` (ending in the suffix), numbered where this run gave it already."""
         stem, number = name.stem, 1
         while name in self.given:
             number += 1

@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import io
 import json
 import os
+import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -223,14 +227,54 @@ def test_urls_of_one_file_name_are_numbered_not_refused(tmp_path):
     files of one name are still refused: a folder keeps them apart."""
     urls = ["https://cdn.example/u1/audio.wav", "https://cdn.example/u2/audio.wav", "https://cdn.example/a.wav?v=2"]
     (tmp_path / "a.wav").write_bytes(b"RIFF")
-    named = output_names([*urls, str(tmp_path / "a.wav")], ".txt")
-    assert [str(named[key]) for key in (*urls, tmp_path / "a.wav")] == ["audio.txt", "audio.2.txt", "a.2.txt", "a.txt"]
+    named = output_names([*urls, str(tmp_path / "a.wav")], ".txt")  # in input order: the file after a URL of its name
+    assert [str(named[key]) for key in (*urls, tmp_path / "a.wav")] == ["audio.txt", "audio.2.txt", "a.txt", "a.2.txt"]
     recorded = RecordedNames(".txt")
     assert [str(recorded.name(url)) for url in urls[:2]] == ["audio.txt", "audio.2.txt"]  # as jobs --results names
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "a.wav").write_bytes(b"RIFF")
     with pytest.raises(ValueError, match=r"would both be written as a\.txt"):
         output_names([str(tmp_path / "a.wav"), str(tmp_path / "b" / "a.wav")], ".txt")
+
+
+def test_submit_names_each_result_file_as_jobs_results_names_it_in_input_order(redis_server, model, parity_audio,
+                                                                             expected, tmp_path):
+    """`submit --wait --output-dir` named the files it was given first and the URLs after them: a file given after
+    two URLs of its name took `audio.txt` and the URLs were `audio.2.txt` and `audio.3.txt`, where `jobs --results`
+    of the same jobs wrote the first URL's result as `audio.txt`: one name, another input's transcript. Both number
+    in input order now."""
+    site = tmp_path / "site"
+    for folder, clip in (("x", parity_audio[0]), ("y", parity_audio[1])):
+        (site / folder).mkdir(parents=True)
+        (site / folder / "audio.wav").write_bytes(Path(clip).read_bytes())
+    (tmp_path / "loc").mkdir()
+    (tmp_path / "loc" / "audio.wav").write_bytes(Path(parity_audio[2]).read_bytes())
+
+    class Quiet(SimpleHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+    files = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(site)))
+    threading.Thread(target=files.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{files.server_address[1]}/"
+    try:
+        with run_server(Settings(redis_url=redis_server.url, input_url_prefixes=[base]), model) as running:
+            submitted = _cli("submit", "--server", running.url, "--wait", "--output-dir", str(tmp_path / "submit"),
+                             "--format", "text", f"{base}x/audio.wav", f"{base}y/audio.wav",
+                             str(tmp_path / "loc" / "audio.wav"))
+            assert submitted.returncode == 0, submitted.stderr
+            job_ids = re.findall(r"^job (\S+): \d+ items$", submitted.stderr, re.MULTILINE)
+            assert len(job_ids) == 2, submitted.stderr  # URLs and files go as separate jobs
+            results = _cli("jobs", "--server", running.url, "--results", *job_ids, "--output-dir",
+                           str(tmp_path / "results"), "--format", "text")
+            assert results.returncode == 0, results.stderr
+    finally:
+        files.shutdown()
+        files.server_close()
+    texts = [expected[Path(clip).name] + "\n" for clip in parity_audio[:3]]
+    written = {p.name: p.read_text() for p in (tmp_path / "submit").iterdir()}
+    assert written == dict(zip(["audio.txt", "audio.2.txt", "audio.3.txt"], texts, strict=True))
+    assert {p.name: p.read_text() for p in (tmp_path / "results").iterdir()} == written
 
 
 def test_a_result_reaches_the_disk_before_its_name_does(tmp_path, monkeypatch):
