@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import sys
 from collections.abc import Callable
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from .config import SettingProblem, Settings
 
 FORMATS = ("text", "json", "jsonl", "srt", "vtt", "manifest")
+STARTUP_FAILURE = 3  # uvicorn's exit status when the app's start-up fails
 
 
 def _seconds(text: str) -> float:
@@ -207,10 +209,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
                               frontends=args.frontends)
     if settings is None:
         return 2
-    import uvicorn
-
-    from .api import create_app
-    from .head_limit import HTTP_PROTOCOL
     from .logs import configure_json_logging
 
     level = logging.DEBUG if args.verbose else logging.INFO
@@ -224,9 +222,42 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from .processes import run_async, run_engine_process
 
         return _unless_cannot_start(lambda: run_async(run_engine_process(settings, http=True, log_level=level)))
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_config=None, http=HTTP_PROTOCOL,
-                timeout_graceful_shutdown=int(settings.request_timeout_s))
-    return 0
+    return _unless_cannot_start(lambda: _serve_here(settings))
+
+
+def _serve_here(settings: Settings) -> int:
+    """HTTP and the engine in this process. As with front ends, the port is bound first and held (a taken one is
+    refused before the model loads, with no window for another to take it after), and the model loads, its head
+    checked, before the server starts: in the app's start-up, each was a traceback in the JSON log and exit status 3."""
+    import uvicorn
+
+    from .api import create_app
+    from .head_limit import HTTP_PROTOCOL
+    from .processes import listening_socket
+    from .runtime import load_serving_model
+
+    class _SaysWhere(uvicorn.Server):
+        """uvicorn on a socket given to it logs no address: said here once it listens, as it says it for a port it
+        binds itself."""
+
+        async def startup(self, sockets: list | None = None) -> None:
+            await super().startup(sockets)
+            host = f"[{settings.host}]" if ":" in settings.host else settings.host
+            logging.getLogger("uvicorn.error").info("Uvicorn running on http://%s:%d (Press CTRL+C to quit)", host,
+                                                    self.config.port)
+
+    sock = listening_socket(settings.host, settings.port)
+    sock.set_inheritable(False)  # no front ends to hand it to
+    try:
+        app = create_app(settings, load_serving_model(settings))
+        server = _SaysWhere(uvicorn.Config(app, host=settings.host, port=sock.getsockname()[1], log_config=None,
+                                           http=HTTP_PROTOCOL,
+                                           timeout_graceful_shutdown=int(settings.request_timeout_s)))
+        with contextlib.suppress(KeyboardInterrupt):  # SIGINT, raised again once it has stopped: as uvicorn.run
+            server.run(sockets=[sock])
+    finally:
+        sock.close()
+    return 0 if server.started else STARTUP_FAILURE
 
 
 def _bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -291,7 +322,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 def _unless_cannot_start(run: Callable[[], int]) -> int:
     """``run()``'s exit status, or 2 with one line where a port or the engine's socket stops it before the model
-    loads."""
+    loads, or the model loaded lacks the head BATCHASR_DECODER names."""
     from .processes import CannotStart
 
     try:
@@ -322,8 +353,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.func(args)
-    except CheckpointError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except CheckpointError as exc:  # tarfile's reasons span lines: "truncated archive (...:\n- method gz: ..."
+        print("error: " + " ".join(line.strip() for line in str(exc).splitlines()), file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback from wherever it landed (torch, asyncio)
         print("\ninterrupted", file=sys.stderr)

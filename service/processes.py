@@ -45,7 +45,7 @@ UNIX_PATH_MAX = 108  # a Unix socket's path, with its terminating NUL
 
 class CannotStart(Exception):
     """What keeps the service from starting, found before the model loads (a port taken, no room for the engine's
-    socket): one line and exit status 2, not a traceback."""
+    socket) or as it loads (no head for BATCHASR_DECODER): one line and exit status 2, not a traceback."""
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -199,9 +199,7 @@ async def run_engine_process(settings: Settings, http: bool = True, metrics_port
     """The model here; ``settings.frontends`` HTTP front ends (when ``http``) and ``settings.job_consumers`` job
     consumers in processes of their own (none: this process consumes jobs, when Redis is set). Runs until
     SIGTERM or SIGINT."""
-    from models.asr_model import load_model
-
-    from .runtime import build_stack
+    from .runtime import build_stack, load_serving_model
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -214,8 +212,7 @@ async def run_engine_process(settings: Settings, http: bool = True, metrics_port
     # the engine's socket in a directory created 0700: only this user connects
     with tempfile.TemporaryDirectory(prefix="batchasr-", dir=socket_dir()) as private:
         engine_path = str(Path(private) / "engine.sock")
-        model = await asyncio.to_thread(load_model, settings.model, settings.device, settings.dtype,
-                                        settings.attention_kernel)
+        model = await asyncio.to_thread(load_serving_model, settings)
         stack = build_stack(settings, model)
         try:
             await _serve_engine(settings, stack, sock, engine_path, metrics_port, stop, log_level)

@@ -147,10 +147,34 @@ def build_frontend_stack(settings: Settings, link: EngineLink) -> FrontendStack:
                          limits=_limits(s, link.config.features.sample_rate), jobs=_job_store(s))
 
 
+def load_serving_model(settings: Settings) -> ASRModel:
+    """The model ``settings`` name, loaded (``CheckpointError`` where it cannot be read), with the head
+    ``settings.decoder`` asks for (``CannotStart`` where it has none)."""
+    from models.asr_model import load_model
+
+    model = load_model(settings.model, settings.device, settings.dtype, settings.attention_kernel)
+    serving_decoder(settings, model)
+    return model
+
+
+def serving_decoder(settings: Settings, model: ASRModel) -> str:
+    """The head that decodes: ``settings.decoder`` for ``model``; ``CannotStart`` naming the setting where the model
+    has no such head (BATCHASR_DECODER=rnnt for a TDT model ended `serve` and `worker` in a traceback)."""
+    from .config import SettingProblem
+    from .processes import CannotStart
+
+    try:
+        return model.resolve_decoder(settings.decoder)
+    except ValueError as exc:
+        raise CannotStart(SettingProblem("decoder", settings.decoder, str(exc), overridden=False).line({})) from exc
+
+
 def build_stack(settings: Settings, model: ASRModel, metrics: Metrics | None = None) -> Stack:
-    """Batcher, engine (started: it warms up in its thread) and transcriber; a job store if Redis is set."""
+    """Batcher, engine (started: it warms up in its thread) and transcriber; a job store if Redis is set.
+    ``CannotStart``, before any of them is made, where the model lacks the head ``settings.decoder`` names."""
     from .engine import Engine, warmup_shapes
 
+    decoder = serving_decoder(settings, model)
     metrics = metrics or Metrics()
     metrics.expect_owners([owner_of(key) for key in settings.api_keys] or [ANONYMOUS])
     s = settings
@@ -159,7 +183,7 @@ def build_stack(settings: Settings, model: ASRModel, metrics: Metrics | None = N
                       on_drop=lambda reason: metrics.dropped_items.labels(reason).inc(),
                       length_bucket_s=s.length_bucket_s, longest_samples=int(s.max_segment_s * rate))
     longest_s = batcher.padded_length(int(s.max_segment_s * rate)) / rate
-    engine = Engine(model, batcher, metrics, decoder=s.decoder, scores=s.token_scores, hotword_boost=s.hotword_boost,
+    engine = Engine(model, batcher, metrics, decoder=decoder, scores=s.token_scores, hotword_boost=s.hotword_boost,
                     warmup_shapes=warmup_shapes(model.device, s.max_batch_size, longest_s, s.batch_audio_limit_s))
     transcriber = Transcriber(batcher, model.config, model.tokenizer, s.max_segment_s, s.segment_overlap_s,
                               s.request_timeout_s, s.max_queue, bulk_timeout_s=s.job_item_timeout_s)

@@ -4,7 +4,9 @@ touching files it should leave alone."""
 from __future__ import annotations
 
 import json
+import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +15,7 @@ import pytest
 import torch
 
 from service.cli import main
+from tests.ports import free_port
 
 CLIP = str(Path(__file__).parent / "data" / "default_model" / "voice_000142.wav")
 NO_REDIS = ["--redis-url", "redis://127.0.0.1:1"]  # a well-formed URL where nothing listens: nothing may be sent
@@ -225,3 +228,53 @@ def test_results_go_on_without_a_lock_where_the_file_system_has_none(tmp_path, c
     assert "out.jsonl: cannot be locked (No locks available)" in capsys.readouterr().err
     assert json.loads(out.read_text())["text"]
     assert not is_named_file("/dev/stdout") and not is_named_file("/dev/fd/1") and is_named_file(out)
+
+
+def _start_up(*args: str, **env: str) -> subprocess.CompletedProcess:
+    """``batchasr serve`` or ``worker`` with ``args``, BATCHASR_* from ``env`` alone (the default model on CPU)."""
+    clean = {name: value for name, value in os.environ.items() if not name.startswith("BATCHASR_")}
+    return subprocess.run([sys.executable, "-m", "service.cli", *args], env={**clean, **env}, capture_output=True,
+                          text=True, timeout=120)
+
+
+def _one_error_line(done: subprocess.CompletedProcess) -> str:
+    """Its one line that is not the JSON log's, an ``error:`` (status 2, no traceback)."""
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    said = [line for line in done.stderr.splitlines() if not line.startswith("{")]
+    assert len(said) == 1 and said[0].startswith("error: "), done.stderr[-3000:]
+    return said[0]
+
+
+@pytest.mark.parametrize("command", ["serve", "serve --frontends 1", "worker"])
+def test_a_decoder_the_model_has_no_head_for_is_one_line_at_start_up(command):
+    """BATCHASR_DECODER=rnnt for the default model (TDT and CTC heads): `serve` ended in a traceback in its JSON log
+    and exit status 3, `worker` in a raw traceback and 1; `transcribe --decoder rnnt` said it in one line."""
+    args = command.split() + (["--port", str(free_port())] if command.startswith("serve") else NO_REDIS)
+    line = _one_error_line(_start_up(*args, BATCHASR_DECODER="rnnt", BATCHASR_DEVICE="cpu"))
+    assert line == "error: BATCHASR_DECODER=rnnt: this model has no rnnt head (it has: ctc, tdt)"
+
+
+@pytest.mark.parametrize("command", ["serve", "worker"])
+@pytest.mark.parametrize("content", [b"", b"not a tar archive at all" * 100], ids=["empty", "corrupt"])
+def test_a_model_file_that_is_no_checkpoint_is_one_line_at_start_up(tmp_path, command, content):
+    """An empty or corrupt --model: `serve` loaded it in the app's start-up, a traceback in its JSON log and exit
+    status 3; the reason tarfile gives spans lines (one per compression tried), and was printed so."""
+    model = tmp_path / "broken.nemo"
+    model.write_bytes(content)
+    args = [command, "--model", str(model), "--device", "cpu",
+            *(["--port", str(free_port())] if command == "serve" else NO_REDIS)]
+    line = _one_error_line(_start_up(*args))
+    assert line.startswith(f"error: {model}: ") and "archive" in line, line
+
+
+def test_serve_on_a_port_taken_is_one_line_before_the_model_loads():
+    """Plain `serve` (HTTP in the engine's process) loaded the model, then ended in a JSON log line and exit status
+    3; with --frontends the same port was refused at once."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = _start_up("serve", "--port", str(port), "--device", "cpu")
+    assert _one_error_line(done) == f"error: cannot listen on 127.0.0.1:{port}: Address already in use"
+    assert "loaded" not in done.stderr, done.stderr[-3000:]
