@@ -65,12 +65,13 @@ class _ArchiveReader:
 
     @staticmethod
     def _explain(path: Path, exc: Exception) -> CheckpointError:
-        reason = str(exc).lower()
+        said = " ".join(line.strip() for line in str(exc).splitlines())  # tarfile's: a line per compression tried
+        reason = said.lower()
         if any(word in reason for word in ("truncated", "unexpected end", "empty file", "compressed file ended")):
-            return CheckpointError(f"{path}: truncated archive ({exc})")
+            return CheckpointError(f"{path}: truncated archive ({said})")
         if isinstance(exc, tarfile.ReadError):
-            return CheckpointError(f"{path}: not a .nemo archive (expected a tar file): {exc}")
-        return CheckpointError(f"{path}: corrupt archive ({exc})")
+            return CheckpointError(f"{path}: not a .nemo archive (expected a tar file): {said}")
+        return CheckpointError(f"{path}: corrupt archive ({said})")
 
     def names(self) -> list[str]:
         return list(self._members)

@@ -353,8 +353,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.func(args)
-    except CheckpointError as exc:  # tarfile's reasons span lines: "truncated archive (...:\n- method gz: ..."
-        print("error: " + " ".join(line.strip() for line in str(exc).splitlines()), file=sys.stderr)
+    except CheckpointError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback from wherever it landed (torch, asyncio)
         print("\ninterrupted", file=sys.stderr)

@@ -255,15 +255,15 @@ def test_a_decoder_the_model_has_no_head_for_is_one_line_at_start_up(command):
     assert line == "error: BATCHASR_DECODER=rnnt: this model has no rnnt head (it has: ctc, tdt)"
 
 
-@pytest.mark.parametrize("command", ["serve", "worker"])
+@pytest.mark.parametrize("command", ["serve", "worker", "transcribe"])
 @pytest.mark.parametrize("content", [b"", b"not a tar archive at all" * 100], ids=["empty", "corrupt"])
 def test_a_model_file_that_is_no_checkpoint_is_one_line_at_start_up(tmp_path, command, content):
     """An empty or corrupt --model: `serve` loaded it in the app's start-up, a traceback in its JSON log and exit
     status 3; the reason tarfile gives spans lines (one per compression tried), and was printed so."""
     model = tmp_path / "broken.nemo"
     model.write_bytes(content)
-    args = [command, "--model", str(model), "--device", "cpu",
-            *(["--port", str(free_port())] if command == "serve" else NO_REDIS)]
+    where = {"serve": ["--port", str(free_port())], "worker": NO_REDIS, "transcribe": [str(model)]}[command]
+    args = [command, "--model", str(model), "--device", "cpu", *where]
     line = _one_error_line(_start_up(*args))
     assert line.startswith(f"error: {model}: ") and "archive" in line, line
 
