@@ -247,6 +247,9 @@ class JobStore(ItemStreams):
                                                      args=[horizon, JOB_KEY.format(job_id="")], client=pipe)
                         if uploads:
                             await self._expire_all(keys=uploads, args=[self.input_ttl_s], client=pipe)
+                        if pipe.connection is None:  # connected first (as execute would): Redis not reached is
+                            # then told apart from a transaction sent whose reply was lost
+                            pipe.connection = await self.redis.connection_pool.get_connection()
                         sent = True
                         await pipe.execute()
                         break
