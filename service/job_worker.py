@@ -470,8 +470,8 @@ class JobConsumer:
     async def _process(self, job_id: str, index: int, share: AudioClaim, priority: Priority, owner: str) -> None:
         """``share``: the item's part of the consumer's audio budget, told its length once decoded; ``priority``
         and ``owner`` (its job's): its place in the batcher."""
-        try:
-            start = await self.store.start_item(job_id, index)
+        try:  # through an outage, as its end is: an item in hand met Redis away was left for the visibility timeout
+            start = await self._through_outage(lambda: self.store.start_item(job_id, index))
         except JobInputError as exc:
             await self._fail(job_id, index, None, str(exc))
             return
@@ -580,7 +580,8 @@ class JobConsumer:
         await self._after_finish(job_id, "failed", outcome)
 
     async def _through_outage(self, write: Callable[[], Awaitable[T]]) -> T:
-        """``write()``, an item's end (its result, its acknowledgement: both may be written twice), tried again
+        """``write()``, an item's start or end (its result, its acknowledgement: each may be written twice, a start
+        an attempt more), tried again
         through a Redis outage for up to the visibility timeout while the consumer runs. Given up at once, work
         done was thrown away for want of Redis for seconds (a restart, a failover), and its item transcribed again,
         an attempt more, after the visibility timeout; given up later, the item goes to another worker as before."""

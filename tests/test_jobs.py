@@ -182,6 +182,19 @@ def test_a_transcription_done_while_redis_restarts_is_written_once_it_is_back(tm
     assert "job consumer: redis reachable again" in caplog.text
 
 
+def test_an_item_in_hand_whose_start_met_redis_away_starts_once_it_is_back(tmp_path, model, parity_audio, expected):
+    """Items read ahead start as room comes; one whose start met Redis restarting (its reply lost) was left for the
+    visibility timeout, 5 minutes, to be delivered again. Its start now waits for Redis, as its end does."""
+    items = upload_items(parity_audio, 3)
+
+    async def lose_the_first_start(consumer, store, server) -> None:
+        consumer.store.start_item = first_reply_lost(consumer.store.start_item, server, [])
+
+    job, records = _consume_with_redis_restarting(tmp_path, model, items, lose_the_first_start, timeout_s=30)
+    assert job.finished and job.counts["completed"] == len(items), job.counts  # within seconds, not after five minutes
+    _check_results(records, items, expected)
+
+
 def test_deliveries_whose_reply_was_lost_as_redis_restarted_are_taken_back_once_it_is_back(tmp_path, model,
                                                                                           parity_audio, expected,
                                                                                           caplog):
