@@ -284,6 +284,16 @@ for i = 2, #KEYS do redis.call('DEL', KEYS[i]) end
 return #KEYS - 1
 """
 
+# KEYS: a job's records (JOB_KEYS, the job first). ARGV: the result TTL in seconds. Given to a job that has ended,
+# unless a retry of its failed items has begun it again since (the end's caller sets it after the end's step: a
+# retry between them kept a new job's time, and this cut it to the results' time). Returns 1 if given.
+EXPIRE_FINISHED = _ALLOW_OOM + """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status or status == 'queued' or status == 'in_progress' then return 0 end
+for _, key in ipairs(KEYS) do redis.call('EXPIRE', key, ARGV[1]) end
+return 1
+"""
+
 # KEYS: an owner's list of jobs (scored by creation). ARGV: the score at or before which a job has had a new job's
 # time, the job key's prefix. Those jobs' ids are dropped, but for jobs still there: retried, a job's records are
 # kept a new job's time from the retry, and it is listed as long as it can be read.

@@ -49,6 +49,7 @@ from .job_scripts import (
     CANCEL_QUEUED,
     DEFER_WEBHOOK,
     EXPIRE_ALL,
+    EXPIRE_FINISHED,
     FINISH_ITEM,
     MARK_REPLICATION,
     OWNER_ITEMS,
@@ -134,6 +135,7 @@ class JobStore(ItemStreams):
         self._record_error = client.register_script(RECORD_ERROR)
         self._expire_all = client.register_script(EXPIRE_ALL)
         self._purge = client.register_script(PURGE_JOB)
+        self._expire_if_finished = client.register_script(EXPIRE_FINISHED)
         self._prune_owner_jobs = client.register_script(PRUNE_OWNER_JOBS)
         self._mark_replication = client.register_script(MARK_REPLICATION)
         self._retry_failed = client.register_script(RETRY_FAILED)
@@ -512,10 +514,12 @@ class JobStore(ItemStreams):
         await pipe.execute()
 
     async def _expire_finished(self, job_id: str) -> None:
-        """Results (and what is left of the inputs) expire ``result_ttl_s`` after the job finishes."""
+        """Results (and what is left of the inputs) expire ``result_ttl_s`` after the job finishes; not if a retry
+        of its failed items has begun it again since (EXPIRE_FINISHED): its end does it again."""
+        records = [template.format(job_id=job_id) for template in JOB_KEYS]
+        if not int(await self._expire_if_finished(keys=records, args=[self.result_ttl_s])):
+            return
         pipe = self.redis.pipeline(transaction=False)
-        for template in JOB_KEYS:
-            pipe.expire(template.format(job_id=job_id), self.result_ttl_s)
         inputs = await self.redis.hgetall(INPUTS_KEY.format(job_id=job_id))
         for raw in inputs.values():
             with contextlib.suppress(ValueError):  # an input that cannot be read (its item failed for it) names none

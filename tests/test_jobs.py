@@ -1210,6 +1210,33 @@ def test_an_item_held_when_its_job_was_cancelled_stops_though_a_retry_came_befor
     asyncio.run(scenario())
 
 
+def test_a_retry_between_a_jobs_end_and_its_expiry_keeps_a_new_jobs_time(redis_server):
+    """The end's step, then its records given the results' time: a retry of the failed items between the two kept
+    a new job's time, and the expiry after it cut that to the results' (here 10 s, not 110 s)."""
+    item = ItemInput(audio="a.wav", url="https://media.example/a.wav")
+
+    async def scenario() -> None:
+        store = JobStore.from_url(redis_server.url, input_ttl_s=100, result_ttl_s=10)
+        expire_finished = store._expire_finished
+
+        async def retried_first(job_id: str) -> None:
+            assert (await store.retry_failed(job_id)).retried == 1
+            await expire_finished(job_id)
+
+        try:
+            job, _ = await store.submit([item])
+            await store.start_item(job.id, 0)
+            store._expire_finished = retried_first
+            assert await store.finish_item(job.id, 0, "failed", item_record("a.wav", "failed", error="x"),
+                                           error="x") == 2
+            assert (await store.get(job.id)).status.value == "in_progress"
+            assert await store.redis.ttl(JOB_KEY.format(job_id=job.id)) > 100
+        finally:
+            await store.close()
+
+    asyncio.run(scenario())
+
+
 def test_a_cancel_goes_through_a_full_redis_and_writes_nothing_for_a_job_gone(redis_server, parity_audio):
     """A full Redis (noeviction) is when an operator cancels: the cancel's first write was a plain HSET, which
     Redis refused there. And a job purged (or expired) between the cancel's read and its write was recreated as a
