@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import math
+import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,16 +147,19 @@ def _file_size(f: BinaryIO) -> int:
     return size
 
 
-def decode_audio_file(path: Path, limits: AudioLimits, multichannel: bool = False, stretch: Stretch = WHOLE,
-                      stop: threading.Event | None = None) -> np.ndarray:
-    """Decode a file on disk as it is read, never holding its bytes: only the duration limit applies (a job's path
-    inputs are how recordings larger than an upload may come in); of ``stretch`` only; ``stop`` as
-    ``decode_audio``'s."""
-    size = path.stat().st_size
+def decode_audio_file(source: Path | BinaryIO, limits: AudioLimits, multichannel: bool = False,
+                      stretch: Stretch = WHOLE, stop: threading.Event | None = None) -> np.ndarray:
+    """Decode a file on disk (its path, or the file opened: service.job_types.open_input_file) as it is read, never
+    holding its bytes: only the duration limit applies (a job's path inputs are how recordings larger than an upload
+    may come in); of ``stretch`` only; ``stop`` as ``decode_audio``'s."""
+    if isinstance(source, Path):
+        name, size = source.name, source.stat().st_size
+    else:
+        name, size = Path(str(source.name)).name, os.fstat(source.fileno()).st_size
     if size == 0:
-        raise AudioRequestError(f"{path.name}: the file is empty")
-    _check_wav_header(path, limits, stretch is WHOLE)
-    return _decode(path, limits, multichannel, stretch, stop)
+        raise AudioRequestError(f"{name}: the file is empty")
+    _check_wav_header(source, limits, stretch is WHOLE, "file")
+    return _decode(source, limits, multichannel, stretch, stop)
 
 
 def _decode(source: BinaryIO | Path, limits: AudioLimits, multichannel: bool, stretch: Stretch,
@@ -194,7 +198,8 @@ def _limit_text(max_s: float, channels: int) -> str:
     return f"the limit for {channels} channels transcribed apart is {max_s:.0f} s (their seconds count together)"
 
 
-def _check_wav_header(source: bytes | BinaryIO | Path, limits: AudioLimits, whole: bool = True) -> None:
+def _check_wav_header(source: bytes | BinaryIO | Path, limits: AudioLimits, whole: bool = True,
+                      what: str = "upload") -> None:
     """RIFF/WAVE: the data chunk's declared size against the limit and against the bytes really there; a header
     claiming hours is refused before reading further."""
     declared, total_bytes = declared_wav(source)
@@ -203,7 +208,7 @@ def _check_wav_header(source: bytes | BinaryIO | Path, limits: AudioLimits, whol
     if whole and declared.seconds > limits.max_duration_s:  # a stretch is checked by its own length
         raise AudioTooLarge(f"audio is {declared.seconds:.1f} s long (per its header); the limit is "
                             f"{limits.max_duration_s:.0f} s")
-    problem = truncation_message(declared, total_bytes, "file" if isinstance(source, Path) else "upload")
+    problem = truncation_message(declared, total_bytes, what)
     if problem:
         raise AudioRequestError(problem)
 

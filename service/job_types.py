@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from models.audio_io import Stretch
 from models.transcript import rounded
@@ -225,15 +227,56 @@ def resolve_input_path(path: str, roots: list[str]) -> Path:
         raise JobInputError("path inputs are disabled: the server has no input roots (BATCHASR_INPUT_ROOTS)")
     try:
         real = Path(path).resolve()
-        under_roots = any(real.is_relative_to(Path(root).resolve()) for root in roots)
+        under_roots = _under_roots(real, roots)
         found = under_roots and real.is_file()
-    except (ValueError, OSError) as exc:  # a NUL byte, a name too long: the client's error, not the server's
+    except (ValueError, OSError, RuntimeError) as exc:  # a NUL byte, a name too long, a symlink loop (RuntimeError
+        # before Python 3.13): the client's error, not the server's
         raise JobInputError(f"{path!r}: not a usable path ({exc})") from exc
     if not under_roots:
         raise JobInputError(f"{path}: outside the input roots; refused")
     if not found:
         raise JobInputError(f"{path}: no such file under the input roots")
     return real
+
+
+def open_input_file(path: str, roots: list[str]) -> BinaryIO:
+    """``path`` opened for reading, checked by name (``resolve_input_path``) and again as opened: a regular file,
+    under the roots. Checked by name alone, a name under a root swapped between the check and the open for a symlink
+    to a file outside the roots had that file transcribed for the client, and one to a FIFO blocked a decode thread
+    until something wrote to it."""
+    real = resolve_input_path(path, roots)
+    try:
+        file = open(real, "rb", opener=_open_not_following)  # noqa: SIM115 (the caller's to close)
+    except OSError as exc:  # a symlink swapped in (ELOOP), or the file gone
+        raise JobInputError(f"{path}: cannot be opened ({exc.strerror})") from exc
+    try:
+        if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
+            raise JobInputError(f"{path}: not a regular file")
+        opened = _opened_path(file)  # a folder on the way swapped for a symlink: where the open really went
+        if opened is not None and not _under_roots(opened, roots):
+            raise JobInputError(f"{path}: outside the input roots; refused")
+    except BaseException:
+        file.close()
+        raise
+    return file
+
+
+def _under_roots(real: Path, roots: list[str]) -> bool:
+    return any(real.is_relative_to(Path(root).resolve()) for root in roots)
+
+
+def _open_not_following(name: str, flags: int) -> int:
+    # a symlink as the last part is refused (ELOOP); a FIFO's open does not wait for a writer (reading a regular
+    # file is the same with O_NONBLOCK)
+    return os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK)
+
+
+def _opened_path(file: BinaryIO) -> Path | None:
+    """Where an open file lies, as Linux's /proc tells it (None where it cannot)."""
+    try:
+        return Path(os.readlink(f"/proc/self/fd/{file.fileno()}"))
+    except OSError:
+        return None
 
 
 def job_from_fields(job_id: str, h: dict[str, str]) -> Job:

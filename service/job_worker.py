@@ -48,7 +48,7 @@ from .formats import to_record
 from .intervals import Periodic
 from .item_streams import STREAM_IDLE_S
 from .job_keys import stream_owner, stream_priority
-from .job_types import ItemStart, JobInputError, JobPriority, item_record, resolve_input_path
+from .job_types import ItemStart, JobInputError, JobPriority, item_record, open_input_file
 from .jobs import JobStore
 from .redis_outages import REDIS_ERRORS, group_lost, step_until_stopped
 from .transcriber import TooManyPieces, Transcriber
@@ -542,8 +542,8 @@ class JobConsumer:
         record = start.record
         stretch = Stretch(record["offset_s"], record["duration_s"]) if "offset_s" in record else WHOLE
         if "path" in record:
-            path = resolve_input_path(record["path"], self.input_roots)
-            return await self._decode(decode_audio_file, path, self.limits, multichannel, stretch)
+            return await self._decode(_decode_input_file, record["path"], self.input_roots, self.limits,
+                                      multichannel, stretch)
         if "url" in record:
             if self.urls is None:
                 raise JobInputError(f"{record['url']}: URL inputs are disabled on this worker "
@@ -610,6 +610,14 @@ class JobConsumer:
 def _gave_up(attempts: int, why: str) -> str:
     """An item's error once its attempts are spent (dead-lettered, or failed on its last attempt)."""
     return f"gave up after {attempts} attempts: {why}"
+
+
+def _decode_input_file(path: str, roots: list[str], limits: AudioLimits, multichannel: bool, stretch: Stretch,
+                       stop: threading.Event | None = None) -> np.ndarray:
+    """``decode_audio_file`` of a path input, opened (open_input_file: checked as opened, not only by name) and
+    closed by the thread that reads it, off the event loop."""
+    with open_input_file(path, roots) as file:
+        return decode_audio_file(file, limits, multichannel, stretch, stop)
 
 
 def _decode_and_close(body: BinaryIO, limits: AudioLimits, multichannel: bool, stretch: Stretch,

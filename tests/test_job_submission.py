@@ -265,7 +265,8 @@ def test_path_inputs_only_under_the_input_roots(redis_server, model, parity_audi
             assert response.status_code == 400, bad
             assert "outside the input roots" in response.json()["error"]["message"]
         os.mkfifo(roots / "fifo.wav")  # would block the worker that opened it
-        for bad in (roots / "fifo.wav", roots, f"{inside}\x00.txt", f"{roots}/{'a' * 5000}.wav"):
+        (roots / "loop.wav").symlink_to(roots / "loop.wav")  # a 500 (RuntimeError) before
+        for bad in (roots / "fifo.wav", roots, f"{inside}\x00.txt", f"{roots}/{'a' * 5000}.wav", roots / "loop.wav"):
             response = submit(bad)
             assert response.status_code == 400, (bad, response.text)  # not a server error
         ok = submit(inside)
