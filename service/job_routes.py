@@ -73,12 +73,18 @@ router = APIRouter(prefix="/v1/jobs", dependencies=[Depends(require_api_key)], t
                    responses=error_responses(401, 503))
 
 
+# the longest path, URL or webhook URL a job may name (Linux's PATH_MAX is 4096; signed URLs run to a few thousand):
+# each is kept in the job's records, and a failed item's in its error and dead letter, for days, which the queued-items
+# limit does not count (a 30 MiB URL failing at once made 200 MB of Redis)
+MAX_INPUT_CHARS = 8192
+
+
 class JobItem(BaseModel):
     """A file the server can read, under its input roots, or an http(s) URL under its input URL prefixes; of it,
     the stretch from `offset` seconds, `duration` seconds long (a NeMo manifest's; default: all of it)."""
 
-    path: str | None = None
-    url: str | None = None
+    path: Annotated[str | None, Field(max_length=MAX_INPUT_CHARS)] = None
+    url: Annotated[str | None, Field(max_length=MAX_INPUT_CHARS)] = None
     offset: Annotated[float, Field(ge=0.0, le=MAX_STRETCH_S, allow_inf_nan=False)] = 0.0
     duration: Annotated[float | None, Field(gt=0.0, le=MAX_STRETCH_S, allow_inf_nan=False)] = None
 
@@ -99,7 +105,7 @@ class JobCreate(BaseModel):
 
     items: list[JobItem] = Field(min_length=1)
     # POSTed to when the job finishes (service.webhooks): under the server's webhook URL prefixes, or public
-    webhook_url: str | None = None
+    webhook_url: Annotated[str | None, Field(max_length=MAX_INPUT_CHARS)] = None
     priority: JobPriority = JobPriority.NORMAL  # workers take high before normal, normal before low
     multichannel: bool = False  # each channel transcribed apart: every item's result is a conversation
     skip_silence: bool = False  # long quiet stretches left out (models.silence)
@@ -242,6 +248,9 @@ def _check_webhook(url: str | None, settings: Settings) -> None:
     """Refuse a webhook the workers could not sign or would not post to."""
     if url is None:
         return
+    if len(url) > MAX_INPUT_CHARS:  # a form's field is not the JSON model's, which also says so
+        raise ApiError(400, f"a webhook URL is at most {MAX_INPUT_CHARS} characters, not {len(url)}",
+                       param="webhook_url", code="invalid_webhook_url")
     if not settings.webhook_secret:
         raise ApiError(400, "webhooks are disabled: the server has no webhook secret (BATCHASR_WEBHOOK_SECRET)",
                        param="webhook_url", code="webhooks_disabled")

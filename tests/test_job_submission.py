@@ -674,3 +674,23 @@ def test_a_submission_redis_went_away_while_writing_keeps_its_audio_for_the_job_
         asyncio.run(scenario())
     finally:
         server.stop()
+
+
+def test_a_path_or_url_too_long_to_keep_is_refused(redis_server, model, parity_audio, tmp_path):
+    """A job's paths and URLs are kept in its records, and a failed item's in its error and dead letter, for days,
+    uncounted by the queued-items limit: one 30 MiB URL that failed at once made 200 MB of Redis."""
+    from service.job_routes import MAX_INPUT_CHARS
+
+    long_tail = "a" * MAX_INPUT_CHARS
+    settings = Settings(redis_url=redis_server.url, input_roots=[str(tmp_path)], webhook_secret="whsec_" + "A" * 44,
+                        input_url_prefixes=["https://media.example/"])
+    with run_server(settings, model) as running:
+        for item in ({"url": f"https://media.example/a.wav?x={long_tail}"}, {"path": f"{tmp_path}/{long_tail}"}):
+            refused = httpx.post(f"{running.url}/v1/jobs", json={"items": [item]}, timeout=30)
+            assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_job", refused.text
+            assert f"at most {MAX_INPUT_CHARS} characters" in refused.json()["error"]["message"]
+        hook = f"https://hooks.example/{long_tail}"
+        refused = httpx.post(f"{running.url}/v1/jobs", files=[("files", ("a.wav", Path(parity_audio[0]).read_bytes()))],
+                             data={"webhook_url": hook}, timeout=30)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "webhook_url", refused.text
+        assert not redis_server.client().keys("batchasr:job:*")
