@@ -99,8 +99,8 @@ class EngineServer:
         task.add_done_callback(self._tasks.discard)
 
     def _status(self) -> EngineStatus:
-        engine = self.stack.engine
-        return EngineStatus(ready=engine.ready, error=engine.error)
+        engine, batcher = self.stack.engine, self.stack.batcher
+        return EngineStatus(ready=engine.ready, error=engine.error, room=max(0, batcher.max_queue - batcher.depth))
 
     async def _announce_ready(self) -> None:
         engine = self.stack.engine

@@ -39,6 +39,7 @@ class EngineUnavailable(RuntimeError):
 class EngineStatus:
     ready: bool
     error: str | None = None
+    room: int | None = None  # pieces the engine's queue takes now (max_queue less those queued)
 
 
 @dataclass(frozen=True)

@@ -454,6 +454,56 @@ def test_a_recording_whose_samples_pass_a_frames_limit_goes_in_several(parity_di
     assert len([n for n in frames if n]) > 5 and max(frames) == 1  # a piece (up to 5 s) a frame
 
 
+def test_bulk_pieces_are_not_sent_while_the_engines_queue_has_no_room_for_them(parity_dir, tmp_path):
+    """A job consumer in a process of its own tries an item again every 0.2 s while the engine's queue is full: each
+    try sent the recording's every sample over the socket (370 MB/s for a 40-minute one), to be refused. Bulk pieces
+    now wait, unsent, while the engine's last status says there is no room, or it has refused since; an HTTP
+    request's are sent, the engine to judge."""
+    model = load_model(parity_dir / MODEL, device="cpu", dtype="float32")
+    piece = np.zeros(16000, dtype=np.float32)
+    sent: list[str] = []
+
+    async def status(link: EngineLink, check) -> None:
+        for _ in range(100):
+            if check(link.status):
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"the engine's status never came: {link.status}")
+
+    async def scenario() -> None:
+        stack = build_stack(Settings(max_queue=3, max_batch_size=32, max_wait_ms=60_000), model)
+        server = EngineServer(stack, str(tmp_path / "engine.sock"))
+        await server.start()
+        link = await EngineLink.connect(server.path, lambda: None)
+        send = link._send
+        link._send = lambda message, payload=None: (sent.append(type(message).__name__), send(message, payload))[1]
+        try:
+            await status(link, lambda s: s.ready)
+            waiting = [WorkItem(piece) for _ in range(3)]  # held: a batch waits a minute for more
+            link.submit(waiting)
+            await status(link, lambda s: s.room == 0)
+            sent.clear()
+            with pytest.raises(QueueFull):
+                link.submit([WorkItem(piece, Priority.BULK)])
+            assert sent == []
+            refused = WorkItem(piece)  # an HTTP request's: sent, and refused there
+            link.submit([refused])
+            with pytest.raises(QueueFull):
+                await asyncio.wrap_future(refused.future)
+            assert sent == ["Submit"]
+            for item in waiting:  # the queue emptied: the next status says so, and bulk pieces go again
+                item.future.cancel()
+            await status(link, lambda s: s.room == 3)
+            link.submit([WorkItem(piece, Priority.BULK)])
+            assert sent[-1] == "Submit"
+        finally:
+            await server.close()
+            await stack.stop()
+            link.close()
+
+    asyncio.run(scenario())
+
+
 # --- the wire --------------------------------------------------------------------------------------------------
 
 
