@@ -252,7 +252,7 @@ def _serve_here(settings: Settings) -> int:
         app = create_app(settings, load_serving_model(settings))
         server = _SaysWhere(uvicorn.Config(app, host=settings.host, port=sock.getsockname()[1], log_config=None,
                                            http=HTTP_PROTOCOL,
-                                           timeout_graceful_shutdown=int(settings.request_timeout_s)))
+                                           timeout_graceful_shutdown=settings.shutdown_grace_s))
         with contextlib.suppress(KeyboardInterrupt):  # SIGINT, raised again once it has stopped: as uvicorn.run
             server.run(sockets=[sock])
     finally:

@@ -262,6 +262,12 @@ class Settings(BaseSettings):
         return value
 
     @property
+    def shutdown_grace_s(self) -> int:
+        """How long a stopping HTTP server waits for the requests in flight (uvicorn takes whole seconds): their
+        timeout, rounded up (down, a timeout under a second gave none)."""
+        return math.ceil(self.request_timeout_s)
+
+    @property
     def batch_audio_limit_s(self) -> float:
         """Padded seconds of audio in one batch: ``max_batch_audio_s``, else full batches of the longest pieces
         (``max_batch_size`` x ``max_segment_s``), so raising the batch size alone is not undone by this limit."""

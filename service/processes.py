@@ -80,7 +80,7 @@ def run_frontend(settings: Settings, sock: socket.socket, engine_path: str, log_
 
     app = create_frontend_app(settings, engine_path, engine_lost)
     server = uvicorn.Server(uvicorn.Config(app, log_config=None, lifespan="on", http=HTTP_PROTOCOL,
-                                           timeout_graceful_shutdown=int(settings.request_timeout_s)))
+                                           timeout_graceful_shutdown=settings.shutdown_grace_s))
     server.run(sockets=[sock])
 
 

@@ -1103,6 +1103,12 @@ def test_a_setting_left_blank_in_the_environment_is_its_default(monkeypatch):
     assert get_settings().languages == []  # the one whose blank says something: any language
 
 
+def test_a_stopping_server_waits_for_requests_in_flight_whole_seconds_rounded_up():
+    """uvicorn takes its grace in whole seconds: a request timeout under a second was cut to none (requests in flight
+    cancelled at a stop)."""
+    assert Settings(request_timeout_s=0.5).shutdown_grace_s == 1 and Settings().shutdown_grace_s == 600
+
+
 def test_languages_setting_takes_codes_and_none_takes_any(monkeypatch, hybrid, parity_audio):
     from pydantic import ValidationError
 
