@@ -15,6 +15,8 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
+from .batcher import Priority
+
 disable_created_metrics()  # the *_created series only add cardinality for our dashboards
 
 RTFX_WINDOW_S = 60.0
@@ -68,6 +70,8 @@ class Metrics:
         # by source: "http" (someone waits: the API's autoscaling reads it) or "job" (bulk items wait by design)
         self.queue_wait_seconds = Histogram("batchasr_queue_wait_seconds", "Time items wait before their batch",
                                             ["source"], buckets=SECONDS_BUCKETS, registry=r)
+        for source in sorted({priority.source for priority in Priority}):  # at 0 from the start: the API's
+            self.queue_wait_seconds.labels(source)  # autoscaler reads http's, and a pod that had served none gave none
         self.request_duration_seconds = Histogram("batchasr_request_duration_seconds", "HTTP request latency",
                                                   ["route"], buckets=SECONDS_BUCKETS, registry=r)
         self.stage_seconds = Histogram("batchasr_stage_seconds", "Time per batch in each engine stage", ["stage"],

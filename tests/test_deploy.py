@@ -379,6 +379,17 @@ def test_adapter_query_gives_the_hpa_a_value_at_a_one_minute_scrape_interval(tmp
                   labels='namespace="default",pod="api-0"')
 
 
+def test_adapter_query_gives_the_hpa_a_value_for_a_pod_that_has_served_no_request(tmp_path):
+    """A pod exported no queue-wait series until its first HTTP request: the HPA got no metric from a new pod, or
+    from a deployment used only for jobs (FailedGetPodsMetric, never scaling). Idle, it reads 0."""
+    metrics = Metrics()
+    scrapes = [metrics.render().decode() for _ in range(4)]
+    query = adapter_query(adapter_rule(), "pod", 'namespace="default",pod="api-0"')
+    promtool_test(tmp_path, scrapes, "1m", [{"expr": query, "eval_time": "3m20s",
+                                             "exp_samples": [{"labels": '{pod="api-0"}', "value": 0}]}],
+                  labels='namespace="default",pod="api-0"')
+
+
 # --- alerting rules ------------------------------------------------------------------------------------------
 
 
@@ -623,15 +634,20 @@ def test_k8s_worker_scales_on_stream_lag_with_keda():
     adapter = yaml.safe_load((K8S / "prometheus-adapter-values.yaml").read_text())["prometheus"]
     assert every["serverAddress"] == f"{adapter['url']}:{adapter['port']}"
     redis_url = objects["ConfigMap", "batchasr-config"]["data"]["BATCHASR_REDIS_URL"]
+    # KEDA connects from its own namespace: a bare Service name was looked up there ("no such host")
+    namespace = yaml.safe_load((K8S / "kustomization.yaml").read_text())["namespace"]
+    assert objects["Namespace", namespace]
     for trigger in triggers:
         meta = trigger["metadata"]
         assert trigger["type"] == "redis-streams"
+        assert meta["address"] == f"batchasr-redis.{namespace}.svc:6379"
         assert meta["consumerGroup"] == CONSUMER_GROUP
         assert int(meta["lagCount"]) > 0 and "activationLagCount" in meta
         assert all(isinstance(v, str) for v in meta.values()), "KEDA trigger metadata values are strings"
         host, port = meta["address"].split(":")
-        assert redis_url.startswith(f"redis://{host}:{port}/{meta.get('databaseIndex', '0')}")
-    assert int(port) in {p["port"] for p in objects["Service", host]["spec"]["ports"]}
+        service = host.removesuffix(f".{namespace}.svc")  # the pods' URL names it within the namespace
+        assert redis_url.startswith(f"redis://{service}:{port}/{meta.get('databaseIndex', '0')}")
+    assert int(port) in {p["port"] for p in objects["Service", service]["spec"]["ports"]}
 
 
 def test_k8s_api_hpa_reads_the_adapter_queue_wait_metric():
@@ -720,6 +736,9 @@ def test_monitoring_kustomization_builds_and_lists_every_manifest():
     assert listed == {p.name for p in MONITORING.glob("*.yaml")} - {"kustomization.yaml"}
     built = kustomize(MONITORING)
     assert {(doc["kind"], doc["metadata"]["name"]) for doc in built} == set(k8s_objects(MONITORING))
+    # beside the pods the PodMonitor selects (in its own namespace)
+    namespace = yaml.safe_load((K8S / "kustomization.yaml").read_text())["namespace"]
+    assert all(doc["metadata"]["namespace"] == namespace for doc in built)
     assert all(doc["metadata"]["labels"]["app.kubernetes.io/part-of"] == "batchasr" for doc in built)
 
 
