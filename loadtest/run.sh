@@ -10,7 +10,8 @@
 # loadtest/results/<UTC time>), and the locustfile's LOADTEST_* (audio, API key, job size).
 # Arguments: user classes to run (default: all), then any further locust options.
 # Locust shares users out by weight (TranscribeUser 4, JobsUser 1): below 3 users no JobsUser starts, so bulk jobs
-# go untested; name JobsUser alone to load them.
+# go untested; name JobsUser alone to load them. JobsUser needs a server with Redis (`serve --redis-url`): without
+# one, its every job is answered 503 jobs_disabled and the run fails.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 
