@@ -100,7 +100,10 @@ class ServerClient:
                 parts = [("files", (p.name, files.enter_context(open(p, "rb")), "application/octet-stream")
                           if isinstance(p, Path) else stretch_upload(p, options.multichannel))
                          for p in inputs if not sent_as_json(p)]
-                form = {name: str(value).lower() for name, value in fields.items() if value is not None}
+                # the flags as the form reads them (true/false); the webhook URL as given: lowercased, a receiver's
+                # path or token (Hook?token=AbC) was another, and its answer (a 404) was never retried
+                form = {name: str(value).lower() if isinstance(value, bool) else str(value)
+                        for name, value in fields.items() if value is not None}
                 if options.channel_names:
                     form["channel_names"] = ",".join(options.channel_names)
                 if options.hotwords:

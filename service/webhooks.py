@@ -128,7 +128,10 @@ class WebhookSender:
                 return Attempt(False, str(exc.os_error))
             error = f"{type(exc).__name__}: {exc}"
         except (aiohttp.ClientError, TimeoutError) as exc:
-            error = f"{type(exc).__name__}: {exc or 'no detail'}"
+            # a timeout's own says nothing (it was recorded as "TimeoutError: ")
+            detail = str(exc) or (f"no answer within {self.timeout_s:g} s" if isinstance(exc, TimeoutError)
+                                  else "no detail")
+            error = f"{type(exc).__name__}: {detail}"
         else:
             if 200 <= status < 300:
                 return Attempt(True)

@@ -845,3 +845,37 @@ def test_a_webhook_fails_for_good_once_its_waits_run_out(redis_server, receiver)
     assert (job.webhook_status, job.webhook_attempts, job.webhook_error) == ("failed", 3, unavailable)
     assert len(hook.received) == 3 and (_count(metrics, "retried"), _count(metrics, "failed")) == (2, 1)
     assert redis_server.client().zcard("batchasr:webhooks:later") == 0
+
+
+def test_submit_through_a_server_sends_the_webhook_url_as_given(redis_server, model, parity_audio, receiver, capsys):
+    """batchasr submit's upload form lowercased every field, the webhook URL with them: a receiver's path or token
+    (Hook?token=AbC) became another, whose 404 was never retried."""
+    from service.cli import main
+
+    hook = receiver(200)
+    url = f"{hook.prefix()}Hook?token=AbC"
+    settings = Settings(redis_url=redis_server.url, webhook_secret=SECRET, webhook_url_prefixes=[hook.prefix()])
+    with run_server(settings, model) as running:
+        assert main(["submit", "--server", running.url, "--webhook-url", url, parity_audio[0]]) == 0
+        (line,) = capsys.readouterr().out.splitlines()
+        job = httpx.get(f"{running.url}/v1/jobs/{json.loads(line)['id']}").json()
+        assert job["webhook"]["url"] == url
+
+
+def test_a_receiver_that_does_not_answer_in_time_is_recorded_as_such(redis_server, receiver):
+    """A timeout's own message is empty: the job showed `TimeoutError: ` and nothing else."""
+    hook = receiver(None)  # holds its answer
+
+    async def scenario() -> None:
+        store = JobStore.from_url(redis_server.url)
+        sender = WebhookSender(SECRET, url_prefixes=[hook.prefix()], timeout_s=0.5)
+        try:
+            job_id = await _finished_job_with_webhook(store, hook.url())
+            attempt = await sender.attempt(await store.get(job_id))
+            assert not attempt.delivered and attempt.error == "TimeoutError: no answer within 0.5 s"
+            assert attempt.retry_in_s is not None  # tried again
+        finally:
+            await sender.close()
+            await store.close()
+
+    asyncio.run(scenario())
