@@ -221,20 +221,35 @@ async def run_submit(inputs: list[Input], redis_url: str | None, server: str | N
         return 0 if all(job["status"] == "completed" for job in jobs) else 1
     except (httpx.HTTPError, *REDIS_ERRORS) as exc:
         print(f"error: cannot reach {_target(server, redis_url)}: {exc}", file=sys.stderr)
-        return 2
+        return _sent_before_failing(jobs, to_send, idempotency_key)
     except REDIS_FULL:
         print("error: Redis is out of memory: nothing of that job was queued (submit fewer bytes a job with "
               "--job-bytes, or raise Redis's maxmemory)", file=sys.stderr)
-        return 2
+        return _sent_before_failing(jobs, to_send, idempotency_key)
     except ValueError as exc:  # a job the server or the store refused, with the reason
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return _sent_before_failing(jobs, to_send, idempotency_key, refused=True)
     except asyncio.CancelledError:  # Ctrl-C (asyncio.run cancels this task): the jobs sent go on without us
         if jobs:
             print(_how_to_take_up(jobs, idempotency_key, len(jobs) + len(to_send)), file=sys.stderr)
         raise
     finally:
         await client.close()
+
+
+def _sent_before_failing(jobs: list[dict[str, Any]], to_send: list, idempotency_key: str, refused: bool = False
+                         ) -> int:
+    """Status 2, and where a submission of several jobs failed part-way, the jobs it had sent: they go on, and were
+    named nowhere (run again under a new key, their audio was transcribed twice)."""
+    if jobs and to_send:
+        if refused:  # the same command would be refused again: the jobs sent are had, or cancelled, by id
+            ids = " ".join(job["id"] for job in jobs)
+            print(f"{len(jobs)} of {len(jobs) + len(to_send)} jobs were sent before that and go on: {ids}; their "
+                  f"results: batchasr jobs --results {ids} --wait; or cancel them: batchasr jobs --cancel {ids}",
+                  file=sys.stderr)
+        else:
+            print(_how_to_take_up(jobs, idempotency_key, len(jobs) + len(to_send)), file=sys.stderr)
+    return 2
 
 
 def _how_to_take_up(jobs: list[dict[str, Any]], idempotency_key: str, total: int) -> str:

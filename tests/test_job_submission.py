@@ -694,3 +694,19 @@ def test_a_path_or_url_too_long_to_keep_is_refused(redis_server, model, parity_a
                              data={"webhook_url": hook}, timeout=30)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "webhook_url", refused.text
         assert not redis_server.client().keys("batchasr:job:*")
+
+
+def test_submit_refused_part_way_names_the_jobs_it_had_sent(redis_server, model, parity_audio, capsys):
+    """Files and URLs go as separate jobs: the second refused (URL inputs off), the command said only why, and the
+    first job went on, named nowhere (run again under a new key, its audio was transcribed twice)."""
+    from service.cli import main
+
+    settings = Settings(redis_url=redis_server.url)
+    with run_server(settings, model) as running:
+        assert main(["submit", "--server", running.url, parity_audio[0], "https://media.example/a.wav"]) == 2
+        said = capsys.readouterr().err
+        (job_id,) = [key.decode().removeprefix("batchasr:job:") for key in redis_server.client().keys("batchasr:job:*")
+                     if key.count(b":") == 2]  # the job's own record, not its inputs', states'...
+        assert "URL inputs are disabled" in said
+        assert f"1 of 2 jobs were sent before that and go on: {job_id}" in said
+        assert f"batchasr jobs --cancel {job_id}" in said
