@@ -200,11 +200,12 @@ async def run_submit(inputs: list[Input], redis_url: str | None, server: str | N
             sent.append(part)
             first = False
             print(f"job {job['id']}: {job['total_items']} items", file=sys.stderr)
+            if not wait:  # its line as it is accepted: a run cut short has named every job it sent
+                try:  # flushed: a full disk or a closed pipe is told, with the jobs it could not name
+                    _write_out(output, json.dumps(job) + "\n")
+                except CannotWrite as exc:
+                    return cannot_write(exc.error, f" (the jobs were submitted: {', '.join(j['id'] for j in jobs)})")
         if not wait:
-            try:  # flushed here: a full disk or a closed pipe is told, with the jobs it could not name
-                _write_out(output, "".join(json.dumps(job) + "\n" for job in jobs))
-            except CannotWrite as exc:
-                return cannot_write(exc.error, f" (the jobs were submitted: {', '.join(j['id'] for j in jobs)})")
             return 0
         jobs = await _followed(client, jobs, progress, poll_s)
         for part, job in zip(sent, jobs, strict=True):

@@ -704,9 +704,10 @@ def test_submit_refused_part_way_names_the_jobs_it_had_sent(redis_server, model,
     settings = Settings(redis_url=redis_server.url)
     with run_server(settings, model) as running:
         assert main(["submit", "--server", running.url, parity_audio[0], "https://media.example/a.wav"]) == 2
-        said = capsys.readouterr().err
+        out, said = capsys.readouterr()
         (job_id,) = [key.decode().removeprefix("batchasr:job:") for key in redis_server.client().keys("batchasr:job:*")
                      if key.count(b":") == 2]  # the job's own record, not its inputs', states'...
+        assert [json.loads(line)["id"] for line in out.splitlines()] == [job_id]  # its line as it was accepted
         assert "URL inputs are disabled" in said
         assert f"1 of 2 jobs were sent before that and go on: {job_id}" in said
         assert f"batchasr jobs --cancel {job_id}" in said
