@@ -37,7 +37,8 @@ from .redis_outages import REDIS_ERRORS, REDIS_FULL
 from .submit_inputs import JOB_BYTES, Input, split_into_jobs
 
 log = logging.getLogger(__name__)
-FINAL_STATUSES = {"completed", "completed_with_errors", "failed", "cancelled"}
+GONE = "gone"  # a job purged or expired while followed, as ``submit --wait`` marks it
+FINAL_STATUSES = {"completed", "completed_with_errors", "failed", "cancelled", GONE}
 T = TypeVar("T")
 
 
@@ -208,8 +209,10 @@ async def run_submit(inputs: list[Input], redis_url: str | None, server: str | N
         if not wait:
             return 0
         jobs = await _followed(client, jobs, progress, poll_s)
+        gone = 0  # jobs purged or expired meanwhile: the others' results are written all the same
         for part, job in zip(sent, jobs, strict=True):
             try:  # flushed a job at a time: a full disk or a closed pipe is told here, not as a traceback at exit
+                _unless_gone(job)
                 async with contextlib.aclosing(results_in_order(client, job["id"], part)) as results:
                     async for source, record in results:
                         write_result(source, {**record, "audio": str(source)})
@@ -218,8 +221,11 @@ async def run_submit(inputs: list[Input], redis_url: str | None, server: str | N
                 kept = ", ".join(j["id"] for j in jobs)
                 return cannot_write(exc, f" (the jobs are kept, their results at /v1/jobs/ID/results until they "
                                          f"expire: {kept})")
+            except NoSuchJob as exc:
+                gone += _said_gone(exc)
+                continue
             print(_how_it_stands(job), file=sys.stderr)
-        return 0 if all(job["status"] == "completed" for job in jobs) else 1
+        return 2 if gone else 0 if all(job["status"] == "completed" for job in jobs) else 1
     except (httpx.HTTPError, *REDIS_ERRORS) as exc:
         print(f"error: cannot reach {_target(server, redis_url)}: {exc}", file=sys.stderr)
         return _sent_before_failing(jobs, to_send, idempotency_key)
@@ -268,13 +274,34 @@ async def _followed(client: JobClient, jobs: list[dict[str, Any]], progress: Cal
     bar = progress()
     while True:
         bar.update(_overall(jobs))
-        if all(job["status"] in FINAL_STATUSES for job in jobs):
+        if all(job["status"] in FINAL_STATUSES for job in jobs):  # GONE among them
             break
         await asyncio.sleep(poll_s)
-        jobs = [job if job["status"] in FINAL_STATUSES else await riding_out(lambda i=job["id"]: client.get(i))
+        jobs = [job if job["status"] in FINAL_STATUSES else await _still_there(client, job)
                 for job in jobs]
     bar.close()
     return jobs
+
+
+async def _still_there(client: JobClient, job: dict[str, Any]) -> dict[str, Any]:
+    """The job as it stands now; one purged or expired meanwhile as it was last seen, marked ``GONE`` with why (it
+    ended the wait before the other jobs' results were written)."""
+    try:
+        return await riding_out(lambda: client.get(job["id"]))
+    except NoSuchJob as exc:
+        return {**job, "status": GONE, "gone": str(exc)}
+
+
+def _unless_gone(job: dict[str, Any]) -> None:
+    if job["status"] == GONE:
+        raise NoSuchJob(job["gone"])
+
+
+def _said_gone(exc: NoSuchJob) -> int:
+    """A job whose results are not there (purged or expired) said, and counted: the others' are written all the same,
+    and the command ends with status 2."""
+    print(f"error: {exc}: its results are not there", file=sys.stderr)
+    return 1
 
 
 def _overall(jobs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -404,16 +431,21 @@ async def run_results(redis_url: str | None, server: str | None, api_key: str | 
                 for number, job_id in enumerate(job_ids)]
         if wait:
             jobs = await _followed(client, jobs, progress, poll_s)
+        gone = 0
         for job in jobs:
             try:  # flushed a job at a time: a full disk or a closed pipe is told here, not as a traceback at exit
+                _unless_gone(job)
                 async with contextlib.aclosing(job_records(client, job["id"], job["total_items"])) as records:
                     async for record in records:
                         write_result(record)
                 output.flush()
             except OSError as exc:
                 return cannot_write(exc)
+            except NoSuchJob as exc:
+                gone += _said_gone(exc)
+                continue
             print(_how_it_stands(job), file=sys.stderr)
-        return 0 if all(job["status"] == "completed" for job in jobs) else 1
+        return 2 if gone else 0 if all(job["status"] == "completed" for job in jobs) else 1
 
     return await _with_client(redis_url, server, api_key, collect)
 

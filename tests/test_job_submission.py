@@ -711,3 +711,31 @@ def test_submit_refused_part_way_names_the_jobs_it_had_sent(redis_server, model,
         assert "URL inputs are disabled" in said
         assert f"1 of 2 jobs were sent before that and go on: {job_id}" in said
         assert f"batchasr jobs --cancel {job_id}" in said
+
+
+def test_submit_waiting_on_jobs_of_which_one_is_purged_writes_the_others_results(redis_server, model, parity_audio,
+                                                                                expected, capsys):
+    """Several jobs followed, one purged meanwhile: the command ended at once, and the other jobs' results, done or
+    still coming, were never written."""
+    inputs = [Path(p) for p in parity_audio[:2]]
+
+    async def scenario(server_url: str) -> tuple[int, str]:
+        store = JobStore.from_url(redis_server.url)
+        out = io.StringIO()
+        waiting = asyncio.create_task(run_submit(inputs, None, server_url, None, True, out, poll_s=0.05,
+                                                 job_bytes=1))  # a job a file
+        while len(keys := await store.redis.keys("batchasr:job:job_*[!s]")) < 2:  # the jobs' hashes
+            await asyncio.sleep(0.05)
+        jobs = [await store.get(key.decode().split(":")[2]) for key in keys]
+        await store.delete(min(jobs, key=lambda job: job.created_at).id)
+        code = await waiting
+        await store.close()
+        return code, out.getvalue()
+
+    # an item waits for a batch to fill (5 s): both jobs are in progress when the first is purged
+    with run_server(Settings(redis_url=redis_server.url, max_wait_ms=5000, max_batch_size=64), model) as running:
+        code, out = asyncio.run(scenario(running.url))
+    assert code == 2
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert [(r["audio"], r["text"]) for r in lines] == [(str(inputs[1]), expected[inputs[1].name])]
+    assert "no such job (it expired or was purged): its results are not there" in capsys.readouterr().err
