@@ -226,29 +226,12 @@ class JobStore(ItemStreams):
             async with self.redis.pipeline(transaction=True) as pipe:
                 while True:
                     try:
-                        if key is not None:
-                            await pipe.watch(key)
-                            if (job := await self._job_named_by(pipe, key)) is not None:
-                                await pipe.reset()
-                                # this job's own: the transaction ran, and its reply was lost (redis-py raises that on
-                                # a watching connection as a WatchError, as it does another request's write)
-                                return job, job.id == job_id
-                        pipe.multi()
-                        if reserved is not None:  # queued now: counted on the streams from here on
-                            pipe.hdel(reserved, job_id)
-                        if key is not None:  # set with the job, in one transaction (over a key whose job is gone),
-                            # and kept as long as the job is: it lapsed at the result TTL, so a retry of a job still
-                            # running (or whose results were still kept) made a second job
-                            pipe.set(key, job_id, ex=self.input_ttl_s + self.result_ttl_s)
-                        await self._open_stream_in(pipe, stream)
-                        fields = self._queue_job(pipe, job_id, items, options, key, stream, fingerprint)
-                        # the owner's list: ids of jobs long expired are dropped here, those expired early
-                        # (finished) when listed
-                        horizon = float(fields["created_at"]) - self.input_ttl_s - self.result_ttl_s
-                        await self._prune_owner_jobs(keys=[OWNER_JOBS_KEY.format(owner=options.owner)],
-                                                     args=[horizon, JOB_KEY.format(job_id="")], client=pipe)
-                        if uploads:
-                            await self._expire_all(keys=uploads, args=[self.input_ttl_s], client=pipe)
+                        if key is not None and (job := await self._watched_job(pipe, key)) is not None:
+                            # this job's own where the transaction ran and its reply was lost (redis-py raises that
+                            # on a watching connection as a WatchError, as it does another request's write)
+                            return job, job.id == job_id
+                        fields = await self._queue_job_in(pipe, job_id, items, options, key, uploads, stream,
+                                                          reserved, fingerprint)
                         if pipe.connection is None:  # connected first (as execute would): Redis not reached is
                             # then told apart from a transaction sent whose reply was lost
                             pipe.connection = await self.redis.connection_pool.get_connection()
@@ -258,17 +241,47 @@ class JobStore(ItemStreams):
                     except aioredis.WatchError:  # another request with this key got there first, or the reply
                         continue  # was lost: the key says whose job it is
         except REDIS_ERRORS as exc:
-            if not sent:
-                raise
-            try:  # the job is there (the reply lost) or not (the transaction with it)
-                written = await self.redis.exists(JOB_KEY.format(job_id=job_id))
-            except REDIS_ERRORS:
-                raise SubmissionUnconfirmed(f"the job store (Redis) went away as job {job_id} was written: "
-                                            f"it may have been queued") from exc
-            if not written:
+            if not sent or not await self._written_after_all(job_id, exc):
                 raise
         # as written, not read back: a purge (or a Redis that lost it) a moment later made the submission a 500
         return job_from_fields(job_id, {name: str(value) for name, value in fields.items()}), True
+
+    async def _watched_job(self, pipe: Any, key: str) -> Job | None:
+        """The job idempotency ``key`` names, if any (the pipe reset), else None with ``key`` watched by ``pipe``."""
+        await pipe.watch(key)
+        if (job := await self._job_named_by(pipe, key)) is not None:
+            await pipe.reset()
+        return job
+
+    async def _queue_job_in(self, pipe: Any, job_id: str, items: list[ItemInput], options: JobOptions,
+                            key: str | None, uploads: list[str], stream: str, reserved: str | None,
+                            fingerprint: str) -> dict[str, Any]:
+        """The job's writes, in ``pipe``'s transaction; returns its fields as written."""
+        pipe.multi()
+        if reserved is not None:  # queued now: counted on the streams from here on
+            pipe.hdel(reserved, job_id)
+        if key is not None:  # set with the job, in one transaction (over a key whose job is gone), and kept as long
+            # as the job is: it lapsed at the result TTL, so a retry of a job still running (or whose results were
+            # still kept) made a second job
+            pipe.set(key, job_id, ex=self.input_ttl_s + self.result_ttl_s)
+        await self._open_stream_in(pipe, stream)
+        fields = self._queue_job(pipe, job_id, items, options, key, stream, fingerprint)
+        # the owner's list: ids of jobs long expired are dropped here, those expired early (finished) when listed
+        horizon = float(fields["created_at"]) - self.input_ttl_s - self.result_ttl_s
+        await self._prune_owner_jobs(keys=[OWNER_JOBS_KEY.format(owner=options.owner)],
+                                     args=[horizon, JOB_KEY.format(job_id="")], client=pipe)
+        if uploads:
+            await self._expire_all(keys=uploads, args=[self.input_ttl_s], client=pipe)
+        return fields
+
+    async def _written_after_all(self, job_id: str, lost: Exception) -> bool:
+        """Whether a job whose transaction's reply was ``lost`` is there (the reply lost) or not (the transaction
+        with it); ``SubmissionUnconfirmed`` where Redis cannot be asked."""
+        try:
+            return bool(await self.redis.exists(JOB_KEY.format(job_id=job_id)))
+        except REDIS_ERRORS:
+            raise SubmissionUnconfirmed(f"the job store (Redis) went away as job {job_id} was written: it may have "
+                                        f"been queued") from lost
 
     async def _reserve(self, job_id: str, owner: str, items: int) -> str | None:
         """With ``max_queued_items``: count ``items`` against ``owner``'s limit until the job's transaction queues
