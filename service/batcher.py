@@ -211,7 +211,7 @@ class Batcher:
         return sum(len(q) for q in self._queues.values())
 
     def _retry_after_s(self) -> int:
-        queued_s = sum(i.n_samples for q in self._queues.values() for i in q) / self.sample_rate
+        queued_s = self._queued_samples / self.sample_rate
         if self._throughput_audio_s_per_s <= 0:
             return 1
         return int(min(60, max(1, queued_s / self._throughput_audio_s_per_s)))
