@@ -66,7 +66,7 @@ from .response_bodies import (
     transcript_segments,
     word_timings,
 )
-from .runtime import build_frontend_stack, build_stack
+from .runtime import build_frontend_stack, build_stack, load_serving_model
 from .schemas import (
     ModelCard,
     ModelList,
@@ -369,10 +369,7 @@ def create_app(settings: Settings, model: ASRModel | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         loaded = model
         if loaded is None:
-            from models.asr_model import load_model
-
-            loaded = await asyncio.to_thread(load_model, settings.model, settings.device, settings.dtype,
-                                             settings.attention_kernel)
+            loaded = await asyncio.to_thread(load_serving_model, settings)
         stack = service.stack = build_stack(settings, loaded, service.metrics)
         if stack.jobs is not None:
             stack.start_consumer()

@@ -46,15 +46,12 @@ T = TypeVar("T")
 
 
 async def run_worker(settings: Settings, metrics_port: int | None) -> int:
-    from models.asr_model import load_model
-
     from .processes import check_port_free
-    from .runtime import build_stack
+    from .runtime import build_stack, load_serving_model
 
     if metrics_port:
         check_port_free(metrics_port)  # before the model loads
-    model = await asyncio.to_thread(load_model, settings.model, settings.device, settings.dtype,
-                                    settings.attention_kernel)
+    model = await asyncio.to_thread(load_serving_model, settings)
     stack = build_stack(settings, model)
     try:
         return await _consume_jobs(settings, stack, metrics_port)
@@ -212,7 +209,6 @@ async def run_submit(inputs: list[Input], redis_url: str | None, server: str | N
         gone = 0  # jobs purged or expired meanwhile: the others' results are written all the same
         for part, job in zip(sent, jobs, strict=True):
             try:  # flushed a job at a time: a full disk or a closed pipe is told here, not as a traceback at exit
-                _unless_gone(job)
                 async with contextlib.aclosing(results_in_order(client, job["id"], part)) as results:
                     async for source, record in results:
                         write_result(source, {**record, "audio": str(source)})
@@ -221,8 +217,9 @@ async def run_submit(inputs: list[Input], redis_url: str | None, server: str | N
                 kept = ", ".join(j["id"] for j in jobs)
                 return cannot_write(exc, f" (the jobs are kept, their results at /v1/jobs/ID/results until they "
                                          f"expire: {kept})")
-            except NoSuchJob as exc:
-                gone += _said_gone(exc)
+            except NoSuchJob as exc:  # purged or expired while followed (GONE), or since
+                _say_gone(exc)
+                gone += 1
                 continue
             print(_how_it_stands(job), file=sys.stderr)
         return 2 if gone else 0 if all(job["status"] == "completed" for job in jobs) else 1
@@ -284,24 +281,18 @@ async def _followed(client: JobClient, jobs: list[dict[str, Any]], progress: Cal
 
 
 async def _still_there(client: JobClient, job: dict[str, Any]) -> dict[str, Any]:
-    """The job as it stands now; one purged or expired meanwhile as it was last seen, marked ``GONE`` with why (it
-    ended the wait before the other jobs' results were written)."""
+    """The job as it stands now; one purged or expired meanwhile as it was last seen, marked ``GONE``, followed no
+    more (it ended the wait before the other jobs' results were written): reading its results says it is not there."""
     try:
         return await riding_out(lambda: client.get(job["id"]))
-    except NoSuchJob as exc:
-        return {**job, "status": GONE, "gone": str(exc)}
+    except NoSuchJob:
+        return {**job, "status": GONE}
 
 
-def _unless_gone(job: dict[str, Any]) -> None:
-    if job["status"] == GONE:
-        raise NoSuchJob(job["gone"])
-
-
-def _said_gone(exc: NoSuchJob) -> int:
-    """A job whose results are not there (purged or expired) said, and counted: the others' are written all the same,
-    and the command ends with status 2."""
+def _say_gone(exc: NoSuchJob) -> None:
+    """A job whose results are not there (purged or expired): said, and the others' written all the same; the
+    command then ends with status 2."""
     print(f"error: {exc}: its results are not there", file=sys.stderr)
-    return 1
 
 
 def _overall(jobs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -434,15 +425,15 @@ async def run_results(redis_url: str | None, server: str | None, api_key: str | 
         gone = 0
         for job in jobs:
             try:  # flushed a job at a time: a full disk or a closed pipe is told here, not as a traceback at exit
-                _unless_gone(job)
                 async with contextlib.aclosing(job_records(client, job["id"], job["total_items"])) as records:
                     async for record in records:
                         write_result(record)
                 output.flush()
             except OSError as exc:
                 return cannot_write(exc)
-            except NoSuchJob as exc:
-                gone += _said_gone(exc)
+            except NoSuchJob as exc:  # purged or expired while followed (GONE), or since
+                _say_gone(exc)
+                gone += 1
                 continue
             print(_how_it_stands(job), file=sys.stderr)
         return 2 if gone else 0 if all(job["status"] == "completed" for job in jobs) else 1
