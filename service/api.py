@@ -408,20 +408,22 @@ def lifespan_state(service: ServiceState) -> dict[str, Any]:
     return {HEAD_REFUSED: partial(observe_refused_head, service)}
 
 
+V1_ROUTERS = (v1, jobs_router, webhooks_router)  # the API's routes, counted in the request metrics
+
+
 def _app(service: ServiceState, lifespan: Callable[[FastAPI], Any]) -> FastAPI:
     app = FastAPI(title="batchasr", version="0.1.0", lifespan=lifespan,
                   description="High-throughput transcription of NeMo FastConformer models.")
     app.state.service = service
     install_error_handlers(app)
-    app.include_router(v1)
-    app.include_router(jobs_router)
-    app.include_router(webhooks_router)
-    app.include_router(ops)
+    for router in (*V1_ROUTERS, ops):
+        app.include_router(router)
     app.add_middleware(BodyBufferMiddleware)  # bodies whole before a route reads them (service.body_buffer)
     app.add_middleware(BodyLimitMiddleware, limit_for=_body_limits(service.settings))
     app.add_middleware(ApiKeyGate, keys=service.settings.api_keys)  # outside the body limit: 401 before 413
     # added last: outermost, so it sees every answer (routes: to name those the middleware answered before routing)
-    app.add_middleware(RequestLogMiddleware, service=service, routes=[*v1.routes, *jobs_router.routes])
+    app.add_middleware(RequestLogMiddleware, service=service,
+                       routes=[route for router in V1_ROUTERS for route in router.routes])
     return app
 
 

@@ -10,16 +10,19 @@ import uuid
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from starlette.requests import Request
 from starlette.routing import BaseRoute, Match
 
-from .http import ApiError, ServiceState, internal_error, send_error
+from .http import ApiError, ServiceState, error_json, internal_error, send_error
 from .logs import CURRENT_REQUEST, log_fields
 
 log = logging.getLogger("batchasr.api")
 
+LATE_FAILURE = "batchasr.late_failure"  # the scope's key for report_late_failure's error
 UNMATCHED = "unmatched"  # the route label of a request no route can be named for
 MAX_ERROR_BODY = 64 * 1024  # an error body past this is not read for the log line (ours are a few hundred bytes)
 ERROR_LOGGED = 300  # chars of an error's message in the request's log line
+_REQUEST_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")
 # a URL as a refusal may quote one, up to the punctuation that ends its sentence
 _URL = re.compile(r"\b[a-z][a-z0-9+.-]*://[^\s'\"<>]*[^\s'\"<>:,.;)]", re.IGNORECASE)
 
@@ -38,7 +41,7 @@ class RequestLogMiddleware:
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
-        request_id = headers.get(b"x-request-id", b"").decode("latin-1") or uuid.uuid4().hex
+        request_id = _client_request_id(headers.get(b"x-request-id", b"")) or uuid.uuid4().hex
         # not reset on the way out: Starlette's outermost handler logs an unhandled error after this returns, and
         # each request runs in a task of its own, whose context ends with it
         CURRENT_REQUEST.set({"request_id": request_id, "method": scope["method"], "path": scope["path"]})
@@ -54,6 +57,7 @@ class RequestLogMiddleware:
                 refusal = _error_of(message.get("body", b""))
             await send(message)
 
+        scope[LATE_FAILURE] = None
         try:
             await self.app(scope, receive, send_with_id)
         except Exception as exc:
@@ -63,6 +67,8 @@ class RequestLogMiddleware:
             raise  # for that middleware's handler and the server to log it
         finally:
             elapsed = time.perf_counter() - started
+            if (late := scope[LATE_FAILURE]) is not None:  # a stream's error event, under the 200 it began with
+                status, refusal = late.status, {**_error_of(error_json(late)), "streamed": True}
             route_path = _route_path(scope.get("route")) or self._route_of(scope)
             if route_path.startswith("/v1") and self.service.metrics is not None:
                 self.service.metrics.observe_request(route_path, status, elapsed)
@@ -79,6 +85,12 @@ class RequestLogMiddleware:
         return UNMATCHED
 
 
+def report_late_failure(request: Request, error: ApiError) -> None:
+    """A failure a response tells in its body after its head went with a 200 (a stream's ``error`` event): the
+    request is counted and logged with the error's status and code, as it would have been before its head."""
+    request.scope[LATE_FAILURE] = error
+
+
 def observe_refused_head(service: ServiceState, error: ApiError, request_id: str, duration_s: float) -> None:
     """A request the server refused before its head was whole or could be parsed (service.head_limit: 431, 408, or
     400), which the app never saw: counted under route "unmatched", since no route was matched, and logged as any
@@ -88,6 +100,12 @@ def observe_refused_head(service: ServiceState, error: ApiError, request_id: str
     log.warning("request", extra=log_fields(event="request", request_id=request_id, method=None, path=None,
                                             status=error.status, code=error.code,
                                             duration_ms=round(duration_s * 1000, 2)))
+
+
+def _client_request_id(value: bytes) -> str | None:
+    """A client's ``X-Request-ID``, kept where it is an id (at most 128 of ``A-Z a-z 0-9 . _ : -``): anything else
+    would be copied into every log line of its request (a 60 KB one, or one of bytes no log index reads)."""
+    return value.decode("ascii") if _REQUEST_ID.fullmatch(value) else None
 
 
 def _error_of(body: bytes) -> dict[str, str]:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
@@ -18,6 +19,7 @@ from .audio import AudioRequestError
 from .batcher import BatcherClosed, Priority, QueueFull
 from .http import ApiError, ServiceState, internal_error, request_owner
 from .request_audio import audio_error, unless_client_leaves
+from .request_log import report_late_failure
 from .response_bodies import openai_logprobs
 from .schemas import TokenLogprob
 from .transcriber import QueuedRequest, RequestResult, TextDelta
@@ -92,14 +94,16 @@ async def stream_transcription(request: Request, service: ServiceState, waveform
         queued.cancel()
         raise
     tokenizer = service.stack.transcriber.tokenizer if logprobs else None
-    return StreamingResponse(transcription_events(queued, deltas, first, tokenizer), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
+    events = transcription_events(queued, deltas, first, tokenizer, on_failure=partial(report_late_failure, request))
+    return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 async def transcription_events(queued: QueuedRequest, deltas: AsyncIterator[TextDelta], first: TextDelta | None,
-                               logprobs_from: Tokenizer | None = None) -> AsyncIterator[bytes]:
+                               logprobs_from: Tokenizer | None = None,
+                               on_failure: Callable[[ApiError], None] = lambda error: None) -> AsyncIterator[bytes]:
     """The stream's events (with ``logprobs_from``, each carrying its tokens' logprobs). A client that goes away
-    cancels this (Starlette listens for it), which drops the pieces still queued."""
+    cancels this (Starlette listens for it), which drops the pieces still queued. A failure, sent as an ``error``
+    event under the 200 already sent, is handed to ``on_failure`` too (for the request's metrics and log line)."""
     try:
         delta = first
         while delta is not None:
@@ -116,12 +120,17 @@ async def transcription_events(queued: QueuedRequest, deltas: AsyncIterator[Text
             done["logprobs"] = _dumped(openai_logprobs(transcript.tokens, transcript.token_logprobs, logprobs_from))
         yield _event(done)
     except ENGINE_REFUSALS as exc:
-        yield _event({"type": "error", **engine_error(exc).body()})
+        yield _failed(engine_error(exc), on_failure)
     except Exception as exc:  # a batch that failed (the headers are sent: the stream says so, as it promises)
         log.exception("transcription stream failed")
-        yield _event({"type": "error", **internal_error(exc).body()})
+        yield _failed(internal_error(exc), on_failure)
     finally:
         queued.cancel()
+
+
+def _failed(error: ApiError, on_failure: Callable[[ApiError], None]) -> bytes:
+    on_failure(error)
+    return _event({"type": "error", **error.body()})
 
 
 def _dumped(logprobs: list[TokenLogprob]) -> list[dict[str, Any]]:

@@ -154,11 +154,14 @@ def test_long_audio_streams_its_text_piece_by_piece(hybrid, parity_audio):
     assert "".join(e["delta"] for e in deltas) == whole
 
 
-def test_a_batch_that_fails_mid_stream_ends_it_with_an_error_event(parity_dir, parity_audio):
-    """The headers are sent with the first delta: a later failure must still be told, not cut the stream short."""
+def test_a_batch_that_fails_mid_stream_ends_it_with_an_error_event(parity_dir, parity_audio, caplog):
+    """The headers are sent with the first delta: a later failure must still be told, not cut the stream short;
+    and counted and logged as the failure it is (it was a 200 with no error in both, unseen by the 5xx alert)."""
     model = load_model(parity_dir / "tdt.nemo", device="cpu", dtype="float32")
     recording, _ = long_recording(parity_audio, 40)
-    with run_server(Settings(max_segment_s=5, max_batch_size=1, max_wait_ms=0), model) as running:
+    route = '{code="%d",route="/v1/audio/transcriptions"}'
+    with run_server(Settings(max_segment_s=5, max_batch_size=1, max_wait_ms=0), model) as running, \
+            caplog.at_level(logging.INFO, logger="batchasr.api"):
         decode, batches = model.decode, []
 
         def failing_after_the_first(*args, **kwargs):
@@ -171,6 +174,14 @@ def test_a_batch_that_fails_mid_stream_ends_it_with_an_error_event(parity_dir, p
         events = stream_transcription(running.url, _flac(recording))
         model.decode = decode
         assert httpx.get(f"{running.url}/healthz").status_code == 200
+        deadline = time.monotonic() + 10  # counted as the response ends, which the client may see first
+        while not running.metric("batchasr_requests_total", route % 500) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (running.metric("batchasr_requests_total", route % 500),
+                running.metric("batchasr_requests_total", route % 200)) == (1, 0)
+    lines = [json.loads(JsonFormatter().format(r)) for r in caplog.records if r.getMessage() == "request"]
+    [line] = [line for line in lines if line["path"] == "/v1/audio/transcriptions"]
+    assert (line["status"], line["code"], line["streamed"]) == (500, "internal_error", True)
     assert events[0]["type"] == "transcript.text.delta"
     assert events[-1] == {"type": "error", "error": {"message": "internal error: RuntimeError", "type": "server_error",
                                                      "param": None, "code": "internal_error"}}
@@ -530,6 +541,11 @@ def test_each_request_logs_one_json_line_with_its_request_id(server, parity_audi
     lines = [json.loads(JsonFormatter().format(r)) for r in caplog.records if r.name == "batchasr.api"]
     [line] = [line for line in lines if line.get("request_id") == "trace-43"]
     assert line["status"] == refused.status_code == 400
+    # a client's id is taken only where it is one: not 60 KB copied into every line, nor bytes no index reads
+    for sent in ("A" * 129, "evil\x85\xe9 \"} {\"level\": \"error"):
+        answer = httpx.get(f"{server.url}/healthz", headers={"x-request-id": sent.encode("latin-1")})
+        assert re.fullmatch("[0-9a-f]{32}", answer.headers["x-request-id"]), answer.headers
+    assert httpx.get(f"{server.url}/healthz", headers={"x-request-id": "A" * 128}).headers["x-request-id"] == "A" * 128
     assert (line["code"], line["error"]) == (refused.json()["error"]["code"], refused.json()["error"]["message"])
     quoted = {"error": {"message": "items.0.url: https://u:pw@media.example/a.wav?X-Amz-Signature=s3cr3t: not "
                                    "allowed", "type": "invalid_request_error", "param": None, "code": "invalid_job"}}
@@ -593,6 +609,9 @@ def test_api_keys_guard_v1_but_not_operations(hybrid, parity_audio):
         assert _post(running.url, data, headers={"Authorization": "Bearer wrong"}).status_code == 401
         assert _post(running.url, data, headers={"Authorization": "Bearer k2"}).status_code == 200
         assert httpx.get(f"{running.url}/v1/models").status_code == 401
+        assert httpx.get(f"{running.url}/v1/webhooks/secret").status_code == 401
+        for route in ("/v1/models", "/v1/webhooks/secret"):  # counted under its route (the webhooks' were not)
+            assert running.metric("batchasr_requests_total", f'{{code="401",route="{route}"}}') == 1, route
         for path in ("/healthz", "/readyz", "/metrics"):
             assert httpx.get(f"{running.url}{path}").status_code == 200
         # refused before the body is read: FastAPI parses (and spools to disk) a form before a route's dependencies
