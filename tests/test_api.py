@@ -10,6 +10,8 @@ import logging
 import re
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -553,6 +555,13 @@ def test_each_request_logs_one_json_line_with_its_request_id(server, parity_audi
         "code": "invalid_job", "error": "items.0.url: https://***@media.example/a.wav?***: not allowed"}
     plain = json.loads(JsonFormatter().format(logging.LogRecord("x", logging.WARNING, "", 0, "a %s", ("b",), None)))
     assert plain["message"] == "a b" and plain["level"] == "warning"
+
+
+def test_a_libraries_warning_is_logged_as_a_json_line_too():
+    script = "import warnings; from service.logs import configure_json_logging as c; c(); warnings.warn('odd')"
+    run = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
+    [line] = run.stderr.splitlines()
+    assert json.loads(line)["level"] == "warning" and "UserWarning: odd" in json.loads(line)["message"], run.stderr
 
 
 def test_every_line_logged_while_a_request_is_handled_names_it(hybrid, parity_audio):
