@@ -12,7 +12,7 @@ import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .cli_options import (
     CHANNEL_NAMES_HELP,
@@ -236,21 +236,29 @@ def _serve_here(settings: Settings) -> int:
     from .processes import listening_socket
     from .runtime import load_serving_model
 
-    class _SaysWhere(uvicorn.Server):
-        """uvicorn on a socket given to it logs no address: said here once it listens, as it says it for a port it
-        binds itself."""
-
+    class _Server(uvicorn.Server):
         async def startup(self, sockets: list | None = None) -> None:
+            """uvicorn on a socket given to it logs no address: said here once it listens, as it says it for a port
+            it binds itself."""
             await super().startup(sockets)
+            self._loop = asyncio.get_running_loop()
             host = f"[{settings.host}]" if ":" in settings.host else settings.host
             logging.getLogger("uvicorn.error").info("Uvicorn running on http://%s:%d (Press CTRL+C to quit)", host,
                                                     self.config.port)
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            """The job consumer stops taking items at the signal, as the server stops taking requests: stopped by
+            the app's shutdown, it went on until every request had finished (a slow upload: minutes)."""
+            super().handle_exit(sig, frame)
+            stack = app.state.service.stack
+            if stack is not None and getattr(self, "_loop", None) is not None:
+                self._loop.call_soon_threadsafe(stack.request_stop)
 
     sock = listening_socket(settings.host, settings.port)
     sock.set_inheritable(False)  # no front ends to hand it to
     try:
         app = create_app(settings, load_serving_model(settings))
-        server = _SaysWhere(uvicorn.Config(app, host=settings.host, port=sock.getsockname()[1], log_config=None,
+        server = _Server(uvicorn.Config(app, host=settings.host, port=sock.getsockname()[1], log_config=None,
                                            http=HTTP_PROTOCOL,
                                            timeout_graceful_shutdown=settings.shutdown_grace_s))
         with contextlib.suppress(KeyboardInterrupt):  # SIGINT, raised again once it has stopped: as uvicorn.run

@@ -268,6 +268,7 @@ async def _serve_engine(settings: Settings, stack: Any, sock: socket.socket | No
         await pool.stop()
         return
     log.info("stopping: front ends and consumers first, then the engine")
+    stack.request_stop()  # this process's job consumer, if any, takes no more items while the front ends finish
     await pool.stop()
     await server.close()
 

@@ -48,7 +48,7 @@ from service.runtime import READING_SHARE, build_stack
 from tests.conftest import long_recording
 from tests.ports import free_port
 from tests.redis_server import RedisServer, first_reply_lost
-from tests.servers import drain_jobs, metric, run_server, upload_items
+from tests.servers import drain_jobs, metric, run_server, serve_process, upload_items
 
 MODEL_FILE = "tdt.nemo"  # the fastest fixture: one encoder layer
 
@@ -356,6 +356,48 @@ def test_a_worker_with_consumer_processes_counts_in_one_place_and_stops_cleanly(
     records = asyncio.run(JobStore.from_url(redis_server.url).results(job.id))
     _check_results(records[:30], items[:30], expected)
     assert records[30]["status"] == "failed"
+
+
+def _slow_upload(total_s: float):
+    """A multipart upload that takes ``total_s`` to send: it holds a server's shutdown open that long."""
+    boundary = "slow-upload"
+    yield (f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="x.wav"\r\n'
+           "Content-Type: audio/wav\r\n\r\n").encode()
+    for _ in range(int(total_s / 0.1)):
+        time.sleep(0.1)
+        yield bytes(1000)
+    yield f"\r\n--{boundary}--\r\n".encode()
+
+
+@pytest.mark.parametrize("frontends", [0, 1])
+def test_serve_takes_no_job_items_after_sigterm_while_its_requests_finish(redis_server, parity_dir, parity_audio,
+                                                                          frontends):
+    """The consumer stopped only once uvicorn had finished every request (up to the request timeout): while one
+    slow upload held that open, it took on the rest of the queue (66 items after the signal). The items in hand
+    are finished; those queued stay queued, for another instance."""
+    job, _ = asyncio.run(JobStore.from_url(redis_server.url).submit(upload_items(parity_audio, 200)))
+
+    def counted(state: str) -> int:
+        return asyncio.run(JobStore.from_url(redis_server.url).get(job.id)).counts.get(state, 0)
+
+    with serve_process(parity_dir / MODEL_FILE, frontends=frontends, redis_url=redis_server.url, job_prefetch=2,
+                       max_batch_size=2) as running:
+        _wait_for(lambda: counted("completed") >= 4, 120, "no item completed")
+        upload = threading.Thread(target=lambda: httpx.post(
+            f"{running.url}/v1/transcribe", content=_slow_upload(10), timeout=60,
+            headers={"content-type": "multipart/form-data; boundary=slow-upload"}), daemon=True)
+        upload.start()
+        time.sleep(0.5)
+        running.process.send_signal(signal.SIGTERM)
+        time.sleep(1.5)  # the items in hand at the signal are started and finished
+        queued = counted("queued")
+        time.sleep(4)
+        assert running.process.poll() is None, "the upload holds the shutdown open"
+        assert counted("queued") == queued > 0
+        running.process.wait(60)
+        upload.join(60)
+    assert (counted("queued"), counted("failed")) == (queued, 0)
+    assert running.process.returncode in (0, -signal.SIGTERM)  # uvicorn (frontends=0) raises the signal again
 
 
 # --- item outcomes (in-process consumer) ---------------------------------------------------------------------------
