@@ -41,6 +41,10 @@ POOL_FACTOR = 16
 # the one staged ahead of it (service/staging.py). Past that it would finish after its client gave up: under
 # overload the engine spent most of its time so (loadtest/overload.py: a tenth of what it transcribed was answered).
 FINISH_BATCHES = 2
+# Bulk work (job items) fills at most this share of the queue; the rest is kept for interactive requests. Job items
+# could fill it all, the consumer refilling it as each batch left: every HTTP request was refused 429 until the
+# backfill ended.
+BULK_QUEUE_SHARE = 0.75
 
 
 class Priority(IntEnum):
@@ -53,6 +57,13 @@ class Priority(IntEnum):
     def source(self) -> str:
         """Where such work comes from, as the metrics label it: "http" (someone waits on it) or "job"."""
         return "http" if self is Priority.INTERACTIVE else "job"
+
+
+def queue_limit(max_queue: int, priority: Priority) -> int:
+    """How many pieces may be queued, all priorities together, when work of ``priority`` is queued."""
+    if priority is Priority.INTERACTIVE:
+        return max_queue
+    return max(1, math.floor(max_queue * BULK_QUEUE_SHARE))
 
 
 class QueueFull(Exception):
@@ -175,11 +186,12 @@ class Batcher:
     # --- producers --------------------------------------------------------------------------------------
 
     def submit(self, items: list[WorkItem]) -> None:
-        """Queue all items or none; raises ``QueueFull`` (with a retry hint) past ``max_queue``."""
+        """Queue all items or none; raises ``QueueFull`` (with a retry hint) past ``max_queue`` (bulk work: past
+        its share of it, ``queue_limit``)."""
         with self._cond:
             if self._closed:
                 raise BatcherClosed("the engine is shutting down")
-            if self.depth + len(items) > self.max_queue:
+            if len(items) > min((self.room(item.priority) for item in items), default=0):
                 raise QueueFull(self._retry_after_s())
             for item in items:
                 self._enqueue(item)
@@ -205,6 +217,10 @@ class Batcher:
             with self._cond:  # the waiting engine thread drops it now: it no longer counts toward max_queue
                 self._maybe_cancelled = True
                 self._cond.notify_all()
+
+    def room(self, priority: Priority) -> int:
+        """How many pieces of ``priority`` the queue takes now."""
+        return max(0, queue_limit(self.max_queue, priority) - self.depth)
 
     @property
     def depth(self) -> int:
@@ -294,19 +310,26 @@ class Batcher:
         return min(self._batch_s, self._queued_samples / self.sample_rate / self._throughput_audio_s_per_s)
 
     def _drop_dead_items(self) -> None:
-        """Drops cancelled items, and fails with TimeoutError those that could not be done before their deadline."""
+        """Drops cancelled items, then fails with TimeoutError those that could not be done before their deadline,
+        at the pace of the audio left (with the cancelled items' audio counted, a request that came after a burst of
+        abandoned ones was dropped beside an idle engine)."""
         now = time.monotonic()
+        if self._maybe_cancelled:  # each look is a lock per queued item: thousands, between two batches
+            self._maybe_cancelled = False  # before the look: a cancel during it asks for another
+            self._drop_items(lambda item: not item.future.cancelled(), now, 0.0)
         batch_s = self._next_batch_s()
         due_by = now + FINISH_BATCHES * batch_s  # an item due before this would be done too late
-        if not self._maybe_cancelled and due_by < self._next_deadline:
-            return  # each look is a lock per queued item: thousands, between two batches
-        self._maybe_cancelled = False  # before the look: a cancel during it asks for another
+        if due_by >= self._next_deadline:
+            self._drop_items(lambda item: due_by < item.deadline and not item.future.cancelled(), now, batch_s)
+
+    def _drop_items(self, keep: Callable[[WorkItem], bool], now: float, batch_s: float) -> None:
+        """Drops the items not to ``keep``: those cancelled as such, the others failed with TimeoutError."""
         next_deadline = math.inf
         for priority, queue in list(self._queues.items()):
             alive: deque[WorkItem] = deque()
             losers: set[str] = set()  # owners of items dropped
             for item in queue:
-                if due_by < item.deadline and not item.future.cancelled():
+                if keep(item):
                     alive.append(item)
                     next_deadline = min(next_deadline, item.deadline)
                     continue

@@ -20,6 +20,8 @@ from models.segmenter import DEFAULT_MAX_SEGMENT_S, length_bucket_problem, segme
 from .batcher import POOL_FACTOR
 
 ENV_PREFIX = "BATCHASR_"
+MAX_SECONDS = 30 * 86400  # the longest timeout or duration a setting takes
+MAX_WAIT_MS = 60_000  # the longest max_wait_ms: a batch held longer waits for nothing a GPU would gain from
 # BATCHASR_* variables that are not settings: the conditional-node switch (decoding.cuda_conditional), the parity
 # fixtures' folder (tests), and docker-compose's choice of GPU for each engine
 OTHER_VARIABLES = frozenset({"BATCHASR_CONDITIONAL_NODES", "BATCHASR_PARITY_DIR", "BATCHASR_API_GPU",
@@ -79,11 +81,11 @@ class Settings(BaseSettings):
 
     # Batching
     max_batch_size: int = 32
+    max_segment_s: float = DEFAULT_MAX_SEGMENT_S  # longer audio is split near here at quiet points
+    segment_overlap_s: float = 2.0
     max_batch_audio_s: float | None = None  # padded seconds in one batch (bounds memory); see batch_audio_limit_s
     max_wait_ms: float = 10.0
     max_queue: int = 2048  # queued segments beyond which requests get 429
-    max_segment_s: float = DEFAULT_MAX_SEGMENT_S  # longer audio is split near here at quiet points
-    segment_overlap_s: float = 2.0
     # fixed batch shapes: pieces of one length bucket of this many seconds per batch, padded to its end and to as
     # many rows as fit the padded-audio limit, so bf16 transcripts do not move with their neighbours
     # (service.batcher); None: off
@@ -179,15 +181,15 @@ class Settings(BaseSettings):
                      "job_visibility_timeout_s")
     @classmethod
     def _positive_seconds(cls, value: float) -> float:
-        if not 0 < value < math.inf:  # NaN too; infinity would be cast to int for timers
-            raise ValueError("must be a number of seconds > 0")
+        if not 0 < value <= MAX_SECONDS:  # NaN too; infinity would be cast to int for timers, 1e300 overflow them
+            raise ValueError(f"must be a number of seconds > 0, at most {MAX_SECONDS:,} (30 days)")
         return value
 
     @field_validator("max_wait_ms")
     @classmethod
     def _not_negative_wait(cls, value: float) -> float:
-        if not 0 <= value < math.inf:
-            raise ValueError("must be a number of milliseconds >= 0")
+        if not 0 <= value <= MAX_WAIT_MS:  # a longer one overflowed the engine thread's wait, failing it for good
+            raise ValueError(f"must be a number of milliseconds from 0 to {MAX_WAIT_MS:,}")
         return value
 
     @field_validator("port")
@@ -299,9 +301,13 @@ class Settings(BaseSettings):
 
     @field_validator("max_batch_audio_s")
     @classmethod
-    def _positive_batch_audio(cls, value: float | None) -> float | None:
+    def _positive_batch_audio(cls, value: float | None, info: ValidationInfo) -> float | None:
         if value is not None and not 0 < value < math.inf:
             raise ValueError("must be a finite number of seconds > 0 (or unset)")
+        # the longest piece runs alone in a batch at the least: a longer one went past the limit that bounds memory
+        segment_s = info.data.get("max_segment_s")  # declared first: validated before this (absent if refused)
+        if value is not None and segment_s is not None and segment_s > value:
+            raise ValueError(f"must hold the longest piece in one batch: at least max_segment_s ({segment_s:g})")
         return value
 
     @field_validator("length_bucket_s")
@@ -313,13 +319,9 @@ class Settings(BaseSettings):
 
     @field_validator("max_segment_s")
     @classmethod
-    def _segment_long_enough(cls, value: float, info: ValidationInfo) -> float:
+    def _segment_long_enough(cls, value: float) -> float:
         if problem := segment_problem(value):
             raise ValueError(problem)
-        # the longest piece runs alone in a batch at the least: a longer one went past the limit that bounds memory
-        batch_audio_s = info.data.get("max_batch_audio_s")  # declared first: validated before this
-        if batch_audio_s is not None and value > batch_audio_s:
-            raise ValueError(f"a piece this long must fit in one batch: at most max_batch_audio_s ({batch_audio_s:g})")
         return value
 
     @field_validator("segment_overlap_s")

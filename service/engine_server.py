@@ -100,7 +100,7 @@ class EngineServer:
 
     def _status(self) -> EngineStatus:
         engine, batcher = self.stack.engine, self.stack.batcher
-        return EngineStatus(ready=engine.ready, error=engine.error, room=max(0, batcher.max_queue - batcher.depth))
+        return EngineStatus(ready=engine.ready, error=engine.error, room=batcher.room(Priority.BULK))
 
     async def _announce_ready(self) -> None:
         engine = self.stack.engine

@@ -22,7 +22,7 @@ from models.tokenizer import Tokenizer
 from models.transcript import Transcript, build_transcript, rounded
 
 from .audio import AudioTooLarge
-from .batcher import ItemResult, Priority, WorkItem
+from .batcher import ItemResult, Priority, WorkItem, queue_limit
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ class Transcriber:
         fits the queue), each boosting ``hotwords`` (as tokens) and taking ``owner``'s turns (batcher.WorkItem).
         The caller must ``cancel`` the request when it is done with it: that drops pieces still queued."""
         segments = await self._segments(waveform, skip_silence, elsewhere)
-        self._check_fits(len(segments))
+        self._check_fits(len(segments), priority)
         request = self._request(waveform, segments, priority, hotwords, owner)
         self._queue([request])
         return request
@@ -121,10 +121,11 @@ class Transcriber:
             return await asyncio.to_thread(self.plan, waveform, skip_silence, elsewhere)
         return self.plan(waveform)
 
-    def _check_fits(self, n_pieces: int) -> None:
-        if self.max_pieces is not None and n_pieces > self.max_pieces:
+    def _check_fits(self, n_pieces: int, priority: Priority) -> None:
+        limit = None if self.max_pieces is None else queue_limit(self.max_pieces, priority)
+        if limit is not None and n_pieces > limit:
             raise TooManyPieces(f"the audio makes {n_pieces} pieces to transcribe, more than the queue ever "
-                                f"holds ({self.max_pieces}): send it in parts")
+                                f"holds ({limit}): send it in parts")
 
     def _request(self, waveform: np.ndarray, segments: list[Segment], priority: Priority, hotwords: Hotwords,
                  owner: str) -> QueuedRequest:
@@ -162,7 +163,7 @@ class Transcriber:
         if skip_silence and len(apart) > 1:  # each channel's echo of the others is skipped like silence
             echoes = list(await asyncio.to_thread(heard_elsewhere, [channels[c] for c in apart], self.sample_rate))
         plans = [await self._segments(channels[c], skip_silence, echo) for c, echo in zip(apart, echoes, strict=True)]
-        self._check_fits(sum(map(len, plans)))  # the channels' pieces together: each alone may fit
+        self._check_fits(sum(map(len, plans)), priority)  # the channels' pieces together: each alone may fit
         requests = [self._request(channels[c], segments, priority, hotwords, owner)
                     for c, segments in zip(apart, plans, strict=True)]
         self._queue(requests)  # together: a full queue refuses the recording, not its last channels

@@ -39,7 +39,7 @@ class EngineUnavailable(RuntimeError):
 class EngineStatus:
     ready: bool
     error: str | None = None
-    room: int | None = None  # pieces the engine's queue takes now (max_queue less those queued)
+    room: int | None = None  # pieces of bulk work the engine's queue takes now (batcher.Batcher.room)
 
 
 @dataclass(frozen=True)

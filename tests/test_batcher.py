@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from service.batcher import Batch, Batcher, Priority, QueueFull, WorkItem
+from service.batcher import Batch, Batcher, Priority, QueueFull, WorkItem, queue_limit
 from service.config import Settings
 from service.engine import WARMUP_S, warmup_shapes
 
@@ -198,6 +198,19 @@ def test_batch_waits_for_max_wait_unless_full():
     assert time.monotonic() - started < 0.1  # full: no waiting
 
 
+def test_bulk_work_leaves_a_quarter_of_the_queue_to_interactive_requests():
+    """Job items could fill the whole queue, the consumer refilling it within 0.2 s of each batch: every HTTP request
+    was refused 429 until the backfill ended."""
+    b = _batcher(max_queue=16)
+    assert (b.room(Priority.BULK), b.room(Priority.INTERACTIVE)) == (12, 16)
+    b.submit([_item(1, Priority.BULK) for _ in range(12)])
+    with pytest.raises(QueueFull):
+        b.submit([_item(1, Priority.BULK_HIGH)])
+    b.submit([_item(1) for _ in range(4)])  # interactive: the room kept for it
+    assert (b.depth, b.room(Priority.BULK), b.room(Priority.INTERACTIVE)) == (16, 0, 0)
+    assert [queue_limit(n, Priority.BULK_LOW) for n in (1, 2, 4, 2048)] == [1, 1, 3, 1536]
+
+
 def test_queue_full_is_all_or_nothing():
     b = _batcher(max_queue=3)
     b.submit([_item(1), _item(1)])
@@ -270,6 +283,22 @@ def test_a_short_request_after_long_ones_is_judged_by_its_own_audio_not_their_ba
     b.submit([*backlog, doomed])
     assert doomed not in b.next_batch().items
     assert drops == ["expired"] and "2 batches take 8.4 s" in str(doomed.future.exception())
+
+
+def test_a_request_after_a_burst_of_abandoned_ones_is_judged_without_their_audio():
+    """The pace was judged before the cancelled items were dropped: their 42 minutes of audio said two batches take
+    24 s, and a 6 s request with 10 s left was dropped beside an idle engine."""
+    drops = []
+    b = _batcher(on_drop=drops.append, max_queue=200)
+    b.record_throughput(audio_s=960.0, compute_s=12.0)
+    abandoned = [_item(28.0, timeout_s=60.0) for _ in range(90)]
+    b.submit(abandoned)
+    for item in abandoned:
+        item.future.cancel()
+    fresh, patient = _item(6.0, timeout_s=10.0), _item(6.0, timeout_s=60.0)  # patient: a batch comes either way
+    b.submit([fresh, patient])
+    assert b.next_batch().items == [fresh, patient]
+    assert drops == ["cancelled"] * 90
 
 
 def expired_late(b) -> BaseException | None:

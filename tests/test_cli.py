@@ -272,6 +272,23 @@ def test_a_bad_setting_given_as_an_option_is_named_as_the_option(capsys):
         "error: --frontends=-1: must be >= 0"]
 
 
+@pytest.mark.parametrize(("name", "value", "words"), [
+    ("max_wait_ms", 1e13, "from 0 to 60,000"),  # passed, and overflowed the engine thread's wait: failed for good
+    ("request_timeout_s", 1e300, "at most 2,592,000"),
+    ("max_batch_audio_s", 10, "at least max_segment_s (30)"),  # was told as BATCHASR_MAX_SEGMENT_S, not set
+])
+def test_settings_past_what_the_service_can_take_are_refused_naming_the_one_given(monkeypatch, name, value, words):
+    from service.config import InvalidSettings, get_settings
+
+    for variable in [v for v in os.environ if v.startswith("BATCHASR_")]:
+        monkeypatch.delenv(variable)
+    monkeypatch.setenv(f"BATCHASR_{name.upper()}", str(value))
+    with pytest.raises(InvalidSettings) as refused:
+        get_settings()
+    [problem] = refused.value.problems
+    assert problem.field == name and words in problem.message, problem
+
+
 def test_the_synopsis_in_docs_cli_md_shows_every_option_of_each_command():
     """It left out `submit --api-key` and `--idempotency-key`, and `--device`, `--dtype` and `--attention-kernel` of
     `serve`, `worker` and `bench`; each option's choices are shown too (docs/test_docs.py checks that it shows no

@@ -493,7 +493,7 @@ def test_bulk_pieces_are_not_sent_while_the_engines_queue_has_no_room_for_them(p
             assert sent == ["Submit"]
             for item in waiting:  # the queue emptied: the next status says so, and bulk pieces go again
                 item.future.cancel()
-            await status(link, lambda s: s.room == 3)
+            await status(link, lambda s: s.room == 2)  # bulk work's share of the queue (batcher.queue_limit)
             link.submit([WorkItem(piece, Priority.BULK)])
             assert sent[-1] == "Submit"
         finally:
