@@ -24,8 +24,9 @@ from decoding.types import HOTWORD_BOOST, Hotwords
 from .audio_io import AudioError
 from .conversation import Conversation, assemble, duplicate_channels
 from .crosstalk import heard_elsewhere
-from .segmenter import DEFAULT_MAX_SEGMENT_S, Segment, length_bucket_end, plan_pieces, stitch
+from .segmenter import DEFAULT_MAX_SEGMENT_S, Segment, length_bucket_end, plan_pieces
 from .silence import Elsewhere
+from .stitching import stitch
 from .transcript import Transcript, build_transcript
 
 if TYPE_CHECKING:

@@ -1,11 +1,8 @@
-"""Long audio: split at quiet points with overlap, and stitch the pieces' hypotheses back into one.
+"""Long audio: where it is cut into pieces, at quiet points with overlap (models.stitching joins them back).
 
 Each cut point is the quietest 100 ms window in the last part of a segment, snapped to the encoder's frame
 grid so that token frames of every piece map onto whole frames of the original. Pieces overlap by
-``overlap_s`` around each cut; when stitching, a word belongs to the piece on whose side of the cut its
-middle lies, so words at a cut are neither lost nor doubled; except that where the later piece heard a word
-reaching past the cut with its middle before it (a cut-off word run together with the next), the earlier piece
-keeps its own words up to that word's end.
+``overlap_s`` around each cut.
 """
 
 from __future__ import annotations
@@ -15,10 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from decoding.types import Hypothesis
-
 from .silence import Elsewhere, speech_regions
-from .tokenizer import Tokenizer
 
 ENERGY_WINDOW_S = 0.1  # length of the window whose energy picks a cut point
 SEARCH_FRACTION = 0.3  # look for the cut in the last 30% of a segment
@@ -134,115 +128,6 @@ def _quietest_point(waveform: np.ndarray, earliest: int, latest: int, sample_rat
     quiet = energy <= energy[best] + 1e-9 * max(1.0, float(energy[best]))
     end = best + int(np.argmin(quiet[best:])) if not quiet[best:].all() else len(quiet)
     return earliest + (best + end - 1) // 2 + window // 2
-
-
-@dataclass(frozen=True)
-class SaidWord:
-    """The last word stitched from the pieces so far: where it ends (samples of the original) and its tokens. The
-    piece after may hear it again across the cut, timed a frame or so later, its middle past the cut where the
-    earlier piece had it before: both kept it. A word of the later piece with the same tokens whose middle lies
-    before this end is that word again, kept once; another word there is not dropped (RNN-T may put the next word
-    on the same frame)."""
-
-    end: float
-    tokens: tuple[int, ...]
-
-
-NOTHING_SAID = SaidWord(-math.inf, ())
-
-
-def stitch(pieces: list[tuple[Segment, Hypothesis]], tokenizer: Tokenizer | None, frame_samples: int,
-           ) -> Hypothesis:
-    """One hypothesis in the original's frames from pieces decoded separately (in order)."""
-    if len(pieces) == 1 and _uncut(pieces[0][0]):
-        return pieces[0][1]  # audio that was not cut: its hypothesis as decoded, every token kept
-    out = Hypothesis(durations=[] if any(h.durations is not None for _, h in pieces) else None,
-                     logprobs=[] if all(h.logprobs is not None for _, h in pieces) else None)
-    units = [_units(segment, hyp, tokenizer, frame_samples) for segment, hyp in pieces]  # each piece's, once
-    said = NOTHING_SAID
-    for i, piece in enumerate(pieces):
-        until = piece[0].cut_after
-        if i + 1 < len(pieces):
-            until = _handover(until, pieces[i + 1][0], units[i + 1])
-        said = _add_words(out, piece, units[i], piece[0].cut_before, until, frame_samples, said) or said
-    return out
-
-
-def handover(piece: tuple[Segment, Hypothesis], following: tuple[Segment, Hypothesis], tokenizer: Tokenizer | None,
-             frame_samples: int) -> int:
-    """Where ``piece`` hands over to the piece after it: its cut, or past it (``_handover``)."""
-    return _handover(piece[0].cut_after, following[0], _units(*following, tokenizer, frame_samples))
-
-
-def _handover(cut: int, following: Segment, following_units: list[tuple[float, int, int, int]]) -> int:
-    """The later piece begins inside the overlap, perhaps in the middle of a word: it may hear that word's cut-off
-    tail and the words after the cut as one word reaching past the cut with its middle before it, which it leaves
-    to the earlier piece, while the earlier piece left the real words (their middles past the cut) to it: both
-    dropped them. So the earlier piece keeps its words up to the end of such a word."""
-    if following.cut_before != cut:  # not the next piece of one stretch (skip_silence left a gap between)
-        return cut
-    return max([cut, *(end for middle, end, _, _ in following_units if middle < cut)])
-
-
-def piece_words(piece: tuple[Segment, Hypothesis], start: int, end: int, tokenizer: Tokenizer | None,
-                frame_samples: int, said: SaidWord = NOTHING_SAID) -> tuple[Hypothesis, SaidWord | None]:
-    """The words of ``piece`` whose middles lie in [start, end) samples of the original, in the original's frames
-    (all of its tokens where it is the whole recording, as ``stitch`` keeps them), but for ``said`` heard again (the
-    last word of the pieces before); and the last of them (None: none). A stream's text as its pieces finish."""
-    segment, hyp = piece
-    if _uncut(segment) and start <= 0 and end >= NO_CUT:
-        return hyp, None
-    out = Hypothesis(durations=None if hyp.durations is None else [], logprobs=None if hyp.logprobs is None else [])
-    last = _add_words(out, piece, _units(segment, hyp, tokenizer, frame_samples), start, end, frame_samples, said)
-    return out, last
-
-
-def _uncut(segment: Segment) -> bool:
-    return segment.start == 0 and segment.cut_after == NO_CUT
-
-
-def _add_words(out: Hypothesis, piece: tuple[Segment, Hypothesis], units: list[tuple[float, int, int, int]],
-               start: int, end: int, frame_samples: int, said: SaidWord) -> SaidWord | None:
-    """Those of ``piece``'s words (its ``units``) whose middles lie in [start, end), appended to ``out``, but for the
-    pieces before's last word (``said``) heard again; returns the last word appended (None: none)."""
-    segment, hyp = piece
-    offset = segment.start // frame_samples
-    appended = None
-    for middle, word_end, first, last in units:
-        if not start <= middle < end:
-            continue
-        tokens = tuple(hyp.tokens[first : last + 1])
-        if middle < said.end and tokens == said.tokens:
-            continue
-        appended = SaidWord(word_end, tokens)
-        out.tokens.extend(tokens)
-        # Pieces see different context, so a word just after a cut may start a frame before the end of
-        # the word kept just before it; frames stay non-decreasing by clamping.
-        floor = out.frames[-1] if out.frames else 0
-        out.frames.extend(max(offset + f, floor) for f in hyp.frames[first : last + 1])
-        if out.durations is not None:
-            covered = hyp.durations[first : last + 1] if hyp.durations else [1] * (last - first + 1)
-            out.durations.extend(covered)
-        if out.logprobs is not None:
-            out.logprobs.extend(hyp.logprobs[first : last + 1])
-    return appended
-
-
-def _units(segment: Segment, hyp: Hypothesis, tokenizer: Tokenizer | None, frame_samples: int
-           ) -> list[tuple[float, int, int, int]]:
-    """A piece's words (tokens, with no vocabulary to find words with) as (middle, end: samples of the original;
-    first token, last token)."""
-    offset = segment.start // frame_samples
-    if tokenizer is not None:
-        spans = [(span.first, span.last) for span in tokenizer.words(hyp.tokens)]
-    else:
-        spans = [(i, i) for i in range(len(hyp.tokens))]
-    units = []
-    for first, last in spans:
-        end_frame = hyp.frames[last] + max(hyp.durations[last] if hyp.durations else 1, 1)
-        middle = (offset + (hyp.frames[first] + end_frame) / 2) * frame_samples
-        units.append((middle, (offset + end_frame) * frame_samples, first, last))
-    return units
 
 
 def length_bucket_end(n_samples: int, bucket_samples: int, longest: int | None = None) -> int:

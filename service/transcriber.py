@@ -16,8 +16,9 @@ from decoding.types import Hotwords, Hypothesis
 from models.config import ModelConfig
 from models.conversation import Conversation, assemble, duplicate_channels
 from models.crosstalk import heard_elsewhere
-from models.segmenter import NOTHING_SAID, Segment, handover, piece_words, plan_pieces, stitch
+from models.segmenter import Segment, plan_pieces
 from models.silence import Elsewhere
+from models.stitching import Stitcher, Word, stitch
 from models.tokenizer import Tokenizer
 from models.transcript import Transcript, build_transcript, rounded
 
@@ -78,6 +79,32 @@ class WorkQueue(Protocol):
 
 class TooManyPieces(AudioTooLarge):
     """Audio cut into more pieces than the queue ever holds: it would be told the queue is full (429) for ever."""
+
+
+class _Spoken:
+    """A stream's text so far, and the delta each batch of words given out by a ``Stitcher`` adds to it."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self.logprobs: list[float] | None = []
+        self.shown, self.told = "", 0  # the text said so far, and how many tokens it holds
+
+    def add(self, given: list[tuple[tuple[Segment, Hypothesis], list[Word]]]) -> TextDelta | None:
+        for (_, hyp), words in given:
+            if hyp.logprobs is None:
+                self.logprobs = None
+            for word in words:
+                self.tokens += word.tokens
+                if self.logprobs is not None and hyp.logprobs is not None:
+                    self.logprobs += hyp.logprobs[word.first : word.last + 1]  # in place: not copied per piece
+        text = self.tokenizer.ids_to_text(self.tokens)
+        if not (len(text) > len(self.shown) and text.startswith(self.shown)):
+            return None
+        delta = TextDelta(text[len(self.shown) :], self.tokens[self.told :], None if self.logprobs is None else
+                          [rounded(x) for x in self.logprobs[self.told :]], first_token=self.told)
+        self.shown, self.told = text, len(self.tokens)
+        return delta
 
 
 class Transcriber:
@@ -217,46 +244,22 @@ class QueuedRequest:
         """The transcript's text in order, a delta each time the pieces finished so far from the start lengthen
         it; together the deltas are the text (and tokens) ``result`` returns, which is ready once they end.
 
-        A piece's words on its side of its cuts are known when it finishes; those it keeps past its cut
-        (``handover``), when the piece after it has finished too, and they come before that piece's. The text of a
-        run of whole words starts the text of any longer run, so nothing said is retracted.
+        A piece's words are known when it finishes, but for those in its overlap with the piece after it, which
+        the two are joined by (models.stitching): those come when that piece has finished too. The text of a run
+        of whole words starts the text of any longer run, so nothing said is retracted.
         """
         t = self._transcriber
-        tokens: list[int] = []
-        shown, told = "", 0  # the text said so far, and how many tokens it holds
-        logprobs: list[float] | None = []
-        before: tuple[Segment, Hypothesis] | None = None
-        # the last word said, through the piece before (stitch drops it heard again), and through the one before that
-        said, said_before = NOTHING_SAID, NOTHING_SAID
+        if t.tokenizer is None:  # no vocabulary: no text
+            await self.stitched()
+            return
+        stitcher = Stitcher(t.tokenizer, t.frame_samples)
+        spoken = _Spoken(t.tokenizer)
         for segment, item in zip(self._segments, self.items, strict=True):
             result: ItemResult = await asyncio.wait_for(asyncio.wrap_future(item.future), self._remaining_s())
-            piece = (segment, result.hypothesis)
-            if t.tokenizer is None:
-                continue  # no vocabulary: no text
-            found = []
-            if before is not None:  # what the piece before keeps past its cut, by what this one heard
-                handed = handover(before, piece, t.tokenizer, t.frame_samples)
-                words, last = piece_words(before, before[0].cut_after, handed, t.tokenizer, t.frame_samples,
-                                          said_before)
-                found.append(words)
-                said = last or said
-            said_before = said
-            words, last = piece_words(piece, segment.cut_before, segment.cut_after, t.tokenizer, t.frame_samples,
-                                      said_before)
-            found.append(words)
-            said = last or said
-            before = piece
-            for words in found:
-                tokens += words.tokens
-                if logprobs is not None and words.logprobs is not None:
-                    logprobs += words.logprobs  # in place: a long stream's scores are not copied per piece
-                else:
-                    logprobs = None
-            text = t.tokenizer.ids_to_text(tokens)
-            if len(text) > len(shown) and text.startswith(shown):
-                yield TextDelta(text[len(shown) :], tokens[told:], None if logprobs is None else
-                                [rounded(x) for x in logprobs[told:]], first_token=told)
-                shown, told = text, len(tokens)
+            if delta := spoken.add(stitcher.add((segment, result.hypothesis))):
+                yield delta
+        if delta := spoken.add(stitcher.finish()):
+            yield delta
 
     def cancel(self) -> None:
         """Drop the pieces still queued (a no-op for those done)."""

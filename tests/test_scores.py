@@ -20,7 +20,8 @@ from decoding.scores import ctc_logprobs, transducer_logprobs
 from decoding.types import Hypothesis
 from models import ASRModel, load_model
 from models.audio_io import read_audio
-from models.segmenter import NO_CUT, Segment, stitch
+from models.segmenter import NO_CUT, Segment
+from models.stitching import stitch
 from models.transcript import build_transcript
 from tests.conftest import REPO, load_script
 from tests.scores import assert_scores_are_the_searchs

@@ -11,15 +11,8 @@ from pydantic import ValidationError
 from decoding.types import Hypothesis
 from models import load_model
 from models.audio_io import read_audio
-from models.segmenter import (
-    ENERGY_WINDOW_S,
-    NO_CUT,
-    _quietest_point,
-    handover,
-    piece_words,
-    plan_segments,
-    stitch,
-)
+from models.segmenter import ENERGY_WINDOW_S, NO_CUT, _quietest_point, plan_segments
+from models.stitching import Stitcher, stitch
 from service.config import Settings
 
 FRAME = 1280  # samples per encoder frame
@@ -76,14 +69,17 @@ def test_words_a_later_piece_heard_as_one_with_a_cut_off_word_are_kept_from_the_
     merged = stitch([(segments[0], earlier), (segments[1], later)], None, FRAME)
     assert merged.tokens == [10, 11, 12, 13, 14]
     assert merged.frames == sorted(merged.frames)
-    # a stream says the same, in the same order: each piece's side of its cuts as it finishes, then what the
-    # earlier keeps past its cut once the later has finished, before the later's words
-    first, second = (segments[0], earlier), (segments[1], later)
-    handed = handover(first, second, None, FRAME)
-    streamed = [piece_words(first, 0, segments[0].cut_after, None, FRAME)[0],
-                piece_words(first, segments[0].cut_after, handed, None, FRAME)[0],
-                piece_words(second, segments[1].cut_before, segments[1].cut_after, None, FRAME)[0]]
-    assert [token for words in streamed for token in words.tokens] == merged.tokens
+    assert _streamed([(segments[0], earlier), (segments[1], later)]) == [[], [10, 11, 12, 13, 14]]  # 10: in the overlap
+
+
+def _streamed(pieces) -> list[list[int]]:
+    """The tokens a stream gives out as each piece finishes (the last with the rest), which add up to the stitched
+    hypothesis's: nothing given out is taken back."""
+    stitcher = Stitcher(None, FRAME)
+    given = [[t for _, words in stitcher.add(piece) for word in words for t in word.tokens] for piece in pieces]
+    given[-1] += [t for _, words in stitcher.finish() for word in words for t in word.tokens]
+    assert list(itertools.chain.from_iterable(given)) == stitch(pieces, None, FRAME).tokens
+    return given
 
 
 def test_a_word_both_pieces_heard_across_the_cut_is_kept_once():
@@ -97,11 +93,39 @@ def test_a_word_both_pieces_heard_across_the_cut_is_kept_once():
     heard_again = Hypothesis(tokens=[5, 6], frames=[cut - 1 - offset, cut + 5 - offset], durations=[2, 2])
     another = Hypothesis(tokens=[7, 6], frames=[cut - offset, cut + 5 - offset], durations=None)  # 7: middle cut + 0.5
     for later, expected in ((heard_again, [4, 5, 6]), (another, [4, 5, 7, 6])):
-        first, second = (segments[0], earlier), (segments[1], later)
-        assert stitch([first, second], None, FRAME).tokens == expected
-        said_first, last = piece_words(first, 0, segments[0].cut_after, None, FRAME)
-        streamed, _ = piece_words(second, segments[1].cut_before, NO_CUT, None, FRAME, last)
-        assert said_first.tokens + streamed.tokens == expected
+        pieces = [(segments[0], earlier), (segments[1], later)]
+        assert stitch(pieces, None, FRAME).tokens == expected
+        assert list(itertools.chain.from_iterable(_streamed(pieces))) == expected
+
+
+@pytest.mark.parametrize(("earlier_at", "later_at"), [(1, -1), (-2, 0), (0, 0), (-1, 2)])
+def test_a_word_both_pieces_heard_near_the_cut_is_kept_once_on_whichever_side_each_timed_it(earlier_at, later_at):
+    """The review's cases, each word given by the side of the cut its middle fell on: "of" timed just past the cut
+    by the earlier piece and just before it by the later one was left by each to the other, and lost ("music
+    citile"); "for" timed a frame later by the later piece, past the earlier one's end, was said twice. Where the
+    pieces agree on the words there, the earlier piece's are kept up to the agreed word nearest the cut."""
+    segments = plan_segments(16000 * 40, np.ones(16000 * 40), 16000, 30, 2, FRAME)
+    cut, offset = segments[0].cut_after // FRAME, segments[1].start // FRAME
+    music, of, city, after = 7, 8, 9, 10  # the same tokens in both pieces, each word of one token
+    earlier = Hypothesis(tokens=[music, of, city], frames=[cut - 5, cut + earlier_at, cut + 3], durations=[3, 1, 4])
+    later = Hypothesis(tokens=[music, of, city, after],
+                       frames=[f - offset for f in (cut - 5, cut + later_at, cut + 3, cut + 9)], durations=[3, 1, 4, 2])
+    pieces = [(segments[0], earlier), (segments[1], later)]
+    merged = stitch(pieces, None, FRAME)
+    assert merged.tokens == [music, of, city, after]
+    assert merged.frames == sorted(merged.frames)
+    assert list(itertools.chain.from_iterable(_streamed(pieces))) == merged.tokens
+
+
+def test_a_word_said_twice_at_the_cut_is_said_twice():
+    """Paired in order: the earlier piece's second "the" is not the later piece's first."""
+    segments = plan_segments(16000 * 40, np.ones(16000 * 40), 16000, 30, 2, FRAME)
+    cut, offset = segments[0].cut_after // FRAME, segments[1].start // FRAME
+    the, end = 3, 4
+    earlier = Hypothesis(tokens=[the, the], frames=[cut - 2, cut], durations=[2, 2])
+    later = Hypothesis(tokens=[the, the, end], frames=[cut - 2 - offset, cut - offset, cut + 4 - offset],
+                       durations=[2, 2, 2])
+    assert stitch([(segments[0], earlier), (segments[1], later)], None, FRAME).tokens == [the, the, end]
 
 
 def test_a_long_recording_cut_inside_a_word_says_it_as_often_as_uncut(parity_audio):
@@ -175,6 +199,6 @@ def test_the_service_refuses_segments_and_buckets_with_no_length_in_samples():
 
 def test_a_piece_longer_than_a_batch_may_hold_is_refused():
     """A 30 s piece ran alone in a batch of MAX_BATCH_AUDIO_S=20, past the limit that bounds the batch's memory."""
-    with pytest.raises(ValidationError, match=r"max_segment_s\n.*at most max_batch_audio_s \(20\)"):
+    with pytest.raises(ValidationError, match=r"max_batch_audio_s\n.*at least max_segment_s \(30\)"):
         Settings(max_batch_audio_s=20)
     assert Settings(max_batch_audio_s=20, max_segment_s=20).max_segment_s == 20
