@@ -220,10 +220,9 @@ async def openai_transcriptions(
         return JSONResponse(TranscriptionJSON(text=transcript.text, logprobs=token_logprobs, usage=usage)
                             .model_dump(exclude_none=True))
     wants = set(granularities) or {"segment"}
-    frame_s = service.stack.transcriber.config.frame_s
     body = VerboseTranscription(
         language=language_name(spoken), duration=round(transcript.duration_s, 3), text=transcript.text, usage=usage,
-        segments=transcript_segments(transcript, frame_s) if "segment" in wants else None,
+        segments=transcript_segments(transcript, tokenizer) if "segment" in wants else None,
         words=openai_words(transcript.words) if "word" in wants else None, logprobs=token_logprobs,
     )
     return JSONResponse(body.model_dump(exclude_none=True))

@@ -43,6 +43,7 @@ class Cue:
     text: str  # on one line
     speaker: str | None = None  # whose words, in a conversation
     lines: tuple[str, ...] = ()  # as shown: the text broken into the layout's lines
+    n_words: int = 0  # how many of the transcript's words it shows
 
 
 def cues(words: list[Word], layout: SubtitleLayout = SubtitleLayout(), lead: int = 0) -> list[Cue]:
@@ -89,7 +90,8 @@ def _cue(words: list[Word], layout: SubtitleLayout, lead: int) -> Cue:
     # span a long pause (a word read into the quiet of a tape, 12.9 s): on screen at least MIN_CUE_S, at most
     # max_cue_s
     end_s = min(max(words[-1].end_s, words[0].start_s + MIN_CUE_S), words[0].start_s + layout.max_cue_s)
-    return Cue(words[0].start_s, end_s, " ".join(texts), lines=_balanced(texts, layout.max_line_width, lead))
+    return Cue(words[0].start_s, end_s, " ".join(texts), lines=_balanced(texts, layout.max_line_width, lead),
+               n_words=len(words))
 
 
 def _lines(words: list[str], width: int, lead: int) -> list[list[str]]:

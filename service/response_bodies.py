@@ -3,7 +3,6 @@ and a multichannel request's conversation."""
 
 from __future__ import annotations
 
-import bisect
 import zlib
 from typing import TYPE_CHECKING
 
@@ -38,16 +37,21 @@ def openai_words(words: list[Word]) -> list[OpenAIWord]:
     return [OpenAIWord(word=w.word, start=w.start_s, end=w.end_s, probability=w.confidence) for w in words]
 
 
-def transcript_segments(transcript: Transcript, frame_s: float) -> list[Segment]:
-    """Subtitle-sized segments; each token goes to the last segment starting at or before its time."""
+def transcript_segments(transcript: Transcript, tokenizer: Tokenizer | None) -> list[Segment]:
+    """Subtitle-sized segments, each with its words' tokens (a token between words goes with the word before it).
+    Given by time, a word's last token on the frame the next segment starts on went to that segment (TDT and RNN-T
+    often put it there), and a segment's tokens no longer spelt its text."""
     groups = cues(transcript.words)
-    starts = [cue.start_s for cue in groups]
     tokens: list[list[int]] = [[] for _ in groups]
     scores: list[list[float]] = [[] for _ in groups]
-    logprobs = transcript.token_logprobs or [0.0] * len(transcript.tokens)
-    for token, frame, logprob in zip(transcript.tokens, transcript.token_frames, logprobs, strict=True):
-        if groups:
-            group = max(0, bisect.bisect_right(starts, round(frame * frame_s, 3)) - 1)
+    if groups and tokenizer is not None:
+        cue_of_word = [c for c, cue in enumerate(groups) for _ in range(cue.n_words)]
+        cue_starting_at = {span.first: cue for span, cue in zip(tokenizer.words(transcript.tokens), cue_of_word,
+                                                               strict=False)}
+        logprobs = transcript.token_logprobs or [0.0] * len(transcript.tokens)
+        group = 0
+        for k, (token, logprob) in enumerate(zip(transcript.tokens, logprobs, strict=True)):
+            group = cue_starting_at.get(k, group)
             tokens[group].append(token)
             scores[group].append(logprob)
     return [Segment(id=i, seek=0, start=c.start_s, end=c.end_s, text=c.text, tokens=tokens[i],

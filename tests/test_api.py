@@ -109,6 +109,29 @@ def test_verbose_json_with_words_and_segments(server, hybrid, parity_audio, fiel
     assert sum(len(s["tokens"]) for s in body["segments"]) == len(expected.tokens)
 
 
+def test_each_segments_tokens_spell_its_text():
+    """Tokens went to segments by time: a word's last token on the frame where the next segment starts (TDT and
+    RNN-T often put one there) went to that segment, whose tokens then began "ity situation"."""
+    from decoding.types import Hypothesis
+    from models.transcript import build_transcript
+    from service.response_bodies import transcript_segments
+
+    model = load_model("models/assets/default.nemo", device="cpu", dtype="float32")
+    tokenizer, frame_s = model.tokenizer, model.config.frame_s
+    ids, frames = [], []
+    for k, word in enumerate("a b c d e f g h i".split()):
+        ids += tokenizer.encode(word)
+        frames += [k * 8] * len(tokenizer.encode(word))
+    city, situation = tokenizer.encode("city"), tokenizer.encode("situation")
+    assert len(city) == 2
+    ids += city + situation
+    frames += [73, 74] + [74] + [76] * (len(situation) - 1)
+    transcript = build_transcript(Hypothesis(tokens=ids, frames=frames), tokenizer, frame_s, 10.0)
+    segments = transcript_segments(transcript, tokenizer)
+    assert len(segments) == 2 and segments[1].start == round(74 * frame_s, 3)
+    assert [tokenizer.ids_to_text(s.tokens).strip() for s in segments] == [s.text for s in segments]
+
+
 def test_verbose_json_defaults_to_segments_only(server, parity_audio):
     body = _post(server.url, Path(parity_audio[2]).read_bytes(), response_format="verbose_json").json()
     assert "segments" in body and "words" not in body
