@@ -119,7 +119,7 @@ def test_each_segments_tokens_spell_its_text():
     model = load_model("models/assets/default.nemo", device="cpu", dtype="float32")
     tokenizer, frame_s = model.tokenizer, model.config.frame_s
     ids, frames = [], []
-    for k, word in enumerate("a b c d e f g h i".split()):
+    for k, word in enumerate("abcdefghi"):
         ids += tokenizer.encode(word)
         frames += [k * 8] * len(tokenizer.encode(word))
     city, situation = tokenizer.encode("city"), tokenizer.encode("situation")
