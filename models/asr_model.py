@@ -85,8 +85,8 @@ class ASRModel(nn.Module):
 
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint) -> ASRModel:
-        tokenizer = Tokenizer(ckpt.tokenizer_model) if ckpt.tokenizer_model is not None else None
-        if tokenizer is not None and tokenizer.vocab_size != ckpt.config.vocab_size:
+        tokenizer = Tokenizer(ckpt.tokenizer_model)
+        if tokenizer.vocab_size != ckpt.config.vocab_size:
             raise CheckpointError(f"{ckpt.source}: tokenizer has {tokenizer.vocab_size} pieces but the model "
                                   f"predicts {ckpt.config.vocab_size}")
         model = cls(ckpt.config, tokenizer)
@@ -334,7 +334,7 @@ class ASRModel(nn.Module):
         if not isinstance(item, np.ndarray):
             raise TypeError(f"audio[{index}]: expected a numpy array, a path or an AudioClip, got "
                             f"{type(item).__name__}")
-        samples = _float_samples(item)
+        samples = _float_samples(item, index)
         if not multichannel:
             return check_waveform(samples, f"audio[{index}]")
         if samples.ndim == 2 and samples.shape[0] > samples.shape[1]:
@@ -344,9 +344,12 @@ class ASRModel(nn.Module):
         return check_channels(samples, f"audio[{index}]")
 
 
-def _float_samples(item: np.ndarray) -> np.ndarray:
+def _float_samples(item: np.ndarray, index: int = 0) -> np.ndarray:
     """float32 samples in [-1, 1): integer PCM (int16 as soundfile reads it, int32, unsigned 8-bit) scaled by its full
-    scale, as a file of those samples decodes; floats as they are."""
+    scale, as a file of those samples decodes; floats as they are. Other arrays are no samples: a bool array was
+    transcribed as 0/1 samples, a complex one with its imaginary part dropped."""
+    if item.dtype.kind not in "iuf":
+        raise AudioError(f"audio[{index}]: expected float or integer PCM samples, got an array of {item.dtype}")
     if np.issubdtype(item.dtype, np.integer):
         info = np.iinfo(item.dtype)
         half = (int(info.max) + 1) // 2 if info.min == 0 else -int(info.min)
@@ -391,13 +394,20 @@ def exact_float32(active: bool = True) -> Iterator[None]:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
 
 
+DEVICE_TYPES = ("cpu", "cuda")  # where batchasr runs; torch knows more (mps, xpu, meta), which crashed later
+
+
 def parse_device(device: str | torch.device) -> torch.device:
     """A device's name as torch reads it, whether or not this machine has it; ValueError for a name torch does not
-    know."""
+    know, or a device type batchasr does not run on."""
     try:
-        return torch.device(device)
+        parsed = torch.device(device)
     except RuntimeError as exc:  # "gpu", "cuda:x"
         raise ValueError(f"unknown device {str(device)!r}; choose auto, cpu, cuda or cuda:N") from exc
+    if parsed.type not in DEVICE_TYPES:
+        raise ValueError(f"unsupported device {str(device)!r} (batchasr runs on cpu and cuda); choose auto, cpu, "
+                         "cuda or cuda:N")
+    return parsed
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -424,10 +434,13 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 def load_model(path_or_name: str | Path | None = None, device: str | torch.device = "auto",
                dtype: str | torch.dtype = "auto", attention_kernel: str = "auto") -> ASRModel:
-    """Load a ``.nemo`` file or unpacked checkpoint directory; with no argument, the embedded default model.
+    """Load a ``.nemo`` file or unpacked checkpoint directory; with no argument (or a blank name, as a blank
+    ``BATCHASR_MODEL`` is), the embedded default model.
 
     ``attention_kernel``: "reference" (NeMo's sequence of operations), "sdpa" (torch's fused attention; the
     same result up to rounding) or "auto" (``fastconformer.resolve_attention_kernel``)."""
+    if isinstance(path_or_name, str) and not path_or_name.strip():
+        path_or_name = None  # Path("") is ".": it loaded whatever checkpoint lay under the working directory
     path = Path(path_or_name) if path_or_name is not None else DEFAULT_MODEL
     if path_or_name is None and not path.exists():
         raise CheckpointError("the embedded default model is not installed (models/assets/default.nemo); "

@@ -42,8 +42,17 @@ def find_audio_files(paths: Iterable[str | Path]) -> list[Path]:
         elif path.is_file():
             found.append(path)
         else:
-            raise FileNotFoundError(f"{path}: no such file or directory")
+            raise _not_a_file(path)
     return found
+
+
+def _not_a_file(path: Path) -> OSError:
+    """A path that is no file to read: a pipe, a device or ``-`` was reported as "no such file or directory"."""
+    if path.exists():  # a FIFO, /dev/stdin on a pipe, a character device
+        return OSError(f"{path}: not a regular file (reading from standard input is not supported)")
+    if str(path) == "-":
+        return FileNotFoundError(f"{path}: no such file (reading from standard input is not supported)")
+    return FileNotFoundError(f"{path}: no such file or directory")
 
 
 def _walk(root: Path) -> Iterator[Path]:

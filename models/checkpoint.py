@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import tarfile
+import zipfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -31,7 +32,7 @@ class Checkpoint:
     config: ModelConfig
     raw_config: dict[str, Any]
     state_dict: dict[str, torch.Tensor]
-    tokenizer_model: bytes | None  # serialized SentencePiece model proto
+    tokenizer_model: bytes  # serialized SentencePiece model proto
     source: str
 
 
@@ -96,11 +97,18 @@ class _ArchiveReader:
 
 
 class _DirectoryReader:
+    """Reads an unpacked checkpoint's files: those beside its config, never the whole tree below (``--model .`` run
+    from /usr scanned every file there)."""
+
     def __init__(self, path: Path):
         self._root = path.resolve()
+        self._folder = _checkpoint_folder(self._root)
 
     def names(self) -> list[str]:
-        return [str(p.relative_to(self._root)) for p in self._root.rglob("*") if p.is_file()]
+        try:
+            return [str(p.relative_to(self._root)) for p in self._folder.iterdir() if p.is_file()]
+        except OSError as exc:
+            raise CheckpointError(f"{self._folder}: cannot list the checkpoint directory ({exc})") from exc
 
     def read(self, name: str) -> bytes:
         target = (self._root / _member_name(name)).resolve()
@@ -108,10 +116,25 @@ class _DirectoryReader:
             raise CheckpointError(f"`{name}` resolves outside the checkpoint directory; refused")
         if not target.is_file():
             raise FileNotFoundError(name)
-        return target.read_bytes()
+        try:
+            return target.read_bytes()
+        except OSError as exc:  # unreadable: one line naming it, not a traceback
+            raise CheckpointError(f"{target}: cannot read the checkpoint's file ({exc})") from exc
 
     def close(self) -> None:
         pass
+
+
+def _checkpoint_folder(root: Path) -> Path:
+    """``root`` if it holds the config at its top, else its one folder that does (a .nemo unpacked with its
+    leading ``./`` as a folder); else ``root``, where the config is then reported missing."""
+    try:
+        if (root / CONFIG_NAME).is_file():
+            return root
+        below = [folder for folder in root.iterdir() if folder.is_dir() and (folder / CONFIG_NAME).is_file()]
+    except OSError as exc:  # a folder that cannot be read
+        raise CheckpointError(f"{root}: cannot read the checkpoint directory ({exc})") from exc
+    return below[0] if len(below) == 1 else root
 
 
 def _find(names: list[str], basename: str) -> str | None:
@@ -123,6 +146,7 @@ def _find(names: list[str], basename: str) -> str | None:
 
 
 def _load_state_dict(data: bytes, source: str) -> dict[str, torch.Tensor]:
+    _check_zip_crcs(data, source)
     try:
         obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises many types for a corrupt pickle or zip
@@ -131,20 +155,53 @@ def _load_state_dict(data: bytes, source: str) -> dict[str, torch.Tensor]:
         obj = obj["state_dict"]  # a Lightning checkpoint
     if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
         raise CheckpointError(f"{source}: `{WEIGHTS_NAME}` does not hold a flat dict of tensors")
+    _check_finite(obj, source)
     return obj
 
 
-def _tokenizer_member(raw: dict[str, Any], names: list[str], source: str) -> str | None:
-    tokenizer = raw.get("tokenizer") or {}
-    ref = tokenizer.get("model_path")
+def _check_zip_crcs(data: bytes, source: str) -> None:
+    """torch.load reads a zip-format state dict without checking its CRCs: damaged bytes loaded as weights and
+    transcribed garbage. A legacy (non-zip) file has no CRCs; torch.load judges it alone."""
+    stream = io.BytesIO(data)  # shares ``data``'s buffer: no second copy of the weights
+    if not zipfile.is_zipfile(stream):
+        return
+    try:
+        with zipfile.ZipFile(stream) as archive:
+            damaged = archive.testzip()
+    except (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError) as exc:
+        raise CheckpointError(f"{source}: `{WEIGHTS_NAME}` is damaged ({exc})") from exc
+    if damaged is not None:
+        raise CheckpointError(f"{source}: `{WEIGHTS_NAME}` is damaged: its member `{damaged}` fails its CRC check")
+
+
+def _check_finite(state_dict: dict[str, torch.Tensor], source: str) -> None:
+    """NaN or inf weights make every transcript garbage (or empty): refused, naming the first such tensor."""
+    for name, tensor in state_dict.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise CheckpointError(f"{source}: `{WEIGHTS_NAME}` holds NaN or infinite values in `{name}`")
+
+
+def _tokenizer_member(raw: dict[str, Any], names: list[str], source: str) -> str:
+    """The member holding the SentencePiece model: without one every transcript is empty, so none is refused."""
+    tokenizer = raw.get("tokenizer")
+    ref = tokenizer.get("model_path") if isinstance(tokenizer, dict) else None
     if not ref:
-        return None
+        raise CheckpointError(f"{source}: `{CONFIG_NAME}` names no tokenizer (tokenizer.model_path): a model "
+                              "without one cannot write text")
     basename = PurePosixPath(str(ref).removeprefix("nemo:")).name
     found = _find(names, basename)
     if found is None:
         raise CheckpointError(f"{source}: tokenizer file `{basename}` (tokenizer.model_path) is not in the "
                               "checkpoint")
     return found
+
+
+def _parse_config(raw: dict[str, Any], path: Path) -> ModelConfig:
+    """The parsed config; its errors (which name the key) also name the file, keeping their type."""
+    try:
+        return parse_model_config(raw)
+    except CheckpointError as exc:
+        raise type(exc)(f"{path}: {exc}") from exc
 
 
 def open_checkpoint(path: str | Path) -> Checkpoint:
@@ -167,13 +224,12 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
             raise CheckpointError(f"{path}: `{CONFIG_NAME}` does not hold a mapping")
         if "model" in raw and isinstance(raw["model"], dict):
             raw = raw["model"]
-        config = parse_model_config(raw)
+        config = _parse_config(raw, path)
         weights_name = _find(names, WEIGHTS_NAME)
         if weights_name is None:
             raise CheckpointError(f"{path}: missing weights: `{WEIGHTS_NAME}` is not in the checkpoint")
+        tokenizer_model = reader.read(_tokenizer_member(raw, names, str(path)))  # checked before the weights load
         state_dict = _load_state_dict(reader.read(weights_name), str(path))
-        tokenizer_name = _tokenizer_member(raw, names, str(path))
-        tokenizer_model = reader.read(tokenizer_name) if tokenizer_name else None
     finally:
         reader.close()
     return Checkpoint(config=config, raw_config=raw, state_dict=state_dict, tokenizer_model=tokenizer_model,

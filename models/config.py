@@ -6,6 +6,7 @@ Only what changes the computation is kept. Every option batchasr does not implem
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 from dataclasses import dataclass
@@ -145,10 +146,75 @@ def resolve_interpolations(cfg: dict[str, Any]) -> dict[str, Any]:
     return resolve(cfg)
 
 
+CONFIG_FILE = "model_config.yaml"  # what the errors below name: the checkpoint adds its own path
+
+
 def _require(section: dict[str, Any], key: str, where: str) -> Any:
     if key not in section or section[key] is None:
         raise CheckpointError(f"model config: missing `{where}.{key}`")
     return section[key]
+
+
+def _key(where: str, key: str) -> str:
+    """``encoder.n_layers``; the config's top level (``model``) is left out."""
+    return key if where == "model" else f"{where}.{key}"
+
+
+def _mapping(value: Any, name: str) -> dict[str, Any]:
+    """A section as a dict; ``encoder: [1, 2]`` ended in an AttributeError traceback."""
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{CONFIG_FILE}: {name}: {value!r} is not a mapping of options")
+    return value
+
+
+def _section(parent: dict[str, Any], key: str, where: str) -> dict[str, Any]:
+    """A section the model needs: missing or not a mapping, refused by name."""
+    return _mapping(_require(parent, key, where), _key(where, key))
+
+
+def _optional_section(parent: dict[str, Any], key: str, where: str) -> dict[str, Any]:
+    """A section that may be absent or null (NeMo's defaults then); present, it must be a mapping."""
+    value = parent.get(key)
+    return {} if value is None else _mapping(value, _key(where, key))
+
+
+def _whole(value: Any, name: str) -> int:
+    """An integer option; ``n_layers: abc`` said only "invalid literal for int()", with no file or key."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            return int(value)
+    raise CheckpointError(f"{CONFIG_FILE}: {name}: {value!r} is not a whole number")
+
+
+def _number(value: Any, name: str) -> float:
+    if isinstance(value, (int, float, str)) and not isinstance(value, bool):
+        with contextlib.suppress(ValueError):
+            return float(value)
+    raise CheckpointError(f"{CONFIG_FILE}: {name}: {value!r} is not a number")
+
+
+def _int(section: dict[str, Any], key: str, where: str, default: Any = None) -> int:
+    """``section[key]`` (or ``default`` where absent) as an int, refused by name when it is not one."""
+    return _whole(section.get(key, default), _key(where, key))
+
+
+def _required_int(section: dict[str, Any], key: str, where: str) -> int:
+    return _whole(_require(section, key, where), _key(where, key))
+
+
+def _float(section: dict[str, Any], key: str, where: str, default: Any = None) -> float:
+    return _number(section.get(key, default), _key(where, key))
+
+
+def _check_target(section: dict[str, Any], where: str, supported: str) -> None:
+    """A section's ``_target_`` (NeMo's class), where given, must be ``supported`` under any module path: a
+    Citrinet's ConvASREncoder was refused for an option it lacks, a SqueezeformerEncoder loaded as a FastConformer."""
+    target = section.get("_target_")
+    _check(target is None or str(target).rsplit(".", 1)[-1] == supported, f"{where}._target_", target, supported)
 
 
 def _check(condition: bool, option: str, value: Any, supported: str) -> None:
@@ -168,19 +234,20 @@ def _samples(pre: dict[str, Any], seconds_key: str, samples_key: str, default_s:
     if seconds and samples:
         raise CheckpointError(f"model config: preprocessor sets both `{seconds_key}` and `{samples_key}`")
     if seconds:
-        return int(float(seconds) * sr)
+        return int(_number(seconds, f"preprocessor.{seconds_key}") * sr)
     if samples:
-        return int(samples)
+        return _whole(samples, f"preprocessor.{samples_key}")
     raise CheckpointError(f"model config: preprocessor sets neither `{seconds_key}` nor `{samples_key}`")
 
 
 def parse_features(pre: dict[str, Any], sample_rate: int) -> FeatureConfig:
-    sr = int(pre.get("sample_rate", sample_rate))
+    _check_target(pre, "preprocessor", "AudioToMelSpectrogramPreprocessor")
+    sr = _int(pre, "sample_rate", "preprocessor", sample_rate)
     _check(pre.get("normalize", "per_feature") == "per_feature", "preprocessor.normalize",
            pre.get("normalize"), "per_feature")
     window = pre.get("window", "hann")
     _check(window in WINDOWS, "preprocessor.window", window, ", ".join(WINDOWS))
-    _check(int(pre.get("frame_splicing", 1)) == 1, "preprocessor.frame_splicing",
+    _check(_int(pre, "frame_splicing", "preprocessor", 1) == 1, "preprocessor.frame_splicing",
            pre.get("frame_splicing"), "1")
     _check(pre.get("log", True) is True, "preprocessor.log", pre.get("log"), "true")
     _check(not pre.get("exact_pad", False), "preprocessor.exact_pad", pre.get("exact_pad"), "false")
@@ -193,29 +260,30 @@ def parse_features(pre: dict[str, Any], sample_rate: int) -> FeatureConfig:
            "a number, 'tiny' or 'eps'")
     win_length = _samples(pre, "window_size", "n_window_size", 0.02, sr)
     hop_length = _samples(pre, "window_stride", "n_window_stride", 0.01, sr)
-    n_fft = int(pre.get("n_fft") or 2 ** (win_length - 1).bit_length())
+    n_fft = _whole(pre.get("n_fft") or 2 ** (win_length - 1).bit_length(), "preprocessor.n_fft")
     # checked, not used: NeMo's transcribe() pads no frames, whatever the config asks of training (16 where it says
     # nothing). Extra frames are masked, but they moved batch shapes (bf16 rounding) and the position table's growth
     pad_to = pre.get("pad_to", 0) or 0
     _check(isinstance(pad_to, int) and pad_to >= 0, "preprocessor.pad_to", pad_to, "an integer >= 0")
     return FeatureConfig(
         sample_rate=sr,
-        n_mels=int(pre.get("features", 64)),
+        n_mels=_int(pre, "features", "preprocessor", 64),
         n_fft=n_fft,
         win_length=win_length,
         hop_length=hop_length,
-        preemph=float(pre.get("preemph", 0.97) or 0.0),
+        preemph=_number(pre.get("preemph", 0.97) or 0.0, "preprocessor.preemph"),
         window=window,
         log_guard=float(guard),
-        mag_power=float(pre.get("mag_power", 2.0)),
-        pad_value=float(pre.get("pad_value", 0.0)),
+        mag_power=_float(pre, "mag_power", "preprocessor", 2.0),
+        pad_value=_float(pre, "pad_value", "preprocessor", 0.0),
     )
 
 
 def parse_encoder(enc: dict[str, Any]) -> EncoderConfig:
+    _check_target(enc, "encoder", "ConformerEncoder")
     _check(enc.get("subsampling", "striding") == "dw_striding", "encoder.subsampling",
            enc.get("subsampling"), "dw_striding")
-    factor = int(enc.get("subsampling_factor", 4))
+    factor = _int(enc, "subsampling_factor", "encoder", 4)
     _check(factor >= 2 and factor & (factor - 1) == 0, "encoder.subsampling_factor", factor, "a power of 2")
     _check(enc.get("self_attention_model", "rel_pos") == "rel_pos", "encoder.self_attention_model",
            enc.get("self_attention_model"), "rel_pos")
@@ -223,7 +291,7 @@ def parse_encoder(enc: dict[str, Any]) -> EncoderConfig:
     _check(context in (None, [-1, -1], [[-1, -1]]), "encoder.att_context_size", context, "[-1, -1] (full context)")
     _check(enc.get("conv_norm_type", "batch_norm") == "batch_norm", "encoder.conv_norm_type",
            enc.get("conv_norm_type"), "batch_norm")
-    kernel = int(enc.get("conv_kernel_size", 31))
+    kernel = _int(enc, "conv_kernel_size", "encoder", 31)
     _check(kernel % 2 == 1, "encoder.conv_kernel_size", kernel, "an odd size")
     conv_context = enc.get("conv_context_size")
     _check(conv_context in (None, [kernel // 2, kernel // 2]), "encoder.conv_context_size", conv_context,
@@ -231,90 +299,103 @@ def parse_encoder(enc: dict[str, Any]) -> EncoderConfig:
     _check(not enc.get("causal_downsampling", False), "encoder.causal_downsampling",
            enc.get("causal_downsampling"), "false")
     _check(enc.get("untie_biases", True) is True, "encoder.untie_biases", enc.get("untie_biases"), "true")
-    _check(int(enc.get("feat_out", -1)) == -1, "encoder.feat_out", enc.get("feat_out"), "-1")
+    _check(_int(enc, "feat_out", "encoder", -1) == -1, "encoder.feat_out", enc.get("feat_out"), "-1")
     _check(enc.get("reduction") is None, "encoder.reduction", enc.get("reduction"), "null")
     # NeMo's chunking splits large batches through the subsampling convolutions to save memory; the result is
     # the same, and batchasr bounds its batches itself
-    chunking = int(enc.get("subsampling_conv_chunking_factor", 1))
+    chunking = _int(enc, "subsampling_conv_chunking_factor", "encoder", 1)
     _check(chunking in (1, -1) or (chunking > 1 and chunking & (chunking - 1) == 0),
            "encoder.subsampling_conv_chunking_factor", chunking, "1, -1 or a power of 2")
-    d_model = int(_require(enc, "d_model", "encoder"))
-    n_heads = int(enc.get("n_heads", 4))
+    d_model = _required_int(enc, "d_model", "encoder")
+    n_heads = _int(enc, "n_heads", "encoder", 4)
+    _check(n_heads > 0, "encoder.n_heads", n_heads, "a divisor of d_model")
     _check(d_model % n_heads == 0, "encoder.n_heads", n_heads, "a divisor of d_model")
-    channels = int(enc.get("subsampling_conv_channels", -1))
+    channels = _int(enc, "subsampling_conv_channels", "encoder", -1)
     return EncoderConfig(
-        feat_in=int(_require(enc, "feat_in", "encoder")),
+        feat_in=_required_int(enc, "feat_in", "encoder"),
         d_model=d_model,
-        n_layers=int(_require(enc, "n_layers", "encoder")),
+        n_layers=_required_int(enc, "n_layers", "encoder"),
         n_heads=n_heads,
-        ff_expansion=int(enc.get("ff_expansion_factor", 4)),
+        ff_expansion=_int(enc, "ff_expansion_factor", "encoder", 4),
         conv_kernel_size=kernel,
         subsampling_factor=factor,
         subsampling_channels=d_model if channels == -1 else channels,
         xscaling=bool(enc.get("xscaling", True)),
         use_bias=bool(enc.get("use_bias", True)),
-        pos_emb_max_len=int(enc.get("pos_emb_max_len", 5000)),
+        pos_emb_max_len=_int(enc, "pos_emb_max_len", "encoder", 5000),
     )
 
 
 def parse_transducer(cfg: dict[str, Any]) -> TransducerConfig:
-    dec = _require(cfg, "decoder", "model")
-    joint = _require(cfg, "joint", "model")
-    prednet = _require(dec, "prednet", "decoder")
+    dec = _section(cfg, "decoder", "model")
+    joint = _section(cfg, "joint", "model")
+    prednet = _section(dec, "prednet", "decoder")
     _check(dec.get("blank_as_pad", True) is True, "decoder.blank_as_pad", dec.get("blank_as_pad"), "true")
     _check(dec.get("normalization_mode") is None, "decoder.normalization_mode",
            dec.get("normalization_mode"), "null")
     _check(prednet.get("rnn_hidden_size", -1) in (None, -1), "decoder.prednet.rnn_hidden_size",
            prednet.get("rnn_hidden_size"), "unset (no projection)")
-    _check(dec.get("_target_", "RNNTDecoder").endswith("RNNTDecoder"), "decoder._target_",
+    _check(str(dec.get("_target_", "RNNTDecoder")).endswith("RNNTDecoder"), "decoder._target_",
            dec.get("_target_"), "RNNTDecoder")
-    jointnet = _require(joint, "jointnet", "joint")
+    jointnet = _section(joint, "jointnet", "joint")
     activation = str(jointnet.get("activation", "relu")).lower()
     _check(activation in ("relu", "tanh", "sigmoid"), "joint.jointnet.activation", activation,
            "relu, tanh, sigmoid")
-    vocab_size = int(_require(dec, "vocab_size", "decoder"))
-    extra = int(joint.get("num_extra_outputs", 0) or 0)
-    decoding = cfg.get("decoding") or {}
+    vocab_size = _required_int(dec, "vocab_size", "decoder")
+    extra = _whole(joint.get("num_extra_outputs") or 0, "joint.num_extra_outputs")
+    decoding = _optional_section(cfg, "decoding", "model")
     durations: tuple[int, ...] = ()
     if extra or decoding.get("model_type") == "tdt":
-        loss = cfg.get("loss") or {}
-        loss_durations = (loss.get("tdt_kwargs") or {}).get("durations")
+        loss = _optional_section(cfg, "loss", "model")
+        loss_durations = _optional_section(loss, "tdt_kwargs", "loss").get("durations")
         # NeMo overwrites the decoding's durations with the loss's when the loss is TDT's
-        chosen = loss_durations if loss.get("loss_name") == "tdt" and loss_durations else decoding.get("durations")
-        durations = tuple(int(d) for d in (chosen or loss_durations or []))
+        from_loss = loss.get("loss_name") == "tdt" and loss_durations
+        chosen = loss_durations if from_loss else decoding.get("durations")
+        durations = _durations(chosen or loss_durations or [],
+                               "loss.tdt_kwargs.durations" if from_loss or not chosen else "decoding.durations")
         _check(len(durations) == extra and extra > 0, "joint.num_extra_outputs", extra,
                f"the number of TDT durations ({len(durations)})")
         _check(min(durations) >= 0, "decoding.durations", list(durations), "non-negative")
-    greedy = decoding.get("greedy") or {}
+    greedy = _optional_section(decoding, "greedy", "decoding")
     # Unset means no cap to NeMo's eager decoder; its CUDA-graph decoder, the one that runs on GPUs, caps it at 10
-    max_symbols = greedy.get("max_symbols") or greedy.get("max_symbols_per_step")
+    symbols_key = "max_symbols" if greedy.get("max_symbols") else "max_symbols_per_step"
+    max_symbols = greedy.get(symbols_key)
     return TransducerConfig(
         vocab_size=vocab_size,
-        pred_hidden=int(_require(prednet, "pred_hidden", "decoder.prednet")),
-        pred_layers=int(prednet.get("pred_rnn_layers", 1)),
-        joint_hidden=int(_require(jointnet, "joint_hidden", "joint.jointnet")),
+        pred_hidden=_required_int(prednet, "pred_hidden", "decoder.prednet"),
+        pred_layers=_int(prednet, "pred_rnn_layers", "decoder.prednet", 1),
+        joint_hidden=_required_int(jointnet, "joint_hidden", "joint.jointnet"),
         joint_activation=activation,
-        joint_dropout=float(jointnet.get("dropout") or 0.0),
+        joint_dropout=_number(jointnet.get("dropout") or 0.0, "joint.jointnet.dropout"),
         durations=durations,
-        max_symbols=10 if max_symbols is None else int(max_symbols),
+        max_symbols=10 if max_symbols is None else _whole(max_symbols, f"decoding.greedy.{symbols_key}"),
     )
+
+
+def _durations(value: Any, name: str) -> tuple[int, ...]:
+    if not isinstance(value, (list, tuple)):
+        raise CheckpointError(f"{CONFIG_FILE}: {name}: {value!r} is not a list of whole numbers")
+    return tuple(_whole(d, name) for d in value)
 
 
 def parse_ctc(section: dict[str, Any], where: str) -> CTCConfig:
     _check(str(section.get("_target_", "ConvASRDecoder")).endswith("ConvASRDecoder"), f"{where}._target_",
            section.get("_target_"), "ConvASRDecoder")
-    num_classes = int(_require(section, "num_classes", where))
+    num_classes = _required_int(section, "num_classes", where)
     vocabulary = section.get("vocabulary") or []
     if num_classes == -1:
+        if not isinstance(vocabulary, list):
+            raise CheckpointError(f"{CONFIG_FILE}: {where}.vocabulary: {vocabulary!r} is not a list")
         num_classes = len(vocabulary)
-    return CTCConfig(vocab_size=num_classes, feat_in=int(_require(section, "feat_in", where)))
+    return CTCConfig(vocab_size=num_classes, feat_in=_required_int(section, "feat_in", where))
 
 
 def _warn_about_decoding(cfg: dict[str, Any]) -> None:
     """batchasr decodes greedily; a checkpoint saved with beam search or a language model decodes differently."""
-    for where, decoding in (("decoding", cfg.get("decoding")), ("aux_ctc.decoding",
-                                                                (cfg.get("aux_ctc") or {}).get("decoding"))):
-        strategy = (decoding or {}).get("strategy", "greedy_batch")
+    aux = _optional_section(cfg, "aux_ctc", "model")
+    for where, decoding in (("decoding", _optional_section(cfg, "decoding", "model")),
+                            ("aux_ctc.decoding", _optional_section(aux, "decoding", "aux_ctc"))):
+        strategy = decoding.get("strategy", "greedy_batch")
         if strategy not in ("greedy", "greedy_batch"):
             log.warning("the checkpoint's `%s.strategy: %s` is not used: batchasr decodes greedily", where, strategy)
 
@@ -334,22 +415,22 @@ def parse_model_config(cfg: dict[str, Any]) -> ModelConfig:
         raise UnsupportedModelError(f"unsupported architecture `target: {target or None}` (supported: {known})")
     kind = _TARGET_KINDS[class_name]
     _warn_about_decoding(cfg)
-    tokenizer = cfg.get("tokenizer") or {}
+    tokenizer = _optional_section(cfg, "tokenizer", "model")
     _check(tokenizer.get("type", "bpe") == "bpe", "tokenizer.type", tokenizer.get("type"), "bpe")
-    features = parse_features(_require(cfg, "preprocessor", "model"), int(cfg.get("sample_rate", 16000)))
-    encoder = parse_encoder(_require(cfg, "encoder", "model"))
+    encoder = parse_encoder(_section(cfg, "encoder", "model"))  # first: its _target_ says what the model is
+    features = parse_features(_section(cfg, "preprocessor", "model"), _int(cfg, "sample_rate", "model", 16000))
     if encoder.feat_in != features.n_mels:
         raise CheckpointError(
             f"model config: encoder.feat_in ({encoder.feat_in}) != preprocessor.features ({features.n_mels})"
         )
     if kind == "ctc":
-        ctc = parse_ctc(_require(cfg, "decoder", "model"), "decoder")
+        ctc = parse_ctc(_section(cfg, "decoder", "model"), "decoder")
         return ModelConfig(kind=kind, features=features, encoder=encoder, ctc=ctc)
     transducer = parse_transducer(cfg)
     if kind == "transducer":
         return ModelConfig(kind=kind, features=features, encoder=encoder, transducer=transducer)
-    aux = _require(cfg, "aux_ctc", "model")
-    ctc = parse_ctc(_require(aux, "decoder", "aux_ctc"), "aux_ctc.decoder")
+    aux = _section(cfg, "aux_ctc", "model")
+    ctc = parse_ctc(_section(aux, "decoder", "aux_ctc"), "aux_ctc.decoder")
     if ctc.vocab_size != transducer.vocab_size:
         raise CheckpointError("model config: aux_ctc vocabulary size differs from the transducer's")
     return ModelConfig(kind=kind, features=features, encoder=encoder, transducer=transducer, ctc=ctc,

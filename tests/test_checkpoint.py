@@ -118,6 +118,15 @@ def test_bad_checkpoint_errors(tmp_path, tdt_members, make, message):
         (lambda c: c["decoder"].update(blank_as_pad=False), "unsupported option `decoder.blank_as_pad: False`"),
         (lambda c: c["joint"]["jointnet"].update(activation="gelu"), "unsupported option `joint.jointnet.activation"),
         (lambda c: c["joint"].update(num_extra_outputs=3), "unsupported option `joint.num_extra_outputs: 3`"),
+        # a Citrinet's or QuartzNet's encoder was refused for an option it lacks; a Squeezeformer's loaded
+        (lambda c: c["encoder"].update(_target_="nemo.collections.asr.modules.ConvASREncoder"),
+         "unsupported option `encoder._target_: 'nemo.collections.asr.modules.ConvASREncoder'` "
+         "(supported: ConformerEncoder)"),
+        (lambda c: c["encoder"].update(_target_="nemo.collections.asr.modules.SqueezeformerEncoder"),
+         "unsupported option `encoder._target_: 'nemo.collections.asr.modules.SqueezeformerEncoder'`"),
+        (lambda c: c["preprocessor"].update(_target_="nemo.collections.asr.modules.AudioToMFCCPreprocessor"),
+         "unsupported option `preprocessor._target_: 'nemo.collections.asr.modules.AudioToMFCCPreprocessor'` "
+         "(supported: AudioToMelSpectrogramPreprocessor)"),
     ],
 )
 def test_unsupported_architecture_and_options_are_named(tmp_path, tdt_members, edit, message):
@@ -128,6 +137,10 @@ def test_unsupported_architecture_and_options_are_named(tmp_path, tdt_members, e
 
 def _no_decoding_durations(cfg):
     del cfg["decoding"]["durations"]
+
+
+def _no_targets(cfg):
+    del cfg["encoder"]["_target_"], cfg["preprocessor"]["_target_"]
 
 
 @pytest.mark.parametrize(
@@ -141,9 +154,11 @@ def _no_decoding_durations(cfg):
         lambda c: c["preprocessor"].update(window="hamming"),  # the window's values load from the weights
         _no_decoding_durations,  # the loss's durations serve
         lambda c: c["decoding"].update(strategy="beam"),  # logged, decoded greedily
+        lambda c: c["encoder"].update(_target_="nemo.collections.asr.modules.conformer_encoder.ConformerEncoder"),
+        _no_targets,  # nothing said: the sections are read as the classes batchasr computes
     ],
     ids=["conv-context", "att-context-list", "chunking", "window-in-samples", "hamming", "loss-durations",
-         "beam-strategy"],
+         "beam-strategy", "encoder-module-path", "no-targets"],
 )
 def test_other_spellings_nemo_saves_load_the_same_model(tmp_path, tdt_members, parity_dir, audio, edit):
     reference = load_model(parity_dir / "tdt.nemo", device="cpu").transcribe([audio])[0]
@@ -193,6 +208,21 @@ def test_config_values_nemo_reads_in_its_own_order(tdt_members, caplog):
          "unsupported option `encoder.conv_context_size: [8, 0]`"),
         (lambda c: c["encoder"].update(subsampling_conv_chunking_factor=3), UnsupportedModelError,
          "unsupported option `encoder.subsampling_conv_chunking_factor: 3`"),
+        # an AttributeError, or "invalid literal for int()" naming neither the file nor the key
+        (lambda c: c.update(encoder=[1, 2]), CheckpointError, "model_config.yaml: encoder: [1, 2] is not a mapping"),
+        (lambda c: c["joint"].update(jointnet="relu"), CheckpointError,
+         "model_config.yaml: joint.jointnet: 'relu' is not a mapping"),
+        (lambda c: c.update(decoding=[]), CheckpointError, "model_config.yaml: decoding: [] is not a mapping"),
+        (lambda c: c["encoder"].update(n_layers="abc"), CheckpointError,
+         "model_config.yaml: encoder.n_layers: 'abc' is not a whole number"),
+        (lambda c: c["encoder"].update(d_model=[96]), CheckpointError,
+         "model_config.yaml: encoder.d_model: [96] is not a whole number"),
+        (lambda c: c["decoder"]["prednet"].update(pred_rnn_layers=1.5), CheckpointError,
+         "model_config.yaml: decoder.prednet.pred_rnn_layers: 1.5 is not a whole number"),
+        (lambda c: c["preprocessor"].update(window_size="wide"), CheckpointError,
+         "model_config.yaml: preprocessor.window_size: 'wide' is not a number"),
+        (lambda c: c["loss"]["tdt_kwargs"].update(durations=4), CheckpointError,
+         "model_config.yaml: loss.tdt_kwargs.durations: 4 is not a list of whole numbers"),
     ],
 )
 def test_config_values_that_cannot_be_read_are_named(tdt_members, edit, error, message):
@@ -243,6 +273,81 @@ def test_unpacked_directory_refuses_a_tokenizer_path_outside_it(tmp_path, tdt_me
     (tmp_path / "secret.model").write_bytes(b"x")
     with pytest.raises(CheckpointError, match=r"tokenizer file `secret\.model`"):
         open_checkpoint(root)
+
+
+def test_a_config_that_cannot_be_read_is_named_with_the_file(tmp_path, tdt_members):
+    path = _write_tar(tmp_path / "x.nemo", _with_config(tdt_members, lambda c: c["encoder"].update(n_layers="abc")))
+    with pytest.raises(CheckpointError) as caught:
+        load_model(path, device="cpu")
+    assert str(caught.value) == f"{path}: model_config.yaml: encoder.n_layers: 'abc' is not a whole number"
+
+
+def _damaged(members: dict[str, bytes]) -> dict[str, bytes]:
+    """64 bytes flipped in the middle of the weights, the size intact: what a bad disk or download leaves."""
+    key = next(k for k in members if k.endswith("model_weights.ckpt"))
+    weights = bytearray(members[key])
+    middle = len(weights) // 2
+    for i in range(middle, middle + 64):
+        weights[i] ^= 0xFF
+    return {**members, key: bytes(weights)}
+
+
+def test_damaged_weights_are_refused_naming_the_member_whose_crc_fails(tmp_path, parity_dir):
+    """torch.load does not check the weights' zip CRCs: the model loaded and transcribed garbage."""
+    path = _write_tar(tmp_path / "damaged.nemo", _damaged(_members(parity_dir / "ctc.nemo")))
+    with pytest.raises(CheckpointError, match=r"`model_weights\.ckpt` is damaged: its member "
+                                              r"`model_weights/data/\d+` fails its CRC check"):
+        load_model(path, device="cpu")
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_weights_that_are_not_finite_are_refused_naming_the_tensor(tmp_path, tdt_members, bad):
+    key = next(k for k in tdt_members if k.endswith("model_weights.ckpt"))
+    state = torch.load(io.BytesIO(tdt_members[key]), weights_only=True)
+    state["encoder.layers.0.feed_forward1.linear1.weight"][3, 4] = bad
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    path = _write_tar(tmp_path / "x.nemo", {**tdt_members, key: buffer.getvalue()})
+    with pytest.raises(CheckpointError, match=r"holds NaN or infinite values in "
+                                              r"`encoder\.layers\.0\.feed_forward1\.linear1\.weight`"):
+        load_model(path, device="cpu")
+
+
+@pytest.mark.parametrize("edit", [lambda c: c.pop("tokenizer"), lambda c: c["tokenizer"].pop("model_path")],
+                         ids=["no-tokenizer-section", "no-model-path"])
+def test_a_checkpoint_without_a_tokenizer_is_refused(tmp_path, tdt_members, edit):
+    """It loaded, and every transcript was "" with exit status 0."""
+    path = _write_tar(tmp_path / "x.nemo", _with_config(tdt_members, edit))
+    with pytest.raises(CheckpointError, match=r"names no tokenizer \(tokenizer\.model_path\)"):
+        load_model(path, device="cpu")
+
+
+def _unpack(members: dict[str, bytes], folder: Path) -> Path:
+    folder.mkdir(parents=True)
+    for name, data in members.items():
+        (folder / Path(name).name).write_bytes(data)
+    return folder
+
+
+def test_a_blank_model_name_is_the_default_model_not_the_working_directory(tmp_path, tdt_members, monkeypatch):
+    """``Path("")`` is ".": ``--model ""`` loaded whatever checkpoint lay anywhere under the working directory."""
+    _unpack(tdt_members, tmp_path / "somewhere" / "deep")
+    monkeypatch.chdir(tmp_path)
+    default = open_checkpoint(DEFAULT_MODEL).config
+    for blank in ("", "  "):
+        assert load_model(blank, device="cpu").config == default
+
+
+def test_an_unpacked_directory_is_read_at_its_top_or_its_one_folder_not_throughout(tmp_path, tdt_members):
+    top = _unpack(tdt_members, tmp_path / "top")
+    _unpack(tdt_members, tmp_path / "wrapped" / "tdt")  # a .nemo unpacked with its ./ as a folder
+    _unpack(tdt_members, tmp_path / "deep" / "a" / "b")
+    assert open_checkpoint(top).config == open_checkpoint(tmp_path / "wrapped").config
+    with pytest.raises(CheckpointError, match=_literal("`model_config.yaml` is missing")):
+        open_checkpoint(tmp_path / "deep")
+    _unpack(tdt_members, tmp_path / "wrapped" / "other")  # which one? neither is guessed
+    with pytest.raises(CheckpointError, match=_literal("`model_config.yaml` is missing")):
+        open_checkpoint(tmp_path / "wrapped")
 
 
 # --- helpers ---------------------------------------------------------------------------------------------

@@ -197,6 +197,60 @@ def test_a_device_that_cannot_be_had_is_an_error_line_not_a_traceback(parity_aud
     assert capsys.readouterr().err == "error: unknown device 'gpu'; choose auto, cpu, cuda or cuda:N\n"
 
 
+@pytest.mark.parametrize("device", ["mps", "xpu", "meta", "meta:0"])
+def test_a_device_type_batchasr_does_not_run_on_is_an_error_line_not_a_traceback(device, parity_audio, capsys):
+    """torch knows these devices, and loading onto them (or transcribing there) crashed with a traceback."""
+    assert main(["transcribe", "--device", device, parity_audio[0]]) == 2
+    assert capsys.readouterr().err == (f"error: unsupported device '{device}' (batchasr runs on cpu and cuda); "
+                                       "choose auto, cpu, cuda or cuda:N\n")
+
+
+def test_a_model_config_that_cannot_be_read_is_one_error_line(parity_dir, parity_audio, tmp_path, capsys):
+    """A section that is no mapping ended in an AttributeError traceback; a word for a number, in "invalid literal
+    for int()" naming neither the file nor the key."""
+    import tarfile
+
+    import yaml
+
+    with tarfile.open(parity_dir / "tdt.nemo") as tar:
+        tar.extractall(tmp_path / "unpacked", filter="data")
+    config = tmp_path / "unpacked" / "model_config.yaml"
+    raw = yaml.safe_load(config.read_text())
+    for edit, problem in ((lambda c: c.update(encoder=[1, 2]), "encoder: [1, 2] is not a mapping of options"),
+                          (lambda c: c["encoder"].update(n_layers="abc"),
+                           "encoder.n_layers: 'abc' is not a whole number")):
+        changed = yaml.safe_load(yaml.safe_dump(raw))
+        edit(changed)
+        config.write_text(yaml.safe_dump(changed))
+        assert main(["transcribe", "--model", str(tmp_path / "unpacked"), parity_audio[0]]) == 2
+        assert capsys.readouterr().err == f"error: {tmp_path / 'unpacked'}: model_config.yaml: {problem}\n"
+
+
+def test_a_blank_model_is_the_embedded_default(parity_dir, parity_audio, tmp_path, monkeypatch, capsys):
+    """``--model ""`` was the working directory, and loaded any checkpoint found anywhere under it."""
+    import tarfile
+
+    with tarfile.open(parity_dir / "tdt.nemo") as tar:
+        tar.extractall(tmp_path / "some" / "nested", filter="data")
+    assert main(["transcribe", parity_audio[0]]) == 0
+    default = capsys.readouterr().out
+    monkeypatch.chdir(tmp_path)
+    assert main(["transcribe", "--model", "", parity_audio[0]]) == 0
+    assert capsys.readouterr().out == default
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "dash"])
+def test_audio_from_standard_input_is_refused_as_not_supported(kind, tmp_path, monkeypatch, capsys):
+    """A pipe (``/dev/stdin`` on one, a FIFO) or a device was reported as "no such file or directory"."""
+    monkeypatch.chdir(tmp_path)
+    path = {"fifo": str(tmp_path / "pipe"), "device": "/dev/null", "dash": "-"}[kind]
+    if kind == "fifo":
+        os.mkfifo(path)
+    assert main(["transcribe", "--model", str(tmp_path / "never-loaded.nemo"), path]) == 2
+    reason = "no such file" if kind == "dash" else "not a regular file"
+    assert capsys.readouterr().err == f"error: {path}: {reason} (reading from standard input is not supported)\n"
+
+
 def test_directories_are_walked_through_linked_folders_and_a_dead_link_is_reported(parity_audio, tmp_path, capsys):
     calls = tmp_path / "calls"
     calls.mkdir()

@@ -177,6 +177,15 @@ def test_integer_pcm_arrays_are_scaled_as_their_files_decode(model, parity_audio
     assert model.transcribe([unsigned])[0].text  # 8-bit PCM centred on 128 reads as speech, not a DC offset
 
 
+@pytest.mark.parametrize("dtype", [np.bool_, np.complex64, np.complex128])
+def test_arrays_of_no_samples_are_refused(model, dtype):
+    """A bool array was transcribed as samples of 0 and 1; a complex one with its imaginary part dropped."""
+    samples = (np.arange(16000) % 7 == 0).astype(dtype)
+    with pytest.raises(AudioError, match=rf"audio\[1\]: expected float or integer PCM samples, got an array of "
+                                         rf"{np.dtype(dtype)}"):
+        model.transcribe([np.zeros(16000, dtype=np.float32), samples])
+
+
 def test_a_truncated_wav_is_reported_by_the_command_line_as_over_http(parity_audio, tmp_path, capsys):
     """libsndfile decodes what is there: a half-downloaded file gave a part of its transcript, and exit 0."""
     data = Path(parity_audio[0]).read_bytes()
