@@ -51,7 +51,7 @@ from .job_keys import stream_owner, stream_priority
 from .job_types import ItemStart, JobInputError, JobPriority, item_record, open_input_file
 from .jobs import JobStore
 from .redis_outages import REDIS_ERRORS, group_lost, step_until_stopped
-from .transcriber import TooManyPieces, Transcriber
+from .transcriber import NeverRan, TooManyPieces, Transcriber
 from .url_inputs import SourceUnavailable, UrlFetcher
 from .webhook_worker import WebhookWorker
 from .webhooks import WebhookSender
@@ -510,6 +510,7 @@ class JobConsumer:
             await self._fail(job_id, index, audio, str(exc))
             return
         share.decoded(waveform.size / self.limits.sample_rate)  # every channel's samples
+        waiting_since = time.monotonic()
         while True:
             try:
                 if multichannel:
@@ -524,6 +525,15 @@ class JobConsumer:
                 break
             except QueueFull:  # HTTP traffic holds the queue; bulk work waits its turn
                 await asyncio.sleep(0.2)
+            except NeverRan:
+                # held behind other work for (most of) its timeout, none of it run: queued again without an
+                # attempt spent (three such waits failed it for good under hours of HTTP load). Dropped soon after
+                # it was queued, it could not be done in time at the engine's pace: that attempt counts.
+                if time.monotonic() - waiting_since < self.transcriber.bulk_timeout_s / 2:
+                    raise
+                log.info("item %s/%d waited its timeout behind other work without running; queued again",
+                         job_id, index)
+                waiting_since = time.monotonic()
             except TooManyPieces as exc:  # it would wait for ever
                 await self._fail(job_id, index, audio, str(exc))
                 return

@@ -77,6 +77,11 @@ class WorkQueue(Protocol):
         """Queue all or none; ``QueueFull`` is raised here or set on every item's future."""
 
 
+class NeverRan(TimeoutError):
+    """A request's time ran out before any of its pieces was transcribed: it waited behind other work the whole
+    time (a job item behind HTTP requests and more urgent jobs), which says nothing against the audio."""
+
+
 class TooManyPieces(AudioTooLarge):
     """Audio cut into more pieces than the queue ever holds: it would be told the queue is full (429) for ever."""
 
@@ -227,7 +232,13 @@ class QueuedRequest:
         """Every piece's result, and their hypotheses stitched into one in the recording's frames."""
         gathered = asyncio.gather(*(asyncio.wrap_future(item.future) for item in self.items))
         gathered.add_done_callback(lambda f: f.cancelled() or f.exception())  # a drop is not an error to log
-        results: list[ItemResult] = await asyncio.wait_for(gathered, self._remaining_s())
+        try:
+            results: list[ItemResult] = await asyncio.wait_for(gathered, self._remaining_s())
+        except TimeoutError as exc:  # the batcher dropped a piece unrun, or the whole wait ran out
+            if not any(item.future.done() and not item.future.cancelled() and item.future.exception() is None
+                       for item in self.items):
+                raise NeverRan(str(exc)) from exc
+            raise
         t = self._transcriber
         hyp = stitch(list(zip(self._segments, (r.hypothesis for r in results), strict=True)), t.tokenizer,
                      t.frame_samples)

@@ -45,6 +45,7 @@ from service.jobs import JobStore
 from service.metrics import Metrics
 from service.redis_outages import REDIS_ERRORS
 from service.runtime import READING_SHARE, build_stack
+from service.transcriber import NeverRan
 from tests.conftest import long_recording
 from tests.ports import free_port
 from tests.redis_server import RedisServer, first_reply_lost
@@ -854,6 +855,39 @@ def test_a_transcription_that_times_out_is_retried_with_its_reason(redis_server,
     settings = Settings(redis_url=redis_server.url, job_visibility_timeout_s=0.3, job_max_attempts=2)
     _, records = asyncio.run(_run_consumer(settings, model, upload_items(parity_audio, 1), always_times_out))
     assert records[0]["error"] == "gave up after 2 attempts: timed out"
+
+
+def test_an_item_held_behind_other_work_its_whole_timeout_is_queued_again_without_an_attempt(
+        redis_server, model, parity_audio, expected):
+    """Starved by HTTP requests (or more urgent jobs) for its whole timeout, none of it run, an item spent an attempt
+    each time, and was failed for good after three ("gave up after 2 attempts: timed out: dropped before it ran")
+    while the server answered 772 requests. Such a wait now queues it again; one dropped soon after it was queued (it
+    could not be done in time at the engine's pace) still spends its attempt."""
+    calls = []
+
+    def starved_first(wait_s: float):
+        async def setup(consumer, store):
+            transcribe = consumer.transcriber.transcribe
+
+            async def starved(*args):
+                calls.append(1)
+                if len(calls) <= 2:
+                    await asyncio.sleep(wait_s)
+                    raise NeverRan("dropped before it ran")
+                return await transcribe(*args)
+
+            consumer.transcriber.transcribe = starved
+        return setup
+
+    items = upload_items(parity_audio, 1)
+    settings = Settings(redis_url=redis_server.url, job_item_timeout_s=1.0, job_max_attempts=1,
+                        job_visibility_timeout_s=0.3)
+    job, records = asyncio.run(_run_consumer(settings, model, items, starved_first(0.6)))
+    _check_results(records, items, expected)
+    assert len(calls) == 3 and redis_server.client().hgetall(f"batchasr:job:{job.id}:attempts") == {b"0": b"1"}
+    calls.clear()
+    _, records = asyncio.run(_run_consumer(settings, model, items, starved_first(0.0)))
+    assert records[0]["status"] == "failed" and "dropped before it ran" in records[0]["error"]
 
 
 def test_an_item_of_more_pieces_than_the_queue_holds_fails_at_once(redis_server, model, parity_audio, expected):

@@ -12,7 +12,7 @@ from models import load_model
 from models.transcript import Transcript
 from service.batcher import Batcher, ItemResult, QueueFull, WorkItem
 from service.request_transcription import transcription_events
-from service.transcriber import TextDelta, Transcriber
+from service.transcriber import NeverRan, TextDelta, Transcriber
 from tests.conftest import long_recording
 from tests.servers import parse_event
 
@@ -105,3 +105,20 @@ def test_a_recordings_channels_are_queued_together_or_not_at_all(model, recordin
 
     batcher = asyncio.run(run())
     assert batcher.depth == 0
+
+
+def test_a_request_whose_time_ran_out_before_any_piece_ran_is_told_apart(model, recording):
+    """A job item held behind other work for its whole timeout failed as any timeout, an attempt spent: three such
+    waits under hours of HTTP load failed it for good. ``NeverRan`` says none of it was transcribed."""
+    async def run(finished: int) -> BaseException:
+        batcher, queued, items = await _queued_pieces(model, recording, taken=finished + 1)
+        for item in items[:finished]:
+            _finish(model, item)
+        items[finished].future.set_exception(TimeoutError("dropped before it ran"))  # as the batcher drops one
+        with pytest.raises(TimeoutError) as failed:
+            await queued.result()
+        queued.cancel()
+        return failed.value
+
+    assert isinstance(asyncio.run(run(0)), NeverRan)
+    assert not isinstance(asyncio.run(run(1)), NeverRan)  # a piece ran: an attempt that counts
