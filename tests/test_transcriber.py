@@ -111,7 +111,7 @@ def test_a_request_whose_time_ran_out_before_any_piece_ran_is_told_apart(model, 
     """A job item held behind other work for its whole timeout failed as any timeout, an attempt spent: three such
     waits under hours of HTTP load failed it for good. ``NeverRan`` says none of it was transcribed."""
     async def run(finished: int) -> BaseException:
-        batcher, queued, items = await _queued_pieces(model, recording, taken=finished + 1)
+        _, queued, items = await _queued_pieces(model, recording, taken=finished + 1)
         for item in items[:finished]:
             _finish(model, item)
         items[finished].future.set_exception(TimeoutError("dropped before it ran"))  # as the batcher drops one
