@@ -24,7 +24,7 @@ from decoding.types import Hypothesis
 from .segmenter import NO_CUT, Segment
 from .tokenizer import Tokenizer
 
-SAME_WORD_FRAMES = 3  # two pieces' timings of one word differ by a frame or two (each hears its own context)
+SAME_WORD_FRAMES = 5  # two pieces time one word up to four frames apart (each hears its own context)
 
 Piece = tuple[Segment, Hypothesis]
 

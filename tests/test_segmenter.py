@@ -98,7 +98,7 @@ def test_a_word_both_pieces_heard_across_the_cut_is_kept_once():
         assert list(itertools.chain.from_iterable(_streamed(pieces))) == expected
 
 
-@pytest.mark.parametrize(("earlier_at", "later_at"), [(1, -1), (-2, 0), (0, 0), (-1, 2)])
+@pytest.mark.parametrize(("earlier_at", "later_at"), [(1, -1), (-2, 0), (0, 0), (-1, 2), (2, -2)])
 def test_a_word_both_pieces_heard_near_the_cut_is_kept_once_on_whichever_side_each_timed_it(earlier_at, later_at):
     """The review's cases, each word given by the side of the cut its middle fell on: "of" timed just past the cut
     by the earlier piece and just before it by the later one was left by each to the other, and lost ("music
