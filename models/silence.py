@@ -25,6 +25,9 @@ PAD_S = 0.5  # the quiet kept either side of the speech
 ABOVE_FLOOR_DB = 6.0  # a window is quiet when its level is within this of the floor
 FLOOR_PERCENTILE = 10
 LEVEL_EPS = 1e-10  # rms added before the logarithm: digital silence is -200 dB, not -inf
+# a recording (a channel) that never rises above this is silent, whatever its floor: 16-bit dither (+-1 LSB, about
+# -90 dBFS), what tools export as silence and a muted line of a call sounds like, was read as a sentence of words
+SILENT_DBFS = -70.0
 
 
 @dataclass(frozen=True)
@@ -59,9 +62,9 @@ def speech_regions(waveform: np.ndarray, sample_rate: int, frame_samples: int, e
     floor_db = np.percentile(level_db, FLOOR_PERCENTILE)
     loud = level_db > floor_db + ABOVE_FLOOR_DB
     if not loud.any():
-        # nothing stands out from the floor: digital silence is skipped, anything else is noise or steady
-        # sound (a tone, music) and is transcribed whole, since there is no floor to tell speech from
-        return [] if np.max(level_db) <= 20 * np.log10(LEVEL_EPS) + ABOVE_FLOOR_DB else [(0, n)]
+        # nothing stands out from the floor: silence (digital, or dither) is skipped, anything else is noise or
+        # steady sound (a tone, music) and is transcribed whole, since there is no floor to tell speech from
+        return [] if np.max(level_db) <= SILENT_DBFS else [(0, n)]
     if elsewhere is not None:
         loud &= ~elsewhere.windows(window, n_windows)
         if not loud.any():
