@@ -36,6 +36,21 @@ def split_boost(hotword: str) -> tuple[str, float | None]:
     return phrase.rstrip(), boost
 
 
+def checked_hotwords(phrases: Sequence[str]) -> list[tuple[str, float | None]]:
+    """Each hotword as (its text, its own bonus or None), the checks that need no vocabulary made: ValueError for more
+    than ``MAX_HOTWORDS`` different ones, an empty or over-long one, a bonus out of range (``split_boost``). Also
+    made where a job is written straight into Redis (`batchasr submit --redis-url`), before anything is queued."""
+    checked = []
+    for given in phrases:
+        phrase, boost = split_boost(given)
+        if not phrase.strip() or len(phrase) > MAX_HOTWORD_CHARS:
+            raise ValueError(f"a hotword is 1 to {MAX_HOTWORD_CHARS} characters, not {given!r}")
+        checked.append((phrase.strip(), boost))
+    if len({phrase for phrase, _ in checked}) > MAX_HOTWORDS:  # a phrase given twice counts once
+        raise ValueError(f"at most {MAX_HOTWORDS} different hotwords, not {len({p for p, _ in checked})}")
+    return checked
+
+
 class HotwordsUnavailable(ValueError):
     """Hotwords cannot be boosted: the model has no vocabulary to spell them with."""
 
@@ -128,13 +143,10 @@ class Tokenizer:
         """Hotwords (words or phrases, written as the model writes them, each with its own bonus as ``acme:3`` or
         the default) as tokens, each once (the last bonus given for it); ValueError for too many, an empty or
         over-long one, a bonus out of range (``split_boost``), or characters the vocabulary cannot spell."""
-        if len(phrases) > MAX_HOTWORDS:
-            raise ValueError(f"at most {MAX_HOTWORDS} hotwords, not {len(phrases)}")
         boosts: dict[tuple[int, ...], float | None] = {}
-        for given in phrases:
-            phrase, boost = split_boost(given)
-            tokens = self.encode(phrase.strip()) if phrase.strip() else []
-            if not tokens or len(phrase) > MAX_HOTWORD_CHARS:
+        for (phrase, boost), given in zip(checked_hotwords(phrases), phrases, strict=True):
+            tokens = self.encode(phrase)
+            if not tokens:
                 raise ValueError(f"a hotword is 1 to {MAX_HOTWORD_CHARS} characters, not {given!r}")
             if self._sp.unk_id() in tokens:
                 # boosted, <unk> (and the bare boundary piece before it) would be pushed into every transcript

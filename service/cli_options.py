@@ -19,9 +19,18 @@ HOTWORDS_HELP = ("comma-separated words or phrases to make likelier, as the mode
 
 
 def phrases(text: str) -> list[str]:
+    """Hotwords, checked as far as they can be without the model (a job written straight into Redis was queued,
+    and each of its items failed on them)."""
+    from models.tokenizer import checked_hotwords
+
     from .hotwords import split_hotwords
 
-    return split_hotwords([text])
+    found = split_hotwords([text])
+    try:
+        checked_hotwords(found)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    return found
 
 
 def names(text: str) -> list[str]:

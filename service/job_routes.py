@@ -185,7 +185,7 @@ async def _form_uploads(request: Request, service: ServiceState) -> tuple[list[S
                        code="invalid_priority") from exc
     multichannel, skip_silence = (flag(form_text(form, name) or "", name) for name in ("multichannel", "skip_silence"))
     names = speaker_names(form_text(form, "channel_names"), multichannel)
-    hotwords = _job_hotwords(service, form_texts(form, "hotwords"))
+    hotwords = _job_hotwords(service, form_texts(form, "hotwords", "hotwords[]"))  # both, as the routes take them
     return uploads, JobOptions(webhook, priority, multichannel, skip_silence,
                                owner=request_owner(request), channel_names=tuple(names), hotwords=hotwords)
 

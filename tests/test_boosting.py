@@ -30,7 +30,7 @@ from decoding.frame_looping import frame_looping_greedy
 from decoding.label_looping import label_looping_greedy
 from decoding.types import Hotword
 from models import load_model
-from models.tokenizer import MAX_HOTWORDS, split_boost
+from models.tokenizer import MAX_HOTWORDS, checked_hotwords, split_boost
 from service.cli import main
 from service.config import Settings
 from tests.servers import run_server, wait_job
@@ -329,7 +329,7 @@ def test_each_request_over_http_boosts_its_own_hotwords(model, spoken):
                 return list(await asyncio.gather(native, plain, openai))
 
         native, plain, openai = asyncio.run(send())  # one batch: the boosted and the plain request together
-        too_many = httpx.post(f"{running.url}/v1/transcribe", params={"hotwords": ",".join(DECOYS * 30)},
+        too_many = httpx.post(f"{running.url}/v1/transcribe", params={"hotwords": ",".join(f"w{i}" for i in range(101))},
                               content=data, headers={"content-type": "audio/flac"})
         boosted_items = running.metric("batchasr_hotword_items_total")
         boosted_batches = running.metric("batchasr_hotword_batches_total")
@@ -379,11 +379,27 @@ def test_a_jobs_hotwords_reach_every_item_and_bad_ones_are_refused_at_submission
         assert submitted.status_code == 202 and submitted.json()["hotwords"] == [HOTWORD]
         job = wait_job(running.url, submitted.json()["id"])
         results = httpx.get(f"{running.url}/v1/jobs/{job['id']}/results", timeout=60).text.splitlines()
-        refused = [httpx.post(f"{running.url}/v1/jobs", data={"hotwords": bad},
+        refused = [httpx.post(f"{running.url}/v1/jobs", data={field: bad},
                               files=[("files", ("a.flac", data, "audio/flac"))], timeout=60)
-                   for bad in ("x" * 65, f"{HOTWORD}:0")]
+                   for bad in ("x" * 65, f"{HOTWORD}:0") for field in ("hotwords", "hotwords[]")]
+        # `hotwords[]`, as the transcription routes take it: it was ignored on a job, bad ones too
+        bracketed = httpx.post(f"{running.url}/v1/jobs", data={"hotwords[]": HOTWORD}, files=files[:1], timeout=60)
     assert job["status"] == "completed" and [json.loads(line)["text"] for line in results] == [SAID, SAID]
     assert all(r.status_code == 400 and r.json()["error"]["param"] == "hotwords" for r in refused)
+    assert bracketed.status_code == 202 and bracketed.json()["hotwords"] == [HOTWORD]
+
+
+def test_submit_checks_hotwords_before_it_queues_a_job_straight_into_redis(redis_server, tmp_path, capsys):
+    """With --redis-url no server checks them: the job was queued, and each of its items failed on them."""
+    path = tmp_path / "said.flac"
+    path.write_bytes(b"never read")
+    for bad, says in ((f"{HOTWORD}:11", "own boost is more than 0 and at most 10"), ("x" * 65, "1 to 64 characters"),
+                      (",".join(f"w{i}" for i in range(MAX_HOTWORDS + 1)), "at most 100 different hotwords")):
+        with pytest.raises(SystemExit) as refused:
+            main(["submit", "--redis-url", redis_server.url, "--hotwords", bad, str(path)])
+        assert refused.value.code == 2 and says in capsys.readouterr().err
+    assert not redis_server.client().keys("batchasr:job:*")
+    assert len(checked_hotwords(["acme", "acme:3"] * MAX_HOTWORDS)) == 2 * MAX_HOTWORDS  # a phrase twice counts once
 
 
 def test_the_command_line_boosts_hotwords(spoken, tmp_path, capsys):
@@ -393,7 +409,7 @@ def test_the_command_line_boosts_hotwords(spoken, tmp_path, capsys):
     assert capsys.readouterr().out == SAID + "\n"
     assert main(["transcribe", "--hotwords", HOTWORD, "--decoder", "ctc", str(path)]) == 0
     assert capsys.readouterr().out == SAID + "\n"
-    assert main(["transcribe", "--hotwords", "x" * 65, str(path)]) == 2
-    assert "1 to 64 characters" in capsys.readouterr().err
-    assert main(["transcribe", "--hotwords", f"{HOTWORD}:11", str(path)]) == 2
-    assert "own boost is more than 0 and at most 10" in capsys.readouterr().err
+    for bad, says in (("x" * 65, "1 to 64 characters"), (f"{HOTWORD}:11", "own boost is more than 0 and at most 10")):
+        with pytest.raises(SystemExit) as refused:  # refused as the options are read, before the model loads
+            main(["transcribe", "--hotwords", bad, str(path)])
+        assert refused.value.code == 2 and says in capsys.readouterr().err
