@@ -329,7 +329,8 @@ def test_each_request_over_http_boosts_its_own_hotwords(model, spoken):
                 return list(await asyncio.gather(native, plain, openai))
 
         native, plain, openai = asyncio.run(send())  # one batch: the boosted and the plain request together
-        too_many = httpx.post(f"{running.url}/v1/transcribe", params={"hotwords": ",".join(f"w{i}" for i in range(101))},
+        different = ",".join(f"w{i}" for i in range(MAX_HOTWORDS + 1))
+        too_many = httpx.post(f"{running.url}/v1/transcribe", params={"hotwords": different},
                               content=data, headers={"content-type": "audio/flac"})
         boosted_items = running.metric("batchasr_hotword_items_total")
         boosted_batches = running.metric("batchasr_hotword_batches_total")
