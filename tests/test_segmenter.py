@@ -14,6 +14,7 @@ from models.audio_io import read_audio
 from models.segmenter import ENERGY_WINDOW_S, NO_CUT, _quietest_point, plan_segments
 from models.stitching import Stitcher, stitch
 from service.config import Settings
+from tests.conftest import REPO, load_script
 
 FRAME = 1280  # samples per encoder frame
 
@@ -202,3 +203,14 @@ def test_a_piece_longer_than_a_batch_may_hold_is_refused():
     with pytest.raises(ValidationError, match=r"max_batch_audio_s\n.*at least max_segment_s \(30\)"):
         Settings(max_batch_audio_s=20)
     assert Settings(max_batch_audio_s=20, max_segment_s=20).max_segment_s == 20
+
+
+def test_the_cut_words_script_counts_words_both_pieces_heard():
+    """loadtest/cut_words.py (docs/benchmarks.md) on a minute of continuous speech cut every 10 s."""
+    script = load_script(REPO / "loadtest" / "cut_words.py")
+    model = load_model("models/assets/default.nemo", device="cpu", dtype="float32")
+    wave = script.continuous_speech(1.0, seed=3)
+    assert len(wave) == 60 * 16000 and np.sqrt(np.mean(wave**2)) > 0.02  # speech throughout, no pauses
+    row = script.cut_errors(model, wave, 10.0, near_s=0.4)
+    assert row["cuts"] >= 5 and row["words_both_heard"] >= row["cuts"]
+    assert (row["lost"], row["doubled"]) == (len(row["lost_at"]), len(row["doubled_at"]))
