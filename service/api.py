@@ -98,9 +98,18 @@ def _hotwords(service: ServiceState, values: list[str]) -> Hotwords:
 
 
 def _hotword_fields(query: list[str], form: FormData | None) -> list[str]:
-    """A transcription request's ``hotwords``: the query string's (every value: the parameter may be repeated), else
-    the multipart form's (``hotwords`` or ``hotwords[]``)."""
+    """A transcription request's ``hotwords``: the query string's (every value: the parameter may be repeated), or
+    the multipart form's (``hotwords`` or ``hotwords[]``); not both."""
+    _in_one_place("hotwords", bool(query), form)
     return query or ([] if form is None else _form_list(form, "hotwords"))
+
+
+def _in_one_place(name: str, in_query: bool, form: FormData | None) -> None:
+    """400 for a field sent both in the query string and in the form: one was taken and the other dropped without a
+    word (a form's bad hotwords were never even checked), as a repeated field would be."""
+    if in_query and form is not None and (form.getlist(name) or form.getlist(f"{name}[]")):
+        raise ApiError(400, f"`{name}` was sent both in the query string and in the form: send it once", param=name,
+                       code="invalid_parameter")
 
 
 def _check_model(service: ServiceState, requested: str | None) -> None:
@@ -245,6 +254,9 @@ async def native_transcribe(request: Request, service: ServiceDep,
     form = await request.form() if content_type.lower().startswith("multipart/form-data") else None
     if form is not None:
         single_fields(form, "file", "multichannel", "skip_silence", "channel_names")
+    for name, given in (("multichannel", multichannel), ("skip_silence", skip_silence),
+                        ("channel_names", channel_names)):
+        _in_one_place(name, given is not None, form)
     apart, skip = _option("multichannel", multichannel, form), _option("skip_silence", skip_silence, form)
     names = speaker_names(form_text(form, "channel_names") if channel_names is None and form is not None
                           else channel_names, apart)

@@ -367,9 +367,18 @@ def test_hotwords_in_the_query_string_reach_both_routes_every_value_counted(mode
                               content=data, headers={"content-type": "audio/flac"}, timeout=60)
         refused = httpx.post(f"{running.url}/v1/audio/transcriptions", params={"hotwords": "x" * 65},
                              files={"file": ("a.flac", data, "audio/flac")}, timeout=60)
+        # in both places: the form's were dropped unchecked (here, one no model can spell); now refused
+        both = [httpx.post(f"{running.url}{route}", params={"hotwords": "corporation"}, data={field: "ACME"},
+                           files={"file": ("a.flac", data, "audio/flac")}, timeout=60)
+                for route in ("/v1/audio/transcriptions", "/v1/transcribe") for field in ("hotwords", "hotwords[]")]
+        switched = httpx.post(f"{running.url}/v1/transcribe", params={"multichannel": "false"},
+                              data={"multichannel": "true"}, files={"file": ("a.flac", data, "audio/flac")},
+                              timeout=60)
     assert openai.json()["text"] == SAID
     assert repeated.json()["text"] == SAID  # the first value too, not only the last
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "hotwords"
+    assert [(r.status_code, r.json()["error"]["param"]) for r in both] == [(400, "hotwords")] * 4
+    assert switched.status_code == 400 and "both in the query string and in the form" in switched.text
 
 
 def test_a_jobs_hotwords_reach_every_item_and_bad_ones_are_refused_at_submission(model, spoken, redis_server):
