@@ -38,6 +38,7 @@ from .http import (
     request_hotwords,
     request_owner,
     require_api_key,
+    single_fields,
     speaker_names,
     subtitle_layout,
 )
@@ -177,6 +178,7 @@ async def _form_uploads(request: Request, service: ServiceState) -> tuple[list[S
     most_bytes = service.settings.max_job_upload_bytes
     if sum(upload.size or 0 for upload in uploads) > most_bytes:  # the audio alone, exactly
         raise ApiError(413, job_too_large_message(most_bytes), param="files", code="job_too_large")
+    single_fields(form, "webhook_url", "priority", "multichannel", "skip_silence", "channel_names")  # one value each
     webhook, priority = form_text(form, "webhook_url"), form_text(form, "priority") or JobPriority.NORMAL.value
     try:
         priority = JobPriority(priority)

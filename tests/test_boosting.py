@@ -394,9 +394,12 @@ def test_a_jobs_hotwords_reach_every_item_and_bad_ones_are_refused_at_submission
                    for bad in ("x" * 65, f"{HOTWORD}:0") for field in ("hotwords", "hotwords[]")]
         # `hotwords[]`, as the transcription routes take it: it was ignored on a job, bad ones too
         bracketed = httpx.post(f"{running.url}/v1/jobs", data={"hotwords[]": HOTWORD}, files=files[:1], timeout=60)
+        repeated = httpx.post(f"{running.url}/v1/jobs", data={"multichannel": ["true", "false"]},
+                              files=files[:1], timeout=60)  # the last was taken without a word
     assert job["status"] == "completed" and [json.loads(line)["text"] for line in results] == [SAID, SAID]
     assert all(r.status_code == 400 and r.json()["error"]["param"] == "hotwords" for r in refused)
     assert bracketed.status_code == 202 and bracketed.json()["hotwords"] == [HOTWORD]
+    assert repeated.status_code == 400 and repeated.json()["error"]["param"] == "multichannel"
 
 
 def test_submit_checks_hotwords_before_it_queues_a_job_straight_into_redis(redis_server, tmp_path, capsys):
