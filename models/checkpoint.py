@@ -208,7 +208,11 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     """Read config, weights and tokenizer from a ``.nemo`` file or an unpacked checkpoint directory."""
     path = Path(path)
     if not path.exists():
-        raise CheckpointError(f"{path}: no such file or directory")
+        from .architectures import ARCHITECTURES  # imports this module: looked up only here
+
+        hint = " (a built-in architecture: `batchasr bench --model` takes it, with random weights)" \
+            if str(path) in ARCHITECTURES else ""
+        raise CheckpointError(f"{path}: no such file or directory{hint}")
     reader: _ArchiveReader | _DirectoryReader
     reader = _DirectoryReader(path) if path.is_dir() else _ArchiveReader(path)
     try:

@@ -79,6 +79,8 @@ def test_config_with_model_key_and_interpolations(tdt_members, tmp_path, audio, 
     ("make", "message"),
     [
         (lambda tmp, m: tmp / "absent.nemo", "no such file or directory"),
+        (lambda tmp, m: "parakeet-rnnt-1.1b", "no such file or directory (a built-in architecture: `batchasr bench "
+         "--model` takes it, with random weights)"),
         (lambda tmp, m: _bytes(tmp, np.random.default_rng(0).bytes(4096)), "not a .nemo archive"),
         (lambda tmp, m: _bytes(tmp, b""), "truncated"),
         (lambda tmp, m: _bytes(tmp, _tar_bytes(m)[: len(_tar_bytes(m)) // 2]), "truncated"),
@@ -93,8 +95,8 @@ def test_config_with_model_key_and_interpolations(tdt_members, tmp_path, audio, 
         (lambda tmp, m: _write_tar(tmp / "x.nemo", _replace(m, "model_config.yaml", b"a: [b")),
          "not valid YAML"),
     ],
-    ids=["missing-file", "not-an-archive", "empty-file", "truncated", "missing-weights", "missing-config",
-         "missing-tokenizer", "corrupt-weights", "corrupt-config"],
+    ids=["missing-file", "architecture-name", "not-an-archive", "empty-file", "truncated", "missing-weights",
+         "missing-config", "missing-tokenizer", "corrupt-weights", "corrupt-config"],
 )
 def test_bad_checkpoint_errors(tmp_path, tdt_members, make, message):
     with pytest.raises(CheckpointError, match=_literal(message)):
