@@ -21,7 +21,7 @@ from .batcher import POOL_FACTOR
 
 ENV_PREFIX = "BATCHASR_"
 MAX_SECONDS = 30 * 86400  # the longest timeout or duration a setting takes
-MAX_WAIT_MS = 60_000  # the longest max_wait_ms: a batch held longer waits for nothing a GPU would gain from
+MAX_WAIT_MS = 3_600_000  # the longest max_wait_ms (an hour; a much longer one overflowed the engine thread's wait)
 # BATCHASR_* variables that are not settings: the conditional-node switch (decoding.cuda_conditional), the parity
 # fixtures' folder (tests), and docker-compose's choice of GPU for each engine
 OTHER_VARIABLES = frozenset({"BATCHASR_CONDITIONAL_NODES", "BATCHASR_PARITY_DIR", "BATCHASR_API_GPU",

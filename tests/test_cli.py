@@ -327,7 +327,7 @@ def test_a_bad_setting_given_as_an_option_is_named_as_the_option(capsys):
 
 
 @pytest.mark.parametrize(("name", "value", "words"), [
-    ("max_wait_ms", 1e13, "from 0 to 60,000"),  # passed, and overflowed the engine thread's wait: failed for good
+    ("max_wait_ms", 1e13, "from 0 to 3,600,000"),  # passed, and overflowed the engine thread's wait: failed for good
     ("request_timeout_s", 1e300, "at most 2,592,000"),
     ("max_batch_audio_s", 10, "at least max_segment_s (30)"),  # was told as BATCHASR_MAX_SEGMENT_S, not set
 ])

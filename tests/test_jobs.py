@@ -276,8 +276,13 @@ def test_the_job_store_uses_no_connection_a_redis_restart_closed(tmp_path):
 def test_worker_waits_for_redis_that_is_not_there_yet(tmp_path, parity_dir, parity_audio, expected):
     server = RedisServer(tmp_path)  # not started yet
     worker = _worker(server.url, "w-early", parity_dir)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(worker.stdout), daemon=True)
+    reader.start()
     try:
-        time.sleep(6)
+        # once it has found Redis away (its model loads first: a fixed wait was shorter than that on a busy machine)
+        _wait_for(lambda: any("redis unreachable" in line for line in lines), 120, "the worker never looked")
+        time.sleep(2)
         assert worker.poll() is None, "the worker must not exit (or crash-loop) while Redis is away"
         server.start()
         items = upload_items(parity_audio, 5)
@@ -286,8 +291,10 @@ def test_worker_waits_for_redis_that_is_not_there_yet(tmp_path, parity_dir, pari
         _wait_for(lambda: _job_status(client, job.id)["status"] == "completed", 120, "job did not complete")
     finally:
         worker.send_signal(signal.SIGTERM)
-        output = worker.communicate(timeout=60)[0]
+        worker.wait(60)
+        reader.join(10)
         server.stop()
+    output = "".join(lines)
     assert worker.returncode == 0, output
     assert "redis unreachable" in output and "worker stopped" in output
 
