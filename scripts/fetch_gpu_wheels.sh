@@ -31,7 +31,10 @@ if [[ " ${groups[*]} " == *" service "* ]] && command -v apt-get > /dev/null; th
     mkdir -p .whl/redis
     (cd .whl/redis && apt-get download -q redis-server redis-tools liblzf1 libjemalloc2 > /dev/null 2>&1) \
         || echo "warning: no Redis packages; the GPU bulk-job stage will skip" >&2
-    for deb in .whl/redis/*_*.deb; do mv "$deb" "${deb%%_*}.deb"; done  # package names only: plain names travel best
+    for deb in .whl/redis/*_*.deb; do  # package names only: plain names travel best
+        [ -e "$deb" ] || continue  # none downloaded: the glob stays as written (the bulk stage skips, as warned)
+        mv "$deb" "${deb%%_*}.deb"
+    done
 fi
 # a wheel tagged for one Python (cp312, py312) must be for the image's
 if ls .whl | grep -E -- '-(cp|py)3[0-9]+-' | grep -v -- "-\(cp\|py\)${python_version/./}-"; then
