@@ -143,10 +143,14 @@ class CtcBoostLoop:
                 frame_step(state, self.blank_id, t)
             return state.labels
 
-    def _graphs_on(self, device: torch.device) -> bool:
-        # label looping's modes: a plain graph serves every one but eager ("conditional" needs no support here)
+    def mode(self, device: torch.device) -> str:
+        """The graph mode it runs in on ``device``: a plain graph ("no_while") for every mode but eager
+        ("conditional" needs no support here: the frames are a fixed count)."""
         requested = "no_while" if self.requested == "conditional" else self.requested
-        return choose_mode(requested, device).mode != "eager"
+        return choose_mode(requested, device).mode
+
+    def _graphs_on(self, device: torch.device) -> bool:
+        return self.mode(device) != "eager"
 
     def _replay(self, log_probs: Tensor, past_end: Tensor, roots: Tensor, spread: SpreadBoost) -> Tensor:
         rows, frames, classes = log_probs.shape

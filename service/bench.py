@@ -402,8 +402,10 @@ def _result(work: Workload, batch_size: int, repeat: int, decoder_algorithm: str
         cpu_passes = [clock.stage_seconds(cpu_time=True) for clock in clocks]
         stage_cpu_s = {stage: round(sum(p[stage] for p in cpu_passes), 4) for stage in cpu_passes[0]}
     model = work.model
-    mode = "eager"  # CTC and frame looping
-    if work.decoder != "ctc" and decoder_algorithm == "label_looping":
+    mode = "eager"  # frame looping, and CTC without hotwords (one argmax: nothing to capture)
+    if work.decoder == "ctc" and hotwords:  # boosted CTC replays a plain graph on CUDA (decoding.ctc_boost)
+        mode = model.ctc_boost_loop(cuda_graphs).mode(model.device)
+    elif work.decoder != "ctc" and decoder_algorithm == "label_looping":
         mode = model.label_looper(cuda_graphs).mode or "eager"
     # the model's rate, which --audio is read at: an 8 kHz model's seconds counted at 16 kHz were halves
     audio_s = sum(len(w) for w in work.waveforms) / model.sample_rate * repeat

@@ -77,5 +77,6 @@ def test_cuda_graphs_off_runs_eagerly_and_a_bad_setting_is_refused():
     loop = CtcBoostLoop(BLANK, "off")
     ctc_greedy(log_probs, lengths, BLANK, boost, loop)
     assert loop.n_captures == 0 and loop._state is None
+    assert loop.mode(CPU) == CtcBoostLoop(BLANK, "auto").mode(CPU) == "eager"  # as bench reports it
     with pytest.raises(ValueError, match="unknown cuda_graphs"):
         ctc_greedy(log_probs, lengths, BLANK, boost, CtcBoostLoop(BLANK, "sometimes"))

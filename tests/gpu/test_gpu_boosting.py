@@ -63,6 +63,9 @@ def test_boosted_ctc_on_the_gpu_equals_the_cpu():
     longer = torch.cat([log_probs, log_probs], dim=1).to(cuda)
     ctc_greedy(longer, lengths.to(cuda) * 2, 8, build_boost_table(phrases, 2.0, cuda), loop)
     assert loop.n_captures == 2
+    # what bench reports for boosted CTC: the plain graph it replays, not "eager"
+    assert (loop.mode(cuda), CtcBoostLoop(8, "off").mode(cuda), loop.mode(torch.device("cpu"))) == \
+        ("no_while", "eager", "eager")
 
 
 def test_the_engine_warm_up_sizes_the_ctc_hotword_loop_for_its_widest_batch(parity_dir):
