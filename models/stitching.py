@@ -96,8 +96,8 @@ class Stitcher:
         cut = before.cut_after
         if segment.cut_before != cut:  # not the next piece of one stretch (skip_silence left a gap between)
             return _first_from(held.words, cut, held.given), _first_from(words, segment.cut_before)
-        heard_again = [j for j, word in enumerate(words) if word.middle < before.end]
-        pairs = _agreed(held.words[held.given :], words[: len(heard_again)], SAME_WORD_FRAMES * self.frame_samples)
+        heard_again = words[: _first_from(words, before.end)]  # the later piece's words in the overlap
+        pairs = _agreed(held.words[held.given :], heard_again, SAME_WORD_FRAMES * self.frame_samples)
         if pairs:
             i, j = min(pairs, key=lambda p: abs(held.words[held.given + p[0]].middle + words[p[1]].middle - 2 * cut))
             return held.given + i + 1, j + 1

@@ -46,8 +46,9 @@ def checked_hotwords(phrases: Sequence[str]) -> list[tuple[str, float | None]]:
         if not phrase.strip() or len(phrase) > MAX_HOTWORD_CHARS:
             raise ValueError(f"a hotword is 1 to {MAX_HOTWORD_CHARS} characters, not {given!r}")
         checked.append((phrase.strip(), boost))
-    if len({phrase for phrase, _ in checked}) > MAX_HOTWORDS:  # a phrase given twice counts once
-        raise ValueError(f"at most {MAX_HOTWORDS} different hotwords, not {len({p for p, _ in checked})}")
+    different = len({phrase for phrase, _ in checked})  # a phrase given twice counts once
+    if different > MAX_HOTWORDS:
+        raise ValueError(f"at most {MAX_HOTWORDS} different hotwords, not {different}")
     return checked
 
 

@@ -191,7 +191,7 @@ class Batcher:
         with self._cond:
             if self._closed:
                 raise BatcherClosed("the engine is shutting down")
-            if len(items) > min((self.room(item.priority) for item in items), default=0):
+            if len(items) > min((self.room(p) for p in {item.priority for item in items}), default=0):
                 raise QueueFull(self._retry_after_s())
             for item in items:
                 self._enqueue(item)
