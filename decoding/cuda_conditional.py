@@ -20,7 +20,11 @@ from typing import Any
 import numpy as np
 import torch
 
-SWITCH = "BATCHASR_CONDITIONAL_NODES"  # "0": never use them, "auto" takes plain graphs (a driver that misbehaves)
+# "1": "auto" may choose them; unset: only a forced cuda_graphs="conditional" uses them; "0": never (a forced mode
+# refuses). Opt-in: their capture of the real decoder crashed the process (a segfault ending torch's capture, no
+# error to fall back on) on an H200, driver 580 (CUDA 13.0), torch 2.11, cuda-python 13.3, while small loops of
+# elementwise work captured and ran there (docs/benchmarks.md).
+SWITCH = "BATCHASR_CONDITIONAL_NODES"
 MIN_DRIVER = (12, 6)  # cooperative kernels (some LSTM/GEMM kernels) fail inside conditional bodies before 12.6
 MIN_BINDINGS = (12, 3)  # conditional nodes and cuStreamBeginCaptureToGraph
 
@@ -58,7 +62,7 @@ def conditional_support(device: torch.device | None = None) -> tuple[bool, str]:
     """Whether conditional WHILE nodes can be used here, and why (for the mode log line). With ``device``, the
     condition kernel is compiled and loaded for it too (once): an NVRTC newer than the driver makes code it
     cannot load, which would otherwise show only at the first capture."""
-    if os.environ.get(SWITCH, "1").strip() == "0":
+    if os.environ.get(SWITCH, "").strip() == "0":
         return False, f"switched off ({SWITCH}=0)"
     if not torch.cuda.is_available():
         return False, "CUDA is not available"
@@ -85,6 +89,11 @@ def conditional_support(device: torch.device | None = None) -> tuple[bool, str]:
             return False, str(exc)
     return True, (f"CUDA driver {driver_version[0]}.{driver_version[1]}, "
                   f"cuda-python {'.'.join(map(str, version))}")
+
+
+def conditional_opted_in() -> bool:
+    """Whether ``cuda_graphs="auto"`` may choose conditional nodes (``BATCHASR_CONDITIONAL_NODES=1``)."""
+    return os.environ.get(SWITCH, "").strip() == "1"
 
 
 def _code(err: Any) -> int:

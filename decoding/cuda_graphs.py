@@ -1,7 +1,8 @@
 """Label looping run three ways, chosen automatically and overridable (NeMo's CUDA graph modes).
 
 - ``conditional``: the whole decode is one CUDA graph; both loops are conditional WHILE nodes
-  (``decoding.cuda_conditional``), so a batch is decoded with a single graph launch and no host sync.
+  (``decoding.cuda_conditional``), so a batch is decoded with a single graph launch and no host sync. Forced, or
+  opted in for "auto" (``BATCHASR_CONDITIONAL_NODES=1``): its capture has crashed a process on a GPU.
 - ``no_while``: each loop body is a plain CUDA graph; the host runs the loops, reading the 0-dim loop flags.
 - ``eager``: the same stages without capture (CPU, debugging, or ``cuda_graphs="off"``).
 
@@ -24,7 +25,14 @@ import torch
 from torch import Tensor
 
 from .boosting import BoostTable
-from .cuda_conditional import ConditionalGraphBuilder, CudaPythonError, conditional_support, load_condition_kernel
+from .cuda_conditional import (
+    SWITCH,
+    ConditionalGraphBuilder,
+    CudaPythonError,
+    conditional_opted_in,
+    conditional_support,
+    load_condition_kernel,
+)
 from .label_looping import LabelLooper, LabelLoopState
 from .types import Hypothesis, JointNet, PredictionNet
 
@@ -45,7 +53,8 @@ class ModeChoice:
 def choose_mode(requested: str, device: torch.device) -> ModeChoice:
     """Resolve ``cuda_graphs`` ("auto" | "conditional" | "no_while" | "off") for ``device``.
 
-    "auto" takes the best mode available; a forced graph mode that cannot run raises instead of falling back.
+    "auto" takes plain graphs on CUDA, conditional nodes only where opted in (``cuda_conditional.SWITCH``); a forced
+    graph mode that cannot run raises instead of falling back.
     """
     if requested not in CUDA_GRAPH_OPTIONS:
         raise ValueError(f"unknown cuda_graphs {requested!r}; choose from {', '.join(CUDA_GRAPH_OPTIONS)}")
@@ -58,11 +67,15 @@ def choose_mode(requested: str, device: torch.device) -> ModeChoice:
     if requested == "no_while":
         return ModeChoice("no_while", "cuda_graphs='no_while'")
     supported, why = conditional_support(device)
-    if supported:
-        return ModeChoice("conditional", why)
     if requested == "conditional":
-        raise RuntimeError(f"cuda_graphs='conditional' is not available: {why}")
-    return ModeChoice("no_while", f"conditional nodes unavailable: {why}")
+        if not supported:
+            raise RuntimeError(f"cuda_graphs='conditional' is not available: {why}")
+        return ModeChoice("conditional", why)
+    if not supported:
+        return ModeChoice("no_while", f"conditional nodes unavailable: {why}")
+    if not conditional_opted_in():
+        return ModeChoice("no_while", f"conditional nodes are opt-in ({SWITCH}=1; {why})")
+    return ModeChoice("conditional", why)
 
 
 class _StageGraphs:

@@ -193,24 +193,40 @@ SERVER_SERIES = ("batchasr_audio_seconds_total", "batchasr_compute_seconds_total
                  "batchasr_padding_ratio_sum")
 
 
+STAGES = ("features", "encoder", "decoder")  # batchasr_stage_seconds's stages, kept apart
+
+
 def server_counters(url: str) -> dict[str, float]:
-    """The series above from the server's /metrics, each summed over its labels."""
+    """The series above from the server's /metrics, each summed over its labels; and each engine stage's seconds
+    (``stage:encoder``)."""
+    return parse_counters(httpx.get(f"{url}/metrics", timeout=10).text)
+
+
+def parse_counters(exposition: str) -> dict[str, float]:
     values: dict[str, float] = {}
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+    for line in exposition.splitlines():
         series, _, value = line.rpartition(" ")
-        name = series.split("{", 1)[0]
+        name, _, labels = series.partition("{")
         if name in SERVER_SERIES:
             values[name] = values.get(name, 0.0) + float(value)
+        elif name == "batchasr_stage_seconds_sum":
+            stage = next((s for s in STAGES if f'stage="{s}"' in labels), None)
+            if stage:
+                values[f"stage:{stage}"] = values.get(f"stage:{stage}", 0.0) + float(value)
     return values
 
 
 def engine_view(before: dict[str, float], after: dict[str, float], wall_s: float) -> dict:
     """What the server saw over a run: a busy share near 1 with a low engine RTFx means the engine is slowed
     (contention); a low busy share means the front end does not feed it fast enough."""
-    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in SERVER_SERIES}
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in (*SERVER_SERIES, *(f"stage:{s}" for s in STAGES))}
     compute = delta["batchasr_compute_seconds_total"]
     batches = delta["batchasr_batch_size_count"]
+    # against the offline bench's stage_s: what padding and batch size cost each stage, and what the engine spent
+    # beside them (compute less the stages: uploads, results, the batch's bookkeeping)
+    stage_s = {stage: round(delta[f"stage:{stage}"], 4) for stage in STAGES}
     return {"engine_busy_share": round(compute / wall_s, 3),
+            "stage_s": stage_s, "outside_stages_s": round(compute - sum(stage_s.values()), 4),
             "engine_rtfx": round(delta["batchasr_audio_seconds_total"] / compute, 2) if compute else None,
             "mean_batch_size": round(delta["batchasr_batch_size_sum"] / batches, 2) if batches else None,
             "mean_padding_ratio": round(delta["batchasr_padding_ratio_sum"] / batches, 3) if batches else None,

@@ -115,6 +115,11 @@ class ASRModel(nn.Module):
         for name, module in self.named_children():
             if name != "preprocessor":
                 module.to(dtype)
+        for module in self.modules():
+            if isinstance(module, nn.RNNBase):
+                # moving gives each weight its own memory; cuDNN wants them in one buffer, else it copies them
+                # into one at every call (each decoder step; it warns) (no-op off cuDNN)
+                module.flatten_parameters()
         return self
 
     # --- properties -------------------------------------------------------------------------------------

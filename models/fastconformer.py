@@ -7,10 +7,12 @@ utterance's output does not depend on what else is in the batch.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .config import EncoderConfig
 
@@ -21,6 +23,10 @@ ATTENTION_MASK_VALUE = -10000.0  # NeMo's INF_VAL: masked scores are this, not -
 # up to rounding (about 1e-7 in float32).
 ATTENTION_KERNELS = ("reference", "sdpa")
 ATTENTION_KERNEL_OPTIONS = ("auto", *ATTENTION_KERNELS)  # what users may ask for; resolve_attention_kernel decides
+# sdpa on CUDA: the memory-efficient kernel (it takes an additive mask), else torch's own math. Not cuDNN's: it
+# builds a plan for each new shape, hundreds of ms (every batch of new lengths), which is what the H200 bench showed
+# for sdpa where its shapes were new to the process (docs/benchmarks.md).
+CUDA_SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def resolve_attention_kernel(kernel: str, device: torch.device) -> str:
@@ -180,8 +186,9 @@ class RelPositionMultiHeadAttention(nn.Module):
         if self.kernel == "sdpa":
             scale = 1 / math.sqrt(self.d_k)
             scores_pos = self.rel_shift(torch.matmul(q_v * scale, p.transpose(-2, -1)))[..., :t]
-            out = nn.functional.scaled_dot_product_attention(
-                q_u, k, v, attn_mask=scores_pos.masked_fill(mask, ATTENTION_MASK_VALUE))
+            with sdpa_kernel(CUDA_SDPA_BACKENDS) if q_u.is_cuda else contextlib.nullcontext():
+                out = nn.functional.scaled_dot_product_attention(
+                    q_u, k, v, attn_mask=scores_pos.masked_fill(mask, ATTENTION_MASK_VALUE))
             # a padded query attends to nothing: zero, as the reference's masked weights make it
             out = out.masked_fill(pad_mask[:, None, :, None], 0.0)
         else:

@@ -97,7 +97,7 @@ def conditional_nodes_off(device: str) -> str | None:
     conditional rows would all fail, and the goals read on them would vanish."""
     from decoding.cuda_conditional import SWITCH, conditional_support
 
-    if os.environ.get(SWITCH, "1").strip() == "0":
+    if os.environ.get(SWITCH, "").strip() == "0":
         return f"switched off ({SWITCH}=0)"
     if torch.device(device).type != "cuda":
         return None

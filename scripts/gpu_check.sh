@@ -14,9 +14,11 @@
 # so: run it in the next call. Before them, one small decode with conditional nodes against eager: should it
 # hang, fail or differ, the stages after tests run with BATCHASR_CONDITIONAL_NODES=0 (plain graphs; bench then
 # measures no_while where it would have measured conditional, and says so) rather than hang until their shares
-# run out.
+# run out, and scripts/diag_conditional.py looks into which of the decoder's work a conditional body cannot hold
+# (GPU_CHECK_DIAG_BUDGET_S, 75 s; a line a variant in env.txt, logs under diag/); where it passes, they run with
+# BATCHASR_CONDITIONAL_NODES=1, so that "auto" takes conditional nodes.
 #   stage      cap s  tail s  what                                                      files
-#   tests      120       0    tests/gpu                                                 gpu_tests.log
+#   tests      120       0    tests/gpu, the conditional-node tests last in a pytest of their own  gpu_tests.log
 #   bench      170      30    scripts/bench_table.py: parakeet-tdt-0.6b-v2, parakeet-rnnt-1.1b, parakeet-ctc-1.1b;
 #                             bf16; batch 128 (256 utterances), 16 (128), then 1 (48; cut first); every algorithm
 #                             and graph mode, both attention kernels, the token scores, 20 hotwords a row; issue 3's
@@ -74,6 +76,7 @@ BUDGET_S="${GPU_CHECK_BUDGET_S:-525}"
 OUT="${OUT:-$PWD/gpu_check_out}"
 STATE="${GPU_CHECK_STATE:-/tmp/gpu_check_state}"  # the setup, kept while the machine stays warm
 SAVE_EVERY_S="${GPU_CHECK_SAVE_EVERY_S:-15}"
+DIAG_BUDGET_S="${GPU_CHECK_DIAG_BUDGET_S:-75}"  # scripts/diag_conditional.py, where the conditional smoke fails
 WORK="$(mktemp -d)"
 mkdir -p "$OUT" "$STATE"
 
@@ -265,9 +268,12 @@ EOF
     smoke_rc=${PIPESTATUS[0]}  # read at once: any command resets PIPESTATUS
     conditional_off=""
     if [ "$smoke_rc" -ne 0 ]; then
-        echo "conditional smoke failed: the stages after tests run with BATCHASR_CONDITIONAL_NODES=0" \
-            | tee -a "$OUT/env.txt"
+        echo "conditional smoke failed (exit status $smoke_rc): the stages after tests run with" \
+            "BATCHASR_CONDITIONAL_NODES=0" | tee -a "$OUT/env.txt"
         conditional_off=1
+        # which of the decoder's work a conditional body cannot hold here: a line a variant, logs in results.tar.gz
+        OUT="$WORK/diag" timeout -s INT -k 10 100 python3 scripts/diag_conditional.py --budget-s "$DIAG_BUDGET_S" \
+            2>&1 | sed 's/^/conditional diag: /' | tee -a "$OUT/env.txt"
     fi
     cp "$OUT/env.txt" "$STATE/env.txt"
     printf '%s\n%s\n' "$fingerprint" "$conditional_off" > "$STATE/ready"
@@ -290,10 +296,21 @@ limited() {  # timeout with the stage's share; it leads a process group of its o
 stage_tests() {  # -v: a test's name is written before it runs, so a test that hangs the GPU is named
     # A file that cannot be collected (a wheel not carried) costs its own tests, not the stage's; with
     # pytest-timeout (the image has it), a test that hangs the GPU ends the stage at once, not at its share's end
-    local per_test=()
+    # Conditional-node tests run last, in a pytest of their own: their capture has ended the process (a
+    # segfault), which took every test after it along.
+    local per_test=() rc
     python3 -c "import pytest_timeout" 2> /dev/null && per_test=(--timeout=75 --timeout-method=thread)
     limited "$1" python3 -m pytest -v -rs -p no:cacheprovider --continue-on-collection-errors "${per_test[@]}" \
-        tests/gpu "${@:2}" > "$WORK/gpu_tests.log" 2>&1
+        tests/gpu -k "not conditional" "${@:2}" > "$WORK/gpu_tests.log" 2>&1
+    rc=$?
+    echo "== conditional-node tests" >> "$WORK/gpu_tests.log"
+    local left=$(( $1 - ($(date +%s) - running_since) ))
+    limited "$(( left > 10 ? left : 10 ))" python3 -m pytest -v -rs -p no:cacheprovider \
+        --continue-on-collection-errors "${per_test[@]}" tests/gpu -k conditional "${@:2}" \
+        >> "$WORK/gpu_tests.log" 2>&1
+    local rc_conditional=$?
+    [ "$rc_conditional" -eq 5 ] && rc_conditional=0  # none collected (none named so): nothing failed
+    return $(( rc != 0 ? rc : rc_conditional ))
 }
 stage_bench() {
     limited "$1" python3 scripts/bench_table.py --out "$WORK" --batch-sizes 128 16 1 \
@@ -344,8 +361,9 @@ for stage in "${chosen[@]}"; do
     running=$stage
     running_since=$(date +%s)
     running_share=$share
-    if [ "$stage" != tests ] && [ -n "$conditional_off" ]; then
-        (export BATCHASR_CONDITIONAL_NODES=0; "stage_$stage" "$share" "$@") &
+    if [ "$stage" != tests ]; then  # "auto" takes conditional nodes where the smoke decode found them sound
+        (export BATCHASR_CONDITIONAL_NODES="$([ -n "$conditional_off" ] && echo 0 || echo 1)"
+         "stage_$stage" "$share" "$@") &
     else
         "stage_$stage" "$share" "$@" &
     fi

@@ -156,17 +156,31 @@ def test_a_condition_kernel_that_does_not_load_on_the_device_is_no_support(monke
         cuda_graphs.choose_mode("conditional", torch.device("cuda", 0))
 
 
-@pytest.mark.parametrize(("value", "supported"), [("0", False), (" 0 ", False), ("1", True), ("", True)])
-def test_the_environment_switches_conditional_nodes_off(monkeypatch, value, supported):
-    """BATCHASR_CONDITIONAL_NODES=0: a capable system says no, so "auto" takes plain graphs (a driver that
-    misbehaves with conditional nodes need not stop the service, and scripts/gpu_check.sh uses it if they hang)."""
+@pytest.mark.parametrize(("value", "supported", "auto"), [
+    ("0", False, "no_while"), (" 0 ", False, "no_while"), ("1", True, "conditional"), (" 1", True, "conditional"),
+    ("", True, "no_while"), (None, True, "no_while"), ("yes", True, "no_while")])
+def test_the_environment_opts_auto_in_to_conditional_nodes_or_switches_them_off(monkeypatch, value, supported, auto):
+    """BATCHASR_CONDITIONAL_NODES=1 lets "auto" choose conditional nodes: their capture crashed the process on a GPU
+    (a segfault, nothing to fall back from), so by default only a forced mode uses them. "0": a capable system says
+    no, a forced mode refuses (scripts/gpu_check.sh sets it should they hang or fail)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(cuda_conditional, "_bindings", lambda: (fake_driver(13, 13000), None, (13, 0, 1)))
     monkeypatch.setattr(cuda_conditional, "load_condition_kernel", lambda device: "kernel")  # it loads
-    monkeypatch.setenv(cuda_conditional.SWITCH, value)
+    if value is None:
+        monkeypatch.delenv(cuda_conditional.SWITCH, raising=False)
+    else:
+        monkeypatch.setenv(cuda_conditional.SWITCH, value)
     ok, why = cuda_conditional.conditional_support()
     assert ok is supported and (supported or "switched off (BATCHASR_CONDITIONAL_NODES=0)" in why)
-    assert cuda_graphs.choose_mode("auto", torch.device("cuda", 0)).mode == ("conditional" if supported else "no_while")
+    choice = cuda_graphs.choose_mode("auto", torch.device("cuda", 0))
+    assert choice.mode == auto
+    if supported and auto == "no_while":
+        assert "opt-in (BATCHASR_CONDITIONAL_NODES=1" in choice.reason
+    if supported:
+        assert cuda_graphs.choose_mode("conditional", torch.device("cuda", 0)).mode == "conditional"
+    else:
+        with pytest.raises(RuntimeError, match="switched off"):
+            cuda_graphs.choose_mode("conditional", torch.device("cuda", 0))
 
 
 def test_auto_falls_back_to_no_while_and_forced_conditional_raises(monkeypatch):
@@ -178,6 +192,7 @@ def test_auto_falls_back_to_no_while_and_forced_conditional_raises(monkeypatch):
         cuda_graphs.choose_mode("conditional", cuda)
     assert cuda_graphs.choose_mode("no_while", cuda).mode == "no_while"
     monkeypatch.setattr(cuda_graphs, "conditional_support", lambda device: (True, "CUDA driver 13.0"))
+    monkeypatch.setenv(cuda_conditional.SWITCH, "1")
     assert cuda_graphs.choose_mode("auto", cuda).mode == "conditional"
 
 

@@ -5,6 +5,7 @@ wrote reaches them while it runs, and a second call on the warm machine skips th
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import tarfile
@@ -44,7 +45,10 @@ def test_a_stage_that_ran_comes_back_in_three_files(tmp_path, state):
     env = (tmp_path / "env.txt").read_text()
     assert "torch" in env
     # no CUDA here, so the conditional-node smoke decode fails, and must be noticed (its exit status once was not)
-    assert "conditional smoke failed: the stages after tests run with BATCHASR_CONDITIONAL_NODES=0" in env
+    assert "the stages after tests run with BATCHASR_CONDITIONAL_NODES=0" in env
+    assert re.search(r"conditional smoke failed \(exit status [1-9]\d*\)", env)
+    # and what a conditional body cannot hold is looked into (scripts/diag_conditional.py; on a GPU, variant by variant)
+    assert "conditional diag: no CUDA here: nothing to find out" in env
 
 
 def test_a_second_call_on_the_warm_machine_skips_the_setup(tmp_path, state):
