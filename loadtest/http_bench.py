@@ -222,11 +222,10 @@ def engine_view(before: dict[str, float], after: dict[str, float], wall_s: float
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in (*SERVER_SERIES, *(f"stage:{s}" for s in STAGES))}
     compute = delta["batchasr_compute_seconds_total"]
     batches = delta["batchasr_batch_size_count"]
-    # against the offline bench's stage_s: what padding and batch size cost each stage, and what the engine spent
-    # beside them (compute less the stages: uploads, results, the batch's bookkeeping)
-    stage_s = {stage: round(delta[f"stage:{stage}"], 4) for stage in STAGES}
+    # the engine's compute is its stages' sum: set against the offline bench's stage_s, what padding and batch size
+    # cost each stage
     return {"engine_busy_share": round(compute / wall_s, 3),
-            "stage_s": stage_s, "outside_stages_s": round(compute - sum(stage_s.values()), 4),
+            "stage_s": {stage: round(delta[f"stage:{stage}"], 4) for stage in STAGES},
             "engine_rtfx": round(delta["batchasr_audio_seconds_total"] / compute, 2) if compute else None,
             "mean_batch_size": round(delta["batchasr_batch_size_sum"] / batches, 2) if batches else None,
             "mean_padding_ratio": round(delta["batchasr_padding_ratio_sum"] / batches, 3) if batches else None,

@@ -63,9 +63,9 @@ def test_a_small_run_reports_a_bulk_job_after_saturation_then_half_load_on_the_k
         assert saturation["requests"] == 24 and saturation["rtfx"] > 0
         assert saturation["front_end"]["event_loop_cpu_ms_per_request"] >= 0  # /proc counts 10 ms ticks
         assert saturation["server"]["mean_batch_size"] > 1  # 8 in flight were batched
-        stages, outside = saturation["server"]["stage_s"], saturation["server"]["outside_stages_s"]
+        stages = saturation["server"]["stage_s"]
         assert set(stages) == {"features", "encoder", "decoder"} and all(s > 0 for s in stages.values())
-        assert stages["encoder"] > stages["features"] and outside >= 0  # the stages are part of the compute time
+        assert stages["encoder"] > stages["features"]
         assert run["bulk_job"]["status"] == "completed" and run["bulk_job"]["items"] == 24
         assert run["bulk_vs_bench"] == round(run["bulk_job"]["rtfx_wall"] / report["offline"]["bench"]["rtfx"], 3)
         assert run["http_half_load"] == "not measured: --jobs times the bulk job instead"
