@@ -138,7 +138,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--redis-url", help="Redis for bulk jobs (BATCHASR_REDIS_URL)")
     p.add_argument("--frontends", type=int,
                    help="HTTP front-end processes beside the engine's, for request rates one event loop cannot "
-                        "parse (default: 0, HTTP in the engine's process; BATCHASR_FRONTENDS)")
+                        "parse; 0: HTTP in the engine's process (default: 4 on a GPU, or half the cores if fewer; "
+                        "0 on a CPU; BATCHASR_FRONTENDS)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -214,6 +215,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     level = logging.DEBUG if args.verbose else logging.INFO
     configure_json_logging(level)
     raise_open_files_limit()  # front-end processes inherit it
+    if settings.frontends is None:
+        settings = _frontends_chosen(settings)
     if settings.job_consumers and not settings.frontends:
         print("error: job consumer processes (BATCHASR_JOB_CONSUMERS) need front-end processes (--frontends)",
               file=sys.stderr)
@@ -223,6 +226,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         return _unless_cannot_start(lambda: run_async(run_engine_process(settings, http=True, log_level=level)))
     return _unless_cannot_start(lambda: _serve_here(settings))
+
+
+def _frontends_chosen(settings: Settings) -> Settings:
+    """``frontends`` unset: as many as ``auto_frontends`` gives for this device and this process's cores."""
+    from models.asr_model import resolve_device
+
+    from .config import auto_frontends, usable_cores
+
+    device, cores = resolve_device(settings.device), usable_cores()
+    frontends = auto_frontends(device.type, cores)
+    logging.getLogger("batchasr.serve").info("%d HTTP front-end processes (BATCHASR_FRONTENDS unset; %s, %d cores)",
+                                             frontends, device.type, cores)
+    return settings.model_copy(update={"frontends": frontends})
 
 
 def _serve_here(settings: Settings) -> int:

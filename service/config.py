@@ -41,6 +41,22 @@ LIST_SETTINGS = ("api_keys", "model_aliases", "languages", "input_roots", "input
                  "webhook_retry_delays_s")
 
 
+# Front ends `serve` starts on a GPU when none are asked for: with HTTP in the engine's process an H200 served 24% of
+# the offline engine's RTFx, its event loop the limit; with 4 front ends 52% (docs/benchmarks.md).
+AUTO_FRONTENDS = 4
+
+
+def auto_frontends(device_type: str, cores: int) -> int:
+    """``frontends`` left unset: on a GPU, AUTO_FRONTENDS processes or half the cores if fewer (the engine's thread,
+    uploads and decoding need the rest); on a CPU none, where they would take the cores the model computes on."""
+    return min(AUTO_FRONTENDS, cores // 2) if device_type == "cuda" else 0
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (a container's CPU set), not the machine's."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")  # no .env file: the environment only
 
@@ -76,8 +92,9 @@ class Settings(BaseSettings):
     request_timeout_s: float = 600.0
     job_item_timeout_s: float = 3600.0  # one attempt at a job item, its wait behind HTTP requests included
     decode_threads: int = 4  # audio decoding runs in this many threads, off the event loop
-    # HTTP front-end processes beside the engine's (service.processes); 0: the engine's process serves HTTP too
-    frontends: int = 0
+    # HTTP front-end processes beside the engine's (service.processes); 0: the engine's process serves HTTP too;
+    # None: auto_frontends
+    frontends: int | None = None
 
     # Batching
     max_batch_size: int = 32
@@ -258,8 +275,8 @@ class Settings(BaseSettings):
 
     @field_validator("frontends", "job_consumers")
     @classmethod
-    def _not_negative(cls, value: int) -> int:
-        if value < 0:
+    def _not_negative(cls, value: int | None) -> int | None:
+        if value is not None and value < 0:
             raise ValueError("must be >= 0")
         return value
 

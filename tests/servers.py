@@ -213,16 +213,18 @@ class ServerProcess:
 
 
 @contextmanager
-def serve_process(model: Path, frontends: int = 2, ready_timeout: float = 120, env: dict[str, str] | None = None,
-                  cli: tuple[str, ...] = ("-m", "service.cli"), **settings: object) -> Iterator[ServerProcess]:
-    """``batchasr serve --frontends N`` on a free port; ``settings`` as BATCHASR_* variables, with ``env``; ``cli``:
-    what python runs the command line with."""
+def serve_process(model: Path, frontends: int | None = 2, ready_timeout: float = 120,
+                  env: dict[str, str] | None = None, cli: tuple[str, ...] = ("-m", "service.cli"),
+                  **settings: object) -> Iterator[ServerProcess]:
+    """``batchasr serve --frontends N`` on a free port (None: no ``--frontends``); ``settings`` as BATCHASR_*
+    variables, with ``env``; ``cli``: what python runs the command line with."""
     port = free_port()
     env = {**os.environ, **(env or {}), **{f"BATCHASR_{k.upper()}": str(v) for k, v in settings.items()}}
     # the log goes to a file, not a pipe: nobody reads it while the server runs
     with tempfile.TemporaryFile("w+") as log:
+        asked = [] if frontends is None else ["--frontends", str(frontends)]
         process = subprocess.Popen([sys.executable, *cli, "serve", "--model", str(model), "--device",
-                                    "cpu", "--dtype", "float32", "--port", str(port), "--frontends", str(frontends)],
+                                    "cpu", "--dtype", "float32", "--port", str(port), *asked],
                                    env=env, stdout=subprocess.DEVNULL, stderr=log)
         running = ServerProcess(process, f"http://127.0.0.1:{port}", log)
         try:

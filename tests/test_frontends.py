@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from models import load_model
 from models.audio_io import read_audio
 from service.batcher import BatcherClosed, Priority, QueueFull, WorkItem
-from service.config import Settings
+from service.config import Settings, auto_frontends, usable_cores
 from service.engine import Engine
 from service.engine_link import EngineLink
 from service.engine_server import EngineServer
@@ -618,3 +618,22 @@ def test_a_replacement_that_cannot_be_started_is_tried_again(monkeypatch):
 
     asyncio.run(scenario())
     assert len(starts) >= 4  # the start that failed, and replacements after it
+
+
+@pytest.mark.parametrize(("device", "cores", "frontends"), [
+    ("cuda", 16, 4), ("cuda", 64, 4), ("cuda", 6, 3), ("cuda", 2, 1), ("cuda", 1, 0), ("cpu", 64, 0), ("cpu", 2, 0)])
+def test_unset_front_ends_are_four_on_a_gpu_and_none_on_a_cpu(device, cores, frontends):
+    """An H200 served 2.2x the RTFx through 4 front ends than with HTTP in the engine's process (its event loop the
+    limit); on a CPU they would take the model's cores."""
+    assert auto_frontends(device, cores) == frontends
+
+
+def test_serve_without_front_ends_asked_for_says_how_many_it_runs(parity_dir, parity_audio):
+    """On a CPU, none: HTTP in the engine's process, and the log says why."""
+    with serve_process(parity_dir / MODEL, frontends=None) as running:
+        response = httpx.post(f"{running.url}/v1/transcribe", content=Path(parity_audio[0]).read_bytes(),
+                              headers={"content-type": "audio/wav"}, timeout=60)
+        assert response.status_code == 200 and response.json()["text"]
+        assert running.front_end_pids() == []
+        assert f"0 HTTP front-end processes (BATCHASR_FRONTENDS unset; cpu, {usable_cores()} cores)" in \
+            running.log_text()
