@@ -9,6 +9,7 @@ import os
 import shlex
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -52,9 +53,24 @@ def auto_frontends(device_type: str, cores: int) -> int:
     return min(AUTO_FRONTENDS, cores // 2) if device_type == "cuda" else 0
 
 
-def usable_cores() -> int:
-    """The cores this process may run on (a container's CPU set), not the machine's."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+def usable_cores(cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
+    """The cores this process may run on, not the machine's: its CPU set, and a container's CPU quota (cgroup v2's
+    ``cpu.max``; a Kubernetes ``cpu`` limit) where one is set."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        quota = quota_cores(Path(cpu_max).read_text())
+    except OSError:
+        quota = None
+    return min(cores, quota) if quota else cores
+
+
+def quota_cores(cpu_max: str) -> int | None:
+    """cgroup v2 ``cpu.max`` ("400000 100000": 4 cores a period; "max 100000": no quota) -> whole cores (at least 1),
+    or None without a quota."""
+    quota, _, period = cpu_max.strip().partition(" ")
+    if quota == "max" or not quota.isdigit() or not period.isdigit() or int(period) == 0:
+        return None
+    return max(1, math.ceil(int(quota) / int(period)))
 
 
 class Settings(BaseSettings):

@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from models import load_model
 from models.audio_io import read_audio
 from service.batcher import BatcherClosed, Priority, QueueFull, WorkItem
-from service.config import Settings, auto_frontends, usable_cores
+from service.config import Settings, auto_frontends, quota_cores, usable_cores
 from service.engine import Engine
 from service.engine_link import EngineLink
 from service.engine_server import EngineServer
@@ -626,6 +626,16 @@ def test_unset_front_ends_are_four_on_a_gpu_and_none_on_a_cpu(device, cores, fro
     """An H200 served 2.2x the RTFx through 4 front ends than with HTTP in the engine's process (its event loop the
     limit); on a CPU they would take the model's cores."""
     assert auto_frontends(device, cores) == frontends
+
+
+@pytest.mark.parametrize(("cpu_max", "cores"), [("400000 100000", 4), ("150000 100000", 2), ("50000 100000", 1),
+                                             ("max 100000", None), ("", None), ("junk", None)])
+def test_a_containers_cpu_quota_counts_as_its_cores(cpu_max, cores, tmp_path):
+    """A Kubernetes pod limited to 4 CPUs sees every core of its node: its quota (cgroup v2's cpu.max) decides."""
+    assert quota_cores(cpu_max) == cores
+    (tmp_path / "cpu.max").write_text(cpu_max + "\n")
+    everything = usable_cores(str(tmp_path / "none"))
+    assert usable_cores(str(tmp_path / "cpu.max")) == min(everything, cores or everything)
 
 
 def test_serve_without_front_ends_asked_for_says_how_many_it_runs(parity_dir, parity_audio):
