@@ -22,9 +22,10 @@ from collections.abc import Callable
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOOPS = ("lstm_cudnn", "gemm_f32", "gemm_bf16", "linear", "argmax_any", "index_select_scatter", "where_out",
          "lstm_cell", "elementwise", "nested")
-DECODERS = ("decoder_rnnt", "decoder_rnnt_no_cudnn", "decoder_tdt_no_cudnn")
-# the most telling first, as a budget may cut the last: does the decoder still crash, and without cuDNN?
-VARIANTS = DECODERS[:2] + tuple(f"loop_{name}" for name in LOOPS) + DECODERS[2:]
+DECODERS = ("decoder_rnnt", "decoder_rnnt_no_cudnn", "decoder_rnnt_fresh_streams", "decoder_tdt_no_cudnn")
+# the most telling first, as a budget may cut the last: does the decoder still crash, without cuDNN, and with body
+# streams new to the capture (as NeMo's, whose conditional mode ran there) instead of ones warmed up before it?
+VARIANTS = DECODERS[:3] + tuple(f"loop_{name}" for name in LOOPS) + DECODERS[3:]
 PASSES = 3  # body passes each loop runs
 
 
@@ -132,13 +133,21 @@ def run_loop(name: str) -> None:
     assert count.item() == PASSES
 
 
-def run_decoder(fixture: str, cudnn: bool) -> None:
+def run_decoder(fixture: str, cudnn: bool, fresh_streams: bool = False) -> None:
     import torch
 
+    from decoding import cuda_conditional
     from decoding.cuda_graphs import LabelLoopingDecoder
     from models import load_model
 
     torch.backends.cudnn.enabled = cudnn
+    if fresh_streams:
+        builder_init = cuda_conditional.ConditionalGraphBuilder.__init__
+
+        def with_new_streams(self, device, body_streams):
+            builder_init(self, device, [torch.cuda.Stream(device) for _ in body_streams])
+
+        cuda_conditional.ConditionalGraphBuilder.__init__ = with_new_streams
     parity = os.environ.get("BATCHASR_PARITY_DIR", os.path.join(ROOT, ".carry", "nemo-parity"))
     model = load_model(os.path.join(parity, f"{fixture}.nemo"), device="cuda", dtype="float32")
     t = model.config.transducer
@@ -160,7 +169,8 @@ def run_variant(name: str) -> None:
     if name.startswith("loop_"):
         run_loop(name.removeprefix("loop_"))
     else:
-        run_decoder("tdt" if "tdt" in name else "rnnt", cudnn="no_cudnn" not in name)
+        run_decoder("tdt" if "tdt" in name else "rnnt", cudnn="no_cudnn" not in name,
+                    fresh_streams="fresh_streams" in name)
     print("OK", flush=True)
 
 
