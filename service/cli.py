@@ -81,7 +81,8 @@ def _add_decoding_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decoder-algorithm", default="label_looping", choices=("label_looping", "frame_looping"),
                         help="transducer greedy search (default: label_looping; frame_looping is the reference)")
     parser.add_argument("--cuda-graphs", default="auto", choices=("auto", "conditional", "no_while", "off"),
-                        help="how label looping runs on CUDA (default: auto, the best mode available)")
+                        help="how label looping runs on CUDA (default: auto, plain graphs; conditional nodes where "
+                             "BATCHASR_CONDITIONAL_NODES=1)")
 
 
 def _transcribe_parser(sub: argparse._SubParsersAction) -> None:
