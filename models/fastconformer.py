@@ -24,8 +24,8 @@ ATTENTION_MASK_VALUE = -10000.0  # NeMo's INF_VAL: masked scores are this, not -
 ATTENTION_KERNELS = ("reference", "sdpa")
 ATTENTION_KERNEL_OPTIONS = ("auto", *ATTENTION_KERNELS)  # what users may ask for; resolve_attention_kernel decides
 # sdpa on CUDA: the memory-efficient kernel (it takes an additive mask), else torch's own math. Not cuDNN's: it
-# builds a plan for each new shape, hundreds of ms (every batch of new lengths), which is what the H200 bench showed
-# for sdpa where its shapes were new to the process (docs/benchmarks.md).
+# builds a plan for each new shape, hundreds of ms (every batch of new lengths), about what sdpa cost each batch shape
+# new to the process in the H200 bench (docs/benchmarks.md).
 CUDA_SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
