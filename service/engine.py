@@ -22,7 +22,7 @@ from decoding.boosting import build_boost_table
 from decoding.types import HOTWORD_BOOST, Hotword, Hotwords, Hypothesis
 from models.asr_model import ASRModel, EncodedBatch
 
-from .batcher import Batcher, ItemResult
+from .batcher import Batch, Batcher, ItemResult
 from .metrics import Metrics
 from .staging import BatchStager, StagedBatch
 from .timing import StageClock
@@ -184,22 +184,51 @@ class Engine:
         return hyps, clock.stage_seconds()
 
     def process(self, staged: StagedBatch) -> None:
-        batch = staged.batch
         started = time.monotonic()
         try:
             if staged.error is not None:
                 raise staged.error
-            padding = batch.rows - len(batch.items)  # rows of silence (fixed shapes), decoded and dropped
-            hyps, stage_s = self._compute(lambda: self.model.features(*staged.on_current_stream()),
-                                          batch.row_samples, [item.hotwords for item in batch.items] + [()] * padding)
-            hyps = hyps[: len(batch.items)]
+            hyps, stage_s = self._compute_batch(staged.batch,
+                                                lambda: self.model.features(*staged.on_current_stream()))
         except Exception as exc:
-            if device_broken(exc):
-                raise  # the loop stops: this batch and all that waits fail with it, and the engine says it failed
-            log.exception("batch of %d failed", len(batch.items))
-            for item in batch.items:
-                item.future.set_exception(exc)
+            self._failed(staged.batch, exc, started)
             return
+        self._finish(staged.batch, hyps, stage_s, started)
+
+    def _compute_batch(self, batch: Batch, features: Callable[[], tuple[Tensor, Tensor]]
+                       ) -> tuple[list[Hypothesis], dict[str, float]]:
+        padding = batch.rows - len(batch.items)  # rows of silence (fixed shapes), decoded and dropped
+        hyps, stage_s = self._compute(features, batch.row_samples,
+                                      [item.hotwords for item in batch.items] + [()] * padding)
+        return hyps[: len(batch.items)], stage_s
+
+    def _failed(self, batch: Batch, exc: Exception, started: float) -> None:
+        """A batch that failed, the device still sound: its halves run again from their waveforms, and theirs
+        where they fail too, so that what fails in the end is one item (its own audio's fault, or more than memory
+        holds) and not the neighbours it was batched with (a whole batch's HTTP requests answered 500, its job
+        items back in minutes with an attempt spent). Halves keep the batch's padded shape (fixed shapes)."""
+        if device_broken(exc):
+            raise exc  # the loop stops: this batch and all that waits fail with it, and the engine says it failed
+        if len(batch.items) == 1:
+            log.error("an item of %.1f s failed: %s: %s", batch.n_samples / self.model.sample_rate,
+                      type(exc).__name__, exc, exc_info=exc)
+            batch.items[0].future.set_exception(exc)
+            return
+        log.warning("a batch of %d failed (%s: %s); its halves run again", len(batch.items), type(exc).__name__, exc)
+        middle = len(batch.items) // 2
+        for part in (batch.items[:middle], batch.items[middle:]):
+            half = Batch(part, pad_to=batch.pad_to, pad_rows=batch.pad_rows)
+            rows = [item.waveform for item in part]
+            rows += [np.zeros(half.width, dtype=np.float32)] * (half.rows - len(part))  # silence, as staged
+            try:
+                hyps, stage_s = self._compute_batch(half, lambda rows=rows, half=half: self.model.featurize(
+                    rows, pad_to=half.width))
+            except Exception as half_exc:
+                self._failed(half, half_exc, started)
+                continue
+            self._finish(half, hyps, stage_s, started)
+
+    def _finish(self, batch: Batch, hyps: list[Hypothesis], stage_s: dict[str, float], started: float) -> None:
         compute_s = sum(stage_s.values())
         rate = self.model.sample_rate
         audio_s = batch.counted_samples / rate  # a long recording's overlaps once: RTFx is of the audio sent

@@ -71,7 +71,9 @@ def test_the_engine_computes_from_staged_batches_as_from_waveforms(parity_dir, p
 
 
 @pytest.mark.parametrize("ahead", [False, True], ids=["when_asked", "ahead"])
-def test_a_batch_that_cannot_be_staged_fails_its_items_and_the_engine_goes_on(parity_dir, monkeypatch, ahead):
+def test_a_batch_that_cannot_be_staged_runs_again_from_its_waveforms_and_the_engine_goes_on(parity_dir, monkeypatch,
+                                                                                          ahead):
+    """Staging failed (no pinned memory): its items were failed with it; now its halves run from their waveforms."""
     model = load_model(parity_dir / "tdt.nemo", device="cpu", dtype="float32")
     batcher = Batcher(2, 1000.0, 0.0, 100)
     engine = Engine(model, batcher, Metrics(), stage_ahead=ahead)
@@ -90,12 +92,54 @@ def test_a_batch_that_cannot_be_staged_fails_its_items_and_the_engine_goes_on(pa
         assert engine.wait_ready(60)
         first = _items(16000, 16000, seed=1)
         batcher.submit(first)
-        for item in first:
-            with pytest.raises(MemoryError, match="pin host memory"):
-                item.future.result(60)
+        alone = [model.transcribe([item.waveform])[0].tokens for item in first]
+        assert [item.future.result(60).hypothesis.tokens for item in first] == alone
+        assert [item.future.result(60).batch_size for item in first] == [1, 1]
         second = _items(8000, seed=2)
         batcher.submit(second)
         assert second[0].future.result(60).batch_size == 1
+    finally:
+        engine.stop(30)
+
+
+POISON = 12_345  # samples: the length of the item the model below cannot take
+
+
+@pytest.mark.parametrize("limit", ["poison", "rows"])
+def test_a_failed_batch_fails_only_the_item_at_fault(parity_dir, monkeypatch, limit):
+    """"poison": one item's audio makes the model raise, wherever it is batched: it alone fails, the seven batched
+    with it get their results. "rows": more than 2 rows fail (memory a batch of 8 does not have): every item gets
+    its result, from halves and quarters of the batch. Either way the engine goes on."""
+    model = load_model(parity_dir / "tdt.nemo", device="cpu", dtype="float32")
+    features = model.features
+
+    def failing(audio, n_samples):
+        if limit == "poison" and bool((n_samples == POISON).any()):
+            raise ValueError("this audio breaks the model")
+        if limit == "rows" and len(n_samples) > 2:
+            raise RuntimeError("out of memory")
+        return features(audio, n_samples)
+
+    monkeypatch.setattr(model, "features", failing)
+    batcher = Batcher(8, 1000.0, 1000.0, 100)
+    engine = Engine(model, batcher, Metrics())
+    engine.start()
+    try:
+        assert engine.wait_ready(60)
+        items = _items(16000, 9000, POISON, 20000, 7000, 11000, 15000, 8000, seed=3)
+        batcher.submit(items)
+        for item in items:
+            if limit == "poison" and item.n_samples == POISON:
+                with pytest.raises(ValueError, match="breaks the model"):
+                    item.future.result(60)
+                continue
+            result = item.future.result(60)
+            assert result.hypothesis.tokens == model.transcribe([item.waveform])[0].tokens
+            assert result.batch_size < len(items)
+        assert engine.ready
+        later = _items(8000, seed=4)
+        batcher.submit(later)
+        assert later[0].future.result(60).hypothesis.tokens is not None
     finally:
         engine.stop(30)
 
