@@ -105,8 +105,9 @@ def test_a_batch_that_cannot_be_staged_runs_again_from_its_waveforms_and_the_eng
 POISON = 12_345  # samples: the length of the item the model below cannot take
 
 
+@pytest.mark.parametrize("ahead", [False, True], ids=["when_asked", "ahead"])
 @pytest.mark.parametrize("limit", ["poison", "rows"])
-def test_a_failed_batch_fails_only_the_item_at_fault(parity_dir, monkeypatch, limit):
+def test_a_failed_batch_fails_only_the_item_at_fault(parity_dir, monkeypatch, limit, ahead):
     """"poison": one item's audio makes the model raise, wherever it is batched: it alone fails, the seven batched
     with it get their results. "rows": more than 2 rows fail (memory a batch of 8 does not have): every item gets
     its result, from halves and quarters of the batch. Either way the engine goes on."""
@@ -122,7 +123,7 @@ def test_a_failed_batch_fails_only_the_item_at_fault(parity_dir, monkeypatch, li
 
     monkeypatch.setattr(model, "features", failing)
     batcher = Batcher(8, 1000.0, 1000.0, 100)
-    engine = Engine(model, batcher, Metrics())
+    engine = Engine(model, batcher, Metrics(), stage_ahead=ahead)
     engine.start()
     try:
         assert engine.wait_ready(60)
