@@ -62,7 +62,7 @@ def conditional_support(device: torch.device | None = None) -> tuple[bool, str]:
     """Whether conditional WHILE nodes can be used here, and why (for the mode log line). With ``device``, the
     condition kernel is compiled and loaded for it too (once): an NVRTC newer than the driver makes code it
     cannot load, which would otherwise show only at the first capture."""
-    if os.environ.get(SWITCH, "").strip() == "0":
+    if switched_off():
         return False, f"switched off ({SWITCH}=0)"
     if not torch.cuda.is_available():
         return False, "CUDA is not available"
@@ -89,6 +89,11 @@ def conditional_support(device: torch.device | None = None) -> tuple[bool, str]:
             return False, str(exc)
     return True, (f"CUDA driver {driver_version[0]}.{driver_version[1]}, "
                   f"cuda-python {'.'.join(map(str, version))}")
+
+
+def switched_off() -> bool:
+    """``BATCHASR_CONDITIONAL_NODES=0``: never, a forced mode included."""
+    return os.environ.get(SWITCH, "").strip() == "0"
 
 
 def conditional_opted_in() -> bool:

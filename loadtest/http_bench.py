@@ -63,6 +63,7 @@ from service.bench import (
 )
 from service.cli import raise_open_files_limit
 from service.processes import process_title
+from service.timing import STAGES  # batchasr_stage_seconds's stages, kept apart
 
 try:
     from uvloop import run as run_client  # keeps the load generator's own CPU per request low
@@ -191,9 +192,6 @@ def _write_whole(path: Path, text: str) -> None:
 SERVER_SERIES = ("batchasr_audio_seconds_total", "batchasr_compute_seconds_total", "batchasr_batch_size_sum",
                  "batchasr_batch_size_count", "batchasr_queue_wait_seconds_sum", "batchasr_queue_wait_seconds_count",
                  "batchasr_padding_ratio_sum")
-
-
-STAGES = ("features", "encoder", "decoder")  # batchasr_stage_seconds's stages, kept apart
 
 
 def server_counters(url: str) -> dict[str, float]:

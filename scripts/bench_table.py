@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 import time
 import traceback
@@ -95,9 +94,9 @@ COLUMNS = HEADER.splitlines()[0].count("|") - 1
 def conditional_nodes_off(device: str) -> str | None:
     """Why conditional nodes cannot be used on ``device``'s GPU (None where they can, or on a CPU): forced
     conditional rows would all fail, and the goals read on them would vanish."""
-    from decoding.cuda_conditional import SWITCH, conditional_support
+    from decoding.cuda_conditional import SWITCH, conditional_support, switched_off
 
-    if os.environ.get(SWITCH, "").strip() == "0":
+    if switched_off():
         return f"switched off ({SWITCH}=0)"
     if torch.device(device).type != "cuda":
         return None

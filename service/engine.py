@@ -185,22 +185,21 @@ class Engine:
 
     def process(self, staged: StagedBatch) -> None:
         started = time.monotonic()
-        try:
-            if staged.error is not None:
-                raise staged.error
-            hyps, stage_s = self._compute_batch(staged.batch,
-                                                lambda: self.model.features(*staged.on_current_stream()))
-        except Exception as exc:
-            self._failed(staged.batch, exc, started)
+        if staged.error is not None:
+            self._failed(staged.batch, staged.error, started)
             return
-        self._finish(staged.batch, hyps, stage_s, started)
+        self._run_batch(staged.batch, lambda: self.model.features(*staged.on_current_stream()), started)
 
-    def _compute_batch(self, batch: Batch, features: Callable[[], tuple[Tensor, Tensor]]
-                       ) -> tuple[list[Hypothesis], dict[str, float]]:
+    def _run_batch(self, batch: Batch, features: Callable[[], tuple[Tensor, Tensor]], started: float) -> None:
+        """The batch through every stage from ``features``, its items given their results (or ``_failed``)."""
         padding = batch.rows - len(batch.items)  # rows of silence (fixed shapes), decoded and dropped
-        hyps, stage_s = self._compute(features, batch.row_samples,
-                                      [item.hotwords for item in batch.items] + [()] * padding)
-        return hyps[: len(batch.items)], stage_s
+        try:
+            hyps, stage_s = self._compute(features, batch.row_samples,
+                                          [item.hotwords for item in batch.items] + [()] * padding)
+        except Exception as exc:
+            self._failed(batch, exc, started)
+            return
+        self._finish(batch, hyps[: len(batch.items)], stage_s, started)
 
     def _failed(self, batch: Batch, exc: Exception, started: float) -> None:
         """A batch that failed, the device still sound: its halves run again from their waveforms, and theirs
@@ -220,13 +219,7 @@ class Engine:
             half = Batch(part, pad_to=batch.pad_to, pad_rows=batch.pad_rows)
             rows = [item.waveform for item in part]
             rows += [np.zeros(half.width, dtype=np.float32)] * (half.rows - len(part))  # silence, as staged
-            try:
-                hyps, stage_s = self._compute_batch(half, lambda rows=rows, half=half: self.model.featurize(
-                    rows, pad_to=half.width))
-            except Exception as half_exc:
-                self._failed(half, half_exc, started)
-                continue
-            self._finish(half, hyps, stage_s, started)
+            self._run_batch(half, lambda rows=rows, half=half: self.model.featurize(rows, pad_to=half.width), started)
 
     def _finish(self, batch: Batch, hyps: list[Hypothesis], stage_s: dict[str, float], started: float) -> None:
         compute_s = sum(stage_s.values())
